@@ -1,0 +1,5 @@
+import sys
+
+from ftrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,325 @@
+"""Configuration: one dataclass per component, a TOML file, dotted CLI overrides.
+
+Precedence is CLI > file > defaults. Every key is typed and documented (the ``help`` metadata
+feeds ``ftrain config --reference`` and the README). Bad input fails at start with a
+:class:`ConfigError` that names the key and, where it helps, the file and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported with the offending key."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = _opt(100, "Number of optimizer steps to run.")
+    global_batch_size: int = _opt(
+        32, "Sequences per optimizer step, fixed whatever the world size (accumulation adapts)."
+    )
+    micro_batch_size: int = _opt(8, "Sequences per forward/backward pass on one rank.")
+    seed: int = _opt(0, "Seed for model initialisation and dropout.")
+    grad_clip: float = _opt(1.0, "Clip the global gradient norm to this value (0 disables).")
+    device: str = _opt("auto", "auto (cuda if available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
+    dtype: str = _opt(
+        "auto",
+        "Parameter/compute precision: auto (bf16 mixed on GPU, fp32 on CPU), fp32 or bf16 "
+        "(bf16 params and compute, fp32 gradient reduction and optimizer master state).",
+        ("auto", "fp32", "bf16"),
+    )
+    save_final_path: str = _opt(
+        "", "If set, rank 0 writes the final full model and optimizer state here (torch.save)."
+    )
+
+    def __post_init__(self) -> None:
+        _positive("train.steps", self.steps)
+        _positive("train.global_batch_size", self.global_batch_size)
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not a multiple of train.micro_batch_size="
+                f"{self.micro_batch_size}",
+            )
+        if self.grad_clip < 0:
+            raise ConfigError("train.grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    factory: str = _opt(
+        "",
+        'Build a user model: "pkg.module:function", called with this ModelConfig, returning an '
+        "nn.Module whose forward(tokens) returns logits. Empty: the built-in GPT.",
+    )
+    vocab_size: int = _opt(256, "Vocabulary size (must exceed every token id of the data).")
+    seq_len: int = _opt(128, "Tokens per training sequence (context length).")
+    n_layer: int = _opt(4, "Transformer blocks.")
+    n_head: int = _opt(4, "Attention heads per block.")
+    d_model: int = _opt(128, "Hidden size (a multiple of n_head).")
+    mlp_ratio: int = _opt(4, "MLP hidden size as a multiple of d_model.")
+    dropout: float = _opt(0.0, "Dropout probability (0 keeps runs bitwise reproducible).")
+
+    def __post_init__(self) -> None:
+        if self.factory and ":" not in self.factory:
+            raise ConfigError("model.factory", f'expected "pkg.module:function", got {self.factory!r}')
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                "model.d_model", f"{self.d_model} is not a multiple of model.n_head={self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("model.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = _opt(
+        "synthetic",
+        "synthetic (a seeded Markov chain with a known entropy floor) or the path of a flat "
+        "token file (uint16/uint32 memmap, nanoGPT/Megatron layout).",
+    )
+    token_dtype: str = _opt(
+        "auto", "Token file element type; auto: uint16 if vocab_size <= 65536, else uint32.",
+        ("auto", "uint16", "uint32"),
+    )
+    seed: int = _opt(0, "Seed of the synthetic chain and of the per-epoch sample permutation.")
+    num_samples: int = _opt(1_000_000, "Synthetic source: sequences per epoch.")
+    branching: int = _opt(4, "Synthetic source: possible successors of each token.")
+    concentration: float = _opt(
+        0.5, "Synthetic source: Dirichlet concentration of transition probabilities (lower = less entropy)."
+    )
+    ledger_dir: str = _opt(
+        "", "If set, each data-parallel rank appends the sample ids it consumed per step here."
+    )
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("data.source", 'must be "synthetic" or a token file path')
+        if self.source != "synthetic" and not Path(self.source).is_file():
+            raise ConfigError(
+                "data.source",
+                f"token file {self.source!r} does not exist (give a flat uint16/uint32 token "
+                'file, or "synthetic")',
+            )
+        _positive("data.num_samples", self.num_samples)
+        _positive("data.branching", self.branching)
+        if self.concentration <= 0:
+            raise ConfigError("data.concentration", f"must be > 0, got {self.concentration}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = _opt(3e-4, "Peak learning rate (before world-size scaling).")
+    min_lr_ratio: float = _opt(0.1, "Cosine decay floor as a fraction of the peak.")
+    warmup_steps: int = _opt(10, "Linear warmup steps; cosine decay to the floor afterwards.")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only; not biases/norms/embeddings).")
+    beta1: float = _opt(0.9, "AdamW beta1.")
+    beta2: float = _opt(0.95, "AdamW beta2.")
+    eps: float = _opt(1e-8, "AdamW epsilon.")
+    lr_scaling: str = _opt(
+        "none",
+        "Scale the peak LR with the data-parallel size relative to optim.base_world_size: "
+        "none, linear or sqrt.",
+        ("none", "linear", "sqrt"),
+    )
+    base_world_size: int = _opt(1, "Data-parallel size at which optim.lr is the peak LR as given.")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("optim.lr", f"must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _positive("optim.base_world_size", self.base_world_size)
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    strategy: str = _opt("ddp", "Parallelism: " + ", ".join(STRATEGIES) + ".", STRATEGIES)
+    deterministic: bool = _opt(
+        False,
+        "Fixed-order gradient reduction: bitwise identical results at any world size "
+        "(ddp only; costs world_size x gradient memory for the gather).",
+    )
+    tp_size: int = _opt(0, "Tensor-parallel degree for tp / fsdp+tp (0: all ranks for tp, 2 for fsdp+tp).")
+    shard_size: int = _opt(0, "HSDP shard-group size (0: ranks per node, or 2 if that is the whole world).")
+    bucket_cap_mb: float = _opt(25.0, "DDP gradient bucket size in MB.")
+    static_graph: bool = _opt(False, "DDP static_graph (same graph every step).")
+    activation_checkpointing: bool = _opt(False, "Recompute each block's activations in backward.")
+    backend: str = _opt("auto", "Process-group backend: auto (nccl on GPU, gloo on CPU), gloo or nccl.",
+                        ("auto", "gloo", "nccl"))
+    timeout_s: float = _opt(120.0, "Collective and rendezvous timeout in seconds.")
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 0:
+            raise ConfigError("parallel.tp_size", f"must be >= 0, got {self.tp_size}")
+        if self.shard_size < 0:
+            raise ConfigError("parallel.shard_size", f"must be >= 0, got {self.shard_size}")
+        if self.deterministic and self.strategy != "ddp":
+            raise ConfigError(
+                "parallel.deterministic",
+                f"the fixed-order reduction supports parallel.strategy=ddp only, not {self.strategy!r}",
+            )
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError("parallel.bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
+        if self.timeout_s <= 0:
+            raise ConfigError("parallel.timeout_s", f"must be > 0, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    metrics_path: str = _opt("", "JSON lines file written by rank 0, one line per step (empty: off).")
+    progress: str = _opt(
+        "auto", "Rank-0 progress: auto (a bar on a terminal, lines otherwise), bar, lines or off.",
+        ("auto", "bar", "lines", "off"),
+    )
+    log_every: int = _opt(10, "Steps between progress lines when not drawing a bar.")
+
+    def __post_init__(self) -> None:
+        _positive("logging.log_every", self.log_every)
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """A stable hash of the resolved configuration (recorded in checkpoints and runs)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be > 0, got {value}")
+
+
+def _suggest(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
+    expected = _TYPES[f.type]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
+        raise ConfigError(key, f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _parse_override(arg: str) -> tuple[str, str]:
+    if not arg.startswith("--") or "=" not in arg:
+        raise ConfigError("", f"bad override {arg!r}: expected --section.key=value")
+    key, _, raw = arg[2:].partition("=")
+    if key.count(".") != 1:
+        raise ConfigError(key, f"bad override {arg!r}: expected --section.key=value")
+    return key, raw
+
+
+def _coerce_raw(f: dataclasses.Field, raw: str) -> Any:
+    """Turn an override's text into a value of the field's type (TOML syntax, strings bare)."""
+    if f.type == "str":
+        return raw
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # reported as a type error naming the key
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Resolve defaults < TOML file < ``--section.key=value`` overrides into a validated Config."""
+    values: dict[str, dict[str, Any]] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        try:
+            with open(path, "rb") as fh:
+                values = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError("", f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("", f"{path}: invalid TOML: {e}") from None
+    known = sections()
+    resolved: dict[str, dict[str, Any]] = {}
+    for section, body in values.items():
+        if section not in known:
+            raise ConfigError(section, f"unknown section in {origin}{_suggest(section, known)}")
+        if not isinstance(body, dict):
+            raise ConfigError(section, f"expected a [{section}] table in {origin}")
+        fields = {f.name: f for f in dataclasses.fields(known[section])}
+        for name, value in body.items():
+            key = f"{section}.{name}"
+            if name not in fields:
+                raise ConfigError(key, f"unknown key in {origin}{_suggest(name, fields)}")
+            resolved.setdefault(section, {})[name] = _check_type(key, fields[name], value)
+    for arg in overrides:
+        key, raw = _parse_override(arg)
+        section, name = key.split(".")
+        if section not in known:
+            raise ConfigError(key, f"unknown section {section!r}{_suggest(section, known)}")
+        fields = {f.name: f for f in dataclasses.fields(known[section])}
+        if name not in fields:
+            raise ConfigError(key, f"unknown key{_suggest(name, fields)}")
+        resolved.setdefault(section, {})[name] = _check_type(key, fields[name], _coerce_raw(fields[name], raw))
+    return Config(**{s: cls(**resolved.get(s, {})) for s, cls in known.items()})
+
+
+def reference_markdown() -> str:
+    """The configuration reference (every key, type, default and meaning) as Markdown."""
+    lines = []
+    for section, cls in sections().items():
+        lines += [f"### `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            t = f.type
+            default = json.dumps(f.default)
+            help_ = f.metadata["help"].replace("|", "\\|")
+            lines.append(f"| `{section}.{f.name}` | {t} | `{default}` | {help_} |")
+        lines.append("")
+    return "\n".join(lines)

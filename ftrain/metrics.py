@@ -1,0 +1,44 @@
+"""Per-step metrics: one JSON line per optimizer step (rank 0), and peak memory per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated GPU memory on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsWriter:
+    """Appends JSON lines; each line is flushed so a killed run keeps every completed step."""
+
+    def __init__(self, path: str | os.PathLike):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a metrics file, tolerating a torn last line from a killed writer."""
+    records = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records

@@ -1,0 +1,147 @@
+"""Models: a reference decoder-only GPT, and user models through ``model.factory``.
+
+The GPT is written so every parallel strategy can take it as it is: blocks are the unit of
+FSDP sharding and activation checkpointing, attention reshapes with ``view(B, T, -1, head_dim)``
+so it runs on tensor-parallel local heads, and every linear layer is a plain ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftrain.config import ConfigError, ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """Pre-LayerNorm decoder-only transformer with learned positions and an untied head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p) if name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else nn.init.zeros_(p)
+            else:
+                std = residual_std if name.endswith(("out.weight", "proj.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel split of each block: columns into attention/MLP, rows out of them."""
+        plan = {}
+        for i in range(len(self.blocks)):
+            for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+                plan[f"blocks.{i}.{name}"] = "colwise"
+            for name in ("attn.out", "mlp.proj"):
+                plan[f"blocks.{i}.{name}"] = "rowwise"
+        return plan
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(t, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def load_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
+    """Resolve ``"pkg.module:function"``; errors name ``model.factory`` and what was missing."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError("model.factory", f"cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError("model.factory", f"{module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Build the configured model on the CPU in fp32 (strategies move, cast and shard it)."""
+    if not cfg.factory:
+        return GPT(cfg)
+    model = load_factory(cfg.factory)(cfg)
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model.factory", f"{cfg.factory} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def block_container(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    """The container of repeated layers (``blocks``, ``layers`` or ``h``), sharded and
+    checkpointed one by one; None if the model has none."""
+    for name in ("blocks", "layers", "h"):
+        blocks = getattr(model, name, None)
+        if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            return blocks
+    return None
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    return list(block_container(model) or [])
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,58 @@
+"""Replicated data parallelism: DDP, and ZeRO-1 (optimizer state sharded over DDP)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ftrain.parallel.base import Parallel
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, *, bucket_cap_mb: float, static_graph: bool) -> DDP:
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        static_graph=static_graph,
+        gradient_as_bucket_view=True,
+    )
+
+
+class DDPParallel(Parallel):
+    """DistributedDataParallel; accumulation skips the all-reduce with ``no_sync``."""
+
+    def grad_sync(self, is_last: bool) -> ContextManager:
+        return contextlib.nullcontext() if is_last else self.model.no_sync()
+
+
+class Zero1Parallel(DDPParallel):
+    """ZeRO-1: DDP gradients, AdamW state sharded across ranks by ZeroRedundancyOptimizer."""
+
+    def full_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        # ZeroRedundancyOptimizer keeps state by parameter index: gather it on rank 0 and key it
+        # by parameter name, like the other strategies.
+        self.optimizer.consolidate_state_dict(to=0)
+        model_sd = {k.removeprefix("module."): v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if dist.get_rank() != 0:
+            return model_sd, {}
+        full = self.optimizer.state_dict()
+        names = [n.removeprefix("module.") for n, _ in self.model.named_parameters()]
+        by_param = {id(p): n for n, p in zip(names, self.model.parameters())}
+        index_to_name = {}
+        i = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                index_to_name[i] = by_param[id(p)]
+                i += 1
+        state = {index_to_name[i]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+                 for i, s in full["state"].items()}
+        return model_sd, {"state": state}
+
+
+def make_zero1_optimizer(groups: list[dict[str, Any]], **adamw_kwargs: Any) -> ZeroRedundancyOptimizer:
+    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adamw_kwargs)
