@@ -103,7 +103,9 @@ class DataCursor:
             dropped = self.num_samples - self.next_index
             self.epoch += 1
             self.next_index = 0
-            logger.debug("data epoch %d starts at step %d (%d tail samples dropped)", self.epoch, self.step, dropped)
+            logger.debug(
+                "data epoch %d starts at step %d (%d tail samples dropped)", self.epoch, self.step, dropped
+            )
         start = self.next_index
         ids = self._permutation()[start : start + self.global_batch_size].copy()
         ids.setflags(write=False)
@@ -127,11 +129,15 @@ class DataCursor:
         """Resume from ``state_dict()``; the data (num_samples, seed) must be the same."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
-            raise DataError(f"data cursor state is missing {', '.join(missing)}; it is not a DataCursor.state_dict()")
+            raise DataError(
+                f"data cursor state is missing {', '.join(missing)}; it is not a DataCursor.state_dict()"
+            )
         for key in _STATE_KEYS:
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise DataError(f"data cursor state {key!r} must be an int, got {type(value).__name__} {value!r}")
+                raise DataError(
+                    f"data cursor state {key!r} must be an int, got {type(value).__name__} {value!r}"
+                )
         if int(state["num_samples"]) != self.num_samples:
             raise DataError(
                 f"data cursor checkpoint was taken with num_samples={state['num_samples']} but the "

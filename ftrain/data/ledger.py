@@ -93,7 +93,9 @@ def read_ledger(directory: str | os.PathLike) -> list[dict[str, Any]]:
                     continue
                 raise DataError(f"ledger {path}:{lineno} is not valid JSON ({e}); the file is corrupt") from e
             if not isinstance(entry, dict) or any(k not in entry for k in _ENTRY_KEYS):
-                raise DataError(f"ledger {path}:{lineno} is not a ledger entry (needs {', '.join(_ENTRY_KEYS)})")
+                raise DataError(
+                    f"ledger {path}:{lineno} is not a ledger entry (needs {', '.join(_ENTRY_KEYS)})"
+                )
             entries.append(entry)
     return entries
 
@@ -117,13 +119,15 @@ class LedgerReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.missing_steps or self.missing or self.duplicates or self.unexpected or self.out_of_order)
+        problems = (self.missing_steps, self.missing, self.duplicates, self.unexpected, self.out_of_order)
+        return not any(problems)
 
     def summary(self) -> str:
         if self.ok:
             return (
                 f"ledger ok: {self.steps_checked} steps, every sample consumed exactly once "
-                f"({self.superseded_entries} superseded attempts, {self.ignored_entries} entries past the checked steps)"
+                f"({self.superseded_entries} superseded attempts, "
+                f"{self.ignored_entries} entries past the checked steps)"
             )
         lines = [f"ledger NOT ok over {self.steps_checked} steps:"]
         if self.missing_steps:
@@ -176,7 +180,8 @@ def check_exactly_once(
         if extra:
             report.unexpected[step] = extra
         if not (missing or dups or extra):
-            in_order = [int(i) for e in sorted(final, key=lambda e: min(e["micro"], default=0)) for i in e["sample_ids"]]
+            by_micro = sorted(final, key=lambda e: min(e["micro"], default=0))
+            in_order = [int(i) for e in by_micro for i in e["sample_ids"]]
             if not np.array_equal(np.asarray(in_order), expected):
                 report.out_of_order.append(step)
     return report

@@ -117,8 +117,8 @@ class MarkovSource:
         n, length = len(ids), self.seq_len + 1
         uniforms = np.empty((n, length), dtype=np.float64)
         for row, sample_id in enumerate(ids.tolist()):
-            gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, SAMPLE_STREAM, sample_id])))
-            uniforms[row] = gen.random(length)
+            seq = np.random.SeedSequence([self.seed, SAMPLE_STREAM, sample_id])
+            uniforms[row] = np.random.Generator(np.random.PCG64(seq)).random(length)
         tokens = np.empty((n, length), dtype=np.int64)
         tokens[:, 0] = np.searchsorted(self._cum_pi, uniforms[:, 0], side="right")
         for pos in range(1, length):
@@ -140,7 +140,9 @@ def _distinct_successors(rng: np.random.Generator, vocab_size: int, branching: i
     return succ
 
 
-def _transition_probs(rng: np.random.Generator, vocab_size: int, branching: int, concentration: float) -> np.ndarray:
+def _transition_probs(
+    rng: np.random.Generator, vocab_size: int, branching: int, concentration: float
+) -> np.ndarray:
     probs = rng.dirichlet(np.full(branching, concentration), size=vocab_size)
     # Very low concentrations can underflow a share to exactly 0 (or leave a NaN row); keep
     # every listed successor possible and each row a distribution. The floor is computed from
@@ -183,7 +185,9 @@ def _stationary(successors: np.ndarray, probs: np.ndarray) -> np.ndarray:
         new = pi @ lazy
         new /= new.sum()
         if float(np.abs(new - pi).sum()) < _STATIONARY_TOL:
-            logger.debug("stationary distribution converged after %d + 2**%d iterations", _VECTOR_ITERS, squarings)
+            logger.debug(
+                "stationary distribution converged after %d + 2**%d iterations", _VECTOR_ITERS, squarings
+            )
             return new
         pi = new
         lazy = lazy @ lazy

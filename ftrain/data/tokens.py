@@ -57,7 +57,9 @@ class TokenFileSource:
                 f"uint16/uint32 token file (see ftrain.data.write_token_file) or to \"synthetic\""
             ) from None
         if not self.path.is_file():
-            raise DataError(f"token file {str(self.path)!r} is not a regular file; set data.source to a token file")
+            raise DataError(
+                f"token file {str(self.path)!r} is not a regular file; set data.source to a token file"
+            )
         itemsize = self.dtype.itemsize
         if size_bytes % itemsize:
             other = "uint32" if itemsize == 2 else "uint16"
@@ -86,6 +88,17 @@ class TokenFileSource:
             f"TokenFileSource({str(self.path)!r}, seq_len={self.seq_len}, vocab_size={self.vocab_size}, "
             f"dtype={self.dtype.name!r}, num_samples={self.num_samples})"
         )
+
+    def __getstate__(self) -> dict:
+        # Pickle the path, not the mapped bytes (a pickled memmap would copy the whole file,
+        # e.g. into every data-loader worker); the copy maps the file again.
+        state = self.__dict__.copy()
+        del state["_tokens"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
 
     def sample(self, ids: np.ndarray) -> np.ndarray:
         """Token rows for global sample ids: int64 of shape ``(len(ids), seq_len + 1)``."""

@@ -80,11 +80,11 @@ def test_empirical_conditional_entropy_matches_floor(source: MarkovSource) -> No
     prev, nxt = rows[:, :-1].ravel(), rows[:, 1:].ravel()
     n = prev.size
     # (a) Mean NLL of the true chain on the samples: an unbiased estimate of the floor, since
-    # every position is distributed as pi. Its standard error is sd(-log p) / sqrt(n) ~ 0.002
-    # nats here (Markov correlation inflates it little: the chain mixes in a few steps);
-    # 0.015 nats is > 5 standard errors, so the test fails only on a real mismatch.
+    # every position is distributed as pi. Its standard error is ~0.0017 nats here (measured by
+    # batch means over rows, which also covers the within-row Markov correlation), so 0.01 nats
+    # is ~6 standard errors: the test fails only on a real mismatch.
     nll = -np.log(source.transition_matrix()[prev, nxt])
-    assert abs(nll.mean() - source.entropy_floor_nats) < 0.015, (nll.mean(), source.entropy_floor_nats)
+    assert abs(nll.mean() - source.entropy_floor_nats) < 0.01, (nll.mean(), source.entropy_floor_nats)
     # (b) Model-free plug-in estimate H(next | prev) from transition counts: it checks the
     # sampler's frequencies, not the table. Its bias is about -(#free cells)/(2n) =
     # -(64*3)/(2*204800) ~ -5e-4 nats, well inside the same tolerance.
@@ -94,7 +94,7 @@ def test_empirical_conditional_entropy_matches_floor(source: MarkovSource) -> No
     cond = np.divide(counts, row_totals, out=np.zeros_like(counts), where=row_totals > 0)
     logs = np.log(cond, where=cond > 0, out=np.zeros_like(cond))
     plug_in = -(counts * logs).sum() / n
-    assert abs(plug_in - source.entropy_floor_nats) < 0.015, (plug_in, source.entropy_floor_nats)
+    assert abs(plug_in - source.entropy_floor_nats) < 0.01, (plug_in, source.entropy_floor_nats)
     # First tokens follow pi (total-variation distance of 1600 draws over 64 states).
     first = np.bincount(rows[:, 0], minlength=source.vocab_size) / len(rows)
     assert 0.5 * np.abs(first - source.stationary).sum() < 0.15
@@ -142,7 +142,10 @@ def test_empty_id_list_gives_empty_batch() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"branching": 17}, {"branching": 0}, {"concentration": 0.0}, {"seed": -1}, {"num_samples": 0}, {"seq_len": 0}],
+    [
+        {"branching": 17}, {"branching": 0}, {"concentration": 0.0},
+        {"seed": -1}, {"num_samples": 0}, {"seq_len": 0},
+    ],
 )
 def test_bad_construction_raises(kwargs: dict) -> None:
     args = {"vocab_size": 16, "seq_len": 4, "seed": 0, "num_samples": 10} | kwargs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,16 @@ def test_sample_order_and_repeats_follow_ids(tmp_path: Path) -> None:
     np.testing.assert_array_equal(rows[0], rows[2])
 
 
+def test_pickles_by_path_not_by_content(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    write_token_file(path, np.arange(20_000) % 300, "uint16")
+    src = TokenFileSource(path, seq_len=32, vocab_size=300)
+    blob = pickle.dumps(src)
+    assert len(blob) < 4_000  # the 40 kB of tokens are not in it
+    copy = pickle.loads(blob)
+    np.testing.assert_array_equal(copy.sample(np.array([5, 600])), src.sample(np.array([5, 600])))
+
+
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.bin"
     with pytest.raises(DataError, match="does not exist") as info:
@@ -107,6 +118,15 @@ def test_out_of_vocab_token_names_the_file(tmp_path: Path) -> None:
     message = str(info.value)
     assert "token id 70000 >= model.vocab_size=65536" in message
     assert str(path) in message
+
+
+def test_vocab_boundary(tmp_path: Path) -> None:
+    path = tmp_path / "edge.bin"
+    write_token_file(path, np.array([0, 63, 2, 63, 64]), "uint16")
+    src = TokenFileSource(path, seq_len=2, vocab_size=64)
+    np.testing.assert_array_equal(src.sample(np.array([0]))[0], [0, 63, 2])  # 63 = vocab - 1 is fine
+    with pytest.raises(DataError, match="token id 64 >= model.vocab_size=64"):
+        src.sample(np.array([1]))  # window [2, 63, 64]
 
 
 def test_out_of_range_sample_id_names_the_file(tmp_path: Path) -> None:
