@@ -15,6 +15,7 @@ import os
 import sys
 
 from ftrain.config import ConfigError, load_config, reference_markdown
+from ftrain.data import DataError
 
 log = logging.getLogger("ftrain")
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, overrides)
     except ConfigError as e:
         print(f"ftrain: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except DataError as e:
+        print(f"ftrain: data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
 
