@@ -32,6 +32,8 @@ class Progress:
         self.stream.flush()
 
     def message(self, text: str) -> None:
+        if self.mode == "off":
+            return
         if self.mode == "bar":
             self.stream.write("\r\x1b[K")
         self.stream.write(text + "\n")

@@ -1,0 +1,47 @@
+# ftrain: the two commands of the README, and their helpers.
+#   make demo   - create .venv, install, run the demo job
+#   make test   - create .venv, install, run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine has a CPU wheel of torch 2.13.0 on disk; GPU hosts may set TORCH_SPEC="torch>=2.6".
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.ftrain-installed
+# One intra-op thread per rank: ranks do not fight over cores, and runs are bitwise reproducible.
+RUN_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+
+.PHONY: setup demo test test-unit test-dist bench plan docs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m ftrain train configs/demo.toml
+
+test: setup
+	$(RUN_ENV) $(PY) -m pytest -q
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+test-dist: setup
+	$(RUN_ENV) $(PY) -m pytest -q tests/dist
+
+bench: setup
+	$(RUN_ENV) $(PY) bench/strategies.py
+
+plan: setup
+	$(PY) -m ftrain plan configs/demo.toml --world-size 8
+
+docs: setup
+	$(PY) scripts/update_readme_reference.py README.md
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

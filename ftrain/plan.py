@@ -1,0 +1,654 @@
+"""Per-rank memory plan: what each parallel strategy would hold, and which one to use.
+
+``ftrain plan`` answers "which strategy fits, and which of those communicates least?" before
+any process starts. Everything below is a pure function of the configuration and of a model
+built on the meta device (no memory, works for ``model.factory`` models too):
+
+- :func:`model_stats` reads parameter shapes, AdamW groups, FSDP units (the blocks and the
+  root) and the tensor-parallel split of ``tp_plan()`` from a meta-device build;
+- :func:`estimate` gives one strategy's per-rank bytes as a :class:`MemoryEstimate`;
+- :func:`recommend` picks the fitting strategy with the least communication;
+- :func:`plan_report` renders the table ``ftrain plan`` prints.
+
+What the numbers model (our implementation, not the textbook; see ``textbook_model_state_bytes``):
+
+- Model states. Parameters are fp32 on every strategy (bf16 is autocast for ddp/zero1/tp and an
+  FSDP2 ``MixedPrecisionPolicy`` that keeps fp32 shards), gradients fp32, AdamW ``m, v`` fp32:
+  16 bytes per parameter a rank holds. ddp 16Ψ; zero1 8Ψ + 8·(largest ZeroRedundancyOptimizer
+  partition) (DDP keeps fp32 params and grads replicated; the textbook 4Ψ + 12Ψ/N assumes fp16
+  params/grads beside fp32 master shards); zero2, fsdp, hsdp 16·(padded dim-0 shard), i.e.
+  16Ψ/N; tp 16·(local split + replicated); fsdp+tp the TP-local tensors sharded over dp.
+- Transients during forward/backward: ddp/zero1/tp under bf16 autocast keep a bf16 copy of
+  every ``nn.Linear`` parameter until backward has used it (2 bytes each). FSDP2 keeps the root
+  unit (embeddings, final norm, head) unsharded from forward through backward, and its
+  unsharded gradient until the end of backward; per block it holds the current and the
+  prefetched block unsharded, the all-gather buffer, the unsharded gradient and the fp32
+  reduce-scatter buffer. zero2 keeps every unit unsharded between forward and backward. DDP
+  has no extra bucket copy: ``gradient_as_bucket_view=True`` makes the buckets the gradients.
+- Optimizer step: AdamW's foreach path (CUDA, plain tensors: ddp, zero1) allocates
+  ``sqrt(v)`` for a whole parameter group (4 bytes per local parameter); the per-tensor path
+  (CPU, and DTensor parameters: FSDP2, TP) two temporaries of the largest parameter. The
+  fixed-order reduction (``parallel.deterministic``) gathers world_size flattened gradients.
+- Start-up: the train loop builds the full fp32 model (4Ψ) and moves it to the device before
+  sharding it, so 4Ψ plus the local shard is a floor on every rank whatever the world size.
+- Activations (built-in GPT; models from ``model.factory`` are assumed GPT-like with the
+  configured sizes): Korthikanti et al. 2022 count s·b·h·(34 + 5·a·s/h) bytes per layer for
+  2-byte activations with dropout masks and a materialised a·s² attention. ``F.scaled_dot_
+  product_attention`` (flash/memory-efficient on CUDA, the flash kernel on CPU) saves q, k, v,
+  its output and a logsumexp instead of the a·s² scores, and with dropout = 0 no masks are
+  saved, which leaves 4 + 2·mlp_ratio + 4 = 16 saved s·b·h tensors per layer (verified by
+  counting saved tensors: tests/unit/test_plan.py). Of those, the norm inputs/outputs (4) are
+  replicated under TP and the rest (12) split. Bytes per element follow the precision: fp32 4;
+  FSDP2 bf16 2; autocast keeps the residual stream and norm inputs fp32 and casts the norm
+  output once per consuming linear (q, k, v: three copies). CPU SDPA with dropout > 0 falls back
+  to the math path, which does store 3·a·s² values per layer. Plus the final norm, and the
+  logits: b·s·V in the compute dtype held by the loop, fp32 log-softmax output, its gradient and
+  the gradient of the logits (~12 more bytes per logit) at the start of backward. Activation
+  checkpointing keeps each block's input and recomputes one block at a time.
+- Overhead: CPU peak RSS has a baseline a tiny run already pays (:data:`CPU_BASELINE_BYTES`,
+  measured) plus the data cursor's epoch permutation. On CUDA the metric
+  ``torch.cuda.max_memory_allocated`` leaves out the CUDA context, cuBLAS workspaces and NCCL
+  buffers, which still take device memory (:data:`CUDA_RUNTIME_BYTES`, an assumption: no GPU
+  was available to measure it) and so count towards "fits". Allocator fragmentation is not
+  modelled: leave headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ftrain.config import STRATEGIES, Config, ConfigError, ModelConfig, OptimConfig
+from ftrain.distributed import Layout, compute_layout
+from ftrain.model import build_model, transformer_blocks
+from ftrain.optim import param_groups
+
+GiB = 2**30
+
+#: Peak RSS of a worker that imports torch and ftrain's parallel stack, joins a 2-rank gloo group,
+#: builds a 1-block d_model=32 GPT and runs one forward/backward and an all-reduce: 299.1, 299.4,
+#: 301.4 and 301.5 MB on the dev machine (torch 2.13 CPU, Python 3.11; `import torch` alone is
+#: 228 MB). With MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 it is the same to 1%.
+CPU_BASELINE_BYTES = 300 * 10**6
+
+#: Device memory a CUDA rank uses outside torch's allocator: the CUDA context (lazy module
+#: loading), cuBLAS/cuDNN workspaces and NCCL buffers. NOT measured here (no GPU on the dev
+#: machines): 0.5-1.5 GiB per rank is the usual range on H100-class GPUs; re-measure as
+#: nvidia-smi's per-process figure minus torch.cuda.memory_reserved().
+CUDA_RUNTIME_BYTES = 1 * GiB
+
+#: Device memory assumed when none is given and this machine has no GPU (an 80 GB H100/A100).
+DEFAULT_DEVICE_MEMORY_BYTES = 80 * GiB
+
+#: Least communication first: the recommendation is the first strategy in this order that fits.
+PREFERENCE = ("ddp", "zero1", "zero2", "hsdp", "fsdp", "fsdp+tp", "tp")
+
+#: Strategies whose parameters FSDP2 shards.
+_FSDP = ("zero2", "fsdp", "hsdp", "fsdp+tp")
+
+#: Above this fraction of device memory a fitting plan is reported as tight.
+TIGHT_FRACTION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """One parameter as the strategies see it."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: int
+    """AdamW parameter group (0 decay, 1 no decay): ZeRO-1 partitions group by group."""
+    unit: int
+    """FSDP unit: the index of its transformer block, or -1 for the root module."""
+    tp_dim: int | None
+    """Dimension split by tensor parallelism (0 colwise, 1 rowwise weight), None if replicated."""
+    autocast_copy: bool
+    """An ``nn.Linear`` parameter, of which bf16 autocast keeps a cast copy until backward."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """What the estimate needs from the model, read from a meta-device build."""
+
+    params: tuple[ParamInfo, ...]
+    num_blocks: int
+    has_tp_plan: bool
+    name: str = "model"
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where the plan is for: device type and training precision."""
+
+    device: str  # "cuda" or "cpu"
+    dtype: str  # "bf16" or "fp32"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Per-rank memory of one strategy, in bytes."""
+
+    strategy: str
+    world_size: int
+    dp_size: int
+    tp_size: int
+    shard_size: int
+    """Ranks one parameter is sharded over (1: replicated)."""
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+    """Forward/backward extras beside activations: unsharded FSDP units, autocast copies."""
+    step_transient_bytes: int
+    """Extra at the optimizer step or gradient reduction, when activations are gone."""
+    init_bytes: int
+    """Start-up peak: the full fp32 model before it is sharded or split."""
+    overhead_bytes: int
+    textbook_model_state_bytes: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def phase(self) -> str:
+        """Which phase sets the peak: "backward", "step" or "init"."""
+        peaks = self._peaks()
+        return max(peaks, key=peaks.get)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.overhead_bytes + max(self._peaks().values())
+
+    @property
+    def running_bytes(self) -> int:
+        """The total without the start-up peak: what a meta-device initialisation would need."""
+        return self.overhead_bytes + max(v for k, v in self._peaks().items() if k != "init")
+
+    def _peaks(self) -> dict[str, int]:
+        return {
+            "backward": self.model_state_bytes + self.activation_bytes + self.transient_bytes,
+            "step": self.model_state_bytes + self.step_transient_bytes,
+            "init": self.init_bytes,
+        }
+
+    def fits(self, device_memory_bytes: int, *, include_init: bool = True) -> bool:
+        return (self.total_bytes if include_init else self.running_bytes) <= device_memory_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    strategy: str
+    reason: str
+
+
+# --------------------------------------------------------------------------------------------
+# The model, from a meta-device build.
+
+
+def model_stats(model_cfg: ModelConfig, optim_cfg: OptimConfig | None = None) -> ModelStats:
+    """Build the configured model on the meta device and read what the estimate needs."""
+    try:
+        with torch.device("meta"):
+            model = build_model(model_cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # a user factory that cannot run on the meta device
+        raise ConfigError(
+            "model.factory", f"cannot build the model on the meta device to count parameters: {e}"
+        ) from e
+    return stats_of(model, optim_cfg or OptimConfig())
+
+
+def stats_of(model: nn.Module, optim_cfg: OptimConfig) -> ModelStats:
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {id(p): g for g, group in enumerate(param_groups(model, optim_cfg)) for p in group["params"]}
+    blocks = transformer_blocks(model)
+    unit = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    tp_dim: dict[int, int] = {}
+    plan_fn = getattr(model, "tp_plan", None)
+    if callable(plan_fn):
+        for fqn, style in plan_fn().items():
+            module = model.get_submodule(fqn)
+            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+            if weight is not None:
+                tp_dim[id(weight)] = 0 if style == "colwise" else 1
+            if bias is not None and style == "colwise":
+                tp_dim[id(bias)] = 0  # a rowwise bias stays replicated
+    linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    params = tuple(
+        ParamInfo(
+            name=names[id(p)],
+            shape=tuple(p.shape),
+            group=groups.get(id(p), 0),
+            unit=unit.get(id(p), -1),
+            tp_dim=tp_dim.get(id(p)),
+            autocast_copy=id(p) in linear,
+        )
+        for p in model.parameters()
+        if p.requires_grad
+    )
+    return ModelStats(params, len(blocks), callable(plan_fn), type(model).__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Shard arithmetic.
+
+
+def _tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
+    if p.tp_dim is None or tp == 1:
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = -(-shape[p.tp_dim] // tp)  # DTensor Shard: the first ranks get the ceiling
+    return tuple(shape)
+
+
+def _fsdp_local_numel(shape: tuple[int, ...], n: int) -> int:
+    """FSDP2 pads dim 0 to a multiple of the shard count: every rank holds ceil(d0/n) rows."""
+    if not shape:
+        return 1
+    return -(-shape[0] // n) * math.prod(shape[1:])
+
+
+def local_numel(stats: ModelStats, strategy: str, *, shard: int, tp: int) -> int:
+    """Parameters this rank stores between steps (the largest rank's share)."""
+    total = 0
+    for p in stats.params:
+        shape = _tp_local_shape(p, tp) if strategy in ("tp", "fsdp+tp") else p.shape
+        total += _fsdp_local_numel(shape, shard) if strategy in _FSDP else math.prod(shape)
+    return total
+
+
+def zero1_partition(stats: ModelStats, world_size: int) -> list[int]:
+    """Parameters per rank as ZeroRedundancyOptimizer assigns them: group by group, largest
+    first, each to the rank with the fewest so far (ties to the lowest rank)."""
+    sizes = [0] * world_size
+    for g in sorted({p.group for p in stats.params}):
+        for p in sorted((p for p in stats.params if p.group == g), key=lambda p: p.numel, reverse=True):
+            rank = sizes.index(min(sizes))
+            sizes[rank] += p.numel
+    return sizes
+
+
+def textbook_model_state_bytes(strategy: str, num_params: int, *, shard: int, tp_split: int = 0,
+                               tp: int = 1) -> int:
+    """Mixed-precision Adam model states per rank as in the ZeRO paper (16 bytes per parameter:
+    2 fp16 params + 2 fp16 grads + 12 fp32 master, m, v), for comparison with ours."""
+    psi = num_params
+    if strategy == "ddp":
+        return 16 * psi
+    if strategy == "zero1":
+        return 4 * psi + 12 * psi // shard
+    if strategy == "zero2":
+        return 2 * psi + 14 * psi // shard
+    if strategy in ("fsdp", "hsdp"):
+        return 16 * psi // shard
+    local = tp_split // tp + (psi - tp_split)
+    if strategy == "tp":
+        return 16 * local
+    if strategy == "fsdp+tp":
+        return 16 * local // shard
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Activations.
+
+
+def _precision_mode(strategy: str, target: Target) -> str:
+    if target.dtype == "fp32":
+        return "fp32"
+    return "mp" if strategy in _FSDP else "autocast"
+
+
+def activation_bytes(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str,
+                     checkpointing: bool) -> int:
+    """Saved activations of one micro-batch at the start of backward (see the module docstring).
+
+    ``mode`` is "fp32", "mp" (FSDP2 bf16: everything bf16) or "autocast" (bf16 matmuls, fp32
+    residual stream and norms)."""
+    b, s, h, a, L = micro_batch, model.seq_len, model.d_model, model.n_head, model.n_layer
+    r = model.mlp_ratio
+    sbh = s * b * h
+    e = 4 if mode == "fp32" else 2  # matmul inputs/outputs
+    e_res = 2 if mode == "mp" else 4  # residual stream and norm inputs
+    # Per layer: replicated under TP: 2 norm inputs (e_res) and the norm outputs feeding
+    # q/k/v and fc (autocast casts the first once per consumer: q, k, v).
+    norm_out_copies = 4 if mode == "autocast" else 2
+    replicated = sbh * (2 * e_res + norm_out_copies * e)
+    # Split under TP: q, k, v, attention output, fc output and GELU output (mlp_ratio wide each).
+    split = sbh * e * (3 + 1 + 2 * r)
+    norm_stats = 2 * 2 * b * s * 4  # LayerNorm mean and rstd, fp32
+    lse = a * s * b * 4  # SDPA logsumexp, fp32, split with the heads
+    if model.dropout > 0:
+        if device == "cuda":
+            replicated += 2 * sbh  # two bool masks; flash/efficient SDPA keeps only a seed
+        else:
+            replicated += 2 * sbh * e  # CPU dropout masks are stored in the activation dtype
+            split += 3 * a * s * s * b * e  # CPU SDPA with dropout: math path (scores, mask, probs)
+    per_layer = replicated + norm_stats + (split + lse) // tp
+    final_norm = sbh * (e_res + e) + b * s * 8  # its input and the head's input
+    if not checkpointing:
+        return L * per_layer + final_norm + logits_bytes(model, micro_batch=micro_batch, mode=mode)
+    # Each block keeps its input; backward recomputes one block at a time after the head.
+    return L * sbh * e_res + max(per_layer, final_norm + logits_bytes(model, micro_batch=micro_batch, mode=mode))
+
+
+def logits_bytes(model: ModelConfig, *, micro_batch: int, mode: str) -> int:
+    """Loss-side memory at the start of backward: the logits the loop holds (compute dtype), the
+    fp32 log-softmax output cross-entropy saves, its gradient and the gradient of the logits."""
+    e_logits = 4 if mode == "fp32" else 2
+    return micro_batch * model.seq_len * model.vocab_size * (e_logits + 12)
+
+
+# --------------------------------------------------------------------------------------------
+# One strategy.
+
+
+def resolve_target(cfg: Config) -> Target:
+    """The device and precision the plan is for. ``train.device=auto`` plans for GPUs (the
+    point of planning); ``--train.device=cpu`` plans a CPU run. ``auto`` precision is bf16 on
+    GPUs and fp32 on CPU, as ``ftrain train`` chooses."""
+    device = "cpu" if cfg.train.device == "cpu" else "cuda"
+    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return Target(device, dtype)
+
+
+def layout_for(cfg: Config, strategy: str, *, world_size: int, gpus_per_node: int) -> Layout:
+    """Rank 0's layout for ``strategy``; ConfigError (naming the key) if it cannot run at this size."""
+    parallel = dataclasses.replace(
+        cfg.parallel, strategy=strategy, deterministic=cfg.parallel.deterministic and strategy == "ddp"
+    )
+    n_head = cfg.model.n_head if not cfg.model.factory else None
+    return compute_layout(parallel, world_size=world_size, rank=0,
+                          local_world_size=min(gpus_per_node, world_size), n_head=n_head)
+
+
+def overhead_bytes(cfg: Config, target: Target) -> int:
+    if target.device == "cuda":
+        return CUDA_RUNTIME_BYTES
+    return CPU_BASELINE_BYTES + 8 * cfg.data.num_samples  # + the cursor's int64 epoch permutation
+
+
+def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> MemoryEstimate:
+    """Per-rank memory of ``layout.strategy`` for this model, batch and precision."""
+    s = layout.strategy
+    psi = stats.num_params
+    tp = layout.tp_size
+    shard = {"zero1": layout.world_size, "zero2": layout.world_size, "fsdp": layout.world_size,
+             "hsdp": layout.shard_size, "fsdp+tp": layout.dp_size}.get(s, 1)
+    mode = _precision_mode(s, target)
+    e_compute = 4 if target.dtype == "fp32" else 2
+    notes: list[str] = []
+
+    local = local_numel(stats, s, shard=shard, tp=tp)
+    params = 4 * local
+    grads = 4 * (psi if s == "zero1" else local)
+    opt_local = max(zero1_partition(stats, layout.world_size)) if s == "zero1" else local
+    optimizer = 8 * opt_local
+
+    def tp_local(p: ParamInfo) -> int:
+        return math.prod(_tp_local_shape(p, tp)) if s in ("tp", "fsdp+tp") else p.numel
+
+    # Forward/backward transients.
+    transient = 0
+    if mode == "autocast":
+        transient += 2 * sum(tp_local(p) for p in stats.params if p.autocast_copy)
+    if s in _FSDP:
+        root = sum(tp_local(p) for p in stats.params if p.unit == -1)
+        per_unit = [sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)]
+        block = max(per_unit, default=0)
+        grad_work = e_compute + 4  # unsharded gradient + fp32 reduce-scatter buffer
+        if s == "zero2":
+            # Every unit stays unsharded from its forward through backward.
+            transient += e_compute * (root + sum(per_unit)) + e_compute * root + block * grad_work
+        else:
+            # Root unsharded throughout (FSDP2 never reshards the root after forward) with its
+            # gradient held to the end of backward; current + prefetched block, the all-gather
+            # buffer, the block's gradient and reduce-scatter buffer.
+            transient += 2 * e_compute * root + block * (3 * e_compute + grad_work)
+
+    # Optimizer step / gradient reduction.
+    if target.device == "cuda" and s in ("ddp", "zero1"):
+        step = 4 * opt_local  # foreach AdamW: sqrt(v) for the whole group
+    else:
+        step = 8 * max((tp_local(p) if s not in _FSDP else _fsdp_local_numel(_tp_local_shape(p, tp), shard))
+                       for p in stats.params) if stats.params else 0
+    if layout.deterministic:
+        from ftrain.parallel.deterministic import cover  # the reduction's own tree
+
+        accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
+        total_micro = accum * layout.dp_size
+        max_nodes = max(len(cover(0, total_micro, r * accum, (r + 1) * accum)) for r in range(layout.dp_size))
+        step = max(step, 4 * psi * (layout.dp_size * max_nodes + max_nodes + 1))
+        notes.append(f"ddp deterministic: the fixed-order reduction gathers {layout.dp_size}x"
+                     f"{max_nodes} flattened fp32 gradients")
+
+    acts = activation_bytes(cfg.model, micro_batch=cfg.train.micro_batch_size, mode=mode,
+                            tp=tp if s in ("tp", "fsdp+tp") else 1, device=target.device,
+                            checkpointing=cfg.parallel.activation_checkpointing)
+    init = 4 * psi + (4 * local if s in _FSDP or s in ("tp", "fsdp+tp") else 4 * psi)
+
+    tp_split = sum(p.numel for p in stats.params if p.tp_dim is not None)
+    textbook = textbook_model_state_bytes(s, psi, shard=shard, tp_split=tp_split, tp=tp)
+    return MemoryEstimate(
+        strategy=s, world_size=layout.world_size, dp_size=layout.dp_size, tp_size=tp, shard_size=shard,
+        params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activation_bytes=acts,
+        transient_bytes=transient, step_transient_bytes=step, init_bytes=init,
+        overhead_bytes=overhead_bytes(cfg, target), textbook_model_state_bytes=textbook, notes=tuple(notes),
+    )
+
+
+def estimate_all(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int,
+                 target: Target) -> tuple[list[MemoryEstimate], list[Skipped]]:
+    """Every strategy that can run at this world size, and the reason for each that cannot."""
+    estimates, skipped = [], []
+    for s in STRATEGIES:
+        if s in ("tp", "fsdp+tp") and not stats.has_tp_plan:
+            skipped.append(Skipped(s, f"{stats.name} has no tp_plan()"))
+            continue
+        try:
+            layout = layout_for(cfg, s, world_size=world_size, gpus_per_node=gpus_per_node)
+        except ConfigError as e:
+            skipped.append(Skipped(s, str(e)))
+            continue
+        if s in ("hsdp", "fsdp+tp", "tp") and world_size == 1:
+            skipped.append(Skipped(s, "needs more than one rank"))
+            continue
+        estimates.append(estimate(stats, cfg, layout, target))
+    return estimates, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions.
+
+
+def recommend(estimates: Iterable[MemoryEstimate], device_memory_bytes: int, *,
+              include_init: bool = True) -> MemoryEstimate | None:
+    """The fitting strategy with the least communication (:data:`PREFERENCE` order), or None.
+
+    ``include_init=False`` ignores the start-up peak of the full fp32 model (as if the model
+    were initialised on the meta device and materialised shard by shard)."""
+    fitting = {e.strategy: e for e in estimates if e.fits(device_memory_bytes, include_init=include_init)}
+    for s in PREFERENCE:
+        if s in fitting:
+            return fitting[s]
+    return None
+
+
+def _best(stats: ModelStats, cfg: Config, world_size: int, gpus_per_node: int, target: Target,
+          memory: int, include_init: bool = True) -> MemoryEstimate | None:
+    estimates, _ = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
+    return recommend(estimates, memory, include_init=include_init)
+
+
+def _with(cfg: Config, section: str, **changes) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def suggestions(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target,
+                device_memory_bytes: int, max_world_size: int = 65536) -> list[str]:
+    """What would make some strategy fit, when none does at this configuration."""
+    out = []
+    memory = device_memory_bytes
+    floor = 4 * stats.num_params + overhead_bytes(cfg, target)
+    if floor > memory:
+        out.append(
+            f"no world size helps: the train loop builds the full fp32 model ({_gib(4 * stats.num_params)}) "
+            "on every rank before sharding it; that needs meta-device initialisation, or bigger devices"
+        )
+        best = _best(stats, cfg, world_size, gpus_per_node, target, memory, include_init=False)
+        if best is not None:
+            out.append(f"with meta-device initialisation, {best.strategy} would fit at {world_size} ranks "
+                       f"({_gib(best.running_bytes)} per rank)")
+    if not cfg.parallel.activation_checkpointing:
+        best = _best(stats, _with(cfg, "parallel", activation_checkpointing=True), world_size, gpus_per_node,
+                     target, memory)
+        if best is not None:
+            out.append(f"--parallel.activation_checkpointing=true: {best.strategy} fits "
+                       f"({_gib(best.total_bytes)} per rank)")
+    b = cfg.train.micro_batch_size
+    for micro in sorted((d for d in range(1, b) if cfg.train.global_batch_size % d == 0), reverse=True):
+        best = _best(stats, _with(cfg, "train", micro_batch_size=micro), world_size, gpus_per_node, target, memory)
+        if best is not None:
+            out.append(f"--train.micro_batch_size={micro}: {best.strategy} fits ({_gib(best.total_bytes)} per rank)")
+            break
+    if floor <= memory:
+        world = world_size * 2
+        while world <= max_world_size:
+            best = _best(stats, cfg, world, gpus_per_node, target, memory)
+            if best is not None:
+                extra = ""
+                if cfg.train.global_batch_size % (cfg.train.micro_batch_size * best.dp_size):
+                    extra = (f"; train.global_batch_size={cfg.train.global_batch_size} must then be a multiple "
+                             f"of {cfg.train.micro_batch_size * best.dp_size}")
+                out.append(f"{world} ranks: {best.strategy} fits ({_gib(best.total_bytes)} per rank){extra}")
+                break
+            world *= 2
+    if not out:
+        out.append("nothing tried fits: combine activation checkpointing, micro batch 1 and more ranks, "
+                   "or use devices with more memory")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The report.
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def default_device_memory_bytes(target: Target) -> int:
+    if target.device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return DEFAULT_DEVICE_MEMORY_BYTES
+
+
+def _layout_text(e: MemoryEstimate) -> str:
+    if e.strategy == "fsdp+tp":
+        return f"dp={e.dp_size} tp={e.tp_size}"
+    if e.strategy == "tp":
+        return f"tp={e.tp_size}"
+    if e.strategy == "hsdp":
+        return f"{e.world_size // e.shard_size}x{e.shard_size}"
+    return f"dp={e.dp_size}"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append("| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
+                                       enumerate(zip(row, widths))) + " |")
+        if j == 0:
+            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return lines
+
+
+def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None,
+                gpus_per_node: int = 8) -> str:
+    """The table ``ftrain plan`` prints: every feasible strategy's per-rank memory, and a pick."""
+    if world_size < 1:
+        raise ConfigError("", f"--world-size must be >= 1, got {world_size}")
+    if gpus_per_node < 1:
+        raise ConfigError("", f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    target = resolve_target(cfg)
+    memory = device_memory_bytes if device_memory_bytes is not None else default_device_memory_bytes(target)
+    stats = model_stats(cfg.model, cfg.optim)
+    estimates, skipped = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
+    psi = stats.num_params
+    lines = [
+        f"ftrain plan: {stats.name} with {psi / 1e6:.2f}M parameters (Ψ, counted on the meta device), "
+        f"{world_size} rank(s), {gpus_per_node} per node",
+        f"target: {target.device} {target.dtype}"
+        + (" (train.device=auto plans for GPUs; --train.device=cpu plans a CPU run)"
+           if cfg.train.device == "auto" else "")
+        + f", {_gib(memory)} per rank",
+        f"micro batch {cfg.train.micro_batch_size} x seq {cfg.model.seq_len}, activation checkpointing "
+        f"{'on' if cfg.parallel.activation_checkpointing else 'off'}",
+        "",
+    ]
+    header = ["strategy", "layout", "params+grads+optim", "activations", "transient", "overhead",
+              "total/rank", f"fits {_gib(memory)}"]
+    rows = [header]
+    for e in estimates:
+        use = e.total_bytes / memory
+        fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
+        total = _gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
+        rows.append([e.strategy, _layout_text(e), _gib(e.model_state_bytes), _gib(e.activation_bytes),
+                     _gib(max(e.transient_bytes, e.step_transient_bytes)), _gib(e.overhead_bytes), total,
+                     f"{fit} ({use:.0%})"])
+    lines += _table(rows)
+    for sk in skipped:
+        lines.append(f"skipped {sk.strategy}: {sk.reason}")
+    lines.append("")
+    best = recommend(estimates, memory)
+    if best is not None:
+        tight = " (tight: leave room for allocator fragmentation)" if best.total_bytes > TIGHT_FRACTION * memory else ""
+        lines.append(f"recommended: {best.strategy} (the least communication of those that fit){tight}")
+    else:
+        lines.append("recommended: none: no strategy fits in " + _gib(memory) + " per rank. What would:")
+        lines += [f"  - {s}" for s in suggestions(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node,
+                                                   target=target, device_memory_bytes=memory)]
+    lines.append("")
+    lines.append("notes:")
+    lines.append("  - total = overhead + the largest of backward (model states + activations + transient), "
+                 "step (model states + optimizer temporaries), init (full fp32 model before sharding)")
+    lines.append("  - transient: unsharded FSDP units and buffers, bf16 autocast weight copies, or optimizer-step "
+                 "temporaries, whichever is larger")
+    for e in estimates:
+        if e.model_state_bytes != e.textbook_model_state_bytes:
+            lines.append(f"  - {e.strategy}: model states {_gib(e.model_state_bytes)} here vs "
+                         f"{_gib(e.textbook_model_state_bytes)} textbook ({_TEXTBOOK_DIFF.get(e.strategy, 'padding')})")
+        lines += [f"  - {n}" for n in e.notes]
+    if cfg.model.factory:
+        lines.append("  - activations assume a GPT-like model with the configured model.* sizes")
+    if target.device == "cuda":
+        lines.append(f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {_gib(CUDA_RUNTIME_BYTES)} "
+                     "(not in torch.cuda.max_memory_allocated)")
+    else:
+        lines.append("  - overhead: torch + gloo process baseline (measured) + the data cursor's permutation")
+    return "\n".join(lines)
+
+
+_TEXTBOOK_DIFF = {
+    "zero1": "DDP keeps fp32 params and grads replicated: 8Ψ + 8Ψ/N, not 4Ψ + 12Ψ/N",
+    "zero2": "fp32 shards and grads with bf16/fp32 units gathered on demand: 16Ψ/N + transients, "
+             "not 2Ψ + 14Ψ/N",
+}

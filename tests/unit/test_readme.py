@@ -1,0 +1,28 @@
+"""The README stays true: its configuration reference is the generated one, and its two
+commands are the ones CI and users run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from tests.support import REPO
+
+
+def _updater():
+    spec = importlib.util.spec_from_file_location("update_readme", REPO / "scripts" / "update_readme_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_config_reference_is_current():
+    readme = (REPO / "README.md").read_text()
+    assert _updater().render(readme) == readme, "README reference is stale: run `make docs`"
+
+
+def test_readme_commands_exist_and_ci_runs_the_test_command():
+    readme = (REPO / "README.md").read_text()
+    assert "\nmake demo\n" in readme and "\nmake test\n" in readme
+    makefile = (REPO / "Makefile").read_text()
+    assert "\ndemo:" in makefile and "\ntest:" in makefile
+    assert "make test" in (REPO / ".ci" / "run").read_text()
