@@ -52,6 +52,10 @@ class TrainConfig:
     save_final_path: str = _opt(
         "", "If set, rank 0 writes the final full model and optimizer state here (torch.save)."
     )
+    on_nonfinite: str = _opt(
+        "skip", "A non-finite loss or gradient norm: skip the optimizer step, rollback to the last verified "
+        "checkpoint, or halt.", ("skip", "rollback", "halt"),
+    )
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps)
@@ -195,6 +199,60 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    uri: str = _opt(
+        "", "Checkpoint root: a path, file://, s3://bucket/prefix or any fsspec URL (empty: no checkpoints)."
+    )
+    interval: int = _opt(100, "Save every this many steps (0: only the final save).")
+    async_mode: str = _opt(
+        "thread", "off (blocking saves), thread or process (training blocks only for staging).",
+        ("off", "thread", "process"),
+    )
+    when_busy: str = _opt(
+        "wait", "When a save is due while the previous one still uploads: wait for it, or skip this one.",
+        ("wait", "skip"),
+    )
+    digest: str = _opt("xxh3_128", "Per-file digest recorded in the manifest.", ("xxh3_128", "crc32c"))
+    hmac_key_env: str = _opt(
+        "", "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256."
+    )
+    resume: bool = _opt(True, "Load the newest verified checkpoint under checkpoint.uri at start.")
+    load_step: int = _opt(-1, "Load exactly this step (fails if it is not committed and verified); -1: newest.")
+    final_save: bool = _opt(True, "Save synchronously at the end of training and on a graceful stop (SIGTERM).")
+    keep_last: int = _opt(3, "Retention: keep the newest N committed steps.")
+    keep_every: int = _opt(0, "Retention: also keep every step divisible by this (0: off).")
+    gc_grace_s: float = _opt(600.0, "Retention: uncommitted step directories older than this are removed.")
+    endpoint_url: str = _opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL); credentials come from AWS_*.")
+    region: str = _opt("", "S3 region (default: AWS_REGION).")
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ConfigError("checkpoint.interval", f"must be >= 0, got {self.interval}")
+        if self.keep_last < 1:
+            raise ConfigError("checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
+        if self.keep_every < 0:
+            raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {self.keep_every}")
+        if self.hmac_key_env and self.hmac_key_env not in os.environ:
+            raise ConfigError("checkpoint.hmac_key_env", f"environment variable {self.hmac_key_env} is not set")
+
+
+@dataclass(kw_only=True, slots=True)
+class ConsistencyConfig:
+    interval: int = _opt(
+        0, "Every this many steps (and after every load), compare digests of replicated parameters and "
+        "optimizer state across ranks that must hold identical copies (0: only after loads)."
+    )
+    on_mismatch: str = _opt(
+        "halt", "When replicas differ: warn, halt (exit non-zero) or rollback (reload the last verified checkpoint).",
+        ("warn", "halt", "rollback"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ConfigError("consistency.interval", f"must be >= 0, got {self.interval}")
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     metrics_path: str = _opt("", "JSON lines file written by rank 0, one line per step (empty: off).")
     progress: str = _opt(
@@ -202,6 +260,10 @@ class LoggingConfig:
         ("auto", "bar", "lines", "off"),
     )
     log_every: int = _opt(10, "Steps between progress lines when not drawing a bar.")
+    events_path: str = _opt(
+        "", "JSON lines file of lifecycle events (ckpt_staged, ckpt_committed, ckpt_corrupt, resumed, ...) "
+        "appended by every rank (empty: off)."
+    )
 
     def __post_init__(self) -> None:
         _positive("logging.log_every", self.log_every)
@@ -214,7 +276,17 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint.uri and self.parallel.strategy == "zero1":
+            raise ConfigError(
+                "parallel.strategy",
+                "zero1 (ZeroRedundancyOptimizer) cannot be checkpointed with DCP yet; use zero2, which "
+                "shards optimizer state and gradients and checkpoints/reshards like fsdp",
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

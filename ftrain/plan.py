@@ -70,11 +70,13 @@ from ftrain.optim import param_groups
 
 GiB = 2**30
 
-#: Peak RSS of a worker that imports torch and ftrain's parallel stack, joins a 2-rank gloo group,
-#: builds a 1-block d_model=32 GPT and runs one forward/backward and an all-reduce: 299.1, 299.4,
-#: 301.4 and 301.5 MB on the dev machine (torch 2.13 CPU, Python 3.11; `import torch` alone is
-#: 228 MB). With MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 it is the same to 1%.
-CPU_BASELINE_BYTES = 300 * 10**6
+#: Peak RSS of an ftrain CPU worker before the model counts: `ftrain train` of a 1-block
+#: d_model=8 GPT on 2 gloo ranks peaked at 333.2-334.0 MB per rank with ddp and 337.5-338.2 MB
+#: with fsdp (torch 2.13 CPU, Python 3.11, the dev machine; the same with and without
+#: MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0). Of that, a bare process that imports
+#: torch, joins a gloo group and trains a tiny model step is 299-302 MB (`import torch` alone
+#: 228 MB); ftrain's own imports (DCP, data, numpy) are the rest.
+CPU_BASELINE_BYTES = 335 * 10**6
 
 #: Device memory a CUDA rank uses outside torch's allocator: the CUDA context (lazy module
 #: loading), cuBLAS/cuDNN workspaces and NCCL buffers. NOT measured here (no GPU on the dev
@@ -149,10 +151,15 @@ class MemoryEstimate:
     """Ranks one parameter is sharded over (1: replicated)."""
     params_bytes: int
     grads_bytes: int
+    """Gradients as the optimizer step sees them."""
     optimizer_bytes: int
+    grads_in_backward_bytes: int
+    """Gradients already allocated when backward starts (DDP buckets; 0 where they are freed)."""
     activation_bytes: int
+    """Activations when backward starts at the loss."""
     transient_bytes: int
-    """Forward/backward extras beside activations: unsharded FSDP units, autocast copies."""
+    """What the backward peak adds to params + optimizer + grads_in_backward + activations:
+    unsharded FSDP units and buffers, autocast weight copies, accumulated unsharded gradients."""
     step_transient_bytes: int
     """Extra at the optimizer step or gradient reduction, when activations are gone."""
     init_bytes: int
@@ -182,7 +189,8 @@ class MemoryEstimate:
 
     def _peaks(self) -> dict[str, int]:
         return {
-            "backward": self.model_state_bytes + self.activation_bytes + self.transient_bytes,
+            "backward": self.params_bytes + self.optimizer_bytes + self.grads_in_backward_bytes
+            + self.activation_bytes + self.transient_bytes,
             "step": self.model_state_bytes + self.step_transient_bytes,
             "init": self.init_bytes,
         }
@@ -316,9 +324,41 @@ def _precision_mode(strategy: str, target: Target) -> str:
     return "mp" if strategy in _FSDP else "autocast"
 
 
-def activation_bytes(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str,
-                     checkpointing: bool) -> int:
-    """Saved activations of one micro-batch at the start of backward (see the module docstring).
+@dataclass(frozen=True, slots=True)
+class Activations:
+    """Activation memory of one micro-batch, in bytes, at the two candidate peaks of backward."""
+
+    layers: int
+    """Saved by the blocks at the end of forward (with checkpointing: each block's input)."""
+    final_norm: int
+    """Saved by the final norm and the head (their inputs)."""
+    loss_peak: int
+    """Logits side during the loss's backward: the logits the loop holds (compute dtype), the
+    fp32 log-softmax output cross-entropy saves, its incoming gradient and its result."""
+    logits_held: int
+    """The logits the loop keeps referencing through the rest of backward and the step."""
+    recompute: int
+    """With checkpointing: one block's full activations while its backward recomputes them."""
+
+    @property
+    def saved_bytes(self) -> int:
+        """What autograd holds at the end of forward, the logits side aside."""
+        return self.layers + self.final_norm
+
+    @property
+    def at_loss_backward(self) -> int:
+        """Peak A, when backward starts at the loss (before any FSDP unit is gathered again)."""
+        return self.layers + self.final_norm + self.loss_peak
+
+    @property
+    def at_last_block_backward(self) -> int:
+        """Peak B, when the last block's backward starts (FSDP has gathered the root and blocks)."""
+        return self.layers + self.recompute + self.logits_held
+
+
+def activations(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str,
+                checkpointing: bool) -> Activations:
+    """Activation memory of the built-in GPT (see the module docstring for what is counted).
 
     ``mode`` is "fp32", "mp" (FSDP2 bf16: everything bf16) or "autocast" (bf16 matmuls, fp32
     residual stream and norms)."""
@@ -327,11 +367,11 @@ def activation_bytes(model: ModelConfig, *, micro_batch: int, mode: str, tp: int
     sbh = s * b * h
     e = 4 if mode == "fp32" else 2  # matmul inputs/outputs
     e_res = 2 if mode == "mp" else 4  # residual stream and norm inputs
-    # Per layer: replicated under TP: 2 norm inputs (e_res) and the norm outputs feeding
-    # q/k/v and fc (autocast casts the first once per consumer: q, k, v).
+    # Replicated under TP: the 2 norm inputs (e_res) and the norm outputs feeding q/k/v and fc
+    # (autocast casts the first once per consumer: q, k and v).
     norm_out_copies = 4 if mode == "autocast" else 2
     replicated = sbh * (2 * e_res + norm_out_copies * e)
-    # Split under TP: q, k, v, attention output, fc output and GELU output (mlp_ratio wide each).
+    # Split under TP: q, k, v, the attention output, the fc output and the GELU output.
     split = sbh * e * (3 + 1 + 2 * r)
     norm_stats = 2 * 2 * b * s * 4  # LayerNorm mean and rstd, fp32
     lse = a * s * b * 4  # SDPA logsumexp, fp32, split with the heads
@@ -342,18 +382,22 @@ def activation_bytes(model: ModelConfig, *, micro_batch: int, mode: str, tp: int
             replicated += 2 * sbh * e  # CPU dropout masks are stored in the activation dtype
             split += 3 * a * s * s * b * e  # CPU SDPA with dropout: math path (scores, mask, probs)
     per_layer = replicated + norm_stats + (split + lse) // tp
-    final_norm = sbh * (e_res + e) + b * s * 8  # its input and the head's input
-    if not checkpointing:
-        return L * per_layer + final_norm + logits_bytes(model, micro_batch=micro_batch, mode=mode)
-    # Each block keeps its input; backward recomputes one block at a time after the head.
-    return L * sbh * e_res + max(per_layer, final_norm + logits_bytes(model, micro_batch=micro_batch, mode=mode))
-
-
-def logits_bytes(model: ModelConfig, *, micro_batch: int, mode: str) -> int:
-    """Loss-side memory at the start of backward: the logits the loop holds (compute dtype), the
-    fp32 log-softmax output cross-entropy saves, its gradient and the gradient of the logits."""
     e_logits = 4 if mode == "fp32" else 2
-    return micro_batch * model.seq_len * model.vocab_size * (e_logits + 12)
+    logits = b * s * model.vocab_size
+    return Activations(
+        layers=L * sbh * e_res if checkpointing else L * per_layer,
+        final_norm=sbh * (e_res + e) + b * s * 8,
+        loss_peak=logits * (e_logits + 12),
+        logits_held=logits * e_logits,
+        recompute=per_layer if checkpointing else 0,
+    )
+
+
+def activation_bytes(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str,
+                     checkpointing: bool) -> int:
+    """Activation memory at the start of backward (peak A of :class:`Activations`)."""
+    return activations(model, micro_batch=micro_batch, mode=mode, tp=tp, device=device,
+                       checkpointing=checkpointing).at_loss_backward
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,66 +433,88 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     """Per-rank memory of ``layout.strategy`` for this model, batch and precision."""
     s = layout.strategy
     psi = stats.num_params
-    tp = layout.tp_size
+    tp = layout.tp_size if s in ("tp", "fsdp+tp") else 1
     shard = {"zero1": layout.world_size, "zero2": layout.world_size, "fsdp": layout.world_size,
              "hsdp": layout.shard_size, "fsdp+tp": layout.dp_size}.get(s, 1)
     mode = _precision_mode(s, target)
-    e_compute = 4 if target.dtype == "fp32" else 2
+    e = 4 if target.dtype == "fp32" else 2  # compute dtype
+    accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
     notes: list[str] = []
 
-    local = local_numel(stats, s, shard=shard, tp=tp)
+    def tp_local(p: ParamInfo) -> int:
+        return math.prod(_tp_local_shape(p, tp))
+
+    def stored(p: ParamInfo) -> int:  # what this rank keeps of p between steps
+        return _fsdp_local_numel(_tp_local_shape(p, tp), shard) if s in _FSDP else tp_local(p)
+
+    local = sum(stored(p) for p in stats.params)
     params = 4 * local
     grads = 4 * (psi if s == "zero1" else local)
     opt_local = max(zero1_partition(stats, layout.world_size)) if s == "zero1" else local
     optimizer = 8 * opt_local
+    # DDP's buckets are the gradients and live for the whole run; everywhere else gradients are
+    # freed by zero_grad(set_to_none=True) and come back during backward as activations go.
+    grads_in_backward = grads if s in ("ddp", "zero1") and not layout.deterministic else 0
 
-    def tp_local(p: ParamInfo) -> int:
-        return math.prod(_tp_local_shape(p, tp)) if s in ("tp", "fsdp+tp") else p.numel
+    acts = activations(cfg.model, micro_batch=cfg.train.micro_batch_size, mode=mode, tp=tp,
+                       device=target.device, checkpointing=cfg.parallel.activation_checkpointing)
 
-    # Forward/backward transients.
-    transient = 0
+    # Extras present through forward and backward (A), and at the last block's backward (B).
+    extra_a = 0
     if mode == "autocast":
-        transient += 2 * sum(tp_local(p) for p in stats.params if p.autocast_copy)
+        extra_a += 2 * sum(tp_local(p) for p in stats.params if p.autocast_copy)
+    unsharded = sum(tp_local(p) for p in stats.params)
+    if accum > 1 and s not in ("ddp", "zero1"):
+        if s in _FSDP:
+            extra_a += 4 * unsharded  # no-sync micro-batches accumulate unsharded fp32 gradients
+            notes.append(f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
+                         f"micro-batches (set_requires_gradient_sync(False)), {_gib(4 * unsharded)} per rank")
+        elif layout.deterministic:
+            extra_a += 4 * psi * accum.bit_length()  # the streaming tree's partial sums
+        else:
+            extra_a += 4 * local  # p.grad accumulates
+    extra_b = extra_a
     if s in _FSDP:
         root = sum(tp_local(p) for p in stats.params if p.unit == -1)
-        per_unit = [sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)]
-        block = max(per_unit, default=0)
-        grad_work = e_compute + 4  # unsharded gradient + fp32 reduce-scatter buffer
+        block = max((sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)),
+                    default=0)
+        grad_work = block * (e + 4)  # a block's unsharded gradient and fp32 reduce-scatter input
         if s == "zero2":
-            # Every unit stays unsharded from its forward through backward.
-            transient += e_compute * (root + sum(per_unit)) + e_compute * root + block * grad_work
+            # reshard_after_forward=False: every unit stays unsharded from its forward on.
+            extra_a += e * unsharded
+            extra_b = extra_a + e * root + grad_work
         else:
-            # Root unsharded throughout (FSDP2 never reshards the root after forward) with its
-            # gradient held to the end of backward; current + prefetched block, the all-gather
-            # buffer, the block's gradient and reduce-scatter buffer.
-            transient += 2 * e_compute * root + block * (3 * e_compute + grad_work)
+            # The root is gathered again when backward reaches the head and, with its unsharded
+            # gradient, stays until backward ends; the current and prefetched blocks and the
+            # all-gather buffer are unsharded, and the current block's gradient reduced.
+            extra_b += 2 * e * root + 3 * e * block + grad_work
+    peak = max(acts.at_loss_backward + extra_a, acts.at_last_block_backward + extra_b)
+    transient = peak - acts.at_loss_backward
 
-    # Optimizer step / gradient reduction.
+    # Optimizer step (activations gone, the loop still references the last logits).
     if target.device == "cuda" and s in ("ddp", "zero1"):
-        step = 4 * opt_local  # foreach AdamW: sqrt(v) for the whole group
+        step = 4 * opt_local  # foreach AdamW: sqrt(v) for the whole group at once
     else:
-        step = 8 * max((tp_local(p) if s not in _FSDP else _fsdp_local_numel(_tp_local_shape(p, tp), shard))
-                       for p in stats.params) if stats.params else 0
+        step = 8 * max((stored(p) for p in stats.params), default=0)  # per-tensor AdamW temporaries
     if layout.deterministic:
         from ftrain.parallel.deterministic import cover  # the reduction's own tree
 
-        accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
         total_micro = accum * layout.dp_size
         max_nodes = max(len(cover(0, total_micro, r * accum, (r + 1) * accum)) for r in range(layout.dp_size))
         step = max(step, 4 * psi * (layout.dp_size * max_nodes + max_nodes + 1))
-        notes.append(f"ddp deterministic: the fixed-order reduction gathers {layout.dp_size}x"
-                     f"{max_nodes} flattened fp32 gradients")
+        notes.append(f"ddp deterministic: the fixed-order reduction gathers {layout.dp_size}x{max_nodes} "
+                     "flattened fp32 gradients")
+    step += acts.logits_held
 
-    acts = activation_bytes(cfg.model, micro_batch=cfg.train.micro_batch_size, mode=mode,
-                            tp=tp if s in ("tp", "fsdp+tp") else 1, device=target.device,
-                            checkpointing=cfg.parallel.activation_checkpointing)
-    init = 4 * psi + (4 * local if s in _FSDP or s in ("tp", "fsdp+tp") else 4 * psi)
+    # Start-up: the full fp32 model (plus DDP's buckets, or the first shards/splits).
+    init = 4 * psi + (4 * psi if s in ("ddp", "zero1") else 4 * local)
 
     tp_split = sum(p.numel for p in stats.params if p.tp_dim is not None)
     textbook = textbook_model_state_bytes(s, psi, shard=shard, tp_split=tp_split, tp=tp)
     return MemoryEstimate(
         strategy=s, world_size=layout.world_size, dp_size=layout.dp_size, tp_size=tp, shard_size=shard,
-        params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activation_bytes=acts,
+        params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+        grads_in_backward_bytes=grads_in_backward, activation_bytes=acts.at_loss_backward,
         transient_bytes=transient, step_transient_bytes=step, init_bytes=init,
         overhead_bytes=overhead_bytes(cfg, target), textbook_model_state_bytes=textbook, notes=tuple(notes),
     )

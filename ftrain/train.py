@@ -2,13 +2,17 @@
 
 Each step takes the next global batch from the world-size-independent cursor, runs this
 data-parallel rank's contiguous block of micro-batches (accumulating gradients without
-communication until the last), reduces gradients, clips, sets the scheduled LR, steps the
-optimizer, and reports: metrics JSON line, progress and peak memory per rank.
+communication until the last), reduces gradients, clips, checks the loss and gradient norm are
+finite, sets the scheduled LR and steps the optimizer; then it reports (metrics JSON line,
+progress, peak memory per rank), checkpoints when due, and checks replicas when due.
+SIGTERM is a graceful stop: finish the step, save synchronously, exit 0.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
-from ftrain.data import DataCursor, Ledger, accumulation_steps, build_source, micro_batches
+from ftrain.consistency import ConsistencyError, check_replicas
+from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
 from ftrain.distributed import compute_layout, init_distributed, select_device, select_dtype, shutdown_distributed
+from ftrain.events import EventLog
+from ftrain.faults import maybe_perturb_replica
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
@@ -29,6 +37,10 @@ from ftrain.progress import Progress
 log = logging.getLogger(__name__)
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm is not finite and ``train.on_nonfinite = "halt"``."""
+
+
 @dataclass(slots=True)
 class TrainResult:
     steps: int
@@ -36,126 +48,229 @@ class TrainResult:
     entropy_floor_nats: float | None
     wall_time_s: float
     world_size: int
-
-
-def _step_stats(losses: list[torch.Tensor], peak_bytes: int, par: Parallel) -> tuple[float, list[int]]:
-    """All ranks' micro-batch losses and peak memory in one all-gather.
-
-    The loss is summed in float64 in global micro-batch order (ranks of one tensor-parallel
-    group hold the same losses; the first of each counts), so it does not depend on how the
-    micro-batches were spread over ranks.
-    """
-    layout = par.layout
-    local = torch.tensor([float(x) for x in losses] + [float(peak_bytes)], dtype=torch.float64, device=par.device)
-    gathered = torch.empty(layout.world_size * local.numel(), dtype=torch.float64, device=par.device)
-    dist.all_gather_single(gathered, local)
-    rows = gathered.view(layout.world_size, -1).cpu()
-    total, count = 0.0, 0
-    for rank in range(0, layout.world_size, layout.tp_size):
-        for value in rows[rank, :-1].tolist():
-            total += value
-            count += 1
-    return total / count, [int(v) for v in rows[:, -1].tolist()]
+    stopped_early: bool = False
 
 
 def train(cfg: Config) -> TrainResult:
     device = select_device(cfg.train)
     dtype = select_dtype(cfg.train, device)
     rank, world_size, local_world = init_distributed(cfg.parallel, device)
+    trainer = None
     try:
-        return _train(cfg, device, dtype, rank, world_size, local_world)
+        trainer = Trainer(cfg, device, dtype, rank, world_size, local_world)
+        return trainer.run()
     finally:
+        if trainer is not None:
+            trainer.close()
         shutdown_distributed()
 
 
-def _train(cfg: Config, device: torch.device, dtype: torch.dtype, rank: int, world_size: int,
-           local_world: int) -> TrainResult:
-    n_head = cfg.model.n_head if not cfg.model.factory else None
-    layout = compute_layout(cfg.parallel, world_size=world_size, rank=rank,
-                            local_world_size=local_world, n_head=n_head)
-    accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, layout.dp_size)
-    source = build_source(cfg.data, cfg.model)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    num_params = count_parameters(model)
-    par = parallelize(model, cfg, layout, device, dtype, accum)
-    cursor = DataCursor(source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
-    ledger = Ledger(cfg.data.ledger_dir, layout.dp_rank, round_=0) \
-        if cfg.data.ledger_dir and layout.tp_rank == 0 else None
-    metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
-    progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
-    peak = peak_lr(cfg.optim, layout.dp_size)
-    floor = getattr(source, "entropy_floor_nats", None)
-    progress.message(
-        f"ftrain: {num_params / 1e6:.2f}M params, {layout.strategy} on {world_size} rank(s) "
-        f"(dp={layout.dp_size} tp={layout.tp_size}), accumulation {accum} x micro-batch "
-        f"{cfg.train.micro_batch_size} = global batch {cfg.train.global_batch_size}, {device.type} "
-        f"{str(dtype).removeprefix('torch.')}"
-        + (f", entropy floor {floor:.4f} nats" if floor is not None else "")
-    )
-    seq_len = cfg.model.seq_len
-    start = time.perf_counter()
-    loss = float("nan")
-    try:
-        for step in range(cursor.step, cfg.train.steps):
-            t0 = time.perf_counter()
-            batch = cursor.next_global_batch()
-            micros = micro_batches(batch, layout.dp_rank, layout.dp_size, cfg.train.micro_batch_size)
-            losses = []
-            for i, micro in enumerate(micros):
-                tokens = torch.from_numpy(source.sample(micro.sample_ids)).to(device, non_blocking=True)
-                with par.grad_sync(is_last=i == accum - 1):
-                    with par.autocast():
-                        logits = par.model(tokens[:, :-1])
-                    micro_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-                    par.backward(micro_loss, i, accum)
-                losses.append(micro_loss.detach())
-            par.reduce_gradients()
-            grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
-            lr = lr_at(step, peak=peak, warmup_steps=cfg.optim.warmup_steps,
-                       total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+class Trainer:
+    def __init__(self, cfg: Config, device: torch.device, dtype: torch.dtype, rank: int, world_size: int,
+                 local_world: int):
+        self.cfg = cfg
+        self.device = device
+        self.rank = rank
+        n_head = cfg.model.n_head if not cfg.model.factory else None
+        self.layout = compute_layout(cfg.parallel, world_size=world_size, rank=rank,
+                                     local_world_size=local_world, n_head=n_head)
+        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.dp_size)
+        self.source = build_source(cfg.data, cfg.model)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model)
+        self.num_params = count_parameters(model)
+        self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.accum)
+        self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
+        self.events = EventLog(cfg.logging.events_path, rank=rank, round_=current_round())
+        self.ledger = Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=current_round()) \
+            if cfg.data.ledger_dir and self.layout.tp_rank == 0 else None
+        self.metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
+        self.progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
+        self.ckpt = Checkpointing(cfg, self.par, self.cursor, self.events) if cfg.checkpoint.uri else None
+        self.peak_lr = peak_lr(cfg.optim, self.layout.dp_size)
+        self.floor = getattr(self.source, "entropy_floor_nats", None)
+        self.skipped_steps = 0
+        self._stop_requested = False
+        self.dtype = dtype
+
+    # -- lifecycle --------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """All ranks stop at the same step if any of them was asked to."""
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self) -> TrainResult:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        cfg, layout = self.cfg, self.layout
+        self.events.emit("worker_started", world_size=layout.world_size, strategy=layout.strategy)
+        if self.ckpt is not None and cfg.checkpoint.resume:
+            self._resume()
+        self.progress.message(
+            f"ftrain: {self.num_params / 1e6:.2f}M params, {layout.strategy} on {layout.world_size} rank(s) "
+            f"(dp={layout.dp_size} tp={layout.tp_size}), accumulation {self.accum} x micro-batch "
+            f"{cfg.train.micro_batch_size} = global batch {cfg.train.global_batch_size}, {self.device.type} "
+            f"{str(self.dtype).removeprefix('torch.')}, starting at step {self.cursor.step}"
+            + (f", entropy floor {self.floor:.4f} nats" if self.floor is not None else "")
+        )
+        start = time.perf_counter()
+        loss = float("nan")
+        stopped_early = False
+        while self.cursor.step < cfg.train.steps:
+            loss = self._step()
+            done = self.cursor.step
+            if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
+                self.ckpt.save(done)
+            if cfg.consistency.interval and done % cfg.consistency.interval == 0:
+                self._check_consistency(done)
+            if self._stop_agreed():
+                stopped_early = done < cfg.train.steps
+                self.progress.message(f"graceful stop requested: stopping after step {done}")
+                self.events.emit("graceful_stop", step=done)
+                break
+        wall = time.perf_counter() - start
+        if self.ckpt is not None:
+            status = self.ckpt.finish(self.cursor.step)
+            if status.saves_failed:
+                self.progress.message(f"warning: {status.saves_failed} checkpoint save(s) failed: {status.last_error}")
+        if cfg.train.save_final_path:
+            self._save_final()
+        gap = f" vs entropy floor {self.floor:.4f} (+{loss - self.floor:.4f} nats)" if self.floor is not None else ""
+        self.progress.message(f"done: step {self.cursor.step}, loss {loss:.4f}{gap} in {wall:.1f}s")
+        return TrainResult(self.cursor.step, loss, self.floor, wall, layout.world_size, stopped_early)
+
+    def _resume(self) -> None:
+        manifest = self.ckpt.resume()
+        if manifest is not None:
+            self.progress.message(f"resumed from checkpoint step {manifest.step} "
+                                  f"(saved at world size {manifest.world_size}, round {manifest.round})")
+            self._check_consistency(self.cursor.step)
+
+    def close(self) -> None:
+        for part in (self.ckpt, self.metrics, self.ledger, self.events):
+            if part is not None:
+                part.close()
+
+    # -- one step ---------------------------------------------------------------------
+    def _step(self) -> float:
+        cfg, par = self.cfg, self.par
+        step = self.cursor.step
+        t0 = time.perf_counter()
+        batch = self.cursor.next_global_batch()
+        micros = micro_batches(batch, self.layout.dp_rank, self.layout.dp_size, cfg.train.micro_batch_size)
+        losses = []
+        for i, micro in enumerate(micros):
+            tokens = torch.from_numpy(self.source.sample(micro.sample_ids)).to(self.device, non_blocking=True)
+            with par.grad_sync(is_last=i == self.accum - 1):
+                with par.autocast():
+                    logits = par.model(tokens[:, :-1])
+                micro_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                par.backward(micro_loss, i, self.accum)
+            losses.append(micro_loss.detach())
+        par.reduce_gradients()
+        grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
+        loss, peaks = self._step_stats(losses)
+        lr = lr_at(step, peak=self.peak_lr, warmup_steps=cfg.optim.warmup_steps,
+                   total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+        if math.isfinite(loss) and math.isfinite(grad_norm):
             set_lr(par.optimizer.param_groups, lr)
             par.optimizer.step()
-            par.optimizer.zero_grad(set_to_none=True)
-            if ledger is not None:
-                ledger.record(batch, micros)
-            loss, peaks = _step_stats(losses, peak_memory_bytes(device), par)
-            step_time_s = time.perf_counter() - t0
-            record: dict[str, Any] = {
-                "step": step + 1,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": cfg.train.global_batch_size * seq_len / step_time_s,
-                "step_time_s": step_time_s,
-                "world_size": world_size,
-                "dp_size": layout.dp_size,
-                "accum_steps": accum,
-                "epoch": batch.epoch,
-                "peak_mem_bytes": peaks,
-                "time": time.time(),
-            }
-            if metrics is not None:
-                metrics.write(record)
-            progress.update(step + 1, record)
-        wall = time.perf_counter() - start
-        if cfg.train.save_final_path:
-            _save_final(par, cfg, cursor.state_dict())
-        if floor is not None:
-            progress.message(f"done: loss {loss:.4f} vs entropy floor {floor:.4f} "
-                             f"(+{loss - floor:.4f} nats) in {wall:.1f}s")
+            maybe_perturb_replica(step + 1, self.rank, par.model)
         else:
-            progress.message(f"done: loss {loss:.4f} in {wall:.1f}s")
-        return TrainResult(cfg.train.steps, loss, floor, wall, world_size)
-    finally:
-        if metrics is not None:
-            metrics.close()
-        if ledger is not None:
-            ledger.close()
+            self._on_nonfinite(step + 1, loss, grad_norm)
+        par.optimizer.zero_grad(set_to_none=True)
+        if self.ledger is not None:
+            self.ledger.record(batch, micros)
+        self._report(step + 1, batch, loss, grad_norm, lr, peaks, time.perf_counter() - t0)
+        return loss
 
+    def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        policy = self.cfg.train.on_nonfinite
+        self.events.emit("nonfinite", step=step, loss=str(loss), grad_norm=str(grad_norm), policy=policy)
+        log.warning("step %d: non-finite loss %s / grad norm %s -> %s", step, loss, grad_norm, policy)
+        if policy == "halt":
+            raise NonFiniteError(f"step {step}: loss {loss}, grad norm {grad_norm} (train.on_nonfinite=halt)")
+        if policy == "rollback" and self.ckpt is not None:
+            self.par.optimizer.zero_grad(set_to_none=True)
+            self._rollback(f"non-finite values at step {step}")
+            return
+        self.skipped_steps += 1  # skip: the batch is consumed, the update is not applied
 
-def _save_final(par: Parallel, cfg: Config, cursor_state: dict[str, Any]) -> None:
-    model_sd, optim_sd = par.full_state_dict()
-    if dist.get_rank() == 0:
-        torch.save({"model": model_sd, "optim": optim_sd, "cursor": cursor_state,
-                    "config": cfg.to_dict(), "layout": par.layout.describe()}, cfg.train.save_final_path)
+    def _rollback(self, why: str) -> None:
+        self.ckpt.manager.wait()
+        manifest = self.ckpt.resume()
+        if manifest is None:
+            raise ConsistencyError(f"{why}, and there is no verified checkpoint to roll back to")
+        self.events.emit("rolled_back", step=manifest.step, reason=why)
+        self.progress.message(f"rolled back to checkpoint step {manifest.step}: {why}")
+
+    def _check_consistency(self, step: int) -> None:
+        mismatches = check_replicas(self.par)
+        if not mismatches:
+            return
+        ranks = sorted(r for m in mismatches for r in m.ranks)
+        policy = self.cfg.consistency.on_mismatch
+        self.events.emit("replica_mismatch", step=step, ranks=ranks, policy=policy)
+        log.error("step %d: replicas differ on ranks %s (policy %s)", step, ranks, policy)
+        if policy == "halt":
+            raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks} (consistency.on_mismatch=halt)")
+        if policy == "rollback":
+            if self.ckpt is None:
+                raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks}; no checkpoint.uri to roll back")
+            self._rollback(f"replicas differ on ranks {ranks} at step {step}")
+
+    def _step_stats(self, losses: list[torch.Tensor]) -> tuple[float, list[int]]:
+        """All ranks' micro-batch losses and peak memory in one all-gather.
+
+        The loss is summed in float64 in global micro-batch order (ranks of one tensor-parallel
+        group hold the same losses; the first of each counts), so it does not depend on how the
+        micro-batches were spread over ranks.
+        """
+        layout = self.layout
+        local = torch.tensor([float(x) for x in losses] + [float(peak_memory_bytes(self.device))],
+                             dtype=torch.float64, device=self.device)
+        gathered = torch.empty(layout.world_size * local.numel(), dtype=torch.float64, device=self.device)
+        dist.all_gather_single(gathered, local)
+        rows = gathered.view(layout.world_size, -1).cpu()
+        total, count = 0.0, 0
+        for rank in range(0, layout.world_size, layout.tp_size):
+            for value in rows[rank, :-1].tolist():
+                total += value
+                count += 1
+        return total / count, [int(v) for v in rows[:, -1].tolist()]
+
+    def _report(self, step: int, batch: GlobalBatch, loss: float, grad_norm: float, lr: float,
+                peaks: list[int], step_time_s: float) -> None:
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": self.cfg.train.global_batch_size * self.cfg.model.seq_len / step_time_s,
+            "step_time_s": step_time_s,
+            "world_size": self.layout.world_size,
+            "dp_size": self.layout.dp_size,
+            "accum_steps": self.accum,
+            "epoch": batch.epoch,
+            "peak_mem_bytes": peaks,
+            "skipped_steps": self.skipped_steps,
+            "time": time.time(),
+        }
+        if self.ckpt is not None:
+            status = self.ckpt.poll()
+            record.update(ckpt_last_committed_step=status.last_committed_step,
+                          ckpt_saves_failed=status.saves_failed, ckpt_in_flight=status.in_flight_step,
+                          ckpt_last_error=status.last_error)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.progress.update(step, record)
+
+    def _save_final(self) -> None:
+        model_sd, optim_sd = self.par.full_state_dict()
+        if dist.get_rank() == 0:
+            torch.save({"model": model_sd, "optim": optim_sd, "cursor": self.cursor.state_dict(),
+                        "config": self.cfg.to_dict(), "layout": self.layout.describe()},
+                       self.cfg.train.save_final_path)

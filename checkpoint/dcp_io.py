@@ -1,0 +1,220 @@
+"""DCP storage glue: a writer that digests every file as it streams out, and a reader that
+checks ``.metadata`` against the manifest and unpickles it with an allow-list.
+
+The writer wraps the filesystem's ``create_stream`` so each file's bytes pass through a hasher
+on their way to storage (no second read). Each rank's digests ride back to the coordinator on
+DCP's own gather of write results; the coordinator's ``finish`` writes ``.metadata`` (also
+digested) and then hands the complete file table to a committer, which writes the manifest.
+If any rank fails, DCP's gather fails first and no manifest is written.
+
+FACTS.md traps handled here: storage options are passed to the writer and ``checkpoint_id``
+is never set (``reset()`` would drop them); ``sync_files=False`` (S3 files have no fileno, and
+the fallback is a host-wide ``os.sync()``); ``overwrite=False`` (never overwrite a step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import pickle
+import posixpath
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
+
+from checkpoint.digest import new_hasher
+from checkpoint.errors import ChecksumMismatchError, UnsafePickleError
+from checkpoint.manifest import FileEntry
+
+METADATA_NAME = ".metadata"
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream that hashes what it forwards; refuses to seek backwards."""
+
+    def __init__(self, inner: Any, algorithm: str, on_close: Callable[[int, str], None]):
+        super().__init__()
+        self._inner = inner
+        self._hasher = new_hasher(algorithm)
+        self._size = 0
+        self._on_close = on_close
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        self._inner.write(view)
+        self._size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._size
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        target = offset if whence == 0 else self._size + offset if whence == 1 else None
+        if target != self._size:
+            raise io.UnsupportedOperation("digesting stream is append-only")
+        return self._size
+
+    def flush(self) -> None:
+        if not getattr(self._inner, "closed", False):
+            self._inner.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+            self._on_close(self._size, self._hasher.hexdigest())
+        super().close()
+
+
+class _DigestingFileSystem:
+    """Delegates to torch's fsspec FileSystem; write streams are digested per file."""
+
+    def __init__(self, inner: Any, algorithm: str):
+        self._inner = inner
+        self._algorithm = algorithm
+        self._lock = threading.Lock()
+        self.files: dict[str, FileEntry] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = posixpath.basename(str(path))
+
+        def record(size: int, digest: str) -> None:
+            with self._lock:
+                self.files[name] = FileEntry(size_bytes=size, digest=digest)
+
+        with self._inner.create_stream(path, mode) as raw:
+            stream = _HashingStream(raw, self._algorithm, record)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestedWriteResult(WriteResult):
+    """A WriteResult that also carries the digests of the files this rank wrote."""
+
+    file_entries: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
+
+
+class DigestingWriter(FsspecWriter):
+    """FsspecWriter that digests every file and calls ``commit(files)`` after ``.metadata``.
+
+    ``commit`` runs on the coordinator only, after every rank's data is written; it must be
+    picklable for process-based async saves.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any], algorithm: str,
+                 commit: Callable[[dict[str, FileEntry]], None], thread_count: int = 1):
+        super().__init__(url, sync_files=False, overwrite=False, thread_count=thread_count, **storage_options)
+        self._algorithm = algorithm
+        self._commit = commit
+        self.fs = _DigestingFileSystem(self.fs, algorithm)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["fs"] = self.fs._inner
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.fs = _DigestingFileSystem(self.fs, self._algorithm)
+
+    def write_data(self, plan, planner):  # type: ignore[override]
+        results = super().write_data(plan, planner).wait()
+        entries = {k: v for k, v in self.fs.files.items() if k.endswith(".distcp")}
+        out: Future = Future()
+        if results:
+            first = results[0]
+            results = [DigestedWriteResult(first.index, first.size_in_bytes, first.storage_data,
+                                           file_entries=entries)] + list(results[1:])
+        out.set_result(results)
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        files: dict[str, FileEntry] = {}
+        for rank_results in results:
+            for r in rank_results:
+                files.update(getattr(r, "file_entries", {}))
+        meta = self.fs.files.get(METADATA_NAME + ".tmp") or self.fs.files.get(METADATA_NAME)
+        if meta is None:
+            raise ChecksumMismatchError("the .metadata file was written without a digest")
+        files[METADATA_NAME] = meta
+        self._commit(files)
+
+
+# -- reading ---------------------------------------------------------------------------
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+        "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: its dataclasses, torch.Size, dtypes and layouts."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafePickleError(f".metadata refers to {module}.{name}, which DCP metadata never contains")
+
+
+def load_metadata(data: bytes) -> Metadata:
+    metadata = RestrictedUnpickler(io.BytesIO(data)).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafePickleError(f".metadata holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class VerifiedReader(FsspecReader):
+    """FsspecReader whose ``.metadata`` must match the manifest's digest before it is unpickled."""
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any], expected: FileEntry, algorithm: str):
+        super().__init__(url, **storage_options)
+        self._expected = expected
+        self._algorithm = algorithm
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            data = fh.read()
+        hasher = new_hasher(self._algorithm)
+        hasher.update(data)
+        if len(data) != self._expected.size_bytes or hasher.hexdigest() != self._expected.digest:
+            raise ChecksumMismatchError(f"{path}: does not match the manifest (size {len(data)}, "
+                                        f"expected {self._expected.size_bytes})")
+        metadata = load_metadata(data)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -1,0 +1,35 @@
+"""Checkpoint errors: one base, retryable kept apart from fatal."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base of every error the checkpoint service raises."""
+
+
+class TransientStorageError(CheckpointError):
+    """A storage failure worth retrying: connection refused/reset, timeouts, 5xx, throttling."""
+
+
+class FatalStorageError(CheckpointError):
+    """A storage failure retrying cannot fix: bad credentials, missing bucket, bad URL."""
+
+
+class ChecksumMismatchError(CheckpointError):
+    """A file's bytes do not match the digest recorded in the manifest."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is missing, unparsable, of an unknown format, or fails its HMAC."""
+
+
+class StaleRoundError(CheckpointError):
+    """The writer's rendezvous round is no longer current: a zombie may not commit."""
+
+
+class UnsafePickleError(CheckpointError):
+    """``.metadata`` asked to load something outside the allowed DCP metadata classes."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No committed, verified checkpoint exists to load."""

@@ -1,0 +1,161 @@
+"""Retention: which step directories to delete, decided by a pure function, then applied.
+
+:func:`plan_gc` rules, per state (``in_flight`` steps are always kept, whatever their state):
+
+- **committed**: keep the newest committed step (always, even with ``keep_last=0``), the newest
+  ``keep_last``, and every step with ``step % keep_every == 0`` (``keep_every=0``: off); delete
+  the rest.
+- **uncommitted** (no manifest): a save in flight or one that died. Deleted only once its newest
+  file is older than ``grace_s``; kept while its age is unknown.
+- **corrupt** (bad manifest or a ``corrupt.json`` marker): kept as evidence while it could still
+  matter: until a newer committed step exists AND its newest file (the marker counts, so the
+  grace restarts when it is marked) is older than ``grace_s``. Then deleted, like any step the
+  run has moved past.
+
+:func:`apply_gc` removes each directory's ``manifest.json`` first, so a deletion that dies half
+way leaves an uncommitted directory (removed by a later GC), never a committed one with holes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from checkpoint.catalog import StepInfo
+from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GcPlan:
+    """What :func:`apply_gc` will do: directory names, ascending by step, and why."""
+
+    delete: list[str] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    """A reason for every directory in ``delete`` and ``keep``."""
+
+
+def plan_gc(steps: list[StepInfo], *, keep_last: int, keep_every: int, in_flight: set[int], now_s: float,
+            modified_s: dict[str, float], grace_s: float) -> GcPlan:
+    """Decide what to delete (pure: no I/O, ``now_s`` injected). Rules in the module doc."""
+    if keep_last < 0:
+        raise ValueError(f"plan_gc: keep_last must be >= 0, got {keep_last}")
+    if keep_every < 0:
+        raise ValueError(f"plan_gc: keep_every must be >= 0, got {keep_every}")
+    if grace_s < 0:
+        raise ValueError(f"plan_gc: grace_s must be >= 0, got {grace_s}")
+
+    committed = sorted((s.step for s in steps if s.state == "committed"), reverse=True)
+    newest = committed[0] if committed else None
+    newest_k = set(committed[:keep_last])
+
+    def age(info: StepInfo) -> float | None:
+        t = modified_s.get(info.dirname)
+        return None if t is None else now_s - t
+
+    def decide(info: StepInfo) -> tuple[bool, str]:
+        if info.step in in_flight:
+            return False, "in flight"
+        if info.state == "committed":
+            if info.step == newest:
+                return False, "newest committed"
+            if info.step in newest_k:
+                return False, f"among the newest {keep_last} committed"
+            if keep_every and info.step % keep_every == 0:
+                return False, f"step is a multiple of keep_every={keep_every}"
+            return True, "older committed step outside the keep rules"
+        a = age(info)
+        if info.state == "uncommitted":
+            if a is None:
+                return False, "uncommitted, age unknown"
+            if a <= grace_s:
+                return False, f"uncommitted, {a:.0f}s old <= grace {grace_s:.0f}s (may still be writing)"
+            return True, f"uncommitted and {a:.0f}s old > grace {grace_s:.0f}s"
+        # corrupt
+        if newest is None or info.step >= newest:
+            return False, "corrupt, kept as evidence: no newer committed step"
+        if a is None:
+            return False, "corrupt, kept as evidence: age unknown"
+        if a <= grace_s:
+            return False, f"corrupt, kept as evidence: {a:.0f}s old <= grace {grace_s:.0f}s"
+        return True, f"corrupt, older than newest committed step {newest} and {a:.0f}s old > grace {grace_s:.0f}s"
+
+    plan = GcPlan()
+    for info in sorted(steps, key=lambda s: s.step):
+        delete, reason = decide(info)
+        (plan.delete if delete else plan.keep).append(info.dirname)
+        plan.reasons[info.dirname] = reason
+    return plan
+
+
+def apply_gc(storage: Storage, plan: GcPlan, clear_multipart: bool = True) -> None:
+    """Delete every directory in ``plan.delete``: manifest first, then the rest, recursively.
+
+    With ``clear_multipart`` also abort unfinished multipart uploads under each deleted directory.
+    """
+    for dirname in plan.delete:
+        if clear_multipart:
+            aborted = storage.clear_multipart_uploads(dirname)
+            if aborted:
+                log.info("gc: aborted %d multipart uploads under %s", aborted, dirname)
+        storage.remove(f"{dirname}/{MANIFEST_NAME}")
+        storage.remove(dirname, recursive=True)
+        log.info("gc: deleted %s (%s)", dirname, plan.reasons.get(dirname, ""))
+
+
+def _entry_time(info: dict[str, Any]) -> float | None:
+    """Modification time of one fsspec info dict (local ``mtime``, S3 ``LastModified``,
+    memory ``created``) as Unix seconds."""
+    for key in ("mtime", "LastModified", "last_modified", "modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                value = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, _dt.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=_dt.timezone.utc)
+            return value.timestamp()
+    return None
+
+
+def modified_times(storage: Storage, dirnames: Iterable[str]) -> dict[str, float]:
+    """Newest modification time of any file in each directory (Unix seconds).
+
+    A directory with no dated file falls back to its own time where the backend has one, else
+    is left out (:func:`plan_gc` then keeps it: age unknown).
+    """
+    out: dict[str, float] = {}
+    for dirname in dirnames:
+        path = storage.path(dirname)
+
+        def find(path: str = path) -> dict[str, dict[str, Any]]:
+            storage.fs.invalidate_cache(path)
+            try:
+                found = storage.fs.find(path, detail=True, withdirs=False)
+            except FileNotFoundError:
+                return {}
+            if not found:
+                try:
+                    found = {path: storage.fs.info(path)}
+                except FileNotFoundError:
+                    return {}
+            return found
+
+        times = [t for info in storage.retry(find, f"list {dirname}").values()
+                 if (t := _entry_time(info)) is not None]
+        if times:
+            out[dirname] = max(times)
+    return out

@@ -1,0 +1,303 @@
+"""Storage over fsspec, chosen by URL: ``file://`` (or a plain path), ``s3://``, ``memory://``.
+
+S3 endpoint and credentials come from :class:`StorageOptions` or the standard AWS variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``); they
+are never logged (``repr`` hides the secret). Every call is retried with exponential backoff
+and jitter when the error is transient (:class:`TransientStorageError`) and raised at once
+when it is not (:class:`FatalStorageError`, ``FileNotFoundError``).
+
+What must stay true: :meth:`Storage.write_bytes` is all-or-nothing on every backend (one S3
+PUT or a multipart upload aborted on failure; on local disk a fsynced temp file renamed into
+place, parents created), so a reader never sees a torn object; metadata calls (``exists``,
+``size_bytes``, ``listdir``) never answer from a stale listing cache; keys are joined with
+``/``, never ``os.path``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, TypeVar
+
+import fsspec
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from checkpoint.errors import FatalStorageError, TransientStorageError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
+#: In-flight temp files of :func:`_write_local_atomic`, hidden from listings.
+_LOCAL_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")
+_TRANSIENT_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH,
+                     errno.ECONNABORTED, errno.ENETUNREACH}
+
+
+@dataclass(slots=True)
+class StorageOptions:
+    """Where and how to reach object storage. Empty fields fall back to the AWS variables."""
+
+    endpoint_url: str = ""
+    access_key_id: str = ""
+    secret_access_key: str = field(default="", repr=False)
+    region: str = ""
+    retry_timeout_s: float = 60.0
+    max_attempts: int = 8
+    connect_timeout_s: float = 5.0
+    """S3 only: seconds to wait for a TCP connection (s3fs's default)."""
+    read_timeout_s: float = 15.0
+    """S3 only: seconds to wait on a silent socket before the attempt fails (s3fs's default)."""
+
+    def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
+        if protocol not in ("s3", "s3a"):
+            return {}
+        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
+        region = self.region or os.environ.get("AWS_REGION", "") or os.environ.get("AWS_DEFAULT_REGION", "")
+        kwargs: dict[str, Any] = {"client_kwargs": {}, "config_kwargs": {
+            "retries": {"max_attempts": 1},
+            "connect_timeout": self.connect_timeout_s,
+            "read_timeout": self.read_timeout_s,
+        }}
+        if endpoint:
+            kwargs["client_kwargs"]["endpoint_url"] = endpoint
+        if region:
+            kwargs["client_kwargs"]["region_name"] = region
+        key = self.access_key_id or os.environ.get("AWS_ACCESS_KEY_ID", "")
+        secret = self.secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY", "")
+        if key and secret:
+            kwargs["key"], kwargs["secret"] = key, secret
+        return kwargs
+
+
+def _error_code(exc: BaseException | None) -> str:
+    """The S3 error code of a botocore ``ClientError`` (else its HTTP status, else "")."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    err = response.get("Error", {})
+    return str(err.get("Code", "")) or str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+
+
+def classify(exc: BaseException) -> BaseException:
+    """Map a backend exception to TransientStorageError / FatalStorageError (or keep it)."""
+    if isinstance(exc, FileNotFoundError) and _error_code(exc.__cause__) == "NoSuchBucket":
+        # s3fs turns NoSuchBucket into FileNotFoundError; a missing bucket is configuration.
+        return FatalStorageError(f"NoSuchBucket: {exc}")
+    if isinstance(exc, (TransientStorageError, FatalStorageError, FileNotFoundError, FileExistsError)):
+        return exc
+    code = _error_code(exc)
+    name = type(exc).__name__
+    if code in _TRANSIENT_CODES or name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                                            "ConnectionClosedError", "ServerDisconnectedError",
+                                            "ClientOSError", "ClientPayloadError", "ResponseStreamingError",
+                                            "IncompleteReadError", "TimeoutError"):
+        return TransientStorageError(f"{name}: {exc}")
+    if isinstance(exc, (ConnectionError, TimeoutError)) or (isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS):
+        return TransientStorageError(f"{name}: {exc}")
+    if isinstance(exc, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                                     "NoSuchBucket", "403", "InvalidBucketName"):
+        return FatalStorageError(f"{name}: {exc}")
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc:
+        mapped = classify(cause)
+        if isinstance(mapped, TransientStorageError):
+            return mapped
+    if isinstance(exc, OSError) and "Connect" in str(exc):
+        return TransientStorageError(f"{name}: {exc}")
+    return exc
+
+
+class Storage:
+    """A root URL on some fsspec filesystem, with retried I/O and paths relative to the root."""
+
+    def __init__(self, url: str, options: StorageOptions | None = None,
+                 sleep: Callable[[float], None] | None = None):
+        self.url = url.rstrip("/")
+        self.options = options or StorageOptions()
+        protocol = fsspec.utils.get_protocol(self.url)
+        self.protocol = "file" if protocol in ("file", "local") else protocol
+        self.storage_kwargs = self.options.fsspec_kwargs(self.protocol)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_kwargs)
+        self._sleep = sleep
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # -- paths -------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        """Backend path of ``parts`` under the root (always ``/``-joined, never os.path)."""
+        return posixpath.join(self.root, *[p.strip("/") for p in parts if p])
+
+    def child_url(self, *parts: str) -> str:
+        return "/".join([self.url, *[p.strip("/") for p in parts if p]])
+
+    # -- retries -----------------------------------------------------------------------
+    def retry(self, fn: Callable[[], T], what: str) -> T:
+        def before_sleep(state: RetryCallState) -> None:
+            log.warning("storage %s failed (attempt %d), retrying: %s", what, state.attempt_number,
+                        state.outcome.exception() if state.outcome else "?")
+
+        kwargs: dict[str, Any] = {}
+        if self._sleep is not None:
+            kwargs["sleep"] = self._sleep
+        retrying = Retrying(
+            retry=retry_if_exception_type(TransientStorageError),
+            stop=stop_after_delay(self.options.retry_timeout_s) | stop_after_attempt(self.options.max_attempts),
+            wait=wait_exponential_jitter(initial=0.2, max=5.0, jitter=0.5),
+            before_sleep=before_sleep,
+            reraise=True,
+            **kwargs,
+        )
+
+        return retrying(lambda: _classified(fn))
+
+    def invalidate(self, path: str = "") -> None:
+        self.fs.invalidate_cache(path or None)
+
+    # -- operations --------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        return self.retry(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a whole object, all or nothing (see the module docstring)."""
+        path = self.path(rel)
+        if self.protocol == "file":
+            self.retry(lambda: _write_local_atomic(path, data), f"write {rel}")
+        else:
+            # One PUT (multipart above 100 MiB, aborted by s3fs on failure); never a buffered
+            # file whose close() after a failed write() could commit a truncated object.
+            self.retry(lambda: self.fs.pipe_file(path, data), f"write {rel}")
+
+    def exists(self, rel: str) -> bool:
+        path = self.path(rel)
+
+        def check() -> bool:
+            self.fs.invalidate_cache(path)  # s3fs answers from a cached parent listing otherwise
+            return self.fs.exists(path)
+
+        return self.retry(check, f"exists {rel}")
+
+    def size_bytes(self, rel: str) -> int:
+        path = self.path(rel)
+
+        def size() -> int:
+            self.fs.invalidate_cache(path)
+            return int(self.fs.size(path))
+
+        return self.retry(size, f"size {rel}")
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under ``rel``; empty if it does not exist."""
+        path = self.path(rel)
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            names = {posixpath.basename(e.rstrip("/")) for e in entries}
+            return sorted(n for n in names if not _LOCAL_TMP_NAME.search(n))
+
+        return self.retry(ls, f"list {rel}")
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        path = self.path(rel)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(path, recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+        self.retry(rm, f"remove {rel}")
+
+    def iter_chunks(self, rel: str, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
+        """Stream a file's bytes. Opening is retried; a failure mid-stream is classified and
+        raised (no retry: the caller retries the whole read)."""
+        path = self.path(rel)
+        fh = self.retry(lambda: self.fs.open(path, "rb", block_size=chunk_bytes), f"open {rel}")
+        with fh:
+            while chunk := _classified(lambda: fh.read(chunk_bytes)):
+                yield chunk
+
+    def clear_multipart_uploads(self, rel: str = "") -> int:
+        """Abort unfinished multipart uploads under ``rel`` (S3 only); returns how many."""
+        if self.protocol not in ("s3", "s3a"):
+            return 0
+        bucket, _, key = self.path(rel).partition("/")
+        key = key.strip("/")
+        fs = self.fs
+
+        def under(upload_key: str) -> bool:  # "run1" must not match "run10/..."
+            return not key or upload_key == key or upload_key.startswith(key + "/")
+
+        def abort() -> int:
+            aborted = 0
+            page_kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
+            while True:
+                page = fs.call_s3("list_multipart_uploads", **page_kwargs)
+                for up in page.get("Uploads", []):
+                    if not under(up["Key"]):
+                        continue
+                    try:
+                        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                                   UploadId=up["UploadId"])
+                    except FileNotFoundError:  # NoSuchUpload: gone already (e.g. a retried call)
+                        continue
+                    aborted += 1
+                if not page.get("IsTruncated"):
+                    return aborted
+                page_kwargs.update(KeyMarker=page.get("NextKeyMarker", ""),
+                                   UploadIdMarker=page.get("NextUploadIdMarker", ""))
+
+        return self.retry(abort, f"abort multipart uploads under {rel}")
+
+
+def _classified(fn: Callable[[], T]) -> T:
+    """Call ``fn``; re-raise what it raises as :func:`classify` maps it (chained)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - classified and re-raised
+        mapped = classify(e)
+        if mapped is e:
+            raise
+        raise mapped from e
+
+
+def _write_local_atomic(path: str, data: bytes) -> None:
+    """Create parents, write a temp file beside ``path``, fsync, rename over it, fsync the dir."""
+    parent = posixpath.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,157 @@
+"""What the train loop checkpoints, and how it resumes.
+
+State: model and optimizer through ``get_state_dict`` (sharded DTensors for FSDP/TP, plain for
+DDP: DCP reshards across world sizes and strategies), each rank's torch/numpy/python RNG
+states as small uint8 tensors under ``rng.rank<r>``, and in the manifest the trainer state
+(step, data cursor), the resolved config and its hash, the layout and the fencing round. The
+LR schedule is a pure function of the step, so it needs no state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from checkpoint.manager import CheckpointManager, SaveStatus
+from checkpoint.manifest import Manifest
+from checkpoint.storage import StorageOptions
+from ftrain.config import Config
+from ftrain.data import DataCursor
+from ftrain.events import EventLog
+from ftrain.parallel import Parallel
+
+log = logging.getLogger(__name__)
+
+
+def current_round() -> int:
+    """The rendezvous round (fencing token) the agent started this worker in; 0 without an agent."""
+    return int(os.environ.get("FTRAIN_ROUND", "0"))
+
+
+RNG_BYTES = 64 * 1024
+
+
+def _rng_tensor() -> torch.Tensor:
+    state = {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np.random.get_state()[0], np.random.get_state()[1].tolist(), *np.random.get_state()[2:]],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    blob = json.dumps(state).encode()
+    if len(blob) > RNG_BYTES:
+        raise ValueError(f"RNG state of {len(blob)} bytes exceeds {RNG_BYTES}")
+    # fixed size (space-padded JSON): a load builds a same-shaped tensor before reading
+    return torch.frombuffer(bytearray(blob.ljust(RNG_BYTES)), dtype=torch.uint8).clone()
+
+
+def _restore_rng(t: torch.Tensor) -> None:
+    state = json.loads(bytes(t.tolist()).decode())
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+class Checkpointing:
+    """Connects a running job (model, optimizer, cursor) to the checkpoint service."""
+
+    def __init__(self, cfg: Config, par: Parallel, cursor: DataCursor, events: EventLog):
+        self.cfg = cfg
+        self.par = par
+        self.cursor = cursor
+        self.events = events
+        self.rank = dist.get_rank()
+        self.round = current_round()
+        c = cfg.checkpoint
+        self.manager = CheckpointManager(
+            url=c.uri,
+            options=StorageOptions(endpoint_url=c.endpoint_url, region=c.region),
+            async_mode=c.async_mode, when_busy=c.when_busy, digest=c.digest, hmac_key_env=c.hmac_key_env,
+            keep_last=c.keep_last, keep_every=c.keep_every, gc_grace_s=c.gc_grace_s,
+            on_event=events.emit, device_type=par.device.type,
+        )
+        self._last_gc_step = -1
+
+    # -- save ---------------------------------------------------------------------------
+    def _state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.par.model, self.par.optimizer)
+        return {"model": model_sd, "optim": optim_sd, f"rng.rank{self.rank}": _rng_tensor()}
+
+    def _fields(self) -> dict[str, Any]:
+        layout = self.par.layout
+        return {
+            "round": self.round,
+            "world_size": layout.world_size,
+            "layout": layout.describe(),
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.digest(),
+            "trainer": {"cursor": self.cursor.state_dict()},
+        }
+
+    def due(self, steps_done: int) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return interval > 0 and steps_done % interval == 0
+
+    def save(self, steps_done: int, *, sync: bool = False) -> bool:
+        return self.manager.save(steps_done, self._state_dict(), self._fields(), sync=sync)
+
+    def poll(self) -> SaveStatus:
+        status = self.manager.poll()
+        if status.last_committed_step > self._last_gc_step:
+            self._last_gc_step = status.last_committed_step
+            self.manager.collect_garbage()
+        return status
+
+    def finish(self, steps_done: int) -> SaveStatus:
+        """Final synchronous save (unless this step is already saved), then wait for uploads."""
+        status = self.manager.wait()
+        if self.cfg.checkpoint.final_save and status.last_committed_step != steps_done:
+            self.save(steps_done, sync=True)
+        status = self.manager.wait()
+        self.manager.collect_garbage()
+        return status
+
+    # -- load ---------------------------------------------------------------------------
+    def resume(self) -> Manifest | None:
+        """Load the newest verified checkpoint (or checkpoint.load_step) into model, optimizer,
+        cursor and RNG; returns its manifest, or None when starting fresh."""
+        holder: dict[str, Any] = {}
+
+        def build(manifest: Manifest) -> dict[str, Any]:
+            sd = self._state_dict()
+            if self.rank >= manifest.world_size:  # this rank did not exist when the step was saved
+                del sd[f"rng.rank{self.rank}"]
+            holder["sd"] = sd
+            return sd
+
+        manifest = self.manager.load(build, load_step=self.cfg.checkpoint.load_step)
+        if manifest is None:
+            return None
+        sd = holder["sd"]
+        set_state_dict(self.par.model, self.par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.cursor.load_state_dict(manifest.trainer["cursor"])
+        rng = sd.get(f"rng.rank{self.rank}")
+        if rng is not None:
+            _restore_rng(rng)
+        if manifest.config_hash != self.cfg.digest():
+            log.info("resuming step %d saved with a different config (hash %s, now %s)", manifest.step,
+                     manifest.config_hash, self.cfg.digest())
+        self.events.emit("resumed", step=manifest.step, from_world_size=manifest.world_size,
+                         world_size=self.par.layout.world_size, round=self.round)
+        return manifest
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,253 @@
+"""``ftrain ckpt``: inspect, verify, garbage-collect and export checkpoints.
+
+    ftrain ckpt ls URI                       one line per step directory: state, size, writer
+    ftrain ckpt show URI STEP                the manifest and its files
+    ftrain ckpt verify URI [STEP]            re-hash every file; exit 1 on any problem
+    ftrain ckpt gc URI [--dry-run] [--keep-last N] [--keep-every M] [--grace-s S]
+    ftrain ckpt export URI STEP OUT.pt       one plain torch.save file, loadable without ftrain
+
+Every subcommand takes ``--endpoint-url`` (else ``AWS_ENDPOINT_URL``) and ``--hmac-key-env NAME``
+(the variable holding the manifest HMAC key). Exit codes: 0 fine, 1 problems found (or the step
+is not there), 2 usage or storage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from checkpoint.catalog import inspect_step, list_steps
+from checkpoint.errors import CheckpointError
+from checkpoint.manifest import hmac_key_from_env, parse_step_dir, step_dir_name
+from checkpoint.retention import apply_gc, modified_times, plan_gc
+from checkpoint.storage import Storage, StorageOptions
+from checkpoint.verify import verify_step
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_ERROR = 2
+
+Command = Callable[[argparse.Namespace, list[str]], int]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def storage_options(args: argparse.Namespace) -> StorageOptions:
+    return StorageOptions(endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", ""))
+
+
+def _storage(args: argparse.Namespace) -> Storage:
+    return Storage(args.uri, storage_options(args))
+
+
+def _hmac_key(args: argparse.Namespace) -> bytes | None:
+    return hmac_key_from_env(args.hmac_key_env)
+
+
+def _step_arg(text: str) -> int:
+    """A step as a number (``1200``) or a directory name (``step-000001200``)."""
+    step = parse_step_dir(text)
+    if step is not None:
+        return step
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number or step directory: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"step must be >= 0, got {value}")
+    return value
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _iso(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _guarded(fn: Command) -> Command:
+    """Turn checkpoint and storage errors into a message on stderr and exit code 2."""
+
+    def run(args: argparse.Namespace, overrides: list[str]) -> int:
+        if overrides:
+            print(f"ftrain ckpt {args.ckpt_command}: unrecognised arguments: {' '.join(overrides)}", file=sys.stderr)
+            return EXIT_ERROR
+        try:
+            return fn(args, overrides)
+        except (CheckpointError, OSError, ValueError) as e:
+            print(f"ftrain ckpt {args.ckpt_command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_ERROR
+
+    run.__name__ = run.__qualname__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+# -- subcommands -----------------------------------------------------------------------------
+@_guarded
+def cmd_ls(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Table of every step directory under the root."""
+    steps = list_steps(_storage(args), _hmac_key(args))
+    if not steps:
+        print(f"no step directories under {args.uri}")
+        return EXIT_OK
+    rows = [["STEP", "STATE", "WORLD", "ROUND", "FILES", "SIZE", "CREATED", "NOTE"]]
+    for s in steps:
+        m = s.manifest
+        rows.append([str(s.step), s.state,
+                     str(m.world_size) if m else "-", str(m.round) if m else "-",
+                     str(len(m.files)) if m else "-", human_bytes(m.total_size_bytes) if m else "-",
+                     _iso(m.created_time) if m else "-", s.error or ""])
+    print(_table(rows))
+    return EXIT_OK
+
+
+@_guarded
+def cmd_show(args: argparse.Namespace, overrides: list[str]) -> int:
+    """The manifest of one step, pretty-printed, then its files."""
+    dirname = step_dir_name(args.step)
+    info = inspect_step(_storage(args), dirname, _hmac_key(args))
+    if info.manifest is None:
+        print(f"{dirname}: {info.state}" + (f": {info.error}" if info.error else " (no manifest)"), file=sys.stderr)
+        return EXIT_PROBLEMS
+    m = info.manifest
+    header: dict[str, Any] = {k: v for k, v in m.to_dict().items() if k != "files"}
+    print(f"{dirname}  state={info.state}" + (f"  ({info.error})" if info.error else ""))
+    print(json.dumps(header, indent=2, sort_keys=True))
+    rows = [["FILE", "SIZE", "BYTES", f"DIGEST ({m.digest_algorithm})"]]
+    rows += [[name, human_bytes(e.size_bytes), str(e.size_bytes), e.digest] for name, e in sorted(m.files.items())]
+    rows.append([f"total: {len(m.files)} files", human_bytes(m.total_size_bytes), str(m.total_size_bytes), ""])
+    print(_table(rows))
+    return EXIT_OK
+
+
+def _print_report_line(dirname: str, report: Any) -> None:
+    if report.ok:
+        print(f"{dirname}: OK ({report.files_checked} files, {human_bytes(report.bytes_checked)})")
+        return
+    print(f"{dirname}: FAILED ({len(report.problems)} problem{'s' if len(report.problems) != 1 else ''})")
+    for p in report.problems:
+        print(f"  {p}")
+
+
+@_guarded
+def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Re-hash every file of one step, or of every committed step."""
+    storage, key = _storage(args), _hmac_key(args)
+    failed = 0
+    if args.step is not None:
+        dirname = step_dir_name(args.step)
+        report = verify_step(storage, dirname, key)
+        _print_report_line(dirname, report)
+        info = inspect_step(storage, dirname, key)
+        if info.marked:
+            print(f"  note: {info.error}")
+        return EXIT_OK if report.ok else EXIT_PROBLEMS
+    steps = list_steps(storage, key)
+    if not steps:
+        print(f"no step directories under {args.uri}")
+    for info in steps:
+        if info.state == "uncommitted":
+            print(f"{info.dirname}: uncommitted, skipped")
+        elif info.state == "corrupt" and info.marked:
+            print(f"{info.dirname}: {info.error}, skipped")
+        elif info.state == "corrupt":  # a manifest that fails now: a problem found by this run
+            failed += 1
+            print(f"{info.dirname}: FAILED (1 problem)\n  manifest.json: manifest: {info.error}")
+        else:
+            report = verify_step(storage, info.dirname, key)
+            _print_report_line(info.dirname, report)
+            failed += not report.ok
+    return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+@_guarded
+def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Delete step directories the retention rules no longer keep."""
+    storage = _storage(args)
+    steps = list_steps(storage, _hmac_key(args))
+    ages = modified_times(storage, [s.dirname for s in steps if s.state != "committed"])
+    plan = plan_gc(steps, keep_last=args.keep_last, keep_every=args.keep_every, in_flight=set(),
+                   now_s=time.time(), modified_s=ages, grace_s=args.grace_s)
+    verb = "would delete" if args.dry_run else "delete"
+    for dirname in plan.keep:
+        print(f"keep          {dirname}: {plan.reasons[dirname]}")
+    for dirname in plan.delete:
+        print(f"{verb:<13} {dirname}: {plan.reasons[dirname]}")
+    if not args.dry_run:
+        apply_gc(storage, plan)
+    print(f"{len(plan.delete)} {'to delete' if args.dry_run else 'deleted'}, {len(plan.keep)} kept")
+    return EXIT_OK
+
+
+@_guarded
+def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Write one step as a single plain ``torch.save`` file."""
+    try:
+        from ftrain.checkpoint_export import export_step  # heavy (torch DCP): imported only here
+    except ModuleNotFoundError as e:
+        if e.name != "ftrain.checkpoint_export":
+            raise
+        print("ftrain ckpt export: not available in this build (ftrain.checkpoint_export missing)", file=sys.stderr)
+        return EXIT_ERROR
+
+    result = export_step(args.uri, args.step, args.out, storage_options(args))
+    return int(result) if isinstance(result, int) else EXIT_OK
+
+
+# -- parser ----------------------------------------------------------------------------------
+def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``ckpt`` and its subcommands; each sets ``func(args, overrides) -> int``."""
+    ckpt = subparsers.add_parser("ckpt", help="inspect, verify, garbage-collect and export checkpoints",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+
+    def command(name: str, help_text: str, func: Command) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("uri", help="checkpoint root: s3://bucket/prefix, file:///path, a path, memory://...")
+        p.add_argument("--endpoint-url", default="", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
+        p.add_argument("--hmac-key-env", default="", metavar="NAME",
+                       help="environment variable holding the manifest HMAC key (default: no HMAC check)")
+        p.set_defaults(func=func)
+        return p
+
+    command("ls", "list step directories: step, state, world size, round, files, size, created", cmd_ls)
+
+    p = command("show", "print one step's manifest and per-file sizes", cmd_show)
+    p.add_argument("step", type=_step_arg, help="step number or step directory name")
+
+    p = command("verify", "re-hash files against manifests; exit 1 on any problem", cmd_verify)
+    p.add_argument("step", type=_step_arg, nargs="?", default=None,
+                   help="one step (any state); default: every committed step (steps already marked "
+                        "corrupt are listed and skipped, uncommitted ones skipped)")
+
+    p = command("gc", "delete step directories outside the retention rules", cmd_gc)
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.add_argument("--keep-last", type=int, default=3, metavar="N", help="keep the newest N committed steps (3)")
+    p.add_argument("--keep-every", type=int, default=0, metavar="M",
+                   help="also keep every step that is a multiple of M (0: off)")
+    p.add_argument("--grace-s", type=float, default=3600.0, metavar="S",
+                   help="uncommitted/corrupt directories younger than this are kept (3600)")
+
+    p = command("export", "write one step as a single torch.save file", cmd_export)
+    p.add_argument("step", type=_step_arg, help="step number or step directory name")
+    p.add_argument("out", help="output file (.pt)")
+
+
+__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PROBLEMS", "add_ckpt_parser", "cmd_export", "cmd_gc", "cmd_ls",
+           "cmd_show", "cmd_verify", "human_bytes", "storage_options"]

@@ -1,0 +1,81 @@
+"""Cross-replica consistency: ranks that must hold identical copies compare digests.
+
+Replicated copies: every rank under ddp (and the fixed-order reduction), the parameters under
+zero1, each shard position across HSDP replicate groups, and the replicated (non-DTensor)
+parameters of tensor-parallel ranks. fsdp and zero2 hold no replicas (only shards), so there
+is nothing to compare. A silent divergence (bit flip, a rank that skipped an update) shows up
+as a digest that differs from the rest of its group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.tensor import DTensor
+
+from ftrain.parallel import Parallel
+
+log = logging.getLogger(__name__)
+
+
+class ConsistencyError(RuntimeError):
+    """Replicas that must be identical differ."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    group: int
+    ranks: list[int]  # ranks that disagree with their group's majority
+
+
+def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:
+    """(replica group key, tensors that must match within the group), or None if none."""
+    strategy, layout = par.layout.strategy, par.layout
+    params = [p for p in par.model.parameters()]
+    if strategy == "hsdp":
+        key = layout.rank % layout.shard_size
+        tensors = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        tensors += [t.to_local() if isinstance(t, DTensor) else t for s in par.optimizer.state.values()
+                    for t in s.values() if torch.is_tensor(t)]
+        return key, tensors
+    if strategy in ("ddp", "tp", "zero1"):
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        if strategy != "zero1":
+            plain += [t for p in plain for t in par.optimizer.state.get(p, {}).values()
+                      if torch.is_tensor(t) and not isinstance(t, DTensor)]
+        return 0, plain
+    return None
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def check_replicas(par: Parallel) -> list[Mismatch]:
+    """Collective: every rank calls it; returns the same list of mismatches on every rank."""
+    mine = _replicated_tensors(par)
+    entry = None if mine is None else (mine[0], _digest(mine[1]))
+    world = dist.get_world_size()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, entry)
+    groups: dict[int, dict[int, str]] = defaultdict(dict)
+    for rank, e in enumerate(gathered):
+        if e is not None:
+            groups[e[0]][rank] = e[1]
+    mismatches = []
+    for key, digests in sorted(groups.items()):
+        counts: dict[str, int] = defaultdict(int)
+        for d in digests.values():
+            counts[d] += 1
+        if len(counts) > 1:
+            majority = max(counts, key=lambda d: (counts[d], d == digests[min(digests)]))
+            mismatches.append(Mismatch(key, sorted(r for r, d in digests.items() if d != majority)))
+    return mismatches
