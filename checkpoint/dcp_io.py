@@ -20,7 +20,7 @@ import io
 import pickle
 import posixpath
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.futures import Future
@@ -114,19 +114,29 @@ class DigestedWriteResult(WriteResult):
     file_entries: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
 
 
-class DigestingWriter(FsspecWriter):
-    """FsspecWriter that digests every file and calls ``commit(files)`` after ``.metadata``.
+class Publisher(Protocol):
+    def prepare(self) -> None: ...
 
-    ``commit`` runs on the coordinator only, after every rank's data is written; it must be
-    picklable for process-based async saves.
+    def commit(self, files: dict[str, FileEntry]) -> None: ...
+
+
+class DigestingWriter(FsspecWriter):
+    """FsspecWriter that digests every file; its coordinator calls ``publisher.prepare()``
+    before any rank writes and ``publisher.commit(files)`` after ``.metadata``.
+
+    The publisher must be picklable for process-based async saves.
     """
 
-    def __init__(self, url: str, *, storage_options: dict[str, Any], algorithm: str,
-                 commit: Callable[[dict[str, FileEntry]], None], thread_count: int = 1):
-        super().__init__(url, sync_files=False, overwrite=False, thread_count=thread_count, **storage_options)
+    def __init__(self, url: str, *, storage_options: dict[str, Any], algorithm: str, publisher: Publisher,
+                 thread_count: int = 1):
+        super().__init__(url, sync_files=False, overwrite=True, thread_count=thread_count, **storage_options)
         self._algorithm = algorithm
-        self._commit = commit
+        self._publisher = publisher
         self.fs = _DigestingFileSystem(self.fs, algorithm)
+
+    def prepare_global_plan(self, plans):  # type: ignore[override]
+        self._publisher.prepare()  # coordinator only, before the plan is scattered to writers
+        return super().prepare_global_plan(plans)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -158,7 +168,7 @@ class DigestingWriter(FsspecWriter):
         if meta is None:
             raise ChecksumMismatchError("the .metadata file was written without a digest")
         files[METADATA_NAME] = meta
-        self._commit(files)
+        self._publisher.commit(files)
 
 
 # -- reading ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from checkpoint.errors import (
     StaleRoundError,
     UnsafePickleError,
 )
-from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, step_dir_name
+from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, step_dir_name
 from checkpoint.retention import apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import Problem, mark_corrupt, split_files, verify_files
@@ -67,8 +67,35 @@ def _no_event(name: str, **fields: Any) -> None:
 
 
 @dataclass
-class Committer:
-    """Writes the manifest once every file exists (runs on the coordinator; picklable)."""
+class Retention:
+    keep_last: int = 3
+    keep_every: int = 0
+    grace_s: float = 3600.0
+
+
+def collect_garbage(storage: Storage, retention: Retention, *, in_flight: set[int], hmac_key: bytes | None,
+                    on_event: EventSink = _no_event) -> list[str]:
+    """Apply retention: never touches the newest committed step or an in-flight one."""
+    steps = list_steps(storage, hmac_key)
+    plan = plan_gc(steps, keep_last=retention.keep_last, keep_every=retention.keep_every, in_flight=in_flight,
+                   now_s=time.time(), modified_s=modified_times(storage, [s.dirname for s in steps
+                                                                          if s.state != "committed"]),
+                   grace_s=retention.grace_s)
+    if plan.delete:
+        apply_gc(storage, plan)
+        log.info("retention removed %s", ", ".join(plan.delete))
+        on_event("ckpt_gc", deleted=plan.delete)
+    return plan.delete
+
+
+@dataclass
+class StepPublisher:
+    """The coordinator's storage work for one step (picklable, so it runs wherever DCP's
+    coordinator runs: the training thread, a background thread or a background process).
+
+    ``prepare`` clears a torn directory of the same step before any rank writes; ``commit``
+    checks the fence, writes the manifest (the commit point), then applies retention.
+    """
 
     url: str
     options: StorageOptions
@@ -76,14 +103,32 @@ class Committer:
     fields: dict[str, Any]
     hmac_key_env: str = ""
     fence: Fence | None = None
+    retention: Retention | None = None
 
-    def __call__(self, files: dict[str, FileEntry]) -> None:
+    def prepare(self) -> None:
+        storage = Storage(self.url, self.options)
+        if not storage.listdir(self.dirname):
+            return
+        if storage.exists(f"{self.dirname}/{MANIFEST_NAME}") and not storage.exists(f"{self.dirname}/{CORRUPT_NAME}"):
+            raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
+        log.warning("clearing %s (a torn or corrupt earlier save) before saving it again", self.dirname)
+        storage.remove(self.dirname, recursive=True)
+        storage.clear_multipart_uploads(self.dirname)
+        storage.retry(lambda: storage.fs.makedirs(storage.path(self.dirname), exist_ok=True), "mkdir")
+
+    def commit(self, files: dict[str, FileEntry]) -> None:
         if self.fence is not None:
             self.fence.check(self.fields["round"])
         manifest = Manifest(files=files, created_time=time.time(), **self.fields)
         storage = Storage(self.url, self.options)
-        storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", manifest.to_json(hmac_key_from_env(self.hmac_key_env)))
+        hmac_key = hmac_key_from_env(self.hmac_key_env)
+        storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", manifest.to_json(hmac_key))
         storage.write_bytes("latest", str(manifest.step).encode())
+        if self.retention is not None:
+            try:
+                collect_garbage(storage, self.retention, in_flight=set(), hmac_key=hmac_key)
+            except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
+                log.warning("retention after committing %s failed: %s", self.dirname, e)
 
 
 @dataclass
@@ -145,11 +190,12 @@ class CheckpointManager:
             log.info("checkpoint of step %d waits for step %d to finish uploading", step, self._in_flight.step)
             self.wait()
         dirname = step_dir_name(step)
-        self._prepare_dir(dirname)
-        committer = Committer(self.url, self.options, dirname, {**fields, "step": step, "digest_algorithm": self.digest},
-                              self.hmac_key_env, self.fence)
+        publisher = StepPublisher(self.url, self.options, dirname,
+                                  {**fields, "step": step, "digest_algorithm": self.digest},
+                                  self.hmac_key_env, self.fence,
+                                  Retention(self.keep_last, self.keep_every, self.gc_grace_s))
         writer = DigestingWriter(self.storage.child_url(dirname), storage_options=self.storage.storage_kwargs,
-                                 algorithm=self.digest, commit=committer)
+                                 algorithm=self.digest, publisher=publisher)
         started = time.monotonic()
         if sync or self.async_mode == "off":
             try:
@@ -174,14 +220,6 @@ class CheckpointManager:
         self.status.in_flight_step = step
         self.on_event("ckpt_staged", step=step, staging_s=time.monotonic() - started)
         return True
-
-    def _prepare_dir(self, dirname: str) -> None:
-        """A leftover directory of this step without a manifest is a torn save: clear it first."""
-        if self.rank == 0 and self.storage.exists(dirname) and not self.storage.exists(f"{dirname}/{MANIFEST_NAME}"):
-            log.warning("removing torn (uncommitted) %s before saving it again", dirname)
-            self.storage.remove(dirname, recursive=True)
-        if dist.is_initialized():
-            dist.barrier()
 
     def _group(self):
         if self._async_group is None and dist.is_initialized():
@@ -306,18 +344,13 @@ class CheckpointManager:
 
     # -- retention -----------------------------------------------------------------------
     def collect_garbage(self) -> list[str]:
-        """Apply retention (rank 0 only); never touches the newest committed or in-flight step."""
+        """Apply retention now (rank 0; saves also apply it after each commit)."""
         if self.rank != 0:
             return []
-        steps = list_steps(self.storage, hmac_key_from_env(self.hmac_key_env))
         in_flight = {self._in_flight.step} if self._in_flight is not None else set()
-        plan = plan_gc(steps, keep_last=self.keep_last, keep_every=self.keep_every, in_flight=in_flight,
-                       now_s=time.time(), modified_s=modified_times(self.storage, [s.dirname for s in steps]),
-                       grace_s=self.gc_grace_s)
-        if plan.delete:
-            apply_gc(self.storage, plan)
-            self.on_event("ckpt_gc", deleted=plan.delete)
-        return plan.delete
+        return collect_garbage(self.storage, Retention(self.keep_last, self.keep_every, self.gc_grace_s),
+                               in_flight=in_flight, hmac_key=hmac_key_from_env(self.hmac_key_env),
+                               on_event=self.on_event)
 
     def close(self) -> None:
         self.wait()

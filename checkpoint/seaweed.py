@@ -208,6 +208,7 @@ class SeaweedS3:
         args = [self._weed, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={self._bucket}",
+                "-s3.autoCreateBucket=false",  # like AWS: a mistyped bucket is NoSuchBucket
                 f"-filer.localSocket={local['filer']}", f"-s3.localSocket={local['s3']}"]
         for name in COMPONENTS:
             args += [f"-{name}.port={p[name][0]}", f"-{name}.port.grpc={p[name][1]}"]

@@ -31,7 +31,8 @@ from tenacity import (
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from checkpoint.errors import FatalStorageError, TransientStorageError
@@ -157,7 +158,9 @@ class Storage:
         retrying = Retrying(
             retry=retry_if_exception_type(TransientStorageError),
             stop=stop_after_delay(self.options.retry_timeout_s) | stop_after_attempt(self.options.max_attempts),
-            wait=wait_exponential_jitter(initial=0.2, max=5.0, jitter=0.5),
+            # = wait_exponential_jitter(0.2, max=5, jitter=0.5) without its tenacity-9.2
+            # deprecation of `initial` (tenacity 8 has no `multiplier` there)
+            wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.5),
             before_sleep=before_sleep,
             reraise=True,
             **kwargs,
@@ -201,14 +204,17 @@ class Storage:
         return self.retry(size, f"size {rel}")
 
     def listdir(self, rel: str = "") -> list[str]:
-        """Names (not paths) directly under ``rel``; empty if it does not exist."""
+        """Names (not paths) directly under ``rel``; empty if it does not exist (a missing
+        bucket is not "empty": it raises :class:`FatalStorageError`)."""
         path = self.path(rel)
 
         def ls() -> list[str]:
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=False)
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                if isinstance(classify(e), FatalStorageError):
+                    raise  # NoSuchBucket: a misconfigured bucket must not look like "no checkpoints"
                 return []
             names = {posixpath.basename(e.rstrip("/")) for e in entries}
             return sorted(n for n in names if not _LOCAL_TMP_NAME.search(n))

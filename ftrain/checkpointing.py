@@ -83,7 +83,6 @@ class Checkpointing:
             keep_last=c.keep_last, keep_every=c.keep_every, gc_grace_s=c.gc_grace_s,
             on_event=events.emit, device_type=par.device.type,
         )
-        self._last_gc_step = -1
 
     # -- save ---------------------------------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
@@ -109,20 +108,14 @@ class Checkpointing:
         return self.manager.save(steps_done, self._state_dict(), self._fields(), sync=sync)
 
     def poll(self) -> SaveStatus:
-        status = self.manager.poll()
-        if status.last_committed_step > self._last_gc_step:
-            self._last_gc_step = status.last_committed_step
-            self.manager.collect_garbage()
-        return status
+        return self.manager.poll()
 
     def finish(self, steps_done: int) -> SaveStatus:
         """Final synchronous save (unless this step is already saved), then wait for uploads."""
         status = self.manager.wait()
         if self.cfg.checkpoint.final_save and status.last_committed_step != steps_done:
             self.save(steps_done, sync=True)
-        status = self.manager.wait()
-        self.manager.collect_garbage()
-        return status
+        return self.manager.wait()
 
     # -- load ---------------------------------------------------------------------------
     def resume(self) -> Manifest | None:

@@ -5,12 +5,18 @@ process; unset, every hook is a no-op.
 
 - ``FTRAIN_FAULT_PERTURB="STEP:RANK"``: after step STEP, rank RANK adds 1e-3 to its first
   parameter, silently diverging from its replicas.
+- ``FTRAIN_FAULT_SIGKILL="STEP:RANK"``: after step STEP (and any checkpoint it started), rank
+  RANK sends itself SIGKILL — a real crash at a known point.
+- ``FTRAIN_FAULT_STEP_SLEEP_S=S``: every step takes S seconds longer (a slow worker), so
+  outside observers can act between steps.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 
 import torch
 from torch import nn
@@ -35,3 +41,16 @@ def maybe_perturb_replica(step: int, rank: int, model: nn.Module) -> None:
     with torch.no_grad():
         (p.to_local() if isinstance(p, DTensor) else p).add_(1e-3)
     log.warning("fault injected: perturbed a parameter on rank %d after step %d", rank, step)
+
+
+def maybe_crash(step: int, rank: int) -> None:
+    if _armed("FTRAIN_FAULT_SIGKILL") == (step, rank):
+        log.warning("fault injected: SIGKILL rank %d after step %d", rank, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_slow_down() -> None:
+    delay_s = float(os.environ.get("FTRAIN_FAULT_STEP_SLEEP_S", "0") or 0)
+    if delay_s > 0:
+        time.sleep(delay_s)

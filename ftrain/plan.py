@@ -670,15 +670,15 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         f"{'on' if cfg.parallel.activation_checkpointing else 'off'}",
         "",
     ]
-    header = ["strategy", "layout", "params+grads+optim", "activations", "transient", "overhead",
-              "total/rank", f"fits {_gib(memory)}"]
+    header = ["strategy", "layout", "params+grads+optim", "activations", "backward extra", "step extra",
+              "overhead", "total/rank", f"fits {_gib(memory)}"]
     rows = [header]
     for e in estimates:
         use = e.total_bytes / memory
         fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
         total = _gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
         rows.append([e.strategy, _layout_text(e), _gib(e.model_state_bytes), _gib(e.activation_bytes),
-                     _gib(max(e.transient_bytes, e.step_transient_bytes)), _gib(e.overhead_bytes), total,
+                     _gib(e.transient_bytes), _gib(e.step_transient_bytes), _gib(e.overhead_bytes), total,
                      f"{fit} ({use:.0%})"])
     lines += _table(rows)
     for sk in skipped:
@@ -694,10 +694,13 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
                                                    target=target, device_memory_bytes=memory)]
     lines.append("")
     lines.append("notes:")
-    lines.append("  - total = overhead + the largest of backward (model states + activations + transient), "
-                 "step (model states + optimizer temporaries), init (full fp32 model before sharding)")
-    lines.append("  - transient: unsharded FSDP units and buffers, bf16 autocast weight copies, or optimizer-step "
-                 "temporaries, whichever is larger")
+    lines.append("  - total/rank = overhead + the largest of: backward (params + optimizer state + activations "
+                 "+ backward extra, + gradients for ddp/zero1 whose buckets persist; other strategies free "
+                 "gradients after each step and re-create them as activations are freed), step (params + "
+                 "grads + optimizer + step extra), init (the full fp32 model before sharding); the phase "
+                 "is named when it is not backward")
+    lines.append("  - backward extra: unsharded FSDP units and buffers, bf16 autocast weight copies, gradients "
+                 "accumulated between micro-batches; step extra: AdamW temporaries and the last logits")
     for e in estimates:
         if e.model_state_bytes != e.textbook_model_state_bytes:
             lines.append(f"  - {e.strategy}: model states {_gib(e.model_state_bytes)} here vs "

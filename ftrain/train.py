@@ -27,7 +27,7 @@ from ftrain.consistency import ConsistencyError, check_replicas
 from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
 from ftrain.distributed import compute_layout, init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.events import EventLog
-from ftrain.faults import maybe_perturb_replica
+from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_slow_down
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
@@ -124,6 +124,8 @@ class Trainer:
             done = self.cursor.step
             if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
                 self.ckpt.save(done)
+            maybe_crash(done, self.rank)
+            maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:
                 self._check_consistency(done)
             if self._stop_agreed():

@@ -18,10 +18,10 @@ from ftrain.plan import (
     PREFERENCE,
     Target,
     activation_bytes,
+    activations,
     estimate,
     estimate_all,
     layout_for,
-    logits_bytes,
     model_stats,
     plan_report,
     recommend,
@@ -145,8 +145,18 @@ def test_zero2_hsdp_tp_and_2d_model_states():
 def test_bf16_ddp_keeps_autocast_copies_of_linear_weights():
     stats, e = _est(_cfg(), "ddp", 8, GPU_BF16)
     assert e.transient_bytes == 2 * sum(p.numel for p in stats.params if p.autocast_copy)
+    assert e.grads_in_backward_bytes == e.grads_bytes  # DDP's buckets persist
     _, fp32 = _est(_cfg(), "ddp", 8, CPU_FP32)
     assert fp32.transient_bytes == 0
+
+
+def test_fsdp_gradient_accumulation_holds_unsharded_fp32_gradients():
+    cfg = _cfg(train={"global_batch_size": 64, "micro_batch_size": 2})  # 4 micro-batches per rank at 8
+    stats, e = _est(cfg, "fsdp", 8)
+    _, single = _est(_cfg(train={"global_batch_size": 16, "micro_batch_size": 2}), "fsdp", 8)
+    assert e.grads_in_backward_bytes == 0
+    assert e.transient_bytes - single.transient_bytes == 4 * stats.num_params
+    assert any("unsharded fp32 gradients" in n for n in e.notes)
 
 
 def test_fsdp_start_up_holds_the_full_model():
@@ -188,8 +198,7 @@ def _saved_bytes(model_cfg: ModelConfig, micro: int, autocast: bool) -> int:
 @pytest.mark.parametrize("mode,dropout", [("fp32", 0.0), ("autocast", 0.0), ("fp32", 0.1)])
 def test_activation_formula_matches_saved_tensors(mode, dropout):
     model = ModelConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=64, dropout=dropout)
-    predicted = activation_bytes(model, micro_batch=3, mode=mode, tp=1, device="cpu", checkpointing=False)
-    predicted -= logits_bytes(model, micro_batch=3, mode=mode)
+    predicted = activations(model, micro_batch=3, mode=mode, tp=1, device="cpu", checkpointing=False).saved_bytes
     measured = _saved_bytes(model, 3, autocast=mode == "autocast")
     assert predicted == pytest.approx(measured, rel=0.01)
 
@@ -201,7 +210,9 @@ def test_activation_checkpointing_and_tp_shrink_activations():
     assert activation_bytes(model, tp=1, checkpointing=True, **kw) < full / 2
     assert activation_bytes(model, tp=4, checkpointing=False, **kw) < full
     # The logits: b*s*V in bf16 plus three fp32 copies' worth.
-    assert logits_bytes(model, micro_batch=8, mode="mp") == 8 * 128 * 256 * 14
+    acts = activations(model, tp=1, checkpointing=False, **kw)
+    assert acts.loss_peak == 8 * 128 * 256 * 14
+    assert acts.at_loss_backward == full
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""Retention: the pure plan (property-tested), applying it, file ages, and ``ftrain ckpt gc``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpoint.catalog import StepInfo, list_steps
+from checkpoint.manifest import MANIFEST_NAME, step_dir_name
+from checkpoint.retention import GcPlan, _entry_time, apply_gc, modified_times, plan_gc
+from checkpoint.storage import Storage
+from tests.unit.test_verify_catalog import run_cli, write_step
+
+NOW = 1_000_000.0
+GRACE = 100.0
+
+
+def info(step: int, state: str = "committed") -> StepInfo:
+    return StepInfo(step, step_dir_name(step), state, None, None if state != "corrupt" else "bad")
+
+
+def plan(steps, *, keep_last=3, keep_every=0, in_flight=(), ages=None, grace_s=GRACE) -> GcPlan:
+    ages = ages or {}
+    return plan_gc(steps, keep_last=keep_last, keep_every=keep_every, in_flight=set(in_flight), now_s=NOW,
+                   modified_s={step_dir_name(s): NOW - a for s, a in ages.items()}, grace_s=grace_s)
+
+
+def deleted(p: GcPlan) -> list[int]:
+    return [int(d.split("-")[1]) for d in p.delete]
+
+
+# -- examples --------------------------------------------------------------------------------
+def test_keep_last_and_keep_every():
+    steps = [info(s) for s in range(100, 1100, 100)]
+    assert deleted(plan(steps, keep_last=3)) == [100, 200, 300, 400, 500, 600, 700]
+    assert deleted(plan(steps, keep_last=2, keep_every=500)) == [100, 200, 300, 400, 600, 700, 800]
+    p = plan(steps, keep_last=0)
+    assert deleted(p) == list(range(100, 1000, 100)) and p.keep == [step_dir_name(1000)]
+    assert p.reasons[step_dir_name(1000)] == "newest committed"
+
+
+def test_in_flight_is_never_deleted():
+    steps = [info(100), info(200), info(300, "uncommitted")]
+    assert deleted(plan(steps, keep_last=0, in_flight={100, 300}, ages={300: 10 * GRACE})) == []
+
+
+def test_uncommitted_deleted_only_after_grace():
+    steps = [info(100), info(200, "uncommitted"), info(300, "uncommitted"), info(400, "uncommitted")]
+    p = plan(steps, ages={200: GRACE + 1, 300: GRACE - 1})
+    assert deleted(p) == [200]
+    assert "age unknown" in p.reasons[step_dir_name(400)]
+
+
+def test_corrupt_kept_as_evidence_until_older_than_newest_committed_and_grace():
+    steps = [info(100, "corrupt"), info(200, "corrupt"), info(300), info(400, "corrupt")]
+    p = plan(steps, ages={100: GRACE + 1, 200: GRACE - 1, 400: 10 * GRACE})
+    assert deleted(p) == [100]
+    assert "no newer committed" in p.reasons[step_dir_name(400)]
+    assert deleted(plan([info(100, "corrupt")], ages={100: 10 * GRACE})) == []
+
+
+def test_every_directory_has_a_reason():
+    steps = [info(1), info(2, "uncommitted"), info(3, "corrupt"), info(4)]
+    p = plan(steps, keep_last=1, ages={2: 0, 3: 0})
+    assert sorted(p.delete + p.keep) == sorted(s.dirname for s in steps) and set(p.reasons) == set(p.delete + p.keep)
+
+
+@pytest.mark.parametrize("kwargs", [dict(keep_last=-1), dict(keep_every=-1), dict(grace_s=-1.0)])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        plan([info(1)], **kwargs)
+
+
+# -- property --------------------------------------------------------------------------------
+steps_strategy = st.dictionaries(st.integers(0, 60), st.sampled_from(["committed", "uncommitted", "corrupt"]),
+                                 max_size=25)
+
+
+@settings(max_examples=200, deadline=None)
+@given(states=steps_strategy, keep_last=st.integers(0, 5), keep_every=st.integers(0, 12),
+       in_flight=st.sets(st.integers(0, 60), max_size=4), ages=st.dictionaries(st.integers(0, 60),
+                                                                               st.floats(0, 3 * GRACE)))
+def test_plan_gc_properties(states, keep_last, keep_every, in_flight, ages):
+    steps = [info(s, state) for s, state in states.items()]
+    p = plan(steps, keep_last=keep_last, keep_every=keep_every, in_flight=in_flight, ages=ages)
+    gone = set(deleted(p))
+    committed = sorted((s for s, state in states.items() if state == "committed"), reverse=True)
+
+    assert sorted(p.delete + p.keep) == sorted(s.dirname for s in steps)
+    assert not set(p.delete) & set(p.keep)
+    assert not gone & in_flight
+    if committed:
+        assert committed[0] not in gone
+    assert not gone & set(committed[:keep_last])
+    if keep_every:
+        assert not {s for s in committed if s % keep_every == 0} & gone
+    for s, state in states.items():
+        age = ages.get(s)
+        if state == "committed" and s not in in_flight and s not in committed[:max(keep_last, 1)] \
+                and not (keep_every and s % keep_every == 0):
+            assert s in gone  # older committed steps outside every keep rule do go
+        if state == "uncommitted":
+            assert (s in gone) == (s not in in_flight and age is not None and age > GRACE)
+        if state == "corrupt":
+            assert (s in gone) == (s not in in_flight and bool(committed) and s < committed[0]
+                                   and age is not None and age > GRACE)
+    assert p.delete == sorted(p.delete) and p.keep == sorted(p.keep)  # ascending by step (fixed width)
+
+
+# -- applying it -----------------------------------------------------------------------------
+@pytest.fixture
+def storage(tmp_path) -> Storage:
+    return Storage(f"file://{tmp_path}/ckpt")
+
+
+def test_apply_gc_deletes_only_planned_dirs(storage):
+    for s in (1, 2, 3):
+        write_step(storage, s)
+    write_step(storage, 4, commit=False)
+    apply_gc(storage, GcPlan(delete=[step_dir_name(1), step_dir_name(4)], keep=[step_dir_name(2), step_dir_name(3)]))
+    assert storage.listdir("") == [step_dir_name(2), step_dir_name(3)]
+    assert MANIFEST_NAME in storage.listdir(step_dir_name(2))
+    apply_gc(storage, GcPlan(delete=[step_dir_name(1)]))  # already gone: no error
+
+
+def test_modified_times(storage, tmp_path):
+    write_step(storage, 1)
+    write_step(storage, 2, commit=False)
+    (tmp_path / "ckpt" / "step-000000003").mkdir()
+    os.utime(tmp_path / "ckpt" / step_dir_name(1) / ".metadata", (5000.0, 5000.0))
+    for name in storage.listdir(step_dir_name(2)):
+        os.utime(tmp_path / "ckpt" / step_dir_name(2) / name, (1000.0, 1000.0))
+    times = modified_times(storage, [step_dir_name(1), step_dir_name(2), step_dir_name(3), "step-000000009"])
+    assert times[step_dir_name(2)] == 1000.0
+    assert times[step_dir_name(1)] > 5000.0  # the newest file counts, not the oldest
+    assert step_dir_name(3) in times  # an empty local directory has its own mtime
+    assert "step-000000009" not in times
+
+
+def test_modified_times_memory_backend():
+    import uuid
+
+    s = Storage(f"memory://ftrain-gc-{uuid.uuid4().hex}")
+    try:
+        write_step(s, 1)
+        t = modified_times(s, [step_dir_name(1)])[step_dir_name(1)]
+        assert abs(t - dt.datetime.now(dt.timezone.utc).timestamp()) < 60
+    finally:
+        s.remove("", recursive=True)
+
+
+def test_entry_time_formats():
+    utc = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    assert _entry_time({"LastModified": utc}) == utc.timestamp()  # S3
+    assert _entry_time({"LastModified": utc.replace(tzinfo=None)}) == utc.timestamp()
+    assert _entry_time({"mtime": 12.5, "created": 1.0}) == 12.5  # local
+    assert _entry_time({"created": utc}) == utc.timestamp()  # memory
+    assert _entry_time({"last_modified": "2024-01-01T00:00:00Z"}) == utc.timestamp()
+    assert _entry_time({"size": 3}) is None
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def test_cli_gc_dry_run_deletes_nothing_then_gc_deletes(storage, capsys, tmp_path):
+    for s in range(1, 7):
+        write_step(storage, s)
+    write_step(storage, 7, commit=False)
+    old = 1_000.0  # epoch + 1000 s: far older than any grace
+    for name in storage.listdir(step_dir_name(7)):
+        os.utime(tmp_path / "ckpt" / step_dir_name(7) / name, (old, old))
+    before = {d: storage.listdir(d) for d in storage.listdir("")}
+
+    assert run_cli(["ckpt", "gc", storage.url, "--dry-run", "--keep-last", "2", "--keep-every", "3"]) == 0
+    out = capsys.readouterr().out
+    assert {d: storage.listdir(d) for d in storage.listdir("")} == before
+    assert "would delete  step-000000001" in out and "would delete  step-000000007" in out
+    assert "keep          step-000000003" in out and "4 to delete, 3 kept" in out
+
+    assert run_cli(["ckpt", "gc", storage.url, "--keep-last", "2", "--keep-every", "3"]) == 0
+    assert "4 deleted" in capsys.readouterr().out
+    assert [(s.step, s.state) for s in list_steps(storage)] == [(3, "committed"), (5, "committed"), (6, "committed")]
+
+
+def test_cli_gc_keeps_fresh_uncommitted(storage, capsys):
+    write_step(storage, 1)
+    write_step(storage, 2, commit=False)  # just written: within the default grace of an hour
+    assert run_cli(["ckpt", "gc", storage.url, "--keep-last", "0"]) == 0
+    assert [s.step for s in list_steps(storage)] == [1, 2]
