@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                    "exists from step 1, so the peak is reached early)")
     p.add_argument("--strategies", default="ddp,fsdp", help="comma-separated (default ddp,fsdp)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")
     args = p.parse_args(argv)
@@ -49,11 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ftrain-plan-check-") as tmp:
         workdir = Path(tmp)
         config_path = workdir / "config.toml"
-        config_path.write_text(config_toml(model, train, steps=args.steps))
+        text = config_toml(model, train, steps=args.steps)
+        if args.activation_checkpointing:
+            text += "\n[parallel]\nactivation_checkpointing = true\n"
+        config_path.write_text(text)
         cfg = load_config(config_path)
         stats = model_stats(cfg.model, cfg.optim)
         print(f"model: {stats.num_params / 1e6:.2f}M params {model}, micro batch {args.micro_batch}, cpu fp32, "
-              f"{args.steps} steps, malloc tuning {'off' if args.no_malloc_tuning else 'on'}", flush=True)
+              f"{args.steps} steps, activation checkpointing {'on' if args.activation_checkpointing else 'off'}, "
+              f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}", flush=True)
         for s in strategies:
             nproc = RANKS.get(s, 2)
             job = torchrun_train(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s)
@@ -78,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     header = ("strategy", "ranks", "states", "activ.", "transient", "step tmp", "init", "overhead",
               "estimate", "measured", "error")
-    print("MB per rank (10^6 bytes); estimate = overhead + max(states + activ. + transient, states + step tmp, init)")
+    print("MB per rank (10^6 bytes). estimate = overhead + the largest of: backward = params + optimizer state "
+          "(+ grads for ddp/zero1) + activ. + transient; step = states + step tmp; init")
     print("  ".join(f"{h:>9}" for h in header))
     for row in rows:
         measured = _mb(row["measured_bytes"]) if row["ok"] else "FAILED"
@@ -87,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                  _mb(row["transient_bytes"]), _mb(row["step_transient_bytes"]), _mb(row["init_bytes"]),
                  _mb(row["overhead_bytes"]), _mb(row["estimate_bytes"]) + f" ({row['phase']})", measured, error)
         print("  ".join(f"{c:>9}" for c in cells))
-    print(json.dumps({"bench": "plan_vs_measured", "num_params": stats.num_params,
-                      "micro_batch": args.micro_batch, "malloc_tuning": not args.no_malloc_tuning, "results": rows}))
+    print(json.dumps({"bench": "plan_vs_measured", "num_params": stats.num_params, "micro_batch": args.micro_batch,
+                      "activation_checkpointing": args.activation_checkpointing,
+                      "malloc_tuning": not args.no_malloc_tuning, "results": rows}))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

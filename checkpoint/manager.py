@@ -37,7 +37,7 @@ from checkpoint.errors import (
 from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, step_dir_name
 from checkpoint.retention import apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import Problem, mark_corrupt, split_files, verify_files
+from checkpoint.verify import CORRUPTION_KINDS, Problem, mark_corrupt, split_files, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -286,9 +286,11 @@ class CheckpointManager:
         candidates = self._agree(self._candidates(load_step) if self.rank == 0 else None)
         for info in candidates:
             problems = self._verify_everywhere(info)
-            if problems:
+            if any(p.kind in CORRUPTION_KINDS for p in problems):
                 self._reject(info, problems)
                 continue
+            if problems:  # unreadable (permissions...): not proof of corruption, so no marker
+                raise CheckpointError(f"{info.dirname} cannot be read: " + "; ".join(map(str, problems[:5])))
             manifest = info.manifest
             state_dict = build_state_dict(manifest)
             reader = VerifiedReader(self.storage.child_url(info.dirname), storage_options=self.storage.storage_kwargs,

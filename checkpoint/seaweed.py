@@ -166,8 +166,10 @@ class SeaweedS3:
         return f"s3://{self._bucket}/{prefix}" if prefix else f"s3://{self._bucket}"
 
     def storage_options(self, **overrides: Any) -> StorageOptions:
-        return StorageOptions(endpoint_url=self.endpoint_url, access_key_id=self._access_key_id,
-                              secret_access_key=self._secret_access_key, region=REGION, **overrides)
+        """Options reaching this server; ``overrides`` replace any field (e.g. a wrong secret)."""
+        fields: dict[str, Any] = {"endpoint_url": self.endpoint_url, "access_key_id": self._access_key_id,
+                                  "secret_access_key": self._secret_access_key, "region": REGION}
+        return StorageOptions(**{**fields, **overrides})
 
     def env(self) -> dict[str, str]:
         """AWS_* variables that point a child process (s3fs, boto, the AWS CLI) at this server."""

@@ -246,6 +246,7 @@ class Storage:
         if self.protocol not in ("s3", "s3a"):
             return 0
         bucket, _, key = self.path(rel).partition("/")
+        key = key + "/" if key else key  # a directory prefix: step-1 must not match step-10
         key = key.strip("/")
         fs = self.fs
 

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from checkpoint.catalog import inspect_step, list_steps
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, ChecksumMismatchError
 from checkpoint.manifest import hmac_key_from_env, parse_step_dir, step_dir_name
 from checkpoint.retention import apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
@@ -198,16 +198,17 @@ def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
 @_guarded
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     """Write one step as a single plain ``torch.save`` file."""
-    try:
-        from ftrain.checkpoint_export import export_step  # heavy (torch DCP): imported only here
-    except ModuleNotFoundError as e:
-        if e.name != "ftrain.checkpoint_export":
-            raise
-        print("ftrain ckpt export: not available in this build (ftrain.checkpoint_export missing)", file=sys.stderr)
-        return EXIT_ERROR
+    from checkpoint.export import export_step  # heavy (torch DCP): imported only here
 
-    result = export_step(args.uri, args.step, args.out, storage_options(args))
-    return int(result) if isinstance(result, int) else EXIT_OK
+    try:
+        summary = export_step(_storage(args), args.step, args.out, hmac_key_env=args.hmac_key_env,
+                              include_optimizer=args.with_optimizer)
+    except ChecksumMismatchError as e:
+        print(f"ftrain ckpt export: {e}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    print(f"exported step {summary['step']}: {summary['tensors']} tensors, {summary['params']:,} parameters "
+          f"-> {summary['path']}")
+    return EXIT_OK
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -247,6 +248,8 @@ def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
     p = command("export", "write one step as a single torch.save file", cmd_export)
     p.add_argument("step", type=_step_arg, help="step number or step directory name")
     p.add_argument("out", help="output file (.pt)")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help='also export optimizer state ({"model": ..., "optim": ...}); default: model parameters only')
 
 
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PROBLEMS", "add_ckpt_parser", "cmd_export", "cmd_gc", "cmd_ls",

@@ -4,6 +4,7 @@
     ftrain plan CONFIG.toml [--world-size N] [--device-memory-gb G] [--section.key=value ...]
     ftrain config CONFIG.toml [--section.key=value ...]  print the resolved configuration
     ftrain config --reference                           print every key as Markdown
+    ftrain ckpt ls|show|verify|gc|export URI ...        inspect and maintain checkpoints
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import sys
 
 from ftrain.config import ConfigError, load_config, reference_markdown
+from ftrain.ckpt_cli import add_ckpt_parser
 from ftrain.data import DataError
 
 log = logging.getLogger("ftrain")
@@ -68,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="memory per rank in GiB (default: this machine's GPU, else 80)")
     p.set_defaults(func=_cmd_plan)
+
+    add_ckpt_parser(sub)
 
     p = sub.add_parser("config", help="print the resolved configuration, or the reference of all keys")
     p.add_argument("config", nargs="?", help="TOML config file")

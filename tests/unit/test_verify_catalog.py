@@ -308,16 +308,3 @@ def test_cli_ls_and_show(storage, capsys):
     assert '"world_size": 2' in out and "__1_0.distcp" in out and "total: 3 files" in out
     assert run_cli(["ckpt", "show", storage.url, "200"]) == 1
     assert run_cli(["ckpt", "ls", storage.url, "--bogus"]) == 2
-
-
-def test_cli_export_is_lazy(storage, capsys, monkeypatch, tmp_path):
-    import sys
-    import types
-
-    calls = []
-    fake = types.ModuleType("ftrain.checkpoint_export")
-    fake.export_step = lambda uri, step, out, options: calls.append((uri, step, out, options.endpoint_url))
-    monkeypatch.setitem(sys.modules, "ftrain.checkpoint_export", fake)
-    out = str(tmp_path / "out.pt")
-    assert run_cli(["ckpt", "export", storage.url, "1200", out, "--endpoint-url", "http://127.0.0.1:1"]) == 0
-    assert calls == [(storage.url, 1200, out, "http://127.0.0.1:1")]
