@@ -19,6 +19,8 @@ import dataclasses
 import io
 import pickle
 import posixpath
+import shutil
+import tempfile
 import threading
 from typing import Any, Callable, Iterator, Protocol
 
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from checkpoint.digest import new_hasher
 from checkpoint.errors import ChecksumMismatchError, UnsafePickleError
 from checkpoint.manifest import FileEntry
+from checkpoint.storage import Storage, StorageOptions
 
 METADATA_NAME = ".metadata"
 
@@ -38,12 +41,11 @@ METADATA_NAME = ".metadata"
 class _HashingStream(io.RawIOBase):
     """A write-only stream that hashes what it forwards; refuses to seek backwards."""
 
-    def __init__(self, inner: Any, algorithm: str, on_close: Callable[[int, str], None]):
+    def __init__(self, inner: Any, algorithm: str):
         super().__init__()
         self._inner = inner
         self._hasher = new_hasher(algorithm)
-        self._size = 0
-        self._on_close = on_close
+        self.size_bytes = 0
 
     def writable(self) -> bool:
         return True
@@ -52,35 +54,33 @@ class _HashingStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         self._hasher.update(view)
         self._inner.write(view)
-        self._size += view.nbytes
+        self.size_bytes += view.nbytes
         return view.nbytes
 
     def tell(self) -> int:
-        return self._size
+        return self.size_bytes
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        target = offset if whence == 0 else self._size + offset if whence == 1 else None
-        if target != self._size:
+        target = offset if whence == 0 else self.size_bytes + offset if whence == 1 else None
+        if target != self.size_bytes:
             raise io.UnsupportedOperation("digesting stream is append-only")
-        return self._size
+        return self.size_bytes
 
-    def flush(self) -> None:
-        if not getattr(self._inner, "closed", False):
-            self._inner.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._inner.close()
-            self._on_close(self._size, self._hasher.hexdigest())
-        super().close()
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
 
 
 class _DigestingFileSystem:
-    """Delegates to torch's fsspec FileSystem; write streams are digested per file."""
+    """Delegates to torch's fsspec FileSystem, except that each written file is digested while
+    it is produced, staged locally (memory, or a temp file past ``spool_bytes``), and uploaded
+    whole with retries: a storage hiccup retries one file, not the whole checkpoint, and a
+    failed upload never leaves a half-written object behind."""
 
-    def __init__(self, inner: Any, algorithm: str):
+    def __init__(self, inner: Any, algorithm: str, storage: Storage, spool_bytes: int = 64 << 20):
         self._inner = inner
         self._algorithm = algorithm
+        self._storage = storage
+        self._spool_bytes = spool_bytes
         self._lock = threading.Lock()
         self.files: dict[str, FileEntry] = {}
 
@@ -94,17 +94,25 @@ class _DigestingFileSystem:
                 yield stream
             return
         name = posixpath.basename(str(path))
-
-        def record(size: int, digest: str) -> None:
+        with tempfile.SpooledTemporaryFile(max_size=self._spool_bytes) as spool:
+            stream = _HashingStream(spool, self._algorithm)
+            yield stream
+            self._upload(str(path), spool, stream.size_bytes)
             with self._lock:
-                self.files[name] = FileEntry(size_bytes=size, digest=digest)
+                self.files[name] = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
 
-        with self._inner.create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, self._algorithm, record)
-            try:
-                yield stream
-            finally:
-                stream.close()
+    def _upload(self, path: str, spool: Any, size_bytes: int) -> None:
+        fs = self._inner.fs
+        if size_bytes <= self._spool_bytes:
+            spool.seek(0)
+            data = spool.read()
+            self._storage.retry(lambda: fs.pipe_file(path, data), f"upload {posixpath.basename(path)}")
+            return
+        spool.seek(0)
+        with tempfile.NamedTemporaryFile() as local:
+            shutil.copyfileobj(spool, local, 8 << 20)
+            local.flush()
+            self._storage.retry(lambda: fs.put_file(local.name, path), f"upload {posixpath.basename(path)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +135,14 @@ class DigestingWriter(FsspecWriter):
     The publisher must be picklable for process-based async saves.
     """
 
-    def __init__(self, url: str, *, storage_options: dict[str, Any], algorithm: str, publisher: Publisher,
+    def __init__(self, url: str, *, options: StorageOptions, algorithm: str, publisher: Publisher,
                  thread_count: int = 1):
-        super().__init__(url, sync_files=False, overwrite=True, thread_count=thread_count, **storage_options)
+        self._storage = Storage(url, options)
+        super().__init__(url, sync_files=False, overwrite=True, thread_count=thread_count,
+                         **self._storage.storage_kwargs)
         self._algorithm = algorithm
         self._publisher = publisher
-        self.fs = _DigestingFileSystem(self.fs, algorithm)
+        self.fs = _DigestingFileSystem(self.fs, algorithm, self._storage)
 
     def prepare_global_plan(self, plans):  # type: ignore[override]
         self._publisher.prepare()  # coordinator only, before the plan is scattered to writers
@@ -145,7 +155,7 @@ class DigestingWriter(FsspecWriter):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.fs = _DigestingFileSystem(self.fs, self._algorithm)
+        self.fs = _DigestingFileSystem(self.fs, self._algorithm, self._storage)
 
     def write_data(self, plan, planner):  # type: ignore[override]
         results = super().write_data(plan, planner).wait()

@@ -194,8 +194,8 @@ class CheckpointManager:
                                   {**fields, "step": step, "digest_algorithm": self.digest},
                                   self.hmac_key_env, self.fence,
                                   Retention(self.keep_last, self.keep_every, self.gc_grace_s))
-        writer = DigestingWriter(self.storage.child_url(dirname), storage_options=self.storage.storage_kwargs,
-                                 algorithm=self.digest, publisher=publisher)
+        writer = DigestingWriter(self.storage.child_url(dirname), options=self.options, algorithm=self.digest,
+                                 publisher=publisher)
         started = time.monotonic()
         if sync or self.async_mode == "off":
             try:

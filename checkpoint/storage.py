@@ -222,15 +222,38 @@ class Storage:
         return self.retry(ls, f"list {rel}")
 
     def remove(self, rel: str, recursive: bool = False) -> None:
+        """Delete a file, or with ``recursive`` everything under ``rel``; missing is not an error.
+
+        On S3 a recursive remove also deletes the ``dir/`` entries of the removed tree, deepest
+        first: SeaweedFS keeps empty directories and would go on listing a removed prefix.
+        """
         path = self.path(rel)
+        s3 = self.protocol in ("s3", "s3a")
 
         def rm() -> None:
+            dirs = [path]
             try:
+                if s3 and recursive:
+                    found = self.fs.find(path, withdirs=True, detail=True)
+                    dirs += [p for p, info in found.items() if info.get("type") == "directory"]
                 self.fs.rm(path, recursive=recursive)
             except FileNotFoundError:
                 pass
+            if s3 and recursive:
+                self._delete_s3_dir_entries(dirs)
+                self.fs.invalidate_cache(path)
 
         self.retry(rm, f"remove {rel}")
+
+    def _delete_s3_dir_entries(self, dirs: list[str]) -> None:
+        """DeleteObjects on ``d/`` for each directory path, deepest first (a no-op on AWS S3;
+        SeaweedFS refuses a non-empty one, so nothing but empty directories can go)."""
+        bucket = self.root.partition("/")[0]
+        keys = {d.partition("/")[2].strip("/") for d in dirs}
+        ordered = sorted((k + "/" for k in keys if k), key=lambda k: (-k.count("/"), k))
+        for i in range(0, len(ordered), 1000):
+            self.fs.call_s3("delete_objects", Bucket=bucket,
+                            Delete={"Objects": [{"Key": k} for k in ordered[i:i + 1000]], "Quiet": True})
 
     def iter_chunks(self, rel: str, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
         """Stream a file's bytes. Opening is retried; a failure mid-stream is classified and
