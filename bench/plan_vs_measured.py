@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from strategies import MODELS, RANKS, STRATEGIES, config_toml, summarise, torchrun_train, worker_env  # noqa: E402
+from strategies import MODELS, RANKS, STRATEGIES, config_toml, run_with_retry, summarise, worker_env  # noqa: E402
 
 
 def _mb(n: int) -> str:
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--retries", type=int, default=1, help="re-run a failed job this many times (default 1)")
     p.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")
     args = p.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -61,14 +62,16 @@ def main(argv: list[str] | None = None) -> int:
               f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}", flush=True)
         for s in strategies:
             nproc = RANKS.get(s, 2)
-            job = torchrun_train(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s)
+            job, failures = run_with_retry(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s,
+                                           retries=args.retries)
             r = summarise(job, warmup=0)
             layout = layout_for(cfg, s, world_size=nproc, gpus_per_node=nproc)
             e = estimate(stats, cfg, layout, Target("cpu", "fp32"))
             row = {"strategy": s, "ranks": nproc, "estimate_bytes": e.total_bytes, "phase": e.phase,
                    "model_state_bytes": e.model_state_bytes, "activation_bytes": e.activation_bytes,
                    "transient_bytes": e.transient_bytes, "step_transient_bytes": e.step_transient_bytes,
-                   "init_bytes": e.init_bytes, "overhead_bytes": e.overhead_bytes, "ok": r["ok"]}
+                   "init_bytes": e.init_bytes, "overhead_bytes": e.overhead_bytes, "ok": r["ok"],
+                   "failed_attempts": failures}
             if r["ok"]:
                 row["measured_bytes"] = r["peak_rss_bytes"]
                 row["measured_per_rank"] = r["peak_rss_per_rank"]

@@ -106,6 +106,7 @@ def torchrun_train(config_path: Path, nproc: int, strategy: str, workdir: Path, 
     from ftrain.metrics import read_metrics
 
     metrics_path = workdir / f"metrics-{strategy.replace('+', '_')}-{nproc}.jsonl"
+    metrics_path.unlink(missing_ok=True)  # the writer appends
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "ftrain", "train", str(config_path), f"--parallel.strategy={strategy}",
            f"--logging.metrics_path={metrics_path}", *overrides]
@@ -128,11 +129,31 @@ def torchrun_train(config_path: Path, nproc: int, strategy: str, workdir: Path, 
     return Job(strategy, nproc, proc.returncode, time.perf_counter() - start, out or "", metrics)
 
 
+def failure_reason(job: Job) -> str:
+    """The worker's own error lines if it printed any, else the end of torchrun's report."""
+    lines = [ln.strip() for ln in job.output.splitlines() if ln.strip()]
+    keys = ("Error", "error:", "terminate called", "what()", "Signal", "Killed", "timed out")
+    picked = [ln for ln in lines if any(k in ln for k in keys) and "error_file" not in ln]
+    return " / ".join((picked or lines)[-4:])[:600] or f"exit {job.returncode}, no output"
+
+
+def run_with_retry(config_path: Path, nproc: int, strategy: str, workdir: Path, *, env: dict[str, str],
+                   timeout_s: float, retries: int) -> tuple[Job, list[str]]:
+    """Run a job; a failed one is run again up to ``retries`` times and each failure reported."""
+    failures = []
+    while True:
+        job = torchrun_train(config_path, nproc, strategy, workdir, env=env, timeout_s=timeout_s)
+        if job.returncode == 0 or len(failures) >= retries:
+            return job, failures
+        failures.append(failure_reason(job))
+        print(f"  {strategy} x{nproc}: failed (exit {job.returncode}), running it again: {failures[-1]}",
+              file=sys.stderr, flush=True)
+
+
 def summarise(job: Job, warmup: int) -> dict[str, Any]:
     measured = [m for m in job.metrics if m["step"] > warmup]
     if job.returncode != 0 or not measured:
-        tail = job.output.strip().splitlines()[-5:]
-        return {"strategy": job.strategy, "ranks": job.nproc, "ok": False, "error": " / ".join(tail)}
+        return {"strategy": job.strategy, "ranks": job.nproc, "ok": False, "error": failure_reason(job)}
     return {
         "strategy": job.strategy,
         "ranks": job.nproc,
@@ -195,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
     p.add_argument("--timeout-s", type=float, default=600, help="per job (default 600)")
     p.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")
+    p.add_argument("--retries", type=int, default=1, help="re-run a failed job this many times (default 1; "
+                   "every failure is reported)")
     args = p.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -222,8 +245,11 @@ def main(argv: list[str] | None = None) -> int:
               f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}", flush=True)
         for s in strategies:
             nproc = RANKS.get(s, 2)
-            job = torchrun_train(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s)
+            job, failures = run_with_retry(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s,
+                                           retries=args.retries)
             r = summarise(job, args.warmup)
+            if failures:
+                r["failed_attempts"] = failures
             if r["ok"]:
                 r["plan_bytes"] = plan_estimate(config_path, s, nproc)
                 print(f"  {s:8s} x{nproc}: {r['tokens_per_s']:,.0f} tokens/s, peak {_mb(r['peak_rss_bytes'])}"

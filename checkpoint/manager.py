@@ -37,7 +37,7 @@ from checkpoint.errors import (
 from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, step_dir_name
 from checkpoint.retention import apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import CORRUPTION_KINDS, Problem, mark_corrupt, split_files, verify_files
+from checkpoint.verify import CORRUPTION_KINDS, Problem, check_metadata_safe, mark_corrupt, split_files, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,8 @@ class CheckpointManager:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 text = repr(e)
-                if not any(k in text for k in ("ChecksumMismatchError", "UnsafePickleError")) and \
+                if not any(k in text for k in ("ChecksumMismatchError", "UnsafePickleError", "DCP metadata",
+                                               "does not match the manifest")) and \
                         not isinstance(e, (ChecksumMismatchError, UnsafePickleError)):
                     raise
                 self._reject(info, [Problem(METADATA_NAME, "digest", text[:300])])
@@ -328,7 +329,10 @@ class CheckpointManager:
 
     def _verify_everywhere(self, info: StepInfo) -> list[Problem]:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        mine = verify_files(self.storage, info.dirname, info.manifest, split_files(info.manifest, self.rank, world))
+        names = split_files(info.manifest, self.rank, world)
+        mine = verify_files(self.storage, info.dirname, info.manifest, names)
+        if METADATA_NAME in names and not mine:
+            mine = check_metadata_safe(self.storage, info.dirname)
         if world == 1:
             return mine
         gathered: list[list[Problem]] = [[] for _ in range(world)]

@@ -31,7 +31,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from checkpoint.storage import StorageOptions
 
@@ -159,6 +159,12 @@ class SeaweedS3:
     def ports(self) -> dict[str, tuple[int, int]]:
         """``{component: (http_port, grpc_port)}`` for every component ``weed mini`` starts."""
         return dict(self._ports)
+
+    @property
+    def created_sockets(self) -> list[Path]:
+        """Unix sockets of the running server that did not exist before it started (removed by
+        :meth:`stop`)."""
+        return list(self._created_sockets)
 
     def url(self, prefix: str = "") -> str:
         """``s3://bucket/prefix`` (``/``-joined; no trailing slash)."""
@@ -289,6 +295,12 @@ class SeaweedS3:
         self.start()
         return None if timeout_s is None else self.wait_ready(timeout_s)
 
+    def wait(self) -> int:
+        """Block until the server process exits on its own; its exit code."""
+        if self._proc is None:
+            raise RuntimeError(f"{self!r} is not running")
+        return self._proc.wait()
+
     def pause(self) -> None:
         """SIGSTOP: the ports stay open but nothing answers (a hung server)."""
         self._signal(signal.SIGSTOP)
@@ -320,13 +332,6 @@ class SeaweedS3:
         self.close()
 
 
-@contextlib.contextmanager
-def running(**kwargs: Any) -> Iterator[SeaweedS3]:
-    """``with running(bucket="x") as s3:`` — the same as ``with SeaweedS3(...)``."""
-    with SeaweedS3(**kwargs) as server:
-        yield server
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint.seaweed",
                                      description="Run a local SeaweedFS S3 server in the foreground.")
@@ -339,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = SeaweedS3(args.dir, bucket=args.bucket, access_key_id=args.access_key_id,
                        secret_access_key=args.secret_access_key or os.environ.get("FTRAIN_S3_SECRET"))
+    # Ctrl-C (even if inherited as ignored) and SIGTERM unwind through ``finally``, so the
+    # server is killed and its sockets removed
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()
         ready_s = server.wait_ready(args.ready_timeout_s)
@@ -348,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in server.env().items():
             print(f"export {key}={value}")
         print("Ctrl-C to stop.", flush=True)
-        code = server._proc.wait() if server._proc is not None else 0  # noqa: SLF001
+        code = server.wait()
         print(f"weed mini exited with code {code}; log {server.log_path}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -42,10 +42,10 @@ T = TypeVar("T")
 
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                     "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
-#: In-flight temp files of :func:`_write_local_atomic`, hidden from listings.
-_LOCAL_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")
 _TRANSIENT_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH,
                      errno.ECONNABORTED, errno.ENETUNREACH}
+#: In-flight temp files of :func:`_write_local_atomic`, hidden from listings.
+_LOCAL_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")
 
 
 @dataclass(slots=True)
@@ -100,7 +100,9 @@ def classify(exc: BaseException) -> BaseException:
         return FatalStorageError(f"NoSuchBucket: {exc}")
     if isinstance(exc, (TransientStorageError, FatalStorageError, FileNotFoundError, FileExistsError)):
         return exc
-    code = _error_code(exc)
+    # s3fs re-raises a ClientError as a builtin (PermissionError, OSError(EBUSY), ...) whose
+    # __cause__ keeps the S3 code: judge both by that code
+    code = _error_code(exc) or _error_code(exc.__cause__)
     name = type(exc).__name__
     if code in _TRANSIENT_CODES or name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                                             "ConnectionClosedError", "ServerDisconnectedError",
@@ -231,19 +233,33 @@ class Storage:
         s3 = self.protocol in ("s3", "s3a")
 
         def rm() -> None:
-            dirs = [path]
+            dirs = self._s3_dirs_under(path) if s3 and recursive else set()
             try:
-                if s3 and recursive:
-                    found = self.fs.find(path, withdirs=True, detail=True)
-                    dirs += [p for p, info in found.items() if info.get("type") == "directory"]
                 self.fs.rm(path, recursive=recursive)
             except FileNotFoundError:
                 pass
             if s3 and recursive:
-                self._delete_s3_dir_entries(dirs)
+                self._delete_s3_dir_entries(sorted(dirs))
                 self.fs.invalidate_cache(path)
 
         self.retry(rm, f"remove {rel}")
+
+    def _s3_dirs_under(self, path: str) -> set[str]:
+        """``path`` and every directory below it, walked with fresh delimiter listings (empty
+        SeaweedFS directories appear only there; s3fs's ``find(withdirs=True)`` also leaves out
+        directories whose parent listing happens to be cached)."""
+        dirs, todo = {path}, [path]
+        while todo:
+            try:
+                entries = self.fs.ls(todo.pop(), detail=True, refresh=True)
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                name = entry["name"].rstrip("/")
+                if entry["type"] == "directory" and name not in dirs:
+                    dirs.add(name)
+                    todo.append(name)
+        return dirs
 
     def _delete_s3_dir_entries(self, dirs: list[str]) -> None:
         """DeleteObjects on ``d/`` for each directory path, deepest first (a no-op on AWS S3;

@@ -26,9 +26,10 @@ from checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
 
-ProblemKind = Literal["missing", "size", "digest", "manifest", "unreadable"]
-#: Problem kinds that prove the step's bytes are not what was committed.
-CORRUPTION_KINDS = frozenset({"missing", "size", "digest", "manifest"})
+ProblemKind = Literal["missing", "size", "digest", "manifest", "unsafe", "unreadable"]
+#: Problem kinds that prove the step's bytes are not what was committed (``unsafe``: a
+#: ``.metadata`` that asks the unpickler for anything but DCP metadata).
+CORRUPTION_KINDS = frozenset({"missing", "size", "digest", "manifest", "unsafe"})
 
 
 @dataclass(slots=True)
@@ -149,7 +150,26 @@ def verify_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *
     except ManifestError as e:
         return VerifyReport(step, False, [Problem(MANIFEST_NAME, "manifest", str(e))], dirname)
     tally = _verify(storage, dirname, manifest, None, chunk_bytes)
+    if not tally.problems:
+        tally.problems.extend(check_metadata_safe(storage, dirname))
     return VerifyReport(step, not tally.problems, tally.problems, dirname, manifest, tally.files, tally.size_bytes)
+
+
+def check_metadata_safe(storage: Storage, dirname: str) -> list[Problem]:
+    """Parse ``.metadata`` with the allow-list unpickler (never plain pickle): even a file whose
+    digest matches an attacker-edited manifest cannot run code here."""
+    from checkpoint.dcp_io import METADATA_NAME, load_metadata  # torch: only when it is needed
+    from checkpoint.errors import UnsafePickleError
+
+    try:
+        load_metadata(storage.read_bytes(f"{dirname}/{METADATA_NAME}"))
+    except FileNotFoundError:
+        return [Problem(METADATA_NAME, "missing", "no .metadata")]
+    except UnsafePickleError as e:
+        return [Problem(METADATA_NAME, "unsafe", str(e))]
+    except Exception as e:  # noqa: BLE001 - any unparsable metadata is corrupt
+        return [Problem(METADATA_NAME, "unsafe", f"not loadable DCP metadata: {type(e).__name__}: {e}")]
+    return []
 
 
 def mark_corrupt(storage: Storage, dirname: str, problems: list[Problem], reason: str,

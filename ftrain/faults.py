@@ -7,6 +7,7 @@ process; unset, every hook is a no-op.
   parameter, silently diverging from its replicas.
 - ``FTRAIN_FAULT_SIGKILL="STEP:RANK"``: after step STEP (and any checkpoint it started), rank
   RANK sends itself SIGKILL — a real crash at a known point.
+- ``FTRAIN_FAULT_NAN="STEP:RANK"``: rank RANK's loss at step STEP becomes NaN.
 - ``FTRAIN_FAULT_STEP_SLEEP_S=S``: every step takes S seconds longer (a slow worker), so
   outside observers can act between steps.
 """
@@ -25,17 +26,28 @@ from torch.distributed.tensor import DTensor
 log = logging.getLogger(__name__)
 
 
+_fired: set[str] = set()
+
+
 def _armed(name: str) -> tuple[int, int] | None:
+    """(step, rank) of a fault armed by ``name``; each fault fires at most once per process,
+    so a rollback that replays the step does not replay the fault."""
     raw = os.environ.get(name, "")
-    if not raw:
+    if not raw or name in _fired:
         return None
     step, _, rank = raw.partition(":")
     return int(step), int(rank or 0)
 
 
+def _fire(name: str, step: int, rank: int) -> bool:
+    if _armed(name) == (step, rank):
+        _fired.add(name)
+        return True
+    return False
+
+
 def maybe_perturb_replica(step: int, rank: int, model: nn.Module) -> None:
-    target = _armed("FTRAIN_FAULT_PERTURB")
-    if target is None or target != (step, rank):
+    if not _fire("FTRAIN_FAULT_PERTURB", step, rank):
         return
     p = next(model.parameters())
     with torch.no_grad():
@@ -44,7 +56,7 @@ def maybe_perturb_replica(step: int, rank: int, model: nn.Module) -> None:
 
 
 def maybe_crash(step: int, rank: int) -> None:
-    if _armed("FTRAIN_FAULT_SIGKILL") == (step, rank):
+    if _fire("FTRAIN_FAULT_SIGKILL", step, rank):
         log.warning("fault injected: SIGKILL rank %d after step %d", rank, step)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -54,3 +66,10 @@ def maybe_slow_down() -> None:
     delay_s = float(os.environ.get("FTRAIN_FAULT_STEP_SLEEP_S", "0") or 0)
     if delay_s > 0:
         time.sleep(delay_s)
+
+
+def maybe_poison_loss(step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
+    if _fire("FTRAIN_FAULT_NAN", step, rank):
+        log.warning("fault injected: NaN loss on rank %d at step %d", rank, step)
+        return loss * float("nan")
+    return loss

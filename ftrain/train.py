@@ -27,7 +27,7 @@ from ftrain.consistency import ConsistencyError, check_replicas
 from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
 from ftrain.distributed import compute_layout, init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.events import EventLog
-from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_slow_down
+from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_poison_loss, maybe_slow_down
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
@@ -170,6 +170,7 @@ class Trainer:
                 with par.autocast():
                     logits = par.model(tokens[:, :-1])
                 micro_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                micro_loss = maybe_poison_loss(step + 1, self.rank, micro_loss)
                 par.backward(micro_loss, i, self.accum)
             losses.append(micro_loss.detach())
         par.reduce_gradients()

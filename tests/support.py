@@ -64,6 +64,11 @@ def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
             proc.wait()
 
 
+def torchrun_cmd(nproc: int, cfg_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "ftrain", "train", str(cfg_path), *args]
+
+
 @dataclass
 class RunResult:
     returncode: int
@@ -74,7 +79,8 @@ class RunResult:
 
 
 def train_job(workdir: Path, nproc: int, *overrides: str, config: str = TINY_CONFIG,
-              timeout_s: float = 240, save_final: bool = True, check: bool = True) -> RunResult:
+              timeout_s: float = 240, save_final: bool = True, check: bool = True,
+              env: dict[str, str] | None = None) -> RunResult:
     """``torchrun --standalone --nproc-per-node N -m ftrain train`` with metrics and final state."""
     from ftrain.metrics import read_metrics
 
@@ -86,9 +92,8 @@ def train_job(workdir: Path, nproc: int, *overrides: str, config: str = TINY_CON
     args = [f"--logging.metrics_path={metrics_path}", *overrides]
     if save_final:
         args.append(f"--train.save_final_path={final_path}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "ftrain", "train", str(cfg_path), *args]
-    proc = run(cmd, timeout_s=timeout_s)
+    cmd = torchrun_cmd(nproc, cfg_path, *args)
+    proc = run(cmd, timeout_s=timeout_s, env=worker_env(**(env or {})))
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
     metrics = read_metrics(metrics_path) if metrics_path.exists() else []

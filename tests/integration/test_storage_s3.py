@@ -21,9 +21,10 @@ import pytest
 from checkpoint.errors import FatalStorageError, TransientStorageError
 from checkpoint.seaweed import SeaweedS3
 from checkpoint.storage import Storage, StorageOptions
-from tests.support import REPO
 
 pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]  # not tests.support: it imports torch
 
 
 class RecordingSleep:
@@ -324,7 +325,7 @@ def test_server_lifecycle_cleans_up():
         server.start()
         ready_s = server.wait_ready(timeout_s=60)
         pid = server.pid
-        sockets = list(server._created_sockets)  # noqa: SLF001 - checking the cleanup contract
+        sockets = server.created_sockets
         assert sockets and all(p.exists() for p in sockets)
         assert ready_s < 60 and server.rss_bytes() > 0
         storage = Storage(server.url("x"), server.storage_options())

@@ -14,7 +14,8 @@ from s3fs.errors import translate_boto_error
 
 from checkpoint.errors import FatalStorageError, TransientStorageError
 from checkpoint.storage import Storage, StorageOptions, classify
-from tests.support import REPO
+
+REPO = Path(__file__).resolve().parents[2]  # not tests.support: it imports torch
 
 
 def client_error(code: str = "", status: int = 400, op: str = "PutObject") -> ClientError:
@@ -67,6 +68,7 @@ def test_client_error_fatal(code, status):
     ("SlowDown", 503, TransientStorageError),      # s3fs: OSError(EBUSY), cause = ClientError
     ("InternalError", 500, TransientStorageError),  # s3fs: OSError(EREMOTEIO)
     ("RequestTimeout", 400, TransientStorageError),  # s3fs: TimeoutError
+    ("RequestTimeTooSkewed", 403, TransientStorageError),  # s3fs: PermissionError; code wins
     ("AccessDenied", 403, FatalStorageError),       # s3fs: PermissionError
     ("InvalidAccessKeyId", 403, FatalStorageError),
     ("NoSuchBucket", 404, FatalStorageError),        # s3fs: FileNotFoundError; a config error
