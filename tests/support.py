@@ -50,9 +50,40 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun puts its workers in their own sessions, so
+    killing its process group is not enough)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and all its descendants, and reap it."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
 def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout or error kill its whole process group."""
+    """Run a command in its own session; on timeout or error kill it and everything it started."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env or worker_env(), cwd=cwd or REPO, start_new_session=True)
     try:
@@ -60,8 +91,7 @@ def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
         return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)
 
 
 def torchrun_cmd(nproc: int, cfg_path: Path, *args: str) -> list[str]:

@@ -21,8 +21,17 @@ from ftrain.ckpt_cli import add_ckpt_parser
 KEY = b"test-hmac-key"
 
 
+def dcp_metadata(step: int) -> bytes:
+    """A real (empty) DCP Metadata pickle: verify also parses .metadata with the allow-list."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return pickle.dumps(Metadata(state_dict_metadata={}, planner_data={"step": step}))
+
+
 def step_files(step: int) -> dict[str, bytes]:
-    return {"__0_0.distcp": bytes([step % 251]) * 300, "__1_0.distcp": b"rank-one" * 20, ".metadata": b"meta%d" % step}
+    return {"__0_0.distcp": bytes([step % 251]) * 300, "__1_0.distcp": b"rank-one" * 20, ".metadata": dcp_metadata(step)}
 
 
 def write_step(storage: Storage, step: int, *, files: dict[str, bytes] | None = None, commit: bool = True,
@@ -308,3 +317,22 @@ def test_cli_ls_and_show(storage, capsys):
     assert '"world_size": 2' in out and "__1_0.distcp" in out and "total: 3 files" in out
     assert run_cli(["ckpt", "show", storage.url, "200"]) == 1
     assert run_cli(["ckpt", "ls", storage.url, "--bogus"]) == 2
+
+
+def test_verify_refuses_metadata_pickle_even_with_matching_digest(storage, tmp_path):
+    import pickle
+
+    sentinel = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(sentinel), "w"))
+
+    files = step_files(12)
+    files[".metadata"] = pickle.dumps(Payload())
+    write_step(storage, 12, files=files)  # the manifest's digest matches the malicious bytes
+    report = verify_step(storage, step_dir_name(12))
+    assert not report.ok
+    assert [p.kind for p in report.problems] == ["unsafe"] and report.problems[0].file == ".metadata"
+    assert "builtins.open" in report.problems[0].detail or "open" in report.problems[0].detail
+    assert not sentinel.exists()
