@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m ftrain train configs/demo.toml
+	$(RUN_ENV) $(PY) scripts/demo.py
 
 test: setup
 	$(RUN_ENV) $(PY) -m pytest -q
