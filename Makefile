@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ftrain-installed
 # One intra-op thread per rank: ranks do not fight over cores, and runs are bitwise reproducible.
 RUN_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo test test-unit test-dist bench plan docs clean
+.PHONY: setup demo test test-unit test-distributed bench plan docs clean
 
 setup: $(STAMP)
 
@@ -31,8 +31,8 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
-test-dist: setup
-	$(RUN_ENV) $(PY) -m pytest -q tests/dist
+test-distributed: setup
+	$(RUN_ENV) $(PY) -m pytest -q tests/distributed
 
 bench: setup
 	$(RUN_ENV) $(PY) bench/strategies.py

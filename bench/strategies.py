@@ -204,7 +204,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for j, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        cells = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        lines.append("  ".join(cells))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = MODELS[args.model_size]
     env = worker_env(malloc_tuning=not args.no_malloc_tuning)
     cores = os.cpu_count() or 1
+    load_start = os.getloadavg()[0]
     results = []
     with tempfile.TemporaryDirectory(prefix="ftrain-bench-") as tmp:
         workdir = Path(tmp)
@@ -261,15 +263,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
     print()
     print(format_table(results))
-    if any(r["ranks"] > cores for r in results):
-        print(f"\ncaveat: {cores} cores; runs with more ranks than cores ({', '.join(sorted({r['strategy'] for r in results if r['ranks'] > cores}))}) "
+    oversubscribed = [r["strategy"] for r in results if r["ranks"] > cores]
+    if oversubscribed:
+        print(f"\ncaveat: {cores} cores; the runs with more ranks than cores ({', '.join(oversubscribed)}) "
               "oversubscribe them, so their tokens/s is not comparable with the 2-rank runs (it measures "
               "time-slicing as much as the strategy).")
+    load_end = os.getloadavg()[0]
+    print(f"load average (1 min): {load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores "
+          "(other work on the machine skews tokens/s; peak RSS is not affected)")
     print("note: CPU/gloo, one thread per rank: communication is memory copies on one host, not a network. "
           "Use the ranking and the memory ratios, not the absolute speeds, to reason about GPUs.")
     print(json.dumps({"bench": "strategies", "model_size": args.model_size, "num_params": num_params,
                       "steps": args.steps, "warmup": args.warmup, "cores": cores,
-                      "malloc_tuning": not args.no_malloc_tuning, "results": results}))
+                      "malloc_tuning": not args.no_malloc_tuning, "load_avg_1min": [load_start, load_end],
+                      "results": results}))
     return 0 if all(r["ok"] for r in results) else 1
 
 

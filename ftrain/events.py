@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from ftrain.metrics import read_jsonl
+
 log = logging.getLogger(__name__)
 
 
@@ -43,12 +45,4 @@ class EventLog:
             self._fd = -1
 
 
-def read_events(path: str) -> list[dict[str, Any]]:
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+read_events = read_jsonl

@@ -32,13 +32,16 @@ class MetricsWriter:
         self._fh.close()
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a metrics file, tolerating a torn last line from a killed writer."""
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a JSON-lines file (metrics, events), skipping a torn line left by a killed writer."""
     records = []
     with open(path) as fh:
         for line in fh:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                break
+                continue
     return records
+
+
+read_metrics = read_jsonl

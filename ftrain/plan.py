@@ -18,13 +18,21 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
   partition) (DDP keeps fp32 params and grads replicated; the textbook 4Ψ + 12Ψ/N assumes fp16
   params/grads beside fp32 master shards); zero2, fsdp, hsdp 16·(padded dim-0 shard), i.e.
   16Ψ/N; tp 16·(local split + replicated); fsdp+tp the TP-local tensors sharded over dp.
-- Transients during forward/backward: ddp/zero1/tp under bf16 autocast keep a bf16 copy of
-  every ``nn.Linear`` parameter until backward has used it (2 bytes each). FSDP2 keeps the root
-  unit (embeddings, final norm, head) unsharded from forward through backward, and its
-  unsharded gradient until the end of backward; per block it holds the current and the
-  prefetched block unsharded, the all-gather buffer, the unsharded gradient and the fp32
-  reduce-scatter buffer. zero2 keeps every unit unsharded between forward and backward. DDP
-  has no extra bucket copy: ``gradient_as_bucket_view=True`` makes the buckets the gradients.
+- The backward peak is the larger of two moments: backward starting at the loss (all
+  activations and the loss's own buffers) and the last block's backward starting (FSDP2 has
+  gathered the root again, with its gradient, and the current and prefetched blocks, the
+  all-gather buffer, the block's unsharded gradient and its fp32 reduce-scatter input). In
+  torch 2.13 FSDP2 reshards the root after forward when ``reshard_after_forward=True`` is
+  passed, as shard_model does. zero2 keeps every unit unsharded from its forward on. DDP's
+  buckets are its gradients (``gradient_as_bucket_view=True``) and persist; every other
+  strategy frees gradients at ``zero_grad(set_to_none=True)`` and re-creates them during
+  backward as activations are freed, so they are not in the backward peak.
+- Gradient accumulation (global batch > micro batch x dp) costs memory in our implementation:
+  DDP's ``no_sync`` micro-batches accumulate into fresh gradients beside the buckets (+4Ψ,
+  measured), and FSDP2 with ``set_requires_gradient_sync(False)`` keeps unsharded fp32
+  gradients of the whole (TP-local) model between micro-batches (+4Ψ: sharding no longer
+  saves gradient memory). bf16 autocast (ddp, zero1, tp) keeps a bf16 copy of every
+  ``nn.Linear`` parameter until backward has used it (+2 bytes per such parameter).
 - Optimizer step: AdamW's foreach path (CUDA, plain tensors: ddp, zero1) allocates
   ``sqrt(v)`` for a whole parameter group (4 bytes per local parameter); the per-tensor path
   (CPU, and DTensor parameters: FSDP2, TP) two temporaries of the largest parameter. The
@@ -50,12 +58,16 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
   ``torch.cuda.max_memory_allocated`` leaves out the CUDA context, cuBLAS workspaces and NCCL
   buffers, which still take device memory (:data:`CUDA_RUNTIME_BYTES`, an assumption: no GPU
   was available to measure it) and so count towards "fits". Allocator fragmentation is not
-  modelled: leave headroom.
+  modelled: leave headroom. On CPU the estimate is live memory, which peak RSS matches with
+  MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 (within ~2-3% for ddp, zero1, zero2, fsdp,
+  tp, checkpointing, on a 34M-parameter GPT: bench/plan_vs_measured.py); glibc's defaults added
+  10% (ddp) to 50% (fsdp) of fragmentation there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -273,23 +285,16 @@ def _fsdp_local_numel(shape: tuple[int, ...], n: int) -> int:
     return -(-shape[0] // n) * math.prod(shape[1:])
 
 
-def local_numel(stats: ModelStats, strategy: str, *, shard: int, tp: int) -> int:
-    """Parameters this rank stores between steps (the largest rank's share)."""
-    total = 0
-    for p in stats.params:
-        shape = _tp_local_shape(p, tp) if strategy in ("tp", "fsdp+tp") else p.shape
-        total += _fsdp_local_numel(shape, shard) if strategy in _FSDP else math.prod(shape)
-    return total
-
-
 def zero1_partition(stats: ModelStats, world_size: int) -> list[int]:
     """Parameters per rank as ZeroRedundancyOptimizer assigns them: group by group, largest
     first, each to the rank with the fewest so far (ties to the lowest rank)."""
     sizes = [0] * world_size
+    heap = [(0, rank) for rank in range(world_size)]  # (size, rank): the minimum, ties to the lowest rank
     for g in sorted({p.group for p in stats.params}):
         for p in sorted((p for p in stats.params if p.group == g), key=lambda p: p.numel, reverse=True):
-            rank = sizes.index(min(sizes))
-            sizes[rank] += p.numel
+            size, rank = heapq.heappop(heap)
+            sizes[rank] = size + p.numel
+            heapq.heappush(heap, (sizes[rank], rank))
     return sizes
 
 
@@ -464,8 +469,14 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     if mode == "autocast":
         extra_a += 2 * sum(tp_local(p) for p in stats.params if p.autocast_copy)
     unsharded = sum(tp_local(p) for p in stats.params)
-    if accum > 1 and s not in ("ddp", "zero1"):
-        if s in _FSDP:
+    if accum > 1:
+        if s in ("ddp", "zero1") and not layout.deterministic:
+            # zero_grad(set_to_none=True) detaches the gradients from DDP's buckets; no_sync
+            # micro-batches then accumulate into fresh tensors beside the buckets (measured).
+            extra_a += 4 * psi
+            notes.append(f"{s}: {accum} accumulation steps: no_sync micro-batches accumulate into fresh "
+                         f"gradients beside DDP's buckets, {_gib(4 * psi)} per rank")
+        elif s in _FSDP:
             extra_a += 4 * unsharded  # no-sync micro-batches accumulate unsharded fp32 gradients
             notes.append(f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
                          f"micro-batches (set_requires_gradient_sync(False)), {_gib(4 * unsharded)} per rank")
@@ -713,6 +724,9 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
                      "(not in torch.cuda.max_memory_allocated)")
     else:
         lines.append("  - overhead: torch + gloo process baseline (measured) + the data cursor's permutation")
+        lines.append("  - CPU peak RSS matches these (live) bytes with MALLOC_MMAP_THRESHOLD_=65536 "
+                     "MALLOC_TRIM_THRESHOLD_=0; glibc's defaults added 10-50% of fragmentation in "
+                     "bench/plan_vs_measured.py")
     return "\n".join(lines)
 
 

@@ -56,7 +56,7 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
 def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path):
     """Saved by fsdp on 4 ranks, resumed by ddp on 2 and on 1 rank.
 
-    Tolerance: as in tests/dist/test_strategies.py (2e-4 on parameters): after the reshard the
+    Tolerance: as in tests/distributed/test_strategies.py (2e-4 on parameters): after the reshard the
     reduction order changes (fsdp reduce-scatter over 4 -> ddp all-reduce over 2, or none), so
     only reordering noise separates the runs. The data cursor must be exact: the samples of
     every step after the resume are those of the uninterrupted run.

@@ -2,7 +2,7 @@
 
 W=1 x A=4, W=2 x A=2 and W=4 x A=1 must consume exactly the same samples, step by step and in
 the same global order (checked on the ledger each rank writes), and follow the same loss
-trajectory within the reordering tolerance of tests/dist/test_strategies.py.
+trajectory within the reordering tolerance of tests/distributed/test_strategies.py.
 """
 
 from __future__ import annotations
