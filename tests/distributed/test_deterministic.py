@@ -10,16 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import optimizer_tensors, train_job
+from tests.support import optimizer_tensors
 
 pytestmark = pytest.mark.dist
 
 
-def test_one_two_three_four_ranks_are_bitwise_identical(tmp_path):
+DETERMINISTIC = ("--parallel.deterministic=true", "--train.global_batch_size=12", "--train.micro_batch_size=1",
+                 "--train.steps=6")
+
+
+def test_one_two_three_four_ranks_are_bitwise_identical(golden):
     finals = {}
     for world in (1, 2, 3, 4):
-        run = train_job(tmp_path / f"w{world}", world, "--parallel.deterministic=true",
-                        "--train.global_batch_size=12", "--train.micro_batch_size=1", "--train.steps=6")
+        run = golden(world, *DETERMINISTIC)
         assert run.metrics[0]["accum_steps"] == 12 // world
         finals[world] = run
     ref = finals[1]
@@ -34,9 +37,10 @@ def test_one_two_three_four_ranks_are_bitwise_identical(tmp_path):
             assert torch.equal(opt[name], tensor), f"W={world}: optimizer state {name} differs"
 
 
-def test_plain_ddp_is_not_bitwise_across_world_sizes(tmp_path):
+def test_plain_ddp_is_not_bitwise_across_world_sizes(golden):
     """The control: without the fixed order, 1 and 4 ranks differ in the last bits — so the
     test above proves something."""
-    a = train_job(tmp_path / "w1", 1, "--train.global_batch_size=12", "--train.micro_batch_size=1", "--train.steps=6")
-    b = train_job(tmp_path / "w4", 4, "--train.global_batch_size=12", "--train.micro_batch_size=1", "--train.steps=6")
+    plain = DETERMINISTIC[1:]
+    a = golden(1, *plain)
+    b = golden(4, *plain)
     assert any(not torch.equal(a.final["model"][k], b.final["model"][k]) for k in a.final["model"])

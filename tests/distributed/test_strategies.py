@@ -20,15 +20,15 @@ PARAM_ATOL = 2e-4
 LOSS_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture
+def reference(golden):
     """Single process, the whole global batch accumulated on one rank (A = 8)."""
-    return train_job(tmp_path_factory.mktemp("single"), 1)
+    return golden(1)
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return train_job(tmp_path_factory.mktemp("ddp"), 2, "--parallel.strategy=ddp")
+@pytest.fixture
+def ddp(golden):
+    return golden(2)
 
 
 def _assert_close(run, ref, what):
@@ -54,8 +54,8 @@ def test_ddp_two_ranks_matches_single_process(ddp, reference):
     ("strategy", "nproc"),
     [("zero1", 2), ("zero2", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp+tp", 4)],
 )
-def test_strategy_matches_ddp(strategy, nproc, ddp, tmp_path):
-    run = train_job(tmp_path, nproc, f"--parallel.strategy={strategy}")
+def test_strategy_matches_ddp(strategy, nproc, ddp, golden):
+    run = golden(nproc, f"--parallel.strategy={strategy}")
     assert run.final["layout"]["strategy"] == strategy
     _assert_close(run, ddp, strategy)
 

@@ -31,10 +31,9 @@ def assert_bitwise(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, tmp_path):
+def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, tmp_path, golden):
     env = seaweed.env()
-    golden = train_job(tmp_path / "golden", 2, f"--parallel.strategy={strategy}",
-                       *ckpt_args(seaweed.url(f"{s3_prefix}/golden")), env=env)
+    golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]))
     url = seaweed.url(f"{s3_prefix}/job")
     # rank 1 SIGKILLs itself after step 9: step 4 is committed, step 8 may be in flight
     crashed = train_job(tmp_path / "crash", 2, f"--parallel.strategy={strategy}", *ckpt_args(url),
@@ -53,7 +52,7 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
     assert all(m["loss"] == golden_losses[m["step"]] for m in resumed.metrics)
 
 
-def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path):
+def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path, golden):
     """Saved by fsdp on 4 ranks, resumed by ddp on 2 and on 1 rank.
 
     Tolerance: as in tests/distributed/test_strategies.py (2e-4 on parameters): after the reshard the
@@ -63,8 +62,7 @@ def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path):
     """
     env = seaweed.env()
     url = seaweed.url(f"{s3_prefix}/job")
-    golden = train_job(tmp_path / "golden", 4, "--parallel.strategy=fsdp", f"--data.ledger_dir={tmp_path / 'lg'}",
-                       env=env)
+    golden = golden(4, "--parallel.strategy=fsdp")
     saved = train_job(tmp_path / "fsdp4", 4, "--parallel.strategy=fsdp", "--train.steps=10",
                       *ckpt_args(url, "--checkpoint.async_mode=off"), env={**env, "FTRAIN_FAULT_SIGKILL": "5:0"},
                       check=False, save_final=False)
@@ -80,7 +78,7 @@ def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path):
         assert diff < 2e-4, f"ddp x{world}: parameters differ by {diff}"
         odiff = max_abs_diff(optimizer_tensors(run.final["optim"]), optimizer_tensors(golden.final["optim"]))
         assert odiff < 2e-4
-        golden_ids = _ids_by_step(tmp_path / "lg")
+        golden_ids = _ids_by_step(golden.workdir / "ledger")
         ids = _ids_by_step(ledger)
         assert sorted(ids) == list(range(4, 10))
         assert all(ids[s] == golden_ids[s] for s in ids), f"ddp x{world}: data cursor drifted"
@@ -93,17 +91,19 @@ def _ids_by_step(ledger_dir) -> dict[int, list[int]]:
     return {s: [i for r in sorted(v) for i in v[r]] for s, v in out.items()}
 
 
-def test_deterministic_reshard_is_bitwise(seaweed, s3_prefix, tmp_path):
+def test_deterministic_reshard_is_bitwise(seaweed, s3_prefix, tmp_path, golden):
     """With the fixed-order reduction, a 4-rank save resumed on 2 ranks is bitwise identical."""
+    from tests.distributed.test_deterministic import DETERMINISTIC
+
     env = seaweed.env()
     url = seaweed.url(f"{s3_prefix}/job")
-    det = ["--parallel.deterministic=true"]
-    golden = train_job(tmp_path / "golden", 4, *det, env=env)
-    saved = train_job(tmp_path / "w4", 4, *det, *ckpt_args(url, "--checkpoint.async_mode=off"),
-                      env={**env, "FTRAIN_FAULT_SIGKILL": "5:2"}, check=False, save_final=False)
+    ck = [f"--checkpoint.uri={url}", "--checkpoint.interval=2"]
+    golden = golden(4, *DETERMINISTIC)
+    saved = train_job(tmp_path / "w4", 4, *DETERMINISTIC, *ck, "--checkpoint.async_mode=off",
+                      env={**env, "FTRAIN_FAULT_SIGKILL": "3:2"}, check=False, save_final=False)
     assert saved.returncode != 0
-    run = train_job(tmp_path / "w2", 2, *det, *ckpt_args(url), env=env)
-    assert run.metrics[0]["step"] == 5
+    run = train_job(tmp_path / "w2", 2, *DETERMINISTIC, *ck, env=env)
+    assert run.metrics[0]["step"] == 3
     assert_bitwise(run.final, golden.final)
 
 
