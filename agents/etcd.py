@@ -2,9 +2,9 @@
 
 Speaks etcd's HTTP/JSON gRPC gateway (``POST /v3/...`` on the client port; every etcd >= 3.4
 serves it). etcd3gw speaks the same protocol, but its client has one fixed timeout per client
-(a :class:`Session` needs per-call deadlines), no auth header, turns every transport error into
-one exception type (we must tell "never sent" from "maybe applied" to retry transactions
-safely), and its watch thread hangs silently on a dead server. So requests go through
+(a :class:`Session` needs per-call deadlines), no auth header, maps transport errors to types
+that lose whether the request was sent (we must tell "never sent" from "maybe applied" to
+retry transactions safely), and its watch thread hangs silently on a dead server. So requests go through
 ``requests`` here and the watch stream is our own loop over ``http.client``.
 
 Conventions (the same in every call):
@@ -263,16 +263,15 @@ class HttpTransport:
 
     def __init__(self, *, ca_cert: str | None = None, cert: str | None = None, key: str | None = None):
         self._session = requests.Session()
-        if ca_cert:
-            self._session.verify = ca_cert
-        if cert:
-            self._session.cert = (cert, key) if key else cert
+        # per request, not on the session: REQUESTS_CA_BUNDLE would override a session's verify
+        self._verify: str | bool = ca_cert or True
+        self._cert = ((cert, key) if key else cert) if cert else None
 
     def post(self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float,
              token: str | None) -> dict[str, Any]:
         where = f"{endpoint}{path}"
         try:
-            resp = self._session.post(where, json=payload, timeout=timeout_s,
+            resp = self._session.post(where, json=payload, timeout=timeout_s, verify=self._verify, cert=self._cert,
                                       headers={"Authorization": token} if token else None)
         except requests.exceptions.SSLError as e:
             raise EtcdError(f"{where}: TLS error: {e}") from e
@@ -472,7 +471,7 @@ class EtcdClient:
             return max(0.0, min(backoff(state), retry_deadline - self._clock()))
 
         def log_retry(state: tenacity.RetryCallState) -> None:
-            logger.warning("etcd %s failed (attempt %d), retrying in %.2f s: %s", path, state.attempt_number,
+            logger.info("etcd %s failed (attempt %d), retrying in %.2f s: %s", path, state.attempt_number,
                            state.next_action.sleep if state.next_action else 0.0,
                            state.outcome.exception() if state.outcome else None)
 
@@ -549,8 +548,8 @@ class EtcdClient:
 class KeepaliveSchedule:
     """When to renew a lease and when to give it up: pure, driven by the caller's clock.
 
-    ``deadline`` is the latest time the lease is known to live: a keepalive sent at ``t`` whose
-    reply says TTL ``r`` was processed after ``t``, so the lease lives at least until ``t + r``.
+    ``deadline``: until then the lease is known to live. A keepalive sent at ``t`` whose reply
+    says TTL ``r`` was processed after ``t``, so the lease lives at least until ``t + r``.
     """
     interval_s: float  #: between successful renewals
     retry_interval_s: float  #: between attempts after a failed one
@@ -580,6 +579,10 @@ class Session:
     make a new one (new lease id) and re-register. When the local deadline passes, the session
     also tries once to revoke the lease, so a keepalive that etcd processes late cannot keep
     this node's keys alive after the node has given them up.
+
+    ``keepalive_interval_s`` defaults to ``ttl_s / 3``; after a failed keepalive it retries
+    every quarter of that. ``on_lost(reason)`` runs on the keepalive thread. ``start=False``
+    leaves the thread unstarted (call :meth:`start`; tests drive :meth:`keepalive_step`).
     """
 
     def __init__(self, client: EtcdClient, ttl_s: int = 10, *, keepalive_interval_s: float | None = None,
@@ -746,8 +749,8 @@ class Watcher:
     ``--experimental-watch-progress-notify-interval`` below ``progress_timeout_s`` (EtcdServer
     does), otherwise an idle watch reconnects every ``progress_timeout_s``, which is harmless.
 
-    Events go to ``on_event`` (called on the watcher thread; must not raise), or else queue up
-    for :meth:`get` / iteration. ``on_error`` gets :class:`EtcdUnavailableError` each time the
+    Events go to ``on_event`` (called on the watcher thread; if it raises, the watcher stops
+    with that error), or else queue up for :meth:`get` / iteration. ``on_error`` gets :class:`EtcdUnavailableError` each time the
     stream is lost (the watcher keeps trying) and a fatal error once before it stops:
     :class:`WatchCompactedError` (re-list, then watch from the listing's revision + 1) or
     :class:`EtcdError`. In queue mode a fatal error is raised by :meth:`get` after the events.
@@ -756,7 +759,8 @@ class Watcher:
     def __init__(self, client: EtcdClient, prefix: str, start_revision: int | None = None, *,
                  on_event: Callable[[WatchEvent], None] | None = None,
                  on_error: Callable[[Exception], None] | None = None,
-                 progress_timeout_s: float = 5.0, single_key: bool = False, clock: Callable[[], float] = time.monotonic):
+                 progress_timeout_s: float = 5.0, single_key: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         if progress_timeout_s <= 0:
             raise ValueError("progress_timeout_s must be > 0")
         if start_revision is not None and start_revision < 1:
@@ -768,7 +772,7 @@ class Watcher:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._closing = threading.Event()
         self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None  # the live stream's socket, shut down by close()
         #: Set while a stream is established (cleared when it is lost).
         self.connected = threading.Event()
         self.error: Exception | None = None  #: the fatal error that stopped the watcher
@@ -811,10 +815,10 @@ class Watcher:
         """Stop the watcher thread (promptly: its socket is shut down under it). Idempotent."""
         self._closing.set()
         with self._lock:
-            conn = self._conn
-        if conn is not None and conn.sock is not None:
+            sock = self._sock
+        if sock is not None:
             try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -861,6 +865,9 @@ class Watcher:
                         e = auth_error if isinstance(auth_error, EtcdError) else e
                 self._fail(e)
                 return
+            except ssl.SSLCertVerificationError as e:  # misconfiguration: retrying cannot help
+                self._fail(EtcdError(f"watch on {endpoint}: TLS certificate rejected: {e}"))
+                return
             except (OSError, http.client.HTTPException, ValueError, EtcdUnavailableError) as e:
                 if self._closing.is_set():
                     return
@@ -900,17 +907,19 @@ class Watcher:
         if token:
             headers["Authorization"] = token
         conn = self._connect(endpoint)
-        with self._lock:
-            if self._closing.is_set():
-                return
-            self._conn = conn
         try:
+            conn.connect()
+            # keep the socket itself: http.client hands it to the response and may drop conn.sock
+            sock = conn.sock
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self._sock = sock
             conn.request("POST", "/v3/watch", json.dumps({"create_request": create}), headers)
             resp = conn.getresponse()
             if resp.status != 200:
                 raise error_from_reply(resp.status, resp.read(), f"{endpoint}/v3/watch")
-            if conn.sock is not None:
-                conn.sock.settimeout(self.progress_timeout_s)
+            sock.settimeout(self.progress_timeout_s)
             while not self._closing.is_set():
                 line = resp.readline()
                 if self._closing.is_set():
@@ -920,7 +929,7 @@ class Watcher:
                 self._handle(WatchResponse.from_line(line), endpoint)
         finally:
             with self._lock:
-                self._conn = None
+                self._sock = None
             conn.close()
 
     def _handle(self, r: WatchResponse, endpoint: str) -> None:

@@ -30,7 +30,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from agents.etcd import EtcdClient
 from agents.errors import AgentError, EtcdError, EtcdUnavailableError
@@ -85,13 +87,22 @@ class EtcdServer:
     serves requests, and on exit kills it and deletes the data dir if this object made it.
 
     For a cluster member, pass ``name``, ``ports`` and ``initial_cluster`` (see
-    :class:`EtcdCluster`).
+    :class:`EtcdCluster`). With ``cert_file``/``key_file`` it serves clients over TLS
+    (``https`` endpoint); with ``trusted_ca_file`` too, it requires client certificates.
+    ``client_options`` go to every :class:`EtcdClient` this object makes (the readiness probe
+    and :meth:`client`): ``ca_cert``/``cert``/``key`` for TLS, ``username``/``password``.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, name: str = "n0",
                  etcd_bin: str | None = None, ports: tuple[int, int] | None = None,
                  initial_cluster: str | None = None, progress_notify_interval_s: float = 0.25,
+                 cert_file: str | None = None, key_file: str | None = None,
+                 trusted_ca_file: str | None = None, client_options: Mapping[str, Any] | None = None,
                  extra_args: tuple[str, ...] = ()):
+        if (cert_file is None) != (key_file is None) or (trusted_ca_file and not cert_file):
+            raise ValueError("TLS needs cert_file and key_file (trusted_ca_file only with them)")
+        self._tls = (cert_file, key_file, trusted_ca_file)
+        self.client_options: dict[str, Any] = dict(client_options or {})
         self._etcd = etcd_bin or find_etcd()
         self.name = name
         self._owns_dir = data_dir is None
@@ -113,10 +124,10 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """``http://127.0.0.1:<client port>``."""
+        """``http(s)://127.0.0.1:<client port>``."""
         if self._ports is None:
             raise RuntimeError("EtcdServer has not been started: no ports yet")
-        return f"http://{HOST}:{self._ports[0]}"
+        return f"{'https' if self._tls[0] else 'http'}://{HOST}:{self._ports[0]}"
 
     @property
     def peer_url(self) -> str:
@@ -132,8 +143,9 @@ class EtcdServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def client(self, **kwargs: object) -> EtcdClient:
-        return EtcdClient([self.endpoint], **kwargs)  # type: ignore[arg-type]
+    def client(self, **kwargs: Any) -> EtcdClient:
+        """A client for this server: ``client_options`` updated with ``kwargs``."""
+        return EtcdClient([self.endpoint], **{**self.client_options, **kwargs})
 
     def command(self) -> list[str]:
         flags = _supported_flags(self._etcd)
@@ -143,6 +155,11 @@ class EtcdServer:
                 "--initial-cluster", self._initial_cluster or f"{self.name}={self.peer_url}",
                 "--initial-cluster-state", "new",
                 "--heartbeat-interval=10", "--election-timeout=100", "--log-level", "error"]
+        cert_file, key_file, trusted_ca_file = self._tls
+        if cert_file:
+            args += [f"--cert-file={cert_file}", f"--key-file={key_file}"]
+        if trusted_ca_file:
+            args += [f"--trusted-ca-file={trusted_ca_file}", "--client-cert-auth"]
         if "--unsafe-no-fsync" in flags:
             args.append("--unsafe-no-fsync")
         if "--experimental-watch-progress-notify-interval" in flags:
@@ -173,7 +190,7 @@ class EtcdServer:
         deadline = time.monotonic() + timeout_s
         key, value = f"/ftrain-ready-probe/{uuid.uuid4().hex}", uuid.uuid4().bytes
         last_error = "no attempt"
-        with EtcdClient([self.endpoint], timeout_s=1.0, retry_timeout_s=0.0) as client:
+        with self.client(timeout_s=1.0, retry_timeout_s=0.0) as client:
             while True:
                 if self._proc.poll() is not None:
                     raise EtcdStartError(f"etcd exited with code {self._proc.returncode}; "
@@ -283,8 +300,8 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
-    def client(self, **kwargs: object) -> EtcdClient:
-        return EtcdClient(self.endpoints, **kwargs)  # type: ignore[arg-type]
+    def client(self, **kwargs: Any) -> EtcdClient:
+        return EtcdClient(self.endpoints, **kwargs)
 
     def start(self) -> EtcdCluster:
         for member in self.members:

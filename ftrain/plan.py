@@ -583,7 +583,10 @@ def suggestions(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_nod
     """What would make some strategy fit, when none does at this configuration."""
     out = []
     memory = device_memory_bytes
-    floor = 4 * stats.num_params + overhead_bytes(cfg, target)
+    overhead = overhead_bytes(cfg, target)
+    floor = 4 * stats.num_params + overhead
+    if overhead > memory:
+        return [f"nothing can: the per-rank overhead alone ({_gib(overhead)}) exceeds the device memory"]
     if floor > memory:
         out.append(
             f"no world size helps: the train loop builds the full fp32 model ({_gib(4 * stats.num_params)}) "

@@ -355,3 +355,93 @@ def test_watch_compacted_error_carries_the_revision():
 
 def test_b64_matches_base64():
     assert b64(b"\x00\xff") == base64.b64encode(b"\x00\xff").decode()
+
+
+# -- the watch loop against a scripted gateway ------------------------------------------------
+def _event(key: str, rev: int) -> dict[str, Any]:
+    return {"kv": {"key": b64(key.encode()), "value": b64(b"v"), "create_revision": str(rev),
+                   "mod_revision": str(rev)}}
+
+
+def test_watcher_resumes_after_the_last_delivered_revision_and_drops_replays():
+    """A fake gateway: stream 1 breaks after two events, stream 2 replays one of them then hangs
+    (progress timeout), stream 3 reports compaction. The watcher must ask for revisions 5, 7, 8,
+    deliver each event once, and end with WatchCompactedError."""
+    import http.server
+    import threading
+
+    from agents.etcd import Watcher
+
+    release = threading.Event()
+    requests_seen: list[dict[str, Any]] = []
+    scripts = [
+        [{"created": True}, {"events": [_event("a", 5), _event("b", 6)]}],
+        [{"created": True}, {"events": [_event("b", 6), _event("c", 7)]}, "hang"],
+        [{"created": True}, {"canceled": True, "compact_revision": "9"}],
+    ]
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests_seen.append(body["create_request"])
+            script = scripts[min(len(requests_seen), len(scripts)) - 1]
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for step in script:
+                if step == "hang":
+                    release.wait(10)
+                    return
+                self.wfile.write(json.dumps({"result": {"header": {"revision": "7"}, **step}}).encode() + b"\n")
+                self.wfile.flush()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = EtcdClient([f"http://127.0.0.1:{server.server_address[1]}"], timeout_s=2.0)
+    errors: list[Exception] = []
+    watcher = Watcher(client, "", start_revision=5, progress_timeout_s=0.3, on_error=errors.append)
+    try:
+        events = []
+        with pytest.raises(WatchCompactedError) as info:
+            while (event := watcher.get(timeout_s=5)) is not None:
+                events.append(event)
+        assert [(e.key, e.mod_revision) for e in events] == [("a", 5), ("b", 6), ("c", 7)]
+        assert info.value.compact_revision == 9
+        assert [int(r["start_revision"]) for r in requests_seen] == [5, 7, 8]
+        assert all(r["progress_notify"] for r in requests_seen)
+        assert watcher.reconnects == 2 and watcher.stalls == 1 and watcher.revision == 7
+        assert [type(e) for e in errors] == [EtcdUnavailableError, EtcdUnavailableError, WatchCompactedError]
+    finally:
+        release.set()
+        watcher.close()
+        server.shutdown()
+        server.server_close()
+        client.close()
+
+
+def test_http_transport_tells_never_sent_from_maybe_applied():
+    """Connection refused: nothing reached etcd (safe to retry a txn). Connected but no reply
+    (a hung server): the request may be applied later, so it is ambiguous."""
+    import socket
+
+    from agents.etcd import HttpTransport
+
+    transport = HttpTransport()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused_port = closed.getsockname()[1]  # bound, not listening: connections are refused
+        with pytest.raises(EtcdUnavailableError) as refused:
+            transport.post(f"http://127.0.0.1:{refused_port}", "/v3/kv/put", {}, timeout_s=1.0, token=None)
+    assert refused.value.ambiguous is False
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)  # the kernel accepts; nobody answers
+        with pytest.raises(EtcdUnavailableError) as hung:
+            transport.post(f"http://127.0.0.1:{silent.getsockname()[1]}", "/v3/kv/put", {}, timeout_s=0.2,
+                           token=None)
+    assert hung.value.ambiguous is True
+    transport.close()
