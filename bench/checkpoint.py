@@ -9,16 +9,20 @@ measurement writes under a key prefix of its own. One ``torchrun --standalone
 the model and AdamW with ``ftrain.train.Trainer``, takes a few steps so the optimizer state
 exists, and then, side by side in the same processes:
 
-(a) blocked time: wall time of the training thread in ``state_dict()`` + ``CheckpointManager.save``
-    with ``async_mode`` ``thread`` / ``process``, over the same for ``off`` (a blocking save).
-    Each async mode's first save (async process-group creation, the process start) is timed
-    apart and left out of the medians.
+(a) blocked time: the training thread's wall time in ``state_dict()`` + ``CheckpointManager.save``
+    with ``async_mode`` ``thread`` / ``process`` (called between steps, as the train loop does),
+    over the same for ``off`` (a blocking save, training idle). Each async mode's first save
+    (async process-group creation, the checkpoint process start) is a warm-up, reported apart,
+    and so is the first sync save (S3 connections, lazy imports).
 (b) save throughput: bytes of every file of the step (shards, ``.metadata``, ``manifest.json``)
     over the wall time from ``save()`` until the manifest is committed (a sync save returns
-    then; async: ``save()`` + ``wait()``), against both ranks concurrently ``pipe_file``-ing
-    buffers of exactly those file sizes (raw PUT, same s3fs client settings).
+    then), against both ranks concurrently ``pipe_file``-ing buffers of exactly their files'
+    sizes (raw PUT, same s3fs client and settings). Async uploads are reported too, but they
+    share the cores with training.
 (c) verified load: ``CheckpointManager.load`` (verify every digest, then DCP read) of a sync
-    save's step, against both ranks concurrently ``cat_file``-ing that step's files (raw GET).
+    save's step, against both ranks concurrently reading that step's files raw: ``cat_file``
+    (one GET per file) and ``cat_ranges`` of 16 MiB pieces (concurrent ranged GETs). The ratio
+    is taken against the faster of the two.
 (d) step slowdown: median step time while an async upload is in flight (the loop polls
     ``manager.poll()`` and keeps stepping until no rank has an upload in flight) over the
     median step time of the steps just before, with no upload.
@@ -67,7 +71,7 @@ MARK = "[bench] "
 #: Steps before the measurements (AdamW state exists after the first).
 WARMUP_STEPS = 3
 #: Baseline steps per repeat of (d), and the most steps one in-flight upload may span.
-BASELINE_STEPS = 6
+BASELINE_STEPS = 5
 MAX_INFLIGHT_STEPS = 80
 #: Piece size of the multi-stream raw GET (s3fs fetches a file's pieces concurrently).
 RANGE_BYTES = 16 << 20
@@ -290,6 +294,10 @@ class Bench:
         raw_put: list[float] = []
         loads: list[float] = []
         raw_get: dict[str, list[float]] = {"cat_file": [], "ranges": []}
+        first = self.sync_save()  # first-call costs: lazy imports, S3 connections, DCP caches
+        first.pop("files")
+        self.results["first_sync"] = first
+        self.say(f"warm-up sync save {first['blocked_s']:.2f}s (left out)")
         for r in range(args.repeats):
             s = self.sync_save()
             sync.append(s)
@@ -394,7 +402,8 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "bench": "checkpoint", "state_mb_requested": state_mb, "bytes": total_bytes,
         "state_bytes_per_rank": res["state_bytes_per_rank"],
-        "sync_save_s": sync_s, "state_dict_s": _median([s["state_dict_s"] for s in sync]),
+        "sync_save_s": sync_s, "first_sync_save_s": res["first_sync"]["blocked_s"],
+        "state_dict_s": _median([s["state_dict_s"] for s in sync]),
         "sync_save_MBps": total_bytes / sync_s / 1e6,
         "raw_put_s": raw_put, "raw_put_MBps": total_bytes / raw_put / 1e6,
         "load_s": load, "load_MBps": total_bytes / load / 1e6,
@@ -424,9 +433,24 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
     out["headline_mode"] = head
     out["blocked_ratio"] = out["modes"][head]["blocked_ratio"] if head else None
     out["step_slowdown"] = out["modes"][head]["step_slowdown"] if head else None
+    out["spread_s"] = {"sync_save": _spread([x["blocked_s"] for x in sync]), "raw_put": _spread(res["raw_put_s"]),
+                       "load": _spread(res["load_s"]), "raw_get_cat_file": _spread(res["raw_get_s"]["cat_file"]),
+                       "raw_get_ranges": _spread(res["raw_get_s"]["ranges"])}
+    for mode, runs in res["runs"].items():
+        measured = [r for r in runs if not r["warmup"]]
+        out["spread_s"][f"{mode}_blocked"] = _spread([r["blocked_s"] for r in measured])
+        out["spread_s"][f"{mode}_upload"] = _spread([r["upload_s"] for r in measured])
     out["samples"] = {k: res[k] for k in ("sync", "raw_put_s", "load_s", "raw_get_s", "runs")}
     out["errors"] = res["errors"]
     return out
+
+
+def _spread(xs: list[float]) -> list[float]:
+    return [min(xs), max(xs)] if xs else []
+
+
+def _range(pair: list[float], fmt: str = "{:.2f}") -> str:
+    return (fmt.format(pair[0]) + "-" + fmt.format(pair[1])) if pair else "-"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -451,27 +475,32 @@ def report(s: dict[str, Any]) -> str:
     out = [f"state: {s['bytes'] / 1e6:.0f} MB in the files of a step; per rank in memory "
            + ", ".join(f"{b / 1e6:.0f} MB" for b in s["state_bytes_per_rank"])
            + f"; state_dict() {s['state_dict_s'] * 1e3:.0f} ms", ""]
-    rows = [["save (median)", "training blocked", "vs sync", "until committed", "MB/s", "vs raw PUT"],
+    sp = s["spread_s"]
+    rows = [["save (median of repeats)", "training blocked", "vs sync", "until committed", "range", "MB/s",
+             "vs raw PUT"],
             ["sync (async_mode=off), idle", f"{s['sync_save_s']:.3f} s", "1", f"{s['sync_save_s']:.2f} s",
-             f"{s['sync_save_MBps']:.0f}", f"{s['save_vs_raw']:.2f}"]]
+             _range(sp["sync_save"]), f"{s['sync_save_MBps']:.0f}", f"{s['save_vs_raw']:.2f}"]]
     for mode, m in s["modes"].items():
         rows.append([f"async_mode={mode}, training", f"{m['blocked_s']:.3f} s", f"{m['blocked_ratio']:.2%}",
-                     f"<= {m['upload_s']:.2f} s", f"{m['upload_MBps']:.0f}", f"{m['upload_vs_raw']:.2f}"])
-    rows.append(["raw s3fs pipe_file, 2 ranks, idle", "-", "-", f"{s['raw_put_s']:.2f} s", f"{s['raw_put_MBps']:.0f}",
-                 "1"])
-    out += [_table(rows), ""]
-    rows = [["load (median), idle", "wall", "MB/s", "vs best raw GET"],
-            ["manager.load (verify + DCP read)", f"{s['load_s']:.2f} s", f"{s['load_MBps']:.0f}",
+                     f"<= {m['upload_s']:.2f} s", _range(sp[f"{mode}_upload"]), f"{m['upload_MBps']:.0f}",
+                     f"{m['upload_vs_raw']:.2f}"])
+    rows.append(["raw s3fs pipe_file, 2 ranks, idle", "-", "-", f"{s['raw_put_s']:.2f} s", _range(sp["raw_put"]),
+                 f"{s['raw_put_MBps']:.0f}", "1"])
+    out += [_table(rows), f"warm-up, left out: first sync save {s['first_sync_save_s']:.2f} s", ""]
+    rows = [["load (median of repeats), idle", "wall", "range", "MB/s", "vs best raw GET"],
+            ["manager.load (verify + DCP read)", f"{s['load_s']:.2f} s", _range(sp["load"]), f"{s['load_MBps']:.0f}",
              f"{s['load_vs_raw']:.2f}"],
-            ["raw s3fs cat_file, 2 ranks", f"{s['raw_get_cat_file_s']:.2f} s",
+            ["raw s3fs cat_file, 2 ranks", f"{s['raw_get_cat_file_s']:.2f} s", _range(sp["raw_get_cat_file"]),
              f"{s['bytes'] / s['raw_get_cat_file_s'] / 1e6:.0f}", f"{s['raw_get_s'] / s['raw_get_cat_file_s']:.2f}"],
             [f"raw s3fs cat_ranges {RANGE_BYTES >> 20} MiB, 2 ranks", f"{s['raw_get_ranges_s']:.2f} s",
-             f"{s['bytes'] / s['raw_get_ranges_s'] / 1e6:.0f}", f"{s['raw_get_s'] / s['raw_get_ranges_s']:.2f}"]]
+             _range(sp["raw_get_ranges"]), f"{s['bytes'] / s['raw_get_ranges_s'] / 1e6:.0f}",
+             f"{s['raw_get_s'] / s['raw_get_ranges_s']:.2f}"]]
     out += [_table(rows), ""]
     rows = [["training steps (median)", "no upload", "upload in flight", "slowdown", "steps", "first save: blocked",
              "upload"]]
     for mode, m in s["modes"].items():
-        first = (f"{m['first_blocked_s']:.3f} s", f"{m['first_upload_s']:.2f} s") if m["first_blocked_s"] else ("-", "-")
+        first = ((f"{m['first_blocked_s']:.3f} s", f"{m['first_upload_s']:.2f} s") if m["first_blocked_s"]
+                 else ("-", "-"))
         rows.append([f"async_mode={mode}", f"{m['step_idle_s']:.3f} s", f"{m['step_inflight_s']:.3f} s",
                      f"{m['step_slowdown']:.2f}x" if m["step_slowdown"] else "-",
                      f"{m['steps_idle']}/{m['steps_inflight']}", *first])
@@ -505,11 +534,22 @@ notes:
 - A save's bytes are its step's files (shards + .metadata + manifest.json); a sync save ends
   when the manifest is committed (and retention ran); raw PUT ends when both ranks' PUTs did.
 - manager.load reads every byte twice (verification streams every file, then DCP reads the
-  shards again) while raw GET reads it once: load_vs_raw cannot pass 0.5 as the load is built.
+  shards again, one small torch.load per tensor) while raw GET reads it once: load_vs_raw
+  cannot pass 0.5 as the load is built. A single cat_file of a large object is itself ~2x
+  slower here than ranged reads, so the ratio is taken against the faster raw read.
 - Step times are the slowest rank's. With an upload in flight, the uploader and SeaweedFS take
   CPU from the two training ranks (and, with threads, the GIL): a GPU host with spare cores
   would show far less."""
 
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks); "" if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def run_job(args: argparse.Namespace, workdir: Path, s3: Any) -> tuple[int, str, Path]:
@@ -537,24 +577,29 @@ def run_job(args: argparse.Namespace, workdir: Path, s3: Any) -> tuple[int, str,
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    # Workers (own sessions) and DCP's checkpoint daemon are re-parented if torchrun dies first,
+    # so remember every descendant seen while the job runs, with its start time (PID reuse).
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + args.timeout_s
     try:
-        proc.wait(timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        kept.append(f"timed out after {args.timeout_s:.0f}s\n")
-    finally:
-        if proc.poll() is None:
-            for pid in [*_descendants(proc.pid), proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-        else:  # the agent is gone; kill any worker or checkpoint daemon it left behind
+        while proc.poll() is None:
             for pid in _descendants(proc.pid):
+                seen.setdefault(pid, _start_time(pid))
+            if time.monotonic() > deadline:
+                kept.append(f"timed out after {args.timeout_s:.0f}s\n")
+                break
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for pid, started in [*seen.items(), (proc.pid, "")]:
+            if pid == proc.pid or (started and _start_time(pid) == started):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        proc.wait()
         reader.join(timeout=5)
     return proc.returncode, "".join(kept), out_path
 
@@ -583,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     train = {"global_batch_size": 2, "micro_batch_size": 1}
     print(f"model: GPT {params / 1e6:.2f}M params {shape}, fp32 + AdamW = {12 * params / 1e6:.0f} MB; fsdp on 2 "
           f"ranks (gloo, CPU), global batch {train['global_batch_size']} x seq {shape['seq_len']}; "
-          f"{args.repeats} repeats; {os.cpu_count()} cores", flush=True)
+          f"{args.repeats} repeats; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     with tempfile.TemporaryDirectory(prefix="ftrain-bench-ckpt-") as tmp:
         workdir = Path(tmp)
         text = config_toml(shape, train, steps=100_000) + '\n[parallel]\nstrategy = "fsdp"\n'
@@ -603,7 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(summary))
     print(NOTES)
-    print(f"wall time {summary['wall_s']:.0f}s")
+    load_1m = os.getloadavg()[0]
+    summary["load_average_end"] = load_1m
+    print(f"wall time {summary['wall_s']:.0f}s; load average {load_1m:.1f} at the end (this run alone keeps it ~3-4: "
+          "more means other jobs shared the cores)")
     print(json.dumps(summary))
     return 0
 

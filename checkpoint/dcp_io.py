@@ -9,7 +9,9 @@ If any rank fails, DCP's gather fails first and no manifest is written.
 
 FACTS.md traps handled here: storage options are passed to the writer and ``checkpoint_id``
 is never set (``reset()`` would drop them); ``sync_files=False`` (S3 files have no fileno, and
-the fallback is a host-wide ``os.sync()``); ``overwrite=False`` (never overwrite a step).
+the fallback is a host-wide ``os.sync()``). A step is never overwritten: DCP's own check looks
+only for ``.metadata``, so the publisher's ``prepare`` refuses a committed step and clears a
+torn one before any rank writes (DCP runs with ``overwrite=True`` so it does not re-check).
 """
 
 from __future__ import annotations
@@ -216,13 +218,66 @@ def load_metadata(data: bytes) -> Metadata:
     return metadata
 
 
-class VerifiedReader(FsspecReader):
-    """FsspecReader whose ``.metadata`` must match the manifest's digest before it is unpickled."""
+class _VerifyingReadFileSystem:
+    """Serves DCP's reads of data files from a local copy whose digest was checked first.
 
-    def __init__(self, url: str, *, storage_options: dict[str, Any], expected: FileEntry, algorithm: str):
-        super().__init__(url, **storage_options)
-        self._expected = expected
+    Each file a rank reads is fetched once (retried whole on transient errors) through the
+    hasher into a spool (memory, or a temp file past ``spool_bytes``) and compared with the
+    manifest before DCP sees a byte of it: a file that changed after the verification pass
+    cannot be loaded silently.
+    """
+
+    def __init__(self, inner: Any, files: dict[str, FileEntry], algorithm: str, storage: Storage,
+                 spool_bytes: int = 256 << 20):
+        self._inner = inner
+        self._files = files
         self._algorithm = algorithm
+        self._storage = storage
+        self._spool_bytes = spool_bytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        name = posixpath.basename(str(path))
+        expected = self._files.get(name)
+        if "r" not in mode or name == METADATA_NAME or expected is None:
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with tempfile.SpooledTemporaryFile(max_size=self._spool_bytes) as spool:
+
+            def fetch() -> tuple[int, str]:
+                spool.seek(0)
+                spool.truncate()
+                hasher, size = new_hasher(self._algorithm), 0
+                with self._inner.create_stream(path, "rb") as src:
+                    while chunk := src.read(16 << 20):
+                        hasher.update(chunk)
+                        spool.write(chunk)
+                        size += len(chunk)
+                return size, hasher.hexdigest()
+
+            size, digest = self._storage.retry(fetch, f"read {name}")
+            if size != expected.size_bytes or digest != expected.digest:
+                raise ChecksumMismatchError(f"{name}: changed since it was verified (size {size}, expected "
+                                            f"{expected.size_bytes}; digest {digest}, expected {expected.digest})")
+            spool.seek(0)
+            yield spool
+
+
+class VerifiedReader(FsspecReader):
+    """FsspecReader that trusts nothing it has not hashed: ``.metadata`` must match the
+    manifest before it is unpickled (with an allow-list), and every data file is digested as it
+    is fetched, before DCP reads from it."""
+
+    def __init__(self, url: str, *, options: StorageOptions, files: dict[str, FileEntry], algorithm: str):
+        storage = Storage(url, options)
+        super().__init__(url, **storage.storage_kwargs)
+        self._expected = files[METADATA_NAME]
+        self._algorithm = algorithm
+        self.fs = _VerifyingReadFileSystem(self.fs, files, algorithm, storage)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from checkpoint.dcp_io import METADATA_NAME, VerifiedReader
+from checkpoint.dcp_io import VerifiedReader
 from checkpoint.errors import ChecksumMismatchError
 from checkpoint.manifest import hmac_key_from_env, step_dir_name
 from checkpoint.storage import Storage
@@ -30,8 +30,8 @@ def export_step(storage: Storage, step: int, out_path: str | Path, *, hmac_key_e
         raise ChecksumMismatchError(f"{dirname} does not verify: " + "; ".join(str(p) for p in report.problems))
     manifest = report.manifest
     state: dict[str, Any] = {}
-    reader = VerifiedReader(storage.child_url(dirname), storage_options=storage.storage_kwargs,
-                            expected=manifest.files[METADATA_NAME], algorithm=manifest.digest_algorithm)
+    reader = VerifiedReader(storage.child_url(dirname), options=storage.options, files=manifest.files,
+                            algorithm=manifest.digest_algorithm)
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     model = state.get("model", {})
     out: dict[str, Any] = dict(model)

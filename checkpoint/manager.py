@@ -207,15 +207,21 @@ class CheckpointManager:
                 return False
             self._record_commit(step, time.monotonic() - started)
             return True
-        response = dcp.async_save(
-            state_dict, storage_writer=writer, process_group=self._group(),
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS if self.async_mode == "process"
-            else AsyncCheckpointerType.THREAD,
-            async_stager=self._get_stager(),
-        )
+        try:
+            response = dcp.async_save(
+                state_dict, storage_writer=writer, process_group=self._group(),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                else AsyncCheckpointerType.THREAD,
+                async_stager=self._get_stager(),
+            )
+            if isinstance(response, AsyncSaveResponse):
+                response.staging_completion.result()
+        except BaseException as e:  # staging failed: report it like a failed upload; training goes on
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._record_failure(step, e)
+            return False
         future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-        if isinstance(response, AsyncSaveResponse):
-            response.staging_completion.result()
         self._in_flight = _InFlight(step, started, future)
         self.status.in_flight_step = step
         self.on_event("ckpt_staged", step=step, staging_s=time.monotonic() - started)
@@ -293,8 +299,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{info.dirname} cannot be read: " + "; ".join(map(str, problems[:5])))
             manifest = info.manifest
             state_dict = build_state_dict(manifest)
-            reader = VerifiedReader(self.storage.child_url(info.dirname), storage_options=self.storage.storage_kwargs,
-                                    expected=manifest.files[METADATA_NAME], algorithm=manifest.digest_algorithm)
+            reader = VerifiedReader(self.storage.child_url(info.dirname), options=self.options,
+                                    files=manifest.files, algorithm=manifest.digest_algorithm)
             try:
                 dcp.load(state_dict, storage_reader=reader)
             except BaseException as e:  # noqa: BLE001 - CheckpointException wraps per-rank errors
