@@ -125,5 +125,9 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> tuple[in
 
 
 def shutdown_distributed() -> None:
+    """Tear down after a successful run: a barrier first, so no rank destroys its groups (and
+    exits) while gloo work of a peer still references them, which can abort the process at
+    exit ("terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -722,6 +722,9 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         lines += [f"  - {n}" for n in e.notes]
     if cfg.model.factory:
         lines.append("  - activations assume a GPT-like model with the configured model.* sizes")
+    if getattr(cfg, "checkpoint", None) is not None and cfg.checkpoint.uri:
+        lines.append("  - not included: checkpoint staging (an async save copies this rank's params and optimizer "
+                     "state to host memory first)")
     if target.device == "cuda":
         lines.append(f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {_gib(CUDA_RUNTIME_BYTES)} "
                      "(not in torch.cuda.max_memory_allocated)")

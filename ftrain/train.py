@@ -58,11 +58,16 @@ def train(cfg: Config) -> TrainResult:
     trainer = None
     try:
         trainer = Trainer(cfg, device, dtype, rank, world_size, local_world)
-        return trainer.run()
-    finally:
+        result = trainer.run()
+    except BaseException:
+        # No collective teardown on failure: peers may be stuck in a collective, and a barrier
+        # or destroy here would hang; the launcher ends the job.
         if trainer is not None:
             trainer.close()
-        shutdown_distributed()
+        raise
+    trainer.close()
+    shutdown_distributed()
+    return result
 
 
 class Trainer:
