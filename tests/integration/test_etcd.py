@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
-from agents.etcd import Compare, EtcdClient, Op, Session, Watcher, WatchEvent
+from agents.etcd import Compare, EtcdClient, Op
+from agents.etcd_session import Session
+from agents.etcd_watch import Watcher, WatchEvent
 from agents.etcd_server import EtcdCluster, EtcdServer, free_ports
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,7 +165,8 @@ def test_session_keeps_its_key_alive_past_several_ttls(client):
 
 HOLDER = """
 import sys, threading
-from agents.etcd import EtcdClient, Session
+from agents.etcd import EtcdClient
+from agents.etcd_session import Session
 client = EtcdClient([sys.argv[1]], timeout_s=1.0)
 session = Session(client, ttl_s=int(sys.argv[3]), keepalive_interval_s=0.5)
 client.put(sys.argv[2], b"alive", lease=session.lease_id)

@@ -1,4 +1,5 @@
-"""agents.etcd without a server: encoding, endpoint failover, retry policy, session deadlines.
+"""agents.etcd, etcd_session and etcd_watch without a server: encoding, endpoint failover,
+retry policy, session deadlines, watch resumption.
 
 A fake transport scripts each endpoint's replies; a fake clock advances only when the client
 sleeps, so no test waits for real time.
@@ -14,9 +15,10 @@ from typing import Any
 import pytest
 
 from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from agents.etcd import (Compare, EtcdClient, KeepaliveSchedule, KeyValue, Op, Session, TxnResult,
-                         WatchResponse, b64, decode_key, encode_key, error_from_reply, prefix_range_end,
-                         unb64)
+from agents.etcd import (Compare, EtcdClient, KeyValue, Op, TxnResult, b64, decode_key, encode_key,
+                         error_from_reply, prefix_range_end, unb64)
+from agents.etcd_session import KeepaliveSchedule, Session
+from agents.etcd_watch import WatchResponse
 
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
 REFUSED = EtcdUnavailableError("connection refused", ambiguous=False)
@@ -370,7 +372,7 @@ def test_watcher_resumes_after_the_last_delivered_revision_and_drops_replays():
     import http.server
     import threading
 
-    from agents.etcd import Watcher
+    from agents.etcd_watch import Watcher
 
     release = threading.Event()
     requests_seen: list[dict[str, Any]] = []
