@@ -31,6 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.support import descendants  # noqa: E402  (one process-tree walker for tests and benches)
+
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise
 CORES_NOTE_THRESHOLD = 4
@@ -72,26 +74,6 @@ def worker_env(malloc_tuning: bool = True) -> dict[str, str]:
     return env
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun starts workers in sessions of their own)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 @dataclass
 class Job:
     strategy: str
@@ -121,7 +103,7 @@ def torchrun_train(config_path: Path, nproc: int, strategy: str, workdir: Path, 
         out = f"timed out after {timeout_s:.0f}s"
     finally:
         if proc.poll() is None:
-            for pid in [proc.pid, *_descendants(proc.pid)]:
+            for pid in [proc.pid, *descendants(proc.pid)]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
