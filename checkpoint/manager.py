@@ -62,6 +62,25 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+_CORRUPTION_TYPES = (ChecksumMismatchError, UnsafePickleError)
+#: DCP re-raises a failed metadata read as a bare AssertionError carrying only the message.
+_CORRUPTION_TEXT = ("ChecksumMismatchError", "UnsafePickleError", "DCP metadata", "does not match the manifest",
+                    "changed since it was verified")
+
+
+def _is_corruption(err: BaseException) -> bool:
+    """Did a load fail because the bytes were not what the manifest promised (vs. an I/O error)?"""
+    if isinstance(err, _CORRUPTION_TYPES):
+        return True
+    failures = getattr(err, "failures", None) or {}
+    for wrapped in failures.values():
+        exc = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
+        if isinstance(exc, _CORRUPTION_TYPES):
+            return True
+    text = describe_error(err) + repr(err)
+    return any(marker in text for marker in _CORRUPTION_TEXT)
+
+
 def _no_event(name: str, **fields: Any) -> None:
     return None
 
@@ -304,14 +323,9 @@ class CheckpointManager:
             try:
                 dcp.load(state_dict, storage_reader=reader)
             except BaseException as e:  # noqa: BLE001 - CheckpointException wraps per-rank errors
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                if isinstance(e, (KeyboardInterrupt, SystemExit)) or not _is_corruption(e):
                     raise
-                text = repr(e)
-                if not any(k in text for k in ("ChecksumMismatchError", "UnsafePickleError", "DCP metadata",
-                                               "does not match the manifest")) and \
-                        not isinstance(e, (ChecksumMismatchError, UnsafePickleError)):
-                    raise
-                self._reject(info, [Problem(METADATA_NAME, "digest", text[:300])])
+                self._reject(info, [Problem(METADATA_NAME, "digest", describe_error(e)[:300])])
                 continue
             self.on_event("ckpt_loaded", step=info.step, world_size=manifest.world_size)
             log.info("loaded checkpoint step %d (saved at world size %d)", info.step, manifest.world_size)
