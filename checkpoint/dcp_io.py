@@ -24,7 +24,7 @@ import posixpath
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch.futures import Future

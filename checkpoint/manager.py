@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse

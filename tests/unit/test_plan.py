@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.model import build_model, count_parameters
