@@ -12,6 +12,8 @@ from typing import Iterator
 
 import pytest
 
+from agents.etcd import EtcdClient
+from agents.etcd_server import EtcdServer
 from checkpoint.seaweed import SeaweedNotInstalledError, SeaweedS3
 from checkpoint.storage import Storage
 
@@ -41,3 +43,21 @@ def s3_prefix(seaweed: SeaweedS3) -> str:
 @pytest.fixture
 def s3_storage(seaweed: SeaweedS3, s3_prefix: str) -> Storage:
     return Storage(seaweed.url(s3_prefix), seaweed.storage_options())
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdServer]:
+    """A throwaway etcd per test (tests stop, pause and restart it)."""
+    server = EtcdServer()
+    try:
+        server.start()
+        server.wait_ready(timeout_s=20)
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
+    with EtcdClient([etcd.endpoint], timeout_s=1.0, retry_timeout_s=5.0) as c:
+        yield c

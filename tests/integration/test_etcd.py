@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,24 +30,6 @@ from agents.etcd_server import EtcdCluster, EtcdServer, free_ports
 pytestmark = pytest.mark.timeout(60)
 #: Repository root (not tests.support.REPO: that module imports torch, which these tests never need).
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    try:
-        server.start()
-        ready_s = server.wait_ready(timeout_s=20)
-        print(f"\n[etcd ready in {ready_s:.3f} s]")
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
-    with EtcdClient([etcd.endpoint], timeout_s=1.0, retry_timeout_s=5.0) as c:
-        yield c
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.01) -> float:

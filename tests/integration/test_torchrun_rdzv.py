@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -32,23 +32,6 @@ pytestmark = pytest.mark.timeout(90)
 WORKER = Path(__file__).with_name("rdzv_worker.py")
 #: Fast failure detection: a dead node is dropped after 1 s x 2 heartbeats + 1 s last call.
 FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,join_timeout=60,read_timeout=30"
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    try:
-        server.start()
-        server.wait_ready(timeout_s=20)
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
-    with EtcdClient([etcd.endpoint], timeout_s=1.0, retry_timeout_s=5.0) as c:
-        yield c
 
 
 class LostReplies:
