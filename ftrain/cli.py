@@ -34,7 +34,23 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from ftrain.train import train  # heavy imports only once the config is known to be good
 
     train(cfg)
-    return 0
+    _exit_without_teardown(0)
+    return 0  # not reached
+
+
+def _exit_without_teardown(code: int) -> None:
+    """End a finished worker without running C++ static destructors.
+
+    After a clean run every collective has completed and the process groups are destroyed, yet
+    gloo/c10d threads can still be joinable when the interpreter tears down, and destroying them
+    calls std::terminate ("terminate called without an active exception", SIGABRT). The
+    launcher then reports a failed rank for a run that succeeded. Nothing is left to flush but
+    Python's own buffers, so flush those and leave at once.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
