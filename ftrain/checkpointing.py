@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from checkpoint.manager import CheckpointManager, SaveStatus
 from checkpoint.manifest import Manifest
 from checkpoint.storage import StorageOptions
+from ftrain import fence
 from ftrain.config import Config
 from ftrain.data import DataCursor
 from ftrain.events import EventLog
@@ -82,6 +83,7 @@ class Checkpointing:
             async_mode=c.async_mode, when_busy=c.when_busy, digest=c.digest, hmac_key_env=c.hmac_key_env,
             keep_last=c.keep_last, keep_every=c.keep_every, gc_grace_s=c.gc_grace_s,
             on_event=events.emit, device_type=par.device.type,
+            fence=fence.from_env() if self.round > 0 else None,
         )
 
     # -- save ---------------------------------------------------------------------------
@@ -142,6 +144,7 @@ class Checkpointing:
         if manifest.config_hash != self.cfg.digest():
             log.info("resuming step %d saved with a different config (hash %s, now %s)", manifest.step,
                      manifest.config_hash, self.cfg.digest())
+        self.manager.status.last_committed_step = max(self.manager.status.last_committed_step, manifest.step)
         self.events.emit("resumed", step=manifest.step, from_world_size=manifest.world_size,
                          world_size=self.par.layout.world_size, round=self.round)
         return manifest

@@ -5,6 +5,12 @@
     ftrain config CONFIG.toml [--section.key=value ...]  print the resolved configuration
     ftrain config --reference                           print every key as Markdown
     ftrain ckpt ls|show|verify|gc|export URI ...        inspect and maintain checkpoints
+    ftrain agent [options] -- CONFIG.toml [overrides]   this node's agent (see agents/)
+    ftrain status --etcd URL --job ID [--json]          a job's nodes, round, steps and restarts
+    ftrain local up                                     local etcd + SeaweedFS S3 for trying it out
+
+The CLI is the one place in ``ftrain`` that reaches into ``agents`` (and ``chaos``): the
+runtime itself never does.
 """
 
 from __future__ import annotations
@@ -88,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     add_ckpt_parser(sub)
+
+    from agents.cli import add_parsers as add_agent_parsers
+    from ftrain.local_cli import add_parsers as add_local_parsers
+
+    add_agent_parsers(sub)
+    add_local_parsers(sub)
 
     p = sub.add_parser("config", help="print the resolved configuration, or the reference of all keys")
     p.add_argument("config", nargs="?", help="TOML config file")

@@ -270,6 +270,50 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Read by ``ftrain agent`` (its command-line options override these); workers ignore it."""
+    etcd: str = _opt("", "etcd client URLs, comma-separated (http://host:port,...).")
+    job: str = _opt("", "Job id: the agents of one job share it (and its keys in etcd).")
+    nnodes: str = _opt("1:1", "MIN:MAX nodes (or N): rounds need at least MIN live agents and take at most MAX.")
+    nproc_per_node: int = _opt(1, "Workers per node.")
+    node_id: str = _opt("", "This agent's node id (default: the host name); unique among live agents.")
+    host: str = _opt("127.0.0.1", "Address the other nodes reach this one at (rendezvous when it is node rank 0).")
+    lease_ttl_s: int = _opt(5, "etcd lease TTL: a node whose agent is silent this long is lost (min 2).")
+    settle_s: float = _opt(2.0, "Membership must be quiet this long before a round forms (last call for joiners).")
+    hang_timeout_s: float = _opt(120.0, "No heartbeat from a training worker for this long: dump stacks, restart.")
+    start_timeout_s: float = _opt(
+        300.0, "Limit for start-up, checkpoint loads and saves (no step heartbeat), and for all members to start.")
+    max_restarts: int = _opt(10, "Failures (worker exit, hang, start timeout) allowed within restart_window_s.")
+    restart_window_s: float = _opt(3600.0, "Window of the restart budget.")
+    backoff_initial_s: float = _opt(1.0, "Wait before the 2nd restart in the window; doubles after each failure.")
+    backoff_max_s: float = _opt(30.0, "Longest wait between restarts.")
+    scale_up: str = _opt(
+        "checkpoint", "Nodes that join a running job enter at the next committed checkpoint, or immediately.",
+        ("checkpoint", "immediate"),
+    )
+    metrics_port: int = _opt(-1, "Prometheus metrics port (0: any free port, -1: off).")
+    run_dir: str = _opt("", "Worker logs and stack dumps (default: a new temporary directory).")
+
+    def __post_init__(self) -> None:
+        parse_nnodes(self.nnodes, "agent.nnodes")
+        _positive("agent.nproc_per_node", self.nproc_per_node)
+        if self.lease_ttl_s < 2:
+            raise ConfigError("agent.lease_ttl_s", f"must be >= 2 (etcd's minimum lease), got {self.lease_ttl_s}")
+
+
+def parse_nnodes(text: str, key: str = "--nnodes") -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> (min, max)."""
+    try:
+        lo, _, hi = text.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(key, f"expected N or MIN:MAX, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise ConfigError(key, f"need 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -279,6 +323,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         if self.checkpoint.uri and self.parallel.strategy == "zero1":
@@ -292,8 +337,10 @@ class Config:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        """A stable hash of the resolved configuration (recorded in checkpoints and runs)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """A stable hash of what is trained (recorded in checkpoints; the agent section is left
+        out: how a job is supervised does not change what it computes)."""
+        training = {k: v for k, v in self.to_dict().items() if k != "agent"}
+        blob = json.dumps(training, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

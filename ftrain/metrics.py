@@ -1,4 +1,7 @@
-"""Per-step metrics: one JSON line per optimizer step (rank 0), and peak memory per rank."""
+"""Per-step metrics: one JSON line per optimizer step (rank 0), and peak memory per rank.
+
+Torch-free at import (the agent reads these files and shares the event log format).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,17 @@ import json
 import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated GPU memory on CUDA; peak resident set size of the process on CPU."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ftrain import heartbeat
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
@@ -54,10 +56,13 @@ class TrainResult:
 def train(cfg: Config) -> TrainResult:
     device = select_device(cfg.train)
     dtype = select_dtype(cfg.train, device)
+    hb = heartbeat.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+    if hb is not None:
+        hb.beat(-1, phase="starting")
     rank, world_size, local_world = init_distributed(cfg.parallel, device)
     trainer = None
     try:
-        trainer = Trainer(cfg, device, dtype, rank, world_size, local_world)
+        trainer = Trainer(cfg, device, dtype, rank, world_size, local_world, hb)
         result = trainer.run()
     except BaseException:
         # No collective teardown on failure: peers may be stuck in a collective, and a barrier
@@ -67,13 +72,16 @@ def train(cfg: Config) -> TrainResult:
         raise
     trainer.close()
     shutdown_distributed()
+    if hb is not None:
+        hb.exit(result.steps, finished=not result.stopped_early, committed_step=trainer.committed_step())
     return result
 
 
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device, dtype: torch.dtype, rank: int, world_size: int,
-                 local_world: int):
+                 local_world: int, hb: heartbeat.Heartbeat | None = None):
         self.cfg = cfg
+        self.hb = hb
         self.device = device
         self.rank = rank
         n_head = cfg.model.n_head if not cfg.model.factory else None
@@ -128,6 +136,7 @@ class Trainer:
             loss = self._step()
             done = self.cursor.step
             if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
+                self._beat(done, "saving")
                 self.ckpt.save(done)
             maybe_crash(done, self.rank)
             maybe_slow_down()
@@ -140,6 +149,7 @@ class Trainer:
                 break
         wall = time.perf_counter() - start
         if self.ckpt is not None:
+            self._beat(self.cursor.step, "saving")
             status = self.ckpt.finish(self.cursor.step)
             if status.saves_failed:
                 self.progress.message(f"warning: {status.saves_failed} checkpoint save(s) failed: {status.last_error}")
@@ -149,7 +159,15 @@ class Trainer:
         self.progress.message(f"done: step {self.cursor.step}, loss {loss:.4f}{gap} in {wall:.1f}s")
         return TrainResult(self.cursor.step, loss, self.floor, wall, layout.world_size, stopped_early)
 
+    def _beat(self, step: int, phase: str, step_time_s: float = 0.0) -> None:
+        if self.hb is not None:
+            self.hb.beat(step, phase=phase, step_time_s=step_time_s, committed_step=self.committed_step())
+
+    def committed_step(self) -> int:
+        return self.ckpt.manager.status.last_committed_step if self.ckpt is not None else -1
+
     def _resume(self) -> None:
+        self._beat(-1, "loading")
         manifest = self.ckpt.resume()
         if manifest is not None:
             self.progress.message(f"resumed from checkpoint step {manifest.step} "
@@ -274,6 +292,7 @@ class Trainer:
                           ckpt_last_error=status.last_error)
         if self.metrics is not None:
             self.metrics.write(record)
+        self._beat(step, "training", step_time_s)
         self.progress.update(step, record)
 
     def _save_final(self) -> None:

@@ -1,0 +1,467 @@
+"""The node agent: membership, leadership, rounds and supervision of this node's workers.
+
+One loop, level-triggered: every tick (woken early by a watch on the job's keys) the agent
+reads the whole job state from etcd in one range request and acts on it:
+
+- **session**: a lease kept alive; ``nodes/<id>`` on it. Registering an id that a live agent
+  holds is refused (:class:`NodeIdTakenError`). If the lease is lost (etcd unreachable longer
+  than the TTL), the agent keeps its workers running, registers again with a new lease once etcd
+  answers, and until then acts on no round at all.
+- **leader**: whoever creates ``leader`` on its lease; it runs :func:`agents.leader.decide` and
+  forms rounds with a compare-and-swap on ``round``.
+- **follower** (every agent, the leader too): when the current round lists this agent, start
+  its workers (torchrun, static rendezvous at the round's master) unless they already run; when
+  it does not, stop any workers of an older round. Watch the workers: exit code, heartbeats,
+  hangs (dump stacks, kill). Report how the round ended on this node.
+- **status**: ``status/<id>`` for ``ftrain status``; Prometheus metrics.
+
+Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when the job failed
+(restart budget), 2 for bad arguments or a node id in use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
+from agents.etcd import Compare, EtcdClient, Op
+from agents.etcd_session import Session
+from agents.etcd_watch import Watcher
+from agents.heartbeat import HeartbeatServer
+from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
+from agents.metrics import AgentMetrics
+from agents.records import (FAILED, HANG, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys, JobState, Member, NodeRecord,
+                            NodeStatus, Report)
+from agents.workers import Launch, WorkerGroup, dump_stacks
+from ftrain.events import EventLog
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
+TICK_S = 0.2
+STATUS_INTERVAL_S = 1.0
+
+
+@dataclass(kw_only=True)
+class AgentOptions:
+    etcd: list[str]
+    job: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    worker_args: list[str]  #: CONFIG.toml and --section.key=value overrides for ``ftrain train``
+    node_id: str = field(default_factory=socket.gethostname)
+    host: str = "127.0.0.1"  #: address other nodes reach this one at (its rendezvous, if node rank 0)
+    lease_ttl_s: int = 5
+    settle_s: float = 2.0
+    hang_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0
+    max_restarts: int = 10
+    restart_window_s: float = 3600.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    scale_up: str = "checkpoint"
+    drain_timeout_s: float = 120.0
+    metrics_port: int = -1  #: -1: off; 0: any free port
+    run_dir: str = ""  #: heartbeat socket, stack dumps, worker logs (default: a new temp dir)
+    events_path: str = ""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    etcd_username: str | None = None
+    etcd_password: str | None = None
+    etcd_ca_cert: str | None = None
+
+    def policy(self) -> Policy:
+        return Policy(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc_per_node,
+                      settle_s=self.settle_s, start_timeout_s=self.start_timeout_s, max_restarts=self.max_restarts,
+                      restart_window_s=self.restart_window_s, backoff_initial_s=self.backoff_initial_s,
+                      backoff_max_s=self.backoff_max_s, scale_up=self.scale_up)
+
+    def validate(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"--nnodes: need 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.lease_ttl_s < 2:
+            raise ValueError(f"--lease-ttl-s must be >= 2 (etcd's minimum), got {self.lease_ttl_s}")
+        if not self.worker_args:
+            raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
+        if self.scale_up not in ("checkpoint", "immediate"):
+            raise ValueError(f"--scale-up must be checkpoint or immediate, got {self.scale_up!r}")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    def __init__(self, opts: AgentOptions):
+        opts.validate()
+        self.opts = opts
+        self.uid = uuid.uuid4().hex[:12]
+        self.me = Member(opts.node_id, self.uid)
+        self.keys = JobKeys(opts.job)
+        self.policy = opts.policy()
+        self.client = EtcdClient(opts.etcd, timeout_s=1.0, retry_timeout_s=1.0, username=opts.etcd_username,
+                                 password=opts.etcd_password, ca_cert=opts.etcd_ca_cert)
+        self.run_dir = opts.run_dir or tempfile.mkdtemp(prefix="ftrain-agent-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.stack_dir = os.path.join(self.run_dir, "stacks")
+        self.events = EventLog(opts.events_path, rank=-1)
+        self.metrics = AgentMetrics(opts.job, opts.node_id)
+        self.session: Session | None = None
+        self.workers: WorkerGroup | None = None
+        self.finished_rounds: set[int] = set()  #: rounds whose workers ran and ended here
+        self.pending_reports: dict[int, Report] = {}
+        self.memory: LeaderMemory | None = None
+        self.wake = threading.Event()
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.exit_code: int | None = None
+        self._etcd_down_since: float | None = None
+        self._next_register_at = 0.0
+        self._register_backoff_s = 0.2
+        self._last_status_at = 0.0
+        self.committed_step = -1  #: newest committed checkpoint step the workers reported
+        self._hb = HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock"))
+        self._watcher: Watcher | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Register (raising :class:`NodeIdTakenError` if the id is in use), then loop until the
+        job ends or the agent drains."""
+        self._register(first=True)
+        if self.opts.metrics_port >= 0:
+            port = self.metrics.serve(self.opts.metrics_port)
+            log.info("metrics on http://127.0.0.1:%d/metrics", port)
+            self.events.emit("agent_metrics", node=self.opts.node_id, port=port)
+        self._watcher = Watcher(self.client, self.keys.prefix, on_event=lambda _e: self.wake.set(),
+                                on_error=lambda _e: None, progress_timeout_s=max(2.0, self.opts.lease_ttl_s))
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGINT, self._on_sigterm)
+        try:
+            while self.exit_code is None:
+                self._tick()
+                self.wake.wait(TICK_S)
+                self.wake.clear()
+        finally:
+            self._shutdown()
+        return self.exit_code
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        if self.draining:  # a second signal: stop now
+            log.warning("second signal: killing workers and leaving")
+            self.exit_code = EXIT_OK
+        else:
+            log.info("signal %d: draining (workers finish the step, save, exit)", signum)
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.opts.drain_timeout_s
+        self.wake.set()
+
+    def _shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.kill()
+            self.workers = None
+        if self._watcher is not None:
+            self._watcher.close()
+        self._flush_reports()
+        if self.session is not None:
+            self.session.close(revoke=True)
+        self._hb.close()
+        self.metrics.close()
+        self.events.emit("agent_exit", node=self.opts.node_id, exit_code=self.exit_code)
+        self.events.close()
+        self.client.close()
+
+    # -- one tick ----------------------------------------------------------------------------
+    def _tick(self) -> None:
+        self._ensure_session()
+        state = self._read()
+        self._supervise()
+        if self.draining:
+            self._drain_step()
+        if state is None:
+            return
+        if state.final is not None:
+            self._finish(state)
+            return
+        if self._registered():
+            self._lead(state)
+            self._follow(state)
+        self._flush_reports()
+        self._publish_status(state)
+        self.metrics.tick()
+
+    def _registered(self) -> bool:
+        return self.session is not None and not self.session.done.is_set()
+
+    def _ensure_session(self) -> None:
+        if self._registered() or time.monotonic() < self._next_register_at:
+            return
+        if self.session is not None:
+            log.warning("lease lost (%s): re-registering as a new member", self.session.lost_reason)
+            self.events.emit("lease_lost", node=self.opts.node_id, reason=self.session.lost_reason)
+            self.session, self.memory = None, None
+        try:
+            self._register(first=False)
+            self._register_backoff_s = 0.2
+        except (EtcdUnavailableError, NodeIdTakenError, LeaseExpiredError) as e:
+            self._next_register_at = time.monotonic() + self._register_backoff_s
+            self._register_backoff_s = min(5.0, self._register_backoff_s * 2)
+            log.info("re-registration failed (%s); retrying in %.1fs", e, self._register_backoff_s)
+
+    def _register(self, *, first: bool) -> None:
+        session = Session(self.client, self.opts.lease_ttl_s, keepalive_interval_s=self.opts.lease_ttl_s / 4,
+                          on_lost=lambda _reason: self.wake.set())
+        record = NodeRecord(self.opts.node_id, self.uid, self.opts.host, os.getpid(), self.opts.nproc_per_node,
+                            time.time())
+        try:
+            created = self.client.put_if_absent(self.keys.node(self.opts.node_id), record.to_json(),
+                                                lease=session.lease_id)
+        except BaseException:
+            session.close(revoke=True)
+            raise
+        if not created:
+            session.close(revoke=True)
+            holder = self.client.get(self.keys.node(self.opts.node_id))
+            detail = holder.value.decode() if holder else "(gone since)"
+            raise NodeIdTakenError(f"node id {self.opts.node_id!r} is already registered in job {self.opts.job!r} "
+                                   f"by a live agent: {detail}; pick another --node-id or stop that agent")
+        self.session = session
+        log.info("registered node %s (agent %s, lease %x, ttl %ds)", self.opts.node_id, self.uid, session.lease_id,
+                 session.ttl_s)
+        self.events.emit("agent_registered", node=self.opts.node_id, agent=self.uid, first=first)
+
+    def _read(self) -> JobState | None:
+        try:
+            listing = self.client.list_prefix(self.keys.prefix)
+        except EtcdUnavailableError as e:
+            if self._etcd_down_since is None:
+                self._etcd_down_since = time.monotonic()
+                log.warning("etcd unreachable (%s); workers keep running", e)
+                self.events.emit("etcd_unreachable", node=self.opts.node_id, error=str(e))
+            return None
+        if self._etcd_down_since is not None:
+            down_s = time.monotonic() - self._etcd_down_since
+            log.info("etcd reachable again after %.1fs", down_s)
+            self.events.emit("etcd_reachable", node=self.opts.node_id, down_s=round(down_s, 3))
+            self._etcd_down_since = None
+        return JobState.parse(self.keys, listing.kvs, listing.revision)
+
+    # -- leader ------------------------------------------------------------------------------
+    def _lead(self, state: JobState) -> None:
+        lease = self.session.lease_id
+        if state.leader is None:
+            try:
+                if self.client.put_if_absent(self.keys.leader, self.opts.node_id, lease=lease):
+                    log.info("elected leader of job %s", self.opts.job)
+                    self.events.emit("leader_elected", node=self.opts.node_id)
+                    self.wake.set()
+            except (EtcdUnavailableError, LeaseExpiredError):
+                pass
+            return
+        leading = state.leader == self.opts.node_id and state.leader_lease == lease
+        self.metrics.leader.set(1 if leading else 0)
+        if not leading:
+            self.memory = None
+            return
+        now = time.time()
+        if self.memory is None:
+            self.memory = LeaderMemory(leader_since=now, live=frozenset(state.live_members()), live_changed_at=now)
+        decision = decide(state, self.policy, self.memory, now)
+        try:
+            if isinstance(decision, FormRound):
+                self._form_round(state, decision)
+            elif isinstance(decision, Finish):
+                if self.client.put_if_absent(self.keys.final, decision.final.to_json()):
+                    log.info("job %s: %s (%s)", decision.final.status, self.opts.job, decision.final.reason)
+                    self.events.emit("job_final", node=self.opts.node_id, status=decision.final.status,
+                                     reason=decision.final.reason)
+        except EtcdUnavailableError as e:
+            log.warning("leader action failed, retrying: %s", e)
+
+    def _form_round(self, state: JobState, decision: FormRound) -> None:
+        record = decision.record
+        guard = [Compare(self.keys.round, "mod_revision", "==", state.round_mod_revision),
+                 Compare(self.keys.leader, "lease", "==", self.session.lease_id)]
+        ops = [Op.put(self.keys.round, str(record.round)), Op.put(self.keys.round_record(record.round),
+                                                                  record.to_json())]
+        if not self.client.txn(guard, ops).succeeded:
+            log.info("round %d not formed: the job state moved on (re-reading)", record.round)
+            return
+        members = [m.node_id for m in record.members]
+        log.info("formed round %d (%s): %s, world size %d", record.round, record.reason, members, record.world_size)
+        self.events.emit("round_formed", node=self.opts.node_id, new_round=record.round, reason=record.reason,
+                         members=members, world_size=record.world_size)
+        self.wake.set()
+
+    # -- follower ----------------------------------------------------------------------------
+    def _follow(self, state: JobState) -> None:
+        cur = state.current
+        if self.workers is not None and (cur is None or self.workers.round != cur.round):
+            self._stop_workers(f"round {cur.round if cur else '?'} replaced round {self.workers.round}")
+        if cur is None or self.draining:
+            return
+        node_rank = cur.node_rank(self.me)
+        if cur.reason != START:
+            self.metrics.count_restart(cur.round, cur.reason)
+        self.metrics.round.set(cur.round)
+        self.metrics.members.set(len(cur.members))
+        if node_rank is None or self.workers is not None or cur.round in self.finished_rounds:
+            return
+        master = state.masters.get(cur.round)
+        if master is None:
+            if node_rank == 0:
+                self.client.put_if_absent(self.keys.master(cur.round), f"{self.opts.host}:{free_port(self.opts.host)}")
+                self.wake.set()
+            return
+        addr, _, port = master.rpartition(":")
+        self._launch(Launch(round=cur.round, nnodes=len(cur.members), node_rank=node_rank,
+                            nproc_per_node=cur.nproc_per_node, master_addr=addr, master_port=int(port),
+                            worker_args=tuple(self.opts.worker_args)))
+
+    def _launch(self, launch: Launch) -> None:
+        self._hb.reset(launch.round)
+        env = {**os.environ, **self.opts.worker_env,
+               "FTRAIN_JOB": self.opts.job, "FTRAIN_ROUND": str(launch.round), "FTRAIN_NODE": self.opts.node_id,
+               "FTRAIN_ETCD": ",".join(self.opts.etcd), "FTRAIN_FENCE_KEY": self.keys.round,
+               "FTRAIN_HEARTBEAT": self._hb.path, "FTRAIN_AGENT_PID": str(os.getpid()),
+               "FTRAIN_STACK_DIR": self.stack_dir, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
+        self.workers = WorkerGroup(launch, env, log_path)
+        self.metrics.launched()
+        self.events.emit("workers_started", node=self.opts.node_id, worker_round=launch.round,
+                         node_rank=launch.node_rank, nnodes=launch.nnodes, pid=self.workers.proc.pid, log=log_path)
+        try:
+            self.client.put(self.keys.started(launch.round, self.opts.node_id), self.uid)
+        except EtcdUnavailableError as e:
+            log.warning("could not record the start of round %d: %s", launch.round, e)
+
+    def _stop_workers(self, why: str) -> None:
+        workers, self.workers = self.workers, None
+        rc = workers.kill()
+        self.finished_rounds.add(workers.round)
+        log.info("stopped the workers of round %d (%s), torchrun exit %s", workers.round, why, rc)
+        self.events.emit("workers_stopped", node=self.opts.node_id, worker_round=workers.round, why=why)
+
+    # -- supervision -------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        workers = self.workers
+        if workers is None:
+            return
+        beats = self._hb.beats()
+        workers.note_pids(b.pid for b in beats.values())
+        if beats:
+            newest = max(beats.values(), key=lambda b: b.step)
+            if newest.phase == "training":
+                self.metrics.stepped(newest.step, newest.step_time_s)
+            self.committed_step = max(self.committed_step, *(b.committed_step for b in beats.values()))
+            self.metrics.committed_step.set(self.committed_step)
+            self.metrics.heartbeat_age.set(time.monotonic() - min(b.received_at for b in beats.values()))
+        rc = workers.poll()
+        if rc is not None:
+            self.workers = None
+            self.finished_rounds.add(workers.round)
+            finished = len(beats) == workers.launch.nproc_per_node and all(b.finished for b in beats.values())
+            if rc == 0 and finished:
+                report = Report(SUCCEEDED, agent_uid=self.uid, time=time.time())
+            elif rc == 0:
+                report = Report(STOPPED, detail="workers stopped early (drain)", agent_uid=self.uid, time=time.time())
+            else:
+                report = Report(FAILED, WORKER_EXIT, f"torchrun exited with {rc}; log {workers.log_path}",
+                                self.uid, time.time())
+            log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
+            self.events.emit("workers_exited", node=self.opts.node_id, worker_round=workers.round, exit_code=rc,
+                             outcome=report.outcome)
+            self.pending_reports[workers.round] = report
+            return
+        hung = self._hung_ranks(workers, beats)
+        if hung:
+            self._on_hang(workers, hung)
+
+    def _hung_ranks(self, workers: WorkerGroup, beats: dict) -> list[int]:
+        now = time.monotonic()
+        hung = []
+        for local_rank in range(workers.launch.nproc_per_node):
+            beat = beats.get(local_rank)
+            since = beat.received_at if beat else workers.started_at
+            limit = self.opts.hang_timeout_s if beat and beat.phase == "training" else self.opts.start_timeout_s
+            if now - since > limit:
+                hung.append(local_rank)
+        return hung
+
+    def _on_hang(self, workers: WorkerGroup, hung: list[int]) -> None:
+        pids = workers.worker_pids()
+        log.error("round %d: no heartbeat from local rank(s) %s within the timeout: dumping stacks of %s", workers.round,
+                  hung, pids)
+        stacks = dump_stacks(pids, self.stack_dir)
+        self.events.emit("hang", node=self.opts.node_id, worker_round=workers.round, local_ranks=hung,
+                         stacks={str(pid): text for pid, text in stacks.items()})
+        for pid, text in stacks.items():
+            log.error("stack of worker %d:\n%s", pid, text)
+        self.workers = None
+        workers.kill()
+        self.finished_rounds.add(workers.round)
+        self.pending_reports[workers.round] = Report(
+            FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, time.time())
+
+    def _drain_step(self) -> None:
+        if self.workers is None:
+            self.exit_code = EXIT_OK  # the report of the drained round is flushed on the way out
+            return
+        if not self.workers.terminating:
+            self.workers.terminate()
+            self.events.emit("drain", node=self.opts.node_id, worker_round=self.workers.round)
+        elif time.monotonic() > self.drain_deadline:
+            self._stop_workers("drain timed out")
+            self.exit_code = EXIT_OK
+
+    def _flush_reports(self) -> None:
+        for round_, report in sorted(self.pending_reports.items()):
+            try:
+                self.client.put(self.keys.report(round_, self.opts.node_id), report.to_json())
+            except EtcdUnavailableError:
+                return
+            del self.pending_reports[round_]
+            self.wake.set()
+
+    def _finish(self, state: JobState) -> None:
+        if self.workers is not None:
+            if self.workers.wait(timeout_s=10.0) is None:
+                self._stop_workers("job finished")
+        final = state.final
+        self.exit_code = EXIT_OK if final.status == SUCCEEDED else EXIT_JOB_FAILED
+        log.info("job %s %s: %s", self.opts.job, final.status, final.reason)
+        self._publish_status(state, state_name="done", force=True)
+
+    def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._registered() or (not force and now - self._last_status_at < STATUS_INTERVAL_S):
+            return
+        self._last_status_at = now
+        beats = self._hb.beats() if self.workers is not None else {}
+        name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
+        status = NodeStatus(
+            round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
+            state=name, step=max((b.step for b in beats.values()), default=-1),
+            step_time_s=max((b.step_time_s for b in beats.values()), default=0.0),
+            heartbeat_age_s=round(time.monotonic() - min(b.received_at for b in beats.values()), 3) if beats else None,
+            committed_step=self.committed_step,
+            restarts=self.metrics.restarts(), host=self.opts.host, pid=os.getpid(), updated_at=time.time())
+        try:
+            self.client.put(self.keys.status(self.opts.node_id), status.to_json(), lease=self.session.lease_id)
+        except (EtcdUnavailableError, LeaseExpiredError):
+            pass
+
+
+__all__ = ["Agent", "AgentError", "AgentOptions", "EXIT_JOB_FAILED", "EXIT_OK", "EXIT_USAGE"]

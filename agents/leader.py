@@ -1,0 +1,173 @@
+"""The leader's decisions: when to form a new round, with whom, and when the job is over.
+
+:func:`decide` is pure: it looks at one :class:`~agents.records.JobState`, what this leader
+remembers (:class:`LeaderMemory`) and the time, and says what to do. The agent's loop reads
+etcd, calls it, and applies the answer with a compare-and-swap on the ``round`` key, so two
+agents that both believe they lead cannot both form round g+1.
+
+Rules, in order:
+
+1. Every member of the current round reported success → the job succeeded.
+2. A new round is needed when there is none yet, a member reported a failure or a drain, a
+   member's agent is gone (lease expired) or was replaced (new agent process, same node id),
+   a member did not start its workers within ``start_timeout_s``, or nodes are waiting to join
+   (``scale_up``: at the next committed checkpoint, or at once).
+3. It is formed once at least ``min_nodes`` agents are live and membership has been quiet for
+   ``settle_s`` (skipped when the live agents are exactly the members that all reported: a
+   plain crash restarts at once), and after the backoff owed to recent failures. More failures
+   in ``restart_window_s`` than ``max_restarts`` end the job as failed instead.
+4. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
+   rank 0 and hosts the rendezvous, so that role migrates when its host is lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agents.records import (FAILED, FAILURE_CAUSES, NODE_LEFT, NODE_LOST, SCALE_UP, START, START_TIMEOUT, STOPPED,
+                            SUCCEEDED, WORKER_EXIT, FinalStatus, JobState, Member, RoundRecord)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    settle_s: float = 2.0
+    start_timeout_s: float = 120.0
+    max_restarts: int = 10
+    restart_window_s: float = 3600.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    scale_up: str = "checkpoint"  #: checkpoint | immediate
+
+    def backoff_s(self, recent_failures: int) -> float:
+        """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
+        if recent_failures <= 1:
+            return 0.0
+        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** (recent_failures - 2))
+
+
+@dataclass(slots=True)
+class LeaderMemory:
+    """What one leader remembers between reads; a new leader starts blank (and careful)."""
+    leader_since: float
+    live: frozenset[Member] = frozenset()
+    live_changed_at: float = 0.0
+    #: committed step when nodes were first seen waiting to join; grow once it advances
+    grow_baseline_step: int | None = None
+
+    def observe(self, state: JobState, now: float) -> None:
+        live = frozenset(state.live_members())
+        if live != self.live:
+            self.live, self.live_changed_at = live, now
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class FormRound:
+    record: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    final: FinalStatus
+
+
+Decision = Wait | FormRound | Finish
+
+
+@dataclass(slots=True)
+class _Need:
+    reason: str
+    detail: str = ""
+    failures: list[str] = field(default_factory=list)
+
+
+def committed_step(state: JobState, members: list[Member]) -> int:
+    ids = {m.node_id for m in members}
+    return max((s.committed_step for n, s in state.status.items() if n in ids), default=-1)
+
+
+def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> _Need | None:
+    cur = state.current
+    if cur is None:
+        return _Need(START)
+    live = {m.node_id: m for m in state.live_members()}
+    reports = state.member_reports(cur.round)
+    failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
+    if failed:
+        node, report = sorted(failed.items())[0]
+        return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed))
+    stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
+    if stopped:
+        return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}")
+    gone = [m.node_id for m in cur.members if live.get(m.node_id) != m]
+    if gone:
+        return _Need(NODE_LOST, f"agent gone: {', '.join(gone)}")
+    started = state.started.get(cur.round, set())
+    late = [m.node_id for m in cur.members if m.node_id not in started]
+    if late and now - cur.created_at > policy.start_timeout_s:
+        return _Need(START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on {', '.join(late)}")
+    joiners = [m for m in live.values() if m not in cur.members]
+    if joiners and len(cur.members) < policy.max_nodes:
+        if policy.scale_up == "immediate":
+            return _Need(SCALE_UP, f"joined: {', '.join(m.node_id for m in joiners)}")
+        step = committed_step(state, cur.members)
+        if memory.grow_baseline_step is None:
+            memory.grow_baseline_step = step
+        elif step > memory.grow_baseline_step:
+            return _Need(SCALE_UP, f"joined: {', '.join(m.node_id for m in joiners)} (at checkpoint step {step})")
+    else:
+        memory.grow_baseline_step = None
+    return None
+
+
+def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> Decision:
+    if state.final is not None:
+        return Wait(f"job finished: {state.final.status}")
+    memory.observe(state, now)
+    cur = state.current
+    if cur is not None:
+        reports = state.member_reports(cur.round)
+        if len(reports) == len(cur.members) and all(r.outcome == SUCCEEDED for r in reports.values()):
+            return Finish(FinalStatus(SUCCEEDED, "every node finished training", cur.round, now))
+    need = _need(state, policy, memory, now)
+    if need is None:
+        return Wait("round healthy")
+
+    failure_times = [t for t in (cur.failure_times if cur else []) if now - t <= policy.restart_window_s]
+    if need.reason in FAILURE_CAUSES:
+        failure_time = max((r.time for n, r in state.member_reports(cur.round).items() if n in need.failures),
+                           default=now) if cur else now
+        failure_times.append(failure_time)
+        if len(failure_times) > policy.max_restarts:
+            return Finish(FinalStatus(
+                FAILED, f"restart budget exhausted: {len(failure_times)} failures within "
+                f"{policy.restart_window_s:.0f}s (max_restarts={policy.max_restarts}); last: {need.reason} "
+                f"({need.detail})", cur.round if cur else 0, now))
+        ready_at = failure_time + policy.backoff_s(len(failure_times))
+        if now < ready_at:
+            return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}")
+
+    live = state.live_members()
+    if len(live) < policy.min_nodes:
+        return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live")
+    members = live[:policy.max_nodes]
+    all_reported = cur is not None and set(cur.members) == set(members) and len(
+        state.member_reports(cur.round)) == len(cur.members)
+    quiet_s = now - max(memory.live_changed_at, memory.leader_since)
+    if not all_reported and quiet_s < policy.settle_s:
+        return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)")
+
+    restarts = dict(cur.restarts_by_cause) if cur else {}
+    if cur is not None:
+        restarts[need.reason] = restarts.get(need.reason, 0) + 1
+    return FormRound(RoundRecord(
+        round=state.round + 1, members=members, nproc_per_node=policy.nproc_per_node, reason=need.reason,
+        created_at=now, failure_times=failure_times, restarts_by_cause=restarts))
+

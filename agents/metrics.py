@@ -1,0 +1,80 @@
+"""The agent's Prometheus metrics, served over HTTP (``agent.metrics_port``; 0 picks a free port).
+
+Productive time is the step time of steps this node had not completed before (the first time
+step n finishes); everything else since the first launch — detection, rendezvous, process start,
+checkpoint load, and steps recomputed after a rollback to a checkpoint — is lost time.
+"""
+
+from __future__ import annotations
+
+import time
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class AgentMetrics:
+    def __init__(self, job: str, node_id: str):
+        self.registry = CollectorRegistry()
+        labels = {"job": job, "node": node_id}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        self.round = gauge("ftrain_round", "Current rendezvous round (fencing token) of this node's workers.")
+        self.leader = gauge("ftrain_is_leader", "1 while this agent is the job's leader.")
+        self.members = gauge("ftrain_round_nodes", "Nodes in the current round.")
+        self.heartbeat_age = gauge("ftrain_heartbeat_age_seconds", "Age of the oldest newest worker heartbeat.")
+        self.step = gauge("ftrain_step", "Last completed training step reported by this node's workers.")
+        self.step_time = gauge("ftrain_step_time_seconds", "Duration of the last training step.")
+        self.committed_step = gauge("ftrain_last_committed_step", "Newest committed checkpoint step.")
+        self.ckpt_duration = gauge("ftrain_checkpoint_duration_seconds",
+                                   "Staging to commit of the newest committed checkpoint, as the workers saw it.")
+        self.productive = gauge("ftrain_productive_seconds", "Step time of first-time steps since the first launch.")
+        self.lost = gauge("ftrain_lost_seconds", "Wall time since the first launch that was not productive.")
+        self._restarts = Counter("ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"],
+                                 registry=self.registry)
+        self._labels = labels
+        self._counted_rounds: set[int] = set()
+        self._best_step = -1
+        self._productive_s = 0.0
+        self._first_launch: float | None = None
+        self._server: WSGIServer | None = None
+        self.port = 0
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = self._server.server_port
+        return self.port
+
+    def count_restart(self, round_: int, cause: str) -> None:
+        if round_ not in self._counted_rounds:
+            self._counted_rounds.add(round_)
+            self._restarts.labels(**self._labels, cause=cause).inc()
+
+    def restarts(self) -> int:
+        return len(self._counted_rounds)
+
+    def launched(self) -> None:
+        if self._first_launch is None:
+            self._first_launch = time.monotonic()
+
+    def stepped(self, step: int, step_time_s: float) -> None:
+        self.step.set(step)
+        self.step_time.set(step_time_s)
+        if step > self._best_step:
+            if self._best_step >= 0:
+                self._productive_s += step_time_s * (step - self._best_step)
+            self._best_step = step
+        self.productive.set(self._productive_s)
+
+    def tick(self) -> None:
+        if self._first_launch is not None:
+            self.lost.set(max(0.0, time.monotonic() - self._first_launch - self._productive_s))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,93 @@
+"""``ftrain status``: one read of a job's keys, shown as a table or as JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from agents.etcd import EtcdClient
+from agents.records import JobKeys, JobState
+
+
+def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
+    keys = JobKeys(job)
+    listing = client.list_prefix(keys.prefix)
+    state = JobState.parse(keys, listing.kvs, listing.revision)
+    cur = state.current
+    now = time.time()
+    members = [m.node_id for m in cur.members] if cur else []
+    nodes = []
+    for node_id in sorted(set(state.nodes) | set(members) | set(state.status)):
+        record, status = state.nodes.get(node_id), state.status.get(node_id)
+        nodes.append({
+            "node": node_id,
+            "live": record is not None,
+            "member": node_id in members,
+            "node_rank": members.index(node_id) if node_id in members else None,
+            "leader": node_id == state.leader,
+            "host": record.host if record else (status.host if status else ""),
+            "agent_pid": record.pid if record else None,
+            "state": status.state if status else "",
+            "worker_round": status.round if status else None,
+            "step": status.step if status else None,
+            "heartbeat_age_s": status.heartbeat_age_s if status else None,
+            "status_age_s": round(now - status.updated_at, 1) if status else None,
+            "restarts_seen": status.restarts if status else 0,
+        })
+    committed = max((s.committed_step for s in state.status.values()), default=-1)
+    return {
+        "job": job,
+        "revision": state.revision,
+        "leader": state.leader,
+        "round": state.round,
+        "round_reason": cur.reason if cur else None,
+        "world_size": cur.world_size if cur else 0,
+        "members": members,
+        "restarts_by_cause": cur.restarts_by_cause if cur else {},
+        "restarts": sum(cur.restarts_by_cause.values()) if cur else 0,
+        "last_committed_step": committed if committed >= 0 else None,
+        "final": None if state.final is None else {"status": state.final.status, "reason": state.final.reason,
+                                                   "round": state.final.round, "time": state.final.time},
+        "nodes": nodes,
+    }
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
+
+
+def format_status(s: dict[str, Any]) -> str:
+    if s["final"]:
+        head = f"job {s['job']}: {s['final']['status'].upper()} ({s['final']['reason']}) at round {s['final']['round']}"
+    elif s["round"]:
+        head = f"job {s['job']}: running round {s['round']} ({s['round_reason']}), world size {s['world_size']}"
+    else:
+        head = f"job {s['job']}: no round yet"
+    restarts = ", ".join(f"{k} {v}" for k, v in sorted(s["restarts_by_cause"].items())) or "none"
+    lines = [head,
+             f"leader {s['leader'] or '-'}; members {', '.join(s['members']) or '-'}; "
+             f"last committed step {_cell(s['last_committed_step'])}; restarts {s['restarts']} ({restarts})", ""]
+    cols = [("node", "node"), ("live", "live"), ("rank", "node_rank"), ("leader", "leader"), ("host", "host"),
+            ("state", "state"), ("round", "worker_round"), ("step", "step"), ("hb age s", "heartbeat_age_s"),
+            ("status age s", "status_age_s")]
+    rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in s["nodes"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def status_main(endpoints: list[str], job: str, *, as_json: bool) -> int:
+    with EtcdClient(endpoints, timeout_s=2.0, retry_timeout_s=3.0) as client:
+        s = job_status(client, job)
+    if not s["nodes"] and not s["round"] and s["final"] is None:
+        print(f"job {job!r}: nothing in etcd at {', '.join(endpoints)} (no agent has joined it)")
+        return 1
+    print(json.dumps(s, indent=2) if as_json else format_status(s))
+    return 0

@@ -1,0 +1,181 @@
+"""One round's workers on this node: a torchrun local launcher and the processes it starts.
+
+torchrun runs with a static rendezvous and ``--max-restarts=0``: membership and restarts belong
+to the agents. Workers run in their own sessions (torchrun starts them so), so killing a process
+group would miss them; :meth:`WorkerGroup.kill` kills every PID it knows — torchrun's
+descendants found in /proc plus the PIDs the workers announced in their heartbeats.
+
+torchrun itself gets a parent-death signal, and each worker runs a watchdog on the agent's PID
+(``ftrain.heartbeat``), so nothing of a round outlives an agent that is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in children_of(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state from /proc (R, S, T for stopped, Z, ...), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def signal_pids(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What a round asks of this node's torchrun."""
+    round: int
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    worker_args: tuple[str, ...]  #: after ``-m ftrain train``: CONFIG.toml and overrides
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
+                f"--nproc-per-node={self.nproc_per_node}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}", "--rdzv-backend=static", "--max-restarts=0",
+                "--monitor-interval=0.2", "-m", "ftrain", "train", *self.worker_args]
+
+
+class WorkerGroup:
+    """A started torchrun for one round (see :class:`Launch`)."""
+
+    def __init__(self, launch: Launch, env: dict[str, str], log_path: str):
+        self.launch = launch
+        self.log_path = log_path
+        self.started_at = time.monotonic()
+        self._known_pids: set[int] = set()
+        self.terminating = False  #: terminate() was called: a graceful stop is under way
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen(launch.command(), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        log.info("round %d: started torchrun pid %d (node rank %d of %d, %d worker(s)), log %s", launch.round,
+                 self.proc.pid, launch.node_rank, launch.nnodes, launch.nproc_per_node, log_path)
+
+    @property
+    def round(self) -> int:
+        return self.launch.round
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def note_pids(self, pids: Iterable[int]) -> None:
+        self._known_pids.update(p for p in pids if p > 0)
+
+    def worker_pids(self) -> list[int]:
+        """Live worker processes: torchrun's descendants and the PIDs seen in heartbeats."""
+        self._known_pids.update(descendants(self.proc.pid))
+        return sorted(p for p in self._known_pids if process_state(p) not in (None, "Z"))
+
+    def terminate(self) -> None:
+        """Ask the workers to stop gracefully (they finish the step and save): SIGTERM to each
+        worker, not to torchrun, so that torchrun sees them exit and exits cleanly itself."""
+        self.terminating = True
+        signal_pids(self.worker_pids(), signal.SIGTERM)
+
+    def kill(self, timeout_s: float = 5.0) -> int | None:
+        """SIGKILL torchrun and every worker; wait for torchrun to be reaped. Returns its exit code."""
+        pids = [self.proc.pid, *self.worker_pids()]
+        signal_pids(pids, signal.SIGCONT)  # a stopped process dies of SIGKILL too, but be explicit
+        signal_pids(pids, signal.SIGKILL)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.error("torchrun pid %d did not exit after SIGKILL", self.proc.pid)
+            return None
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) -> dict[int, str]:
+    """Every worker's Python stack, through the SIGUSR1 handler each worker registered.
+
+    A stopped worker (SIGSTOP, state T) is continued first: it cannot run its handler otherwise,
+    and its stack is what shows where it was when it stopped. Returns pid -> text (or why none).
+    """
+    pids = list(pids)
+    states = {pid: process_state(pid) for pid in pids}
+    files = {pid: os.path.join(stack_dir, f"{pid}.txt") for pid in pids}
+    sizes = {pid: _size(files[pid]) for pid in pids}
+    for pid in pids:
+        if states[pid] == "T":
+            signal_pids([pid], signal.SIGCONT)
+    signal_pids(pids, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    pending = set(pids)
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            if _size(files[pid]) > sizes[pid]:
+                pending.discard(pid)
+        time.sleep(0.05)
+    time.sleep(0.1)  # let the handlers finish writing
+    stacks = {}
+    for pid in pids:
+        prefix = f"(process state {states[pid]}: was stopped, continued to dump)\n" if states[pid] == "T" else ""
+        if pid in pending:
+            stacks[pid] = prefix + "(no stack: the process did not answer SIGUSR1)"
+            continue
+        with open(files[pid], errors="replace") as fh:
+            fh.seek(sizes[pid])
+            stacks[pid] = prefix + fh.read()
+    return stacks
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
