@@ -308,6 +308,8 @@ class Agent:
     def _follow(self, state: JobState) -> None:
         cur = state.current
         if self.workers is not None and (cur is None or self.workers.round != cur.round):
+            if cur is not None and cur.reason == HANG:  # a peer hung: show where these workers wait
+                self._dump(self.workers, f"round {cur.round} formed after a hang elsewhere")
             self._stop_workers(f"round {cur.round if cur else '?'} replaced round {self.workers.round}")
         if cur is None or self.draining:
             return
@@ -401,19 +403,22 @@ class Agent:
         return hung
 
     def _on_hang(self, workers: WorkerGroup, hung: list[int]) -> None:
-        pids = workers.worker_pids()
-        log.error("round %d: no heartbeat from local rank(s) %s within the timeout: dumping stacks of %s", workers.round,
-                  hung, pids)
-        stacks = dump_stacks(pids, self.stack_dir)
-        self.events.emit("hang", node=self.opts.node_id, worker_round=workers.round, local_ranks=hung,
-                         stacks={str(pid): text for pid, text in stacks.items()})
-        for pid, text in stacks.items():
-            log.error("stack of worker %d:\n%s", pid, text)
+        self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
         self.workers = None
         workers.kill()
         self.finished_rounds.add(workers.round)
         self.pending_reports[workers.round] = Report(
             FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, time.time())
+
+    def _dump(self, workers: WorkerGroup, why: str, local_ranks: list[int] | None = None) -> None:
+        """Every worker's Python stack into the event log (and this agent's log)."""
+        pids = workers.worker_pids()
+        log.error("round %d: %s: dumping the stacks of workers %s", workers.round, why, pids)
+        stacks = dump_stacks(pids, self.stack_dir)
+        self.events.emit("hang", node=self.opts.node_id, worker_round=workers.round, why=why,
+                         local_ranks=local_ranks or [], stacks={str(pid): text for pid, text in stacks.items()})
+        for pid, text in stacks.items():
+            log.error("stack of worker %d:\n%s", pid, text)
 
     def _drain_step(self) -> None:
         if self.workers is None:

@@ -87,16 +87,16 @@ class HeartbeatServer:
         try:
             msg = json.loads(data)
             round_, local_rank = int(msg["round"]), int(msg["local_rank"])
-        except (ValueError, KeyError, TypeError):
+            beat = Beat(local_rank, int(msg.get("rank", -1)), int(msg.get("pid", 0)), int(msg.get("step", -1)),
+                        float(msg.get("step_time_s", 0.0)), int(msg.get("committed_step", -1)), time.monotonic(),
+                        str(msg.get("phase", "training")))
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed heartbeat: %r", data[:200])
             return
         with self._lock:
             if round_ != self._round:
                 return
             prev = self._beats.get(local_rank)
-            beat = Beat(local_rank, int(msg.get("rank", -1)), int(msg.get("pid", 0)), int(msg.get("step", -1)),
-                        float(msg.get("step_time_s", 0.0)), int(msg.get("committed_step", -1)), time.monotonic(),
-                        str(msg.get("phase", "training")))
             if msg.get("kind") == "exit":
                 beat.finished = bool(msg.get("finished"))
             elif prev is not None and prev.finished is not None:

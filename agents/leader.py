@@ -127,6 +127,17 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     return None
 
 
+def _failure_time(state: JobState, need: _Need, policy: Policy, now: float) -> float:
+    """When the failure happened (fixed, so the backoff after it ends): the failing reports'
+    time, or for a start timeout the moment the round ran out of time."""
+    cur = state.current
+    if cur is None:
+        return now
+    if need.reason == START_TIMEOUT:
+        return cur.created_at + policy.start_timeout_s
+    return max((r.time for n, r in state.member_reports(cur.round).items() if n in need.failures), default=now)
+
+
 def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> Decision:
     if state.final is not None:
         return Wait(f"job finished: {state.final.status}")
@@ -142,8 +153,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
 
     failure_times = [t for t in (cur.failure_times if cur else []) if now - t <= policy.restart_window_s]
     if need.reason in FAILURE_CAUSES:
-        failure_time = max((r.time for n, r in state.member_reports(cur.round).items() if n in need.failures),
-                           default=now) if cur else now
+        failure_time = _failure_time(state, need, policy, now)
         failure_times.append(failure_time)
         if len(failure_times) > policy.max_restarts:
             return Finish(FinalStatus(
@@ -154,7 +164,8 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         if now < ready_at:
             return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}")
 
-    live = state.live_members()
+    leaving = {n for n, r in state.member_reports(cur.round).items() if r.outcome == STOPPED} if cur else set()
+    live = [m for m in state.live_members() if m.node_id not in leaving]  # drained: its lease goes next
     if len(live) < policy.min_nodes:
         return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live")
     members = live[:policy.max_nodes]

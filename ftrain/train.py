@@ -119,7 +119,8 @@ class Trainer:
     def run(self) -> TrainResult:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         cfg, layout = self.cfg, self.layout
-        self.events.emit("worker_started", world_size=layout.world_size, strategy=layout.strategy)
+        self.events.emit("worker_started", world_size=layout.world_size, strategy=layout.strategy,
+                         node=os.environ.get("FTRAIN_NODE", ""), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         if self.ckpt is not None and cfg.checkpoint.resume:
             self._resume()
         self.progress.message(
@@ -138,6 +139,7 @@ class Trainer:
             if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
                 self._beat(done, "saving")
                 self.ckpt.save(done)
+                self._beat(done, "training")  # async modes: only staging blocked the loop
             maybe_crash(done, self.rank)
             maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:

@@ -1,0 +1,669 @@
+"""Recovery time after a fault: ftrain's agents against plain torchrun (c10d), phase by phase.
+
+    python bench/recovery.py [--repeats N] [--quick] [--faults worker_kill,node_loss,hang]
+                             [--systems ftrain,torchrun_default,torchrun_tuned]
+
+One job everywhere: ``tests.support.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
+this host with one worker each, a checkpoint every ``--ckpt-interval`` steps to a local
+directory; every (re)start resumes from the newest committed checkpoint. Each step sleeps
+``FTRAIN_FAULT_STEP_SLEEP_S`` longer, so the job is still running when the fault comes. The
+fault is injected once training passed ``--fault-step`` at world size 2 with a checkpoint
+committed:
+
+- ``worker_kill``: SIGKILL the rank-1 worker.
+- ``node_loss``: SIGKILL a whole node at once. ftrain: the agent, its torchrun and its worker
+  (the node of the rank-1 worker). torchrun: the torchrun that does not host the c10d store
+  (``is_host=0``; losing the host's store is fatal to every torchrun) and its worker.
+- ``hang``: SIGSTOP the rank-1 worker. ftrain's agents detect missing heartbeats
+  (``--hang-timeout-s``); torchrun has no hang detection, so it waits for the gloo collective
+  timeout (``--parallel.timeout_s``, the same value for every system).
+
+Systems: ``ftrain`` (an etcd and two ``ftrain agent``), ``torchrun_default`` (two
+``torchrun --rdzv-backend=c10d --nnodes=1:2 --max-restarts=3``) and ``torchrun_tuned`` (the same
+with ``--rdzv-conf`` short timeouts). The floor is the bare cost of a start from a checkpoint:
+two static-rendezvous torchruns (the command the ftrain agent launches) started fresh, from a
+copy of a checkpoint, no fault.
+
+A recovery ends at the first step completed after the resume; its phases, each mark taken when
+the last participant reached it:
+
+- detect: fault -> first reaction (ftrain: an agent's workers_exited/hang/round_formed/
+  workers_stopped event; torchrun: its "... will restart worker group" log line).
+- rendezvous: -> the new round is launched (ftrain: the agents' workers_started event, which
+  starts a new torchrun; torchrun: its "Starting worker group" line, its launcher lives on).
+- launcher: ftrain and the floor only: torchrun's own start (interpreter, torch import, static
+  rendezvous) -> its "Starting worker group" line.
+- worker start: -> every worker emitted ``worker_started`` (interpreter, imports, process group,
+  model; the event comes right before the checkpoint load begins).
+- checkpoint load: -> every worker emitted ``resumed``.
+- first step: -> rank 0's first metrics line with a step past the resumed one.
+
+Events and metrics carry their own wall-clock times; torchrun's log lines (``LOGLEVEL=INFO``) carry
+glog timestamps (lines without one are stamped here on arrival). Prints a table and one final
+JSON line with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agents.etcd_server import EtcdServer, free_ports
+from agents.workers import Launch  # the floor runs the agent's own launcher command
+from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env
+
+FAULTS = ("worker_kill", "node_loss", "hang")
+SYSTEMS = ("ftrain", "torchrun_default", "torchrun_tuned")
+PHASES = ("detect", "rendezvous", "launcher", "worker_start", "ckpt_load", "first_step")
+#: FACTS.md: a node loss took 42.7 s with c10d defaults and 2.4 s with these.
+TUNED_RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "4")
+AGENT_REACTIONS = ("workers_exited", "hang", "round_formed", "workers_stopped")
+TORCHRUN_REACTION = "will restart worker group"
+TORCHRUN_LAUNCH = "Starting worker group"
+TARGET_NODE_LOSS_SPEEDUP = 3.0
+TARGET_WORKER_CRASH_OVER_FLOOR = 1.5
+POLL_S = 0.05
+
+
+class ScenarioError(RuntimeError):
+    """A scenario could not be run or did not recover in time."""
+
+
+# -- reading what the processes wrote -----------------------------------------------------------
+class JsonlTail:
+    """The records of a JSON-lines file, read incrementally (torn lines are skipped)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return self.records
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                self.records.append(json.loads(line))
+        return self.records
+
+
+class Launched:
+    """A process started here; its output is timestamped line by line on arrival and logged."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
+        self.name = name
+        self.lines: list[tuple[float, str]] = []
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, args=(log_path,), name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self, log_path: Path) -> None:
+        with open(log_path, "w") as log:
+            for raw in self.popen.stdout:
+                now = time.time()
+                text = raw.decode(errors="replace").rstrip("\n")
+                self.lines.append((now, text))
+                log.write(f"{now:.3f} {text}\n")
+                log.flush()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        kill_tree(self.popen)
+        self._reader.join(timeout=5)
+
+
+def sigkill_now(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def kill_stray_workers(events: list[dict[str, Any]]) -> None:
+    """SIGKILL every worker announced in the events that still runs ``ftrain train`` (a worker whose
+    launcher was SIGKILLed is reparented and missed by a process-tree walk)."""
+    for pid in {e["pid"] for e in events if e.get("event") == "worker_started"}:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        if b"ftrain" in cmdline and b"train" in cmdline:
+            sigkill_now([pid, *descendants(pid)])
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float,
+             alive: Callable[[], bool] | None = None) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail at the deadline or when the
+    processes that could make it true are all gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if alive is not None and not alive():
+            value = predicate()  # the last lines may have landed just before the exit
+            if value:
+                return value
+            raise ScenarioError(f"{what}: every launcher exited first")
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"{what}: not within {timeout_s:.0f}s")
+        time.sleep(POLL_S)
+
+
+# -- the analysis: pure functions of what was written -------------------------------------------
+_GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(\.\d+) ")
+
+
+def glog_time(text: str, year: int) -> float | None:
+    """Unix time of a glog-prefixed line (``I1129 20:02:15.820000 PID file:line] ...``, local time)."""
+    m = _GLOG.match(text)
+    if m is None:
+        return None
+    month, day, hour, minute, second = (int(g) for g in m.groups()[:5])
+    return time.mktime((year, month, day, hour, minute, second, 0, 0, -1)) + float(m.group(6))
+
+
+def stamped(lines: Iterable[tuple[float, str]]) -> list[tuple[float, str]]:
+    """(time, text) with each line's own glog time where it has one, else its arrival time."""
+    out = []
+    for arrived, text in lines:
+        own = glog_time(text, time.localtime(arrived).tm_year)
+        out.append((arrived if own is None else own, text))
+    return out
+
+
+def read_glog_lines(paths: Iterable[Path]) -> list[tuple[float, str]]:
+    year = time.localtime().tm_year
+    out = []
+    for path in paths:
+        with open(path, errors="replace") as fh:
+            for text in fh:
+                t = glog_time(text, year)
+                if t is not None:
+                    out.append((t, text.rstrip("\n")))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Marks:
+    """Wall-clock times (unix s) of one recovery; None where the run gives no such mark."""
+    fault: float
+    detected: float | None
+    launched: float | None
+    spawned: float | None
+    started: float | None
+    resumed: float | None
+    first_step: float
+    detected_by: str = ""
+    resumed_step: int = -1
+    world_size: int = 0
+
+    def phases(self) -> dict[str, float | None]:
+        """Seconds per phase (see PHASES); a missing mark folds its phase into the next one."""
+        points = (self.detected, self.launched, self.spawned, self.started, self.resumed, self.first_step)
+        out: dict[str, float | None] = {}
+        last = self.fault
+        for name, point in zip(PHASES, points):
+            out[name] = None if point is None else round(point - last, 3)
+            last = last if point is None else point
+        return out
+
+    @property
+    def total_s(self) -> float:
+        return round(self.first_step - self.fault, 3)
+
+
+def first_step_after(since: float, events: list[dict[str, Any]],
+                     metrics: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(rank 0's ``resumed`` event, metrics line) of the first step completed after a resume that
+    came after ``since``; None if there is none yet."""
+    resumed = sorted((e for e in events if e.get("event") == "resumed" and e.get("rank") == 0 and e["time"] > since),
+                     key=lambda e: e["time"])
+    if not resumed:
+        return None
+    for line in sorted((m for m in metrics if m["time"] > resumed[0]["time"]), key=lambda m: m["time"]):
+        latest = [e for e in resumed if e["time"] < line["time"]][-1]
+        if line["step"] > latest["step"]:
+            return latest, line
+    return None
+
+
+def _generation(since: float, resumed0: dict[str, Any], step_line: dict[str, Any],
+                events: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None]:
+    """(first and last ``worker_started``, last ``resumed``) over the ranks of the generation that
+    resumed: same round and world size as rank 0's resume, after ``since``; per rank the latest."""
+    def last_per_rank(name: str, until: float) -> dict[int, float]:
+        last: dict[int, float] = {}
+        for e in events:
+            if (e.get("event") == name and e.get("round") == resumed0.get("round") and since < e["time"] <= until
+                    and e.get("world_size") == resumed0["world_size"]):
+                last[e["rank"]] = max(last.get(e["rank"], 0.0), e["time"])
+        return last
+
+    started = last_per_rank("worker_started", resumed0["time"])
+    resumed = last_per_rank("resumed", step_line["time"])
+    return (min(started.values(), default=None), max(started.values(), default=None),
+            max(resumed.values(), default=None))
+
+
+def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
+                   launcher_lines: list[tuple[float, str]], *, agents: bool,
+                   launched_at: float | None = None) -> Marks | None:
+    """The marks of the first recovery after ``fault``, or None if it has not completed.
+
+    ``agents``: ftrain, whose agents' events give the reaction and the launch. Otherwise torchrun,
+    whose reaction is a log line; ``launched_at`` given: the floor, started here, no reaction.
+    ``launcher_lines``: (time, text) of torchrun's log lines (ftrain: the rounds' logs)."""
+    found = first_step_after(fault, events, metrics)
+    if found is None:
+        return None
+    resumed0, line = found
+    first_start, started, resumed = _generation(fault, resumed0, line, events)
+    detected, detected_by, launched = None, "", launched_at
+    if agents:
+        reactions = sorted((e for e in events if e.get("rank") == -1 and e.get("event") in AGENT_REACTIONS
+                            and e["time"] >= fault), key=lambda e: e["time"])
+        if reactions:
+            detected = reactions[0]["time"]
+            detected_by = reactions[0]["event"] + (f" ({reactions[0]['reason']})" if reactions[0].get("reason") else "")
+        launched = max((e["time"] for e in events if e.get("event") == "workers_started"
+                        and e.get("worker_round") == resumed0.get("round")), default=None)
+    elif launched_at is None:
+        reactions = sorted((t, text) for t, text in launcher_lines if t >= fault and TORCHRUN_REACTION in text)
+        if reactions:
+            detected, detected_by = reactions[0][0], reactions[0][1].split("] ", 1)[-1][:48]
+    until = first_start if first_start is not None else resumed0["time"]
+    spawned = max((t for t, text in launcher_lines if fault < t <= until and TORCHRUN_LAUNCH in text), default=None)
+    if not agents and launched_at is None:
+        launched = spawned  # torchrun's launcher lives on: its rendezvous ends where it spawns workers
+    return Marks(fault, detected, launched, spawned, started, resumed, line["time"], detected_by, resumed0["step"],
+                 resumed0["world_size"])
+
+
+# -- running one scenario -----------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Settings:
+    steps: int
+    ckpt_interval: int
+    fault_step: int
+    step_sleep_s: float
+    collective_timeout_s: float
+    startup_timeout_s: float
+    cap_s: float
+
+
+@dataclass
+class Outcome:
+    system: str
+    fault: str
+    marks: Marks | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class Job:
+    """The files and processes of one scenario; ``close`` kills everything it started."""
+
+    def __init__(self, workdir: Path, settings: Settings):
+        workdir.mkdir(parents=True)
+        self.dir = workdir
+        self.settings = settings
+        self.config = workdir / "config.toml"
+        self.config.write_text(TINY_CONFIG.replace("steps = 10", f"steps = {settings.steps}"))
+        self.ckpt = workdir / "ckpt"
+        self.events = JsonlTail(workdir / "events.jsonl")
+        self.metrics = JsonlTail(workdir / "metrics.jsonl")
+        self.procs: list[Launched] = []
+        self.env = worker_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO",
+                              FTRAIN_FAULT_STEP_SLEEP_S=str(settings.step_sleep_s))
+
+    def train_args(self) -> list[str]:
+        return [str(self.config), f"--checkpoint.uri={self.ckpt}",
+                f"--checkpoint.interval={self.settings.ckpt_interval}",
+                f"--logging.metrics_path={self.metrics.path}", f"--logging.events_path={self.events.path}",
+                "--logging.progress=off", f"--parallel.timeout_s={self.settings.collective_timeout_s:g}"]
+
+    def start(self, name: str, cmd: list[str]) -> Launched:
+        proc = Launched(name, cmd, self.env, self.dir / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def any_alive(self) -> bool:
+        return any(p.alive() for p in self.procs)
+
+    def lines(self) -> list[tuple[float, str]]:
+        return stamped(line for p in self.procs for line in p.lines)
+
+    def wait_training(self) -> None:
+        """Until both nodes train past the fault step with a checkpoint committed."""
+        fault_step = self.settings.fault_step
+
+        def ready() -> bool:
+            metrics = self.metrics.poll()
+            committed = any(e.get("event") == "ckpt_committed" for e in self.events.poll())
+            return committed and bool(metrics) and metrics[-1]["world_size"] == 2 and metrics[-1]["step"] >= fault_step
+
+        wait_for(f"training at world size 2 past step {fault_step}", ready, self.settings.startup_timeout_s,
+                 self.any_alive)
+
+    def worker_pid(self, rank: int) -> int:
+        started = [e for e in self.events.poll() if e.get("event") == "worker_started" and e.get("rank") == rank
+                   and e.get("world_size") == 2]
+        if not started:
+            raise ScenarioError(f"no worker_started event for rank {rank}")
+        return started[-1]["pid"]
+
+    def wait_recovered(self, fault: float) -> None:
+        def recovered() -> Any:
+            return first_step_after(fault, self.events.poll(), self.metrics.poll())
+
+        wait_for("first step after the resume", recovered, self.settings.cap_s, self.any_alive)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        kill_stray_workers(self.events.poll())
+
+
+def inject(job: Job, fault: str, node_of_rank1: Launched) -> tuple[float, str]:
+    """Inject ``fault``; returns (its time, what was hit)."""
+    pid = job.worker_pid(1)
+    if fault == "worker_kill":
+        t = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return t, f"SIGKILL worker rank 1 (pid {pid})"
+    if fault == "hang":
+        t = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        return t, f"SIGSTOP worker rank 1 (pid {pid})"
+    pids = [*descendants(node_of_rank1.popen.pid), node_of_rank1.popen.pid]
+    t = time.time()
+    sigkill_now(pids)
+    return t, f"SIGKILL node {node_of_rank1.name}: pids {sorted(pids)}"
+
+
+def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
+    out = Outcome("ftrain", fault)
+    job = Job(workdir, settings)
+    try:
+        with EtcdServer() as etcd:
+            try:
+                agents = [job.start(f"n{i}", [
+                    sys.executable, "-m", "ftrain", "agent", "--etcd", etcd.endpoint, "--job", "recovery",
+                    "--nnodes", "1:2", "--nproc-per-node", "1", "--node-id", f"n{i}", *AGENT_OPTIONS,
+                    "--run-dir", str(workdir / f"run-n{i}"), "--events", str(job.events.path), "--",
+                    *job.train_args()]) for i in range(2)]
+                job.wait_training()
+                rank1 = job.worker_pid(1)
+                node = next(a for a in agents if rank1 in descendants(a.popen.pid))
+                leaders = [e["node"] for e in job.events.poll() if e.get("event") == "leader_elected"]
+                fault_t, what = inject(job, fault, node)
+                out.notes.append(what + (f" (node {node.name} is the leader)" if fault == "node_loss"
+                                         and leaders and leaders[-1] == node.name else ""))
+                job.wait_recovered(fault_t)
+                round_logs = read_glog_lines(workdir.glob("run-n*/round-*.log"))
+                out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
+            finally:
+                job.close()
+    except ScenarioError as e:
+        out.error = str(e)
+    return out
+
+
+def run_torchrun(fault: str, workdir: Path, settings: Settings, rdzv_conf: str) -> Outcome:
+    out = Outcome("torchrun_tuned" if rdzv_conf else "torchrun_default", fault)
+    job = Job(workdir, settings)
+    port = free_ports(1)[0]
+    try:
+        try:
+            nodes = []
+            for i, is_host in enumerate((1, 0)):  # node A hosts the c10d store: pinned, not raced for
+                conf = ",".join(c for c in (f"is_host={is_host}", rdzv_conf) if c)
+                nodes.append(job.start(f"torchrun{'AB'[i]}", [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=recovery",
+                    f"--rdzv-conf={conf}", "--max-restarts=3", "--local-addr=127.0.0.1",
+                    "-m", "ftrain", "train", *job.train_args()]))
+            job.wait_training()
+            fault_t, what = inject(job, fault, nodes[1])
+            out.notes.append(what)
+            job.wait_recovered(fault_t)
+            out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), job.lines(), agents=False)
+        finally:
+            job.close()
+    except ScenarioError as e:
+        out.error = str(e)
+    return out
+
+
+def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
+    """Two static-rendezvous torchruns (the agent's launcher command), fresh, from a checkpoint copy."""
+    out = Outcome("floor", "none")
+    job = Job(workdir, settings)
+    shutil.copytree(ckpt_source, job.ckpt)
+    port = free_ports(1)[0]
+    try:
+        try:
+            launched_at = time.time()
+            for rank in range(2):
+                launch = Launch(round=0, nnodes=2, node_rank=rank, nproc_per_node=1, master_addr="127.0.0.1",
+                                master_port=port, worker_args=tuple(job.train_args()))
+                job.start(f"static{rank}", launch.command())
+            job.wait_recovered(launched_at)
+            out.marks = recovery_marks(launched_at, job.events.poll(), job.metrics.poll(), job.lines(), agents=False,
+                                       launched_at=launched_at)
+        finally:
+            job.close()
+    except ScenarioError as e:
+        out.error = str(e)
+    return out
+
+
+def run_scenario(system: str, fault: str, workdir: Path, settings: Settings) -> Outcome:
+    start = time.monotonic()
+    if system == "ftrain":
+        out = run_ftrain(fault, workdir, settings)
+    else:
+        out = run_torchrun(fault, workdir, settings, TUNED_RDZV_CONF if system == "torchrun_tuned" else "")
+    out.wall_s = time.monotonic() - start
+    return out
+
+
+# -- reporting ----------------------------------------------------------------------------------
+def aggregate(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Medians over the repeats that recovered (each phase and the total on its own, so the phase
+    medians need not add up to the total's)."""
+    good = [o.marks for o in outcomes if o.marks is not None]
+    result: dict[str, Any] = {"runs": len(outcomes), "recovered": len(good),
+                              "errors": [o.error for o in outcomes if o.error],
+                              "notes": sorted({n for o in outcomes for n in o.notes})}
+    if not good:
+        result["total_s"] = None
+        return result
+    result["total_s"] = round(statistics.median(m.total_s for m in good), 3)
+    for name in PHASES:
+        values = [m.phases()[name] for m in good if m.phases()[name] is not None]
+        result[f"{name}_s"] = round(statistics.median(values), 3) if values else None
+    result["detected_by"] = sorted({m.detected_by for m in good if m.detected_by})
+    result["world_size_after"] = sorted({m.world_size for m in good})
+    result["samples"] = [{"fault_time": round(m.fault, 3), "total_s": m.total_s, **m.phases()} for m in good]
+    return result
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(results: dict[str, dict[str, dict[str, Any]]], floor: dict[str, Any], cap_s: float) -> str:
+    header = ["fault", "system", "detect", "rendezvous", "launcher", "worker start", "ckpt load", "first step",
+              "total", "vs floor", "world", "first reaction"]
+    rows = [header]
+    floor_total = floor.get("total_s")
+    for fault, by_system in results.items():
+        for i, (system, r) in enumerate(by_system.items()):
+            name = fault if i == 0 else ""
+            if r["total_s"] is None:
+                why = (r["errors"] or ["?"])[0]
+                text = f"not recovered within {cap_s:.0f} s" if "first step after" in why else f"FAILED: {why}"
+                rows.append([name, system, *[""] * len(PHASES), "-", "", "", text[:70]])
+                continue
+            ratio = f"{r['total_s'] / floor_total:.2f}x" if floor_total else "-"
+            rows.append([name, system, *(_cell(r[f"{p}_s"]) for p in PHASES), _cell(r["total_s"]), ratio,
+                         ",".join(map(str, r["world_size_after"])), "; ".join(r["detected_by"])[:60]])
+    if floor_total is not None:
+        rows.append(["floor", "static torchrun x2", "-", "-", *(_cell(floor[f"{p}_s"]) for p in PHASES[2:]),
+                     _cell(floor_total), "1.00x", "2", "fresh start from a checkpoint"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for j, row in enumerate(rows):
+        cells = (c.ljust(w) if i in (0, 1, len(header) - 1) else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths)))
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 2) if num is not None and den else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=1, help="runs per scenario; medians when > 1 (default 1)")
+    p.add_argument("--quick", action="store_true", help="skip torchrun with default rendezvous settings (slow)")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--ckpt-interval", type=int, default=20, help="steps between checkpoints (default 20)")
+    p.add_argument("--fault-step", type=int, default=50, help="inject once training passed this step (default 50)")
+    p.add_argument("--step-sleep-s", type=float, default=0.03, help="FTRAIN_FAULT_STEP_SLEEP_S (default 0.03)")
+    p.add_argument("--collective-timeout-s", type=float, default=30.0,
+                   help="parallel.timeout_s for every system: torchrun's only hang detection (default 30)")
+    p.add_argument("--cap-s", type=float, default=150.0, help="give up on a recovery after this long (default 150)")
+    p.add_argument("--startup-timeout-s", type=float, default=120.0, help="limit to reach --fault-step (default 120)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events, metrics)")
+    args = p.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    systems = [s for s in args.systems.split(",") if s and not (args.quick and s == "torchrun_default")]
+    bad = [x for x in faults if x not in FAULTS] + [x for x in systems if x not in SYSTEMS]
+    if bad or not faults or not systems:
+        p.error(f"unknown or empty faults/systems: {bad}")
+    if args.repeats < 1 or args.fault_step <= args.ckpt_interval:
+        p.error("need --repeats >= 1 and --fault-step > --ckpt-interval (a checkpoint must exist)")
+    settings = Settings(steps=100_000, ckpt_interval=args.ckpt_interval, fault_step=args.fault_step,
+                        step_sleep_s=args.step_sleep_s, collective_timeout_s=args.collective_timeout_s,
+                        startup_timeout_s=args.startup_timeout_s, cap_s=args.cap_s)
+
+    cores = os.cpu_count() or 1
+    load_start = os.getloadavg()[0]
+    started = time.monotonic()
+    outcomes: dict[tuple[str, str], list[Outcome]] = {}
+    floors: list[Outcome] = []
+    workdir = Path(tempfile.mkdtemp(prefix="ftrain-recovery-"))
+    print(f"work dir {workdir}; faults {faults}; systems {systems}; {args.repeats} repeat(s); {cores} cores; "
+          f"checkpoint every {args.ckpt_interval} steps, fault after step {args.fault_step}, step sleep "
+          f"{args.step_sleep_s}s, parallel.timeout_s={args.collective_timeout_s:g}", flush=True)
+    try:
+        for rep in range(args.repeats):
+            for fault in faults:
+                for system in systems:
+                    out = run_scenario(system, fault, workdir / f"r{rep}-{fault}-{system}", settings)
+                    outcomes.setdefault((fault, system), []).append(out)
+                    state = (f"{out.marks.total_s:.2f}s " + json.dumps(out.marks.phases())) if out.marks else \
+                        f"FAILED: {out.error}"
+                    print(f"  [{rep}] {fault:11s} {system:16s} {state}  ({out.wall_s:.0f}s wall)", flush=True)
+                    ckpt = workdir / f"r{rep}-{fault}-{system}" / "ckpt"
+                    if len(floors) == rep and (ckpt / "latest").exists():
+                        floor = run_floor(ckpt, workdir / f"r{rep}-floor", settings)
+                        floors.append(floor)
+                        state = f"{floor.marks.total_s:.2f}s" if floor.marks else f"FAILED: {floor.error}"
+                        print(f"  [{rep}] floor (static torchrun x2 from a checkpoint): {state}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    results = {f: {s: aggregate(outcomes[(f, s)]) for s in systems} for f in faults}
+    floor = aggregate(floors)
+    print()
+    print(f"Recovery: seconds from the fault to the first step completed after the resume "
+          f"({'median of ' + str(args.repeats) if args.repeats > 1 else 'one run each'}).")
+    print(format_table(results, floor, args.cap_s))
+    for fault in faults:
+        for system in systems:
+            for note in results[fault][system]["notes"]:
+                print(f"  {fault}/{system}: {note}")
+    load_end = os.getloadavg()[0]
+    print(f"load average (1 min): {load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores")
+    print(f"torchrun has no hang detection: its hang row is bounded by the gloo collective timeout "
+          f"parallel.timeout_s={args.collective_timeout_s:g} (ftrain's default is 120) plus torchrun's 30 s SIGTERM "
+          "grace for a stopped worker, if it shows; ftrain detects by heartbeat (--hang-timeout-s 4).")
+
+    def total(fault: str, system: str) -> float | None:
+        return results.get(fault, {}).get(system, {}).get("total_s")
+
+    summary = {
+        "bench": "recovery",
+        "node_loss_speedup_vs_torchrun_default": _ratio(total("node_loss", "torchrun_default"),
+                                                        total("node_loss", "ftrain")),
+        "worker_crash_over_floor": _ratio(total("worker_kill", "ftrain"), floor.get("total_s")),
+        "node_loss_speedup_vs_torchrun_tuned": _ratio(total("node_loss", "torchrun_tuned"),
+                                                      total("node_loss", "ftrain")),
+        "worker_crash_speedup_vs_torchrun_default": _ratio(total("worker_kill", "torchrun_default"),
+                                                           total("worker_kill", "ftrain")),
+        "worker_crash_speedup_vs_torchrun_tuned": _ratio(total("worker_kill", "torchrun_tuned"),
+                                                         total("worker_kill", "ftrain")),
+        "hang_speedup_vs_torchrun_default": _ratio(total("hang", "torchrun_default"), total("hang", "ftrain")),
+        "hang_speedup_vs_torchrun_tuned": _ratio(total("hang", "torchrun_tuned"), total("hang", "ftrain")),
+        "floor_s": floor.get("total_s"),
+        "targets": {"node_loss_speedup_vs_torchrun_default": f">= {TARGET_NODE_LOSS_SPEEDUP}",
+                    "worker_crash_over_floor": f"<= {TARGET_WORKER_CRASH_OVER_FLOOR}"},
+        "results": results,
+        "floor": floor,
+        "settings": {**asdict(settings), "repeats": args.repeats, "tuned_rdzv_conf": TUNED_RDZV_CONF,
+                     "agent_options": " ".join(AGENT_OPTIONS), "systems": systems, "faults": faults},
+        "cores": cores,
+        "load_avg_1min": [load_start, load_end],
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    speedup, over_floor = summary["node_loss_speedup_vs_torchrun_default"], summary["worker_crash_over_floor"]
+    summary["targets_met"] = {
+        "node_loss_speedup_vs_torchrun_default": None if speedup is None else speedup >= TARGET_NODE_LOSS_SPEEDUP,
+        "worker_crash_over_floor": None if over_floor is None else over_floor <= TARGET_WORKER_CRASH_OVER_FLOOR,
+    }
+    print(json.dumps(summary))
+    all_ok = all(o.marks is not None for runs in outcomes.values() for o in runs) and all(f.marks for f in floors)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The node agent against real etcd, real torchrun workers and real signals.
+
+Every test runs a small job (TINY_CONFIG, ddp, one worker per node unless said otherwise, steps
+slowed to ~30 ms so faults land mid-run) and checks what the agents and workers recorded in the
+shared event log, the metrics and the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from agents.etcd import EtcdClient
+from agents.records import JobKeys
+from checkpoint.errors import StaleRoundError
+from ftrain.fence import EtcdRoundFence
+from ftrain.heartbeat import process_gone
+from tests.agent_support import AgentJob, wait_for
+from tests.support import REPO, TINY_CONFIG, run, torchrun_cmd, worker_env
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def job(tmp_path, etcd):
+    j = AgentJob(tmp_path, etcd.endpoint)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _rounds(job: AgentJob) -> list[dict]:
+    return sorted(job.events("round_formed"), key=lambda e: e["new_round"])
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def _metric(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_worker_kill_restarts_from_the_last_checkpoint(job):
+    job.start("a")
+    job.start("b")
+    job.wait_step(50)
+    committed = job.committed_steps()
+    victim = job.worker_pids("b")[0]
+    os.kill(victim, signal.SIGKILL)
+
+    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+    rounds = _rounds(job)
+    assert [r["reason"] for r in rounds] == ["start", "worker_exit"]
+    resumed = job.events("resumed", round=2)
+    assert len(resumed) == 2 and len({e["step"] for e in resumed}) == 1
+    assert resumed[0]["step"] >= max(committed), "resumed from an older step than the last committed one"
+    assert resumed[0]["step"] in job.committed_steps()
+    assert job.step() == 120
+    assert job.events("job_final")[0]["status"] == "succeeded"
+
+
+def test_metrics_show_round_and_restart_counters_moving(job):
+    job.start("a", "--metrics-port", "0", nnodes="1:1")
+    port = job.wait_event("agent_metrics", node="a")["port"]
+    job.wait_step(30)
+    text = _scrape(port)
+    assert _metric(text, "ftrain_round") == 1
+    assert _metric(text, "ftrain_restarts_total", cause="worker_exit") in (None, 0.0)
+    assert _metric(text, "ftrain_step") >= 30
+    os.kill(job.worker_pids("a")[0], signal.SIGKILL)
+    job.wait_event("resumed", round=2)
+    def round_2_scraped() -> str | None:
+        text = _scrape(port)
+        return text if _metric(text, "ftrain_round") == 2 else None
+
+    text = wait_for(round_2_scraped, 30, "round 2 in the metrics")
+    assert _metric(text, "ftrain_restarts_total", cause="worker_exit") == 1.0
+    assert _metric(text, "ftrain_productive_seconds") > 0
+    assert job.wait_exit("a") == 0
+
+
+def test_node_loss_shrinks_the_job_within_ttl_plus_settle_and_reshards(job):
+    job.start("a")
+    job.start("b")
+    job.wait_step(40)
+    leader = job.events("leader_elected")[0]["node"]
+    lost = leader  # lose the leader, which is also node rank 0: both roles must migrate
+    survivor = "b" if lost == "a" else "a"
+    killed_at = time.time()
+    job.kill_agent(lost)
+    for pid in job.worker_pids(lost):  # the whole host goes: its workers too
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert job.wait_exit(survivor) == 0, job.log_tail()
+    second = _rounds(job)[1]
+    assert second["members"] == [survivor] and second["world_size"] == 1
+    assert second["time"] - killed_at < 2 + 1 + 2.5, "smaller round took longer than TTL + settle (+ slack)"
+    resumed = job.events("resumed", round=2)
+    assert len(resumed) == 1 and resumed[0]["from_world_size"] == 2 and resumed[0]["world_size"] == 1
+    assert job.step() == 120
+
+
+def test_a_joining_node_enters_at_the_next_checkpoint(job):
+    job.start("a")
+    job.wait_step(15)
+    job.start("b")
+    joined_at = job.wait_event("agent_registered", node="b")["time"]
+    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+    rounds = _rounds(job)
+    assert [r["reason"] for r in rounds] == ["start", "scale_up"]
+    assert rounds[1]["members"] == ["a", "b"]
+    first_commit_after_join = min(e["time"] for e in job.events("ckpt_committed") if e["time"] > joined_at)
+    assert rounds[1]["time"] >= first_commit_after_join, "grew before a checkpoint was committed"
+    resumed = job.events("resumed", round=2)
+    assert {e["world_size"] for e in resumed} == {2} and {e["from_world_size"] for e in resumed} == {1}
+
+
+def test_a_hung_worker_is_dumped_and_restarted(job):
+    job.start("a")
+    job.start("b")
+    job.wait_step(40)
+    stopped = job.worker_pids("b")[0]
+    os.kill(stopped, signal.SIGSTOP)
+    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+    assert _rounds(job)[1]["reason"] == "hang"
+    # whichever agent noticed first, every worker's stack was dumped before the restart,
+    # the stopped one's included (continued just long enough to dump)
+    stacks = {int(pid): text for e in job.events("hang") for pid, text in e["stacks"].items()}
+    assert stopped in stacks and "was stopped" in stacks[stopped], stacks
+    assert all('File "' in text and "ftrain/train.py" in text for text in stacks.values()), stacks
+    assert job.step() == 120
+
+
+@pytest.mark.parametrize("outage", ["pause", "restart"])
+def test_the_job_survives_an_etcd_outage_longer_than_the_lease(job, etcd, outage):
+    job.start("a")
+    job.start("b")
+    job.wait_step(30)
+    if outage == "pause":
+        etcd.pause()
+        try:
+            wait_for(lambda: len(job.events("lease_lost")) >= 2, 20, "both agents to notice the lost lease")
+        finally:
+            etcd.resume()
+    else:
+        etcd.stop()
+        try:
+            wait_for(lambda: len(job.events("lease_lost")) >= 2, 20, "both agents to notice the lost lease")
+        finally:
+            etcd.restart(timeout_s=20)
+    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+    assert job.step() == 120
+    registrations = job.events("agent_registered")
+    assert len(registrations) >= 4, "agents did not re-register after losing their lease"
+    assert job.events("job_final")[0]["status"] == "succeeded"
+
+
+def test_a_second_agent_with_a_live_node_id_is_refused(job):
+    job.start("a", nnodes="1:1")
+    job.wait_event("agent_registered", node="a")
+    dup = subprocess.run([sys.executable, "-m", "ftrain", "agent", "--etcd", job.etcd, "--job", job.job, "--nnodes",
+                          "1:1", "--nproc-per-node", "1", "--node-id", "a", "--", *job.worker_args],
+                         capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env())
+    assert dup.returncode == 2
+    assert "node id 'a' is already registered" in dup.stderr
+    assert job.agents["a"].poll() is None, "the first agent must be unaffected"
+
+
+def test_a_worker_of_an_old_round_cannot_commit(tmp_path, etcd, client):
+    keys = JobKeys("fenced")
+    client.put(keys.round, "2")
+    with pytest.raises(StaleRoundError, match="no longer current"):
+        EtcdRoundFence([etcd.endpoint], keys.round).check(1)
+    EtcdRoundFence([etcd.endpoint], keys.round).check(2)  # the current round may commit
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(TINY_CONFIG)
+    events = tmp_path / "events.jsonl"
+    out = run(torchrun_cmd(1, cfg, f"--checkpoint.uri={tmp_path / 'ckpt'}", "--checkpoint.interval=5",
+                           f"--logging.events_path={events}"), timeout_s=180,
+              env=worker_env(FTRAIN_ETCD=etcd.endpoint, FTRAIN_FENCE_KEY=keys.round, FTRAIN_ROUND="1"))
+    assert out.returncode == 0, out.stdout
+    failures = [json.loads(line) for line in events.read_text().splitlines() if '"ckpt_failed"' in line]
+    assert failures and all("StaleRoundError" in f["error"] for f in failures)
+    assert not list((tmp_path / "ckpt").glob("*/manifest.json")), "a stale round committed a checkpoint"
+
+
+def test_workers_do_not_outlive_a_sigkilled_agent(job):
+    job.start("a", nnodes="1:1", nproc=2)
+    job.wait_step(20)
+    pids = job.worker_pids("a")
+    assert len(pids) == 2
+    job.kill_agent("a")
+    job.wait_exit("a")
+    wait_for(lambda: all(process_gone(p) for p in pids), 10, f"workers {pids} to exit after their agent died")
+
+
+def test_a_crash_loop_stops_at_the_restart_budget(job):
+    job.start("a", "--max-restarts", "2", nnodes="1:1", env={"FTRAIN_FAULT_SIGKILL": "3:0"})
+    assert job.wait_exit("a", timeout_s=180) == 1, job.log_tail()
+    final = job.events("job_final")[0]
+    assert final["status"] == "failed" and "restart budget" in final["reason"]
+    assert len(_rounds(job)) == 3  # the first round and two restarts
+    status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+                            capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
+    assert status.returncode == 0 and "FAILED" in status.stdout and "restart budget" in status.stdout, status.stdout
+    as_json = json.loads(subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job",
+                                         job.job, "--json"], capture_output=True, text=True, timeout=30, cwd=REPO,
+                                        env=worker_env()).stdout)
+    assert as_json["final"]["status"] == "failed" and as_json["restarts_by_cause"] == {"worker_exit": 2}
+
+
+def test_sigterm_drains_the_node(job):
+    job.start("a", nnodes="1:1")
+    job.wait_step(30)
+    job.kill_agent("a", signal.SIGTERM)
+    assert job.wait_exit("a") == 0
+    stop = job.events("graceful_stop")
+    assert stop, job.log_tail()
+    assert stop[0]["step"] in job.committed_steps(), "the drained step was not saved"
+    assert not job.events("job_final"), "a drained node does not end the job"

@@ -1,0 +1,415 @@
+"""agents.leader.decide: when the leader forms a round, with whom, and when the job is over.
+
+Each test keeps a job's etcd contents in a :class:`FakeJob` (revisions, create revisions and
+leases as etcd assigns them), reads it back with ``JobState.parse`` like an agent does, and
+applies a ``FormRound`` the way the leader's compare-and-swap does. Time is a plain number
+passed to ``decide``: nothing waits.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from agents.etcd import KeyValue
+from agents.leader import Finish, FormRound, LeaderMemory, Policy, Wait, decide
+from agents.records import (FAILED, HANG, NODE_LEFT, NODE_LOST, SCALE_UP, START, START_TIMEOUT, STOPPED, SUCCEEDED,
+                            WORKER_EXIT, FinalStatus, JobKeys, JobState, Member, NodeRecord, NodeStatus, Report,
+                            RoundRecord)
+
+T0 = 10_000.0
+POLICY = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, start_timeout_s=60.0, max_restarts=3,
+                restart_window_s=600.0, backoff_initial_s=4.0, backoff_max_s=30.0, scale_up="checkpoint")
+
+
+class FakeJob:
+    """One job's keys as etcd would hold them."""
+
+    def __init__(self) -> None:
+        self.keys = JobKeys("job")
+        self.kvs: dict[str, KeyValue] = {}
+        self.revision = 0
+        self._leases = 100
+
+    def put(self, key: str, value: str, lease: int = 0) -> None:
+        self.revision += 1
+        prev = self.kvs.get(key)
+        self.kvs[key] = KeyValue(key, value.encode(), prev.create_revision if prev else self.revision, self.revision,
+                                 prev.version + 1 if prev else 1, lease)
+
+    def delete(self, key: str) -> None:
+        self.revision += 1
+        del self.kvs[key]
+
+    def state(self) -> JobState:
+        return JobState.parse(self.keys, list(self.kvs.values()), self.revision)
+
+    # -- what agents write ---------------------------------------------------------------
+    def join(self, node_id: str) -> Member:
+        """A new agent process registers ``node_id`` on a fresh lease."""
+        self._leases += 1
+        uid = uuid.uuid4().hex[:8]
+        record = NodeRecord(node_id, uid, f"host-{node_id}", 4000 + self._leases, 2, T0)
+        self.put(self.keys.node(node_id), record.to_json(), lease=self._leases)
+        return Member(node_id, uid)
+
+    def lose(self, node_id: str) -> None:
+        """The agent's lease expired (or was revoked): its leased keys are gone."""
+        self.delete(self.keys.node(node_id))
+        self.kvs.pop(self.keys.status(node_id), None)
+
+    def apply(self, record: RoundRecord) -> None:
+        self.put(self.keys.round, str(record.round))
+        self.put(self.keys.round_record(record.round), record.to_json())
+
+    def start(self, g: int, *node_ids: str) -> None:
+        for node_id in node_ids:
+            self.put(self.keys.started(g, node_id), self.uid(node_id))
+
+    def report(self, g: int, node_id: str, outcome: str, reason: str = "", *, time: float) -> None:
+        report = Report(outcome, reason, f"{outcome} on {node_id}", self.uid(node_id), time)
+        self.put(self.keys.report(g, node_id), report.to_json())
+
+    def checkpoint(self, node_id: str, committed_step: int) -> None:
+        status = NodeStatus(state="running", committed_step=committed_step)
+        self.put(self.keys.status(node_id), status.to_json(), lease=self.kvs[self.keys.node(node_id)].lease)
+
+    def uid(self, node_id: str) -> str:
+        return self.state().nodes[node_id].agent_uid
+
+
+def memory_at(now: float) -> LeaderMemory:
+    """What an agent gives itself when it becomes the leader at ``now``."""
+    return LeaderMemory(leader_since=now)
+
+
+def form(job: FakeJob, memory: LeaderMemory, now: float, policy: Policy = POLICY) -> RoundRecord:
+    decision = decide(job.state(), policy, memory, now)
+    assert isinstance(decision, FormRound), decision
+    job.apply(decision.record)
+    return decision.record
+
+
+def running_job(*node_ids: str, policy: Policy = POLICY) -> tuple[FakeJob, LeaderMemory, RoundRecord]:
+    """Round 1 formed at T0 with ``node_ids`` (joined in that order), all workers started; the
+    leader has led since long before."""
+    job = FakeJob()
+    for node_id in node_ids:
+        job.join(node_id)
+    memory = memory_at(T0 - 100)
+    decide(job.state(), policy, memory, T0 - 100)  # membership observed, then quiet
+    record = form(job, memory, T0, policy)
+    job.start(record.round, *node_ids)
+    return job, memory, record
+
+
+# -- Policy -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("recent_failures", "backoff_s"), [(0, 0.0), (1, 0.0), (2, 4.0), (3, 8.0), (4, 16.0),
+                                                           (5, 30.0), (50, 30.0)])
+def test_backoff_is_free_once_then_doubles_up_to_the_cap(recent_failures: int, backoff_s: float) -> None:
+    assert POLICY.backoff_s(recent_failures) == backoff_s
+
+
+# -- the first round ---------------------------------------------------------------------------
+def test_first_round_waits_for_min_nodes() -> None:
+    job = FakeJob()
+    job.join("a")
+    memory = memory_at(T0)
+    decision = decide(job.state(), POLICY, memory, T0 + 1000)
+    assert decision == Wait("1 of at least 2 nodes live")
+
+
+def test_first_round_waits_until_membership_is_quiet_for_settle_s() -> None:
+    job = FakeJob()
+    memory = memory_at(T0)
+    job.join("a")
+    job.join("b")
+    assert isinstance(decide(job.state(), POLICY, memory, T0), Wait)
+    job.join("c")  # a join restarts the settle window
+    assert isinstance(decide(job.state(), POLICY, memory, T0 + 3), Wait)
+    assert isinstance(decide(job.state(), POLICY, memory, T0 + 3 + POLICY.settle_s - 0.1), Wait)
+    record = form(job, memory, T0 + 3 + POLICY.settle_s)
+    assert [m.node_id for m in record.members] == ["a", "b", "c"]
+
+
+def test_first_round_members_in_join_order_capped_at_max_nodes() -> None:
+    job = FakeJob()
+    joined = [job.join(node_id) for node_id in ("zed", "alpha", "mid", "beta")]  # not alphabetical
+    memory = memory_at(T0)
+    decide(job.state(), POLICY, memory, T0)
+    record = form(job, memory, T0 + POLICY.settle_s)
+    assert record == RoundRecord(round=1, members=joined[:3], nproc_per_node=2, reason=START,
+                                 created_at=T0 + POLICY.settle_s, failure_times=[], restarts_by_cause={})
+    assert record.world_size == 6
+    assert record.node_rank(joined[0]) == 0  # the oldest agent hosts the rendezvous
+
+
+def test_healthy_round_waits() -> None:
+    job, memory, _ = running_job("a", "b")
+    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("round healthy")
+
+
+# -- failures -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("reason", [WORKER_EXIT, HANG])
+def test_failure_reported_by_every_member_restarts_at_once(reason: str) -> None:
+    job, _, first = running_job("a", "b")
+    failed_at = T0 + 30
+    job.report(1, "a", FAILED, reason, time=failed_at)
+    job.report(1, "b", FAILED, WORKER_EXIT, time=failed_at - 0.5)
+    # Even a leader elected this very instant (no quiet time at all) does not wait to settle:
+    # the live agents are exactly the members, and every one of them has reported.
+    record = form(job, memory_at(failed_at), failed_at)
+    assert record.round == 2
+    assert record.reason == reason
+    assert record.members == first.members
+    assert record.failure_times == [failed_at]
+    assert record.restarts_by_cause == {reason: 1}
+
+
+def test_failure_reported_while_membership_changes_waits_to_settle() -> None:
+    job, memory, _ = running_job("a", "b")
+    job.join("c")
+    job.report(1, "a", FAILED, WORKER_EXIT, time=T0 + 30)
+    job.report(1, "b", FAILED, WORKER_EXIT, time=T0 + 30)
+    assert isinstance(decide(job.state(), POLICY, memory, T0 + 30), Wait)
+    record = form(job, memory, T0 + 30 + POLICY.settle_s)
+    assert [m.node_id for m in record.members] == ["a", "b", "c"]
+    assert record.reason == WORKER_EXIT
+
+
+def test_report_of_an_earlier_agent_process_is_not_a_failure_of_the_member() -> None:
+    job, memory, _ = running_job("a", "b")
+    # A report with b's node id but another agent's uid (a previous process of node b).
+    stale = Report(FAILED, WORKER_EXIT, "old agent", agent_uid="previous-agent", time=T0 + 5)
+    job.put(job.keys.report(1, "b"), stale.to_json())
+    assert decide(job.state(), POLICY, memory, T0 + 30) == Wait("round healthy")
+
+
+def test_second_failure_in_window_waits_backoff_initial_s() -> None:
+    job, memory, _ = running_job("a", "b")
+    for node_id in ("a", "b"):
+        job.report(1, node_id, FAILED, WORKER_EXIT, time=T0 + 10)
+    assert form(job, memory, T0 + 10).round == 2  # the first failure: no backoff
+    job.start(2, "a", "b")
+
+    failed_at = T0 + 20
+    for node_id in ("a", "b"):
+        job.report(2, node_id, FAILED, WORKER_EXIT, time=failed_at)
+    decision = decide(job.state(), POLICY, memory, failed_at + POLICY.backoff_initial_s - 0.1)
+    assert isinstance(decision, Wait) and decision.why.startswith("backoff"), decision
+    record = form(job, memory, failed_at + POLICY.backoff_initial_s)
+    assert record.round == 3
+    assert record.failure_times == [T0 + 10, failed_at]
+    job.start(3, "a", "b")
+
+    failed_at = T0 + 40  # the third failure waits twice as long
+    for node_id in ("a", "b"):
+        job.report(3, node_id, FAILED, HANG, time=failed_at)
+    assert isinstance(decide(job.state(), POLICY, memory, failed_at + 2 * POLICY.backoff_initial_s - 0.1), Wait)
+    assert form(job, memory, failed_at + 2 * POLICY.backoff_initial_s).round == 4
+
+
+def test_restart_budget_exhausted_finishes_failed() -> None:
+    policy = Policy(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=2, restart_window_s=600.0,
+                    backoff_initial_s=0.0)
+    job, memory, _ = running_job("a", policy=policy)
+    for g, failed_at in ((1, T0 + 10), (2, T0 + 20)):
+        job.report(g, "a", FAILED, WORKER_EXIT, time=failed_at)
+        assert form(job, memory, failed_at, policy).round == g + 1
+        job.start(g + 1, "a")
+
+    job.report(3, "a", FAILED, HANG, time=T0 + 30)
+    decision = decide(job.state(), policy, memory, T0 + 30)
+    assert isinstance(decision, Finish), decision
+    final = decision.final
+    assert (final.status, final.round, final.time) == (FAILED, 3, T0 + 30)
+    assert "restart budget exhausted" in final.reason
+    assert "max_restarts=2" in final.reason
+    assert "3 failures" in final.reason
+    assert HANG in final.reason
+
+
+def test_failures_older_than_the_window_do_not_count() -> None:
+    policy = Policy(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1, restart_window_s=100.0,
+                    backoff_initial_s=50.0)
+    job, memory, _ = running_job("a", policy=policy)
+    for g in range(1, 5):
+        failed_at = T0 + 101 * g
+        job.report(g, "a", FAILED, WORKER_EXIT, time=failed_at)
+        record = form(job, memory, failed_at, policy)  # each failure is alone in its window: no backoff
+        assert record.failure_times == [failed_at]
+        job.start(record.round, "a")
+
+
+# -- lost and replaced agents -------------------------------------------------------------------
+def test_lost_member_gives_a_node_lost_round_without_it() -> None:
+    job, memory, first = running_job("a", "b", "c")
+    lost_at = T0 + 50
+    job.lose("b")
+    assert isinstance(decide(job.state(), POLICY, memory, lost_at), Wait)  # membership just changed
+    record = form(job, memory, lost_at + POLICY.settle_s)
+    assert record.reason == NODE_LOST
+    assert record.members == [first.members[0], first.members[2]]
+    assert record.failure_times == []  # a lost node is not a failure of the job
+    assert record.restarts_by_cause == {NODE_LOST: 1}
+
+
+def test_lost_members_below_min_nodes_wait() -> None:
+    job, memory, _ = running_job("a", "b")
+    job.lose("b")
+    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("1 of at least 2 nodes live")
+
+
+def test_replaced_agent_is_a_lost_member_and_rejoins_last() -> None:
+    job, memory, first = running_job("a", "b", "c")
+    job.lose("a")
+    new_a = job.join("a")  # the agent of node a restarted: same node id, new process
+    decide(job.state(), POLICY, memory, T0 + 50)
+    record = form(job, memory, T0 + 50 + POLICY.settle_s)
+    assert record.reason == NODE_LOST
+    assert record.members == [first.members[1], first.members[2], new_a]  # b now hosts the rendezvous
+
+
+def test_new_leader_waits_settle_s_before_acting_on_a_missing_member() -> None:
+    job, _, _ = running_job("a", "b", "c")
+    job.lose("a")  # the old leader's node, say: its memory goes with it
+    elected_at = T0 + 50
+    memory = LeaderMemory(leader_since=elected_at, live=frozenset(job.state().live_members()),
+                          live_changed_at=elected_at)
+    decision = decide(job.state(), POLICY, memory, elected_at + POLICY.settle_s - 0.1)
+    assert isinstance(decision, Wait) and decision.why.startswith("settling"), decision
+    assert form(job, memory, elected_at + POLICY.settle_s).reason == NODE_LOST
+
+
+def test_drained_member_that_left_gives_a_node_left_round() -> None:
+    policy = Policy(min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=0)
+    job, memory, first = running_job("a", "b", policy=policy)
+    job.report(1, "a", STOPPED, time=T0 + 30)
+    job.lose("a")
+    assert isinstance(decide(job.state(), policy, memory, T0 + 30), Wait)  # membership just changed
+    record = form(job, memory, T0 + 30 + policy.settle_s, policy)  # no restart budget: a drain is no failure
+    assert record.reason == NODE_LEFT
+    assert record.members == [first.members[1]]
+    assert record.restarts_by_cause == {NODE_LEFT: 1}
+
+
+def test_drained_member_still_registered_is_not_in_the_next_round() -> None:
+    # A draining agent writes its STOPPED report, then revokes its lease as it exits: the
+    # leader, woken by the report, sees the report while the node key is still there.
+    policy = Policy(min_nodes=1, max_nodes=3, nproc_per_node=2)
+    job, memory, first = running_job("a", "b", policy=policy)
+    job.report(1, "a", STOPPED, time=T0 + 30)
+    record = form(job, memory, T0 + 30, policy)
+    assert record.reason == NODE_LEFT
+    assert record.members == [first.members[1]]
+
+
+# -- start timeout -----------------------------------------------------------------------------
+def test_member_that_never_starts_its_workers_times_out() -> None:
+    job = FakeJob()
+    job.join("a")
+    job.join("b")
+    memory = memory_at(T0 - 100)
+    decide(job.state(), POLICY, memory, T0 - 100)
+    first = form(job, memory, T0)
+    job.start(1, "a")
+    assert decide(job.state(), POLICY, memory, T0 + POLICY.start_timeout_s) == Wait("round healthy")
+    timed_out_at = T0 + POLICY.start_timeout_s + 1
+    record = form(job, memory, timed_out_at)
+    assert record.reason == START_TIMEOUT
+    assert record.members == first.members
+    assert record.failure_times == [T0 + POLICY.start_timeout_s]  # when the round ran out of time
+    assert record.restarts_by_cause == {START_TIMEOUT: 1}
+
+
+def test_started_members_never_time_out() -> None:
+    job, memory, _ = running_job("a", "b")
+    assert decide(job.state(), POLICY, memory, T0 + 100 * POLICY.start_timeout_s) == Wait("round healthy")
+
+
+def test_start_timeout_after_an_earlier_failure_forms_a_round_after_its_backoff() -> None:
+    job, memory, _ = running_job("a", "b")
+    for node_id in ("a", "b"):
+        job.report(1, node_id, FAILED, WORKER_EXIT, time=T0 + 10)
+    second = form(job, memory, T0 + 10)
+    job.start(2, "a")  # b never starts
+    timed_out_at = second.created_at + POLICY.start_timeout_s + 1
+    # Well past any backoff, and the earlier failure is still inside the restart window.
+    decision = decide(job.state(), POLICY, memory, timed_out_at + POLICY.backoff_max_s + 1)
+    assert isinstance(decision, FormRound), decision
+    assert decision.record.reason == START_TIMEOUT
+
+
+# -- scale up ----------------------------------------------------------------------------------
+def test_scale_up_at_checkpoint_waits_for_the_committed_step_to_advance() -> None:
+    job, memory, first = running_job("a", "b")
+    job.checkpoint("a", 100)
+    job.checkpoint("b", 100)
+    c = job.join("c")
+    assert decide(job.state(), POLICY, memory, T0 + 10) == Wait("round healthy")  # baseline: step 100
+    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("round healthy")  # no new checkpoint yet
+    job.checkpoint("b", 200)
+    record = form(job, memory, T0 + 1001)
+    assert record.reason == SCALE_UP
+    assert record.members == [*first.members, c]
+    assert record.failure_times == []
+    assert record.restarts_by_cause == {SCALE_UP: 1}
+    job.start(2, "a", "b", "c")
+    assert decide(job.state(), POLICY, memory, T0 + 1002) == Wait("round healthy")
+
+
+def test_scale_up_immediate_forms_once_membership_settles() -> None:
+    policy = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, scale_up="immediate")
+    job, memory, first = running_job("a", "b", policy=policy)
+    joined_at = T0 + 10
+    c = job.join("c")
+    assert isinstance(decide(job.state(), policy, memory, joined_at), Wait)
+    record = form(job, memory, joined_at + policy.settle_s, policy)  # no checkpoint needed
+    assert record.reason == SCALE_UP
+    assert record.members == [*first.members, c]
+
+
+def test_no_scale_up_beyond_max_nodes() -> None:
+    policy = Policy(min_nodes=2, max_nodes=2, nproc_per_node=2, scale_up="immediate")
+    job, memory, _ = running_job("a", "b", policy=policy)
+    job.join("c")
+    assert decide(job.state(), policy, memory, T0 + 1000) == Wait("round healthy")
+
+
+# -- the end -----------------------------------------------------------------------------------
+def test_every_member_succeeded_finishes_the_job() -> None:
+    job, memory, _ = running_job("a", "b")
+    job.report(1, "a", SUCCEEDED, time=T0 + 100)
+    assert decide(job.state(), POLICY, memory, T0 + 101) == Wait("round healthy")  # b still training
+    job.report(1, "b", SUCCEEDED, time=T0 + 102)
+    decision = decide(job.state(), POLICY, memory, T0 + 103)
+    assert isinstance(decision, Finish), decision
+    assert (decision.final.status, decision.final.round, decision.final.time) == (SUCCEEDED, 1, T0 + 103)
+
+
+def test_finished_job_is_left_alone() -> None:
+    job, memory, _ = running_job("a", "b")
+    job.put(job.keys.final, FinalStatus(FAILED, "budget", 1, T0 + 5).to_json())
+    job.lose("b")
+    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("job finished: failed")
+
+
+def test_restarts_by_cause_accumulate_over_rounds() -> None:
+    policy = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, max_restarts=10, backoff_initial_s=0.0)
+    job, memory, _ = running_job("a", "b", "c", policy=policy)
+    now = T0
+    for cause in (WORKER_EXIT, NODE_LOST, HANG, WORKER_EXIT):
+        now += 100
+        g = job.state().round
+        if cause == NODE_LOST:
+            job.lose("c")
+            decide(job.state(), policy, memory, now)
+            now += policy.settle_s
+        else:
+            for node_id in job.state().nodes:
+                job.report(g, node_id, FAILED, cause, time=now)
+        record = form(job, memory, now, policy)
+        job.start(record.round, *(m.node_id for m in record.members))
+    assert record.round == 5
+    assert record.restarts_by_cause == {WORKER_EXIT: 2, NODE_LOST: 1, HANG: 1}
