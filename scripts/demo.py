@@ -1,84 +1,166 @@
-"""The demo job (``make demo``): 2-rank training that checkpoints to a real local S3 server,
-loses a worker to SIGKILL mid-run, and resumes by itself from the last committed checkpoint.
+"""The demo job (``make demo``): two node agents train the demo config, checkpointing to a real
+local S3 server, and survive a worker crash, the loss of a node and its return.
 
-Until the node agent lands, the restart is done here by a minimal supervisor loop (relaunch
-torchrun while the job is unfinished, up to a restart budget); the resume itself is ftrain's:
-it finds the newest verified checkpoint on S3 and continues bitwise where it left off.
+1. A local stack starts: etcd and SeaweedFS S3 on loopback (``ftrain local up`` does the same).
+2. Two agents ("nodes" a and b) join job ``demo``; the leader forms round 1, each node runs
+   ``--nproc`` worker(s) under torchrun, and training starts.
+3. After step 60 a worker of node b is SIGKILLed: the agents form round 2 and the workers
+   resume from the newest committed checkpoint on S3.
+4. After step 120 node a's agent is SIGKILLed (its workers follow it within a second): node b
+   forms a smaller round alone and resumes, resharded to the smaller world.
+5. Node a comes back: it joins at the next committed checkpoint and the job grows again.
+
+Nothing here restarts anything: the agents do. The summary lists the rounds, the time from
+each fault to the first step completed after it, and the final loss against the entropy floor
+of the synthetic data.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from checkpoint.catalog import list_steps
-from checkpoint.seaweed import SeaweedS3
-from checkpoint.storage import Storage
 from ftrain.config import load_config
 from ftrain.data import build_source
-from ftrain.metrics import read_metrics
+from ftrain.local_cli import LocalStack
+from ftrain.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
+AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "30", "--backoff-initial-s", "0.5")
+
+
+class Demo:
+    def __init__(self, work: Path, stack: LocalStack, args: argparse.Namespace):
+        self.work, self.stack, self.args = work, stack, args
+        self.events_path = work / "events.jsonl"
+        self.metrics_path = work / "metrics.jsonl"
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.worker_args = [args.config, f"--checkpoint.uri={stack.s3.url('demo')}",
+                            f"--logging.metrics_path={self.metrics_path}", f"--logging.events_path={self.events_path}"]
+
+    def start_agent(self, node: str) -> None:
+        cmd = [sys.executable, "-m", "ftrain", "agent", "--etcd", self.stack.etcd_url, "--job", "demo",
+               "--nnodes", "1:2", "--nproc-per-node", str(self.args.nproc), "--node-id", node,
+               "--run-dir", str(self.work / node), "--events", str(self.events_path), *AGENT_OPTIONS,
+               "--", *self.worker_args]
+        env = {**os.environ, **self.stack.env(), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               "FTRAIN_LOG_LEVEL": "WARNING"}
+        with open(self.work / f"agent-{node}.log", "ab") as log:
+            self.agents[node] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                                 start_new_session=True)
+        print(f"demo: started agent {node} (pid {self.agents[node].pid}, log {self.work / f'agent-{node}.log'})")
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in read_jsonl(self.events_path) if e["event"] == name] if self.events_path.exists() else []
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []
+
+    def step(self) -> int:
+        return max((m["step"] for m in self.metrics()), default=0)
+
+    def wait(self, predicate, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if all(p.poll() is not None for p in self.agents.values()):
+                raise RuntimeError(f"every agent exited while waiting for {what}")
+            time.sleep(0.05)
+        raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+    def worker_pids(self, node: str) -> list[int]:
+        started = [e for e in self.events("worker_started") if e.get("node") == node]
+        newest = max((e["round"] for e in started), default=None)
+        return [e["pid"] for e in started if e["round"] == newest]
+
+    def close(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def recovery_s(metrics: list[dict[str, Any]], fault_time: float) -> float | None:
+    """Fault to the first step completed after it by the restarted workers."""
+    after = [m["time"] for m in metrics if m["time"] > fault_time + 0.5]
+    return min(after) - fault_time if after else None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.toml"))
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--kill-at-step", type=int, default=130, help="a worker SIGKILLs itself after this step")
-    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=1, help="workers per node (default 1)")
+    parser.add_argument("--worker-kill-step", type=int, default=60)
+    parser.add_argument("--node-kill-step", type=int, default=120)
+    parser.add_argument("--timeout-s", type=float, default=600)
     args = parser.parse_args(argv)
 
     cfg = load_config(args.config)
     floor = build_source(cfg.data, cfg.model).entropy_floor_nats
     work = Path(tempfile.mkdtemp(prefix="ftrain-demo-"))
-    metrics_path = work / "metrics.jsonl"
     print(f"demo: working directory {work}")
-    with SeaweedS3(data_dir=work / "s3", bucket="ftrain-demo") as s3:
-        url = s3.url("demo-job")
-        print(f"demo: S3 (SeaweedFS) at {s3.endpoint_url}, checkpoints to {url}")
-        env = {**os.environ, **s3.env(), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-               "FTRAIN_FAULT_SIGKILL": f"{args.kill_at_step}:1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "ftrain", "train", args.config, f"--checkpoint.uri={url}",
-               f"--logging.metrics_path={metrics_path}", f"--logging.events_path={work / 'events.jsonl'}"]
-        restarts, crash_times = 0, []
-        while True:
-            started = time.time()
-            code = subprocess.call(cmd, env=env, cwd=REPO)
-            if code == 0:
-                break
-            crash_times.append(time.time())
-            if restarts >= args.max_restarts:
-                print(f"demo: giving up after {restarts} restarts (exit {code})")
-                return 1
-            restarts += 1
-            env.pop("FTRAIN_FAULT_SIGKILL", None)  # the fault happens once
-            print(f"\ndemo: training exited with {code} after {time.time() - started:.1f}s "
-                  f"(a worker was SIGKILLed); restart {restarts}: resuming from the last committed checkpoint\n")
-        committed = [s.step for s in list_steps(Storage(url, s3.storage_options())) if s.state == "committed"]
+    with LocalStack(work / "stack") as stack:
+        print(f"demo: etcd at {stack.etcd_url}, S3 (SeaweedFS) at {stack.s3.endpoint_url}, "
+              f"checkpoints to {stack.s3.url('demo')}")
+        demo = Demo(work, stack, args)
+        faults: list[tuple[str, float]] = []
+        try:
+            demo.start_agent("a")
+            demo.start_agent("b")
+            demo.wait(lambda: demo.step() >= args.worker_kill_step, args.timeout_s, f"step {args.worker_kill_step}")
+            victim = demo.worker_pids("b")[0]
+            print(f"demo: step {demo.step()}: SIGKILL worker {victim} of node b")
+            os.kill(victim, signal.SIGKILL)
+            faults.append(("worker killed", time.time()))
 
-    records = read_metrics(metrics_path)
-    final = records[-1]
-    print("\n=== demo summary ===")
-    print(f"steps completed      : {final['step']} of {cfg.train.steps}")
-    print(f"restarts             : {restarts}")
-    for crash_t in crash_times:
-        before = [r for r in records if r["time"] <= crash_t]
-        after = [r for r in records if r["time"] > crash_t]
-        if before and after:
-            print(f"recovery             : last step before the crash {before[-1]['step']}, resumed at step "
-                  f"{after[0]['step']} (replayed {before[-1]['step'] - after[0]['step'] + 1} steps), "
-                  f"{after[0]['time'] - before[-1]['time']:.1f}s from the last step before the crash to "
-                  "the first step after it")
-    print(f"committed checkpoints: {committed}")
-    print(f"final loss           : {final['loss']:.4f} (entropy floor {floor:.4f}, gap {final['loss'] - floor:+.4f} nats)")
-    return 0 if final["step"] == cfg.train.steps else 1
+            demo.wait(lambda: demo.step() >= args.node_kill_step, args.timeout_s, f"step {args.node_kill_step}")
+            print(f"demo: step {demo.step()}: SIGKILL agent of node a (pid {demo.agents['a'].pid}): node lost")
+            demo.agents["a"].send_signal(signal.SIGKILL)
+            demo.agents["a"].wait()
+            faults.append(("node lost", time.time()))
+            demo.wait(lambda: len(demo.events("resumed")) and max(e["round"] for e in demo.events("resumed")) >= 3,
+                      args.timeout_s, "the smaller round to resume")
+            print(f"demo: step {demo.step()}: node a comes back")
+            demo.start_agent("a")
+            code = demo.agents["b"].wait(timeout=args.timeout_s)
+            demo.agents["a"].wait(timeout=60)
+        finally:
+            demo.close()
+        return summarize(demo, faults, floor, cfg.train.steps, code)
+
+
+def summarize(demo: Demo, faults: list[tuple[str, float]], floor: float, steps: int, code: int) -> int:
+    metrics = demo.metrics()
+    final = demo.events("job_final")
+    print("\n== ftrain demo summary ==")
+    print(f"job: {final[0]['status'] if final else 'no final status'} (agent exit {code}); "
+          f"steps {demo.step()}/{steps}")
+    for r in sorted(demo.events("round_formed"), key=lambda e: e["new_round"]):
+        print(f"  round {r['new_round']}: {r['reason']:<12} members {', '.join(r['members'])} "
+              f"(world size {r['world_size']})")
+    restarts = len(demo.events("round_formed")) - 1
+    print(f"restarts: {restarts}")
+    for name, at in faults:
+        rec = recovery_s(metrics, at)
+        print(f"  {name}: first step after it {rec:.1f} s later" if rec is not None else f"  {name}: not recovered")
+    for e in sorted(demo.events("resumed"), key=lambda e: e["round"]):
+        if e["rank"] == 0:
+            print(f"  round {e['round']} resumed from checkpoint step {e['step']} "
+                  f"(saved at world size {e['from_world_size']}, now {e['world_size']})")
+    loss = metrics[-1]["loss"] if metrics else float("nan")
+    print(f"final loss {loss:.4f} vs entropy floor {floor:.4f} (+{loss - floor:.4f} nats)")
+    ok = bool(final) and final[0]["status"] == "succeeded" and demo.step() == steps and code == 0
+    print("demo: OK" if ok else "demo: FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
