@@ -300,7 +300,8 @@ def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dic
     elif launched_at is None:
         reactions = sorted((t, text) for t, text in launcher_lines if t >= fault and TORCHRUN_REACTION in text)
         if reactions:
-            detected, detected_by = reactions[0][0], reactions[0][1].split("] ", 1)[-1][:48]
+            message = reactions[0][1].split("] ", 1)[-1]  # after the glog prefix
+            detected, detected_by = reactions[0][0], re.sub(r"^\[\w+\] ", "", message).split(";")[0]
     until = first_start if first_start is not None else resumed0["time"]
     spawned = max((t for t, text in launcher_lines if fault < t <= until and TORCHRUN_LAUNCH in text), default=None)
     if not agents and launched_at is None:
@@ -425,7 +426,9 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                     *job.train_args()]) for i in range(2)]
                 job.wait_training()
                 rank1 = job.worker_pid(1)
-                node = next(a for a in agents if rank1 in descendants(a.popen.pid))
+                node = next((a for a in agents if rank1 in descendants(a.popen.pid)), None)
+                if node is None:
+                    raise ScenarioError(f"worker {rank1} (rank 1) runs under neither agent")
                 leaders = [e["node"] for e in job.events.poll() if e.get("event") == "leader_elected"]
                 fault_t, what = inject(job, fault, node)
                 out.notes.append(what + (f" (node {node.name} is the leader)" if fault == "node_loss"
@@ -470,9 +473,9 @@ def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
     """Two static-rendezvous torchruns (the agent's launcher command), fresh, from a checkpoint copy."""
     out = Outcome("floor", "none")
     job = Job(workdir, settings)
-    shutil.copytree(ckpt_source, job.ckpt)
-    port = free_ports(1)[0]
     try:
+        shutil.copytree(ckpt_source, job.ckpt)
+        port = free_ports(1)[0]
         try:
             launched_at = time.time()
             for rank in range(2):
@@ -484,17 +487,21 @@ def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
                                        launched_at=launched_at)
         finally:
             job.close()
-    except ScenarioError as e:
-        out.error = str(e)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the scenarios' numbers stand
+        out.error = str(e) if isinstance(e, ScenarioError) else f"{type(e).__name__}: {e}"
     return out
 
 
 def run_scenario(system: str, fault: str, workdir: Path, settings: Settings) -> Outcome:
+    """One scenario; an unexpected error is reported as its outcome (its processes are gone by then)."""
     start = time.monotonic()
-    if system == "ftrain":
-        out = run_ftrain(fault, workdir, settings)
-    else:
-        out = run_torchrun(fault, workdir, settings, TUNED_RDZV_CONF if system == "torchrun_tuned" else "")
+    try:
+        if system == "ftrain":
+            out = run_ftrain(fault, workdir, settings)
+        else:
+            out = run_torchrun(fault, workdir, settings, TUNED_RDZV_CONF if system == "torchrun_tuned" else "")
+    except Exception as e:  # noqa: BLE001 - one broken scenario must not lose the others' numbers
+        out = Outcome(system, fault, error=f"{type(e).__name__}: {e}")
     out.wall_s = time.monotonic() - start
     return out
 

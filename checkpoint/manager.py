@@ -111,8 +111,10 @@ class StepPublisher:
     """The coordinator's storage work for one step (picklable, so it runs wherever DCP's
     coordinator runs: the training thread, a background thread or a background process).
 
-    ``prepare`` clears a torn directory of the same step before any rank writes; ``commit``
-    checks the fence, writes the manifest (the commit point), then applies retention.
+    ``prepare`` checks the fence (a zombie of an old round must not even clear or write files
+    the current round may be uploading), then clears a torn directory of the same step before
+    any rank writes; ``commit`` checks the fence again, writes the manifest (the commit point),
+    then applies retention.
     """
 
     url: str
@@ -124,6 +126,8 @@ class StepPublisher:
     retention: Retention | None = None
 
     def prepare(self) -> None:
+        if self.fence is not None:
+            self.fence.check(self.fields["round"])
         storage = Storage(self.url, self.options)
         if not storage.listdir(self.dirname):
             return

@@ -124,6 +124,7 @@ class Checkpointing:
         """Load the newest verified checkpoint (or checkpoint.load_step) into model, optimizer,
         cursor and RNG; returns its manifest, or None when starting fresh."""
         holder: dict[str, Any] = {}
+        self.events.emit("resume_started")
 
         def build(manifest: Manifest) -> dict[str, Any]:
             sd = self._state_dict()

@@ -8,6 +8,7 @@
     ftrain agent [options] -- CONFIG.toml [overrides]   this node's agent (see agents/)
     ftrain status --etcd URL --job ID [--json]          a job's nodes, round, steps and restarts
     ftrain local up                                     local etcd + SeaweedFS S3 for trying it out
+    ftrain chaos run SCENARIO.toml [--seed N]           fault injection that proves nothing was lost
 
 The CLI is the one place in ``ftrain`` that reaches into ``agents`` (and ``chaos``): the
 runtime itself never does.
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_agent_parsers(sub)
     add_local_parsers(sub)
+
+    from chaos.runner import add_parsers as add_chaos_parsers
+
+    add_chaos_parsers(sub)
 
     p = sub.add_parser("config", help="print the resolved configuration, or the reference of all keys")
     p.add_argument("config", nargs="?", help="TOML config file")

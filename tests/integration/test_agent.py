@@ -48,7 +48,7 @@ def _scrape(port: int) -> str:
 
 def _metric(text: str, name: str, **labels: str) -> float | None:
     for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return None
 
@@ -79,7 +79,7 @@ def test_metrics_show_round_and_restart_counters_moving(job):
     text = _scrape(port)
     assert _metric(text, "ftrain_round") == 1
     assert _metric(text, "ftrain_restarts_total", cause="worker_exit") in (None, 0.0)
-    assert _metric(text, "ftrain_step") >= 30
+    wait_for(lambda: (_metric(_scrape(port), "ftrain_step") or 0) >= 30, 10, "step 30 in the metrics")
     os.kill(job.worker_pids("a")[0], signal.SIGKILL)
     job.wait_event("resumed", round=2)
     def round_2_scraped() -> str | None:
@@ -198,6 +198,7 @@ def test_a_worker_of_an_old_round_cannot_commit(tmp_path, etcd, client):
     failures = [json.loads(line) for line in events.read_text().splitlines() if '"ckpt_failed"' in line]
     assert failures and all("StaleRoundError" in f["error"] for f in failures)
     assert not list((tmp_path / "ckpt").glob("*/manifest.json")), "a stale round committed a checkpoint"
+    assert not list((tmp_path / "ckpt").rglob("*.distcp")), "a stale round wrote checkpoint files"
 
 
 def test_workers_do_not_outlive_a_sigkilled_agent(job):

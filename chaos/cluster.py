@@ -1,0 +1,162 @@
+"""A job of real node agents on one machine: start and kill "nodes", read the shared event log
+and the metrics, wait on conditions with deadlines. The chaos runner and the agent tests use it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agents.workers import descendants, signal_pids
+from ftrain.metrics import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Fast failure detection for runs on one machine (production defaults are in ftrain/config.py).
+FAST_AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "5", "--start-timeout-s", "120",
+                      "--backoff-initial-s", "0.2")
+
+
+class WaitTimeout(AssertionError):
+    """A condition did not come true in time (an AssertionError so tests report it as a failure)."""
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, *, poll_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise WaitTimeout(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def kill_tree(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGKILL a process and everything under it (workers run in their own sessions), and reap it."""
+    signal_pids([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
+    proc.wait(timeout=timeout_s)
+
+
+def quiet_env(**extra: str) -> dict[str, str]:
+    """One intra-op thread per rank (bitwise reproducible, no fighting over cores)."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+class Cluster:
+    """Agents of one job sharing an events file, a metrics file and a checkpoint location."""
+
+    def __init__(self, workdir: Path, etcd_endpoint: str, config_path: Path, *, job: str = "job",
+                 steps: int | None = None, ckpt_uri: str | None = None, ckpt_interval: int | None = None,
+                 step_sleep_s: float = 0.0, overrides: Sequence[str] = (), env: dict[str, str] | None = None,
+                 agent_options: Sequence[str] = FAST_AGENT_OPTIONS):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.etcd = etcd_endpoint
+        self.job = job
+        self.events_path = self.workdir / "events.jsonl"
+        self.metrics_path = self.workdir / "metrics.jsonl"
+        self.ckpt_uri = ckpt_uri or str(self.workdir / "ckpt")
+        self.worker_args = [str(config_path), f"--checkpoint.uri={self.ckpt_uri}",
+                            f"--logging.metrics_path={self.metrics_path}", f"--logging.events_path={self.events_path}",
+                            "--logging.log_every=1000"]
+        if steps is not None:
+            self.worker_args.append(f"--train.steps={steps}")
+        if ckpt_interval is not None:
+            self.worker_args.append(f"--checkpoint.interval={ckpt_interval}")
+        self.worker_args += list(overrides)
+        self.env = dict(env or {})
+        if step_sleep_s:
+            self.env["FTRAIN_FAULT_STEP_SLEEP_S"] = str(step_sleep_s)
+        self.agent_options = tuple(agent_options)
+        self.agents: dict[str, subprocess.Popen] = {}
+        self._launches: dict[str, tuple[tuple[str, ...], str, int, dict[str, str] | None]] = {}
+        self._retired: list[subprocess.Popen] = []
+
+    def start(self, node_id: str, *agent_args: str, nnodes: str = "1:2", nproc: int = 1,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start (or restart) the agent of ``node_id``."""
+        self._launches[node_id] = (agent_args, nnodes, nproc, env)
+        old = self.agents.get(node_id)
+        if old is not None:
+            self._retired.append(old)
+        cmd = [sys.executable, "-m", "ftrain", "agent", "--etcd", self.etcd, "--job", self.job, "--nnodes", nnodes,
+               "--nproc-per-node", str(nproc), "--node-id", node_id, "--run-dir", str(self.workdir / node_id),
+               "--events", str(self.events_path), *self.agent_options, *agent_args, "--", *self.worker_args]
+        with open(self.workdir / f"agent-{node_id}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                    env=quiet_env(FTRAIN_LOG_LEVEL="INFO", **self.env, **(env or {})))
+        self.agents[node_id] = proc
+        return proc
+
+    def restart(self, node_id: str) -> subprocess.Popen:
+        """Start ``node_id``'s agent again with the options it was first started with."""
+        agent_args, nnodes, nproc, env = self._launches[node_id]
+        return self.start(node_id, *agent_args, nnodes=nnodes, nproc=nproc, env=env)
+
+    # -- reading ---------------------------------------------------------------------------
+    def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        return [e for e in read_jsonl(self.events_path)
+                if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())]
+
+    def wait_event(self, name: str, timeout_s: float = 60, **match: Any) -> dict[str, Any]:
+        return wait_for(lambda: (self.events(name, **match) or [None])[-1], timeout_s,
+                        f"event {name} {match or ''} (log: {self.log_tail()})")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []
+
+    def step(self) -> int:
+        return max((m["step"] for m in self.metrics()), default=0)
+
+    def wait_step(self, step: int, timeout_s: float = 90) -> int:
+        return wait_for(lambda: self.step() >= step and self.step(), timeout_s, f"training step {step}")
+
+    def worker_pids(self, node_id: str, worker_round: int | None = None) -> list[int]:
+        """PIDs of the workers of ``node_id`` in ``worker_round`` (default: its newest round)."""
+        started = self.events("worker_started", node=node_id)
+        if worker_round is None:
+            worker_round = max((e["round"] for e in started), default=None)
+        return [e["pid"] for e in started if e["round"] == worker_round]
+
+    def committed_steps(self) -> list[int]:
+        return sorted({e["step"] for e in self.events("ckpt_committed")})
+
+    def live_nodes(self) -> list[str]:
+        return [n for n, p in self.agents.items() if p.poll() is None]
+
+    def log_tail(self, max_chars: int = 3000) -> str:
+        parts = []
+        for node_id in self.agents:
+            path = self.workdir / f"agent-{node_id}.log"
+            if path.exists():
+                parts.append(f"--- agent {node_id}:\n{path.read_text(errors='replace')[-max_chars:]}")
+        return "\n".join(parts)
+
+    # -- acting ----------------------------------------------------------------------------
+    def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.agents[node_id].pid, sig)
+
+    def wait_exit(self, node_id: str, timeout_s: float = 120) -> int:
+        try:
+            return self.agents[node_id].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise WaitTimeout(f"agent {node_id} still running after {timeout_s:.0f}s:\n{self.log_tail()}") from None
+
+    def close(self) -> None:
+        for proc in [*self.agents.values(), *self._retired]:
+            if proc.poll() is None:
+                kill_tree(proc)
+            else:
+                proc.wait()

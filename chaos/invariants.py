@@ -1,0 +1,213 @@
+"""What every chaos run must prove (DESIGN.md), checked from what the run left behind: the event
+log, the metrics, the ledger, the checkpoints on storage and the final state.
+
+Each check returns a :class:`Check` (name, ok, detail); :func:`fault_timings` measures each
+fault's detection time, recovery time and lost steps; :func:`goodput` is productive / wall time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.catalog import list_steps
+from checkpoint.storage import Storage
+from checkpoint.verify import verify_step
+from chaos.faults import RESTARTING
+from ftrain.config import Config
+from ftrain.data import build_source
+from ftrain.data.ledger import check_exactly_once, read_ledger
+
+#: Events by which agents or workers show they noticed a fault.
+DETECTIONS = ("workers_exited", "hang", "round_formed", "lease_lost", "etcd_unreachable", "ckpt_corrupt",
+              "ckpt_failed")
+
+
+@dataclass(slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+def _of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == name]
+
+
+def job_finished(events: list[dict[str, Any]], metrics: list[dict[str, Any]], steps: int,
+                 exit_codes: dict[str, int | None]) -> Check:
+    final = _of(events, "job_final")
+    last = max((m["step"] for m in metrics), default=0)
+    bad = {n: c for n, c in exit_codes.items() if c != 0}
+    ok = bool(final) and final[0]["status"] == "succeeded" and last == steps and not bad
+    status = final[0]["status"] if final else "none"
+    return Check("job_finished", ok, f"final status {status}, step {last}/{steps}, agent exit codes {exit_codes}")
+
+
+def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(state, torch.Tensor):
+        out[prefix] = state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(_tensors(v, f"{prefix}.{i}"))
+    return out
+
+
+def final_state_matches(golden_path: Path, final_path: Path, tolerance: float) -> Check:
+    if not final_path.exists():
+        return Check("final_state_matches_golden", False, f"no final state at {final_path}")
+    golden = torch.load(golden_path, map_location="cpu", weights_only=False)
+    final = torch.load(final_path, map_location="cpu", weights_only=False)
+    worst, where, compared = 0.0, "", 0
+    for part in ("model", "optim"):
+        a, b = _tensors(golden[part]), _tensors(final[part])
+        if a.keys() != b.keys():
+            missing = sorted(a.keys() ^ b.keys())[:5]
+            return Check("final_state_matches_golden", False, f"{part} keys differ: {missing}")
+        for key in a:
+            if a[key].shape != b[key].shape:
+                return Check("final_state_matches_golden", False, f"{part}.{key}: shape {a[key].shape} vs {b[key].shape}")
+            if torch.equal(a[key], b[key]):
+                continue
+            diff = (a[key].double() - b[key].double()).abs().max().item()
+            if diff > worst or not where:
+                worst, where = diff, f"{part}.{key}"
+        compared += len(a)
+    if tolerance == 0.0:
+        ok = not where
+        detail = f"{compared} tensors bitwise equal" if ok else f"not bitwise equal: max |diff| {worst:.3g} at {where}"
+    else:
+        ok = worst <= tolerance
+        detail = f"max |diff| {worst:.3g} (tolerance {tolerance:g}) over {compared} tensors" + (
+            f", at {where}" if where else "")
+    return Check("final_state_matches_golden", ok, detail)
+
+
+def corrupted_by_chaos(events: list[dict[str, Any]]) -> dict[int, float]:
+    """Checkpoint steps the chaos run damaged on purpose -> when."""
+    return {e["ckpt_step"]: e["time"] for e in _of(events, "chaos_fault") if e.get("kind") == "ckpt_corrupt"}
+
+
+def committed_checkpoints_verify(storage: Storage, events: list[dict[str, Any]]) -> Check:
+    damaged = corrupted_by_chaos(events)
+    checked, bad = [], []
+    for info in list_steps(storage):
+        if info.state != "committed" or info.step in damaged:
+            continue
+        report = verify_step(storage, info.dirname)
+        checked.append(info.step)
+        if not report.ok:
+            bad.append(f"step {info.step}: {'; '.join(str(p) for p in report.problems[:3])}")
+    ok = not bad and bool(checked)
+    detail = f"{len(checked)} committed step(s) verified: {checked}" if ok else (
+        "; ".join(bad) or "no committed checkpoint left to verify")
+    return Check("committed_checkpoints_verify", ok, detail)
+
+
+def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[int, float]) -> Check:
+    """Every load was of a step committed before it, and never of one damaged before it.
+
+    A step's commit time is its manifest's ``created_time`` as an observer of the storage saw
+    it (a worker killed right after its background upload committed never logs the commit),
+    or the ``ckpt_committed`` event, whichever is known and earlier.
+    """
+    damaged = corrupted_by_chaos(events)
+    commits = dict(observed_commits)
+    for e in _of(events, "ckpt_committed"):
+        commits[e["step"]] = min(commits.get(e["step"], e["time"]), e["time"])
+    bad, loads = [], 0
+    for e in _of(events, "resumed"):
+        if e.get("rank") != 0:
+            continue
+        loads += 1
+        step, at = e["step"], e["time"]
+        if step not in commits or commits[step] > at:
+            bad.append(f"round {e['round']} loaded step {step}, which was not committed before the load")
+        if step in damaged and damaged[step] < at:
+            bad.append(f"round {e['round']} loaded step {step} after chaos had corrupted it")
+    skipped = sorted({e["step"] for e in _of(events, "ckpt_corrupt")})
+    detail = "; ".join(bad) if bad else (f"{loads} load(s), each of a committed, intact step"
+                                         + (f"; corrupt steps refused: {skipped}" if skipped else ""))
+    return Check("loads_were_committed_and_intact", not bad, detail)
+
+
+def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
+    source = build_source(cfg.data, cfg.model)
+    report = check_exactly_once(read_ledger(ledger_dir), num_samples=source.num_samples,
+                                global_batch_size=cfg.train.global_batch_size, seed=cfg.data.seed, steps=steps)
+    return Check("samples_consumed_exactly_once", report.ok, report.summary())
+
+
+def faults_handled(events: list[dict[str, Any]]) -> Check:
+    """Refusals that must have happened (duplicate node id, zombie commit), and a new round after
+    every fault that kills or stops training."""
+    faults = _of(events, "chaos_fault")
+    rounds = sorted(e["time"] for e in _of(events, "round_formed"))
+    bad = []
+    for i, f in enumerate(faults):
+        if f["kind"] in ("duplicate_node", "zombie_commit") and not f.get("refused"):
+            bad.append(f"{f['kind']} #{i} was not refused: {f}")
+        if f["kind"] in RESTARTING and not any(t > f["time"] for t in rounds):
+            bad.append(f"{f['kind']} #{i} at step {f.get('step')} was never followed by a new round")
+    return Check("faults_handled", not bad, "; ".join(bad) if bad else f"{len(faults)} fault(s) handled")
+
+
+def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fault: detection (first reaction after it), recovery (first step completed by a round
+    formed after it) and lost steps (completed before that round, recomputed after it)."""
+    faults = _of(events, "chaos_fault")
+    out = []
+    for i, f in enumerate(faults):
+        t0 = f["time"]
+        until = faults[i + 1]["time"] if i + 1 < len(faults) else float("inf")
+        reactions = [e for e in events if e["event"] in DETECTIONS and t0 <= e["time"] < until
+                     and e.get("outcome") != "succeeded"]
+        detect = min(reactions, key=lambda e: e["time"]) if reactions else None
+        new_round = next((e for e in sorted(_of(events, "round_formed"), key=lambda e: e["time"])
+                          if t0 <= e["time"] < until), None)
+        recovery_s = lost = resumed_step = None
+        if new_round is not None:
+            resumed = [e for e in _of(events, "resumed") if e["round"] >= new_round["new_round"] and e.get("rank") == 0]
+            if resumed:
+                r = min(resumed, key=lambda e: e["time"])
+                resumed_step = r["step"]
+                after = [m for m in metrics if m["time"] > r["time"]]
+                if after:
+                    recovery_s = min(m["time"] for m in after) - t0
+                before = [m["step"] for m in metrics if m["time"] <= new_round["time"]]
+                lost = max(0, max(before, default=0) - r["step"])
+        out.append({"index": i, "kind": f["kind"], "time": t0, "step": f.get("step"), "node": f.get("node"),
+                    "detected_by": detect["event"] if detect else None,
+                    "detection_s": round(detect["time"] - t0, 3) if detect else None,
+                    "new_round": new_round["new_round"] if new_round else None,
+                    "recovery_s": round(recovery_s, 3) if recovery_s is not None else None,
+                    "resumed_step": resumed_step, "lost_steps": lost})
+    return out
+
+
+def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started_at: float) -> dict[str, float]:
+    """Productive time over wall time (first agent start to the job's end). Productive: for the
+    attempt of each step that the final model contains (its last), the time since the step
+    before it completed in the same stretch of training (its step time on the first step of a
+    stretch)."""
+    last: dict[int, float] = {}
+    previous: dict[str, Any] | None = None
+    for m in metrics:
+        contiguous = previous is not None and previous["step"] == m["step"] - 1 and m["time"] >= previous["time"]
+        last[m["step"]] = m["time"] - previous["time"] if contiguous else m["step_time_s"]
+        previous = m
+    final = _of(events, "job_final")
+    end = final[0]["time"] if final else max((m["time"] for m in metrics), default=started_at)
+    wall = max(1e-9, end - started_at)
+    productive = sum(last.values())
+    return {"productive_s": round(productive, 3), "wall_s": round(wall, 3), "goodput": round(productive / wall, 4)}

@@ -1,0 +1,175 @@
+"""The chaos report: ``report.json``, a self-contained ``report.html`` (the data is embedded and
+drawn by a small script into an SVG timeline: one lane per node and per rank, plus the faults
+and the step count) and ``report.png``, a screenshot of the page by headless Chromium when one is
+installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+HEADLESS_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars")
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>ftrain chaos: __TITLE__</title>
+<style>
+body { font: 13px system-ui, sans-serif; margin: 16px; color: #222; }
+h1 { font-size: 18px; margin: 0 0 8px; }
+table { border-collapse: collapse; margin: 8px 0 16px; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
+.ok { color: #17702a; font-weight: bold; } .fail { color: #b00020; font-weight: bold; }
+.lane-label { font-size: 12px; fill: #333; }
+.legend span { display: inline-block; margin-right: 14px; }
+.sw { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: middle; }
+</style></head>
+<body>
+<h1>ftrain chaos: <span id="title"></span></h1>
+<div id="summary"></div>
+<div class="legend" id="legend"></div>
+<div id="timeline"></div>
+<h2>Faults</h2>
+<table id="faults"><thead><tr><th>#</th><th>kind</th><th>at step</th><th>node</th><th>detected by</th>
+<th>detection s</th><th>new round</th><th>recovery s</th><th>resumed step</th><th>lost steps</th></tr></thead>
+<tbody></tbody></table>
+<h2>Invariants</h2>
+<table id="checks"><tbody></tbody></table>
+<script id="data" type="application/json">__DATA__</script>
+<script>
+const R = JSON.parse(document.getElementById("data").textContent);
+const NS = "http://www.w3.org/2000/svg";
+const COLORS = {fault: "#d32f2f", detect: "#f57c00", round: "#1565c0", staged: "#9e9e9e", committed: "#2e7d32",
+                failed: "#6a1b9a", resumed: "#00838f", worker: "#5d4037", hang: "#ad1457"};
+function el(name, attrs, parent) {
+  const e = document.createElementNS(NS, name);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (parent) parent.appendChild(e);
+  return e;
+}
+document.getElementById("title").textContent = R.scenario + " (seed " + R.seed + ")";
+document.getElementById("summary").innerHTML =
+  "<span class='" + (R.ok ? "ok'>ALL INVARIANTS HOLD" : "fail'>INVARIANTS FAILED") + "</span> &middot; " +
+  R.faults.length + " fault(s) &middot; goodput " + (100 * R.goodput.goodput).toFixed(1) + "% (" +
+  R.goodput.productive_s.toFixed(0) + " s productive of " + R.goodput.wall_s.toFixed(0) + " s)";
+document.getElementById("legend").innerHTML = Object.entries(COLORS).map(([k, c]) =>
+  "<span><i class='sw' style='background:" + c + "'></i>" + k + "</span>").join("");
+
+const ev = R.events, t0 = R.started_at;
+const tEnd = Math.max(...ev.map(e => e.time), ...R.metrics.map(m => m.time), t0 + 1);
+const nodes = [...new Set(ev.filter(e => e.rank === -1 && e.node).map(e => e.node))].sort();
+const ranks = [...new Set(ev.filter(e => e.rank >= 0).map(e => e.rank))].sort((a, b) => a - b);
+const lanes = ["faults", "steps", ...nodes.map(n => "node " + n), ...ranks.map(r => "rank " + r)];
+const W = 1100, LEFT = 90, LANE = 26, TOP = 20, H = TOP + lanes.length * LANE + 30;
+const x = t => LEFT + (W - LEFT - 10) * (t - t0) / (tEnd - t0);
+const y = name => TOP + lanes.indexOf(name) * LANE;
+const svg = el("svg", {width: W, height: H, id: "timeline-svg"}, document.getElementById("timeline"));
+lanes.forEach((name, i) => {
+  const g = el("g", {class: "lane", "data-lane": name}, svg);
+  el("rect", {x: LEFT, y: y(name), width: W - LEFT - 10, height: LANE - 4, fill: i % 2 ? "#fafafa" : "#f0f0f0"}, g);
+  el("text", {x: 4, y: y(name) + 15, class: "lane-label"}, g).textContent = name;
+});
+for (let s = 0; s <= 10; s++) {
+  const t = t0 + (tEnd - t0) * s / 10;
+  el("text", {x: x(t) - 8, y: H - 8, class: "lane-label"}, svg).textContent = (t - t0).toFixed(0) + "s";
+}
+function mark(lane, t, color, title, w) {
+  const r = el("rect", {x: x(t), y: y(lane) + 2, width: w || 3, height: LANE - 8, fill: color, class: "mark"}, svg);
+  el("title", {}, r).textContent = title;
+}
+// rounds as spans on every node lane they include
+const rounds = ev.filter(e => e.event === "round_formed").sort((a, b) => a.time - b.time);
+rounds.forEach((r, i) => {
+  const end = i + 1 < rounds.length ? rounds[i + 1].time : tEnd;
+  r.members.forEach(n => {
+    if (lanes.includes("node " + n)) {
+      const rect = el("rect", {x: x(r.time), y: y("node " + n) + 4, width: Math.max(1, x(end) - x(r.time)),
+                               height: LANE - 12, fill: "#bbdefb", class: "round"}, svg);
+      el("title", {}, rect).textContent = "round " + r.new_round + " (" + r.reason + ")";
+    }
+  });
+  mark("node " + (r.node || nodes[0]), r.time, COLORS.round, "round " + r.new_round + " formed: " + r.reason);
+});
+ev.forEach(e => {
+  const lane = e.rank >= 0 ? "rank " + e.rank : (e.node ? "node " + e.node : null);
+  if (e.event === "chaos_fault") mark("faults", e.time, COLORS.fault, e.kind + " " + (e.node || ""), 4);
+  else if (["workers_exited", "lease_lost", "etcd_unreachable", "ckpt_corrupt"].includes(e.event) && lane)
+    mark(lane, e.time, COLORS.detect, e.event);
+  else if (e.event === "hang" && lane) mark(lane, e.time, COLORS.hang, "hang: stacks dumped");
+  else if (e.event === "ckpt_staged" && lane) mark(lane, e.time, COLORS.staged, "staged step " + e.step, 2);
+  else if (e.event === "ckpt_committed" && lane) mark(lane, e.time, COLORS.committed, "committed step " + e.step);
+  else if (e.event === "ckpt_failed" && lane) mark(lane, e.time, COLORS.failed, "save failed: " + e.error);
+  else if (e.event === "resumed" && lane) mark(lane, e.time, COLORS.resumed, "resumed step " + e.step);
+  else if (e.event === "worker_started" && lane) mark(lane, e.time, COLORS.worker, "worker " + e.pid, 2);
+});
+if (R.metrics.length) {
+  const maxStep = Math.max(...R.metrics.map(m => m.step));
+  const pts = R.metrics.map(m => x(m.time).toFixed(1) + "," +
+                            (y("steps") + LANE - 5 - (LANE - 8) * m.step / maxStep).toFixed(1)).join(" ");
+  el("polyline", {points: pts, fill: "none", stroke: "#333", "stroke-width": 1, class: "steps"}, svg);
+}
+const fb = document.querySelector("#faults tbody");
+R.faults.forEach(f => {
+  const tr = document.createElement("tr");
+  [f.index, f.kind, f.step, f.node, f.detected_by, f.detection_s, f.new_round, f.recovery_s, f.resumed_step,
+   f.lost_steps].forEach(v => { const td = document.createElement("td"); td.textContent = v ?? "-"; tr.appendChild(td); });
+  fb.appendChild(tr);
+});
+const cb = document.querySelector("#checks tbody");
+R.checks.forEach(c => {
+  const tr = document.createElement("tr");
+  tr.innerHTML = "<td class='" + (c.ok ? "ok'>ok" : "fail'>FAIL") + "</td><td></td><td></td>";
+  tr.children[1].textContent = c.name; tr.children[2].textContent = c.detail;
+  cb.appendChild(tr);
+});
+document.body.setAttribute("data-rendered", lanes.length);
+</script></body></html>
+"""
+
+
+def find_browser() -> str | None:
+    for name in BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def render_html(report: dict[str, Any]) -> str:
+    data = json.dumps(report, default=str).replace("</", "<\\/")
+    return _PAGE.replace("__TITLE__", str(report["scenario"])).replace("__DATA__", data)
+
+
+def screenshot(html_path: Path, png_path: Path, *, width: int = 1200, height: int = 900,
+               timeout_s: float = 60) -> bool:
+    browser = find_browser()
+    if browser is None:
+        return False
+    with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
+        out = subprocess.run([browser, *HEADLESS_FLAGS, f"--user-data-dir={profile}",
+                              f"--screenshot={png_path}", f"--window-size={width},{height}",
+                              html_path.resolve().as_uri()], capture_output=True, timeout=timeout_s)
+    return out.returncode == 0 and png_path.exists()
+
+
+def dump_dom(html_path: Path, *, timeout_s: float = 60) -> str:
+    """The page's DOM after its script ran, as headless Chromium sees it."""
+    browser = find_browser()
+    if browser is None:
+        raise FileNotFoundError(f"no headless browser found (tried {', '.join(BROWSERS)})")
+    with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
+        out = subprocess.run([browser, *HEADLESS_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
+                              html_path.resolve().as_uri()], capture_output=True, text=True, timeout=timeout_s)
+    return out.stdout
+
+
+def write_report(out_dir: Path, report: dict[str, Any]) -> None:
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    html = out_dir / "report.html"
+    html.write_text(render_html(report))
+    screenshot(html, out_dir / "report.png")

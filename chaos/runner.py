@@ -1,0 +1,254 @@
+"""``ftrain chaos run SCENARIO.toml [--seed N]``: boot the local stack and K agents, run (or
+reuse) a fault-free golden run, run the job under the scenario's faults, check the invariants,
+and write the report. Exit code 0 only if every invariant holds; the failing ones are named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos import invariants
+from chaos.cluster import FAST_AGENT_OPTIONS, REPO, Cluster, WaitTimeout, quiet_env, wait_for
+from chaos.faults import Context, FaultError, FaultSpec, inject
+from chaos.report import write_report
+from chaos.s3proxy import S3FaultProxy
+from chaos.scenario import Scenario, ScenarioError, load_scenario
+from checkpoint.catalog import list_steps
+from checkpoint.storage import Storage
+from ftrain.config import load_config
+from ftrain.events import EventLog
+from ftrain.local_cli import LocalStack
+
+log = logging.getLogger(__name__)
+
+JOB = "chaos"
+
+
+@dataclass(slots=True)
+class RunResult:
+    ok: bool
+    checks: list[invariants.Check]
+    report: dict[str, Any]
+    out_dir: Path
+
+    @property
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if not c.ok]
+
+
+def worker_overrides(scenario: Scenario) -> list[str]:
+    job = scenario.job
+    return [f"--train.steps={job.steps}", f"--parallel.deterministic={'true' if job.deterministic else 'false'}",
+            *job.overrides]
+
+
+def golden_run(scenario: Scenario, cache_dir: Path) -> Path:
+    """The fault-free run's final state, computed once per (config, overrides) and reused."""
+    overrides = worker_overrides(scenario)
+    cfg = load_config(scenario.config_path, overrides)
+    key = hashlib.sha256(f"{cfg.digest()}|{scenario.job.steps}".encode()).hexdigest()[:16]
+    final = cache_dir / f"golden-{key}" / "final.pt"
+    if final.exists():
+        log.info("golden run %s reused", final)
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    print(f"chaos: golden run ({scenario.job.steps} steps, one process) -> {final}", flush=True)
+    partial = final.with_suffix(".partial")
+    cmd = [sys.executable, "-m", "ftrain", "train", str(scenario.config_path), *overrides, "--checkpoint.uri=",
+           f"--train.save_final_path={partial}", "--logging.progress=off"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
+                         env=quiet_env(FTRAIN_LOG_LEVEL="WARNING"))
+    if out.returncode != 0:
+        raise RuntimeError(f"golden run failed (exit {out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    partial.rename(final)
+    return final
+
+
+class _CommitWatcher(threading.Thread):
+    """Records each committed step's manifest time as it appears on storage (independent of
+    what the workers say), so the invariants can tell whether a loaded step had been committed."""
+
+    def __init__(self, storage: Storage, interval_s: float = 0.25):
+        super().__init__(name="chaos-commit-watcher", daemon=True)
+        self.storage, self.interval_s = storage, interval_s
+        self.commits: dict[int, float] = {}
+        self.closing = threading.Event()
+
+    def run(self) -> None:
+        while not self.closing.wait(self.interval_s):
+            try:
+                steps = list_steps(self.storage)
+            except Exception:  # noqa: BLE001 - storage outages are part of the scenario
+                continue
+            for info in steps:
+                if info.manifest is not None and info.step not in self.commits:
+                    self.commits[info.step] = info.manifest.created_time
+
+
+class _Campaign(threading.Thread):
+    """Fires the scenario's faults in order, then the seeded random ones, until the job ends."""
+
+    def __init__(self, ctx: Context, scenario: Scenario, rng: random.Random):
+        super().__init__(name="chaos-faults", daemon=True)
+        self.ctx, self.scenario, self.rng = ctx, scenario, rng
+        self.records: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for spec in self.scenario.faults:
+                self._fire(spec)
+            for delay_s, spec in self.scenario.random_faults(self.rng):
+                deadline = time.monotonic() + delay_s
+                while time.monotonic() < deadline and not self.ctx.stop():
+                    time.sleep(0.05)
+                self._fire(spec)
+        finally:
+            self.done.set()
+
+    def _fire(self, spec: FaultSpec) -> None:
+        if self.ctx.stop():
+            return
+        try:
+            record = inject(self.ctx, spec)
+        except (FaultError, WaitTimeout) as e:
+            if not self.ctx.stop():
+                self.errors.append(f"{spec.kind}: {e}")
+            return
+        if record is not None:
+            self.records.append(record)
+
+
+def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Path) -> RunResult:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    golden = golden_run(scenario, cache_dir)
+    job = scenario.job
+    cfg = load_config(scenario.config_path, worker_overrides(scenario))
+    ledger_dir, final_path = out_dir / "ledger", out_dir / "final.pt"
+    with LocalStack(out_dir / "stack") as stack, S3FaultProxy(stack.s3.endpoint_url, seed=seed) as proxy:
+        ckpt_uri = stack.s3.url(JOB)
+        env = {**stack.s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url}
+        cluster = Cluster(out_dir, stack.etcd_url, scenario.config_path, job=JOB, ckpt_uri=ckpt_uri,
+                          ckpt_interval=job.checkpoint_interval, step_sleep_s=job.step_sleep_s,
+                          overrides=[*worker_overrides(scenario), f"--data.ledger_dir={ledger_dir}",
+                                     f"--train.save_final_path={final_path}"],
+                          env=env, agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options])
+        events = EventLog(str(cluster.events_path), rank=-2)
+        started_at = time.time()
+        finished = threading.Event()
+        ctx = Context(cluster=cluster, etcd=stack.etcd, s3=stack.s3, proxy=proxy,
+                      storage=Storage(ckpt_uri, stack.s3.storage_options()), rng=rng, events=events,
+                      started_at=started_at, stop=finished.is_set)
+        campaign = _Campaign(ctx, scenario, rng)
+        watcher = _CommitWatcher(Storage(ckpt_uri, stack.s3.storage_options(retry_timeout_s=1.0, max_attempts=1)))
+        watcher.start()
+        timed_out = False
+        try:
+            for i in range(job.nodes):
+                cluster.start(f"n{i}", nnodes=job.nnodes, nproc=job.nproc_per_node)
+            campaign.start()
+            print(f"chaos: {scenario.name} (seed {seed}): {job.nodes} node(s) x {job.nproc_per_node} worker(s), "
+                  f"{job.steps} steps; output in {out_dir}", flush=True)
+            try:
+                wait_for(lambda: cluster.events("job_final") and not cluster.live_nodes(), job.timeout_s,
+                         "the job to finish", poll_s=0.2)
+            except WaitTimeout:
+                timed_out = True
+            finished.set()
+            campaign.done.wait(timeout=120)
+        finally:
+            finished.set()
+            watcher.closing.set()
+            cluster.close()
+            events.close()
+        killed = {r.get("pid") for r in campaign.records if r["kind"] == "agent_kill"}
+        exit_codes = {n: p.returncode for n, p in cluster.agents.items() if p.pid not in killed}
+        all_events = cluster.events()
+        metrics = cluster.metrics()
+        storage = Storage(ckpt_uri, stack.s3.storage_options())
+        checks = [
+            invariants.job_finished(all_events, metrics, job.steps, exit_codes),
+            invariants.final_state_matches(golden, final_path, job.tolerance if not job.deterministic else 0.0),
+            invariants.committed_checkpoints_verify(storage, all_events),
+            invariants.loads_were_committed(all_events, watcher.commits),
+            invariants.exactly_once(ledger_dir, cfg, job.steps),
+            invariants.faults_handled(all_events),
+        ]
+        if timed_out:
+            checks.insert(0, invariants.Check("finished_in_time", False, f"still running after {job.timeout_s:.0f}s"))
+        if campaign.errors:
+            checks.append(invariants.Check("faults_injected", False, "; ".join(campaign.errors)))
+    timings = invariants.fault_timings(all_events, metrics)
+    report = {
+        "scenario": scenario.name, "seed": seed, "steps": job.steps, "nodes": job.nodes,
+        "nproc_per_node": job.nproc_per_node, "started_at": started_at,
+        "ok": all(c.ok for c in checks), "checks": [c.as_dict() for c in checks],
+        "faults": timings, "goodput": invariants.goodput(all_events, metrics, started_at),
+        "proxy": {"requests": proxy.requests, "injected": proxy.injected},
+        "events": all_events, "metrics": [{k: m[k] for k in ("step", "time", "loss", "world_size")} for m in metrics],
+    }
+    write_report(out_dir, report)
+    return RunResult(report["ok"], checks, report, out_dir)
+
+
+def print_summary(result: RunResult) -> None:
+    r = result.report
+    print(f"\n== chaos: {r['scenario']} (seed {r['seed']}) ==")
+    for c in result.checks:
+        print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    print(f"  faults: {len(r['faults'])}; goodput {r['goodput']['goodput']:.1%} "
+          f"({r['goodput']['productive_s']:.0f} s productive of {r['goodput']['wall_s']:.0f} s)")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for f in r["faults"]:
+        by_kind.setdefault(f["kind"], []).append(f)
+    for kind, fs in sorted(by_kind.items()):
+        det = sorted(f["detection_s"] for f in fs if f["detection_s"] is not None)
+        rec = sorted(f["recovery_s"] for f in fs if f["recovery_s"] is not None)
+        lost = [f["lost_steps"] for f in fs if f["lost_steps"] is not None]
+        median = lambda xs: xs[len(xs) // 2] if xs else None  # noqa: E731
+        print(f"    {kind:<17} x{len(fs):<3} detection median {_s(median(det))}  recovery median {_s(median(rec))} "
+              f"max {_s(rec[-1] if rec else None)}  lost steps {sum(lost)}")
+    print(f"  report: {result.out_dir / 'report.html'}")
+    print("chaos: OK" if result.ok else f"chaos: FAILED ({', '.join(result.failed)})")
+
+
+def _s(x: float | None) -> str:
+    return f"{x:.1f}s" if x is not None else "-"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chaos", help="fault-injection scenarios that prove nothing was lost")
+    chaos = p.add_subparsers(dest="chaos_command", required=True)
+    r = chaos.add_parser("run", help="run a scenario and check its invariants")
+    r.add_argument("scenario", help="scenario TOML file (see chaos/scenarios/)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default=None, help="output directory (default: runs/chaos/<name>-<seed>-<time>)")
+    r.add_argument("--cache-dir", default=os.environ.get("FTRAIN_CHAOS_CACHE", str(REPO / "runs" / "chaos-cache")),
+                   help="where golden runs are kept (keyed by config hash)")
+    r.set_defaults(func=_run_main)
+
+
+def _run_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioError as e:
+        print(f"ftrain chaos: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else REPO / "runs" / "chaos" / (
+        f"{scenario.name}-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = run_scenario(scenario, args.seed, out, cache_dir=Path(args.cache_dir))
+    print_summary(result)
+    return 0 if result.ok else 1

@@ -1,0 +1,126 @@
+"""Chaos scenarios as TOML.
+
+```toml
+[job]
+nodes = 2                  # agents ("nodes") started at the beginning
+nproc_per_node = 1
+nnodes = "1:2"             # MIN:MAX of every agent
+config = "tiny.toml"       # training config, relative to this file
+steps = 150
+checkpoint_interval = 10
+step_sleep_s = 0.02        # slows each step so that faults land mid-run
+deterministic = true       # bitwise equality with the golden run even across world sizes
+tolerance = 0.0            # max |param - golden| allowed when deterministic = false
+timeout_s = 300
+overrides = []             # more --section.key=value for the workers
+agent_options = []         # more options for every agent
+
+[[faults]]                 # fired in order
+kind = "worker_kill"
+at_step = 30
+
+[random]                   # a seeded random campaign after the listed faults
+count = 100                # faults (0: none)
+kinds = ["worker_kill", "etcd_pause"]
+interval_s = [4.0, 10.0]   # uniform wait between faults
+```
+"""
+
+from __future__ import annotations
+
+import random
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos.faults import KINDS, FaultSpec
+
+
+class ScenarioError(ValueError):
+    """The scenario file is wrong; the message names the key and the file."""
+
+
+@dataclass(slots=True)
+class JobSpec:
+    nodes: int = 2
+    nproc_per_node: int = 1
+    nnodes: str = "1:2"
+    config: str = "tiny.toml"
+    steps: int = 150
+    checkpoint_interval: int = 10
+    step_sleep_s: float = 0.02
+    deterministic: bool = True
+    tolerance: float = 0.0
+    timeout_s: float = 300.0
+    overrides: list[str] = field(default_factory=list)
+    agent_options: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RandomSpec:
+    count: int = 0
+    kinds: list[str] = field(default_factory=lambda: ["worker_kill"])
+    interval_s: tuple[float, float] = (4.0, 10.0)
+    fault_params: dict[str, dict[str, Any]] = field(default_factory=dict)  #: kind -> params
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str
+    path: Path
+    job: JobSpec
+    faults: list[FaultSpec]
+    random: RandomSpec
+
+    @property
+    def config_path(self) -> Path:
+        return (self.path.parent / self.job.config).resolve()
+
+    def random_faults(self, rng: random.Random) -> list[tuple[float, FaultSpec]]:
+        """(delay after the previous fault, spec) for the seeded random campaign."""
+        lo, hi = self.random.interval_s
+        return [(rng.uniform(lo, hi), FaultSpec(kind, params=dict(self.random.fault_params.get(kind, {}))))
+                for kind in (rng.choice(self.random.kinds) for _ in range(self.random.count))]
+
+
+def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+    names = set(cls.__dataclass_fields__)
+    for key in table:
+        if key not in names:
+            raise ScenarioError(f"{where}.{key}: unknown key (known: {', '.join(sorted(names))})")
+    try:
+        return cls(**table)
+    except TypeError as e:
+        raise ScenarioError(f"{where}: {e}") from None
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"scenario file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{path}: invalid TOML: {e}") from None
+    unknown = set(data) - {"job", "faults", "random", "name"}
+    if unknown:
+        raise ScenarioError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
+    job = _build(JobSpec, data.get("job", {}), f"{path}: job")
+    rand = dict(data.get("random", {}))
+    if "interval_s" in rand:
+        rand["interval_s"] = tuple(rand["interval_s"])
+    random_spec = _build(RandomSpec, rand, f"{path}: random")
+    for kind in random_spec.kinds:
+        if kind not in KINDS:
+            raise ScenarioError(f"{path}: random.kinds: unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
+    faults = []
+    for i, table in enumerate(data.get("faults", [])):
+        try:
+            faults.append(FaultSpec.from_dict(table))
+        except (ValueError, TypeError) as e:
+            raise ScenarioError(f"{path}: faults[{i}]: {e}") from None
+    scenario = Scenario(data.get("name", path.stem), path, job, faults, random_spec)
+    if not scenario.config_path.exists():
+        raise ScenarioError(f"{path}: job.config: {scenario.config_path} does not exist")
+    return scenario
