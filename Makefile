@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ftrain-installed
 # One intra-op thread per rank: ranks do not fight over cores, and runs are bitwise reproducible.
 RUN_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo test test-unit test-distributed bench plan docs clean
+.PHONY: setup demo test test-unit test-distributed chaos soak bench plan docs clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ test-unit: setup
 
 test-distributed: setup
 	$(RUN_ENV) $(PY) -m pytest -q tests/distributed
+
+chaos: setup
+	$(RUN_ENV) $(PY) -m pytest -q -s tests/chaos
+
+# A long seeded random campaign (about 30 minutes, >= 100 faults); SEED=N to vary it.
+SEED ?= 1
+soak: setup
+	$(RUN_ENV) $(PY) -m ftrain chaos run chaos/scenarios/soak.toml --seed $(SEED)
 
 bench: setup
 	$(RUN_ENV) $(PY) bench/strategies.py

@@ -19,7 +19,7 @@ from ftrain.metrics import read_jsonl
 REPO = Path(__file__).resolve().parent.parent
 
 #: Fast failure detection for runs on one machine (production defaults are in ftrain/config.py).
-FAST_AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "5", "--start-timeout-s", "120",
+FAST_AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "5", "--start-timeout-s", "60",
                       "--backoff-initial-s", "0.2")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
 import random
 import subprocess
 import sys
@@ -229,19 +228,7 @@ def _s(x: float | None) -> str:
     return f"{x:.1f}s" if x is not None else "-"
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chaos", help="fault-injection scenarios that prove nothing was lost")
-    chaos = p.add_subparsers(dest="chaos_command", required=True)
-    r = chaos.add_parser("run", help="run a scenario and check its invariants")
-    r.add_argument("scenario", help="scenario TOML file (see chaos/scenarios/)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--out", default=None, help="output directory (default: runs/chaos/<name>-<seed>-<time>)")
-    r.add_argument("--cache-dir", default=os.environ.get("FTRAIN_CHAOS_CACHE", str(REPO / "runs" / "chaos-cache")),
-                   help="where golden runs are kept (keyed by config hash)")
-    r.set_defaults(func=_run_main)
-
-
-def _run_main(args: argparse.Namespace, overrides: list[str]) -> int:
+def run_main(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
     except ScenarioError as e:

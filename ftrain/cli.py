@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_agent_parsers(sub)
     add_local_parsers(sub)
 
-    from chaos.runner import add_parsers as add_chaos_parsers
+    from chaos.cli import add_parsers as add_chaos_parsers
 
     add_chaos_parsers(sub)
 

@@ -137,9 +137,10 @@ class Trainer:
             loss = self._step()
             done = self.cursor.step
             if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
-                self._beat(done, "saving")
-                self.ckpt.save(done)
-                self._beat(done, "training")  # async modes: only staging blocked the loop
+                blocking = cfg.checkpoint.async_mode == "off"
+                if blocking:  # a whole save may take longer than the hang timeout
+                    self._beat(done, "saving")
+                self.ckpt.save(done)  # async modes block only for staging: the step's timeout applies
             maybe_crash(done, self.rank)
             maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:

@@ -17,7 +17,6 @@ import urllib.request
 
 import pytest
 
-from agents.etcd import EtcdClient
 from agents.records import JobKeys
 from checkpoint.errors import StaleRoundError
 from ftrain.fence import EtcdRoundFence
