@@ -33,18 +33,22 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def children_of(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(p) for p in fh.read().split()]
-    except OSError:
-        return []
-
-
 def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, found through each process's parent in /proc (robust to
+    children started from any thread, and to processes that moved to their own session)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
     found, todo = [], [pid]
     while todo:
-        for child in children_of(todo.pop()):
+        for child in children.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
     return found

@@ -174,7 +174,7 @@ def _agent_kill(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     if restart_after_s is not None:
         time.sleep(float(restart_after_s))  # the host stays away this long (the fault's duration)
         ctx.cluster.restart(node)
-        ctx.emit("node_back", node=node)
+        ctx.events.emit("chaos_node_back", node=node)  # part of this fault, not a new one
     return record
 
 

@@ -73,7 +73,11 @@ class S3FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self._server = ThreadingHTTPServer((host, 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: object, client_address: object) -> None:
+                log.debug("s3 proxy: connection from %s ended badly", client_address, exc_info=True)
+
+        self._server = Server((host, 0), Handler)
         self._server.daemon_threads = True
         self.endpoint_url = f"http://{host}:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-fault-proxy", daemon=True)

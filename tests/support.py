@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from agents.workers import descendants  # noqa: F401  (re-exported for the benches)
+from chaos.cluster import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,37 +50,6 @@ def worker_env(**extra: str) -> dict[str, str]:
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra)
     return env
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun puts its workers in their own sessions, so
-    killing its process group is not enough)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process and all its descendants, and reap it."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,

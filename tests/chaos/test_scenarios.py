@@ -31,6 +31,6 @@ def test_scenario_keeps_every_invariant(name, tmp_path, golden_cache):
         "job_finished", "final_state_matches_golden", "committed_checkpoints_verify",
         "loads_were_committed_and_intact", "samples_consumed_exactly_once", "faults_handled"}
     kinds = [f["kind"] for f in result.report["faults"]]
-    assert sorted(set(kinds) - {"node_back"}) == sorted({f.kind for f in scenario.faults})
+    assert sorted(set(kinds)) == sorted({f.kind for f in scenario.faults})
     restarts = [f for f in result.report["faults"] if f["new_round"] is not None]
     assert all(f["recovery_s"] is not None and f["detection_s"] is not None for f in restarts), restarts
