@@ -194,11 +194,14 @@ class Agent:
         if state.final is not None:
             self._finish(state)
             return
-        if self._registered():
-            self._lead(state)
-            self._follow(state)
-        self._flush_reports()
-        self._publish_status(state)
+        try:
+            if self._registered():
+                self._lead(state)
+                self._follow(state)
+            self._flush_reports()
+            self._publish_status(state)
+        except EtcdUnavailableError as e:  # etcd went away mid-tick: the next tick re-reads
+            log.warning("etcd request failed, retrying next tick: %s", e)
         self.metrics.tick()
 
     def _registered(self) -> bool:

@@ -146,7 +146,8 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if cur is not None:
         reports = state.member_reports(cur.round)
         if len(reports) == len(cur.members) and all(r.outcome == SUCCEEDED for r in reports.values()):
-            return Finish(FinalStatus(SUCCEEDED, "every node finished training", cur.round, now))
+            return Finish(FinalStatus(SUCCEEDED, "every node finished training", cur.round, now,
+                                      committed_step(state, cur.members)))
     need = _need(state, policy, memory, now)
     if need is None:
         return Wait("round healthy")
@@ -159,7 +160,8 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
             return Finish(FinalStatus(
                 FAILED, f"restart budget exhausted: {len(failure_times)} failures within "
                 f"{policy.restart_window_s:.0f}s (max_restarts={policy.max_restarts}); last: {need.reason} "
-                f"({need.detail})", cur.round if cur else 0, now))
+                f"({need.detail})", cur.round if cur else 0, now,
+                committed_step(state, cur.members) if cur else -1))
         ready_at = failure_time + policy.backoff_s(len(failure_times))
         if now < ready_at:
             return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}")

@@ -171,6 +171,7 @@ class FinalStatus:
     reason: str
     round: int
     time: float
+    committed_step: int = -1  #: newest committed checkpoint the members reported
 
     def to_json(self) -> str:
         return _dumps(self)

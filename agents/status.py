@@ -35,7 +35,8 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
             "status_age_s": round(now - status.updated_at, 1) if status else None,
             "restarts_seen": status.restarts if status else 0,
         })
-    committed = max((s.committed_step for s in state.status.values()), default=-1)
+    committed = max((s.committed_step for s in state.status.values()),
+                    default=state.final.committed_step if state.final else -1)
     return {
         "job": job,
         "revision": state.revision,
@@ -48,7 +49,8 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
         "restarts": sum(cur.restarts_by_cause.values()) if cur else 0,
         "last_committed_step": committed if committed >= 0 else None,
         "final": None if state.final is None else {"status": state.final.status, "reason": state.final.reason,
-                                                   "round": state.final.round, "time": state.final.time},
+                                                   "round": state.final.round, "time": state.final.time,
+                                                   "committed_step": state.final.committed_step},
         "nodes": nodes,
     }
 

@@ -201,37 +201,29 @@ def _worker_slow(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     return record
 
 
-def _etcd_pause(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
-    duration_s = float(spec.params.get("duration_s", 4.0))
-    ctx.etcd.pause()
-    record = ctx.emit("etcd_pause", duration_s=duration_s, step=ctx.cluster.step())
+def _outage(ctx: Context, spec: FaultSpec, default_s: float, begin: Callable[[], None],
+            end: Callable[[], None]) -> dict[str, Any]:
+    """A server is unavailable for ``duration_s`` (the fault's own length), then back."""
+    duration_s = float(spec.params.get("duration_s", default_s))
+    begin()
+    record = ctx.emit(spec.kind, duration_s=duration_s, step=ctx.cluster.step())
     try:
-        time.sleep(duration_s)  # the outage lasts this long
+        time.sleep(duration_s)
     finally:
-        ctx.etcd.resume()
+        end()
     return record
+
+
+def _etcd_pause(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
+    return _outage(ctx, spec, 4.0, ctx.etcd.pause, ctx.etcd.resume)
 
 
 def _etcd_restart(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
-    down_s = float(spec.params.get("duration_s", 3.0))
-    ctx.etcd.stop()
-    record = ctx.emit("etcd_restart", duration_s=down_s, step=ctx.cluster.step())
-    try:
-        time.sleep(down_s)
-    finally:
-        ctx.etcd.restart(timeout_s=30)
-    return record
+    return _outage(ctx, spec, 3.0, ctx.etcd.stop, lambda: ctx.etcd.restart(timeout_s=30))
 
 
 def _s3_outage(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
-    down_s = float(spec.params.get("duration_s", 4.0))
-    ctx.s3.stop()
-    record = ctx.emit("s3_outage", duration_s=down_s, step=ctx.cluster.step())
-    try:
-        time.sleep(down_s)
-    finally:
-        ctx.s3.restart(timeout_s=60)
-    return record
+    return _outage(ctx, spec, 4.0, ctx.s3.stop, lambda: ctx.s3.restart(timeout_s=60))
 
 
 def _s3_faults(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
