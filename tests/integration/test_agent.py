@@ -52,35 +52,20 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_worker_kill_restarts_from_the_last_checkpoint(job):
-    job.start("a")
+def test_worker_kill_restarts_from_the_last_checkpoint_and_the_metrics_show_it(job):
+    job.start("a", "--metrics-port", "0")
     job.start("b")
-    job.wait_step(50)
-    committed = job.committed_steps()
-    victim = job.worker_pids("b")[0]
-    os.kill(victim, signal.SIGKILL)
-
-    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
-    rounds = _rounds(job)
-    assert [r["reason"] for r in rounds] == ["start", "worker_exit"]
-    resumed = job.events("resumed", round=2)
-    assert len(resumed) == 2 and len({e["step"] for e in resumed}) == 1
-    assert resumed[0]["step"] >= max(committed), "resumed from an older step than the last committed one"
-    assert resumed[0]["step"] in job.committed_steps()
-    assert job.step() == 120
-    assert job.events("job_final")[0]["status"] == "succeeded"
-
-
-def test_metrics_show_round_and_restart_counters_moving(job):
-    job.start("a", "--metrics-port", "0", nnodes="1:1")
     port = job.wait_event("agent_metrics", node="a")["port"]
-    job.wait_step(30)
+    job.wait_step(50)
+    wait_for(lambda: (_metric(_scrape(port), "ftrain_step") or 0) >= 50, 10, "step 50 in the metrics")
     text = _scrape(port)
     assert _metric(text, "ftrain_round") == 1
     assert _metric(text, "ftrain_restarts_total", cause="worker_exit") in (None, 0.0)
-    wait_for(lambda: (_metric(_scrape(port), "ftrain_step") or 0) >= 30, 10, "step 30 in the metrics")
-    os.kill(job.worker_pids("a")[0], signal.SIGKILL)
-    job.wait_event("resumed", round=2)
+    committed = job.committed_steps()
+    os.kill(job.worker_pids("b")[0], signal.SIGKILL)
+
+    resumed = [job.wait_event("resumed", round=2, rank=r) for r in (0, 1)]
+
     def round_2_scraped() -> str | None:
         text = _scrape(port)
         return text if _metric(text, "ftrain_round") == 2 else None
@@ -88,7 +73,13 @@ def test_metrics_show_round_and_restart_counters_moving(job):
     text = wait_for(round_2_scraped, 30, "round 2 in the metrics")
     assert _metric(text, "ftrain_restarts_total", cause="worker_exit") == 1.0
     assert _metric(text, "ftrain_productive_seconds") > 0
-    assert job.wait_exit("a") == 0
+    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+    assert [r["reason"] for r in _rounds(job)] == ["start", "worker_exit"]
+    assert len({e["step"] for e in resumed}) == 1
+    assert resumed[0]["step"] >= max(committed), "resumed from an older step than the last committed one"
+    assert resumed[0]["step"] in job.committed_steps()
+    assert job.step() == 120
+    assert job.events("job_final")[0]["status"] == "succeeded"
 
 
 def test_node_loss_shrinks_the_job_within_ttl_plus_settle_and_reshards(job):
