@@ -33,9 +33,10 @@ the last participant reached it:
   starts a new torchrun; torchrun: its "Starting worker group" line, its launcher lives on).
 - launcher: ftrain and the floor only: torchrun's own start (interpreter, torch import, static
   rendezvous) -> its "Starting worker group" line.
-- worker start: -> every worker emitted ``worker_started`` (interpreter, imports, process group,
-  model; the event comes right before the checkpoint load begins).
-- checkpoint load: -> every worker emitted ``resumed``.
+- worker start: -> every worker began its checkpoint load (``resume_started``; interpreter,
+  imports, process group, model). Workers that predate that event: ``worker_started``, which
+  they emit right before the load (``load_start_by`` in the JSON says which).
+- checkpoint load: -> every worker emitted ``resumed`` (agree on the step, verify, DCP read).
 - first step: -> rank 0's first metrics line with a step past the resumed one.
 
 Events and metrics carry their own wall-clock times; torchrun's log lines (``LOGLEVEL=INFO``) carry
@@ -226,6 +227,7 @@ class Marks:
     detected_by: str = ""
     resumed_step: int = -1
     world_size: int = 0
+    load_start_by: str = ""  #: the event that marked the load's start (resume_started or worker_started)
 
     def phases(self) -> dict[str, float | None]:
         """Seconds per phase (see PHASES); a missing mark folds its phase into the next one."""
@@ -258,21 +260,30 @@ def first_step_after(since: float, events: list[dict[str, Any]],
 
 
 def _generation(since: float, resumed0: dict[str, Any], step_line: dict[str, Any],
-                events: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None]:
-    """(first and last ``worker_started``, last ``resumed``) over the ranks of the generation that
-    resumed: same round and world size as rank 0's resume, after ``since``; per rank the latest."""
-    def last_per_rank(name: str, until: float) -> dict[int, float]:
-        last: dict[int, float] = {}
-        for e in events:
+                events: list[dict[str, Any]]) -> tuple[float | None, float | None, str, float | None]:
+    """Over the ranks of the generation that resumed (same round and world size as rank 0's
+    resume, after ``since``; per rank its latest worker): (first ``worker_started``, last load
+    start, the event that gave it, last ``resumed``). The load start is ``resume_started``, or
+    ``worker_started`` (emitted just before the load) where workers predate that event."""
+    def latest_per_rank(name: str, until: float) -> dict[int, dict[str, Any]]:
+        last: dict[int, dict[str, Any]] = {}
+        for e in sorted(events, key=lambda e: e["time"]):
             if (e.get("event") == name and e.get("round") == resumed0.get("round") and since < e["time"] <= until
                     and e.get("world_size") == resumed0["world_size"]):
-                last[e["rank"]] = max(last.get(e["rank"], 0.0), e["time"])
+                last[e["rank"]] = e
         return last
 
-    started = last_per_rank("worker_started", resumed0["time"])
-    resumed = last_per_rank("resumed", step_line["time"])
-    return (min(started.values(), default=None), max(started.values(), default=None),
-            max(resumed.values(), default=None))
+    started = latest_per_rank("worker_started", resumed0["time"])
+    resumed = latest_per_rank("resumed", step_line["time"])
+    pids = {e["pid"] for e in started.values()}
+    load_starts = [e["time"] for e in events if e.get("event") == "resume_started" and e.get("pid") in pids
+                   and since < e["time"] <= step_line["time"]]
+    if load_starts:
+        load_start, load_start_by = max(load_starts), "resume_started"
+    else:
+        load_start, load_start_by = max((e["time"] for e in started.values()), default=None), "worker_started"
+    return (min((e["time"] for e in started.values()), default=None), load_start, load_start_by,
+            max((e["time"] for e in resumed.values()), default=None))
 
 
 def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
@@ -287,7 +298,7 @@ def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dic
     if found is None:
         return None
     resumed0, line = found
-    first_start, started, resumed = _generation(fault, resumed0, line, events)
+    first_start, started, load_start_by, resumed = _generation(fault, resumed0, line, events)
     detected, detected_by, launched = None, "", launched_at
     if agents:
         reactions = sorted((e for e in events if e.get("rank") == -1 and e.get("event") in AGENT_REACTIONS
@@ -307,7 +318,7 @@ def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dic
     if not agents and launched_at is None:
         launched = spawned  # torchrun's launcher lives on: its rendezvous ends where it spawns workers
     return Marks(fault, detected, launched, spawned, started, resumed, line["time"], detected_by, resumed0["step"],
-                 resumed0["world_size"])
+                 resumed0["world_size"], load_start_by)
 
 
 # -- running one scenario -----------------------------------------------------------------------
@@ -431,8 +442,9 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                     raise ScenarioError(f"worker {rank1} (rank 1) runs under neither agent")
                 leaders = [e["node"] for e in job.events.poll() if e.get("event") == "leader_elected"]
                 fault_t, what = inject(job, fault, node)
-                out.notes.append(what + (f" (node {node.name} is the leader)" if fault == "node_loss"
-                                         and leaders and leaders[-1] == node.name else ""))
+                if fault == "node_loss":
+                    what += " (the leader)" if leaders and leaders[-1] == node.name else " (not the leader)"
+                out.notes.append(what)
                 job.wait_recovered(fault_t)
                 round_logs = read_glog_lines(workdir.glob("run-n*/round-*.log"))
                 out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
@@ -513,7 +525,7 @@ def aggregate(outcomes: list[Outcome]) -> dict[str, Any]:
     good = [o.marks for o in outcomes if o.marks is not None]
     result: dict[str, Any] = {"runs": len(outcomes), "recovered": len(good),
                               "errors": [o.error for o in outcomes if o.error],
-                              "notes": sorted({n for o in outcomes for n in o.notes})}
+                              "notes": [n for o in outcomes for n in o.notes]}
     if not good:
         result["total_s"] = None
         return result
@@ -523,6 +535,7 @@ def aggregate(outcomes: list[Outcome]) -> dict[str, Any]:
         result[f"{name}_s"] = round(statistics.median(values), 3) if values else None
     result["detected_by"] = sorted({m.detected_by for m in good if m.detected_by})
     result["world_size_after"] = sorted({m.world_size for m in good})
+    result["load_start_by"] = sorted({m.load_start_by for m in good})
     result["samples"] = [{"fault_time": round(m.fault, 3), "total_s": m.total_s, **m.phases()} for m in good]
     return result
 
@@ -627,13 +640,16 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results, floor, args.cap_s))
     for fault in faults:
         for system in systems:
-            for note in results[fault][system]["notes"]:
-                print(f"  {fault}/{system}: {note}")
+            notes = results[fault][system]["notes"]
+            if notes:
+                more = f" (+{len(notes) - 1} more in the JSON)" if len(notes) > 1 else ""
+                print(f"  {fault}/{system}: {notes[0]}{more}")
     load_end = os.getloadavg()[0]
     print(f"load average (1 min): {load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores")
-    print(f"torchrun has no hang detection: its hang row is bounded by the gloo collective timeout "
-          f"parallel.timeout_s={args.collective_timeout_s:g} (ftrain's default is 120) plus torchrun's 30 s SIGTERM "
-          "grace for a stopped worker, if it shows; ftrain detects by heartbeat (--hang-timeout-s 4).")
+    print(f"hang: torchrun has no hang detection; its detect column is the gloo collective timeout "
+          f"(parallel.timeout_s={args.collective_timeout_s:g} here, ftrain's default is 120) and its rendezvous column "
+          "includes the 30 s torchrun waits after SIGTERM before it SIGKILLs the stopped worker; ftrain detects "
+          "by heartbeat (--hang-timeout-s 4).")
 
     def total(fault: str, system: str) -> float | None:
         return results.get(fault, {}).get(system, {}).get("total_s")

@@ -114,11 +114,16 @@ def _pick_node(ctx: Context, spec: FaultSpec) -> str:
 
 
 def _pick_worker(ctx: Context, spec: FaultSpec) -> tuple[str, int]:
-    node = _pick_node(ctx, spec)
-    pids = [p for p in ctx.cluster.worker_pids(node, _current_round(ctx)) if not process_gone(p)]
-    if not pids:
-        raise FaultError(f"node {node} has no live worker")
-    return node, ctx.rng.choice(sorted(pids))
+    """A live worker of the current round (waiting while a restart is under way)."""
+    def pick() -> tuple[str, int] | None:
+        node = _pick_node(ctx, spec)
+        pids = [p for p in ctx.cluster.worker_pids(node, _current_round(ctx)) if not process_gone(p)]
+        return (node, ctx.rng.choice(sorted(pids))) if pids else None
+
+    try:
+        return wait_for(pick, 120, "a live worker", poll_s=0.1)
+    except WaitTimeout:
+        raise FaultError("no live worker to act on within 120 s") from None
 
 
 def _signal(pid: int, sig: int) -> None:

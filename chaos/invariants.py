@@ -173,8 +173,10 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
         reactions = [e for e in events if e["event"] in DETECTIONS and t0 <= e["time"] < until
                      and e.get("outcome") != "succeeded"]
         detect = min(reactions, key=lambda e: e["time"]) if reactions else None
+        # only faults that stop training own the round that follows them; any other round in the
+        # window belongs to an earlier fault still being recovered from
         new_round = next((e for e in sorted(_of(events, "round_formed"), key=lambda e: e["time"])
-                          if t0 <= e["time"] < until), None)
+                          if t0 <= e["time"] < until), None) if f["kind"] in RESTARTING else None
         recovery_s = lost = resumed_step = None
         if new_round is not None:
             resumed = [e for e in _of(events, "resumed") if e["round"] >= new_round["new_round"] and e.get("rank") == 0]

@@ -109,7 +109,10 @@ class _Campaign(threading.Thread):
         try:
             for spec in self.scenario.faults:
                 self._fire(spec)
+            limit_s = self.scenario.random.duration_s
             for delay_s, spec in self.scenario.random_faults(self.rng):
+                if limit_s and time.time() - self.ctx.started_at > limit_s:
+                    break
                 deadline = time.monotonic() + delay_s
                 while time.monotonic() < deadline and not self.ctx.stop():
                     time.sleep(0.05)

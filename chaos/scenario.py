@@ -23,6 +23,7 @@ at_step = 30
 count = 100                # faults (0: none)
 kinds = ["worker_kill", "etcd_pause"]
 interval_s = [4.0, 10.0]   # uniform wait between faults
+duration_s = 0             # stop the campaign after this long (0: after count faults)
 ```
 """
 
@@ -62,6 +63,7 @@ class RandomSpec:
     count: int = 0
     kinds: list[str] = field(default_factory=lambda: ["worker_kill"])
     interval_s: tuple[float, float] = (4.0, 10.0)
+    duration_s: float = 0.0  #: no new random fault after this many seconds of the run (0: no limit)
     fault_params: dict[str, dict[str, Any]] = field(default_factory=dict)  #: kind -> params
 
 
