@@ -40,7 +40,7 @@ from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
 from agents.metrics import AgentMetrics
 from agents.records import (FAILED, HANG, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys, JobState, Member, NodeRecord,
                             NodeStatus, Report)
-from agents.workers import Launch, WorkerGroup, dump_stacks
+from agents.workers import Launch, WorkerGroup, dump_stacks, process_state
 from ftrain.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 TICK_S = 0.2
 STATUS_INTERVAL_S = 1.0
+CRASH_GRACE_S = 0.3
 
 
 @dataclass(kw_only=True)
@@ -97,6 +98,10 @@ class AgentOptions:
             raise ValueError(f"--scale-up must be checkpoint or immediate, got {self.scale_up!r}")
 
 
+def process_gone(pid: int) -> bool:
+    return process_state(pid) in (None, "Z", "X")
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -132,6 +137,7 @@ class Agent:
         self._register_backoff_s = 0.2
         self._last_status_at = 0.0
         self.committed_step = -1  #: newest committed checkpoint step the workers reported
+        self._gone_since: dict[int, float] = {}  #: worker pid -> when it was first seen gone
         self._hb = HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock"))
         self._watcher: Watcher | None = None
 
@@ -374,6 +380,12 @@ class Agent:
             self.metrics.committed_step.set(self.committed_step)
             self.metrics.heartbeat_age.set(time.monotonic() - min(b.received_at for b in beats.values()))
         rc = workers.poll()
+        crashed = self._crashed_workers(beats)
+        if rc is None and crashed:  # do not wait for torchrun to notice and tear down: seconds
+            log.info("round %d: worker %d (local rank %d) died without saying goodbye", workers.round,
+                     crashed[0].pid, crashed[0].local_rank)
+            rc = workers.kill()
+            rc = 1 if rc in (None, 0) else rc
         if rc is not None:
             self.workers = None
             self.finished_rounds.add(workers.round)
@@ -393,6 +405,14 @@ class Agent:
         hung = self._hung_ranks(workers, beats)
         if hung:
             self._on_hang(workers, hung)
+
+    def _crashed_workers(self, beats: dict) -> list:
+        """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the
+        grace lets the heartbeat thread read a message already on its way)."""
+        now = time.monotonic()
+        gone = {b.pid for b in beats.values() if b.finished is None and process_gone(b.pid)}
+        self._gone_since = {pid: self._gone_since.get(pid, now) for pid in gone}
+        return [b for b in beats.values() if b.pid in gone and now - self._gone_since[b.pid] >= CRASH_GRACE_S]
 
     def _hung_ranks(self, workers: WorkerGroup, beats: dict) -> list[int]:
         now = time.monotonic()

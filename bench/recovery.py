@@ -395,11 +395,11 @@ class Job:
             raise ScenarioError(f"no worker_started event for rank {rank}")
         return started[-1]["pid"]
 
-    def wait_recovered(self, fault: float) -> None:
+    def wait_recovered(self, fault: float, timeout_s: float) -> None:
         def recovered() -> Any:
             return first_step_after(fault, self.events.poll(), self.metrics.poll())
 
-        wait_for("first step after the resume", recovered, self.settings.cap_s, self.any_alive)
+        wait_for("first step after the resume", recovered, timeout_s, self.any_alive)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -445,7 +445,7 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                 if fault == "node_loss":
                     what += " (the leader)" if leaders and leaders[-1] == node.name else " (not the leader)"
                 out.notes.append(what)
-                job.wait_recovered(fault_t)
+                job.wait_recovered(fault_t, settings.cap_s)
                 round_logs = read_glog_lines(workdir.glob("run-n*/round-*.log"))
                 out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
             finally:
@@ -472,7 +472,7 @@ def run_torchrun(fault: str, workdir: Path, settings: Settings, rdzv_conf: str) 
             job.wait_training()
             fault_t, what = inject(job, fault, nodes[1])
             out.notes.append(what)
-            job.wait_recovered(fault_t)
+            job.wait_recovered(fault_t, settings.cap_s)
             out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), job.lines(), agents=False)
         finally:
             job.close()
@@ -494,7 +494,7 @@ def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
                 launch = Launch(round=0, nnodes=2, node_rank=rank, nproc_per_node=1, master_addr="127.0.0.1",
                                 master_port=port, worker_args=tuple(job.train_args()))
                 job.start(f"static{rank}", launch.command())
-            job.wait_recovered(launched_at)
+            job.wait_recovered(launched_at, settings.startup_timeout_s)
             out.marks = recovery_marks(launched_at, job.events.poll(), job.metrics.poll(), job.lines(), agents=False,
                                        launched_at=launched_at)
         finally:
@@ -563,6 +563,9 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], floor: dict[str,
     if floor_total is not None:
         rows.append(["floor", "static torchrun x2", "-", "-", *(_cell(floor[f"{p}_s"]) for p in PHASES[2:]),
                      _cell(floor_total), "1.00x", "2", "fresh start from a checkpoint"])
+    elif floor.get("runs"):
+        rows.append(["floor", "static torchrun x2", *[""] * len(PHASES), "-", "", "",
+                     f"FAILED: {(floor['errors'] or ['?'])[0]}"[:70]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for j, row in enumerate(rows):
