@@ -110,12 +110,22 @@ class _Campaign(threading.Thread):
             for spec in self.scenario.faults:
                 self._fire(spec)
             limit_s = self.scenario.random.duration_s
+            gap = self.scenario.random.min_steps_between
+            high = self.ctx.cluster.step()
             for delay_s, spec in self.scenario.random_faults(self.rng):
-                if limit_s and time.time() - self.ctx.started_at > limit_s:
-                    break
+                if gap:
+                    try:
+                        wait_for(lambda: self.ctx.stop() or self.ctx.cluster.step() >= high + gap, 600,
+                                 f"training to pass step {high + gap}", poll_s=0.1)
+                    except WaitTimeout as e:
+                        self.errors.append(f"no progress between faults: {e}")
+                        return
                 deadline = time.monotonic() + delay_s
                 while time.monotonic() < deadline and not self.ctx.stop():
                     time.sleep(0.05)
+                if limit_s and time.time() - self.ctx.started_at > limit_s:
+                    break
+                high = self.ctx.cluster.step()
                 self._fire(spec)
         finally:
             self.done.set()

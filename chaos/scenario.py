@@ -24,6 +24,7 @@ count = 100                # faults (0: none)
 kinds = ["worker_kill", "etcd_pause"]
 interval_s = [4.0, 10.0]   # uniform wait between faults
 duration_s = 0             # stop the campaign after this long (0: after count faults)
+min_steps_between = 0      # before each fault, training must pass its pre-fault high by this many steps
 ```
 """
 
@@ -64,6 +65,9 @@ class RandomSpec:
     kinds: list[str] = field(default_factory=lambda: ["worker_kill"])
     interval_s: tuple[float, float] = (4.0, 10.0)
     duration_s: float = 0.0  #: no new random fault after this many seconds of the run (0: no limit)
+    #: each random fault waits until training passed the highest step before the previous one by
+    #: this many steps: one recovery completes (recomputation included) before the next fault
+    min_steps_between: int = 0
     fault_params: dict[str, dict[str, Any]] = field(default_factory=dict)  #: kind -> params
 
 
