@@ -49,6 +49,7 @@ EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 TICK_S = 0.2
 STATUS_INTERVAL_S = 1.0
 CRASH_GRACE_S = 0.3
+ROUNDS_KEPT = 8  #: round records (and their reports) kept in etcd behind the current one
 
 
 @dataclass(kw_only=True)
@@ -304,6 +305,9 @@ class Agent:
                  Compare(self.keys.leader, "lease", "==", self.session.lease_id)]
         ops = [Op.put(self.keys.round, str(record.round)), Op.put(self.keys.round_record(record.round),
                                                                   record.to_json())]
+        old = record.round - ROUNDS_KEPT  # the state read stays small however many rounds a job has
+        if old > 0:
+            ops += [Op.delete(self.keys.round_record(old)), Op.delete(self.keys.round_record(old) + "/", prefix=True)]
         if not self.client.txn(guard, ops).succeeded:
             log.info("round %d not formed: the job state moved on (re-reading)", record.round)
             return
