@@ -382,6 +382,7 @@ class Agent:
                 self.metrics.stepped(newest.step, newest.step_time_s)
             self.committed_step = max(self.committed_step, *(b.committed_step for b in beats.values()))
             self.metrics.committed_step.set(self.committed_step)
+            self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))
             self.metrics.heartbeat_age.set(time.monotonic() - min(b.received_at for b in beats.values()))
         rc = workers.poll()
         crashed = self._crashed_workers(beats)

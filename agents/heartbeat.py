@@ -2,7 +2,7 @@
 
 Each worker sends one small JSON datagram per step (``ftrain.heartbeat`` is the sender):
 ``{"kind": "beat", "phase", "round", "rank", "local_rank", "pid", "step", "step_time_s",
-"committed_step", "time"}`` (``phase`` is ``training`` between steps, or ``starting``,
+"committed_step", "ckpt_duration_s", "time"}`` (``phase`` is ``training`` between steps, or ``starting``,
 ``loading``, ``saving`` while a longer pause is expected), and ``{"kind": "exit", "finished": bool, ...}`` just before it
 leaves. Datagrams on a local socket are never torn and a full buffer drops the newest ones, so a
 slow agent costs workers nothing. The agent keeps the newest beat of each local rank of the
@@ -35,6 +35,7 @@ class Beat:
     committed_step: int
     received_at: float  #: time.monotonic() on the agent
     phase: str = "training"
+    ckpt_duration_s: float = 0.0  #: how long the newest committed save took, staging to commit
     finished: bool | None = None  #: set by the worker's exit message
 
 
@@ -89,7 +90,7 @@ class HeartbeatServer:
             round_, local_rank = int(msg["round"]), int(msg["local_rank"])
             beat = Beat(local_rank, int(msg.get("rank", -1)), int(msg.get("pid", 0)), int(msg.get("step", -1)),
                         float(msg.get("step_time_s", 0.0)), int(msg.get("committed_step", -1)), time.monotonic(),
-                        str(msg.get("phase", "training")))
+                        str(msg.get("phase", "training")), float(msg.get("ckpt_duration_s", 0.0)))
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed heartbeat: %r", data[:200])
             return

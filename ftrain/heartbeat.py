@@ -49,11 +49,12 @@ class Heartbeat:
         self._stack_file = None
         self._dropped = 0
 
-    def beat(self, step: int, *, phase: str = "training", step_time_s: float = 0.0, committed_step: int = -1) -> None:
+    def beat(self, step: int, *, phase: str = "training", step_time_s: float = 0.0, committed_step: int = -1,
+             ckpt_duration_s: float = 0.0) -> None:
         """``phase``: ``training`` (the agent expects the next beat within its hang timeout) or
         anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies)."""
         self._send({"kind": "beat", "phase": phase, "step": step, "step_time_s": step_time_s,
-                    "committed_step": committed_step})
+                    "committed_step": committed_step, "ckpt_duration_s": ckpt_duration_s})
 
     def exit(self, step: int, *, finished: bool, committed_step: int = -1) -> None:
         self._send({"kind": "exit", "phase": "exiting", "step": step, "finished": finished, "committed_step": committed_step})

@@ -164,7 +164,8 @@ class Trainer:
 
     def _beat(self, step: int, phase: str, step_time_s: float = 0.0) -> None:
         if self.hb is not None:
-            self.hb.beat(step, phase=phase, step_time_s=step_time_s, committed_step=self.committed_step())
+            self.hb.beat(step, phase=phase, step_time_s=step_time_s, committed_step=self.committed_step(),
+                         ckpt_duration_s=self.ckpt.manager.status.last_save_duration_s if self.ckpt else 0.0)
 
     def committed_step(self) -> int:
         return self.ckpt.manager.status.last_committed_step if self.ckpt is not None else -1

@@ -61,6 +61,7 @@ def test_worker_kill_restarts_from_the_last_checkpoint_and_the_metrics_show_it(j
     text = _scrape(port)
     assert _metric(text, "ftrain_round") == 1
     assert _metric(text, "ftrain_restarts_total", cause="worker_exit") in (None, 0.0)
+    assert _metric(text, "ftrain_last_committed_step") >= 40 and _metric(text, "ftrain_checkpoint_duration_seconds") > 0
     committed = job.committed_steps()
     os.kill(job.worker_pids("b")[0], signal.SIGKILL)
 
