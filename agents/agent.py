@@ -21,6 +21,7 @@ Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when th
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -234,9 +235,11 @@ class Agent:
                           on_lost=lambda _reason: self.wake.set())
         record = NodeRecord(self.opts.node_id, self.uid, self.opts.host, os.getpid(), self.opts.nproc_per_node,
                             time.time())
+        key = self.keys.node(self.opts.node_id)
         try:
-            created = self.client.put_if_absent(self.keys.node(self.opts.node_id), record.to_json(),
-                                                lease=session.lease_id)
+            created = self.client.put_if_absent(key, record.to_json(), lease=session.lease_id)
+            if not created and self._reclaim(key):
+                created = self.client.put_if_absent(key, record.to_json(), lease=session.lease_id)
         except BaseException:
             session.close(revoke=True)
             raise
@@ -250,6 +253,21 @@ class Agent:
         log.info("registered node %s (agent %s, lease %x, ttl %ds)", self.opts.node_id, self.uid, session.lease_id,
                  session.ttl_s)
         self.events.emit("agent_registered", node=self.opts.node_id, agent=self.uid, first=first)
+
+    def _reclaim(self, key: str) -> bool:
+        """Our own earlier registration still holds the key (etcd restored the lease we gave up
+        for lost, as it does after a restart): revoke that lease rather than wait for it."""
+        holder = self.client.get(key)
+        if holder is None:
+            return True
+        try:
+            ours = json.loads(holder.value).get("agent_uid") == self.uid
+        except ValueError:
+            return False
+        if ours and holder.lease:
+            log.info("revoking this agent's previous lease %x to register again", holder.lease)
+            self.client.revoke(holder.lease)
+        return ours
 
     def _read(self) -> JobState | None:
         try:

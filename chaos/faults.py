@@ -280,15 +280,20 @@ def _kill_during_save(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
 
 
 def _kill_during_load(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
-    node, pid = _pick_worker(ctx, spec)
-    _signal(pid, signal.SIGKILL)  # forces a restart, whose workers load
-
+    """A kill forces a restart (the fault starts there); the restarted workers are killed while
+    they load (recorded as a ``chaos_fault_step`` of the same fault)."""
     def act() -> dict[str, Any]:
+        node, pid = _pick_worker(ctx, spec)
         t0 = time.time()
+        _signal(pid, signal.SIGKILL)
+        record = ctx.emit("kill_during_load", node=node, pid=pid, step=ctx.cluster.step())
         wait_for(lambda: _loading(ctx, t0), 120, "a checkpoint load", poll_s=0.01)
         victim_node, victim = _pick_worker(ctx, FaultSpec("worker_kill", node=spec.node))
         _signal(victim, signal.SIGKILL)
-        return ctx.emit("kill_during_load", node=victim_node, pid=victim, first_kill=pid, step=ctx.cluster.step())
+        ctx.events.emit("chaos_fault_step", kind="kill_during_load", node=victim_node, pid=victim,
+                        during="load")
+        record.update(load_victim=victim)
+        return record
 
     return _with_slow_storage(ctx, float(spec.params.get("latency_s", 0.3)), act)
 
