@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.etcd import EtcdClient
+from agents.records import JobKeys
 from chaos.cluster import Cluster, WaitTimeout, quiet_env, wait_for
 from chaos.corrupt import MODES as CORRUPTION_MODES
 from chaos.corrupt import corrupt_step
@@ -177,7 +179,12 @@ def _agent_kill(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     ctx.cluster.agents[node].wait()
     restart_after_s = spec.params.get("restart_after_s")
     if restart_after_s is not None:
-        time.sleep(float(restart_after_s))  # the host stays away this long (the fault's duration)
+        # the host comes back once the job has seen it gone (its lease expired: a node id whose
+        # lease is alive is refused), plus restart_after_s
+        with EtcdClient([ctx.cluster.etcd], timeout_s=2.0, retry_timeout_s=10.0) as client:
+            key = JobKeys(ctx.cluster.job).node(node)
+            wait_for(lambda: ctx.stop() or client.get(key) is None, 60, f"node {node}'s lease to expire", poll_s=0.1)
+        time.sleep(float(restart_after_s))
         ctx.cluster.restart(node)
         ctx.events.emit("chaos_node_back", node=node)  # part of this fault, not a new one
     return record
