@@ -16,7 +16,20 @@ reads the whole job state from etcd in one range request and acts on it:
 - **status**: ``status/<id>`` for ``ftrain status``; Prometheus metrics.
 
 Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when the job failed
-(restart budget), 2 for bad arguments or a node id in use.
+(restart budget, a deterministic or fatal worker error), 2 for bad arguments or a node id in use.
+
+What is read from etcd, the heartbeat socket or the environment is checked, never trusted:
+
+- unreadable job records are skipped (:mod:`agents.records`), logged once per key and
+  revision (``bad_record`` event); the agent never acts on a round it cannot read: while the
+  ``round`` key or the current round's record is unreadable it keeps its workers and starts
+  none (the leader forms a new round); it never launches with a malformed master address;
+  it puts back its own ``nodes/<id>`` record if that became unreadable.
+- worker PIDs from heartbeats are signalled only while they are still descendants of this
+  round's torchrun with the start time first seen (:class:`agents.workers.WorkerGroup`).
+- workers reach etcd (the checkpoint fence) with the agent's credentials and TLS files through
+  a 0600 file in the run dir named by ``FTRAIN_ETCD_CLIENT_FILE``: no secret on a command
+  line, and ``FTRAIN_ETCD_PASSWORD`` is removed from the workers' environment.
 """
 
 from __future__ import annotations
@@ -39,8 +52,8 @@ from agents.etcd_watch import Watcher
 from agents.heartbeat import HeartbeatServer
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
 from agents.metrics import AgentMetrics
-from agents.records import (FAILED, HANG, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys, JobState, Member, NodeRecord,
-                            NodeStatus, Report)
+from agents.records import (FAILED, FATAL, HANG, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys, JobState, Member,
+                            NodeRecord, NodeStatus, Problem, Report, parse_master, validate_id)
 from agents.workers import Launch, WorkerGroup, dump_stacks, process_state
 from ftrain.events import EventLog
 
@@ -80,14 +93,20 @@ class AgentOptions:
     etcd_username: str | None = None
     etcd_password: str | None = None
     etcd_ca_cert: str | None = None
+    etcd_cert: str | None = None  #: client certificate (PEM) for https endpoints that require one
+    etcd_key: str | None = None  #: its private key (PEM), if not in the certificate file
+    deterministic_failures: int = 3  #: same worker error at the same step this often in a row: stop (0: never)
 
     def policy(self) -> Policy:
         return Policy(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc_per_node,
                       settle_s=self.settle_s, start_timeout_s=self.start_timeout_s, max_restarts=self.max_restarts,
                       restart_window_s=self.restart_window_s, backoff_initial_s=self.backoff_initial_s,
-                      backoff_max_s=self.backoff_max_s, scale_up=self.scale_up)
+                      backoff_max_s=self.backoff_max_s, scale_up=self.scale_up,
+                      deterministic_failures=self.deterministic_failures)
 
     def validate(self) -> None:
+        validate_id(self.job, "--job")
+        validate_id(self.node_id, "--node-id")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ValueError(f"--nnodes: need 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
         if self.nproc_per_node < 1:
@@ -98,6 +117,78 @@ class AgentOptions:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
         if self.scale_up not in ("checkpoint", "immediate"):
             raise ValueError(f"--scale-up must be checkpoint or immediate, got {self.scale_up!r}")
+        if self.deterministic_failures < 0:
+            raise ValueError(f"--deterministic-failures must be >= 0 (0: off), got {self.deterministic_failures}")
+        if (self.etcd_username is None) != (self.etcd_password is None):
+            raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")
+        for option, path in (("--etcd-ca-cert", self.etcd_ca_cert), ("--etcd-cert", self.etcd_cert),
+                             ("--etcd-key", self.etcd_key)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{option}: no such file {path!r}")
+
+    def etcd_client_settings(self) -> dict[str, str]:
+        """What a worker needs to reach etcd as this agent does (credentials, TLS files as
+        absolute paths); empty when the agent uses none."""
+        settings = {"username": self.etcd_username, "password": self.etcd_password,
+                    "ca_cert": self.etcd_ca_cert and os.path.abspath(self.etcd_ca_cert),
+                    "cert": self.etcd_cert and os.path.abspath(self.etcd_cert),
+                    "key": self.etcd_key and os.path.abspath(self.etcd_key)}
+        return {k: v for k, v in settings.items() if v}
+
+
+#: environment variable naming the worker's etcd client settings file (see :func:`write_client_file`)
+CLIENT_FILE_ENV = "FTRAIN_ETCD_CLIENT_FILE"
+#: never inherited by workers from the agent's environment: the password is read from the client
+#: file instead, and a client file is only ever the one this agent wrote
+SECRET_ENV = ("FTRAIN_ETCD_PASSWORD", CLIENT_FILE_ENV)
+
+
+def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
+    """Write ``settings`` as JSON to ``<run_dir>/etcd-client.json``, readable by this user only
+    (created 0600, never widened); its path, or None when there is nothing to write."""
+    if not settings:
+        return None
+    path = os.path.join(run_dir, "etcd-client.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, json.dumps(settings).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def worker_environment(base: dict[str, str], extra: dict[str, str], ours: dict[str, str]) -> dict[str, str]:
+    """The workers' environment: ``base`` (the agent's) less the secrets in :data:`SECRET_ENV`,
+    then ``extra`` (the job's worker_env), then ``ours`` (FTRAIN_* the agent sets)."""
+    env = {k: v for k, v in base.items() if k not in SECRET_ENV}
+    env.update({k: v for k, v in extra.items() if k not in SECRET_ENV})
+    env.update(ours)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def exit_report(rc: int, beats: dict, nproc: int, log_path: str, agent_uid: str, now: float) -> Report:
+    """How a round ended on this node, from torchrun's exit code and the workers' last messages.
+
+    Success needs exit code 0 and every local rank's exit message saying it finished. A failure
+    carries the newest step any worker reported and the first worker error (by local rank), or a
+    stand-in naming the exit code; a worker that said its error is fatal makes the report fatal.
+    """
+    finished = len(beats) == nproc and all(b.finished for b in beats.values())
+    if rc == 0 and finished:
+        return Report(SUCCEEDED, agent_uid=agent_uid, time=now)
+    if rc == 0:
+        return Report(STOPPED, detail="workers stopped early (drain)", agent_uid=agent_uid, time=now)
+    step = max((b.step for b in beats.values()), default=-1)
+    errors = [b for _, b in sorted(beats.items()) if b.error]
+    fatal = [b for b in errors if b.fatal]
+    first = (fatal or errors or [None])[0]
+    error = first.error if first else ""
+    detail = f"torchrun exited with {rc}; log {log_path}" + (f"; local rank {first.local_rank}: {error}" if first else "")
+    return Report(FAILED, FATAL if fatal else WORKER_EXIT, detail[:1000], agent_uid, now, step=step, error=error)
 
 
 def process_gone(pid: int) -> bool:
@@ -119,9 +210,15 @@ class Agent:
         self.keys = JobKeys(opts.job)
         self.policy = opts.policy()
         self.client = EtcdClient(opts.etcd, timeout_s=1.0, retry_timeout_s=1.0, username=opts.etcd_username,
-                                 password=opts.etcd_password, ca_cert=opts.etcd_ca_cert)
+                                 password=opts.etcd_password, ca_cert=opts.etcd_ca_cert, cert=opts.etcd_cert,
+                                 key=opts.etcd_key)
         self.run_dir = opts.run_dir or tempfile.mkdtemp(prefix="ftrain-agent-")
         os.makedirs(self.run_dir, exist_ok=True)
+        self.client_file = write_client_file(self.run_dir, opts.etcd_client_settings())
+        self._problems_seen: set[tuple[str, int]] = set()  #: (key, mod_revision) already logged
+        self._held_why = ""  #: why the follower last held (logged once per reason)
+        self._ckpt_failures_seen = 0  #: failed commits in a row the workers last reported
+        self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
         self.stack_dir = os.path.join(self.run_dir, "stacks")
         self.events = EventLog(opts.events_path, rank=-1)
         self.metrics = AgentMetrics(opts.job, opts.node_id)
@@ -204,6 +301,7 @@ class Agent:
             return
         try:
             if self._registered():
+                self._repair_own_record(state)
                 self._lead(state)
                 self._follow(state)
             self._flush_reports()
@@ -261,9 +359,10 @@ class Agent:
         if holder is None:
             return True
         try:
-            ours = json.loads(holder.value).get("agent_uid") == self.uid
-        except ValueError:
+            record = json.loads(holder.value)
+        except ValueError:  # not ours (we never write garbage); the key is someone else's problem
             return False
+        ours = isinstance(record, dict) and record.get("agent_uid") == self.uid
         if ours and holder.lease:
             log.info("revoking this agent's previous lease %x to register again", holder.lease)
             self.client.revoke(holder.lease)
@@ -283,14 +382,50 @@ class Agent:
             log.info("etcd reachable again after %.1fs", down_s)
             self.events.emit("etcd_reachable", node=self.opts.node_id, down_s=round(down_s, 3))
             self._etcd_down_since = None
-        return JobState.parse(self.keys, listing.kvs, listing.revision)
+        state = JobState.parse(self.keys, listing.kvs, listing.revision)
+        self._note_problems(state.problems)
+        return state
+
+    def _note_problems(self, problems: list[Problem]) -> None:
+        """Log and record each unreadable record once per (key, mod_revision), not every tick."""
+        for problem in problems:
+            seen = (problem.key, problem.mod_revision)
+            if seen in self._problems_seen:
+                continue
+            if len(self._problems_seen) > 10_000:  # bounded: a flood of garbage must not grow memory
+                self._problems_seen.clear()
+            self._problems_seen.add(seen)
+            log.error("%s: skipped (fix or delete the key)", problem)
+            self.events.emit("bad_record", node=self.opts.node_id, key=problem.key,
+                             mod_revision=problem.mod_revision, error=problem.error)
+
+    def _repair_own_record(self, state: JobState) -> None:
+        """Our ``nodes/<id>`` became unreadable (someone overwrote it): put ours back on our
+        lease, with a compare-and-swap so a record another agent wrote meanwhile is kept."""
+        key = self.keys.node(self.opts.node_id)
+        bad = [p for p in state.problems if p.key == key]
+        if not bad or self.opts.node_id in state.nodes:
+            return
+        record = NodeRecord(self.opts.node_id, self.uid, self.opts.host, os.getpid(), self.opts.nproc_per_node,
+                            time.time())
+        try:
+            if self.client.put_if_mod_revision(key, record.to_json(), bad[0].mod_revision, lease=self.session.lease_id):
+                log.warning("rewrote this agent's unreadable record %s", key)
+                self.events.emit("record_repaired", node=self.opts.node_id, key=key)
+        except LeaseExpiredError:
+            pass
 
     # -- leader ------------------------------------------------------------------------------
     def _lead(self, state: JobState) -> None:
         lease = self.session.lease_id
         if state.leader is None:
             try:
-                if self.client.put_if_absent(self.keys.leader, self.opts.node_id, lease=lease):
+                if state.leader_mod_revision:  # an unusable leader key (no lease, unreadable): replace it
+                    taken = self.client.put_if_mod_revision(self.keys.leader, self.opts.node_id,
+                                                            state.leader_mod_revision, lease=lease)
+                else:
+                    taken = self.client.put_if_absent(self.keys.leader, self.opts.node_id, lease=lease)
+                if taken:
                     log.info("elected leader of job %s", self.opts.job)
                     self.events.emit("leader_elected", node=self.opts.node_id)
                     self.wake.set()
@@ -310,7 +445,8 @@ class Agent:
             if isinstance(decision, FormRound):
                 self._form_round(state, decision)
             elif isinstance(decision, Finish):
-                if self.client.put_if_absent(self.keys.final, decision.final.to_json()):
+                if self.client.put_if_mod_revision(self.keys.final, decision.final.to_json(),
+                                                   state.final_mod_revision):  # 0: absent; else unreadable
                     log.info("job %s: %s (%s)", decision.final.status, self.opts.job, decision.final.reason)
                     self.events.emit("job_final", node=self.opts.node_id, status=decision.final.status,
                                      reason=decision.final.reason)
@@ -336,7 +472,17 @@ class Agent:
         self.wake.set()
 
     # -- follower ----------------------------------------------------------------------------
+    def _hold(self, why: str) -> None:
+        if why != self._held_why:
+            self._held_why = why
+            log.error("not acting on the current round: %s", why)
+            self.events.emit("round_held", node=self.opts.node_id, why=why)
+
     def _follow(self, state: JobState) -> None:
+        if not state.round_known:  # never stop or start workers on a round we cannot read
+            self._hold(f"the round key or the record of round {state.round} is unreadable; waiting for the leader "
+                       "to form a new round")
+            return
         cur = state.current
         if self.workers is not None and (cur is None or self.workers.round != cur.round):
             if cur is not None and cur.reason == HANG:  # a peer hung: show where these workers wait
@@ -351,25 +497,31 @@ class Agent:
         self.metrics.members.set(len(cur.members))
         if node_rank is None or self.workers is not None or cur.round in self.finished_rounds:
             return
+        if cur.round in state.bad_masters:  # the leader fails the round (bad_record) and forms a new one
+            self._hold(f"round {cur.round}: {state.bad_masters[cur.round]}; not launching")
+            return
         master = state.masters.get(cur.round)
         if master is None:
             if node_rank == 0:
                 self.client.put_if_absent(self.keys.master(cur.round), f"{self.opts.host}:{free_port(self.opts.host)}")
                 self.wake.set()
             return
-        addr, _, port = master.rpartition(":")
+        addr, port = parse_master(master)  # JobState.parse let only well-formed addresses through
+        self._held_why = ""
         self._launch(Launch(round=cur.round, nnodes=len(cur.members), node_rank=node_rank,
-                            nproc_per_node=cur.nproc_per_node, master_addr=addr, master_port=int(port),
+                            nproc_per_node=cur.nproc_per_node, master_addr=addr, master_port=port,
                             worker_args=tuple(self.opts.worker_args)))
 
     def _launch(self, launch: Launch) -> None:
         self._hb.reset(launch.round)
-        env = {**os.environ, **self.opts.worker_env,
-               "FTRAIN_JOB": self.opts.job, "FTRAIN_ROUND": str(launch.round), "FTRAIN_NODE": self.opts.node_id,
-               "FTRAIN_ETCD": ",".join(self.opts.etcd), "FTRAIN_FENCE_KEY": self.keys.round,
-               "FTRAIN_HEARTBEAT": self._hb.path, "FTRAIN_AGENT_PID": str(os.getpid()),
-               "FTRAIN_STACK_DIR": self.stack_dir, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        env.setdefault("OMP_NUM_THREADS", "1")
+        self._ckpt_failures_seen = 0
+        ours = {"FTRAIN_JOB": self.opts.job, "FTRAIN_ROUND": str(launch.round), "FTRAIN_NODE": self.opts.node_id,
+                "FTRAIN_ETCD": ",".join(self.opts.etcd), "FTRAIN_FENCE_KEY": self.keys.round,
+                "FTRAIN_HEARTBEAT": self._hb.path, "FTRAIN_AGENT_PID": str(os.getpid()),
+                "FTRAIN_STACK_DIR": self.stack_dir, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if self.client_file:
+            ours[CLIENT_FILE_ENV] = self.client_file
+        env = worker_environment(dict(os.environ), self.opts.worker_env, ours)
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
         self.workers = WorkerGroup(launch, env, log_path)
         self.metrics.launched()
@@ -402,6 +554,7 @@ class Agent:
             self.metrics.committed_step.set(self.committed_step)
             self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))
             self.metrics.heartbeat_age.set(time.monotonic() - min(b.received_at for b in beats.values()))
+            self._note_ckpt_failures(workers.round, beats)
         rc = workers.poll()
         crashed = self._crashed_workers(beats)
         if rc is None and crashed:  # do not wait for torchrun to notice and tear down: seconds
@@ -412,14 +565,7 @@ class Agent:
         if rc is not None:
             self.workers = None
             self.finished_rounds.add(workers.round)
-            finished = len(beats) == workers.launch.nproc_per_node and all(b.finished for b in beats.values())
-            if rc == 0 and finished:
-                report = Report(SUCCEEDED, agent_uid=self.uid, time=time.time())
-            elif rc == 0:
-                report = Report(STOPPED, detail="workers stopped early (drain)", agent_uid=self.uid, time=time.time())
-            else:
-                report = Report(FAILED, WORKER_EXIT, f"torchrun exited with {rc}; log {workers.log_path}",
-                                self.uid, time.time())
+            report = exit_report(rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid, time.time())
             log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
             self.events.emit("workers_exited", node=self.opts.node_id, worker_round=workers.round, exit_code=rc,
                              outcome=report.outcome)
@@ -433,7 +579,9 @@ class Agent:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the
         grace lets the heartbeat thread read a message already on its way)."""
         now = time.monotonic()
-        gone = {b.pid for b in beats.values() if b.finished is None and process_gone(b.pid)}
+        workers = self.workers
+        gone = {b.pid for b in beats.values() if b.finished is None and (
+            process_gone(b.pid) or (workers is not None and workers.pids.replaced(b.pid)))}
         self._gone_since = {pid: self._gone_since.get(pid, now) for pid in gone}
         return [b for b in beats.values() if b.pid in gone and now - self._gone_since[b.pid] >= CRASH_GRACE_S]
 
@@ -454,7 +602,22 @@ class Agent:
         workers.kill()
         self.finished_rounds.add(workers.round)
         self.pending_reports[workers.round] = Report(
-            FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, time.time())
+            FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, time.time(),
+            step=max((b.step for b in self._hb.beats().values()), default=-1))
+
+    def _note_ckpt_failures(self, round_: int, beats: dict) -> None:
+        """Failed checkpoint commits: metrics always, an event (and an error log) each time the
+        count of failures in a row grows."""
+        failures = max(b.ckpt_failures for b in beats.values())
+        total = max(b.ckpt_failures_total for b in beats.values())
+        error = next((b.ckpt_error for b in beats.values() if b.ckpt_failures == failures and b.ckpt_error), "")
+        self.metrics.ckpt_failed(round_, total, failures)
+        if failures > self._ckpt_failures_seen:
+            log.error("round %d: %d checkpoint commit(s) in a row failed; last error: %s", round_, failures, error)
+            self.events.emit("checkpoint_failing", node=self.opts.node_id, worker_round=round_, failures=failures,
+                             error=error)
+        self._ckpt_failures_seen = failures
+        self._ckpt_error = error if failures else ""
 
     def _dump(self, workers: WorkerGroup, why: str, local_ranks: list[int] | None = None) -> None:
         """Every worker's Python stack into the event log (and this agent's log)."""
@@ -508,7 +671,9 @@ class Agent:
             step_time_s=max((b.step_time_s for b in beats.values()), default=0.0),
             heartbeat_age_s=round(time.monotonic() - min(b.received_at for b in beats.values()), 3) if beats else None,
             committed_step=self.committed_step,
-            restarts=self.metrics.restarts(), host=self.opts.host, pid=os.getpid(), updated_at=time.time())
+            restarts=self.metrics.restarts(), host=self.opts.host, pid=os.getpid(), updated_at=time.time(),
+            ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
+            ckpt_failures_total=self.metrics.ckpt_failures_total(), ckpt_error=self._ckpt_error[:300])
         try:
             self.client.put(self.keys.status(self.opts.node_id), status.to_json(), lease=self.session.lease_id)
         except (EtcdUnavailableError, LeaseExpiredError):

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 # option -> AgentConfig field; every one may also come from the config file's [agent] section
 _FROM_CONFIG = ("etcd", "job", "nnodes", "nproc_per_node", "node_id", "host", "lease_ttl_s", "settle_s",
                 "hang_timeout_s", "start_timeout_s", "max_restarts", "restart_window_s", "backoff_initial_s",
-                "backoff_max_s", "scale_up", "metrics_port", "run_dir")
+                "backoff_max_s", "deterministic_failures", "scale_up", "metrics_port", "run_dir")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +45,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--events", default=None, help="agent events file (default: the config's logging.events_path)")
     p.add_argument("--etcd-user", default=None, help="etcd user (password from FTRAIN_ETCD_PASSWORD)")
     p.add_argument("--etcd-ca-cert", default=None, help="CA bundle for https etcd endpoints")
+    p.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for https etcd endpoints")
+    p.add_argument("--etcd-key", default=None, help="the client certificate's private key (PEM)")
+    p.add_argument("--deterministic-failures", type=int, default=None,
+                   help="stop the job when the workers fail with the same error at the same step this many "
+                        "times in a row (default 3; 0: never)")
     p.add_argument("worker_args", nargs="*", help="after --: CONFIG.toml and --section.key=value overrides")
     p.set_defaults(func=agent_main, takes_overrides=True)
 
@@ -52,6 +57,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd", required=True, help="etcd client URLs, comma-separated")
     p.add_argument("--job", required=True, help="job id")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--etcd-user", default=None, help="etcd user (password from FTRAIN_ETCD_PASSWORD)")
+    p.add_argument("--etcd-ca-cert", default=None, help="CA bundle for https etcd endpoints")
+    p.add_argument("--etcd-cert", default=None, help="client certificate (PEM)")
+    p.add_argument("--etcd-key", default=None, help="the client certificate's private key (PEM)")
     p.set_defaults(func=_status_main)
 
 
@@ -74,7 +83,8 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
         etcd=[e for e in values.pop("etcd").split(",") if e], min_nodes=low, max_nodes=high,
         node_id=values.pop("node_id") or socket.gethostname(), worker_args=worker_args,
         events_path=args.events if args.events is not None else cfg.logging.events_path,
-        etcd_username=args.etcd_user, etcd_password=password, etcd_ca_cert=args.etcd_ca_cert, **values)
+        etcd_username=args.etcd_user, etcd_password=password, etcd_ca_cert=args.etcd_ca_cert,
+        etcd_cert=args.etcd_cert, etcd_key=args.etcd_key, **values)
 
 
 def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -100,8 +110,21 @@ def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
 def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
     from agents.status import status_main
 
+    password = os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None
+    if args.etcd_user and password is None:
+        print("ftrain status: --etcd-user needs the password in FTRAIN_ETCD_PASSWORD", file=sys.stderr)
+        return 2
+    client_options = {"username": args.etcd_user, "password": password, "ca_cert": args.etcd_ca_cert,
+                      "cert": args.etcd_cert, "key": args.etcd_key}
     try:
-        return status_main([e for e in args.etcd.split(",") if e], args.job, as_json=args.json)
+        return status_main([e for e in args.etcd.split(",") if e], args.job, as_json=args.json,
+                           client_options=client_options)
+    except ValueError as e:  # a bad --job or --etcd
+        print(f"ftrain status: {e}", file=sys.stderr)
+        return 2
     except EtcdUnavailableError as e:
         print(f"ftrain status: cannot reach etcd at {args.etcd}: {e}", file=sys.stderr)
+        return 2
+    except AgentError as e:
+        print(f"ftrain status: {e}", file=sys.stderr)
         return 2

@@ -18,15 +18,30 @@ Rules, in order:
    in ``restart_window_s`` than ``max_restarts`` end the job as failed instead.
 4. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
    rank 0 and hosts the rendezvous, so that role migrates when its host is lost.
+5. The job fails at once, without spending the restart budget, when a member reports a
+   ``fatal`` error (the workers said a restart cannot help, e.g. too many failed checkpoint
+   commits), or on a **deterministic failure**: the workers failed with the same error message
+   at the same step ``deterministic_failures`` times in a row (default 3; 0: off). Only failures
+   the workers described themselves (a Python exception in the exit message) count: a signal
+   death or a hang says nothing about determinism (chaos kills workers at the same point on
+   purpose) and is left to the restart budget. The final reason names the error and the step.
+6. Unreadable records (see :mod:`agents.records`) are never acted on: an unreadable ``round``
+   key or current round record makes the leader form a new round above every round number in
+   etcd (``round_repair``, not a failure); a malformed master address of the current round,
+   while some member has not started, fails the round (``bad_record``, a failure).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from agents.records import (FAILED, FAILURE_CAUSES, NODE_LEFT, NODE_LOST, SCALE_UP, START, START_TIMEOUT, STOPPED,
-                            SUCCEEDED, WORKER_EXIT, FinalStatus, JobState, Member, RoundRecord)
+from agents.records import (BAD_RECORD, FAILED, FAILURE_CAUSES, FATAL, NODE_LEFT, NODE_LOST, ROUND_REPAIR, SCALE_UP,
+                            START, START_TIMEOUT, STOPPED, SUCCEEDED, WORKER_EXIT, FinalStatus, JobState, Member,
+                            Report, RoundRecord)
 
+
+_DIGITS = re.compile(r"\d+")
 
 @dataclass(frozen=True, slots=True)
 class Policy:
@@ -40,6 +55,8 @@ class Policy:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
     scale_up: str = "checkpoint"  #: checkpoint | immediate
+    #: the same worker error at the same step this many times in a row ends the job (0: never)
+    deterministic_failures: int = 3
 
     def backoff_s(self, recent_failures: int) -> float:
         """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
@@ -86,6 +103,16 @@ class _Need:
     reason: str
     detail: str = ""
     failures: list[str] = field(default_factory=list)
+    report: Report | None = None  #: the failing report the decision is about (first by node id)
+
+    def signature(self) -> str:
+        """Equal for two failures that look deterministic: the same reason, step and worker
+        error, numbers aside (a round number, a port or a PID in the message changes with every
+        restart). Empty (matches nothing) when the workers gave no error of their own."""
+        r = self.report
+        if r is None or not r.error or self.reason != WORKER_EXIT:
+            return ""
+        return f"{self.reason}|{r.step}|{_DIGITS.sub('#', r.error)}"
 
 
 def committed_step(state: JobState, members: list[Member]) -> int:
@@ -96,13 +123,15 @@ def committed_step(state: JobState, members: list[Member]) -> int:
 def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> _Need | None:
     cur = state.current
     if cur is None:
+        if state.round_unreadable or state.round > 0:
+            return _Need(ROUND_REPAIR, f"round key or record of round {state.round} unreadable")
         return _Need(START)
     live = {m.node_id: m for m in state.live_members()}
     reports = state.member_reports(cur.round)
     failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
     if failed:
         node, report = sorted(failed.items())[0]
-        return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed))
+        return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed), report)
     stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
     if stopped:
         return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}")
@@ -111,6 +140,8 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
         return _Need(NODE_LOST, f"agent gone: {', '.join(gone)}")
     started = state.started.get(cur.round, set())
     late = [m.node_id for m in cur.members if m.node_id not in started]
+    if late and cur.round in state.bad_masters:
+        return _Need(BAD_RECORD, f"{state.bad_masters[cur.round]}; not started on {', '.join(late)}")
     if late and now - cur.created_at > policy.start_timeout_s:
         return _Need(START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on {', '.join(late)}")
     joiners = [m for m in live.values() if m not in cur.members]
@@ -135,7 +166,33 @@ def _failure_time(state: JobState, need: _Need, policy: Policy, now: float) -> f
         return now
     if need.reason == START_TIMEOUT:
         return cur.created_at + policy.start_timeout_s
+    if need.reason == BAD_RECORD:
+        return now
     return max((r.time for n, r in state.member_reports(cur.round).items() if n in need.failures), default=now)
+
+
+def _fatal(state: JobState, cur: RoundRecord, now: float) -> Finish | None:
+    """A member said its workers stopped on an error a restart cannot fix: the job fails now."""
+    fatal = sorted((n, r) for n, r in state.member_reports(cur.round).items()
+                   if r.outcome == FAILED and r.reason == FATAL)
+    if not fatal:
+        return None
+    node, report = fatal[0]
+    return Finish(FinalStatus(FAILED, f"fatal error on {node} at step {report.step}, not restarting: "
+                              f"{report.error or report.detail}", cur.round, now, committed_step(state, cur.members)))
+
+
+def _deterministic(need: _Need, signatures: list[str], policy: Policy, round_: int, state: JobState,
+                   members: list[Member], now: float) -> Finish | None:
+    """The last ``deterministic_failures`` failures were the same worker error at the same step."""
+    n = policy.deterministic_failures
+    if n < 1 or len(signatures) < n or not signatures[-1] or len(set(signatures[-n:])) != 1:
+        return None
+    report = need.report
+    return Finish(FinalStatus(
+        FAILED, f"deterministic failure: the workers failed {n} times in a row at step {report.step} with the "
+        f"same error, not restarting (deterministic_failures={n}): {report.error} ({need.detail})",
+        round_, now, committed_step(state, members)))
 
 
 def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> Decision:
@@ -148,20 +205,30 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         if len(reports) == len(cur.members) and all(r.outcome == SUCCEEDED for r in reports.values()):
             return Finish(FinalStatus(SUCCEEDED, "every node finished training", cur.round, now,
                                       committed_step(state, cur.members)))
+        fatal = _fatal(state, cur, now)
+        if fatal is not None:
+            return fatal
     need = _need(state, policy, memory, now)
     if need is None:
         return Wait("round healthy")
 
-    failure_times = [t for t in (cur.failure_times if cur else []) if now - t <= policy.restart_window_s]
+    prev = cur or state.newest_record()  # the budget's memory survives an unreadable current record
+    failure_times = [t for t in (prev.failure_times if prev else []) if now - t <= policy.restart_window_s]
+    signatures = list(prev.failure_signatures if prev else [])
     if need.reason in FAILURE_CAUSES:
         failure_time = _failure_time(state, need, policy, now)
         failure_times.append(failure_time)
+        signatures = (signatures + [need.signature()])[-max(1, policy.deterministic_failures):]
         if len(failure_times) > policy.max_restarts:
             return Finish(FinalStatus(
                 FAILED, f"restart budget exhausted: {len(failure_times)} failures within "
                 f"{policy.restart_window_s:.0f}s (max_restarts={policy.max_restarts}); last: {need.reason} "
                 f"({need.detail})", cur.round if cur else 0, now,
                 committed_step(state, cur.members) if cur else -1))
+        stop = _deterministic(need, signatures, policy, cur.round if cur else 0, state, cur.members if cur else [],
+                              now)
+        if stop is not None:
+            return stop
         ready_at = failure_time + policy.backoff_s(len(failure_times))
         if now < ready_at:
             return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}")
@@ -177,10 +244,10 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if not all_reported and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)")
 
-    restarts = dict(cur.restarts_by_cause) if cur else {}
-    if cur is not None:
+    restarts = dict(prev.restarts_by_cause) if prev else {}
+    if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1
     return FormRound(RoundRecord(
         round=state.round + 1, members=members, nproc_per_node=policy.nproc_per_node, reason=need.reason,
-        created_at=now, failure_times=failure_times, restarts_by_cause=restarts))
+        created_at=now, failure_times=failure_times, restarts_by_cause=restarts, failure_signatures=signatures))
 

@@ -1,5 +1,9 @@
 """The agent's Prometheus metrics, served over HTTP (``agent.metrics_port``; 0 picks a free port).
 
+Checkpoint health: ``ftrain_checkpoint_failures_total`` counts failed commits the workers
+reported (each worker process counts from zero; the agent adds what is new per round), and
+``ftrain_checkpoint_consecutive_failures`` is the current run of failures (0 after a commit).
+
 Productive time is the step time of steps this node had not completed before (the first time
 step n finishes); everything else since the first launch — detection, rendezvous, process start,
 checkpoint load, and steps recomputed after a rollback to a checkpoint — is lost time.
@@ -33,6 +37,11 @@ class AgentMetrics:
                                    "Staging to commit of the newest committed checkpoint, as the workers saw it.")
         self.productive = gauge("ftrain_productive_seconds", "Step time of first-time steps since the first launch.")
         self.lost = gauge("ftrain_lost_seconds", "Wall time since the first launch that was not productive.")
+        self.ckpt_consecutive_failures = gauge("ftrain_checkpoint_consecutive_failures",
+                                               "Checkpoint commits failed in a row (0 after a commit).")
+        self._ckpt_failures = Counter("ftrain_checkpoint_failures", "Checkpoint commits that failed.", names,
+                                      registry=self.registry).labels(**labels)
+        self._ckpt_failures_by_round: dict[int, int] = {}
         self._restarts = Counter("ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"],
                                  registry=self.registry)
         self._labels = labels
@@ -52,6 +61,18 @@ class AgentMetrics:
         if round_ not in self._counted_rounds:
             self._counted_rounds.add(round_)
             self._restarts.labels(**self._labels, cause=cause).inc()
+
+    def ckpt_failed(self, round_: int, total: int, consecutive: int) -> None:
+        """``total``: failures the workers of ``round_`` counted so far (never decreases within
+        a round); ``consecutive``: the current run of failures."""
+        new = total - self._ckpt_failures_by_round.get(round_, 0)
+        if new > 0:
+            self._ckpt_failures.inc(new)
+            self._ckpt_failures_by_round[round_] = total
+        self.ckpt_consecutive_failures.set(consecutive)
+
+    def ckpt_failures_total(self) -> int:
+        return sum(self._ckpt_failures_by_round.values())
 
     def restarts(self) -> int:
         return len(self._counted_rounds)

@@ -1,4 +1,9 @@
-"""``ftrain status``: one read of a job's keys, shown as a table or as JSON."""
+"""``ftrain status``: one read of a job's keys, shown as a table or as JSON.
+
+It always prints: unreadable records are listed as warnings (``problems``) and skipped, as the
+agents skip them; nodes whose workers keep failing to commit checkpoints are called out on a
+line of their own (``CHECKPOINTS FAILING``).
+"""
 
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
             "heartbeat_age_s": status.heartbeat_age_s if status else None,
             "status_age_s": round(now - status.updated_at, 1) if status else None,
             "restarts_seen": status.restarts if status else 0,
+            "ckpt_failures": status.ckpt_failures if status else 0,
+            "ckpt_failures_total": status.ckpt_failures_total if status else 0,
+            "ckpt_error": status.ckpt_error if status else "",
         })
     committed = max((s.committed_step for s in state.status.values()),
                     default=state.final.committed_step if state.final else -1)
@@ -52,6 +60,7 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                                                    "round": state.final.round, "time": state.final.time,
                                                    "committed_step": state.final.committed_step},
         "nodes": nodes,
+        "problems": [str(p) for p in state.problems],
     }
 
 
@@ -82,13 +91,24 @@ def format_status(s: dict[str, Any]) -> str:
     rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in s["nodes"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    failing = [n for n in s["nodes"] if n.get("ckpt_failures")]
+    if failing:
+        lines.append("")
+        lines += [f"CHECKPOINTS FAILING on {n['node']}: {n['ckpt_failures']} commit(s) in a row failed "
+                  f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
+                  for n in failing]
+    if s.get("problems"):
+        lines.append("")
+        lines += [f"warning: {p} (skipped)" for p in s["problems"]]
     return "\n".join(lines)
 
 
-def status_main(endpoints: list[str], job: str, *, as_json: bool) -> int:
-    with EtcdClient(endpoints, timeout_s=2.0, retry_timeout_s=3.0) as client:
+def status_main(endpoints: list[str], job: str, *, as_json: bool, client_options: dict[str, Any] | None = None) -> int:
+    JobKeys(job)  # a bad job id: ValueError naming --job before any request
+    options = {k: v for k, v in (client_options or {}).items() if v is not None}
+    with EtcdClient(endpoints, timeout_s=2.0, retry_timeout_s=3.0, **options) as client:
         s = job_status(client, job)
-    if not s["nodes"] and not s["round"] and s["final"] is None:
+    if not s["nodes"] and not s["round"] and s["final"] is None and not s["problems"]:
         print(f"job {job!r}: nothing in etcd at {', '.join(endpoints)} (no agent has joined it)")
         return 1
     print(json.dumps(s, indent=2) if as_json else format_status(s))

@@ -28,8 +28,11 @@ What must stay true:
   so a finished run's keys expire: a later run reusing the run id (torchrun's default is
   ``none``) starts fresh once they have. Within that time a reused run id sees the old,
   closed rendezvous: give each job its own ``--rdzv-id``.
-- The state is a pickle (torch's format): anyone who can write these keys can run code in
-  every agent. Protect the prefix with etcd auth/TLS in shared clusters.
+- The state is a pickle (torch's format, which torch unpickles with plain ``pickle.loads``).
+  Nothing read from etcd reaches it unchecked: :func:`check_state` runs the bytes through an
+  allow-list unpickler first (torch's rendezvous state classes and ``datetime`` only) and
+  refuses anything else, so a writer of these keys can disrupt a rendezvous but not run code
+  in the agents. Protect the prefix with etcd auth/TLS in shared clusters all the same.
 
 This module may import torch (the import-boundary test allows it for ``*torchrun*`` modules);
 the rest of ``agents`` must not.
@@ -37,8 +40,11 @@ the rest of ``agents`` must not.
 
 from __future__ import annotations
 
+import datetime
+import io
 import logging
 import os
+import pickle
 import random
 import threading
 import time
@@ -74,9 +80,10 @@ def _create_handler_entry(params: RendezvousParameters) -> RendezvousHandler:
 
 
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
+    RendezvousConnectionError, RendezvousParameters, RendezvousStateError)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
-    DynamicRendezvousHandler, RendezvousBackend, RendezvousTimeout, Token)
+    DynamicRendezvousHandler, RendezvousBackend, RendezvousTimeout, Token, _NodeDesc, _RendezvousState)
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -84,6 +91,46 @@ _T = TypeVar("_T")
 #: Where the password for etcd auth comes from (never the rdzv conf: torchrun logs it).
 PASSWORD_ENV = "FTRAIN_ETCD_PASSWORD"
 DEFAULT_PORT = 2379
+
+
+#: A rendezvous state is a few hundred bytes per node; anything far larger is not one.
+MAX_STATE_BYTES = 1 << 20
+_STATE_GLOBALS = {
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"): _RendezvousState,
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"): _NodeDesc,
+    ("datetime", "datetime"): datetime.datetime,
+    ("datetime", "timezone"): datetime.timezone,
+    ("datetime", "timedelta"): datetime.timedelta,
+}
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Resolves only the classes a pickled ``_RendezvousState`` refers to."""
+
+    def find_class(self, module: str, name: str) -> type:
+        cls = _STATE_GLOBALS.get((module, name))
+        if cls is None:
+            raise RendezvousStateError(f"it refers to {module}.{name}, which a rendezvous state never contains")
+        return cls
+
+
+def check_state(key: str, data: bytes) -> bytes:
+    """``data`` if it is a pickled rendezvous state and nothing else; RendezvousStateError
+    naming the key otherwise. torch unpickles the state with plain ``pickle.loads``: this check
+    is what keeps a value written into etcd from running code in every agent."""
+    if len(data) > MAX_STATE_BYTES:
+        raise RendezvousStateError(f"etcd-v3: the rendezvous state under {key} is {len(data)} bytes, more than "
+                                   f"{MAX_STATE_BYTES}: refusing to unpickle it")
+    try:
+        state = _StateUnpickler(io.BytesIO(data)).load()
+    except RendezvousStateError as e:
+        raise RendezvousStateError(f"etcd-v3: refusing the rendezvous state under {key}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any bytes that do not unpickle are not a state
+        raise RendezvousStateError(f"etcd-v3: the rendezvous state under {key} does not unpickle "
+                                   f"({type(e).__name__}: {e})") from None
+    if not isinstance(state, _RendezvousState):
+        raise RendezvousStateError(f"etcd-v3: the value under {key} is a {type(state).__name__}, not a rendezvous state")
+    return data
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -289,7 +336,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             kv = self._client.get(self.key)
         except AgentError as e:
             raise RendezvousConnectionError(f"etcd-v3: reading {self.key} failed: {e}") from e
-        return None if kv is None else (kv.value, kv.mod_revision)
+        return None if kv is None else (check_state(self.key, kv.value), kv.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if the key is still at revision ``token`` (absent, for ``None``):
@@ -316,7 +363,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if not found:
             return None
         kv = found[0]  # type: ignore[index]
-        return kv.value, kv.mod_revision, kv.value == state
+        return check_state(self.key, kv.value), kv.mod_revision, kv.value == state
 
 
 # -- the store --------------------------------------------------------------------------------

@@ -7,6 +7,12 @@ descendants found in /proc plus the PIDs the workers announced in their heartbea
 
 torchrun itself gets a parent-death signal, and each worker runs a watchdog on the agent's PID
 (``ftrain.heartbeat``), so nothing of a round outlives an agent that is SIGKILLed.
+
+PIDs are signalled only while they still are what they were (:class:`PidTracker`): a PID is
+taken on only while it is a descendant of this round's torchrun, with its start time; it is
+signalled (SIGKILL, SIGTERM, SIGUSR1 for stack dumps) only while the process with that PID
+still has that start time. A PID announced in a heartbeat that is not a descendant — a
+zombie of an old round, another user's process, a recycled PID — is never signalled.
 """
 
 from __future__ import annotations
@@ -54,6 +60,68 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc field 22), None if it is gone. Two
+    processes that had the same PID never have the same start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class PidTracker:
+    """The processes of one process tree, remembered by (PID, start time).
+
+    What must stay true: :meth:`live` returns only PIDs that were descendants of ``root_pid``
+    when first seen and whose process has the start time seen then (so a PID the kernel gave to
+    another process since is left alone).
+    """
+
+    PID_MAX = 2**22
+
+    def __init__(self, root_pid: int):
+        self.root_pid = root_pid
+        self._known: dict[int, int] = {}  #: pid -> start time when first seen as a descendant
+
+    def refresh(self) -> None:
+        """Take on every current descendant of the root."""
+        for pid in descendants(self.root_pid):
+            self._take(pid)
+
+    def note(self, pids: Iterable[int]) -> None:
+        """Take on ``pids`` (e.g. from heartbeats) that are descendants of the root; others are ignored."""
+        new = {p for p in pids if isinstance(p, int) and 1 < p <= self.PID_MAX and p not in self._known}
+        if not new:
+            return
+        tree = set(descendants(self.root_pid))
+        for pid in new:
+            if pid in tree:
+                self._take(pid)
+            else:
+                log.warning("pid %d is not a process of torchrun %d: never signalled", pid, self.root_pid)
+
+    def _take(self, pid: int) -> None:
+        if pid not in self._known:
+            started = start_time(pid)
+            if started is not None:
+                self._known[pid] = started
+
+    def replaced(self, pid: int) -> bool:
+        """``pid`` was taken on, and the process now holding that PID (if any) is another one."""
+        started = self._known.get(pid)
+        return started is not None and start_time(pid) != started
+
+    def is_ours(self, pid: int) -> bool:
+        """``pid`` was taken on and still is the same process (alive or a zombie)."""
+        started = self._known.get(pid)
+        return started is not None and start_time(pid) == started
+
+    def live(self) -> list[int]:
+        """Known processes still running as the same process (not zombies)."""
+        return sorted(p for p in self._known if self.is_ours(p) and process_state(p) not in (None, "Z", "X"))
+
+
 def process_state(pid: int) -> str | None:
     """The one-letter state from /proc (R, S, T for stopped, Z, ...), None if gone."""
     try:
@@ -97,11 +165,11 @@ class WorkerGroup:
         self.launch = launch
         self.log_path = log_path
         self.started_at = time.monotonic()
-        self._known_pids: set[int] = set()
         self.terminating = False  #: terminate() was called: a graceful stop is under way
         with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(launch.command(), env=env, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.pids = PidTracker(self.proc.pid)
         log.info("round %d: started torchrun pid %d (node rank %d of %d, %d worker(s)), log %s", launch.round,
                  self.proc.pid, launch.node_rank, launch.nnodes, launch.nproc_per_node, log_path)
 
@@ -113,12 +181,14 @@ class WorkerGroup:
         return self.proc.poll()
 
     def note_pids(self, pids: Iterable[int]) -> None:
-        self._known_pids.update(p for p in pids if p > 0)
+        """PIDs from heartbeats: taken on only if they are torchrun's descendants (see PidTracker)."""
+        self.pids.note(pids)
 
     def worker_pids(self) -> list[int]:
-        """Live worker processes: torchrun's descendants and the PIDs seen in heartbeats."""
-        self._known_pids.update(descendants(self.proc.pid))
-        return sorted(p for p in self._known_pids if process_state(p) not in (None, "Z"))
+        """Live worker processes: torchrun's descendants, now or when first seen, still the same
+        processes (safe to signal)."""
+        self.pids.refresh()
+        return self.pids.live()
 
     def terminate(self) -> None:
         """Ask the workers to stop gracefully (they finish the step and save): SIGTERM to each

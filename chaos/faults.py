@@ -259,7 +259,8 @@ def _ckpt_corrupt(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     mode = spec.params.get("mode") or ctx.rng.choice(CORRUPTION_MODES)
     info = wait_for(lambda: newest_committed(list_steps(ctx.storage)), 120, "a committed checkpoint")
     damaged = corrupt_step(ctx.storage, info.dirname, mode, ctx.rng)
-    record = ctx.emit("ckpt_corrupt", ckpt_step=info.step, mode=mode, file=damaged, step=ctx.cluster.step())
+    record = ctx.emit("ckpt_corrupt", ckpt_step=info.step, ckpt_created_time=info.manifest.created_time, mode=mode,
+                      file=damaged, step=ctx.cluster.step())
     if spec.params.get("then_kill", True):  # make a load meet it
         node, pid = _pick_worker(ctx, FaultSpec("worker_kill", node=spec.node))
         _signal(pid, signal.SIGKILL)
@@ -321,7 +322,7 @@ def _zombie_commit(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     args = [a for a in ctx.cluster.worker_args if not a.startswith(("--logging.", "--data.ledger_dir",
                                                                     "--train.save_final_path"))]
     env = quiet_env(**ctx.cluster.env, FTRAIN_ETCD=ctx.cluster.etcd, FTRAIN_FENCE_KEY=f"/ftrain/jobs/{ctx.cluster.job}/round",
-                    FTRAIN_ROUND=str(g - 1), FTRAIN_LOG_LEVEL="WARNING")
+                    FTRAIN_ROUND=str(g - 1), FTRAIN_JOB=ctx.cluster.job, FTRAIN_LOG_LEVEL="WARNING")
     out = _run_zombie(args, zombie_events, env)
     return ctx.emit("zombie_commit", round=g - 1, current_round=g, **out)
 

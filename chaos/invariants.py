@@ -66,8 +66,8 @@ def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 def final_state_matches(golden_path: Path, final_path: Path, tolerance: float) -> Check:
     if not final_path.exists():
         return Check("final_state_matches_golden", False, f"no final state at {final_path}")
-    golden = torch.load(golden_path, map_location="cpu", weights_only=False)
-    final = torch.load(final_path, map_location="cpu", weights_only=False)
+    golden = torch.load(golden_path, map_location="cpu", weights_only=True)
+    final = torch.load(final_path, map_location="cpu", weights_only=True)
     worst, where, compared = 0.0, "", 0
     for part in ("model", "optim"):
         a, b = _tensors(golden[part]), _tensors(final[part])
@@ -93,9 +93,20 @@ def final_state_matches(golden_path: Path, final_path: Path, tolerance: float) -
     return Check("final_state_matches_golden", ok, detail)
 
 
+#: One commit of one step: a step can be committed, damaged, refused and committed again, and
+#: each commit has its own manifest (``created_time`` is written by the committing coordinator).
+CommitId = tuple[int, float]
+
+
 def corrupted_by_chaos(events: list[dict[str, Any]]) -> dict[int, float]:
     """Checkpoint steps the chaos run damaged on purpose -> when."""
     return {e["ckpt_step"]: e["time"] for e in _of(events, "chaos_fault") if e.get("kind") == "ckpt_corrupt"}
+
+
+def damaged_commits(events: list[dict[str, Any]]) -> dict[CommitId, float]:
+    """The commits chaos damaged on purpose -> when (each fault names the manifest it found)."""
+    return {(e["ckpt_step"], e["ckpt_created_time"]): e["time"] for e in _of(events, "chaos_fault")
+            if e.get("kind") == "ckpt_corrupt" and "ckpt_created_time" in e}
 
 
 def committed_checkpoints_verify(storage: Storage, events: list[dict[str, Any]]) -> Check:
@@ -114,31 +125,39 @@ def committed_checkpoints_verify(storage: Storage, events: list[dict[str, Any]])
     return Check("committed_checkpoints_verify", ok, detail)
 
 
-def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[int, float]) -> Check:
-    """Every load was of a step committed before it, and never of one damaged before it.
+def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[CommitId, float]) -> Check:
+    """Every load read a commit that existed before it, and never a commit damaged before it.
 
-    A step's commit time is its manifest's ``created_time`` as an observer of the storage saw
-    it (a worker killed right after its background upload committed never logs the commit),
-    or the ``ckpt_committed`` event, whichever is known and earlier.
+    Each load is judged against the commit it actually read: the ``ckpt_loaded`` event names
+    the manifest (step and ``created_time``), and ``observed_commits`` holds every manifest an
+    observer of the storage saw appear (a worker killed right after its background upload
+    committed never logs the commit). A step damaged by chaos, refused, and then saved and
+    committed again is a new commit: loading it is correct.
     """
-    damaged = corrupted_by_chaos(events)
-    commits = dict(observed_commits)
-    for e in _of(events, "ckpt_committed"):
-        commits[e["step"]] = min(commits.get(e["step"], e["time"]), e["time"])
+    damaged = damaged_commits(events)
     bad, loads = [], 0
-    for e in _of(events, "resumed"):
+    for e in _of(events, "ckpt_loaded"):
         if e.get("rank") != 0:
             continue
         loads += 1
-        step, at = e["step"], e["time"]
-        if step not in commits or commits[step] > at:
-            bad.append(f"round {e['round']} loaded step {step}, which was not committed before the load")
-        if step in damaged and damaged[step] < at:
-            bad.append(f"round {e['round']} loaded step {step} after chaos had corrupted it")
+        commit: CommitId = (e["step"], e.get("created_time", -1.0))
+        at = e["time"]
+        seen = observed_commits.get(commit)
+        if commit[1] > at or (seen is None and not _committed_by_event(events, commit, at)):
+            bad.append(f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}), "
+                       "which was not committed before the load")
+        if commit in damaged and damaged[commit] < at:
+            bad.append(f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}) "
+                       "after chaos had corrupted that commit")
     skipped = sorted({e["step"] for e in _of(events, "ckpt_corrupt")})
     detail = "; ".join(bad) if bad else (f"{loads} load(s), each of a committed, intact step"
                                          + (f"; corrupt steps refused: {skipped}" if skipped else ""))
     return Check("loads_were_committed_and_intact", not bad, detail)
+
+
+def _committed_by_event(events: list[dict[str, Any]], commit: CommitId, before: float) -> bool:
+    """A worker logged the commit of that step between the manifest's creation and ``before``."""
+    return any(e["step"] == commit[0] and commit[1] <= e["time"] <= before for e in _of(events, "ckpt_committed"))
 
 
 def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:

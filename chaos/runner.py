@@ -75,13 +75,15 @@ def golden_run(scenario: Scenario, cache_dir: Path) -> Path:
 
 
 class _CommitWatcher(threading.Thread):
-    """Records each committed step's manifest time as it appears on storage (independent of
-    what the workers say), so the invariants can tell whether a loaded step had been committed."""
+    """Records every commit (step, manifest ``created_time``) as it appears on storage, with the
+    time it was first seen (independent of what the workers say), so the invariants can tell
+    whether the commit a load read existed — a step re-committed after chaos damaged it is a
+    new commit."""
 
     def __init__(self, storage: Storage, interval_s: float = 0.25):
         super().__init__(name="chaos-commit-watcher", daemon=True)
         self.storage, self.interval_s = storage, interval_s
-        self.commits: dict[int, float] = {}
+        self.commits: dict[tuple[int, float], float] = {}
         self.closing = threading.Event()
 
     def run(self) -> None:
@@ -90,9 +92,10 @@ class _CommitWatcher(threading.Thread):
                 steps = list_steps(self.storage)
             except Exception:  # noqa: BLE001 - storage outages are part of the scenario
                 continue
+            now = time.time()
             for info in steps:
-                if info.manifest is not None and info.step not in self.commits:
-                    self.commits[info.step] = info.manifest.created_time
+                if info.manifest is not None:
+                    self.commits.setdefault((info.step, info.manifest.created_time), now)
 
 
 class _Campaign(threading.Thread):

@@ -3,9 +3,19 @@
 The listing plus each step's manifest are the truth (never the advisory ``latest`` pointer):
 
 - ``committed``: ``manifest.json`` parses (and passes its HMAC when a key is set), names the same
-  step as its directory, and no ``corrupt.json`` marker sits beside it;
-- ``corrupt``: a manifest exists but fails, or a ``corrupt.json`` marker is present;
+  step as its directory, belongs to the reader's job (when the reader names one), and no
+  ``corrupt.json`` marker sits beside it;
+- ``corrupt``: a manifest exists but fails any of that, or a ``corrupt.json`` marker is present;
 - ``uncommitted``: no manifest (a save in flight, or one that died); readers ignore it.
+
+A job's readers pass ``job``: a manifest of another job (a step copied between roots, or a root
+shared by mistake) is then not committed for them, and the error names both jobs. ``job=None``
+(inspection tools that know no job) accepts any job. Format-1 manifests record no job; they are
+accepted without an HMAC key whatever the reader's job (see :mod:`checkpoint.manifest`).
+
+Everything read here is bounded: a manifest past :data:`~checkpoint.manifest.MAX_MANIFEST_BYTES`
+is corrupt without being read whole, and a marker's reason is read from at most
+:data:`MAX_MARKER_BYTES` bytes.
 
 Storage errors (transient after retries, or fatal) propagate: an unreachable bucket is not
 evidence that a checkpoint is corrupt.
@@ -13,15 +23,24 @@ evidence that a checkpoint is corrupt.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Literal
 
 from checkpoint.errors import ManifestError
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, parse_step_dir
+from checkpoint.manifest import (
+    CORRUPT_NAME,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    parse_json_bounded,
+    parse_step_dir,
+)
 from checkpoint.storage import Storage
 
 State = Literal["committed", "uncommitted", "corrupt"]
+
+#: A ``corrupt.json`` marker is read up to this size (its reason is only shown to people).
+MAX_MARKER_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -40,29 +59,55 @@ class StepInfo:
     """True when a ``corrupt.json`` marker is present (an earlier verification failed)."""
 
 
-def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None) -> Manifest:
-    """The manifest of ``dirname``, checked: parse, HMAC, and its step equals the directory's.
+def read_bounded(storage: Storage, rel: str, max_bytes: int) -> bytes:
+    """``rel``'s bytes, or ManifestError once more than ``max_bytes`` arrive (the rest unread).
+
+    The whole read is retried on transient errors; FileNotFoundError and storage errors propagate.
+    """
+
+    def read() -> bytes:
+        parts: list[bytes] = []
+        size_bytes = 0
+        for chunk in storage.iter_chunks(rel, chunk_bytes=min(max_bytes + 1, 1 << 20)):
+            parts.append(chunk)
+            size_bytes += len(chunk)
+            if size_bytes > max_bytes:
+                raise ManifestError(f"{rel} is larger than {max_bytes} bytes; refused unread")
+        return b"".join(parts)
+
+    return storage.retry(read, f"read {rel}")
+
+
+def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None, *,
+                  job: str | None = None) -> Manifest:
+    """The manifest of ``dirname``, checked: bounded parse, HMAC, its step equals the directory's,
+    and (unless ``job`` is None) it belongs to job ``job``.
 
     Raises :class:`ManifestError` for a bad manifest, ``FileNotFoundError`` if there is none.
     """
-    data = storage.read_bytes(f"{dirname}/{MANIFEST_NAME}")
+    data = read_bounded(storage, f"{dirname}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
     manifest = Manifest.from_json(data, hmac_key)
     step = parse_step_dir(dirname)
     if step is not None and manifest.step != step:
         raise ManifestError(f"manifest of {dirname} says step {manifest.step}")
+    if job is not None and manifest.format >= 2 and manifest.job != job:
+        raise ManifestError(f"manifest of {dirname} belongs to job {manifest.job!r}, not to this job {job!r}: "
+                            "copied from another job's root, or two jobs share checkpoint.uri")
     return manifest
 
 
 def _marker_reason(storage: Storage, dirname: str) -> str:
     try:
-        marker = json.loads(storage.read_bytes(f"{dirname}/{CORRUPT_NAME}"))
+        marker = parse_json_bounded(read_bounded(storage, f"{dirname}/{CORRUPT_NAME}", MAX_MARKER_BYTES),
+                                    CORRUPT_NAME)
         reason = marker.get("reason") if isinstance(marker, dict) else None
-    except (ValueError, FileNotFoundError):
+    except (ManifestError, FileNotFoundError):
         reason = None
-    return f"marked corrupt: {reason}" if reason else "marked corrupt"
+    return f"marked corrupt: {str(reason)[:500]}" if reason else "marked corrupt"
 
 
-def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None) -> StepInfo:
+def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *,
+                 job: str | None = None) -> StepInfo:
     """The state of one step directory (see the module doc)."""
     step = parse_step_dir(dirname)
     if step is None:
@@ -73,7 +118,7 @@ def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None) 
     error: str | None = None
     if MANIFEST_NAME in names:
         try:
-            manifest = read_manifest(storage, dirname, hmac_key)
+            manifest = read_manifest(storage, dirname, hmac_key, job=job)
         except ManifestError as e:
             error = str(e)
         except FileNotFoundError:  # removed since the listing (GC removes the manifest first)
@@ -88,10 +133,11 @@ def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None) 
     return StepInfo(step, dirname, "committed", manifest, None)
 
 
-def list_steps(storage: Storage, hmac_key: bytes | None = None) -> list[StepInfo]:
-    """Every step directory directly under the root, ascending by step; other names ignored."""
+def list_steps(storage: Storage, hmac_key: bytes | None = None, *, job: str | None = None) -> list[StepInfo]:
+    """Every step directory directly under the root, ascending by step; other names ignored.
+    ``job``: see the module doc."""
     dirnames = [name for name in storage.listdir("") if parse_step_dir(name) is not None]
-    infos = [inspect_step(storage, name, hmac_key) for name in dirnames]
+    infos = [inspect_step(storage, name, hmac_key, job=job) for name in dirnames]
     return sorted(infos, key=lambda info: info.step)
 
 

@@ -12,6 +12,13 @@ is never set (``reset()`` would drop them); ``sync_files=False`` (S3 files have 
 the fallback is a host-wide ``os.sync()``). A step is never overwritten: DCP's own check looks
 only for ``.metadata``, so the publisher's ``prepare`` refuses a committed step and clears a
 torn one before any rank writes (DCP runs with ``overwrite=True`` so it does not re-check).
+On a local filesystem every uploaded file is fsynced and renamed into place, and its directory
+fsynced (also after DCP renames ``.metadata.tmp``), before the manifest can commit the step.
+
+Reading trusts nothing from storage: ``.metadata`` is digested and unpickled with an allow-list,
+its storage references must stay inside the files the manifest lists, only those files can be
+opened (each digested as it is fetched), and every non-tensor item in a shard is unpickled by
+torch's weights-only allow-list (:mod:`checkpoint.safe_pickle`), whatever planner DCP was given.
 """
 
 from __future__ import annotations
@@ -29,15 +36,20 @@ from typing import Any, Iterator, Protocol
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
 from checkpoint.digest import new_hasher
-from checkpoint.errors import ChecksumMismatchError, UnsafePickleError
+from checkpoint.errors import ChecksumMismatchError, UnsafeMetadataError, UnsafePickleError
 from checkpoint.manifest import FileEntry
-from checkpoint.storage import Storage, StorageOptions
-
-METADATA_NAME = ".metadata"
+from checkpoint.safe_pickle import (
+    METADATA_NAME,
+    SafeBytesLoadMixin,
+    metadata_problems,
+    safe_load_bytes,
+)
+from checkpoint.storage import Storage, StorageOptions, fsync_dir
 
 
 class _HashingStream(io.RawIOBase):
@@ -104,17 +116,32 @@ class _DigestingFileSystem:
                 self.files[name] = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
 
     def _upload(self, path: str, spool: Any, size_bytes: int) -> None:
+        """Upload one staged file whole. On a local filesystem the file is fsynced, renamed into
+        place and its directory fsynced before this returns (the manifest, written after every
+        upload, must never commit a shard a power loss could tear); elsewhere one PUT."""
+        name = posixpath.basename(path)
+        if self._storage.local_path(path) is not None:
+            self._storage.upload_local_durable(path, spool)
+            return
         fs = self._inner.fs
         if size_bytes <= self._spool_bytes:
             spool.seek(0)
             data = spool.read()
-            self._storage.retry(lambda: fs.pipe_file(path, data), f"upload {posixpath.basename(path)}")
+            self._storage.retry(lambda: fs.pipe_file(path, data), f"upload {name}")
             return
         spool.seek(0)
         with tempfile.NamedTemporaryFile() as local:
             shutil.copyfileobj(spool, local, 8 << 20)
             local.flush()
-            self._storage.retry(lambda: fs.put_file(local.name, path), f"upload {posixpath.basename(path)}")
+            self._storage.retry(lambda: fs.put_file(local.name, path), f"upload {name}")
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        """DCP renames ``.metadata.tmp`` to ``.metadata``; on a local filesystem the directory is
+        fsynced afterwards, so the new name is durable before the manifest commits it."""
+        self._inner.rename(path, new_path)
+        local = self._storage.local_path(str(new_path))
+        if local is not None:
+            fsync_dir(posixpath.dirname(local) or ".")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,28 +251,43 @@ class _VerifyingReadFileSystem:
     Each file a rank reads is fetched once (retried whole on transient errors) through the
     hasher into a spool (memory, or a temp file past ``spool_bytes``) and compared with the
     manifest before DCP sees a byte of it: a file that changed after the verification pass
-    cannot be loaded silently.
+    cannot be loaded silently. Only files the manifest lists, named relative to the step root,
+    can be opened at all (``.metadata`` is handed over raw: :meth:`VerifiedReader.read_metadata`
+    digests it itself); nothing can be written.
     """
 
     def __init__(self, inner: Any, files: dict[str, FileEntry], algorithm: str, storage: Storage,
-                 spool_bytes: int = 256 << 20):
+                 root: str, spool_bytes: int = 256 << 20):
         self._inner = inner
         self._files = files
         self._algorithm = algorithm
         self._storage = storage
+        self._root = root.rstrip("/")
         self._spool_bytes = spool_bytes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def _listed_name(self, path: Any) -> str:
+        """``path`` relative to the step root; ChecksumMismatchError unless the manifest lists it."""
+        text = str(path)
+        prefix = self._root + "/"
+        name = text[len(prefix):] if text.startswith(prefix) else None
+        if name is None or (name != METADATA_NAME and name not in self._files):
+            raise ChecksumMismatchError(f"{text}: not listed in the manifest of {self._root}; refusing to read "
+                                        "unverified bytes (a forged or corrupt .metadata points at it)")
+        return name
+
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        name = posixpath.basename(str(path))
-        expected = self._files.get(name)
-        if "r" not in mode or name == METADATA_NAME or expected is None:
+        if "r" not in mode or any(ch in mode for ch in "wa+x"):
+            raise ChecksumMismatchError(f"{path}: VerifiedReader opens files read-only, not with mode {mode!r}")
+        name = self._listed_name(path)
+        if name == METADATA_NAME:
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
             return
+        expected = self._files[name]
         with tempfile.SpooledTemporaryFile(max_size=self._spool_bytes) as spool:
 
             def fetch() -> tuple[int, str]:
@@ -257,6 +299,8 @@ class _VerifyingReadFileSystem:
                         hasher.update(chunk)
                         spool.write(chunk)
                         size += len(chunk)
+                        if size > expected.size_bytes:  # grown since the manifest: stop spooling
+                            break
                 return size, hasher.hexdigest()
 
             size, digest = self._storage.retry(fetch, f"read {name}")
@@ -267,22 +311,48 @@ class _VerifyingReadFileSystem:
             yield spool
 
 
+class _SafeBytesPlanner:
+    """Stands in for DCP's planner inside :meth:`VerifiedReader.read_data`: bytes items are
+    stored by :func:`checkpoint.safe_pickle.safe_load_bytes` (allow-list unpickler), never by the
+    planner's own ``load_bytes`` (``torch.load(weights_only=False)`` in DCP's default planner);
+    everything else goes to the real planner."""
+
+    def __init__(self, planner: Any):
+        self._planner = planner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        if isinstance(self._planner, SafeBytesLoadMixin):
+            self._planner.load_bytes(read_item, value)  # already the allow-list loader
+        elif isinstance(self._planner, DefaultLoadPlanner):
+            safe_load_bytes(self._planner, read_item, value)
+        else:
+            raise UnsafePickleError(f"item {read_item.storage_index.fqn!r}: planner {type(self._planner).__name__} is "
+                                    "not a DefaultLoadPlanner, so VerifiedReader cannot store its bytes items safely; "
+                                    "pass planner=checkpoint.safe_pickle.SafeLoadPlanner()")
+
+
 class VerifiedReader(FsspecReader):
     """FsspecReader that trusts nothing it has not hashed: ``.metadata`` must match the
-    manifest before it is unpickled (with an allow-list), and every data file is digested as it
-    is fetched, before DCP reads from it."""
+    manifest before it is unpickled (with an allow-list), every storage reference in it must
+    point inside a listed file (:func:`checkpoint.safe_pickle.metadata_problems`), every data
+    file is digested as it is fetched, before DCP reads from it, and every non-tensor item is
+    unpickled with torch's weights-only allow-list whatever planner DCP was given."""
 
     def __init__(self, url: str, *, options: StorageOptions, files: dict[str, FileEntry], algorithm: str):
         storage = Storage(url, options)
         super().__init__(url, **storage.storage_kwargs)
+        self._files = files
         self._expected = files[METADATA_NAME]
         self._algorithm = algorithm
-        self.fs = _VerifyingReadFileSystem(self.fs, files, algorithm, storage)
+        self.fs = _VerifyingReadFileSystem(self.fs, files, algorithm, storage, str(url))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as fh:
-            data = fh.read()
+            data = fh.read(self._expected.size_bytes + 1)  # a grown file is refused, not read whole
         hasher = new_hasher(self._algorithm)
         hasher.update(data)
         if len(data) != self._expected.size_bytes or hasher.hexdigest() != self._expected.digest:
@@ -293,3 +363,13 @@ class VerifiedReader(FsspecReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Refuse (UnsafeMetadataError) a ``.metadata`` that points outside the manifest's files."""
+        problems = metadata_problems(metadata, self._files)
+        if problems:
+            raise UnsafeMetadataError(f"{METADATA_NAME} of {self.path}: " + "; ".join(problems))
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return super().read_data(plan, _SafeBytesPlanner(planner))

@@ -28,7 +28,13 @@ class StaleRoundError(CheckpointError):
 
 
 class UnsafePickleError(CheckpointError):
-    """``.metadata`` asked to load something outside the allowed DCP metadata classes."""
+    """A pickle from storage (``.metadata``, or a non-tensor item inside a ``.distcp`` shard)
+    asked to load something outside its allow-list, or is not a pickle DCP writes at all."""
+
+
+class UnsafeMetadataError(UnsafePickleError):
+    """``.metadata`` points outside the step's manifest: a file name, offset, length or
+    transform that no writer of this project produces (a forged or corrupt ``.metadata``)."""
 
 
 class NoCheckpointError(CheckpointError):

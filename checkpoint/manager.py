@@ -10,6 +10,21 @@ Load: the newest committed step (or a pinned one) is verified — manifest (and 
 file's digest, the work split across ranks and one verdict for all — and only then read by DCP,
 whose ``.metadata`` is checked against the manifest and unpickled with an allow-list. A bad step
 gets a ``corrupt.json`` marker (nothing is deleted) and the previous committed step is tried.
+
+What must stay true on load:
+
+- Only a verified bad byte marks a step corrupt: a digest or size mismatch, a missing file, an
+  unsafe or unparsable ``.metadata`` whose digest matched, a manifest that fails its HMAC, its
+  job or the caller's ``validate``. A storage error (transient after retries, fatal, any
+  ``OSError``) fails the load attempt with :class:`CheckpointError` and writes no marker; every
+  rank gets the same verdict (problems are gathered), so no rank waits alone in a collective.
+- A job never starts from step 0 over steps it could not load: when step directories with
+  manifests exist and none loads, ``on_no_loadable_step="fail"`` (the default) raises
+  :class:`NoLoadableStepError` naming every step and why it was refused; ``"fresh"`` emits
+  ``ckpt_fresh_start``, logs it loudly and returns None. A pinned ``load_step`` that cannot be
+  loaded always raises. A root with no manifests at all starts fresh silently.
+- After a fresh start the old directories never block saves: :meth:`StepPublisher.prepare`
+  clears a step directory whose manifest is not committed under the current key and job.
 """
 
 from __future__ import annotations
@@ -25,18 +40,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from checkpoint.catalog import StepInfo, list_steps
+from checkpoint.catalog import StepInfo, inspect_step, list_steps
 from checkpoint.dcp_io import METADATA_NAME, DigestingWriter, VerifiedReader
 from checkpoint.errors import (
     ChecksumMismatchError,
     CheckpointError,
+    FatalStorageError,
+    ManifestError,
     StaleRoundError,
+    TransientStorageError,
     UnsafePickleError,
 )
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, step_dir_name
-from checkpoint.retention import apply_gc, modified_times, plan_gc
+from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, job_problem, step_dir_name
+from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
+from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import CORRUPTION_KINDS, Problem, check_metadata_safe, mark_corrupt, split_files, verify_files
+from checkpoint.verify import CORRUPTION_KINDS, Problem, check_pickled_items, mark_corrupt, split_files, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -62,39 +81,92 @@ def describe_error(err: BaseException) -> str:
 
 
 _CORRUPTION_TYPES = (ChecksumMismatchError, UnsafePickleError)
+#: Errors of storage, not of the bytes: they never mark a step corrupt.
+_STORAGE_TYPES = (TransientStorageError, FatalStorageError, OSError)
 #: DCP re-raises a failed metadata read as a bare AssertionError carrying only the message.
-_CORRUPTION_TEXT = ("ChecksumMismatchError", "UnsafePickleError", "DCP metadata", "does not match the manifest",
-                    "changed since it was verified")
+_CORRUPTION_TEXT = ("ChecksumMismatchError", "UnsafePickleError", "UnsafeMetadataError", "DCP metadata",
+                    "does not match the manifest", "changed since it was verified")
+
+
+def _exceptions(err: BaseException) -> list[BaseException]:
+    """``err``, each rank's error inside a DCP CheckpointException, and their causes."""
+    roots = [err]
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        for wrapped in failures.values():
+            roots.append(wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped))
+    found: list[BaseException] = []
+    for exc in roots:
+        while isinstance(exc, BaseException) and exc not in found and len(found) < 64:
+            found.append(exc)
+            exc = exc.__cause__ or exc.__context__
+    return found
 
 
 def _is_corruption(err: BaseException) -> bool:
-    """Did a load fail because the bytes were not what the manifest promised (vs. an I/O error)?"""
-    if isinstance(err, _CORRUPTION_TYPES):
+    """Did a load fail because the bytes were not what the manifest promised?
+
+    A typed corruption error anywhere (any rank, any cause) says yes; otherwise a storage error
+    anywhere says no (an I/O failure proves nothing about the bytes); only an untyped error
+    (DCP's bare AssertionError) is judged by its text.
+    """
+    excs = _exceptions(err)
+    if any(isinstance(e, _CORRUPTION_TYPES) for e in excs):
         return True
-    failures = getattr(err, "failures", None) or {}
-    for wrapped in failures.values():
-        exc = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
-        if isinstance(exc, _CORRUPTION_TYPES):
-            return True
+    if any(isinstance(e, _STORAGE_TYPES) for e in excs):
+        return False
     text = describe_error(err) + repr(err)
     return any(marker in text for marker in _CORRUPTION_TEXT)
+
+
+ON_NO_LOADABLE_STEP = ("fail", "fresh")
+
+
+@dataclass(slots=True)
+class Refusal:
+    """One step a load could not use, and why (manifest, HMAC, job, digests, marker...)."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.reason}"
+
+
+class NoLoadableStepError(CheckpointError):
+    """Steps with manifests exist under the root but none can be loaded (or a pinned
+    ``load_step`` cannot): starting from step 0 over them would lose the run silently."""
+
+    #: Restarting cannot help (the same steps would be refused again): a supervisor that reads
+    #: this attribute (ftrain's node agent does) ends the job with the message instead.
+    fatal = True
+
+    def __init__(self, url: str, refusals: list[Refusal], *, load_step: int = -1):
+        self.url = url
+        self.refusals = list(refusals)
+        self.load_step = load_step
+        listing = "\n".join(f"  - {r}"[:1200] for r in self.refusals) or "  (none)"
+        if load_step >= 0:
+            message = (f"checkpoint.load_step={load_step} cannot be loaded from {url}:\n{listing}\n"
+                       f"Pick a committed step (ftrain ckpt ls {url}) or set checkpoint.load_step=-1.")
+        else:
+            message = (f"no checkpoint step under {url} can be loaded, but {len(self.refusals)} step(s) with "
+                       f"manifests exist; refusing to start from step 0 over them:\n{listing}\n"
+                       "Fix the cause (the HMAC key in checkpoint.hmac_key_env, the job id FTRAIN_JOB / "
+                       "agent.job, checkpoint.uri, or the storage), or set checkpoint.on_no_loadable_step=fresh "
+                       "to start from step 0 (the new run replaces those step directories as it saves).")
+        super().__init__(message)
 
 
 def _no_event(name: str, **fields: Any) -> None:
     return None
 
 
-@dataclass
-class Retention:
-    keep_last: int = 3
-    keep_every: int = 0
-    grace_s: float = 3600.0
-
-
 def collect_garbage(storage: Storage, retention: Retention, *, in_flight: set[int], hmac_key: bytes | None,
-                    on_event: EventSink = _no_event) -> list[str]:
-    """Apply retention: never touches the newest committed step or an in-flight one."""
-    steps = list_steps(storage, hmac_key)
+                    on_event: EventSink = _no_event, job: str | None = None) -> list[str]:
+    """Apply retention: never touches the newest committed step or an in-flight one. With
+    ``job``, another job's steps are not committed here (they never count as this job's newest)."""
+    steps = list_steps(storage, hmac_key, job=job)
     plan = plan_gc(steps, keep_last=retention.keep_last, keep_every=retention.keep_every, in_flight=in_flight,
                    now_s=time.time(), modified_s=modified_times(storage, [s.dirname for s in steps
                                                                           if s.state != "committed"]),
@@ -112,9 +184,11 @@ class StepPublisher:
     coordinator runs: the training thread, a background thread or a background process).
 
     ``prepare`` checks the fence (a zombie of an old round must not even clear or write files
-    the current round may be uploading), then clears a torn directory of the same step before
-    any rank writes; ``commit`` checks the fence again, writes the manifest (the commit point),
-    then applies retention.
+    the current round may be uploading), then refuses a step that is committed under the
+    current key and job, and clears any other directory of the same step (torn, marked corrupt,
+    or with a manifest that this key/job does not accept: e.g. the old steps after a fresh start)
+    before any rank writes; ``commit`` checks the fence again, writes the manifest (the commit
+    point), then applies retention. ``fields["job"]`` is the writer's job id.
     """
 
     url: str
@@ -131,9 +205,14 @@ class StepPublisher:
         storage = Storage(self.url, self.options)
         if not storage.listdir(self.dirname):
             return
-        if storage.exists(f"{self.dirname}/{MANIFEST_NAME}") and not storage.exists(f"{self.dirname}/{CORRUPT_NAME}"):
+        info = inspect_step(storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"])
+        if info.state == "committed":
             raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
-        log.warning("clearing %s (a torn or corrupt earlier save) before saving it again", self.dirname)
+        if info.state == "corrupt":
+            log.warning("clearing %s before saving it again: not a committed step under the current HMAC key and "
+                        "job %r (%s)", self.dirname, self.fields["job"], info.error)
+        else:
+            log.warning("clearing %s (a torn earlier save) before saving it again", self.dirname)
         storage.remove(self.dirname, recursive=True)
         storage.clear_multipart_uploads(self.dirname)
         storage.retry(lambda: storage.fs.makedirs(storage.path(self.dirname), exist_ok=True), "mkdir")
@@ -148,7 +227,7 @@ class StepPublisher:
         storage.write_bytes("latest", str(manifest.step).encode())
         if self.retention is not None:
             try:
-                collect_garbage(storage, self.retention, in_flight=set(), hmac_key=hmac_key)
+                collect_garbage(storage, self.retention, in_flight=set(), hmac_key=hmac_key, job=self.fields["job"])
             except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
                 log.warning("retention after committing %s failed: %s", self.dirname, e)
 
@@ -163,6 +242,8 @@ class SaveStatus:
     saves_skipped: int = 0
     in_flight_step: int = -1
     last_error: str = ""
+    consecutive_failures: int = 0
+    """Failed saves since the last commit (skipped saves do not count); 0 after a commit."""
 
 
 @dataclass
@@ -180,14 +261,27 @@ class CheckpointManager:
     when_busy: str = "wait"  # wait | skip
     digest: str = "xxh3_128"
     hmac_key_env: str = ""
+    job: str = ""
+    """Job id written into every manifest and required of every manifest loaded (see
+    :mod:`checkpoint.catalog`); must be non-empty when ``hmac_key_env`` is set."""
     fence: Fence | None = None
-    keep_last: int = 3
-    keep_every: int = 0
-    gc_grace_s: float = 3600.0
+    keep_last: int = Retention.keep_last
+    keep_every: int = Retention.keep_every
+    gc_grace_s: float = Retention.grace_s
+    on_no_loadable_step: str = "fail"  # fail | fresh (see the module doc)
     on_event: EventSink = _no_event
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
+        why = job_problem(self.job)
+        if why is not None:
+            raise CheckpointError(f"checkpoint job id {why}")
+        if self.hmac_key_env and not self.job:
+            raise CheckpointError(f"signed manifests (HMAC key in {self.hmac_key_env}) are bound to a job id, "
+                                  "but none was given")
+        if self.on_no_loadable_step not in ON_NO_LOADABLE_STEP:
+            raise CheckpointError(f"on_no_loadable_step must be one of {ON_NO_LOADABLE_STEP}, "
+                                  f"got {self.on_no_loadable_step!r}")
         self.storage = Storage(self.url, self.options)
         self.status = SaveStatus()
         self._in_flight: _InFlight | None = None
@@ -213,7 +307,7 @@ class CheckpointManager:
             self.wait()
         dirname = step_dir_name(step)
         publisher = StepPublisher(self.url, self.options, dirname,
-                                  {**fields, "step": step, "digest_algorithm": self.digest},
+                                  {**fields, "step": step, "digest_algorithm": self.digest, "job": self.job},
                                   self.hmac_key_env, self.fence,
                                   Retention(self.keep_last, self.keep_every, self.gc_grace_s))
         writer = DigestingWriter(self.storage.child_url(dirname), options=self.options, algorithm=self.digest,
@@ -292,11 +386,13 @@ class CheckpointManager:
         self.status.last_committed_step = step
         self.status.last_save_duration_s = duration_s
         self.status.last_error = ""
+        self.status.consecutive_failures = 0
         log.info("checkpoint step %d committed in %.2fs", step, duration_s)
         self.on_event("ckpt_committed", step=step, duration_s=duration_s)
 
     def _record_failure(self, step: int, err: BaseException) -> None:
         self.status.saves_failed += 1
+        self.status.consecutive_failures += 1
         stale = isinstance(err, StaleRoundError) or "StaleRoundError" in describe_error(err)
         self.status.last_error = describe_error(err)[:1000]
         log.error("checkpoint of step %d FAILED (%s); training continues: %s", step,
@@ -304,44 +400,97 @@ class CheckpointManager:
         self.on_event("ckpt_failed", step=step, error=self.status.last_error, stale_round=stale)
 
     # -- loading -------------------------------------------------------------------------
+    def _hmac_key(self) -> bytes | None:
+        return hmac_key_from_env(self.hmac_key_env)
+
     def committed_steps(self) -> list[StepInfo]:
-        steps = list_steps(self.storage, hmac_key_from_env(self.hmac_key_env))
+        steps = list_steps(self.storage, self._hmac_key(), job=self.job)
         return [s for s in steps if s.state == "committed"]
 
-    def load(self, build_state_dict: Callable[[Manifest], dict[str, Any]], *, load_step: int = -1) -> Manifest | None:
+    def load(self, build_state_dict: Callable[[Manifest], dict[str, Any]], *, load_step: int = -1,
+             validate: Callable[[Manifest], None] | None = None) -> Manifest | None:
         """Load the newest verified committed step (or ``load_step``) into the state dict that
-        ``build_state_dict(manifest)`` returns; None if there is nothing to load."""
-        candidates = self._agree(self._candidates(load_step) if self.rank == 0 else None)
-        for info in candidates:
-            problems = self._verify_everywhere(info)
-            if any(p.kind in CORRUPTION_KINDS for p in problems):
-                self._reject(info, problems)
-                continue
-            if problems:  # unreadable (permissions...): not proof of corruption, so no marker
-                raise CheckpointError(f"{info.dirname} cannot be read: " + "; ".join(map(str, problems[:5])))
-            manifest = info.manifest
-            state_dict = build_state_dict(manifest)
-            reader = VerifiedReader(self.storage.child_url(info.dirname), options=self.options,
-                                    files=manifest.files, algorithm=manifest.digest_algorithm)
-            try:
-                dcp.load(state_dict, storage_reader=reader)
-            except BaseException as e:  # noqa: BLE001 - CheckpointException wraps per-rank errors
-                if isinstance(e, (KeyboardInterrupt, SystemExit)) or not _is_corruption(e):
-                    raise
-                self._reject(info, [Problem(METADATA_NAME, "digest", describe_error(e)[:300])])
-                continue
-            self.on_event("ckpt_loaded", step=info.step, world_size=manifest.world_size)
-            log.info("loaded checkpoint step %d (saved at world size %d)", info.step, manifest.world_size)
-            return manifest
-        if load_step >= 0:
-            raise CheckpointError(f"checkpoint.load_step={load_step} is not a committed, verified step under {self.url}")
-        return None
+        ``build_state_dict(manifest)`` returns; None if there is nothing to load (or, with
+        ``on_no_loadable_step="fresh"``, nothing loadable). See the module doc for the rules.
 
-    def _candidates(self, load_step: int) -> list[StepInfo]:
-        steps = self.committed_steps()
+        ``validate(manifest)`` checks what the caller needs of the manifest (its trainer state)
+        before any file is read; a :class:`ManifestError` (or ValueError/TypeError/KeyError) from
+        it makes the step corrupt (marked, fall back). ``build_state_dict`` must not judge the
+        manifest: what it raises propagates.
+        """
+        candidates, refusals = self._agree_or_raise(lambda: self._survey(load_step))
+        for info in candidates:
+            manifest, refusal = self._try_load(info, build_state_dict, validate)
+            if manifest is not None:
+                self._loaded(info, manifest, refusals)
+                return manifest
+            refusals.append(refusal)
+        return self._nothing_loaded(refusals, load_step)
+
+    def _survey(self, load_step: int) -> tuple[list[StepInfo], list[Refusal]]:
+        """Rank 0's view: committed candidates newest first, and the steps already refused."""
+        steps = self._steps_with_manifests()
         if load_step >= 0:
             steps = [s for s in steps if s.step == load_step]
-        return sorted(steps, key=lambda s: s.step, reverse=True)
+            if not steps:
+                return [], [Refusal(load_step, f"no directory {step_dir_name(load_step)} with a manifest")]
+        candidates = sorted((s for s in steps if s.state == "committed"), key=lambda s: s.step, reverse=True)
+        refusals = [Refusal(s.step, s.error or "corrupt") for s in steps if s.state == "corrupt"]
+        return candidates, sorted(refusals, key=lambda r: -r.step)
+
+    def _steps_with_manifests(self) -> list[StepInfo]:
+        """Every step directory that has a manifest (committed or corrupt), ascending by step."""
+        return [s for s in list_steps(self.storage, self._hmac_key(), job=self.job) if s.state != "uncommitted"]
+
+    def _try_load(self, info: StepInfo, build_state_dict: Callable[[Manifest], dict[str, Any]],
+                  validate: Callable[[Manifest], None] | None) -> tuple[Manifest | None, Refusal | None]:
+        """Verify then read one step: (manifest, None) when loaded, (None, refusal) when the step
+        is corrupt (marked). A storage error raises CheckpointError on every rank, marks nothing."""
+        problems = self._verify_everywhere(info, validate)
+        if any(p.kind in CORRUPTION_KINDS for p in problems):
+            self._reject(info, problems)
+            return None, Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
+        if problems:  # unreadable / storage errors: not proof of corruption, so no marker
+            raise CheckpointError(f"{info.dirname} cannot be read (a storage problem, not corruption; nothing was "
+                                  "marked): " + "; ".join(map(str, problems[:5])))
+        manifest = info.manifest
+        state_dict = build_state_dict(manifest)
+        reader = VerifiedReader(self.storage.child_url(info.dirname), options=self.options,
+                                files=manifest.files, algorithm=manifest.digest_algorithm)
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner())
+        except BaseException as e:  # noqa: BLE001 - CheckpointException wraps per-rank errors
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            if not _is_corruption(e):
+                raise CheckpointError(f"reading {info.dirname} failed, not proof of corruption (nothing was "
+                                      f"marked): {describe_error(e)[:1000]}") from e
+            problems = [Problem(METADATA_NAME, "digest", describe_error(e)[:300])]
+            self._reject(info, problems)
+            return None, Refusal(info.step, str(problems[0]))
+        return manifest, None
+
+    def _loaded(self, info: StepInfo, manifest: Manifest, refusals: list[Refusal]) -> None:
+        newer = [str(r) for r in refusals if r.step > info.step]
+        if newer:
+            log.warning("loaded step %d although newer steps exist that were refused: %s", info.step,
+                        "; ".join(newer)[:2000])
+        self.on_event("ckpt_loaded", step=info.step, world_size=manifest.world_size, ckpt_round=manifest.round,
+                      created_time=manifest.created_time, job=manifest.job, refused_newer=newer)
+        log.info("loaded checkpoint step %d (saved at world size %d)", info.step, manifest.world_size)
+
+    def _nothing_loaded(self, refusals: list[Refusal], load_step: int) -> None:
+        if load_step >= 0:
+            raise NoLoadableStepError(self.url, refusals, load_step=load_step)
+        if not refusals:
+            return None  # nothing but uncommitted directories (or nothing at all): a fresh job
+        if self.on_no_loadable_step != "fresh":
+            raise NoLoadableStepError(self.url, refusals)
+        lines = "; ".join(str(r) for r in refusals)
+        log.error("STARTING FROM STEP 0 (checkpoint.on_no_loadable_step=fresh): no step under %s can be loaded: %s",
+                  self.url, lines[:4000])
+        self.on_event("ckpt_fresh_start", refused=[str(r)[:1000] for r in refusals])
+        return None
 
     def _agree(self, value: Any) -> Any:
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -350,24 +499,61 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _verify_everywhere(self, info: StepInfo) -> list[Problem]:
+    def _agree_or_raise(self, compute: Callable[[], Any]) -> Any:
+        """Rank 0's ``compute()``, on every rank; if it raised, every rank raises (none is left
+        waiting in the broadcast)."""
+        value, error = None, None
+        if self.rank == 0:
+            try:
+                value = compute()
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+        if error is not None and not (dist.is_initialized() and dist.get_world_size() > 1):
+            raise error
+        value, message = self._agree((value, None if error is None else f"{type(error).__name__}: {error}"))
+        if error is not None:
+            raise error
+        if message is not None:
+            raise CheckpointError(f"rank 0 could not list the checkpoints under {self.url}: {message}")
+        return value
+
+    def _verify_everywhere(self, info: StepInfo, validate: Callable[[Manifest], None] | None) -> list[Problem]:
+        """Every rank's problems with ``info``, gathered: all ranks return the same list."""
         world = dist.get_world_size() if dist.is_initialized() else 1
+        mine = self._validation_problems(info.manifest, validate) if self.rank == 0 else []
         names = split_files(info.manifest, self.rank, world)
-        mine = verify_files(self.storage, info.dirname, info.manifest, names)
-        if METADATA_NAME in names and not mine:
-            mine = check_metadata_safe(self.storage, info.dirname)
+        try:
+            mine += verify_files(self.storage, info.dirname, info.manifest, names)
+            if METADATA_NAME in names and not any(p.file == METADATA_NAME for p in mine):
+                mine += check_pickled_items(self.storage, info.dirname, info.manifest)
+        except _STORAGE_TYPES as e:
+            mine.append(Problem(MANIFEST_NAME if not names else names[0], "unreadable",
+                                f"storage error, not corruption: {type(e).__name__}: {e}"[:500]))
         if world == 1:
             return mine
         gathered: list[list[Problem]] = [[] for _ in range(world)]
         dist.all_gather_object(gathered, mine)
         return [p for problems in gathered for p in problems]
 
+    @staticmethod
+    def _validation_problems(manifest: Manifest, validate: Callable[[Manifest], None] | None) -> list[Problem]:
+        if validate is None:
+            return []
+        try:
+            validate(manifest)
+        except (ManifestError, ValueError, TypeError, KeyError) as e:
+            return [Problem(MANIFEST_NAME, "manifest", f"not usable by this trainer: {e}"[:1000])]
+        return []
+
     def _reject(self, info: StepInfo, problems: list[Problem]) -> None:
         text = "; ".join(str(p) for p in problems[:5])
         log.error("checkpoint step %d is corrupt, falling back: %s", info.step, text)
         self.on_event("ckpt_corrupt", step=info.step, problems=[str(p) for p in problems])
         if self.rank == 0:
-            mark_corrupt(self.storage, info.dirname, problems, reason="verification before load failed")
+            try:
+                mark_corrupt(self.storage, info.dirname, problems, reason="verification before load failed")
+            except (CheckpointError, OSError) as e:  # the step is refused either way; the marker is evidence
+                log.warning("could not mark %s corrupt (it is refused for this load anyway): %s", info.dirname, e)
         if dist.is_initialized():
             dist.barrier()
 
@@ -378,8 +564,7 @@ class CheckpointManager:
             return []
         in_flight = {self._in_flight.step} if self._in_flight is not None else set()
         return collect_garbage(self.storage, Retention(self.keep_last, self.keep_every, self.gc_grace_s),
-                               in_flight=in_flight, hmac_key=hmac_key_from_env(self.hmac_key_env),
-                               on_event=self.on_event)
+                               in_flight=in_flight, hmac_key=self._hmac_key(), on_event=self.on_event, job=self.job)
 
     def close(self) -> None:
         self.wait()

@@ -5,8 +5,29 @@ is durable. It records who wrote the step (fencing round, world size, layout, co
 every other file in the directory, its size and digest. A step directory without a manifest that
 parses (and passes its HMAC when a key is set) does not exist for readers.
 
-The JSON is canonical (sorted keys, fixed separators, ASCII) so the HMAC, an HMAC-SHA256 over the
-canonical JSON of every field except ``hmac`` itself, can be recomputed from the parsed object.
+The JSON is canonical (sorted keys, fixed separators, ASCII) so the HMAC can be recomputed from the
+parsed object. Format 2 (written now) signs ``HMAC-SHA256(key, b"ftrain-manifest-v2\\n" +
+canonical JSON of every field except "hmac")``. Every field is covered, so a signature binds:
+
+- the **job** (``job``): a signed step copied from another job's root is refused by a reader of
+  this job (:func:`checkpoint.catalog.read_manifest` compares it with the reader's job);
+- the **step** (``step``, which must equal the directory's step) and the **writer** (``round``,
+  ``world_size``, ``layout``, ``config_hash``, ``created_time``): a manifest cannot be moved to
+  another step directory or passed off as another round's commit;
+- the **bytes** (``files``: name, size and digest of every file, ``.metadata`` included, and
+  ``digest_algorithm``) and the trainer state;
+- the **format**: the domain prefix names the version, so a MAC made for another format or
+  another protocol that shares the key never verifies here.
+
+Format-1 manifests (no ``job`` field, an HMAC over the bare canonical JSON) are still read
+**without** an HMAC key (they carry no job to check, like any unsigned legacy step). **With** a
+key they are refused: their signature does not bind the job, so a signed step of another job
+could pass as this job's. Re-save under format 2 (or read without the key) to use them.
+
+Manifests come from storage, so parsing is bounded before any JSON is built: at most
+:data:`MAX_MANIFEST_BYTES` bytes, nesting at most :data:`MAX_JSON_DEPTH`, numbers of at most
+:data:`MAX_NUMBER_CHARS` characters, no NaN/Infinity, no duplicate keys. A manifest that does
+not fit the schema raises :class:`ManifestError` (the step is corrupt), never anything else.
 """
 
 from __future__ import annotations
@@ -24,7 +45,21 @@ from typing import Any
 from checkpoint.digest import ALGORITHMS
 from checkpoint.errors import ManifestError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats a reader accepts (format 1 only without an HMAC key; see the module doc).
+READABLE_FORMATS = (1, 2)
+#: Domain separation of the format-2 HMAC: it signs this prefix + the canonical JSON.
+HMAC_DOMAIN = b"ftrain-manifest-v2\n"
+#: A manifest larger than this is refused unparsed (a real one is KiBs: one entry per file).
+MAX_MANIFEST_BYTES = 16 << 20
+#: Deepest JSON nesting accepted (config and layout sections are a few levels deep).
+MAX_JSON_DEPTH = 64
+#: Longest number literal accepted: int64 has 19 digits; floats print in <= 24 characters.
+MAX_NUMBER_CHARS = 40
+#: Longest job id accepted.
+MAX_JOB_CHARS = 256
+#: The DCP metadata file: every committed step lists it (it is what a reader opens first).
+METADATA_FILE = ".metadata"
 MANIFEST_NAME = "manifest.json"
 CORRUPT_NAME = "corrupt.json"
 #: Names a manifest may never list: they are not checkpoint data.
@@ -69,6 +104,81 @@ def _hmac_hex(key: bytes, payload: bytes) -> str:
     return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
+def manifest_hmac(key: bytes, obj: dict[str, Any]) -> str:
+    """The format-2 HMAC of manifest object ``obj`` (every field but ``hmac``): domain-separated."""
+    return _hmac_hex(key, HMAC_DOMAIN + canonical_json({k: v for k, v in obj.items() if k != "hmac"}))
+
+
+def job_problem(job: Any) -> str | None:
+    """Why ``job`` cannot be a job id recorded in a manifest, or None if it can ("" = no job id)."""
+    if not isinstance(job, str):
+        return f"must be a string, got {type(job).__name__}"
+    if len(job) > MAX_JOB_CHARS:
+        return f"is longer than {MAX_JOB_CHARS} characters"
+    if not job.isprintable() or job != job.strip():
+        return f"{job!r} has control characters or surrounding blanks"
+    return None
+
+
+def _json_depth_exceeds(data: bytes, limit: int) -> bool:
+    """True if ``data``'s brackets nest deeper than ``limit`` (strings skipped). Linear, no
+    recursion; stops at the first bracket past the limit."""
+    brackets = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", data).translate(None, _NOT_BRACKETS)
+    if brackets.count(b"[") + brackets.count(b"{") <= limit:
+        return False
+    depth = 0
+    for byte in brackets:
+        depth += 1 if byte in _OPENERS else -1
+        if depth > limit:
+            return True
+    return False
+
+
+_OPENERS = b"[{"
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_CHARS:
+        raise ManifestError(f"manifest number {text[:20]}... has more than {MAX_NUMBER_CHARS} digits")
+    return int(text)
+
+
+def _bounded_float(text: str) -> float:
+    value = float(text) if len(text) <= MAX_NUMBER_CHARS else math.inf
+    if not math.isfinite(value):
+        raise ManifestError(f"manifest number {text[:20]!r} is too long or not finite")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ManifestError(f"manifest holds {text}, which JSON does not allow")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ManifestError(f"manifest repeats the key {dup!r}")
+    return obj
+
+
+def parse_json_bounded(data: bytes, what: str = "manifest") -> Any:
+    """``json.loads(data)`` within the bounds of the module doc; ManifestError for anything else."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{what} is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a reader accepts")
+    if _json_depth_exceeds(data, MAX_JSON_DEPTH):
+        raise ManifestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(data, parse_int=_bounded_int, parse_float=_bounded_float,
+                          parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except ManifestError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{what} is not valid JSON: {e}") from e
+
+
 def hmac_key_from_env(var_name: str) -> bytes | None:
     """The HMAC key held in environment variable ``var_name``; None when no name is given.
 
@@ -80,7 +190,7 @@ def hmac_key_from_env(var_name: str) -> bytes | None:
     value = os.environ.get(var_name)
     if not value:
         raise ManifestError(f"manifest HMAC key variable {var_name} is not set (or empty)")
-    return value.encode("utf-8")
+    return value.encode("utf-8", "surrogateescape")  # undecodable bytes of the environment stay as they were
 
 
 def _check_file_name(name: str) -> str | None:
@@ -132,6 +242,9 @@ class Manifest:
     by name relative to the directory."""
     created_time: float
     """Unix time the manifest was written."""
+    job: str = ""
+    """Job id of the writer (``FTRAIN_JOB`` / ``agent.job``); "" when it had none (never with an
+    HMAC key: the worker refuses to start). Always "" in a format-1 manifest."""
     format: int = FORMAT_VERSION
     """Manifest format version."""
 
@@ -141,8 +254,13 @@ class Manifest:
             raise ManifestError(problem)
 
     def _problem(self) -> str | None:
-        if self.format != FORMAT_VERSION:
-            return f"unknown manifest format version {self.format!r} (this reader knows {FORMAT_VERSION})"
+        if self.format not in READABLE_FORMATS:
+            return f"unknown manifest format version {self.format!r} (this reader knows {READABLE_FORMATS})"
+        why = job_problem(self.job)
+        if why is not None:
+            return f"manifest field 'job' {why}"
+        if self.format == 1 and self.job:
+            return "a format-1 manifest has no 'job' field"
         if self.step < 0:
             return f"manifest field 'step' must be >= 0, got {self.step}"
         if self.round < 0:
@@ -177,42 +295,40 @@ class Manifest:
         return asdict(self)
 
     def to_json(self, hmac_key: bytes | None = None) -> bytes:
-        """Canonical JSON bytes; with ``hmac_key``, plus ``"hmac"`` over everything else."""
+        """Canonical format-2 JSON bytes; with ``hmac_key``, plus ``"hmac"`` (:func:`manifest_hmac`).
+
+        Only the current format is written: a format-1 manifest read from storage is never re-signed.
+        """
+        if self.format != FORMAT_VERSION:
+            raise ManifestError(f"only format {FORMAT_VERSION} manifests are written, not format {self.format}")
         obj = self.to_dict()
         if hmac_key is not None:
-            obj["hmac"] = _hmac_hex(hmac_key, canonical_json(obj))
+            obj["hmac"] = manifest_hmac(hmac_key, obj)
         return canonical_json(obj)
 
     @classmethod
     def from_json(cls, data: bytes, hmac_key: bytes | None = None) -> Manifest:
         """Parse and check ``data``; any defect raises :class:`ManifestError` naming it.
 
-        With ``hmac_key`` the manifest must carry a matching ``"hmac"``. Without a key an
-        ``"hmac"`` field is accepted unchecked.
+        With ``hmac_key`` the manifest must be format 2 and carry a matching ``"hmac"``. Without a
+        key an ``"hmac"`` field is accepted unchecked. The job is returned, not judged: comparing
+        it with the reader's job is :func:`checkpoint.catalog.read_manifest`'s work.
         """
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        obj = parse_json_bounded(data)
         if not isinstance(obj, dict):
             raise ManifestError(f"manifest must be a JSON object, got {type(obj).__name__}")
         fmt = obj.get("format")
         if isinstance(fmt, bool) or not isinstance(fmt, int):
             raise ManifestError(f"manifest field 'format' is missing or not an int: {fmt!r}")
-        if fmt != FORMAT_VERSION:
-            raise ManifestError(f"unknown manifest format version {fmt} (this reader knows {FORMAT_VERSION})")
+        if fmt not in READABLE_FORMATS:
+            raise ManifestError(f"unknown manifest format version {fmt} (this reader knows {READABLE_FORMATS})")
+        given = obj.pop("hmac", None)
         if hmac_key is not None:
-            given = obj.pop("hmac", None)
-            if given is None:
-                raise ManifestError("manifest has no 'hmac' but an HMAC key is set")
-            if not isinstance(given, str):
-                raise ManifestError("manifest field 'hmac' is not a string")
-            expected = _hmac_hex(hmac_key, canonical_json(obj))
-            if not hmac.compare_digest(given.encode("ascii", "replace"), expected.encode("ascii")):
-                raise ManifestError("manifest HMAC mismatch: edited, or written with another key")
-        else:
-            obj.pop("hmac", None)
+            _check_hmac(obj, given, hmac_key, fmt)
+        return cls._from_obj(obj, fmt)
 
+    @classmethod
+    def _from_obj(cls, obj: dict[str, Any], fmt: int) -> Manifest:
         def get(name: str, types: type | tuple[type, ...], what: str) -> Any:
             if name not in obj:
                 raise ManifestError(f"manifest field {name!r} is missing")
@@ -221,13 +337,9 @@ class Manifest:
                 raise ManifestError(f"manifest field {name!r} must be {what}, got {type(value).__name__}")
             return value
 
-        raw_files = get("files", dict, "an object")
-        files: dict[str, FileEntry] = {}
-        for name, entry in raw_files.items():
-            if not isinstance(entry, dict) or set(entry) != {"size_bytes", "digest"}:
-                raise ManifestError(f"bad file entry {name!r}: expected an object with exactly "
-                                    f"'size_bytes' and 'digest', got {entry!r}")
-            files[name] = FileEntry(size_bytes=entry["size_bytes"], digest=entry["digest"])
+        if fmt == 1 and "job" in obj:
+            raise ManifestError("a format-1 manifest has no 'job' field; this one is forged or damaged")
+        job = get("job", str, "a string") if fmt >= 2 else ""
         return cls(
             step=get("step", int, "an int"),
             round=get("round", int, "an int"),
@@ -237,13 +349,43 @@ class Manifest:
             config=get("config", dict, "an object"),
             trainer=get("trainer", dict, "an object"),
             digest_algorithm=get("digest_algorithm", str, "a string"),
-            files=files,
+            files=_files_from(get("files", dict, "an object")),
             created_time=float(get("created_time", (int, float), "a number")),
+            job=job,
             format=fmt,
         )
 
 
+def _check_hmac(obj: dict[str, Any], given: Any, hmac_key: bytes, fmt: int) -> None:
+    """Raise ManifestError unless ``given`` is the format-2 HMAC of ``obj`` under ``hmac_key``."""
+    if fmt == 1:
+        raise ManifestError("format-1 manifest refused while an HMAC key is set: its signature does not bind "
+                            "the job id, so another job's step would pass; re-save it with this version, or "
+                            "read it without checkpoint.hmac_key_env")
+    if given is None:
+        raise ManifestError("manifest has no 'hmac' but an HMAC key is set")
+    if not isinstance(given, str):
+        raise ManifestError("manifest field 'hmac' is not a string")
+    expected = manifest_hmac(hmac_key, obj)
+    if not hmac.compare_digest(given.encode("ascii", "replace"), expected.encode("ascii")):
+        raise ManifestError("manifest HMAC mismatch: edited, or written with another key")
+
+
+def _files_from(raw_files: dict[str, Any]) -> dict[str, FileEntry]:
+    """The file table of a manifest read from storage; it must list ``.metadata``."""
+    files: dict[str, FileEntry] = {}
+    for name, entry in raw_files.items():
+        if not isinstance(entry, dict) or set(entry) != {"size_bytes", "digest"}:
+            raise ManifestError(f"bad file entry {name!r}: expected an object with exactly "
+                                f"'size_bytes' and 'digest', got {entry!r}"[:300])
+        files[name] = FileEntry(size_bytes=entry["size_bytes"], digest=entry["digest"])
+    if METADATA_FILE not in files:
+        raise ManifestError(f"manifest lists no {METADATA_FILE} file: not a DCP checkpoint step")
+    return files
+
+
 __all__ = [
-    "CORRUPT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "RESERVED_NAMES", "FileEntry", "Manifest",
-    "canonical_json", "hmac_key_from_env", "parse_step_dir", "step_dir_name",
+    "CORRUPT_NAME", "FORMAT_VERSION", "HMAC_DOMAIN", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES",
+    "METADATA_FILE", "READABLE_FORMATS", "RESERVED_NAMES", "FileEntry", "Manifest", "canonical_json",
+    "hmac_key_from_env", "job_problem", "manifest_hmac", "parse_json_bounded", "parse_step_dir", "step_dir_name",
 ]

@@ -30,6 +30,17 @@ from checkpoint.storage import Storage
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Retention:
+    """Retention settings. These defaults are the checkpoint service's only ones (CheckpointManager
+    and ``ftrain ckpt gc`` take theirs from here; ftrain's CheckpointConfig must equal them, a
+    test checks it)."""
+
+    keep_last: int = 3
+    keep_every: int = 0
+    grace_s: float = 600.0
+
+
 @dataclass(slots=True)
 class GcPlan:
     """What :func:`apply_gc` will do: directory names, ascending by step, and why."""

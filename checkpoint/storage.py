@@ -8,7 +8,9 @@ when it is not (:class:`FatalStorageError`, ``FileNotFoundError``).
 
 What must stay true: :meth:`Storage.write_bytes` is all-or-nothing on every backend (one S3
 PUT or a multipart upload aborted on failure; on local disk a fsynced temp file renamed into
-place, parents created), so a reader never sees a torn object; metadata calls (``exists``,
+place, parents created, directory fsynced), so a reader never sees a torn object; DCP files
+uploaded to a local filesystem are durable the same way (:meth:`Storage.upload_local_durable`)
+before the manifest that commits them is written; metadata calls (``exists``,
 ``size_bytes``, ``listdir``) never answer from a stale listing cache; keys are joined with
 ``/``, never ``os.path``.
 """
@@ -20,9 +22,10 @@ import logging
 import os
 import posixpath
 import re
+import shutil
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import fsspec
 from tenacity import (
@@ -177,6 +180,34 @@ class Storage:
     def read_bytes(self, rel: str) -> bytes:
         return self.retry(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
 
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        """Bytes ``offset .. offset+length`` of ``rel``, exactly ``length`` of them: a shorter
+        answer (the file ends first) raises ``EOFError`` naming the file."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"read_range {rel}: offset {offset} and length {length} must be >= 0")
+        if length == 0:
+            return b""
+        data = self.retry(lambda: self.fs.cat_file(self.path(rel), start=offset, end=offset + length),
+                          f"read {rel}[{offset}:{offset + length}]")
+        if len(data) != length:
+            raise EOFError(f"{rel}: wanted bytes {offset}..{offset + length}, the file ended after {len(data)}")
+        return data
+
+    def local_path(self, path: str) -> str | None:
+        """The filesystem path of ``path`` (a URL or backend path) on a local filesystem; None
+        on any other backend."""
+        if self.protocol != "file":
+            return None
+        return self.fs._strip_protocol(str(path))
+
+    def upload_local_durable(self, path: str, data: bytes | BinaryIO) -> None:
+        """Local filesystem only: write ``path`` (a URL or local path) atomically and durably
+        (fsynced file, renamed into place, fsynced directory), retried on transient errors."""
+        local = self.local_path(path)
+        if local is None:
+            raise ValueError(f"upload_local_durable: {self.url} is not a local filesystem")
+        self.retry(lambda: _write_local_atomic(local, data), f"write {posixpath.basename(local)}")
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole object, all or nothing (see the module docstring)."""
         path = self.path(rel)
@@ -325,14 +356,21 @@ def _classified(fn: Callable[[], T]) -> T:
         raise mapped from e
 
 
-def _write_local_atomic(path: str, data: bytes) -> None:
-    """Create parents, write a temp file beside ``path``, fsync, rename over it, fsync the dir."""
+def _write_local_atomic(path: str, data: bytes | BinaryIO) -> None:
+    """Create parents, write a temp file beside ``path``, fsync, rename over it, fsync the dir.
+
+    ``data`` is bytes or a readable binary file (copied from its start, so a retry rewrites it
+    whole)."""
     parent = posixpath.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                fh.write(data)
+            else:
+                data.seek(0)
+                shutil.copyfileobj(data, fh, 8 << 20)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -342,7 +380,12 @@ def _write_local_atomic(path: str, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
-    dir_fd = os.open(parent, os.O_RDONLY)
+    fsync_dir(parent)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a local directory, so that renames and new names inside it survive a power loss."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

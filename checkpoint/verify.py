@@ -8,6 +8,12 @@ anything: the bytes stay as evidence until retention removes them.
 Only problems of the kinds in :data:`CORRUPTION_KINDS` prove a step corrupt. ``unreadable``
 (permission denied, not a file) does not; transient storage errors that outlive the retries are
 raised, never turned into problems: an unreachable bucket says nothing about the checkpoint.
+Only a verified bad byte may mark a step corrupt: every check reads first, outside the ``try``
+that judges the bytes.
+
+:func:`check_pickled_items` checks exactly what a load would unpickle (``.metadata`` and every
+non-tensor item of every shard) with the same restricted loaders the load uses, so a step that
+verifies here also loads, and one that would run code on load never verifies.
 """
 
 from __future__ import annotations
@@ -16,19 +22,21 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 from checkpoint.catalog import read_manifest
 from checkpoint.digest import new_hasher
-from checkpoint.errors import FatalStorageError, ManifestError
+from checkpoint.errors import FatalStorageError, ManifestError, UnsafePickleError
 from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, parse_step_dir
 from checkpoint.storage import Storage
 
+METADATA_NAME = ".metadata"
 log = logging.getLogger(__name__)
 
 ProblemKind = Literal["missing", "size", "digest", "manifest", "unsafe", "unreadable"]
 #: Problem kinds that prove the step's bytes are not what was committed (``unsafe``: a
-#: ``.metadata`` that asks the unpickler for anything but DCP metadata).
+#: ``.metadata`` that asks the unpickler for anything but DCP metadata or points outside the
+#: manifest's files, or a pickled item in a shard that torch's weights-only unpickler refuses).
 CORRUPTION_KINDS = frozenset({"missing", "size", "digest", "manifest", "unsafe"})
 
 
@@ -71,8 +79,11 @@ class _Tally:
     problems: list[Problem] = field(default_factory=list)
 
 
-def _check_file(storage: Storage, rel: str, algorithm: str, chunk_bytes: int) -> tuple[int, str]:
-    """Stream ``rel`` through a hasher, retrying the whole read on transient errors."""
+def _check_file(storage: Storage, rel: str, algorithm: str, chunk_bytes: int,
+                max_bytes: int | None = None) -> tuple[int, str]:
+    """Stream ``rel`` through a hasher, retrying the whole read on transient errors; stops once
+    more than ``max_bytes`` arrived (the size is then wrong anyway, and a file grown huge is not
+    read to its end)."""
 
     def read() -> tuple[int, str]:
         hasher = new_hasher(algorithm)
@@ -80,6 +91,8 @@ def _check_file(storage: Storage, rel: str, algorithm: str, chunk_bytes: int) ->
         for chunk in storage.iter_chunks(rel, chunk_bytes):
             hasher.update(chunk)
             size_bytes += len(chunk)
+            if max_bytes is not None and size_bytes > max_bytes:
+                break
         return size_bytes, hasher.hexdigest()
 
     return storage.retry(read, f"verify {rel}")
@@ -94,7 +107,8 @@ def _verify(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[
             tally.problems.append(Problem(name, "manifest", "not listed in the manifest"))
             continue
         try:
-            size_bytes, digest = _check_file(storage, f"{dirname}/{name}", manifest.digest_algorithm, chunk_bytes)
+            size_bytes, digest = _check_file(storage, f"{dirname}/{name}", manifest.digest_algorithm, chunk_bytes,
+                                             entry.size_bytes)
         except FileNotFoundError:
             tally.problems.append(Problem(name, "missing", f"listed in the manifest ({entry.size_bytes} bytes) "
                                                            "but not in storage"))
@@ -104,7 +118,9 @@ def _verify(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[
             continue
         tally.files += 1
         tally.size_bytes += size_bytes
-        if size_bytes != entry.size_bytes:
+        if size_bytes > entry.size_bytes:
+            tally.problems.append(Problem(name, "size", f"expected {entry.size_bytes} bytes, found more"))
+        elif size_bytes != entry.size_bytes:
             tally.problems.append(Problem(name, "size", f"expected {entry.size_bytes} bytes, found {size_bytes}"))
         elif digest != entry.digest:
             tally.problems.append(Problem(name, "digest", f"{manifest.digest_algorithm} expected {entry.digest}, "
@@ -137,39 +153,159 @@ def split_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:
     return sorted(mine)
 
 
-def verify_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *,
+def verify_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *, job: str | None = None,
                 chunk_bytes: int = 8 << 20) -> VerifyReport:
-    """Verify the manifest of ``dirname`` and then every file it lists."""
+    """Verify the manifest of ``dirname`` (written by job ``job`` unless it is None), then every
+    file it lists, then (when the bytes are what the manifest says) everything a load would
+    unpickle (:func:`check_pickled_items`)."""
     step = parse_step_dir(dirname)
     if step is None:
         raise ValueError(f"{dirname!r} is not a step directory name")
     try:
-        manifest = read_manifest(storage, dirname, hmac_key)
+        manifest = read_manifest(storage, dirname, hmac_key, job=job)
     except FileNotFoundError:
         return VerifyReport(step, False, [Problem(MANIFEST_NAME, "missing", "step is not committed")], dirname)
     except ManifestError as e:
         return VerifyReport(step, False, [Problem(MANIFEST_NAME, "manifest", str(e))], dirname)
     tally = _verify(storage, dirname, manifest, None, chunk_bytes)
     if not tally.problems:
-        tally.problems.extend(check_metadata_safe(storage, dirname))
+        tally.problems.extend(check_pickled_items(storage, dirname, manifest))
     return VerifyReport(step, not tally.problems, tally.problems, dirname, manifest, tally.files, tally.size_bytes)
+
+
+def _read_metadata(storage: Storage, dirname: str, manifest: Manifest | None) -> bytes:
+    """``.metadata``'s bytes; with a manifest, at most its recorded size + 1 (a file grown since
+    is refused by the digest check, not read whole)."""
+    rel = f"{dirname}/{METADATA_NAME}"
+    entry = manifest.files.get(METADATA_NAME) if manifest is not None else None
+    if entry is None:
+        return storage.read_bytes(rel)
+
+    def read() -> bytes:
+        parts, size_bytes = [], 0
+        for chunk in storage.iter_chunks(rel, min(entry.size_bytes + 1, 8 << 20)):
+            parts.append(chunk)
+            size_bytes += len(chunk)
+            if size_bytes > entry.size_bytes:
+                break
+        return b"".join(parts)
+
+    return storage.retry(read, f"read {rel}")
+
+
+def _digest_problem(data: bytes, manifest: Manifest | None) -> Problem | None:
+    """A size/digest problem when ``data`` is not the ``.metadata`` the manifest lists."""
+    entry = manifest.files.get(METADATA_NAME) if manifest is not None else None
+    if entry is None:
+        return None if manifest is None else Problem(METADATA_NAME, "manifest", "not listed in the manifest")
+    if len(data) != entry.size_bytes:
+        return Problem(METADATA_NAME, "size", f"expected {entry.size_bytes} bytes, found "
+                                              f"{'more' if len(data) > entry.size_bytes else len(data)}")
+    hasher = new_hasher(manifest.digest_algorithm)
+    hasher.update(data)
+    if hasher.hexdigest() != entry.digest:
+        return Problem(METADATA_NAME, "digest", f"{manifest.digest_algorithm} expected {entry.digest}, "
+                                                f"computed {hasher.hexdigest()}")
+    return None
+
+
+def _parse_metadata(storage: Storage, dirname: str, manifest: Manifest | None = None) -> tuple[Any, list[Problem]]:
+    """``(metadata, [])`` or ``(None, problems)``: ``.metadata`` (checked against ``manifest``
+    when given: the very bytes parsed are the ones digested) parsed with the allow-list
+    unpickler, never plain pickle. Only the bytes decide: the read happens outside the parse's
+    ``try``, so a storage error propagates instead of becoming a corruption kind."""
+    from checkpoint.dcp_io import load_metadata  # torch: only when it is needed
+
+    try:
+        data = _read_metadata(storage, dirname, manifest)
+    except FileNotFoundError:
+        return None, [Problem(METADATA_NAME, "missing", "no .metadata")]
+    except (FatalStorageError, IsADirectoryError, PermissionError) as e:
+        return None, [Problem(METADATA_NAME, "unreadable", str(e))]
+    wrong = _digest_problem(data, manifest)
+    if wrong is not None:
+        return None, [wrong]
+    try:
+        return load_metadata(data), []
+    except MemoryError:
+        raise
+    except UnsafePickleError as e:
+        return None, [Problem(METADATA_NAME, "unsafe", str(e))]
+    except Exception as e:  # noqa: BLE001 - in-memory bytes: whatever fails to parse is a bad byte
+        return None, [Problem(METADATA_NAME, "unsafe", f"not loadable DCP metadata: {type(e).__name__}: {e}")]
 
 
 def check_metadata_safe(storage: Storage, dirname: str) -> list[Problem]:
     """Parse ``.metadata`` with the allow-list unpickler (never plain pickle): even a file whose
-    digest matches an attacker-edited manifest cannot run code here."""
-    from checkpoint.dcp_io import METADATA_NAME, load_metadata  # torch: only when it is needed
-    from checkpoint.errors import UnsafePickleError
+    digest matches an attacker-edited manifest cannot run code here. Storage errors propagate
+    (or are ``unreadable``), never ``unsafe``. Prefer :func:`check_pickled_items`, which also
+    checks what ``.metadata`` points at."""
+    return _parse_metadata(storage, dirname)[1]
+
+
+def _read_items(storage: Storage, dirname: str, name: str, items: dict[str, Any],
+                span_limit_bytes: int) -> dict[str, bytes]:
+    """The bytes of each item (fqn -> _StorageInfo) inside file ``name``: one ranged read of the
+    span covering them all when it is at most ``span_limit_bytes``, else one read per item."""
+    start = min(info.offset for info in items.values())
+    end = max(info.offset + info.length for info in items.values())
+    if end - start <= span_limit_bytes:
+        span = storage.read_range(f"{dirname}/{name}", start, end - start)
+        return {fqn: span[info.offset - start:info.offset - start + info.length] for fqn, info in items.items()}
+    return {fqn: storage.read_range(f"{dirname}/{name}", info.offset, info.length) for fqn, info in items.items()}
+
+
+def _check_items_in_file(storage: Storage, dirname: str, name: str, items: dict[str, Any],
+                         span_limit_bytes: int) -> list[Problem]:
+    from checkpoint.safe_pickle import load_bytes_item
 
     try:
-        load_metadata(storage.read_bytes(f"{dirname}/{METADATA_NAME}"))
+        data = _read_items(storage, dirname, name, items, span_limit_bytes)
     except FileNotFoundError:
-        return [Problem(METADATA_NAME, "missing", "no .metadata")]
-    except UnsafePickleError as e:
-        return [Problem(METADATA_NAME, "unsafe", str(e))]
-    except Exception as e:  # noqa: BLE001 - any unparsable metadata is corrupt
-        return [Problem(METADATA_NAME, "unsafe", f"not loadable DCP metadata: {type(e).__name__}: {e}")]
-    return []
+        return [Problem(name, "missing", f"holds {len(items)} pickled items but is not in storage")]
+    except EOFError as e:
+        return [Problem(name, "size", str(e))]
+    except (FatalStorageError, IsADirectoryError, PermissionError) as e:
+        return [Problem(name, "unreadable", str(e))]
+    problems: list[Problem] = []
+    for fqn in sorted(data):
+        try:
+            load_bytes_item(data[fqn], fqn=fqn, file=name)
+        except UnsafePickleError as e:
+            problems.append(Problem(name, "unsafe", str(e).removeprefix(f"{name}: ")))
+    return problems
+
+
+def check_pickled_items(storage: Storage, dirname: str, manifest: Manifest, *,
+                        span_limit_bytes: int = 64 << 20) -> list[Problem]:
+    """Everything a full DCP load of ``dirname`` would unpickle, unpickled the safe way.
+
+    ``.metadata`` is checked against the manifest and parsed with the allow-list unpickler
+    (both on the same bytes); every storage reference in it must
+    point inside a file the manifest lists (:func:`checkpoint.safe_pickle.metadata_problems`);
+    then every non-tensor ("bytes") item, read from exactly the byte range DCP would read, goes
+    through :func:`checkpoint.safe_pickle.load_bytes_item` (torch's weights-only unpickler).
+    A refusal is a problem of kind ``unsafe`` naming the file and the item. Storage errors
+    propagate (transient) or are ``unreadable`` (fatal, permissions): never corruption.
+
+    One call covers the load path's check of ``.metadata`` (it replaces
+    :func:`check_metadata_safe`). Tensor items are not unpickled here: DCP itself loads them
+    with ``weights_only=True``, and their bytes are covered by the digests.
+    """
+    from checkpoint.safe_pickle import bytes_items, metadata_problems
+
+    metadata, problems = _parse_metadata(storage, dirname, manifest)
+    if metadata is None:
+        return problems
+    wrong = metadata_problems(metadata, manifest.files)
+    if wrong:
+        return [Problem(METADATA_NAME, "unsafe", why) for why in wrong]
+    by_file: dict[str, dict[str, Any]] = {}
+    for fqn, info in bytes_items(metadata).items():
+        by_file.setdefault(info.relative_path, {})[fqn] = info
+    for name in sorted(by_file):
+        problems.extend(_check_items_in_file(storage, dirname, name, by_file[name], span_limit_bytes))
+    return problems
 
 
 def mark_corrupt(storage: Storage, dirname: str, problems: list[Problem], reason: str,

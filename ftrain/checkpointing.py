@@ -5,6 +5,13 @@ DDP: DCP reshards across world sizes and strategies), each rank's torch/numpy/py
 states as small uint8 tensors under ``rng.rank<r>``, and in the manifest the trainer state
 (step, data cursor), the resolved config and its hash, the layout and the fencing round. The
 LR schedule is a pure function of the step, so it needs no state.
+
+Resume trusts nothing it reads: before a step is loaded, :func:`validate_trainer_state` checks
+the manifest's trainer state (a cursor of the right shape, at the manifest's step); a step that
+fails is corrupt for the checkpoint service (marked, fall back). When steps exist but none can be
+loaded, :class:`~checkpoint.manager.NoLoadableStepError` ends the worker (after a ``resume_failed``
+event and one error line) unless ``checkpoint.on_no_loadable_step=fresh``. Manifests carry the
+job id (:func:`ftrain.config.worker_job_id`) and another job's steps are refused.
 """
 
 from __future__ import annotations
@@ -20,21 +27,51 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoint.manager import CheckpointManager, SaveStatus
+from checkpoint.errors import CheckpointError, ManifestError
+from checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
 from checkpoint.manifest import Manifest
 from checkpoint.storage import StorageOptions
 from ftrain import fence
-from ftrain.config import Config
-from ftrain.data import DataCursor
+from ftrain.config import Config, ConfigError, worker_job_id
+from ftrain.data import DataCursor, DataError
 from ftrain.events import EventLog
 from ftrain.parallel import Parallel
 
 log = logging.getLogger(__name__)
 
 
+#: Largest round accepted from the environment (an etcd revision-sized counter fits easily).
+MAX_ROUND = 2**62
+
+
 def current_round() -> int:
-    """The rendezvous round (fencing token) the agent started this worker in; 0 without an agent."""
-    return int(os.environ.get("FTRAIN_ROUND", "0"))
+    """The rendezvous round (fencing token) the agent started this worker in; 0 without an agent.
+
+    ``FTRAIN_ROUND`` must be a plain non-negative decimal int: it is written into manifests and
+    compared by the fence, so a garbled value is a start-up error, not a silent 0.
+    """
+    raw = os.environ.get("FTRAIN_ROUND", "0").strip() or "0"
+    if not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_ROUND:
+        raise ConfigError("FTRAIN_ROUND", f"must be a non-negative integer (the agent's round), got {raw[:40]!r}")
+    return int(raw)
+
+
+def validate_trainer_state(manifest: Manifest) -> None:
+    """Raise ManifestError unless ``manifest.trainer`` is state this trainer can resume from:
+    a ``cursor`` that is a well-formed :meth:`DataCursor.state_dict` taken at ``manifest.step``.
+
+    Whether it fits the current data (num_samples, seed) is not judged here: that is a config
+    mismatch, reported by :meth:`DataCursor.load_state_dict`, not a corrupt step.
+    """
+    cursor = manifest.trainer.get("cursor")
+    if not isinstance(cursor, dict):
+        raise ManifestError(f"trainer.cursor is missing or not an object (got {type(cursor).__name__})")
+    try:
+        DataCursor.check_state(cursor)
+    except DataError as e:
+        raise ManifestError(f"trainer.cursor: {e}") from e
+    if cursor["step"] != manifest.step:
+        raise ManifestError(f"trainer.cursor.step={cursor['step']} but the manifest is of step {manifest.step}")
 
 
 RNG_BYTES = 64 * 1024
@@ -55,15 +92,21 @@ def _rng_tensor() -> torch.Tensor:
     return torch.frombuffer(bytearray(blob.ljust(RNG_BYTES)), dtype=torch.uint8).clone()
 
 
-def _restore_rng(t: torch.Tensor) -> None:
-    state = json.loads(bytes(t.tolist()).decode())
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+def _restore_rng(t: torch.Tensor, step: int) -> None:
+    """Restore the RNG states saved by :func:`_rng_tensor`; CheckpointError naming the step if
+    the (digest-verified) bytes do not hold them."""
+    try:
+        state = json.loads(bytes(t.tolist()).decode())
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+    except (ValueError, TypeError, KeyError, RuntimeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint step {step}: the saved RNG state is unusable "
+                              f"({type(e).__name__}: {str(e)[:200]})") from e
 
 
 class Checkpointing:
@@ -76,15 +119,26 @@ class Checkpointing:
         self.events = events
         self.rank = dist.get_rank()
         self.round = current_round()
+        self.job = worker_job_id(cfg)
         c = cfg.checkpoint
         self.manager = CheckpointManager(
             url=c.uri,
             options=StorageOptions(endpoint_url=c.endpoint_url, region=c.region),
             async_mode=c.async_mode, when_busy=c.when_busy, digest=c.digest, hmac_key_env=c.hmac_key_env,
-            keep_last=c.keep_last, keep_every=c.keep_every, gc_grace_s=c.gc_grace_s,
-            on_event=events.emit, device_type=par.device.type,
+            job=self.job, keep_last=c.keep_last, keep_every=c.keep_every, gc_grace_s=c.gc_grace_s,
+            on_no_loadable_step=c.on_no_loadable_step, on_event=events.emit, device_type=par.device.type,
             fence=fence.from_env() if self.round > 0 else None,
         )
+        if not c.hmac_key_env and self.manager.storage.protocol not in ("file", "memory") and self.rank == 0:
+            self._warn_unsigned()
+
+    def _warn_unsigned(self) -> None:
+        """Shared storage without an HMAC key: say once, at start, what is not protected."""
+        log.warning("checkpoints under %s are not signed (checkpoint.hmac_key_env is empty): digests catch damage, "
+                    "but anyone who can write there can replace a step with other weights that this job will "
+                    "load. Set checkpoint.hmac_key_env to the name of a variable holding a secret key "
+                    "(e.g. `export FTRAIN_CKPT_KEY=$(openssl rand -hex 32)`).", self.cfg.checkpoint.uri)
+        self.events.emit("ckpt_unsigned", uri=self.cfg.checkpoint.uri)
 
     # -- save ---------------------------------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
@@ -133,7 +187,13 @@ class Checkpointing:
             holder["sd"] = sd
             return sd
 
-        manifest = self.manager.load(build, load_step=self.cfg.checkpoint.load_step)
+        try:
+            manifest = self.manager.load(build, load_step=self.cfg.checkpoint.load_step,
+                                         validate=validate_trainer_state)
+        except NoLoadableStepError as e:
+            self.events.emit("resume_failed", refused=[str(r)[:1000] for r in e.refusals], load_step=e.load_step)
+            log.error("ftrain: cannot resume: %s", e)
+            raise
         if manifest is None:
             return None
         sd = holder["sd"]
@@ -141,7 +201,7 @@ class Checkpointing:
         self.cursor.load_state_dict(manifest.trainer["cursor"])
         rng = sd.get(f"rng.rank{self.rank}")
         if rng is not None:
-            _restore_rng(rng)
+            _restore_rng(rng, manifest.step)
         if manifest.config_hash != self.cfg.digest():
             log.info("resuming step %d saved with a different config (hash %s, now %s)", manifest.step,
                      manifest.config_hash, self.cfg.digest())

@@ -9,6 +9,10 @@
 Every subcommand takes ``--endpoint-url`` (else ``AWS_ENDPOINT_URL``) and ``--hmac-key-env NAME``
 (the variable holding the manifest HMAC key). Exit codes: 0 fine, 1 problems found (or the step
 is not there), 2 usage or storage error.
+
+Without ``--hmac-key-env`` a digest proves only that the bytes match a manifest that whoever can
+write the bucket could also have rewritten: ``ls``, ``verify`` and ``export`` say so on stderr,
+and name the steps whose manifests carry an ``hmac`` that this run did not check.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ import sys
 import time
 from typing import Any, Callable
 
-from checkpoint.catalog import inspect_step, list_steps
-from checkpoint.errors import CheckpointError, ChecksumMismatchError
-from checkpoint.manifest import hmac_key_from_env, parse_step_dir, step_dir_name
-from checkpoint.retention import apply_gc, modified_times, plan_gc
+from checkpoint.catalog import StepInfo, inspect_step, list_steps
+from checkpoint.errors import CheckpointError, ChecksumMismatchError, UnsafePickleError
+from checkpoint.manifest import MANIFEST_NAME, hmac_key_from_env, parse_step_dir, step_dir_name
+from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import verify_step
 
@@ -46,6 +50,51 @@ def _storage(args: argparse.Namespace) -> Storage:
 
 def _hmac_key(args: argparse.Namespace) -> bytes | None:
     return hmac_key_from_env(args.hmac_key_env)
+
+
+NO_HMAC_KEY_NOTE = ("note: no HMAC key: digests prove integrity against accidents, not against someone who can "
+                    "write the bucket; set checkpoint.hmac_key_env in the job's config and pass --hmac-key-env NAME "
+                    "here to check manifest signatures")
+#: Manifests are read back only this far to look for an ``hmac`` field (real ones are KiBs).
+_HMAC_PEEK_MAX_BYTES = 16 << 20
+#: At most this many unchecked signed steps are named in the warning.
+_HMAC_NAMED_STEPS = 5
+
+
+def _carries_hmac(storage: Storage, dirname: str) -> bool:
+    """Does ``dirname``'s manifest have a top-level ``hmac`` field? False when it cannot tell
+    (gone, too large, not a JSON object); storage errors propagate."""
+    parts: list[bytes] = []
+    size_bytes = 0
+    try:
+        for chunk in storage.iter_chunks(f"{dirname}/{MANIFEST_NAME}", 1 << 20):
+            parts.append(chunk)
+            size_bytes += len(chunk)
+            if size_bytes > _HMAC_PEEK_MAX_BYTES:
+                return False
+        obj = json.loads(b"".join(parts))
+    except (FileNotFoundError, ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and "hmac" in obj
+
+
+def hmac_notes(storage: Storage, key: bytes | None, key_env: str, steps: list[StepInfo]) -> list[str]:
+    """What this run's HMAC coverage was, for stderr: with a key, which variable held it;
+    without one, :data:`NO_HMAC_KEY_NOTE` plus the steps whose signatures went unchecked."""
+    if key is not None:
+        return [f"note: manifest HMACs checked with the key in ${key_env}"]
+    signed = [s.dirname for s in steps if s.manifest is not None and _carries_hmac(storage, s.dirname)]
+    notes = [NO_HMAC_KEY_NOTE]
+    if signed:
+        named = ", ".join(signed[:_HMAC_NAMED_STEPS]) + (", ..." if len(signed) > _HMAC_NAMED_STEPS else "")
+        notes.append(f"warning: {len(signed)} manifest(s) carry an 'hmac' field that was NOT checked ({named}): "
+                     "pass --hmac-key-env NAME (the variable checkpoint.hmac_key_env names) to check them")
+    return notes
+
+
+def _print_hmac_notes(storage: Storage, key: bytes | None, args: argparse.Namespace, steps: list[StepInfo]) -> None:
+    for line in hmac_notes(storage, key, args.hmac_key_env, steps):
+        print(line, file=sys.stderr)
 
 
 def _step_arg(text: str) -> int:
@@ -102,7 +151,9 @@ def _guarded(fn: Command) -> Command:
 @_guarded
 def cmd_ls(args: argparse.Namespace, overrides: list[str]) -> int:
     """Table of every step directory under the root."""
-    steps = list_steps(_storage(args), _hmac_key(args))
+    storage, key = _storage(args), _hmac_key(args)
+    steps = list_steps(storage, key, job=args.job)
+    _print_hmac_notes(storage, key, args, steps)
     if not steps:
         print(f"no step directories under {args.uri}")
         return EXIT_OK
@@ -121,7 +172,7 @@ def cmd_ls(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_show(args: argparse.Namespace, overrides: list[str]) -> int:
     """The manifest of one step, pretty-printed, then its files."""
     dirname = step_dir_name(args.step)
-    info = inspect_step(_storage(args), dirname, _hmac_key(args))
+    info = inspect_step(_storage(args), dirname, _hmac_key(args), job=args.job)
     if info.manifest is None:
         print(f"{dirname}: {info.state}" + (f": {info.error}" if info.error else " (no manifest)"), file=sys.stderr)
         return EXIT_PROBLEMS
@@ -152,13 +203,15 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     failed = 0
     if args.step is not None:
         dirname = step_dir_name(args.step)
-        report = verify_step(storage, dirname, key)
+        report = verify_step(storage, dirname, key, job=args.job)
+        info = inspect_step(storage, dirname, key, job=args.job)
+        _print_hmac_notes(storage, key, args, [info])
         _print_report_line(dirname, report)
-        info = inspect_step(storage, dirname, key)
         if info.marked:
             print(f"  note: {info.error}")
         return EXIT_OK if report.ok else EXIT_PROBLEMS
-    steps = list_steps(storage, key)
+    steps = list_steps(storage, key, job=args.job)
+    _print_hmac_notes(storage, key, args, steps)
     if not steps:
         print(f"no step directories under {args.uri}")
     for info in steps:
@@ -170,7 +223,7 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
             failed += 1
             print(f"{info.dirname}: FAILED (1 problem)\n  manifest.json: manifest: {info.error}")
         else:
-            report = verify_step(storage, info.dirname, key)
+            report = verify_step(storage, info.dirname, key, job=args.job)
             _print_report_line(info.dirname, report)
             failed += not report.ok
     return EXIT_PROBLEMS if failed else EXIT_OK
@@ -180,7 +233,7 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
     """Delete step directories the retention rules no longer keep."""
     storage = _storage(args)
-    steps = list_steps(storage, _hmac_key(args))
+    steps = list_steps(storage, _hmac_key(args), job=args.job)
     ages = modified_times(storage, [s.dirname for s in steps if s.state != "committed"])
     plan = plan_gc(steps, keep_last=args.keep_last, keep_every=args.keep_every, in_flight=set(),
                    now_s=time.time(), modified_s=ages, grace_s=args.grace_s)
@@ -200,10 +253,13 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     """Write one step as a single plain ``torch.save`` file."""
     from checkpoint.export import export_step  # heavy (torch DCP): imported only here
 
+    storage = _storage(args)
+    if not args.hmac_key_env:
+        print(NO_HMAC_KEY_NOTE, file=sys.stderr)
     try:
-        summary = export_step(_storage(args), args.step, args.out, hmac_key_env=args.hmac_key_env,
+        summary = export_step(storage, args.step, args.out, hmac_key_env=args.hmac_key_env, job=args.job,
                               include_optimizer=args.with_optimizer)
-    except ChecksumMismatchError as e:
+    except (ChecksumMismatchError, UnsafePickleError) as e:
         print(f"ftrain ckpt export: {e}", file=sys.stderr)
         return EXIT_PROBLEMS
     print(f"exported step {summary['step']}: {summary['tensors']} tensors, {summary['params']:,} parameters "
@@ -224,6 +280,8 @@ def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--endpoint-url", default="", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
         p.add_argument("--hmac-key-env", default="", metavar="NAME",
                        help="environment variable holding the manifest HMAC key (default: no HMAC check)")
+        p.add_argument("--job", default=None, metavar="ID",
+                       help="refuse steps written by any other job (default: accept every job's steps)")
         p.set_defaults(func=func)
         return p
 
@@ -239,11 +297,12 @@ def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = command("gc", "delete step directories outside the retention rules", cmd_gc)
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
-    p.add_argument("--keep-last", type=int, default=3, metavar="N", help="keep the newest N committed steps (3)")
+    p.add_argument("--keep-last", type=int, default=Retention().keep_last, metavar="N",
+                   help=f"keep the newest N committed steps ({Retention().keep_last})")
     p.add_argument("--keep-every", type=int, default=0, metavar="M",
                    help="also keep every step that is a multiple of M (0: off)")
-    p.add_argument("--grace-s", type=float, default=3600.0, metavar="S",
-                   help="uncommitted/corrupt directories younger than this are kept (3600)")
+    p.add_argument("--grace-s", type=float, default=Retention().grace_s, metavar="S",
+                   help=f"uncommitted/corrupt directories younger than this are kept ({Retention().grace_s:g})")
 
     p = command("export", "write one step as a single torch.save file", cmd_export)
     p.add_argument("step", type=_step_arg, help="step number or step directory name")
@@ -252,5 +311,5 @@ def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
                    help='also export optimizer state ({"model": ..., "optim": ...}); default: model parameters only')
 
 
-__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PROBLEMS", "add_ckpt_parser", "cmd_export", "cmd_gc", "cmd_ls",
-           "cmd_show", "cmd_verify", "human_bytes", "storage_options"]
+__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PROBLEMS", "NO_HMAC_KEY_NOTE", "add_ckpt_parser", "cmd_export", "cmd_gc",
+           "cmd_ls", "cmd_show", "cmd_verify", "hmac_notes", "human_bytes", "storage_options"]

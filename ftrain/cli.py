@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 
+from checkpoint.errors import CheckpointError
 from ftrain.config import ConfigError, load_config, reference_markdown
 from ftrain.ckpt_cli import add_ckpt_parser
 from ftrain.data import DataError
@@ -29,6 +30,7 @@ from ftrain.data import DataError
 log = logging.getLogger("ftrain")
 
 EXIT_CONFIG = 2
+EXIT_CHECKPOINT = 3  #: no step can be loaded, or commits keep failing: the message says which and why
 
 
 def _setup_logging() -> None:
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"ftrain: data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except CheckpointError as e:
+        print(f"ftrain: checkpoint error: {e}", file=sys.stderr)
+        return EXIT_CHECKPOINT
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 Precedence is CLI > file > defaults. Every key is typed and documented (the ``help`` metadata
 feeds ``ftrain config --reference`` and the README). Bad input fails at start with a
 :class:`ConfigError` that names the key and, where it helps, the file and the fix.
+
+What must stay true: every float key is finite (TOML's ``nan``/``inf`` are refused, whether from
+the file, an override or a dataclass built in code) and every numeric key is in its range, so a
+value that passes here cannot break training later. The checkpoint retention defaults equal
+``checkpoint.retention.Retention``'s (a test checks it; this module stays free of torch).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -67,8 +73,9 @@ class TrainConfig:
                 f"{self.global_batch_size} is not a multiple of train.micro_batch_size="
                 f"{self.micro_batch_size}",
             )
-        if self.grad_clip < 0:
-            raise ConfigError("train.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _check_floats("train", self)
+        _at_least("train.grad_clip", self.grad_clip, 0)
+        _int_range("train.seed", self.seed, -(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,7 +83,8 @@ class ModelConfig:
     factory: str = _opt(
         "",
         'Build a user model: "pkg.module:function", called with this ModelConfig, returning an '
-        "nn.Module whose forward(tokens) returns logits. Empty: the built-in GPT.",
+        "nn.Module whose forward(tokens) returns logits. Empty: the built-in GPT. This imports and runs code: "
+        "a config file is as trusted as code.",
     )
     vocab_size: int = _opt(256, "Vocabulary size (must exceed every token id of the data).")
     seq_len: int = _opt(128, "Tokens per training sequence (context length).")
@@ -95,6 +103,7 @@ class ModelConfig:
             raise ConfigError(
                 "model.d_model", f"{self.d_model} is not a multiple of model.n_head={self.n_head}"
             )
+        _check_floats("model", self)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("model.dropout", f"must be in [0, 1), got {self.dropout}")
 
@@ -129,8 +138,10 @@ class DataConfig:
                 f"token file {self.source!r} does not exist (give a flat uint16/uint32 token "
                 'file, or "synthetic")',
             )
+        _check_floats("data", self)
         _positive("data.num_samples", self.num_samples)
         _positive("data.branching", self.branching)
+        _int_range("data.seed", self.seed, 0, 2**63 - 1)  # the data cursor's permutation seed
         if self.concentration <= 0:
             raise ConfigError("data.concentration", f"must be > 0, got {self.concentration}")
 
@@ -153,8 +164,14 @@ class OptimConfig:
     base_world_size: int = _opt(1, "Data-parallel size at which optim.lr is the peak LR as given.")
 
     def __post_init__(self) -> None:
+        _check_floats("optim", self)
         if self.lr <= 0:
             raise ConfigError("optim.lr", f"must be > 0, got {self.lr}")
+        _at_least("optim.weight_decay", self.weight_decay, 0)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        _positive("optim.eps", self.eps)
         if self.warmup_steps < 0:
             raise ConfigError("optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -183,6 +200,7 @@ class ParallelConfig:
     timeout_s: float = _opt(120.0, "Collective and rendezvous timeout in seconds.")
 
     def __post_init__(self) -> None:
+        _check_floats("parallel", self)
         if self.tp_size < 0:
             raise ConfigError("parallel.tp_size", f"must be >= 0, got {self.tp_size}")
         if self.shard_size < 0:
@@ -201,7 +219,9 @@ class ParallelConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     uri: str = _opt(
-        "", "Checkpoint root: a path, file://, s3://bucket/prefix or any fsspec URL (empty: no checkpoints)."
+        "", "This job's checkpoint root: a path, file://, s3://bucket/prefix or any fsspec URL (empty: no "
+        "checkpoints). Step directories go directly under it, so give every job its own, e.g. "
+        "s3://bucket/ckpt/<job>; a step of another job found here is refused."
     )
     interval: int = _opt(100, "Save every this many steps (0: only the final save).")
     async_mode: str = _opt(
@@ -214,10 +234,20 @@ class CheckpointConfig:
     )
     digest: str = _opt("xxh3_128", "Per-file digest recorded in the manifest.", ("xxh3_128", "crc32c"))
     hmac_key_env: str = _opt(
-        "", "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256."
+        "", "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256, "
+        "bound to the job id (FTRAIN_JOB, set by the node agent, or agent.job), which must then be known."
     )
     resume: bool = _opt(True, "Load the newest verified checkpoint under checkpoint.uri at start.")
     load_step: int = _opt(-1, "Load exactly this step (fails if it is not committed and verified); -1: newest.")
+    on_no_loadable_step: str = _opt(
+        "fail", "Step directories with manifests exist but none loads (wrong HMAC key or job, all corrupt): fail "
+        "with the list of steps and why each was refused, or start fresh from step 0 (the old step directories "
+        "are replaced as the new run saves).", ("fail", "fresh"),
+    )
+    max_failed_commits: int = _opt(
+        3, "Consecutive failed checkpoint commits after which training stops instead of running unprotected. "
+        "0: never stop."
+    )
     final_save: bool = _opt(True, "Save synchronously at the end of training and on a graceful stop (SIGTERM).")
     keep_last: int = _opt(3, "Retention: keep the newest N committed steps.")
     keep_every: int = _opt(0, "Retention: also keep every step divisible by this (0: off).")
@@ -226,14 +256,20 @@ class CheckpointConfig:
     region: str = _opt("", "S3 region (default: AWS_REGION).")
 
     def __post_init__(self) -> None:
+        _check_floats("checkpoint", self)
         if self.interval < 0:
             raise ConfigError("checkpoint.interval", f"must be >= 0, got {self.interval}")
         if self.keep_last < 1:
             raise ConfigError("checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
         if self.keep_every < 0:
             raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {self.keep_every}")
-        if self.hmac_key_env and self.hmac_key_env not in os.environ:
-            raise ConfigError("checkpoint.hmac_key_env", f"environment variable {self.hmac_key_env} is not set")
+        _at_least("checkpoint.gc_grace_s", self.gc_grace_s, 0)
+        _at_least("checkpoint.load_step", self.load_step, -1)
+        _at_least("checkpoint.max_failed_commits", self.max_failed_commits, 0)
+        if self.hmac_key_env and not os.environ.get(self.hmac_key_env):
+            raise ConfigError("checkpoint.hmac_key_env",
+                              f"environment variable {self.hmac_key_env} is not set (or empty): export the key there, "
+                              "or leave checkpoint.hmac_key_env empty for unsigned manifests")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,6 +323,9 @@ class AgentConfig:
     restart_window_s: float = _opt(3600.0, "Window of the restart budget.")
     backoff_initial_s: float = _opt(1.0, "Wait before the 2nd restart in the window; doubles after each failure.")
     backoff_max_s: float = _opt(30.0, "Longest wait between restarts.")
+    deterministic_failures: int = _opt(
+        3, "The workers failed with the same error at the same step this many times in a row: stop the job "
+        "with that error instead of spending the restart budget (0: never).")
     scale_up: str = _opt(
         "checkpoint", "Nodes that join a running job enter at the next committed checkpoint, or immediately.",
         ("checkpoint", "immediate"),
@@ -295,10 +334,19 @@ class AgentConfig:
     run_dir: str = _opt("", "Worker logs and stack dumps (default: a new temporary directory).")
 
     def __post_init__(self) -> None:
+        _check_floats("agent", self)
         parse_nnodes(self.nnodes, "agent.nnodes")
         _positive("agent.nproc_per_node", self.nproc_per_node)
         if self.lease_ttl_s < 2:
             raise ConfigError("agent.lease_ttl_s", f"must be >= 2 (etcd's minimum lease), got {self.lease_ttl_s}")
+        _at_least("agent.settle_s", self.settle_s, 0)
+        for name in ("hang_timeout_s", "start_timeout_s", "restart_window_s"):
+            _positive(f"agent.{name}", getattr(self, name))
+        _at_least("agent.max_restarts", self.max_restarts, 0)
+        _at_least("agent.deterministic_failures", self.deterministic_failures, 0)
+        _at_least("agent.backoff_initial_s", self.backoff_initial_s, 0)
+        _at_least("agent.backoff_max_s", self.backoff_max_s, self.backoff_initial_s)
+        _int_range("agent.metrics_port", self.metrics_port, -1, 65535)
 
 
 def parse_nnodes(text: str, key: str = "--nnodes") -> tuple[int, int]:
@@ -349,8 +397,47 @@ def sections() -> dict[str, type]:
 
 
 def _positive(key: str, value: int | float) -> None:
-    if value <= 0:
+    if not value > 0:  # "not >" so that NaN fails too
         raise ConfigError(key, f"must be > 0, got {value}")
+
+
+def _at_least(key: str, value: int | float, minimum: int | float) -> None:
+    if not value >= minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}")
+
+
+def _int_range(key: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(key, f"must be in [{low}, {high}], got {value}")
+
+
+def _check_floats(section: str, obj: Any) -> None:
+    """Every float field of ``obj`` is finite (a section built in code skips _check_type)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+            raise ConfigError(f"{section}.{f.name}", f"must be a finite number, got {value!r}")
+
+
+def worker_job_id(cfg: Config, environ: Any = None) -> str:
+    """The job id of a worker: ``FTRAIN_JOB`` (set by the node agent) or else ``agent.job``.
+
+    Checkpoint manifests record it and readers refuse another job's steps. With
+    ``checkpoint.hmac_key_env`` set it must be known: the signature binds the job.
+    """
+    from checkpoint.manifest import job_problem  # torch-free; only workers need it
+
+    env = os.environ if environ is None else environ
+    job, key = (env["FTRAIN_JOB"], "FTRAIN_JOB") if env.get("FTRAIN_JOB") else (cfg.agent.job, "agent.job")
+    why = job_problem(job)
+    if why is not None:
+        raise ConfigError(key, f"job id {why}")
+    if cfg.checkpoint.uri and cfg.checkpoint.hmac_key_env and not job:
+        raise ConfigError("checkpoint.hmac_key_env",
+                          "signed manifests are bound to the job id, but no job id is known: set agent.job=<job id> "
+                          "(or run under `ftrain agent`, which sets FTRAIN_JOB), or leave checkpoint.hmac_key_env "
+                          "empty")
+    return job
 
 
 def _suggest(name: str, options: Iterable[str]) -> str:
@@ -367,6 +454,8 @@ def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         value = float(value)
     if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
         raise ConfigError(key, f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
+    if expected is float and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(key, f"{value!r} is not one of {', '.join(choices)}")

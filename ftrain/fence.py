@@ -1,15 +1,31 @@
 """The checkpoint fence of a worker started by an agent: commit only while our round is current.
 
-The agent passes ``FTRAIN_ETCD`` (client URLs), ``FTRAIN_FENCE_KEY`` (the job's ``round`` key)
-and ``FTRAIN_ROUND``. Before the manifest is written, :meth:`EtcdRoundFence.check` runs an etcd
-transaction that succeeds only if the key still holds our round; otherwise, or when no etcd
-member answers, it raises :class:`~checkpoint.errors.StaleRoundError` and nothing is committed
-(training goes on; the save is reported as failed). The leader moves the key forward before any
-agent starts the next round's workers, so a worker of an old round — a zombie on a partitioned
-host — cannot publish a checkpoint the new round might load.
+The agent passes ``FTRAIN_ETCD`` (client URLs), ``FTRAIN_FENCE_KEY`` (the job's ``round`` key),
+``FTRAIN_ROUND`` and, when it uses etcd auth or TLS, ``FTRAIN_ETCD_CLIENT_FILE``: a JSON file in
+its run dir, readable by its user only (0600), with ``username``/``password``, ``ca_cert``,
+``cert``, ``key`` — the same credentials and files as the agent, and no secret on any command
+line or in the workers' environment. Before the manifest is written,
+:meth:`EtcdRoundFence.check` runs an etcd transaction that succeeds only if the key still holds
+our round; otherwise, or when no etcd member answers, it raises
+:class:`~checkpoint.errors.StaleRoundError` and nothing is committed (the save is reported as
+failed). The leader moves the key forward before any agent starts the next round's workers, so
+a worker of an old round — a zombie on a partitioned host — cannot publish a checkpoint the new
+round might load.
 
-This speaks the etcd v3 JSON gateway with the standard library alone: one request per commit,
-and the worker stays free of the agent's packages.
+What must stay true:
+
+- "stale round" is said only when etcd answered that the key holds another value. Refused
+  credentials raise :class:`FenceAuthError` ("authentication ..."), a TLS failure or an
+  unusable client file :class:`FenceConfigError`; both also refuse the commit.
+- Auth as etcd's own clients do it: ``/v3/auth/authenticate`` gives a token sent in the
+  ``Authorization`` header; a token etcd rejects (expired, server restarted) is replaced once
+  per check, then the request is sent again.
+- The fence is picklable (it may run in DCP's background process): the password, token and
+  ssl context are loaded lazily and never pickled; the client file is read again there.
+
+This speaks the etcd v3 JSON gateway with the standard library alone (``urllib``, ``ssl``): one
+request per commit (two when a token is fetched), and the worker stays free of the agent's
+packages.
 """
 
 from __future__ import annotations
@@ -17,38 +33,207 @@ from __future__ import annotations
 import base64
 import json
 import os
+import ssl
+import stat
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from typing import Any
 
-from checkpoint.errors import StaleRoundError
+from checkpoint.errors import CheckpointError, StaleRoundError
 
 TIMEOUT_S = 3.0
+CLIENT_FILE_ENV = "FTRAIN_ETCD_CLIENT_FILE"
+_UNAUTHENTICATED, _INVALID_ARGUMENT, _PERMISSION_DENIED = 16, 3, 7
+_TOKEN_REJECTED = ("invalid auth token", "auth store is old", "user name is empty", "token")
+
+
+class FenceAuthError(CheckpointError):
+    """etcd refused the fence's credentials (or asked for some and none were given)."""
+
+
+class FenceConfigError(CheckpointError):
+    """The fence cannot be set up: an unusable client file, or a TLS/certificate error."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How to reach etcd: what the agent wrote to the client file."""
+    username: str | None = None
+    password: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @classmethod
+    def load(cls, path: str) -> ClientSettings:
+        """Read the client file; FenceConfigError (naming the file and variable) if unusable or
+        readable by other users."""
+        try:
+            mode = os.stat(path).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: readable by other users "
+                                       f"(mode {stat.S_IMODE(mode):o}); it holds a password: chmod 600")
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: cannot read the etcd client settings: {e}") from e
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()) \
+                or set(data) - {"username", "password", "ca_cert", "cert", "key"}:
+            raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: expected a JSON object of strings with "
+                                   "username, password, ca_cert, cert, key")
+        if ("username" in data) != ("password" in data):
+            raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: username and password go together")
+        return cls(**data)
+
+    def __repr__(self) -> str:  # never print the password
+        return (f"ClientSettings(username={self.username!r}, password={'***' if self.password else None}, "
+                f"ca_cert={self.ca_cert!r}, cert={self.cert!r}, key={self.key!r})")
 
 
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+class _Rejected(Exception):
+    """etcd answered with an error reply (HTTP status, gRPC code, message)."""
+
+    def __init__(self, status: int, code: int | None, message: str):
+        super().__init__(f"HTTP {status}, code {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+    @property
+    def auth(self) -> bool:
+        return self.code in (_UNAUTHENTICATED, _PERMISSION_DENIED) or (
+            self.code == _INVALID_ARGUMENT and "user name" in self.message) or "auth" in self.message
+
+    @property
+    def token_rejected(self) -> bool:
+        return self.code == _UNAUTHENTICATED or any(m in self.message for m in _TOKEN_REJECTED)
+
+
 class EtcdRoundFence:
-    def __init__(self, endpoints: list[str], key: str, *, timeout_s: float = TIMEOUT_S):
+    """``check(round_)`` passes only while ``key`` holds ``round_`` (see the module docstring).
+
+    ``settings``: credentials and TLS files given directly; ``client_file``: read them from
+    there at first use instead (what :func:`from_env` does).
+    """
+
+    def __init__(self, endpoints: list[str], key: str, *, timeout_s: float = TIMEOUT_S,
+                 settings: ClientSettings | None = None, client_file: str | None = None):
         if not endpoints:
             raise ValueError("EtcdRoundFence needs at least one etcd endpoint")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.key = key
         self.timeout_s = timeout_s
+        self.client_file = client_file
+        self._settings = settings
+        self._ssl: ssl.SSLContext | None = None
+        self._token: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_ssl=None, _token=None)
+        if self.client_file:
+            state["_settings"] = None  # the other process reads the file itself
+        return state
+
+    # -- settings -------------------------------------------------------------------------
+    def settings(self) -> ClientSettings:
+        if self._settings is None:
+            self._settings = ClientSettings.load(self.client_file) if self.client_file else ClientSettings()
+        return self._settings
+
+    def _context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            s = self.settings()
+            try:
+                context = ssl.create_default_context(cafile=s.ca_cert)
+                if s.cert:
+                    context.load_cert_chain(s.cert, s.key)
+            except (OSError, ssl.SSLError) as e:
+                raise FenceConfigError(f"etcd TLS files (ca_cert={s.ca_cert}, cert={s.cert}, key={s.key}) "
+                                       f"unusable: {e}") from e
+            self._ssl = context
+        return self._ssl
+
+    # -- requests -------------------------------------------------------------------------
+    def _post(self, endpoint: str, path: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = token
+        request = urllib.request.Request(f"{endpoint}{path}", data=json.dumps(body).encode(), headers=headers)
+        context = self._context() if endpoint.startswith("https://") else None
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s, context=context) as reply:
+                answer = json.load(reply)
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                data = {}
+            data = data if isinstance(data, dict) else {}
+            raise _Rejected(e.code, data.get("code"), str(data.get("message") or data.get("error") or raw[:200])
+                            ) from e
+        if not isinstance(answer, dict):
+            raise ValueError(f"reply is not a JSON object: {answer!r}"[:200])
+        if "error" in answer and isinstance(answer["error"], dict):  # some gateway errors come in a 200
+            err = answer["error"]
+            raise _Rejected(int(err.get("http_code") or 500), err.get("grpc_code"), str(err.get("message")))
+        return answer
+
+    def _authenticate(self, endpoint: str) -> str | None:
+        s = self.settings()
+        if s.username is None:
+            return None
+        try:
+            answer = self._post(endpoint, "/v3/auth/authenticate", {"name": s.username, "password": s.password},
+                                None)
+        except _Rejected as e:
+            raise FenceAuthError(f"etcd authentication as {s.username!r} failed at {endpoint} ({e.message}): "
+                                 f"commit refused; check the agent's --etcd-user and FTRAIN_ETCD_PASSWORD") from e
+        token = answer.get("token")
+        if not isinstance(token, str) or not token:
+            raise FenceAuthError(f"etcd authentication at {endpoint} gave no token: commit refused")
+        return token
+
+    def _txn(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._token is None:
+            self._token = self._authenticate(endpoint)
+        try:
+            return self._post(endpoint, "/v3/kv/txn", body, self._token)
+        except _Rejected as e:
+            if not e.auth:
+                raise
+            if self._token is None or not e.token_rejected:
+                who = f"user {self.settings().username!r}" if self.settings().username else "no credentials"
+                raise FenceAuthError(f"etcd authentication refused the fence's transaction ({who}) at "
+                                     f"{endpoint}: {e.message}; commit refused") from e
+        self._token = self._authenticate(endpoint)  # expired or invalid: once more with a fresh token
+        try:
+            return self._post(endpoint, "/v3/kv/txn", body, self._token)
+        except _Rejected as e:
+            if e.auth:
+                raise FenceAuthError(f"etcd authentication refused the fence's transaction at {endpoint} even "
+                                     f"with a fresh token: {e.message}; commit refused") from e
+            raise
 
     def check(self, round_: int) -> None:
-        body = json.dumps({"compare": [{"key": _b64(self.key), "target": "VALUE", "result": "EQUAL",
-                                        "value": _b64(str(round_))}],
-                           "success": [], "failure": []}).encode()
+        body = {"compare": [{"key": _b64(self.key), "target": "VALUE", "result": "EQUAL",
+                             "value": _b64(str(round_))}], "success": [], "failure": []}
         errors = []
         for endpoint in self.endpoints:
-            request = urllib.request.Request(f"{endpoint}/v3/kv/txn", data=body,
-                                             headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                    answer = json.load(reply)
-            except (urllib.error.URLError, OSError, ValueError) as e:
+                answer = self._txn(endpoint, body)
+            except ssl.SSLError as e:
+                raise FenceConfigError(f"TLS with etcd at {endpoint} failed: {e}; commit refused") from e
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, ssl.SSLError):
+                    raise FenceConfigError(f"TLS with etcd at {endpoint} failed: {e.reason}; commit refused") from e
+                errors.append(f"{endpoint}: {e}")
+                continue
+            except (_Rejected, OSError, ValueError) as e:
                 errors.append(f"{endpoint}: {e}")
                 continue
             if answer.get("succeeded"):
@@ -64,4 +249,4 @@ def from_env() -> EtcdRoundFence | None:
     key = os.environ.get("FTRAIN_FENCE_KEY", "")
     if not endpoints or not key:
         return None
-    return EtcdRoundFence(endpoints, key)
+    return EtcdRoundFence(endpoints, key, client_file=os.environ.get(CLIENT_FILE_ENV) or None)

@@ -10,6 +10,12 @@ Started from the environment the agent sets (nothing happens without an agent):
 - ``FTRAIN_AGENT_PID``: a watchdog thread ends this worker (SIGKILL to itself) within about a
   second once the agent is gone, or once its own parent (torchrun) is gone, so no worker of
   an old round outlives its agent, even one killed with SIGKILL.
+
+A malformed ``FTRAIN_ROUND`` or ``FTRAIN_AGENT_PID`` stops the worker at start with an error
+naming the variable (:class:`ChannelConfigError`): a worker that cannot say which round it is
+in must not train (its heartbeats would be ignored and its commits fenced off anyway).
+Beats carry the checkpoint health (failed commits in a row, the last error); the exit message
+carries the error the worker failed with and whether a restart can help (``fatal``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,26 @@ import time
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
+MAX_ERROR_CHARS = 500  #: errors are cut to this so that a datagram stays well under 4 KiB
+
+
+class ChannelConfigError(ValueError):
+    """An ``FTRAIN_*`` variable the agent sets holds something unusable."""
+
+
+def env_int(name: str, default: int, *, low: int = 0) -> int:
+    """``$name`` as an int >= ``low`` (``default`` when unset or empty); ChannelConfigError otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError as e:
+        raise ChannelConfigError(f"{name}={raw[:40]!r} is not an integer (it is set by the ftrain agent; "
+                                 f"unset it to run without one)") from e
+    if value < low:
+        raise ChannelConfigError(f"{name}={value} must be >= {low}")
+    return value
 
 
 def process_gone(pid: int) -> bool:
@@ -50,14 +76,22 @@ class Heartbeat:
         self._dropped = 0
 
     def beat(self, step: int, *, phase: str = "training", step_time_s: float = 0.0, committed_step: int = -1,
-             ckpt_duration_s: float = 0.0) -> None:
+             ckpt_duration_s: float = 0.0, ckpt_failures: int = 0, ckpt_failures_total: int = 0,
+             ckpt_error: str = "") -> None:
         """``phase``: ``training`` (the agent expects the next beat within its hang timeout) or
-        anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies)."""
+        anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies).
+        ``ckpt_failures``: commits failed in a row; ``ckpt_error``: the last one's error."""
         self._send({"kind": "beat", "phase": phase, "step": step, "step_time_s": step_time_s,
-                    "committed_step": committed_step, "ckpt_duration_s": ckpt_duration_s})
+                    "committed_step": committed_step, "ckpt_duration_s": ckpt_duration_s,
+                    "ckpt_failures": ckpt_failures, "ckpt_failures_total": ckpt_failures_total,
+                    "ckpt_error": ckpt_error[:MAX_ERROR_CHARS]})
 
-    def exit(self, step: int, *, finished: bool, committed_step: int = -1) -> None:
-        self._send({"kind": "exit", "phase": "exiting", "step": step, "finished": finished, "committed_step": committed_step})
+    def exit(self, step: int, *, finished: bool, committed_step: int = -1, error: str = "",
+             fatal: bool = False) -> None:
+        """The last message: ``error`` says why the worker fails (empty on success), ``fatal``
+        that restarting it cannot help (the agent then ends the job instead)."""
+        self._send({"kind": "exit", "phase": "exiting", "step": step, "finished": finished,
+                    "committed_step": committed_step, "error": error[:MAX_ERROR_CHARS], "fatal": fatal})
 
     def _send(self, fields: dict) -> None:
         msg = json.dumps({**self._base, **fields, "time": time.time()}).encode()
@@ -88,11 +122,12 @@ def from_env(rank: int, local_rank: int) -> Heartbeat | None:
     path = os.environ.get("FTRAIN_HEARTBEAT")
     if not path:
         return None
-    hb = Heartbeat(path, round_=int(os.environ.get("FTRAIN_ROUND", "0")), rank=rank, local_rank=local_rank)
+    round_ = env_int("FTRAIN_ROUND", 0)
+    agent_pid = env_int("FTRAIN_AGENT_PID", 0)
+    hb = Heartbeat(path, round_=round_, rank=rank, local_rank=local_rank)
     stack_dir = os.environ.get("FTRAIN_STACK_DIR")
     if stack_dir:
         hb.enable_stack_dumps(stack_dir)
-    agent_pid = int(os.environ.get("FTRAIN_AGENT_PID", "0"))
     if agent_pid:
         threading.Thread(target=_watchdog, args=(agent_pid, os.getppid()), name="agent-watchdog",
                          daemon=True).start()

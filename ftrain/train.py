@@ -6,6 +6,15 @@ communication until the last), reduces gradients, clips, checks the loss and gra
 finite, sets the scheduled LR and steps the optimizer; then it reports (metrics JSON line,
 progress, peak memory per rank), checkpoints when due, and checks replicas when due.
 SIGTERM is a graceful stop: finish the step, save synchronously, exit 0.
+
+Checkpoint health is never silent: every heartbeat carries the failed commits in a row and the
+last error, and past ``checkpoint.max_failed_commits`` failures in a row (0: never) the worker
+stops with :class:`CheckpointFailuresError` — naming the count, the key and the last error —
+rather than train on with nothing protecting the work. The agents restart from the last
+commit (an outage may have passed); if the same error comes back at the same step, their
+deterministic-failure rule stops the job with it in the final status instead of spending the
+restart budget. Every exception is sent to the agent (error, step, and whether a restart can
+help at all: ``fatal``) before the worker leaves.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from checkpoint.errors import CheckpointError
 from ftrain import heartbeat
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
@@ -41,6 +51,20 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm is not finite and ``train.on_nonfinite = "halt"``."""
+
+
+class CheckpointFailuresError(CheckpointError):
+    """``checkpoint.max_failed_commits`` checkpoint commits in a row failed: stop, do not train
+    on unprotected. Not fatal: the cause may pass (an etcd or storage outage), so the agents
+    restart from the last commit; a cause that stays (bad credentials) fails again at the same
+    step with the same error, and the agents' deterministic-failure rule ends the job."""
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line for the agent: the exception's type and message (its lines joined; the heartbeat
+    channel truncates it)."""
+    lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
+    return " | ".join(lines) if lines else type(e).__name__
 
 
 @dataclass(slots=True)
@@ -64,9 +88,13 @@ def train(cfg: Config) -> TrainResult:
     try:
         trainer = Trainer(cfg, device, dtype, rank, world_size, local_world, hb)
         result = trainer.run()
-    except BaseException:
+    except BaseException as e:
         # No collective teardown on failure: peers may be stuck in a collective, and a barrier
         # or destroy here would hang; the launcher ends the job.
+        if hb is not None and not isinstance(e, KeyboardInterrupt):
+            hb.exit(trainer.cursor.step if trainer is not None else -1, finished=False,
+                    committed_step=trainer.committed_step() if trainer is not None else -1,
+                    error=describe_failure(e), fatal=bool(getattr(e, "fatal", False)))
         if trainer is not None:
             trainer.close()
         raise
@@ -103,6 +131,9 @@ class Trainer:
         self.peak_lr = peak_lr(cfg.optim, self.layout.dp_size)
         self.floor = getattr(self.source, "entropy_floor_nats", None)
         self.skipped_steps = 0
+        self.max_failed_commits = cfg.checkpoint.max_failed_commits
+        self._failures_at_last_commit = 0  #: saves_failed when a commit last succeeded
+        self._last_commit_seen = -1
         self._stop_requested = False
         self.dtype = dtype
 
@@ -141,6 +172,7 @@ class Trainer:
                 if blocking:  # a whole save may take longer than the hang timeout
                     self._beat(done, "saving")
                 self.ckpt.save(done)  # async modes block only for staging: the step's timeout applies
+                self._check_commit_failures()
             maybe_crash(done, self.rank)
             maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:
@@ -164,11 +196,39 @@ class Trainer:
 
     def _beat(self, step: int, phase: str, step_time_s: float = 0.0) -> None:
         if self.hb is not None:
+            status = self.ckpt.manager.status if self.ckpt else None
             self.hb.beat(step, phase=phase, step_time_s=step_time_s, committed_step=self.committed_step(),
-                         ckpt_duration_s=self.ckpt.manager.status.last_save_duration_s if self.ckpt else 0.0)
+                         ckpt_duration_s=status.last_save_duration_s if status else 0.0,
+                         ckpt_failures=self.consecutive_commit_failures(),
+                         ckpt_failures_total=status.saves_failed if status else 0,
+                         ckpt_error=status.last_error if status and self.consecutive_commit_failures() else "")
 
     def committed_step(self) -> int:
         return self.ckpt.manager.status.last_committed_step if self.ckpt is not None else -1
+
+    def consecutive_commit_failures(self) -> int:
+        """Checkpoint saves failed since the last commit (the manager's own count once it has one)."""
+        if self.ckpt is None:
+            return 0
+        status = self.ckpt.manager.status
+        counted = getattr(status, "consecutive_failures", None)
+        if counted is not None:
+            return int(counted)
+        if status.last_committed_step != self._last_commit_seen:
+            self._last_commit_seen, self._failures_at_last_commit = status.last_committed_step, status.saves_failed
+        return status.saves_failed - self._failures_at_last_commit
+
+    def _check_commit_failures(self) -> None:
+        """Stop once ``checkpoint.max_failed_commits`` commits in a row have failed (0: never)."""
+        failures = self.consecutive_commit_failures()
+        if not self.max_failed_commits or failures < self.max_failed_commits:
+            return
+        error = self.ckpt.manager.status.last_error or "(no error recorded)"
+        self.events.emit("ckpt_failures_exceeded", failures=failures, limit=self.max_failed_commits, error=error)
+        raise CheckpointFailuresError(
+            f"{failures} checkpoint commits in a row failed (checkpoint.max_failed_commits={self.max_failed_commits}): "
+            f"stopping rather than training unprotected; last error: {error}. Fix the storage or the etcd fence, or "
+            "raise checkpoint.max_failed_commits (0: never stop)")
 
     def _resume(self) -> None:
         self._beat(-1, "loading")
@@ -293,7 +353,8 @@ class Trainer:
             status = self.ckpt.poll()
             record.update(ckpt_last_committed_step=status.last_committed_step,
                           ckpt_saves_failed=status.saves_failed, ckpt_in_flight=status.in_flight_step,
-                          ckpt_last_error=status.last_error)
+                          ckpt_last_error=status.last_error,
+                          ckpt_consecutive_failures=self.consecutive_commit_failures())
         if self.metrics is not None:
             self.metrics.write(record)
         self._beat(step, "training", step_time_s)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,6 +35,8 @@ from ftrain.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "30", "--backoff-initial-s", "0.5")
+#: The variable the demo puts its checkpoint signing key in.
+CKPT_KEY_ENV = "FTRAIN_DEMO_CKPT_KEY"
 
 
 class Demo:
@@ -42,7 +45,10 @@ class Demo:
         self.events_path = work / "events.jsonl"
         self.metrics_path = work / "metrics.jsonl"
         self.agents: dict[str, subprocess.Popen] = {}
+        # checkpoints signed with a per-demo key, bound to job "demo" (see the README's security section)
+        self.ckpt_key = secrets.token_hex(32)
         self.worker_args = [args.config, f"--checkpoint.uri={stack.s3.url('demo')}",
+                            f"--checkpoint.hmac_key_env={CKPT_KEY_ENV}",
                             f"--logging.metrics_path={self.metrics_path}", f"--logging.events_path={self.events_path}"]
 
     def start_agent(self, node: str) -> None:
@@ -51,7 +57,7 @@ class Demo:
                "--run-dir", str(self.work / node), "--events", str(self.events_path), *AGENT_OPTIONS,
                "--", *self.worker_args]
         env = {**os.environ, **self.stack.env(), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-               "FTRAIN_LOG_LEVEL": "WARNING"}
+               "FTRAIN_LOG_LEVEL": "WARNING", CKPT_KEY_ENV: self.ckpt_key}
         with open(self.work / f"agent-{node}.log", "ab") as log:
             self.agents[node] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                                  start_new_session=True)

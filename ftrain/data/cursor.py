@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 PERM_STREAM = 0x5045524D  # "PERM"
 
 _STATE_KEYS = ("epoch", "next_index", "step", "num_samples", "seed", "global_batch_size")
+#: Largest value any cursor state field may hold (int64, what numpy and torch index with).
+_MAX_STATE_INT = 2**63 - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,8 +127,15 @@ class DataCursor:
             "global_batch_size": self.global_batch_size,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``; the data (num_samples, seed) must be the same."""
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise DataError unless ``state`` has the shape of a :meth:`state_dict`: a dict with every
+        key, each a plain int in range, and self-consistent (epoch <= step: each step starts at
+        most one epoch; next_index <= num_samples). Extra keys are ignored. It comes from storage,
+        so nothing else about it is trusted."""
+        if not isinstance(state, dict):
+            raise DataError(f"data cursor state must be an object (a DataCursor.state_dict()), "
+                            f"got {type(state).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise DataError(
@@ -136,8 +145,25 @@ class DataCursor:
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise DataError(
-                    f"data cursor state {key!r} must be an int, got {type(value).__name__} {value!r}"
+                    f"data cursor state {key!r} must be an int, got {type(value).__name__} {str(value)[:80]}"
                 )
+            if not 0 <= value <= _MAX_STATE_INT:
+                raise DataError(f"data cursor state is corrupt: {key!r} must be in [0, 2**63), got {str(value)[:80]}")
+        epoch, next_index, step = int(state["epoch"]), int(state["next_index"]), int(state["step"])
+        num_samples, batch = int(state["num_samples"]), int(state["global_batch_size"])
+        if num_samples < 1 or batch < 1 or next_index > num_samples or epoch > step:
+            raise DataError(
+                f"data cursor state is corrupt: epoch={epoch}, next_index={next_index}, step={step}, "
+                f"num_samples={num_samples}, global_batch_size={batch} (need num_samples >= 1, "
+                f"global_batch_size >= 1, next_index <= num_samples, epoch <= step)"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``; the data (num_samples, seed) must be the same.
+
+        ``state`` is checked by :meth:`check_state` first; DataError names what is wrong.
+        """
+        self.check_state(state)
         if int(state["num_samples"]) != self.num_samples:
             raise DataError(
                 f"data cursor checkpoint was taken with num_samples={state['num_samples']} but the "
@@ -151,11 +177,6 @@ class DataCursor:
                 f"{state['seed']} or start a fresh run"
             )
         epoch, next_index, step = int(state["epoch"]), int(state["next_index"]), int(state["step"])
-        if epoch < 0 or step < 0 or not 0 <= next_index <= self.num_samples:
-            raise DataError(
-                f"data cursor state is corrupt: epoch={epoch}, next_index={next_index}, step={step} "
-                f"(need epoch >= 0, step >= 0, 0 <= next_index <= {self.num_samples})"
-            )
         if int(state["global_batch_size"]) != self.global_batch_size:
             logger.info(
                 "data cursor: global batch size changed %d -> %d; continuing from epoch %d index %d",

@@ -62,7 +62,8 @@ def test_nan_loss_halts_when_asked(tmp_path):
 
 
 def test_hmac_signed_manifests_and_process_async_saves(tmp_path):
-    """Manifests carry an HMAC when a key is configured; a reader with another key refuses them."""
+    """Manifests carry an HMAC bound to the job when a key is configured; a reader with another
+    key, or of another job, refuses them."""
     from checkpoint.catalog import list_steps
     from checkpoint.storage import Storage
 
@@ -70,11 +71,13 @@ def test_hmac_signed_manifests_and_process_async_saves(tmp_path):
     uri = tmp_path / "ck"
     run = train_job(tmp_path / "job", 2, f"--checkpoint.uri={uri}", "--checkpoint.interval=5",
                     "--checkpoint.async_mode=process", "--checkpoint.hmac_key_env=FTRAIN_TEST_HMAC",
-                    save_final=False, env=key_env)
+                    "--agent.job=hmac-job", save_final=False, env=key_env)
     assert run.metrics[-1]["ckpt_saves_failed"] == 0
     manifest = json.loads((uri / "step-000000005" / "manifest.json").read_text())
-    assert len(manifest["hmac"]) == 64
-    states = {s.step: s.state for s in list_steps(Storage(str(uri)), b"s3cret")}
+    assert len(manifest["hmac"]) == 64 and manifest["job"] == "hmac-job"
+    states = {s.step: s.state for s in list_steps(Storage(str(uri)), b"s3cret", job="hmac-job")}
     assert states == {5: "committed", 10: "committed"}
-    forged = {s.step: s.state for s in list_steps(Storage(str(uri)), b"other-key")}
+    forged = {s.step: s.state for s in list_steps(Storage(str(uri)), b"other-key", job="hmac-job")}
     assert set(forged.values()) == {"corrupt"}
+    other_job = {s.step: s.state for s in list_steps(Storage(str(uri)), b"s3cret", job="another-job")}
+    assert set(other_job.values()) == {"corrupt"}

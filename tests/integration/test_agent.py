@@ -226,3 +226,56 @@ def test_sigterm_drains_the_node(job):
     assert stop, job.log_tail()
     assert stop[0]["step"] in job.committed_steps(), "the drained step was not saved"
     assert not job.events("job_final"), "a drained node does not end the job"
+
+
+def test_garbage_records_in_etcd_are_skipped_and_the_job_finishes(job, client):
+    keys = JobKeys(job.job)
+    job.start("a", nnodes="1:1")
+    job.wait_step(20)
+    client.put(keys.status("x"), "not json")
+    client.put(keys.node("ghost"), '{"node_id": "ghost", "pid": "1"}')  # wrong type: not a live member
+    client.put(keys.status("a"), json.dumps({"round": 1, "state": "running", "from_v9": True}))  # a newer version's
+    client.put(keys.prefix + "rounds/1x", "{")
+    assert job.wait_exit("a") == 0, job.log_tail()
+    assert job.step() == 120 and job.events("job_final")[0]["status"] == "succeeded"
+    bad = {e["key"] for e in job.events("bad_record", node="a")}
+    assert bad == {keys.status("x"), keys.node("ghost"), keys.prefix + "rounds/1x"}, bad
+    assert len(job.events("bad_record", node="a", key=keys.status("x"))) == 1, "logged once, not every tick"
+    status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+                            capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
+    assert status.returncode == 0, status.stderr
+    assert "SUCCEEDED" in status.stdout and f"warning: unreadable job record {keys.status('x')}" in status.stdout
+
+
+def test_a_job_whose_commits_keep_failing_stops_with_the_error(job, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory should be")
+    job.worker_args[1] = f"--checkpoint.uri={blocker / 'ckpt'}"  # every save fails; nothing to resume from
+    job.worker_args.append("--checkpoint.resume=false")
+    job.start("a", "--metrics-port", "0", nnodes="1:1")
+    port = job.wait_event("agent_metrics", node="a")["port"]
+    failing = job.wait_event("checkpoint_failing", node="a", failures=2)
+    assert "Not a directory" in failing["error"], failing
+    text = _scrape(port)
+    assert _metric(text, "ftrain_checkpoint_failures_total") >= 2
+    assert job.wait_exit("a", timeout_s=180) == 1, job.log_tail()
+    final = job.events("job_final")[0]
+    assert final["status"] == "failed" and "fatal error on a" in final["reason"], final
+    assert "CheckpointFailuresError" in final["reason"] and "checkpoint.max_failed_commits=3" in final["reason"]
+    assert "Not a directory" in final["reason"], "the final status must name the last error"
+    assert len(_rounds(job)) == 1, "a fatal error must not spend the restart budget"
+    status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+                            capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
+    assert "FAILED" in status.stdout and "CheckpointFailuresError" in status.stdout, status.stdout
+
+
+def test_a_deterministic_failure_stops_the_job_before_the_budget(job, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory should be")
+    job.worker_args[1] = f"--checkpoint.uri={blocker / 'ckpt'}"  # every start fails the same way
+    job.start("a", nnodes="1:1")
+    assert job.wait_exit("a", timeout_s=180) == 1, job.log_tail()
+    final = job.events("job_final")[0]
+    assert final["status"] == "failed" and "deterministic failure" in final["reason"], final
+    assert "Not a directory" in final["reason"] and "at step 0" in final["reason"]
+    assert len(_rounds(job)) == 3, "stopped after 3 identical failures, not at the budget of 10"

@@ -7,7 +7,9 @@ node SIGKILLed mid-run while the other re-rendezvous alone (recovery time printe
 
 from __future__ import annotations
 
+import datetime
 import json
+import pickle
 import subprocess
 import sys
 import threading
@@ -19,7 +21,8 @@ from typing import IO, Any
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from agents.errors import EtcdUnavailableError
 from agents.etcd import EtcdClient
@@ -55,6 +58,14 @@ class LostReplies:
 
 
 # -- backend --------------------------------------------------------------------------------------
+def S(tag: str) -> bytes:
+    """A real pickled rendezvous state (the backend refuses anything else), told apart by ``tag``."""
+    state, node = _RendezvousState(), _NodeDesc(tag, 1, 0)
+    state.participants[node] = 0
+    state.last_heartbeats[node] = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)  # as torch writes it
+    return pickle.dumps(state)
+
+
 def race(calls: list[Callable[[], Any]]) -> list[Any]:
     """Run the calls on threads released together; their results in order."""
     start, results = threading.Barrier(len(calls)), [None] * len(calls)
@@ -77,7 +88,7 @@ def test_backend_cas_exactly_one_racer_wins_and_a_stale_token_gets_the_current_s
         assert a.name == "etcd-v3" and a.get_state() is None
 
         # both create (token None): one wins, the other is told what is there
-        first = race([lambda: a.set_state(b"from-a"), lambda: b.set_state(b"from-b")])
+        first = race([lambda: a.set_state(S("from-a")), lambda: b.set_state(S("from-b"))])
         assert sorted(r[2] for r in first) == [False, True]
         winner = next(r for r in first if r[2])
         assert all(r[:2] == winner[:2] for r in first)
@@ -85,15 +96,15 @@ def test_backend_cas_exactly_one_racer_wins_and_a_stale_token_gets_the_current_s
 
         # both update from the same token: one wins, the loser gets the winner's state and token
         token = winner[1]
-        second = race([lambda: a.set_state(b"a2", token), lambda: b.set_state(b"b2", token)])
+        second = race([lambda: a.set_state(S("a2"), token), lambda: b.set_state(S("b2"), token)])
         assert sorted(r[2] for r in second) == [False, True]
         won = next(r for r in second if r[2])
         assert won[1] > token and all(r[:2] == won[:2] for r in second)
 
         # a stale token (or one that is not ours) never writes
-        assert a.set_state(b"stale", token) == (*won[:2], False)
+        assert a.set_state(S("stale"), token) == (*won[:2], False)
         assert a.set_state(b"foreign", b"not-a-revision") == (*won[:2], False)
-        assert a.set_state(b"create", None) == (*won[:2], False)
+        assert a.set_state(S("create"), None) == (*won[:2], False)
         assert b.get_state() == won[:2]
 
 
@@ -101,22 +112,45 @@ def test_backend_cas_exactly_one_racer_wins_and_a_stale_token_gets_the_current_s
 def test_backend_resends_a_cas_whose_reply_was_lost(client, applied):
     lossy = LostReplies(client, lose=2, apply=applied)
     backend = EtcdRendezvousBackend(lossy, "run", sleep=lambda s: None)  # type: ignore[arg-type]
-    state, token, ok = backend.set_state(b"mine")
-    assert (state, ok) == (b"mine", True) and lossy.txns == 3
+    state, token, ok = backend.set_state(S("mine"))
+    assert (state, ok) == (S("mine"), True) and lossy.txns == 3
     assert client.get(backend.key).mod_revision == token
     # the same under a guard on a revision
     lossy.lose = 1
-    assert backend.set_state(b"next", token)[::2] == (b"next", True)
-    assert client.get(backend.key).value == b"next"
+    assert backend.set_state(S("next"), token)[::2] == (S("next"), True)
+    assert client.get(backend.key).value == S("next")
 
 
 def test_backend_keys_carry_a_rolling_lease(client):
     backend = EtcdRendezvousBackend(client, "run", key_prefix="/p", lease=RollingLease(client, 60))
-    backend.set_state(b"s")
+    backend.set_state(S("s"))
     kv = client.get("/p/run/state")
     assert kv is not None and kv.lease != 0 and 0 < client.time_to_live(kv.lease) <= 60
     with pytest.raises(ValueError, match="run id"):
         EtcdRendezvousBackend(client, "a/b")
+
+
+def test_backend_never_hands_torch_a_value_that_is_not_a_rendezvous_state(client, tmp_path):
+    """torch unpickles the state with plain pickle: a value written into etcd by anyone else must
+    not run code in the agents. Refused before torch sees it: a pickle calling anything but the
+    state's classes, a non-state object, garbage, an oversized value."""
+    backend = EtcdRendezvousBackend(client, "run")
+    sentinel = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(sentinel), "w"))
+
+    for value, why in [(pickle.dumps(Payload()), "io.open"), (pickle.dumps({"round": 1}), "dict"),
+                       (b"not a pickle", "does not unpickle"), (b"x" * ((1 << 20) + 1), "more than")]:
+        client.put(backend.key, value)
+        with pytest.raises(RendezvousStateError, match=why):
+            backend.get_state()
+        with pytest.raises(RendezvousStateError, match=why):  # the state found by a lost CAS too
+            backend.set_state(S("mine"), 1)
+    assert not sentinel.exists()
+    client.put(backend.key, S("good"))
+    assert backend.get_state()[0] == S("good")
 
 
 # -- store ----------------------------------------------------------------------------------------

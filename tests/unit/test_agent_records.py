@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -24,11 +25,13 @@ from dataclasses import dataclass, field, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agents.agent import AgentOptions
 from agents.etcd import KeyValue
 from agents.heartbeat import HeartbeatServer
 from agents.metrics import AgentMetrics
-from agents.records import (FAILED, HANG, NODE_LOST, SUCCEEDED, WORKER_EXIT, FinalStatus, JobKeys, JobState, Member,
-                            NodeRecord, NodeStatus, Report, RoundRecord)
+from agents.records import (FAILED, HANG, NODE_LOST, START, SUCCEEDED, WORKER_EXIT, FinalStatus, JobKeys, JobState,
+                            Member, NodeRecord, NodeStatus, Report, RoundRecord, parse_master, validate_id)
+from agents.workers import PidTracker
 from agents.status import format_status
 from ftrain.heartbeat import Heartbeat, process_gone
 
@@ -63,10 +66,23 @@ def test_job_keys_layout() -> None:
     assert KEYS.final == p + "final"
 
 
-@pytest.mark.parametrize("job", ["", "a/b", "/"])
+@pytest.mark.parametrize("job", ["", "a/b", "/", "a b", "-x", ".hidden", "a" * 65, "job\n", "ü"])
 def test_job_id_must_be_one_path_segment(job: str) -> None:
-    with pytest.raises(ValueError, match="bad job id"):
+    with pytest.raises(ValueError, match=r"--job: bad id .*A-Z a-z 0-9"):
         JobKeys(job)
+
+
+@pytest.mark.parametrize("node", ["a/b", "", "node 1", "../x", "n" * 65])
+def test_agent_options_refuse_a_bad_node_id_naming_the_option(node: str) -> None:
+    opts = AgentOptions(etcd=["http://127.0.0.1:1"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
+                        worker_args=["c.toml"], node_id=node)
+    with pytest.raises(ValueError, match="--node-id: bad id"):
+        opts.validate()
+
+
+@pytest.mark.parametrize("good", ["a", "node-1", "host.example.com", "N_7", "x" * 64])
+def test_valid_ids(good: str) -> None:
+    assert validate_id(good, "--node-id") == good
 
 
 # -- JobState.parse ----------------------------------------------------------------------------
@@ -128,16 +144,92 @@ def test_live_members_in_join_order_not_name_order() -> None:
 @pytest.mark.parametrize(("key", "value"), [
     (KEYS.node("a"), "{not json"),
     (KEYS.node("a"), json.dumps({"node_id": "a"})),  # fields missing
-    (KEYS.round, "three"),
+    (KEYS.node("a"), json.dumps({**json.loads(NodeRecord("a", "u", "h", 1, 1, 0.0).to_json()), "pid": "11"})),
+    (KEYS.node("a"), NodeRecord("b", "u", "h", 1, 1, 0.0).to_json()),  # another node's record under a's key
+    (KEYS.node("a"), b"\xff\xfe".decode("latin-1")),
     (KEYS.round_record(3), json.dumps({"round": 3})),
-    (KEYS.round_record(3) + "x", RoundRecord(3, [], 1, "start", 0.0).to_json()),  # round number not a number
-    (KEYS.report(3, "a"), json.dumps({"outcome": "failed", "colour": "red"})),  # unknown field
+    (KEYS.round_record(3) + "x", RoundRecord(3, [Member("a", "u")], 1, "start", 0.0).to_json()),
+    (KEYS.round_record(3), RoundRecord(4, [Member("a", "u")], 1, "start", 0.0).to_json()),  # wrong round inside
+    (KEYS.report(3, "b"), json.dumps({"outcome": 7})),
     (KEYS.status("a"), "[]"),
+    (KEYS.status("a"), json.dumps({"step": True})),  # a bool is not a step
+    (KEYS.status("a"), json.dumps({"step": 1.5})),
+    (KEYS.status("a"), "[" * 100_000),  # deeper than the JSON parser goes
     (KEYS.final, "null"),
+    (KEYS.final, json.dumps({"status": "maybe", "reason": "", "round": 1, "time": 0})),
+    (KEYS.master(3), "no-port"),
+    (KEYS.master(3), "host:99999"),
+    (KEYS.master(3), "bad host:1234"),
+    (KEYS.leader, "a"),  # no lease: agents always put the leader key on theirs
 ])
-def test_unreadable_record_names_its_key(key: str, value: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(f"unreadable job record {key}:")):
-        JobState.parse(KEYS, [kv(key, value)], revision=1)
+def test_an_unreadable_record_is_skipped_and_named_never_fatal(key: str, value: str) -> None:
+    good = NodeRecord("z", "uid-z", "h", 1, 1, 0.0)
+    state = JobState.parse(KEYS, [kv(key, value, mod_revision=5), kv(KEYS.node("z"), good.to_json())], revision=9)
+    assert [(p.key, p.mod_revision) for p in state.problems] == [(key, 5)]
+    assert str(state.problems[0]).startswith(f"unreadable job record {key} (revision 5): ")
+    assert list(state.nodes) == ["z"]  # the readable records are all there; a garbage node is not live
+    assert state.status == {} and state.final is None and state.leader is None and state.masters == {}
+
+
+def test_records_from_a_newer_version_with_extra_fields_are_read() -> None:
+    report = json.dumps({**json.loads(Report(FAILED, HANG, "x", "uid-a", 1.0).to_json()), "colour": "red"})
+    status = json.dumps({**json.loads(NodeStatus(step=4).to_json()), "gpu_temp_c": 71})
+    state = JobState.parse(KEYS, [kv(KEYS.report(3, "a"), report), kv(KEYS.status("a"), status)], revision=2)
+    assert state.problems == []
+    assert state.reports[3]["a"] == Report(FAILED, HANG, "x", "uid-a", 1.0)
+    assert state.status["a"].step == 4
+
+
+def test_records_of_an_older_version_without_the_new_fields_are_read() -> None:
+    old_report = json.dumps({"outcome": "failed", "reason": "worker_exit", "detail": "", "agent_uid": "u", "time": 1})
+    old_round = json.dumps({"round": 2, "members": [{"node_id": "a", "agent_uid": "u"}], "nproc_per_node": 1,
+                            "reason": "start", "created_at": 0, "failure_times": [], "restarts_by_cause": {}})
+    state = JobState.parse(KEYS, [kv(KEYS.report(2, "a"), old_report), kv(KEYS.round_record(2), old_round)], 3)
+    assert state.problems == []
+    assert (state.reports[2]["a"].step, state.reports[2]["a"].error) == (-1, "")
+    assert state.rounds[2].failure_signatures == [] and state.rounds[2].created_at == 0.0
+
+
+def test_an_unreadable_round_key_is_never_acted_on() -> None:
+    record = RoundRecord(4, [Member("a", "u")], 1, START, 0.0)
+    kvs = [kv(KEYS.round, "four", mod_revision=30), kv(KEYS.round_record(4), record.to_json()),
+           kv(KEYS.started(6, "a"), "u")]  # round 6 got as far as a started key: 6 is the highest number in use
+    state = JobState.parse(KEYS, kvs, revision=31)
+    assert state.round_unreadable and not state.round_known and state.current is None
+    assert (state.round, state.round_mod_revision) == (6, 30)  # a repair round is formed above every number used
+    assert state.newest_record() == record
+
+
+def test_an_unreadable_record_of_the_current_round_is_never_acted_on() -> None:
+    older = RoundRecord(2, [Member("a", "u")], 1, START, 0.0)
+    kvs = [kv(KEYS.round, "3"), kv(KEYS.round_record(3), "{garbage"), kv(KEYS.round_record(2), older.to_json())]
+    state = JobState.parse(KEYS, kvs, revision=5)
+    assert state.current is None and not state.round_known and state.round == 3
+    assert state.newest_record() == older
+
+
+def test_an_unreadable_report_of_a_member_counts_as_a_failure_never_a_success() -> None:
+    record = RoundRecord(2, [Member("a", "uid-a"), Member("b", "uid-b")], 1, START, 0.0)
+    kvs = [kv(KEYS.round, "2"), kv(KEYS.round_record(2), record.to_json()),
+           kv(KEYS.report(2, "a"), Report(SUCCEEDED, agent_uid="uid-a").to_json()),
+           kv(KEYS.report(2, "b"), '{"outcome": "succeeded", "agent_uid": 5}'),
+           kv(KEYS.report(2, "c"), "junk")]  # not a member: ignored
+    reports = JobState.parse(KEYS, kvs, revision=5).member_reports(2)
+    assert set(reports) == {"a", "b"}
+    assert reports["b"].outcome == FAILED and "unreadable report" in reports["b"].detail
+
+
+def test_a_malformed_master_is_recorded_per_round() -> None:
+    state = JobState.parse(KEYS, [kv(KEYS.master(3), "host:0"), kv(KEYS.master(4), "h:29500")], revision=2)
+    assert state.masters == {4: "h:29500"}
+    assert "malformed master address 'host:0'" in state.bad_masters[3]
+    assert parse_master("[::1]:29500") == ("[::1]", 29500)
+
+
+def test_an_unreadable_final_is_replaceable_and_a_leaderless_key_is_noted() -> None:
+    state = JobState.parse(KEYS, [kv(KEYS.final, "{", mod_revision=12), kv(KEYS.leader, "a", mod_revision=8)], 13)
+    assert state.final is None and state.final_mod_revision == 12
+    assert state.leader is None and state.leader_mod_revision == 8
 
 
 def _round_with_reports(*reports: tuple[str, Report]) -> JobState:
@@ -375,3 +467,80 @@ def test_format_status_of_a_finished_job_and_of_one_with_no_round() -> None:
     assert empty[0] == "job job-7: no round yet"
     assert empty[1] == "leader -; members -; last committed step -; restarts 0 (none)"
     assert len(empty) == 4  # the header row only
+
+
+def test_format_status_calls_out_failing_checkpoints_and_unreadable_records() -> None:
+    s = _status(nodes=[_node("a", ckpt_failures=3, ckpt_failures_total=5, ckpt_error="StaleRoundError: etcd said no"),
+                       _node("b")],
+                problems=["unreadable job record /ftrain/jobs/job-7/status/x (revision 4): JSONDecodeError: x"])
+    text = format_status(s)
+    assert ("CHECKPOINTS FAILING on a: 3 commit(s) in a row failed (5 in all); last error: StaleRoundError: etcd "
+            "said no") in text
+    assert "on b" not in text
+    assert "warning: unreadable job record /ftrain/jobs/job-7/status/x (revision 4)" in text
+
+
+# -- checkpoint failures in heartbeats and metrics -------------------------------------------------
+def test_beats_carry_checkpoint_failures_and_the_exit_error(channel: Channel) -> None:
+    worker = channel.worker(0)
+    worker.beat(5, committed_step=0, ckpt_failures=2, ckpt_failures_total=4, ckpt_error="FenceAuthError: " + "x" * 5000)
+    assert wait_for(lambda: 0 in channel.server.beats() and channel.server.beats()[0].step == 5)
+    beat = channel.server.beats()[0]
+    assert (beat.ckpt_failures, beat.ckpt_failures_total) == (2, 4) and beat.ckpt_error.startswith("FenceAuthError")
+    worker.exit(6, finished=False, error="CheckpointFailuresError: 3 in a row", fatal=True)
+    assert wait_for(lambda: channel.server.beats()[0].finished is False)
+    beat = channel.server.beats()[0]
+    assert (beat.step, beat.error, beat.fatal) == (6, "CheckpointFailuresError: 3 in a row", True)
+
+
+@pytest.mark.parametrize("bad", [{"pid": -1}, {"pid": 0}, {"pid": 1}, {"pid": 2**40}, {"pid": "123"}, {"pid": True},
+                                 {"step": "7"}, {"step": 7.5}, {"step": -5}, {"step": None}, {"local_rank": -1},
+                                 {"local_rank": 10**9}, {"step_time_s": float("nan")}, {"step_time_s": -1.0},
+                                 {"phase": "x" * 50}, {"kind": "explode"}, {"fatal": "yes"}, {"error": 5},
+                                 {"ckpt_failures": -2}])
+def test_a_beat_with_one_bad_field_is_dropped_whole(channel: Channel, bad: dict) -> None:
+    good = {"kind": "beat", "round": channel.round, "local_rank": 0, "rank": 0, "pid": os.getpid(), "step": 3}
+    channel.send_raw(json.dumps({**good, **bad}).encode())
+    channel.worker(1).beat(3)
+    assert channel.received(1)
+    assert list(channel.server.beats()) == [1]
+
+
+def test_checkpoint_failure_metrics_count_each_failure_once() -> None:
+    metrics = AgentMetrics("job-7", "n1")
+    port = metrics.serve(0)
+    try:
+        metrics.ckpt_failed(1, total=2, consecutive=2)
+        metrics.ckpt_failed(1, total=2, consecutive=2)  # the same beats, seen again: not counted again
+        metrics.ckpt_failed(2, total=1, consecutive=3)  # a new round's workers count from zero
+        samples = scrape(port)
+    finally:
+        metrics.close()
+    node = frozenset({("job", "job-7"), ("node", "n1")})
+    assert samples[("ftrain_checkpoint_failures_total", node)] == 3
+    assert samples[("ftrain_checkpoint_consecutive_failures", node)] == 3
+    assert metrics.ckpt_failures_total() == 3
+
+
+# -- PIDs are signalled only while they are this torchrun's workers ---------------------------------
+def test_pid_tracker_ignores_a_pid_that_is_not_a_descendant() -> None:
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                             "print(c.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = None
+    try:
+        child = int(root.stdout.readline())
+        tracker = PidTracker(root.pid)
+        tracker.note([stranger.pid, os.getpid(), -1, 0, 1, 2**40])  # announced in heartbeats, none ours
+        assert tracker.live() == []
+        tracker.note([child])
+        assert tracker.live() == [child]
+        tracker._known[child] -= 1  # as if the PID had been recycled: another process, another start time
+        assert tracker.replaced(child) and tracker.live() == []
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        for proc in (root, stranger):
+            proc.kill()
+            proc.wait()

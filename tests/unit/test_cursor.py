@@ -215,3 +215,46 @@ def test_micro_batches_validate_rank_and_divisibility() -> None:
         micro_batches(batch, -1, 3, 2)
     with pytest.raises(ConfigError):
         micro_batches(batch, 0, 5, 2)
+
+
+# -- state read from a checkpoint is validated before use (issue #8) --------------------------
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        (None, "must be an object"),
+        ([0, 16], "must be an object"),
+        ("epoch next_index step num_samples seed global_batch_size", "must be an object"),
+        ({"epoch": 0}, "missing next_index"),
+    ],
+)
+def test_state_that_is_not_a_state_dict_is_refused(state, match) -> None:
+    cursor = DataCursor(num_samples=100, global_batch_size=8, seed=5)
+    with pytest.raises(DataError, match=match):
+        cursor.load_state_dict(state)
+    assert cursor.state_dict()["step"] == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"step": 2**63}, "'step' must be in"),
+        ({"epoch": 10**400}, "'epoch' must be in"),
+        ({"next_index": 1.0}, "must be an int"),
+        ({"epoch": 3, "step": 2}, "epoch <= step"),
+        ({"global_batch_size": 0}, "global_batch_size >= 1"),
+    ],
+)
+def test_out_of_range_state_is_refused_with_the_field_named(change: dict, match: str) -> None:
+    cursor = DataCursor(num_samples=100, global_batch_size=8, seed=5)
+    with pytest.raises(DataError, match=match):
+        cursor.load_state_dict(cursor.state_dict() | change)
+    with pytest.raises(DataError, match=match):
+        DataCursor.check_state(cursor.state_dict() | change)
+
+
+def test_check_state_accepts_every_real_state() -> None:
+    cursor = DataCursor(num_samples=20, global_batch_size=8, seed=5)
+    for _ in range(7):
+        cursor.next_global_batch()
+        DataCursor.check_state(json.loads(json.dumps(cursor.state_dict())))
+    assert cursor.state_dict()["epoch"] == 3  # two batches per epoch: the epochs advanced

@@ -9,12 +9,13 @@ passed to ``decide``: nothing waits.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import pytest
 
 from agents.etcd import KeyValue
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, Wait, decide
-from agents.records import (FAILED, HANG, NODE_LEFT, NODE_LOST, SCALE_UP, START, START_TIMEOUT, STOPPED, SUCCEEDED,
+from agents.records import (BAD_RECORD, FATAL, ROUND_REPAIR, FAILED, HANG, NODE_LEFT, NODE_LOST, SCALE_UP, START, START_TIMEOUT, STOPPED, SUCCEEDED,
                             WORKER_EXIT, FinalStatus, JobKeys, JobState, Member, NodeRecord, NodeStatus, Report,
                             RoundRecord)
 
@@ -413,3 +414,123 @@ def test_restarts_by_cause_accumulate_over_rounds() -> None:
         job.start(record.round, *(m.node_id for m in record.members))
     assert record.round == 5
     assert record.restarts_by_cause == {WORKER_EXIT: 2, NODE_LOST: 1, HANG: 1}
+
+
+# -- deterministic and fatal failures ----------------------------------------------------------
+LOOSE = Policy(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=10, restart_window_s=600.0,
+               backoff_initial_s=0.0, deterministic_failures=3)
+
+
+def fail(job: FakeJob, g: int, node_id: str, *, step: int, error: str, when: float, reason: str = WORKER_EXIT) -> None:
+    job.put(job.keys.report(g, node_id), Report(FAILED, reason, f"torchrun exited with 1; log round-{g}.log",
+                                                job.uid(node_id), when, step=step, error=error).to_json())
+
+
+def fail_rounds(job: FakeJob, memory: LeaderMemory, failures: list[tuple[int, str]], policy: Policy = LOOSE):
+    """Round g fails on node a with failures[g-1] (step, error); returns the decision after the last."""
+    for g, (step, error) in enumerate(failures, start=1):
+        fail(job, g, "a", step=step, error=error, when=T0 + 10 * g)
+        decision = decide(job.state(), policy, memory, T0 + 10 * g)
+        if g == len(failures) or not isinstance(decision, FormRound):
+            return decision
+        job.apply(decision.record)
+        job.start(g + 1, "a")
+
+
+def test_the_same_error_at_the_same_step_three_times_stops_the_job_with_that_error() -> None:
+    job, memory, _ = running_job("a", policy=LOOSE)
+    decision = fail_rounds(job, memory, [(17, "ValueError: bad batch shape")] * 3)
+    assert isinstance(decision, Finish), decision
+    final = decision.final
+    assert final.status == FAILED and final.round == 3
+    assert "deterministic failure" in final.reason and "step 17" in final.reason
+    assert "ValueError: bad batch shape" in final.reason and "deterministic_failures=3" in final.reason
+
+
+@pytest.mark.parametrize("failures", [
+    [(17, "ValueError: x"), (18, "ValueError: x"), (17, "ValueError: x")],  # not at the same step
+    [(17, "ValueError: x"), (17, "OSError: y"), (17, "ValueError: x")],  # not the same error
+    [(17, ""), (17, ""), (17, "")],  # killed by a signal: no error of the workers' own, budget only
+])
+def test_failures_that_differ_or_say_nothing_restart(failures: list) -> None:
+    job, memory, _ = running_job("a", policy=LOOSE)
+    decision = fail_rounds(job, memory, failures)
+    assert isinstance(decision, FormRound) and decision.record.round == 4, decision
+
+
+def test_deterministic_rule_off_with_zero() -> None:
+    policy = replace(LOOSE, deterministic_failures=0)
+    job, memory, _ = running_job("a", policy=policy)
+    decision = fail_rounds(job, memory, [(5, "E: same")] * 4, policy)
+    assert isinstance(decision, FormRound), decision
+
+
+def test_a_node_loss_between_identical_failures_does_not_reset_the_count() -> None:
+    job, memory, _ = running_job("a", "b", policy=LOOSE)
+    fail(job, 1, "a", step=9, error="E: same", when=T0 + 10)
+    job.start(form(job, memory, T0 + 10, LOOSE).round, "a", "b")
+    fail(job, 2, "a", step=9, error="E: same", when=T0 + 20)
+    job.start(form(job, memory, T0 + 20, LOOSE).round, "a", "b")
+    job.lose("b")
+    decide(job.state(), LOOSE, memory, T0 + 30)  # the leader sees b gone, then membership settles
+    record = form(job, memory, T0 + 40, LOOSE)
+    assert record.reason == NODE_LOST and record.failure_signatures == ["worker_exit|9|E: same"] * 2
+    job.start(record.round, "a")
+    fail(job, 4, "a", step=9, error="E: same", when=T0 + 50)
+    assert isinstance(decide(job.state(), LOOSE, memory, T0 + 50), Finish)
+
+
+def test_a_fatal_report_ends_the_job_at_once_without_spending_the_budget() -> None:
+    job, memory, _ = running_job("a", "b")
+    fail(job, 1, "b", step=60, error="CheckpointFailuresError: 3 checkpoint commits in a row failed", when=T0 + 5,
+         reason=FATAL)
+    decision = decide(job.state(), POLICY, memory, T0 + 5)
+    assert isinstance(decision, Finish), decision
+    assert decision.final.status == FAILED and "fatal error on b at step 60" in decision.final.reason
+    assert "CheckpointFailuresError" in decision.final.reason
+
+
+# -- unreadable records -------------------------------------------------------------------------
+def test_an_unreadable_round_key_makes_the_leader_form_a_round_above_every_number_used() -> None:
+    job, memory, first = running_job("a", "b")
+    job.put(job.keys.round, "garbage")
+    job.put(job.keys.started(7, "a"), "uid")  # some key says round 7 was used
+    record = form(job, memory, T0 + 10)
+    assert record.round == 8 and record.reason == ROUND_REPAIR and record.members == first.members
+    state = job.state()
+    assert state.round_known and state.current == record
+
+
+def test_an_unreadable_current_record_makes_the_leader_form_the_next_round_keeping_the_budget() -> None:
+    job, memory, _ = running_job("a", "b")
+    for g in (1, 2):
+        job.report(g, "a", FAILED, WORKER_EXIT, time=T0 + 10 * g)
+        job.start(form(job, memory, T0 + 10 * g + POLICY.backoff_initial_s).round, "a", "b")
+    job.put(job.keys.round_record(3), '{"round": "three"}')
+    record = form(job, memory, T0 + 40)
+    assert (record.round, record.reason) == (4, ROUND_REPAIR)
+    assert record.failure_times == [T0 + 10]  # round 2's memory: round 3's record is unreadable
+    assert record.restarts_by_cause == {WORKER_EXIT: 1, ROUND_REPAIR: 1}
+
+
+def test_a_malformed_master_fails_the_round_until_every_member_started() -> None:
+    job = FakeJob()
+    job.join("a"), job.join("b")
+    memory = memory_at(T0 - 100)
+    decide(job.state(), POLICY, memory, T0 - 100)
+    form(job, memory, T0)
+    job.start(1, "a")
+    job.put(job.keys.master(1), "nonsense")  # b cannot launch with it
+    record = form(job, memory, T0 + 1)
+    assert (record.round, record.reason) == (2, BAD_RECORD)
+    job.start(2, "a", "b")
+    job.put(job.keys.master(2), "also:nonsense")  # everybody started already: nobody needs it any more
+    assert isinstance(decide(job.state(), POLICY, memory, T0 + 2), Wait)
+
+
+def test_a_garbage_node_record_is_not_a_live_member() -> None:
+    job, memory, _ = running_job("a", "b", "c")
+    job.put(job.keys.node("b"), '{"node_id": "b"}')
+    decide(job.state(), POLICY, memory, T0 + 100)
+    record = form(job, memory, T0 + 100 + POLICY.settle_s)
+    assert record.reason == NODE_LOST and [m.node_id for m in record.members] == ["a", "c"]

@@ -15,12 +15,19 @@ from checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
+    HMAC_DOMAIN,
+    MAX_MANIFEST_BYTES,
+    canonical_json,
     hmac_key_from_env,
+    job_problem,
+    manifest_hmac,
+    parse_json_bounded,
     parse_step_dir,
     step_dir_name,
 )
 
 KEY = b"secret-key"
+JOB = "job-a"
 
 
 def make_manifest(**overrides) -> Manifest:
@@ -30,7 +37,7 @@ def make_manifest(**overrides) -> Manifest:
         digest_algorithm="xxh3_128",
         files={"__0_0.distcp": FileEntry(10, digest_bytes(b"0" * 10, "xxh3_128")),
                ".metadata": FileEntry(3, digest_bytes(b"abc", "xxh3_128"))},
-        created_time=1700000000.25,
+        created_time=1700000000.25, job=JOB,
     )
     fields.update(overrides)
     return Manifest(**fields)
@@ -100,7 +107,7 @@ def test_canonical_json_is_independent_of_dict_order():
 
 
 def test_crc32c_manifest_round_trip():
-    m = make_manifest(digest_algorithm="crc32c", files={"f": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
+    m = make_manifest(digest_algorithm="crc32c", files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
     assert Manifest.from_json(m.to_json()) == m
 
 
@@ -123,13 +130,13 @@ def test_invalid_json():
 
 def test_unknown_format_version():
     obj = as_obj(make_manifest())
-    refused(encode({**obj, "format": 2}), "unknown manifest format version 2")
+    refused(encode({**obj, "format": 3}), "unknown manifest format version 3")
     refused(encode({k: v for k, v in obj.items() if k != "format"}), "'format' is missing")
     refused(encode({**obj, "format": "1"}), "'format'")
 
 
 @pytest.mark.parametrize("name", ["step", "round", "world_size", "layout", "config_hash", "config", "trainer",
-                                  "digest_algorithm", "files", "created_time"])
+                                  "digest_algorithm", "files", "created_time", "job"])
 def test_missing_field_is_named(name):
     obj = as_obj(make_manifest())
     del obj[name]
@@ -139,7 +146,7 @@ def test_missing_field_is_named(name):
 @pytest.mark.parametrize("name,value", [("step", "1200"), ("step", True), ("step", 1.5), ("round", None),
                                         ("world_size", [2]), ("layout", "fsdp"), ("config_hash", 7),
                                         ("config", []), ("trainer", 3), ("digest_algorithm", 1),
-                                        ("files", []), ("created_time", "now")])
+                                        ("files", []), ("created_time", "now"), ("job", 7)])
 def test_ill_typed_field_is_named(name, value):
     obj = as_obj(make_manifest())
     obj[name] = value
@@ -198,6 +205,9 @@ def test_hmac_wrong_key():
     lambda o: o.update(hmac="0" * 64),
     lambda o: o.update(hmac=5),
     lambda o: o.update(extra="field"),
+    lambda o: o.update(job="job-b"),
+    lambda o: o.update(round=4),
+    lambda o: o.update(created_time=1700000001.0),
 ])
 def test_hmac_detects_edits(edit):
     obj = as_obj(make_manifest(), KEY)
@@ -222,3 +232,97 @@ def test_hmac_key_from_env(monkeypatch):
     monkeypatch.setenv("FTRAIN_TEST_HMAC", "")
     with pytest.raises(ManifestError, match="FTRAIN_TEST_HMAC"):
         hmac_key_from_env("FTRAIN_TEST_HMAC")
+
+
+# -- format 2: the HMAC binds the job, is domain-separated; format 1 --------------------------
+def v1_obj(key: bytes | None = None) -> dict:
+    """A format-1 manifest as the previous version wrote it (no job; HMAC over the bare JSON)."""
+    import hashlib
+    import hmac as hmac_mod
+
+    obj = as_obj(make_manifest())
+    del obj["job"]
+    obj["format"] = 1
+    if key is not None:
+        obj["hmac"] = hmac_mod.new(key, canonical_json(obj), hashlib.sha256).hexdigest()
+    return obj
+
+
+def test_job_round_trips_and_is_signed():
+    m = make_manifest(job="team/run-7")
+    assert Manifest.from_json(m.to_json(KEY), KEY).job == "team/run-7"
+    assert FORMAT_VERSION == 2 and as_obj(m)["format"] == 2
+
+
+def test_hmac_is_domain_separated():
+    """The MAC is over b"ftrain-manifest-v2\\n" + canonical JSON: a bare-JSON MAC (format 1's) never passes."""
+    import hashlib
+    import hmac as hmac_mod
+
+    obj = as_obj(make_manifest())
+    assert manifest_hmac(KEY, obj) == hmac_mod.new(KEY, HMAC_DOMAIN + canonical_json(obj), hashlib.sha256).hexdigest()
+    obj["hmac"] = hmac_mod.new(KEY, canonical_json(obj), hashlib.sha256).hexdigest()
+    refused(encode(obj), "HMAC mismatch", KEY)
+
+
+def test_format_1_is_read_without_a_key_and_refused_with_one():
+    m = Manifest.from_json(encode(v1_obj(KEY)))
+    assert (m.format, m.job, m.step) == (1, "", 1200)
+    refused(encode(v1_obj(KEY)), "format-1 manifest refused while an HMAC key is set", KEY)
+    refused(encode({**v1_obj(), "job": JOB}), "format-1 manifest has no 'job'")
+    with pytest.raises(ManifestError, match="only format 2"):
+        m.to_json()
+
+
+@pytest.mark.parametrize("job,ok", [("", True), ("a" * 256, True), ("a" * 257, False), ("x\n", False),
+                                    (" x", False), ("j\x00", False)])
+def test_job_ids(job, ok):
+    assert (job_problem(job) is None) == ok
+    if not ok:
+        with pytest.raises(ManifestError, match="'job'"):
+            make_manifest(job=job)
+
+
+# -- bounded parsing: hostile manifests are ManifestErrors, never crashes --------------------
+def _with_raw(value: bytes) -> bytes:
+    """The canonical manifest with its ``layout`` replaced by raw JSON text ``value``."""
+    data = make_manifest().to_json()
+    start = data.index(b'"layout":') + len(b'"layout":')
+    end = data.index(b',"round"')
+    return data[:start] + value + data[end:]
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"[" * 100_000 + b"]" * 100_000, "nests deeper than"),
+    (b'{"a":' * 65 + b"1" + b"}" * 65, "nests deeper than"),
+    (b"1" * 400, "more than 40 digits"),
+    (b"1e999", "not finite"),
+    (b"NaN", "NaN"),
+    (b"-Infinity", "Infinity"),
+    (b'{"a":1,"a":2}', "repeats the key 'a'"),
+])
+def test_hostile_json_is_a_manifest_error(raw, match):
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(_with_raw(raw), KEY)  # refused before the HMAC is even computed
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    m = Manifest.from_json(make_manifest(layout={"note": "[" * 500 + '\\"{' * 100}).to_json())
+    assert m.layout["note"].startswith("[[[")
+
+
+def test_400_digit_created_time_is_refused():
+    obj = as_obj(make_manifest())
+    data = encode(obj).replace(b"1700000000.25", b"9" * 400)
+    refused(data, "more than 40 digits")
+
+
+def test_oversized_manifest_is_refused_unparsed():
+    with pytest.raises(ManifestError, match="more than the"):
+        parse_json_bounded(b" " * (MAX_MANIFEST_BYTES + 1))
+
+
+def test_files_must_list_metadata():
+    obj = as_obj(make_manifest())
+    obj["files"] = {}
+    refused(encode(obj), "lists no .metadata")

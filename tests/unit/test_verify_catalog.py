@@ -336,3 +336,44 @@ def test_verify_refuses_metadata_pickle_even_with_matching_digest(storage, tmp_p
     assert [p.kind for p in report.problems] == ["unsafe"] and report.problems[0].file == ".metadata"
     assert "builtins.open" in report.problems[0].detail or "open" in report.problems[0].detail
     assert not sentinel.exists()
+
+
+def test_cli_says_when_it_ran_without_an_hmac_key(storage, capsys, monkeypatch):
+    """Without a key a digest only proves the bytes match a manifest the bucket's writer could
+    have forged: ls and verify say so, and name signed manifests whose HMAC went unchecked."""
+    from ftrain.ckpt_cli import NO_HMAC_KEY_NOTE
+
+    write_step(storage, 1, key=KEY)
+    write_step(storage, 2)
+    for argv in (["ckpt", "ls", storage.url], ["ckpt", "verify", storage.url]):
+        assert run_cli(argv) == 0
+        err = capsys.readouterr().err
+        assert "no HMAC key: digests prove integrity against accidents, not against someone who can write " \
+               "the bucket; set checkpoint.hmac_key_env" in err and NO_HMAC_KEY_NOTE in err
+        assert "1 manifest(s) carry an 'hmac' field that was NOT checked (step-000000001)" in err
+    assert run_cli(["ckpt", "verify", storage.url, "2"]) == 0
+    err = capsys.readouterr().err
+    assert NO_HMAC_KEY_NOTE in err and "NOT checked" not in err
+
+    monkeypatch.setenv("FTRAIN_TEST_KEY", KEY.decode())
+    assert run_cli(["ckpt", "verify", storage.url, "1", "--hmac-key-env", "FTRAIN_TEST_KEY"]) == 0
+    err = capsys.readouterr().err
+    assert "manifest HMACs checked with the key in $FTRAIN_TEST_KEY" in err and "no HMAC key" not in err
+
+
+def test_verify_checks_the_pickles_a_load_would_unpickle(storage, tmp_path):
+    """verify_step runs check_pickled_items: a .metadata that points outside the manifest's
+    files is unsafe even though every digest matches."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    files = step_files(13)
+    files[".metadata"] = pickle.dumps(Metadata(state_dict_metadata={"lr": BytesStorageMetadata()}, storage_data={
+        MetadataIndex("lr"): _StorageInfo("../step-000000012/__0_0.distcp", 0, 10)}))
+    write_step(storage, 13, files=files)
+    report = verify_step(storage, step_dir_name(13))
+    assert [(p.file, p.kind) for p in report.problems] == [(".metadata", "unsafe")] and report.corrupt
+    detail = report.problems[0].detail
+    assert "'../step-000000012/__0_0.distcp', which is not a data file listed in the manifest" in detail
