@@ -586,13 +586,18 @@ class Agent:
         return [b for b in beats.values() if b.pid in gone and now - self._gone_since[b.pid] >= CRASH_GRACE_S]
 
     def _hung_ranks(self, workers: WorkerGroup, beats: dict) -> list[int]:
+        """Local ranks that made no progress within their limit (``hang_timeout_s`` between
+        steps, ``start_timeout_s`` in start-up, loads and saves), or that stopped saying they are
+        alive for ``hang_timeout_s`` in any phase (a frozen process: no need to wait out the start
+        timeout)."""
         now = time.monotonic()
         hung = []
         for local_rank in range(workers.launch.nproc_per_node):
             beat = beats.get(local_rank)
             since = beat.received_at if beat else workers.started_at
             limit = self.opts.hang_timeout_s if beat and beat.phase == "training" else self.opts.start_timeout_s
-            if now - since > limit:
+            frozen = beat is not None and beat.alive_at > 0 and now - beat.alive_at > self.opts.hang_timeout_s
+            if now - since > limit or frozen:
                 hung.append(local_rank)
         return hung
 

@@ -5,8 +5,11 @@ Each worker sends one small JSON datagram per step (``ftrain.heartbeat`` is the 
 "committed_step", "ckpt_duration_s", "ckpt_failures", "ckpt_failures_total", "ckpt_error", "time"}``
 (``phase`` is ``training`` between steps, or ``starting``, ``loading``, ``saving`` while a longer
 pause is expected; ``ckpt_failures`` counts failed commits since the last one that succeeded),
-and ``{"kind": "exit", "finished": bool, "error": str, "fatal": bool, ...}`` just before it
-leaves (``error``: why it failed; ``fatal``: a restart cannot help).
+``{"kind": "exit", "finished": bool, "error": str, "fatal": bool, ...}`` just before it
+leaves (``error``: why it failed; ``fatal``: a restart cannot help), and every
+``ALIVE_INTERVAL_S`` from a background thread ``{"kind": "alive", ...}``: it proves the process
+runs (a SIGSTOPped or frozen worker sends nothing), not that it makes progress, and only
+refreshes :attr:`Beat.alive_at` of the beat it follows.
 
 Every datagram is checked field by field and dropped whole if one is wrong: integers must be
 ints (not bools, floats or strings), ``pid`` a possible process id (2 .. 2**22: never 0, 1 or
@@ -20,6 +23,7 @@ new round look alive).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -48,6 +52,7 @@ class Beat:
     committed_step: int
     received_at: float  #: time.monotonic() on the agent
     phase: str = "training"
+    alive_at: float = 0.0  #: time.monotonic() of the newest datagram of any kind (beats and "alive")
     ckpt_duration_s: float = 0.0  #: how long the newest committed save took, staging to commit
     finished: bool | None = None  #: set by the worker's exit message
     ckpt_failures: int = 0  #: checkpoint commits failed in a row (0 after a commit)
@@ -84,7 +89,7 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
     if not isinstance(msg, dict):
         raise ValueError("not a JSON object")
     kind = _text(msg, "kind", "beat")
-    if kind not in ("beat", "exit"):
+    if kind not in ("beat", "exit", "alive"):
         raise ValueError(f"kind={kind!r}")
     phase = _text(msg, "phase", "training")
     if phase not in PHASES:
@@ -101,6 +106,7 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
     if not isinstance(fatal, bool) or not isinstance(finished, bool):
         raise ValueError("fatal and finished must be booleans")
     beat.fatal = fatal
+    beat.alive_at = received_at
     if kind == "exit":
         beat.finished = finished
     return _int(msg, "round", None, 0, big), kind, beat
@@ -161,6 +167,10 @@ class HeartbeatServer:
             if round_ != self._round:
                 return
             prev = self._beats.get(beat.local_rank)
+            if kind == "alive":  # liveness only: the step beat it follows stays as it is
+                if prev is not None and prev.pid == beat.pid:  # a new object: readers hold the old one
+                    self._beats[beat.local_rank] = dataclasses.replace(prev, alive_at=beat.alive_at)
+                return
             if kind != "exit" and prev is not None and prev.finished is not None:
                 beat.finished, beat.error, beat.fatal = prev.finished, prev.error, prev.fatal
             self._beats[beat.local_rank] = beat

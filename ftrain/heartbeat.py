@@ -3,7 +3,10 @@
 Started from the environment the agent sets (nothing happens without an agent):
 
 - ``FTRAIN_HEARTBEAT``: the agent's Unix datagram socket; one JSON datagram per step (see
-  ``agents.heartbeat``). Sending never blocks and never fails the worker.
+  ``agents.heartbeat``), plus an "alive" datagram every ``ALIVE_INTERVAL_S`` from a background
+  thread, so that a frozen worker (SIGSTOP, a stopped cgroup) is told from one busy with a long
+  load or save within the hang timeout, not the start timeout. Sending never blocks and never
+  fails the worker.
 - ``FTRAIN_STACK_DIR``: SIGUSR1 makes :mod:`faulthandler` write every thread's Python stack to
   ``<dir>/<pid>.txt``. It runs in the C signal handler, so it works while Python is stuck in
   a collective or a lock.
@@ -32,6 +35,7 @@ import time
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
+ALIVE_INTERVAL_S = 1.0  #: a background thread says "alive" this often (see agents.heartbeat)
 MAX_ERROR_CHARS = 500  #: errors are cut to this so that a datagram stays well under 4 KiB
 
 
@@ -74,6 +78,7 @@ class Heartbeat:
         self._sock.setblocking(False)
         self._stack_file = None
         self._dropped = 0
+        self._closing = threading.Event()
 
     def beat(self, step: int, *, phase: str = "training", step_time_s: float = 0.0, committed_step: int = -1,
              ckpt_duration_s: float = 0.0, ckpt_failures: int = 0, ckpt_failures_total: int = 0,
@@ -105,7 +110,17 @@ class Heartbeat:
         self._stack_file = open(os.path.join(stack_dir, f"{os.getpid()}.txt"), "w")  # kept open for the handler
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True, chain=False)
 
+    def start_alive(self, interval_s: float = ALIVE_INTERVAL_S) -> None:
+        """Send "alive" every ``interval_s`` from a daemon thread until :meth:`close`."""
+
+        def run() -> None:
+            while not self._closing.wait(interval_s):
+                self._send({"kind": "alive"})
+
+        threading.Thread(target=run, name="heartbeat-alive", daemon=True).start()
+
     def close(self) -> None:
+        self._closing.set()
         self._sock.close()
 
 
@@ -128,6 +143,7 @@ def from_env(rank: int, local_rank: int) -> Heartbeat | None:
     stack_dir = os.environ.get("FTRAIN_STACK_DIR")
     if stack_dir:
         hb.enable_stack_dumps(stack_dir)
+    hb.start_alive()
     if agent_pid:
         threading.Thread(target=_watchdog, args=(agent_pid, os.getppid()), name="agent-watchdog",
                          daemon=True).start()

@@ -1,0 +1,69 @@
+"""Liveness on the heartbeat channel: a frozen worker is told from a busy one within the hang
+timeout, whatever its phase (a SIGSTOP during a long load used to wait out the start timeout)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from agents.agent import Agent
+from agents.heartbeat import Beat, HeartbeatServer
+from chaos.cluster import wait_for
+
+WORKER = """
+import sys, time
+from ftrain import heartbeat
+hb = heartbeat.from_env(0, 0)
+hb.beat(-1, phase="loading")
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
+    server = HeartbeatServer(str(tmp_path / "hb.sock"))
+    server.reset(7)
+    env = {**os.environ, "FTRAIN_HEARTBEAT": server.path, "FTRAIN_ROUND": "7", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        first = wait_for(lambda: server.beats().get(0), 10, "the loading beat")
+        assert first.phase == "loading" and first.step == -1
+        later = wait_for(lambda: (b := server.beats()[0]).alive_at > first.alive_at + 0.5 and b, 10,
+                         "alive datagrams while loading")
+        assert later.received_at == first.received_at and later.phase == "loading"  # no progress claimed
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.2)  # an alive datagram already on its way may still land
+        stopped_at = server.beats()[0].alive_at
+        deadline = time.monotonic() + 2.5  # more than two alive intervals
+        while time.monotonic() < deadline:
+            assert server.beats()[0].alive_at == stopped_at, "a SIGSTOPped worker cannot say alive"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+        server.close()
+
+
+def _hung(beats: dict[int, Beat], *, hang_timeout_s: float = 5.0, start_timeout_s: float = 60.0) -> list[int]:
+    me = SimpleNamespace(opts=SimpleNamespace(hang_timeout_s=hang_timeout_s, start_timeout_s=start_timeout_s))
+    workers = SimpleNamespace(launch=SimpleNamespace(nproc_per_node=len(beats)), started_at=time.monotonic() - 100)
+    return Agent._hung_ranks(me, workers, beats)  # type: ignore[arg-type]
+
+
+def _beat(local_rank: int, phase: str, progress_age_s: float, alive_age_s: float) -> Beat:
+    now = time.monotonic()
+    return Beat(local_rank=local_rank, rank=local_rank, pid=100 + local_rank, step=-1, step_time_s=0.0,
+                committed_step=-1, received_at=now - progress_age_s, phase=phase, alive_at=now - alive_age_s)
+
+
+def test_hang_rules_progress_by_phase_and_liveness_in_any_phase():
+    assert _hung({0: _beat(0, "loading", 30, 0.5)}) == []  # busy loading, alive: the start timeout applies
+    assert _hung({0: _beat(0, "loading", 30, 6)}) == [0]  # frozen while loading: hang timeout
+    assert _hung({0: _beat(0, "loading", 61, 0.5)}) == [0]  # alive but no progress past the start timeout
+    assert _hung({0: _beat(0, "training", 6, 0.5)}) == [0]  # alive, blocked between steps: a hang
+    assert _hung({0: _beat(0, "training", 1, 0.5), 1: _beat(1, "saving", 10, 6)}) == [1]
