@@ -357,7 +357,9 @@ def make_certs(directory) -> dict[str, str]:
                                                       "client.key")}
 
 
-def test_tls_with_client_certificates(tmp_path):
+def tls_etcd(tmp_path: Path) -> tuple[EtcdServer, dict[str, str]]:
+    """A started etcd that serves https only to clients with a certificate of a throwaway CA,
+    and the certificate files (the caller closes the server); skips without openssl."""
     if not shutil.which("openssl"):
         pytest.skip("openssl CLI not available to make test certificates")
     certs = make_certs(tmp_path)
@@ -367,6 +369,15 @@ def test_tls_with_client_certificates(tmp_path):
     try:
         server.start()
         server.wait_ready(20)
+    except BaseException:
+        server.close()
+        raise
+    return server, certs
+
+
+def test_tls_with_client_certificates(tmp_path):
+    server, _ = tls_etcd(tmp_path)
+    try:
         assert server.endpoint.startswith("https://")
         with server.client(timeout_s=1.0) as client:
             rev = client.put("tls/k", "v")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import stat
 
 import pytest
@@ -19,7 +18,7 @@ from agents.records import JobKeys
 from checkpoint.errors import StaleRoundError
 from ftrain.fence import CLIENT_FILE_ENV, ClientSettings, EtcdRoundFence, FenceAuthError, FenceConfigError
 from tests.agent_support import AgentJob
-from tests.integration.test_etcd import make_certs
+from tests.integration.test_etcd import tls_etcd
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -89,15 +88,9 @@ def test_fence_gets_a_new_token_once_etcd_rejects_its_token(auth_etcd: EtcdServe
 
 
 def test_fence_over_tls_with_client_certificates(tmp_path) -> None:
-    if not shutil.which("openssl"):
-        pytest.skip("openssl CLI not available to make test certificates")
-    certs = make_certs(tmp_path)
+    server, certs = tls_etcd(tmp_path)
     tls = {"ca_cert": certs["ca.pem"], "cert": certs["client.pem"], "key": certs["client.key"]}
-    server = EtcdServer(cert_file=certs["server.pem"], key_file=certs["server.key"],
-                        trusted_ca_file=certs["ca.pem"], client_options=tls)
     try:
-        server.start()
-        server.wait_ready(20)
         with server.client(timeout_s=1.0) as c:
             c.put(KEYS.round, "5")
         EtcdRoundFence([server.endpoint], KEYS.round, client_file=client_file(tmp_path, **tls)).check(5)
