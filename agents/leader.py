@@ -120,6 +120,15 @@ def committed_step(state: JobState, members: list[Member]) -> int:
     return max((s.committed_step for n, s in state.status.items() if n in ids), default=-1)
 
 
+def _status_newer_than(state: JobState, members: list[Member], joiners: list[Member]) -> bool:
+    """Every member's status was written after the joiners registered, so the committed step it
+    shows is a baseline from which a higher step means a commit made after they joined (the
+    status is refreshed about every second; wall clocks of different hosts are compared, so a
+    skew between them shifts this by as much)."""
+    joined_at = max((state.nodes[m.node_id].registered_at for m in joiners if m.node_id in state.nodes), default=0.0)
+    return all(m.node_id in state.status and state.status[m.node_id].updated_at >= joined_at for m in members)
+
+
 def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> _Need | None:
     cur = state.current
     if cur is None:
@@ -150,6 +159,8 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
             return _Need(SCALE_UP, f"joined: {', '.join(m.node_id for m in joiners)}")
         step = committed_step(state, cur.members)
         if memory.grow_baseline_step is None:
+            if not _status_newer_than(state, cur.members, joiners):
+                return None  # a stale status could hide a commit made before they joined
             memory.grow_baseline_step = step
         elif step > memory.grow_baseline_step:
             return _Need(SCALE_UP, f"joined: {', '.join(m.node_id for m in joiners)} (at checkpoint step {step})")

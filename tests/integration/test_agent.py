@@ -258,12 +258,14 @@ def test_a_job_whose_commits_keep_failing_stops_with_the_error(job, tmp_path):
     assert "Not a directory" in failing["error"], failing
     text = _scrape(port)
     assert _metric(text, "ftrain_checkpoint_failures_total") >= 2
-    assert job.wait_exit("a", timeout_s=180) == 1, job.log_tail()
+    assert job.wait_exit("a", timeout_s=300) == 1, job.log_tail()
     final = job.events("job_final")[0]
-    assert final["status"] == "failed" and "fatal error on a" in final["reason"], final
+    # not fatal (an outage may pass, so the agents restart), but a cause that stays fails the
+    # same way at the same step: the deterministic-failure rule ends the job with the error
+    assert final["status"] == "failed" and "deterministic failure" in final["reason"], final
     assert "CheckpointFailuresError" in final["reason"] and "checkpoint.max_failed_commits=3" in final["reason"]
     assert "Not a directory" in final["reason"], "the final status must name the last error"
-    assert len(_rounds(job)) == 1, "a fatal error must not spend the restart budget"
+    assert len(_rounds(job)) == 3, "stopped after 3 identical failures, not at the restart budget"
     status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
                             capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
     assert "FAILED" in status.stdout and "CheckpointFailuresError" in status.stdout, status.stdout

@@ -111,7 +111,7 @@ def test_a_signed_step_copied_from_another_job_is_refused(tmp_path, signed):
     (info,) = [s for s in list_steps(Storage(str(root_a)), b"key-one", job="job-a") if s.step == 8]
     assert info.state == "corrupt" and "'job-b'" in info.error and "'job-a'" in info.error
     (ev,) = events.named("ckpt_loaded")
-    assert ev["round"] == manifest.round == 2 and ev["created_time"] == manifest.created_time
+    assert ev["ckpt_round"] == manifest.round == 2 and ev["created_time"] == manifest.created_time
     assert any("job-b" in r for r in ev["refused_newer"])
 
 

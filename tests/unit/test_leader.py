@@ -47,11 +47,11 @@ class FakeJob:
         return JobState.parse(self.keys, list(self.kvs.values()), self.revision)
 
     # -- what agents write ---------------------------------------------------------------
-    def join(self, node_id: str) -> Member:
-        """A new agent process registers ``node_id`` on a fresh lease."""
+    def join(self, node_id: str, *, at: float = T0) -> Member:
+        """A new agent process registers ``node_id`` on a fresh lease (at time ``at``)."""
         self._leases += 1
         uid = uuid.uuid4().hex[:8]
-        record = NodeRecord(node_id, uid, f"host-{node_id}", 4000 + self._leases, 2, T0)
+        record = NodeRecord(node_id, uid, f"host-{node_id}", 4000 + self._leases, 2, at)
         self.put(self.keys.node(node_id), record.to_json(), lease=self._leases)
         return Member(node_id, uid)
 
@@ -72,8 +72,9 @@ class FakeJob:
         report = Report(outcome, reason, f"{outcome} on {node_id}", self.uid(node_id), time)
         self.put(self.keys.report(g, node_id), report.to_json())
 
-    def checkpoint(self, node_id: str, committed_step: int) -> None:
-        status = NodeStatus(state="running", committed_step=committed_step)
+    def checkpoint(self, node_id: str, committed_step: int, *, at: float = T0 + 1) -> None:
+        """The agent's status record, written at ``at``, shows ``committed_step``."""
+        status = NodeStatus(state="running", committed_step=committed_step, updated_at=at)
         self.put(self.keys.status(node_id), status.to_json(), lease=self.kvs[self.keys.node(node_id)].lease)
 
     def uid(self, node_id: str) -> str:
@@ -358,6 +359,22 @@ def test_scale_up_at_checkpoint_waits_for_the_committed_step_to_advance() -> Non
     assert record.restarts_by_cause == {SCALE_UP: 1}
     job.start(2, "a", "b", "c")
     assert decide(job.state(), POLICY, memory, T0 + 1002) == Wait("round healthy")
+
+
+def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
+    """A commit made before the node joined, still unseen in a stale status record, is not the
+    checkpoint the node waits for."""
+    job, memory, first = running_job("a", "b")
+    job.checkpoint("a", 100, at=T0 + 5)
+    job.checkpoint("b", 100, at=T0 + 5)
+    c = job.join("c", at=T0 + 50)  # step 200 was committed at T0 + 49; the status records still say 100
+    assert decide(job.state(), POLICY, memory, T0 + 50.5) == Wait("round healthy")
+    job.checkpoint("a", 200, at=T0 + 51)
+    job.checkpoint("b", 200, at=T0 + 51)
+    assert decide(job.state(), POLICY, memory, T0 + 51.5) == Wait("round healthy")  # baseline: 200, not 100
+    job.checkpoint("b", 300, at=T0 + 60)
+    record = form(job, memory, T0 + 61)
+    assert record.reason == SCALE_UP and record.members == [*first.members, c]
 
 
 def test_scale_up_immediate_forms_once_membership_settles() -> None:
