@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from checkpoint.catalog import StepInfo, inspect_step, list_steps
+from checkpoint.catalog import StepInfo, inspect_step, list_steps, read_manifest
 from checkpoint.dcp_io import METADATA_NAME, DigestingWriter, VerifiedReader
 from checkpoint.errors import (
     ChecksumMismatchError,
@@ -178,6 +178,16 @@ def collect_garbage(storage: Storage, retention: Retention, *, in_flight: set[in
     return plan.delete
 
 
+def _other_job(storage: Storage, dirname: str, job: str) -> str | None:
+    """The job named by ``dirname``'s manifest (read without a key) when it is another job's;
+    None when there is no readable manifest or it is this job's."""
+    try:
+        manifest = read_manifest(storage, dirname)
+    except (FileNotFoundError, ManifestError):
+        return None
+    return manifest.job if manifest.job and manifest.job != job else None
+
+
 @dataclass
 class StepPublisher:
     """The coordinator's storage work for one step (picklable, so it runs wherever DCP's
@@ -208,6 +218,11 @@ class StepPublisher:
         info = inspect_step(storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"])
         if info.state == "committed":
             raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
+        other = _other_job(storage, self.dirname, self.fields["job"])
+        if other is not None:
+            raise CheckpointError(f"{self.dirname} holds a step of job {other!r}, not of this job "
+                                  f"({self.fields['job']!r}): two jobs share {self.url}; give each job its own "
+                                  "checkpoint.uri (nothing was deleted)")
         if info.state == "corrupt":
             log.warning("clearing %s before saving it again: not a committed step under the current HMAC key and "
                         "job %r (%s)", self.dirname, self.fields["job"], info.error)

@@ -169,6 +169,21 @@ def test_fresh_start_emits_an_event_and_is_not_blocked_by_old_steps(tmp_path, si
     assert manifest.step == 4 and loaded_step(target) == 4.0
 
 
+def test_a_fresh_start_never_clears_another_jobs_step(tmp_path):
+    """Two jobs pointed at one root by mistake: the new run's save of a step the other job holds
+    fails, saying so, and deletes nothing."""
+    root = tmp_path / "ck"
+    save(manager(root, "job-b"), 4)
+    before = sorted(p.name for p in (root / STEP4).iterdir())
+    mgr = manager(root, on_no_loadable_step="fresh")
+    assert load(mgr)[0] is None  # job-b's step is refused: not this job's
+    assert not mgr.save(4, state(4), fields(4), sync=True)
+    assert "job 'job-b'" in mgr.status.last_error and "give each job its own" in mgr.status.last_error
+    assert sorted(p.name for p in (root / STEP4).iterdir()) == before
+    save(mgr, 8)  # other steps are saved as usual
+    assert mgr.status.last_committed_step == 8
+
+
 def test_a_committed_step_is_still_never_overwritten(tmp_path, signed):
     root = tmp_path / "ck"
     mgr = manager(root, **signed)
