@@ -589,14 +589,16 @@ class Agent:
         """Local ranks that made no progress within their limit (``hang_timeout_s`` between
         steps, ``start_timeout_s`` in start-up, loads and saves), or that stopped saying they are
         alive for ``hang_timeout_s`` in any phase (a frozen process: no need to wait out the start
-        timeout)."""
+        timeout) — except one that sent its exit message: it is leaving, and torchrun's exit
+        (which can take seconds) decides how the round ended."""
         now = time.monotonic()
         hung = []
         for local_rank in range(workers.launch.nproc_per_node):
             beat = beats.get(local_rank)
             since = beat.received_at if beat else workers.started_at
             limit = self.opts.hang_timeout_s if beat and beat.phase == "training" else self.opts.start_timeout_s
-            frozen = beat is not None and beat.alive_at > 0 and now - beat.alive_at > self.opts.hang_timeout_s
+            frozen = (beat is not None and beat.finished is None and beat.phase != "exiting" and beat.alive_at > 0
+                      and now - beat.alive_at > self.opts.hang_timeout_s)  # said goodbye: not frozen, leaving
             if now - since > limit or frozen:
                 hung.append(local_rank)
         return hung

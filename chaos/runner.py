@@ -158,8 +158,10 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
         env = {**stack.s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url}
         cluster = Cluster(out_dir, stack.etcd_url, scenario.config_path, job=JOB, ckpt_uri=ckpt_uri,
                           ckpt_interval=job.checkpoint_interval, step_sleep_s=job.step_sleep_s,
+                          # chaos corrupts checkpoints on purpose, the only committed one too:
+                          # starting over from step 0 then is this scenario's explicit choice
                           overrides=[*worker_overrides(scenario), f"--data.ledger_dir={ledger_dir}",
-                                     f"--train.save_final_path={final_path}"],
+                                     f"--train.save_final_path={final_path}", "--checkpoint.on_no_loadable_step=fresh"],
                           env=env, agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options])
         events = EventLog(str(cluster.events_path), rank=-2)
         started_at = time.time()

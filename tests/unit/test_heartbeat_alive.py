@@ -55,10 +55,11 @@ def _hung(beats: dict[int, Beat], *, hang_timeout_s: float = 5.0, start_timeout_
     return Agent._hung_ranks(me, workers, beats)  # type: ignore[arg-type]
 
 
-def _beat(local_rank: int, phase: str, progress_age_s: float, alive_age_s: float) -> Beat:
+def _beat(local_rank: int, phase: str, progress_age_s: float, alive_age_s: float, finished: bool | None = None) -> Beat:
     now = time.monotonic()
     return Beat(local_rank=local_rank, rank=local_rank, pid=100 + local_rank, step=-1, step_time_s=0.0,
-                committed_step=-1, received_at=now - progress_age_s, phase=phase, alive_at=now - alive_age_s)
+                committed_step=-1, received_at=now - progress_age_s, phase=phase, alive_at=now - alive_age_s,
+                finished=finished)
 
 
 def test_hang_rules_progress_by_phase_and_liveness_in_any_phase():
@@ -67,3 +68,6 @@ def test_hang_rules_progress_by_phase_and_liveness_in_any_phase():
     assert _hung({0: _beat(0, "loading", 61, 0.5)}) == [0]  # alive but no progress past the start timeout
     assert _hung({0: _beat(0, "training", 6, 0.5)}) == [0]  # alive, blocked between steps: a hang
     assert _hung({0: _beat(0, "training", 1, 0.5), 1: _beat(1, "saving", 10, 6)}) == [1]
+    # a worker that failed and said so is leaving, not frozen: torchrun's exit (seconds under
+    # load) reports the round's end, with the worker's error, not a hang
+    assert _hung({0: _beat(0, "exiting", 8, 8, finished=False)}) == []
