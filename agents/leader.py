@@ -104,15 +104,19 @@ class _Need:
     detail: str = ""
     failures: list[str] = field(default_factory=list)
     report: Report | None = None  #: the failing report the decision is about (first by node id)
+    #: every failing member's report: a node that died without an error of its own (a signal)
+    #: makes the others' errors symptoms ("connection closed by peer"), not evidence
+    reports: list[Report] = field(default_factory=list)
 
     def signature(self) -> str:
         """Equal for two failures that look deterministic: the same reason, step and worker
-        error, numbers aside (a round number, a port or a PID in the message changes with every
-        restart). Empty (matches nothing) when the workers gave no error of their own."""
+        errors, numbers aside (a round number, a port or a PID in the message changes with every
+        restart). Empty (matches nothing) unless every failing member gave an error of its own."""
         r = self.report
-        if r is None or not r.error or self.reason != WORKER_EXIT:
+        if r is None or self.reason != WORKER_EXIT or not all(x.error for x in self.reports or [r]):
             return ""
-        return f"{self.reason}|{r.step}|{_DIGITS.sub('#', r.error)}"
+        errors = sorted({_DIGITS.sub("#", x.error) for x in self.reports or [r]})
+        return f"{self.reason}|{r.step}|{' / '.join(errors)}"
 
 
 def committed_step(state: JobState, members: list[Member]) -> int:
@@ -140,7 +144,8 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
     if failed:
         node, report = sorted(failed.items())[0]
-        return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed), report)
+        return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed), report,
+                     [failed[n] for n in sorted(failed)])
     stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
     if stopped:
         return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}")

@@ -475,6 +475,20 @@ def test_failures_that_differ_or_say_nothing_restart(failures: list) -> None:
     assert isinstance(decision, FormRound) and decision.record.round == 4, decision
 
 
+def test_a_peer_killed_at_the_same_step_is_not_a_deterministic_failure() -> None:
+    """Node b dies by a signal (no error of its own) three times at step 17; node a's workers fail
+    each time with the same "connection closed by peer": a symptom, not evidence."""
+    job, memory, _ = running_job("a", "b", policy=LOOSE)
+    for g in (1, 2, 3):
+        fail(job, g, "a", step=17, error="RuntimeError: Connection closed by peer [127.0.0.1]:4123" + str(g),
+             when=T0 + 10 * g)
+        fail(job, g, "b", step=17, error="", when=T0 + 10 * g)
+        decision = decide(job.state(), LOOSE, memory, T0 + 10 * g)
+        assert isinstance(decision, FormRound), decision
+        job.apply(decision.record)
+        job.start(g + 1, "a", "b")
+
+
 def test_deterministic_rule_off_with_zero() -> None:
     policy = replace(LOOSE, deterministic_failures=0)
     job, memory, _ = running_job("a", policy=policy)
