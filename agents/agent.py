@@ -55,11 +55,11 @@ from agents.metrics import AgentMetrics
 from agents.records import (FAILED, FATAL, HANG, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys, JobState, Member,
                             NodeRecord, NodeStatus, Problem, Report, parse_master, validate_id)
 from agents.workers import Launch, WorkerGroup, dump_stacks, process_state
-from ftrain.events import EventLog
+from contract import exits
+from contract.events import EventLog
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 TICK_S = 0.2
 STATUS_INTERVAL_S = 1.0
 CRASH_GRACE_S = 0.3
@@ -265,7 +265,7 @@ class Agent:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         if self.draining:  # a second signal: stop now
             log.warning("second signal: killing workers and leaving")
-            self.exit_code = EXIT_OK
+            self.exit_code = exits.OK
         else:
             log.info("signal %d: draining (workers finish the step, save, exit)", signum)
             self.draining = True
@@ -638,14 +638,14 @@ class Agent:
 
     def _drain_step(self) -> None:
         if self.workers is None:
-            self.exit_code = EXIT_OK  # the report of the drained round is flushed on the way out
+            self.exit_code = exits.OK  # the report of the drained round is flushed on the way out
             return
         if not self.workers.terminating:
             self.workers.terminate()
             self.events.emit("drain", node=self.opts.node_id, worker_round=self.workers.round)
         elif time.monotonic() > self.drain_deadline:
             self._stop_workers("drain timed out")
-            self.exit_code = EXIT_OK
+            self.exit_code = exits.OK
 
     def _flush_reports(self) -> None:
         for round_, report in sorted(self.pending_reports.items()):
@@ -661,7 +661,7 @@ class Agent:
             if self.workers.wait(timeout_s=10.0) is None:
                 self._stop_workers("job finished")
         final = state.final
-        self.exit_code = EXIT_OK if final.status == SUCCEEDED else EXIT_JOB_FAILED
+        self.exit_code = exits.OK if final.status == SUCCEEDED else exits.FAILED
         log.info("job %s %s: %s", self.opts.job, final.status, final.reason)
         self._publish_status(state, state_name="done", force=True)
 
@@ -687,4 +687,4 @@ class Agent:
             pass
 
 
-__all__ = ["Agent", "AgentError", "AgentOptions", "EXIT_JOB_FAILED", "EXIT_OK", "EXIT_USAGE"]
+__all__ = ["Agent", "AgentError", "AgentOptions"]

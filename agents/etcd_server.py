@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_s = server.wait_ready(args.ready_timeout_s)
         endpoints = server.endpoints if isinstance(server, EtcdCluster) else [server.endpoint]
         print(f"etcd ready in {ready_s:.2f} s ({len(endpoints)} member(s), data {server.base_dir})")
-        print(f"export FTRAIN_ETCD_ENDPOINTS={','.join(endpoints)}")
+        print(f"# e.g. ftrain agent --etcd {','.join(endpoints)} ...")
         print("Ctrl-C to stop.", flush=True)
         members = server.members if isinstance(server, EtcdCluster) else [server]
         code = members[0].wait()

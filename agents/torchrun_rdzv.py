@@ -1,7 +1,8 @@
 """torchrun rendezvous backend ``etcd-v3``: torch's dynamic rendezvous on etcd's v3 API.
 
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:PORT[,HOST:PORT...] --rdzv-id=RUN``
-(registered through the entry-point group ``torchrun.handlers``). torch's own ``etcd`` and
+(registered through the entry-point group ``torchrun.handlers`` by the tiny
+:mod:`ftrain.cli.torchrun_plugin`, which imports this module only when torchrun creates a handler). torch's own ``etcd`` and
 ``etcd-v2`` backends need etcd's v2 API, which etcd >= 3.4 does not serve by default and 3.6
 removed; this one speaks v3 through :class:`~agents.etcd.EtcdClient`.
 
@@ -34,8 +35,8 @@ What must stay true:
   refuses anything else, so a writer of these keys can disrupt a rendezvous but not run code
   in the agents. Protect the prefix with etcd auth/TLS in shared clusters all the same.
 
-This module may import torch (the import-boundary test allows it for ``*torchrun*`` modules);
-the rest of ``agents`` must not.
+This module may import torch (it is its own layer in the import-boundary test: it runs in the
+torchrun launcher); the rest of ``agents`` must not.
 """
 
 from __future__ import annotations
@@ -52,38 +53,21 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError, RendezvousParameters, RendezvousStateError)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler, RendezvousBackend, RendezvousTimeout, Token, _NodeDesc, _RendezvousState)
 
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
 from agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
 from agents.etcd_watch import Watcher
 
-if TYPE_CHECKING:
-    from torch.distributed.elastic.rendezvous import RendezvousHandler
-
 #: The backend name torchrun users pass as ``--rdzv-backend``.
 BACKEND_NAME = "etcd-v3"
-
-
-# Defined before the torch imports below on purpose: importing torch's rendezvous package loads
-# every ``torchrun.handlers`` entry point, this one included. If this module is imported first
-# (a test, a user script), torch finds it half-initialised; ``handler`` must already exist then,
-# and the creator it returns looks ``create_handler`` up only when torchrun calls it.
-def handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: returns the handler creator."""
-    return _create_handler_entry
-
-
-def _create_handler_entry(params: RendezvousParameters) -> RendezvousHandler:
-    return create_handler(params)
-
-
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
-    RendezvousConnectionError, RendezvousParameters, RendezvousStateError)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
-    DynamicRendezvousHandler, RendezvousBackend, RendezvousTimeout, Token, _NodeDesc, _RendezvousState)
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.workers import descendants, signal_pids
-from ftrain.metrics import read_jsonl
+from contract.events import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 

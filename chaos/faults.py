@@ -38,7 +38,7 @@ from chaos.corrupt import corrupt_step
 from chaos.s3proxy import FaultRates, S3FaultProxy
 from checkpoint.catalog import list_steps, newest_committed
 from checkpoint.storage import Storage
-from ftrain.events import EventLog
+from contract.events import EventLog
 from ftrain.heartbeat import process_gone
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ def _zombie_commit(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
 
 def _run_zombie(args: list[str], events_path: Any, env: dict[str, str]) -> dict[str, Any]:
     """One old-round worker that resumes and tries to save once; then it is stopped."""
-    from ftrain.metrics import read_jsonl
+    from contract.events import read_jsonl
 
     proc = subprocess.Popen([sys.executable, "-m", "ftrain", "train", *args, f"--logging.events_path={events_path}",
                              "--checkpoint.interval=1", "--checkpoint.async_mode=off", "--train.steps=100000",

@@ -26,8 +26,8 @@ from chaos.scenario import Scenario, ScenarioError, load_scenario
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from ftrain.config import load_config
-from ftrain.events import EventLog
-from ftrain.local_cli import LocalStack
+from contract.events import EventLog
+from testbed.stack import LocalStack
 
 log = logging.getLogger(__name__)
 

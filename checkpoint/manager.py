@@ -52,6 +52,7 @@ from checkpoint.errors import (
     UnsafePickleError,
 )
 from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, job_problem, step_dir_name
+from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
 from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.storage import Storage, StorageOptions
@@ -119,7 +120,6 @@ def _is_corruption(err: BaseException) -> bool:
     return any(marker in text for marker in _CORRUPTION_TEXT)
 
 
-ON_NO_LOADABLE_STEP = ("fail", "fresh")
 
 
 @dataclass(slots=True)
@@ -272,18 +272,18 @@ class _InFlight:
 class CheckpointManager:
     url: str
     options: StorageOptions = field(default_factory=StorageOptions)
-    async_mode: str = "thread"  # off | thread | process
-    when_busy: str = "wait"  # wait | skip
-    digest: str = "xxh3_128"
-    hmac_key_env: str = ""
+    async_mode: str = DEFAULTS.async_mode  # off | thread | process
+    when_busy: str = DEFAULTS.when_busy  # wait | skip
+    digest: str = DEFAULTS.digest
+    hmac_key_env: str = DEFAULTS.hmac_key_env
     job: str = ""
     """Job id written into every manifest and required of every manifest loaded (see
     :mod:`checkpoint.catalog`); must be non-empty when ``hmac_key_env`` is set."""
     fence: Fence | None = None
-    keep_last: int = Retention.keep_last
-    keep_every: int = Retention.keep_every
-    gc_grace_s: float = Retention.grace_s
-    on_no_loadable_step: str = "fail"  # fail | fresh (see the module doc)
+    keep_last: int = DEFAULTS.keep_last
+    keep_every: int = DEFAULTS.keep_every
+    gc_grace_s: float = DEFAULTS.gc_grace_s
+    on_no_loadable_step: str = DEFAULTS.on_no_loadable_step  # fail | fresh (see the module doc)
     on_event: EventSink = _no_event
     device_type: str = "cpu"
 

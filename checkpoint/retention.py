@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from checkpoint.catalog import StepInfo
+from checkpoint.config import DEFAULTS
 from checkpoint.manifest import MANIFEST_NAME
 from checkpoint.storage import Storage
 
@@ -32,13 +33,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Retention:
-    """Retention settings. These defaults are the checkpoint service's only ones (CheckpointManager
-    and ``ftrain ckpt gc`` take theirs from here; ftrain's CheckpointConfig must equal them, a
-    test checks it)."""
+    """Retention settings (defaults: the ``[checkpoint]`` section's, :mod:`checkpoint.config`)."""
 
-    keep_last: int = 3
-    keep_every: int = 0
-    grace_s: float = 600.0
+    keep_last: int = DEFAULTS.keep_last
+    keep_every: int = DEFAULTS.keep_every
+    grace_s: float = DEFAULTS.gc_grace_s
 
 
 @dataclass(slots=True)

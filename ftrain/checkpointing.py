@@ -34,7 +34,7 @@ from checkpoint.storage import StorageOptions
 from ftrain import fence
 from ftrain.config import Config, ConfigError, worker_job_id
 from ftrain.data import DataCursor, DataError
-from ftrain.events import EventLog
+from contract.events import EventLog
 from ftrain.parallel import Parallel
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Per-step metrics: one JSON line per optimizer step (rank 0), and peak memory per rank.
 
-Torch-free at import (the agent reads these files and shares the event log format).
+Torch-free at import (the agent reads these files; JSON lines are read as events are,
+:func:`contract.events.read_jsonl`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from contract.events import read_jsonl
 
 if TYPE_CHECKING:
     import torch
@@ -36,18 +39,6 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._fh.close()
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a JSON-lines file (metrics, events), skipping a torn line left by a killed writer."""
-    records = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
 
 
 read_metrics = read_jsonl

@@ -30,8 +30,8 @@ from typing import Any
 
 from ftrain.config import load_config
 from ftrain.data import build_source
-from ftrain.local_cli import LocalStack
-from ftrain.metrics import read_jsonl
+from testbed.stack import LocalStack
+from contract.events import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "30", "--backoff-initial-s", "0.5")

@@ -4,7 +4,7 @@ import re
 import sys
 from pathlib import Path
 
-from ftrain.config import reference_markdown
+from ftrain.cli.config import reference_markdown
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 

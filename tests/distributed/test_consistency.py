@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ftrain.events import read_events
+from contract.events import read_events
 from tests.support import train_job
 
 pytestmark = pytest.mark.dist

@@ -13,7 +13,7 @@ import pytest
 
 from checkpoint.digest import digest_bytes
 from checkpoint.storage import Storage
-from ftrain.events import read_events
+from contract.events import read_events
 from tests.support import run, train_job, worker_env
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ import pytest
 
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
-from ftrain.events import read_events
+from contract.events import read_events
 from ftrain.metrics import read_metrics
 from tests.support import TINY_CONFIG, kill_tree, torchrun_cmd, train_job, worker_env
 

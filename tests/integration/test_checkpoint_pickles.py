@@ -34,7 +34,7 @@ from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, step_dir_name
 from checkpoint.safe_pickle import SafeLoadPlanner, bytes_items
 from checkpoint.storage import Storage
 from checkpoint.verify import check_pickled_items, verify_step
-from ftrain.ckpt_cli import add_ckpt_parser
+from ftrain.cli.ckpt import add_parsers as add_ckpt_parser
 
 ITEM = "optim.param_groups.0.lr"
 FIELDS = {"round": 0, "world_size": 1, "layout": {"strategy": "single"}, "config_hash": "h", "config": {},

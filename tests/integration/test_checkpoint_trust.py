@@ -28,7 +28,7 @@ from checkpoint.manager import CheckpointManager, NoLoadableStepError
 from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_hmac, step_dir_name
 from checkpoint.storage import Storage, StorageOptions
 from ftrain.checkpointing import validate_trainer_state
-from ftrain.events import read_events
+from contract.events import read_events
 from tests.support import train_job
 
 KEY_ENV = "FTRAIN_TRUST_TEST_KEY"

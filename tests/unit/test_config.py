@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ftrain.config import ConfigError, load_config, reference_markdown
+from contract.config import ConfigError
+from ftrain.cli.config import load_job_config as load_config
+from ftrain.cli.config import reference_markdown
 
 
 def write(tmp_path, text):
@@ -72,7 +74,7 @@ def test_reference_lists_every_key():
 def _float_keys() -> list[str]:
     import dataclasses
 
-    from ftrain.config import sections
+    from ftrain.cli.config import schema as sections
 
     return [f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)
             if f.type == "float"]

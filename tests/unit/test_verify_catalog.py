@@ -16,7 +16,7 @@ from checkpoint.errors import ManifestError
 from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, step_dir_name
 from checkpoint.storage import Storage
 from checkpoint.verify import Problem, mark_corrupt, split_files, verify_files, verify_step
-from ftrain.ckpt_cli import add_ckpt_parser
+from ftrain.cli.ckpt import add_parsers as add_ckpt_parser
 
 KEY = b"test-hmac-key"
 
@@ -341,7 +341,7 @@ def test_verify_refuses_metadata_pickle_even_with_matching_digest(storage, tmp_p
 def test_cli_says_when_it_ran_without_an_hmac_key(storage, capsys, monkeypatch):
     """Without a key a digest only proves the bytes match a manifest the bucket's writer could
     have forged: ls and verify say so, and name signed manifests whose HMAC went unchecked."""
-    from ftrain.ckpt_cli import NO_HMAC_KEY_NOTE
+    from ftrain.cli.ckpt import NO_HMAC_KEY_NOTE
 
     write_step(storage, 1, key=KEY)
     write_step(storage, 2)

@@ -8,9 +8,11 @@ import os
 import socket
 import sys
 
-from agents.agent import EXIT_USAGE, Agent, AgentOptions
+from agents.agent import Agent, AgentOptions
 from agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenError
-from ftrain.config import ConfigError, load_config, parse_nnodes
+from contract import exits
+from contract.config import ConfigError, parse_nnodes
+from ftrain.cli.config import load_job_config
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
     worker_args = [*args.worker_args, *overrides]
     if not worker_args:
         raise ConfigError("", "no training config: ftrain agent [options] -- CONFIG.toml [--section.key=value ...]")
-    cfg = load_config(worker_args[0], worker_args[1:])  # fail here, not in every worker
+    cfg = load_job_config(worker_args[0], worker_args[1:])  # fail here, not in every worker
     values = {name: getattr(cfg.agent, name) for name in _FROM_CONFIG}
     for name in _FROM_CONFIG:
         given = getattr(args, name, None)
@@ -93,18 +95,18 @@ def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
         agent = Agent(opts)
     except ValueError as e:
         print(f"ftrain agent: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     try:
         return agent.run()
     except NodeIdTakenError as e:
         print(f"ftrain agent: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     except EtcdUnavailableError as e:
         print(f"ftrain agent: cannot reach etcd at {','.join(opts.etcd)}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     except AgentError as e:
         print(f"ftrain agent: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILED
 
 
 def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -113,7 +115,7 @@ def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
     password = os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None
     if args.etcd_user and password is None:
         print("ftrain status: --etcd-user needs the password in FTRAIN_ETCD_PASSWORD", file=sys.stderr)
-        return 2
+        return exits.USAGE
     client_options = {"username": args.etcd_user, "password": password, "ca_cert": args.etcd_ca_cert,
                       "cert": args.etcd_cert, "key": args.etcd_key}
     try:
@@ -121,10 +123,10 @@ def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
                            client_options=client_options)
     except ValueError as e:  # a bad --job or --etcd
         print(f"ftrain status: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     except EtcdUnavailableError as e:
         print(f"ftrain status: cannot reach etcd at {args.etcd}: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     except AgentError as e:
         print(f"ftrain status: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE

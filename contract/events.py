@@ -1,5 +1,7 @@
 """Lifecycle events as JSON lines (ckpt_staged, ckpt_committed, ckpt_corrupt, resumed, ...).
 
+Workers, agents and chaos write them; reports, ``ftrain status`` and the chaos invariants read them.
+
 Every rank appends to the same file; each event is one ``write`` of one line, which appends
 atomically on local filesystems. Events feed reports and the chaos suite's checks.
 """
@@ -13,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-from ftrain.metrics import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,18 @@ class EventLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a JSON-lines file (metrics, events), skipping a torn line left by a killed writer."""
+    records = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
 
 read_events = read_jsonl

@@ -31,10 +31,8 @@ from checkpoint.manifest import MANIFEST_NAME, hmac_key_from_env, parse_step_dir
 from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import verify_step
+from contract import exits
 
-EXIT_OK = 0
-EXIT_PROBLEMS = 1
-EXIT_ERROR = 2
 
 Command = Callable[[argparse.Namespace, list[str]], int]
 
@@ -135,12 +133,12 @@ def _guarded(fn: Command) -> Command:
     def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if overrides:
             print(f"ftrain ckpt {args.ckpt_command}: unrecognised arguments: {' '.join(overrides)}", file=sys.stderr)
-            return EXIT_ERROR
+            return exits.USAGE
         try:
             return fn(args, overrides)
         except (CheckpointError, OSError, ValueError) as e:
             print(f"ftrain ckpt {args.ckpt_command}: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return EXIT_ERROR
+            return exits.USAGE
 
     run.__name__ = run.__qualname__ = fn.__name__
     run.__doc__ = fn.__doc__
@@ -156,7 +154,7 @@ def cmd_ls(args: argparse.Namespace, overrides: list[str]) -> int:
     _print_hmac_notes(storage, key, args, steps)
     if not steps:
         print(f"no step directories under {args.uri}")
-        return EXIT_OK
+        return exits.OK
     rows = [["STEP", "STATE", "WORLD", "ROUND", "FILES", "SIZE", "CREATED", "NOTE"]]
     for s in steps:
         m = s.manifest
@@ -165,7 +163,7 @@ def cmd_ls(args: argparse.Namespace, overrides: list[str]) -> int:
                      str(len(m.files)) if m else "-", human_bytes(m.total_size_bytes) if m else "-",
                      _iso(m.created_time) if m else "-", s.error or ""])
     print(_table(rows))
-    return EXIT_OK
+    return exits.OK
 
 
 @_guarded
@@ -175,7 +173,7 @@ def cmd_show(args: argparse.Namespace, overrides: list[str]) -> int:
     info = inspect_step(_storage(args), dirname, _hmac_key(args), job=args.job)
     if info.manifest is None:
         print(f"{dirname}: {info.state}" + (f": {info.error}" if info.error else " (no manifest)"), file=sys.stderr)
-        return EXIT_PROBLEMS
+        return exits.FAILED
     m = info.manifest
     header: dict[str, Any] = {k: v for k, v in m.to_dict().items() if k != "files"}
     print(f"{dirname}  state={info.state}" + (f"  ({info.error})" if info.error else ""))
@@ -184,7 +182,7 @@ def cmd_show(args: argparse.Namespace, overrides: list[str]) -> int:
     rows += [[name, human_bytes(e.size_bytes), str(e.size_bytes), e.digest] for name, e in sorted(m.files.items())]
     rows.append([f"total: {len(m.files)} files", human_bytes(m.total_size_bytes), str(m.total_size_bytes), ""])
     print(_table(rows))
-    return EXIT_OK
+    return exits.OK
 
 
 def _print_report_line(dirname: str, report: Any) -> None:
@@ -209,7 +207,7 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
         _print_report_line(dirname, report)
         if info.marked:
             print(f"  note: {info.error}")
-        return EXIT_OK if report.ok else EXIT_PROBLEMS
+        return exits.OK if report.ok else exits.FAILED
     steps = list_steps(storage, key, job=args.job)
     _print_hmac_notes(storage, key, args, steps)
     if not steps:
@@ -226,7 +224,7 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
             report = verify_step(storage, info.dirname, key, job=args.job)
             _print_report_line(info.dirname, report)
             failed += not report.ok
-    return EXIT_PROBLEMS if failed else EXIT_OK
+    return exits.FAILED if failed else exits.OK
 
 
 @_guarded
@@ -245,7 +243,7 @@ def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
     if not args.dry_run:
         apply_gc(storage, plan)
     print(f"{len(plan.delete)} {'to delete' if args.dry_run else 'deleted'}, {len(plan.keep)} kept")
-    return EXIT_OK
+    return exits.OK
 
 
 @_guarded
@@ -261,14 +259,14 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
                               include_optimizer=args.with_optimizer)
     except (ChecksumMismatchError, UnsafePickleError) as e:
         print(f"ftrain ckpt export: {e}", file=sys.stderr)
-        return EXIT_PROBLEMS
+        return exits.FAILED
     print(f"exported step {summary['step']}: {summary['tensors']} tensors, {summary['params']:,} parameters "
           f"-> {summary['path']}")
-    return EXIT_OK
+    return exits.OK
 
 
 # -- parser ----------------------------------------------------------------------------------
-def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Add ``ckpt`` and its subcommands; each sets ``func(args, overrides) -> int``."""
     ckpt = subparsers.add_parser("ckpt", help="inspect, verify, garbage-collect and export checkpoints",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,7 +307,3 @@ def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output file (.pt)")
     p.add_argument("--with-optimizer", action="store_true",
                    help='also export optimizer state ({"model": ..., "optim": ...}); default: model parameters only')
-
-
-__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PROBLEMS", "NO_HMAC_KEY_NOTE", "add_ckpt_parser", "cmd_export", "cmd_gc",
-           "cmd_ls", "cmd_show", "cmd_verify", "hmac_notes", "human_bytes", "storage_options"]

@@ -1,0 +1,75 @@
+"""The ``[checkpoint]`` section of the config file: the checkpoint service's settings.
+
+These are the service's only defaults: :class:`checkpoint.manager.CheckpointManager`,
+:class:`checkpoint.retention.Retention` and ``ftrain ckpt gc`` take theirs from here.
+Standard library only, so that torch-free processes (the node agent) can validate a config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from contract.config import ConfigError, at_least, check_floats, opt
+
+ON_NO_LOADABLE_STEP = ("fail", "fresh")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    uri: str = opt(
+        "", "This job's checkpoint root: a path, file://, s3://bucket/prefix or any fsspec URL (empty: no "
+        "checkpoints). Step directories go directly under it, so give every job its own, e.g. "
+        "s3://bucket/ckpt/<job>; a step of another job found here is refused."
+    )
+    interval: int = opt(100, "Save every this many steps (0: only the final save).")
+    async_mode: str = opt(
+        "thread", "off (blocking saves), thread or process (training blocks only for staging).",
+        ("off", "thread", "process"),
+    )
+    when_busy: str = opt(
+        "wait", "When a save is due while the previous one still uploads: wait for it, or skip this one.",
+        ("wait", "skip"),
+    )
+    digest: str = opt("xxh3_128", "Per-file digest recorded in the manifest.", ("xxh3_128", "crc32c"))
+    hmac_key_env: str = opt(
+        "", "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256, "
+        "bound to the job id (FTRAIN_JOB, set by the node agent, or agent.job), which must then be known."
+    )
+    resume: bool = opt(True, "Load the newest verified checkpoint under checkpoint.uri at start.")
+    load_step: int = opt(-1, "Load exactly this step (fails if it is not committed and verified); -1: newest.")
+    on_no_loadable_step: str = opt(
+        "fail", "Step directories with manifests exist but none loads (wrong HMAC key or job, all corrupt): fail "
+        "with the list of steps and why each was refused, or start fresh from step 0 (the old step directories "
+        "are replaced as the new run saves).", ON_NO_LOADABLE_STEP,
+    )
+    max_failed_commits: int = opt(
+        3, "Consecutive failed checkpoint commits after which training stops instead of running unprotected. "
+        "0: never stop."
+    )
+    final_save: bool = opt(True, "Save synchronously at the end of training and on a graceful stop (SIGTERM).")
+    keep_last: int = opt(3, "Retention: keep the newest N committed steps.")
+    keep_every: int = opt(0, "Retention: also keep every step divisible by this (0: off).")
+    gc_grace_s: float = opt(600.0, "Retention: uncommitted step directories older than this are removed.")
+    endpoint_url: str = opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL); credentials come from AWS_*.")
+    region: str = opt("", "S3 region (default: AWS_REGION).")
+
+    def __post_init__(self) -> None:
+        check_floats("checkpoint", self)
+        if self.interval < 0:
+            raise ConfigError("checkpoint.interval", f"must be >= 0, got {self.interval}")
+        if self.keep_last < 1:
+            raise ConfigError("checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
+        if self.keep_every < 0:
+            raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {self.keep_every}")
+        at_least("checkpoint.gc_grace_s", self.gc_grace_s, 0)
+        at_least("checkpoint.load_step", self.load_step, -1)
+        at_least("checkpoint.max_failed_commits", self.max_failed_commits, 0)
+        if self.hmac_key_env and not os.environ.get(self.hmac_key_env):
+            raise ConfigError("checkpoint.hmac_key_env",
+                              f"environment variable {self.hmac_key_env} is not set (or empty): export the key there, "
+                              "or leave checkpoint.hmac_key_env empty for unsigned manifests")
+
+
+DEFAULTS = CheckpointConfig()
+"""Every default in one instance (its ``hmac_key_env`` is empty, so building it reads no environment)."""

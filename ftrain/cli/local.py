@@ -1,0 +1,44 @@
+"""``ftrain local up``: a local etcd and SeaweedFS S3 on loopback (:class:`testbed.stack.LocalStack`),
+for trying ftrain on one machine."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from testbed.stack import LocalStack
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("local", help="local infrastructure for trying ftrain on one machine")
+    local = p.add_subparsers(dest="local_command", required=True)
+    up = local.add_parser("up", help="start etcd and SeaweedFS S3 on 127.0.0.1 until Ctrl-C")
+    up.add_argument("--dir", default=None, help="data directory (default: a new temporary directory)")
+    up.add_argument("--no-s3", action="store_true", help="etcd only")
+    up.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace, overrides: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    stack = LocalStack(args.dir, with_s3=not args.no_s3)
+    try:
+        stack.start()
+        print(f"etcd: {stack.etcd_url}")
+        if stack.s3 is not None:
+            print(f"s3:   {stack.s3.endpoint_url} (bucket {stack.s3.url()})")
+        print(f"data: {stack.base_dir}")
+        print("# point workers at its S3:")
+        for key, value in stack.env().items():
+            print(f"export {key}={value}")
+        print(f"# e.g. ftrain agent --etcd {stack.etcd_url} --job demo --nnodes 1:2 --nproc-per-node 1 "
+              f"-- configs/demo.toml --checkpoint.uri={stack.s3.url('demo') if stack.s3 else '/tmp/ckpt'}")
+        print("Ctrl-C to stop.", flush=True)
+        code = stack.etcd.wait()
+        print(f"etcd exited with code {code}; log {stack.etcd.log_path}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.close()
