@@ -3,6 +3,8 @@ log, the metrics, the ledger, the checkpoints on storage and the final state.
 
 Each check returns a :class:`Check` (name, ok, detail); :func:`fault_timings` measures each
 fault's detection time, recovery time and lost steps; :func:`goodput` is productive / wall time.
+What a fault kind owes (a new round, a refusal), which commits it damaged and which events detect
+it come from its :class:`~chaos.faults.Fault` in the registry, never from its name.
 """
 
 from __future__ import annotations
@@ -13,17 +15,13 @@ from typing import Any
 
 import torch
 
+from chaos.faults import FAULTS, Fault, Outcome
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from checkpoint.verify import verify_step
-from chaos.faults import RESTARTING
 from ftrain.config import Config
 from ftrain.data import build_source
 from ftrain.data.ledger import check_exactly_once, read_ledger
-
-#: Events by which agents or workers show they noticed a fault.
-DETECTIONS = ("workers_exited", "hang", "round_formed", "lease_lost", "etcd_unreachable", "ckpt_corrupt",
-              "ckpt_failed")
 
 
 @dataclass(slots=True)
@@ -38,6 +36,11 @@ class Check:
 
 def _of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
+
+
+def _fault(record: dict[str, Any]) -> Fault:
+    """The registered kind of a ``chaos_fault`` event."""
+    return FAULTS.get(record["kind"])
 
 
 def job_finished(events: list[dict[str, Any]], metrics: list[dict[str, Any]], steps: int,
@@ -100,13 +103,13 @@ CommitId = tuple[int, float]
 
 def corrupted_by_chaos(events: list[dict[str, Any]]) -> dict[int, float]:
     """Checkpoint steps the chaos run damaged on purpose -> when."""
-    return {e["ckpt_step"]: e["time"] for e in _of(events, "chaos_fault") if e.get("kind") == "ckpt_corrupt"}
+    return {e["ckpt_step"]: e["time"] for e in _of(events, "chaos_fault") if _fault(e).damages_commit}
 
 
 def damaged_commits(events: list[dict[str, Any]]) -> dict[CommitId, float]:
     """The commits chaos damaged on purpose -> when (each fault names the manifest it found)."""
     return {(e["ckpt_step"], e["ckpt_created_time"]): e["time"] for e in _of(events, "chaos_fault")
-            if e.get("kind") == "ckpt_corrupt" and "ckpt_created_time" in e}
+            if _fault(e).damages_commit and "ckpt_created_time" in e}
 
 
 def committed_checkpoints_verify(storage: Storage, events: list[dict[str, Any]]) -> Check:
@@ -168,34 +171,37 @@ def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
 
 
 def faults_handled(events: list[dict[str, Any]]) -> Check:
-    """Refusals that must have happened (duplicate node id, zombie commit), and a new round after
-    every fault that kills or stops training."""
+    """Refusals that must have happened (:attr:`Outcome.REFUSED` kinds: a duplicate node id, a
+    zombie commit), and a new round after every fault that restarts the workers."""
     faults = _of(events, "chaos_fault")
     rounds = sorted(e["time"] for e in _of(events, "round_formed"))
     bad = []
     for i, f in enumerate(faults):
-        if f["kind"] in ("duplicate_node", "zombie_commit") and not f.get("refused"):
+        fault = _fault(f)
+        if fault.outcome is Outcome.REFUSED and not f.get("refused"):
             bad.append(f"{f['kind']} #{i} was not refused: {f}")
-        if f["kind"] in RESTARTING and not any(t > f["time"] for t in rounds):
+        if fault.restarts and not any(t > f["time"] for t in rounds):
             bad.append(f"{f['kind']} #{i} at step {f.get('step')} was never followed by a new round")
     return Check("faults_handled", not bad, "; ".join(bad) if bad else f"{len(faults)} fault(s) handled")
 
 
 def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per fault: detection (first reaction after it), recovery (first step completed by a round
-    formed after it) and lost steps (completed before that round, recomputed after it)."""
+    """Per fault: detection (the first of its kind's ``detected_by`` events after it), recovery
+    (first step completed by a round formed after it, for a kind that restarts the workers) and
+    lost steps (completed before that round, recomputed after it)."""
     faults = _of(events, "chaos_fault")
     out = []
     for i, f in enumerate(faults):
+        fault = _fault(f)
         t0 = f["time"]
         until = faults[i + 1]["time"] if i + 1 < len(faults) else float("inf")
-        reactions = [e for e in events if e["event"] in DETECTIONS and t0 <= e["time"] < until
+        reactions = [e for e in events if e["event"] in fault.detected_by and t0 <= e["time"] < until
                      and e.get("outcome") != "succeeded"]
         detect = min(reactions, key=lambda e: e["time"]) if reactions else None
         # only faults that stop training own the round that follows them; any other round in the
         # window belongs to an earlier fault still being recovered from
         new_round = next((e for e in sorted(_of(events, "round_formed"), key=lambda e: e["time"])
-                          if t0 <= e["time"] < until), None) if f["kind"] in RESTARTING else None
+                          if t0 <= e["time"] < until), None) if fault.restarts else None
         recovery_s = lost = resumed_step = None
         if new_round is not None:
             resumed = [e for e in _of(events, "resumed") if e["round"] >= new_round["new_round"] and e.get("rank") == 0]

@@ -19,7 +19,7 @@ from typing import Any
 
 from chaos import invariants
 from chaos.cluster import FAST_AGENT_OPTIONS, REPO, Cluster, WaitTimeout, quiet_env, wait_for
-from chaos.faults import Context, FaultError, FaultSpec, inject
+from chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
 from chaos.report import write_report
 from chaos.s3proxy import S3FaultProxy
 from chaos.scenario import Scenario, ScenarioError, load_scenario
@@ -191,7 +191,7 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
             watcher.closing.set()
             cluster.close()
             events.close()
-        killed = {r.get("pid") for r in campaign.records if r["kind"] == "agent_kill"}
+        killed = {r.get("pid") for r in campaign.records if FAULTS.get(r["kind"]).kills_agent}
         exit_codes = {n: p.returncode for n, p in cluster.agents.items() if p.pid not in killed}
         all_events = cluster.events()
         metrics = cluster.metrics()

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import KINDS, FaultSpec
+from chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
 
 
 class ScenarioError(ValueError):
@@ -118,8 +118,10 @@ def load_scenario(path: str | Path) -> Scenario:
         rand["interval_s"] = tuple(rand["interval_s"])
     random_spec = _build(RandomSpec, rand, f"{path}: random")
     for kind in random_spec.kinds:
-        if kind not in KINDS:
-            raise ScenarioError(f"{path}: random.kinds: unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
+        try:
+            FAULTS.get(kind)
+        except UnknownFaultKind as e:
+            raise ScenarioError(f"{path}: random.kinds: {e}") from None
     faults = []
     for i, table in enumerate(data.get("faults", [])):
         try:

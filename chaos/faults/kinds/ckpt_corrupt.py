@@ -1,0 +1,32 @@
+"""``ckpt_corrupt``: the newest committed checkpoint is damaged (``mode``: bit flip, truncation,
+deleted file or edited manifest; default a seeded choice), then, unless ``then_kill = false``, a
+worker is killed so that a load meets it. The record names the damaged commit (``ckpt_step``,
+``ckpt_created_time``): that commit is not verified at the end and must never be loaded after."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from chaos.cluster import wait_for
+from chaos.corrupt import MODES, corrupt_step
+from chaos.faults.registry import FAULTS, Fault, Outcome
+from chaos.faults.spec import Context, FaultSpec
+from chaos.faults.targets import pick_worker, send_signal
+from checkpoint.catalog import list_steps, newest_committed
+
+
+def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
+    mode = spec.params.get("mode") or ctx.rng.choice(MODES)
+    info = wait_for(lambda: newest_committed(list_steps(ctx.storage)), 120, "a committed checkpoint")
+    damaged = corrupt_step(ctx.storage, info.dirname, mode, ctx.rng)
+    record = ctx.emit(spec.kind, ckpt_step=info.step, ckpt_created_time=info.manifest.created_time, mode=mode,
+                      file=damaged, step=ctx.cluster.step())
+    if spec.params.get("then_kill", True):  # make a load meet it
+        node, pid = pick_worker(ctx, spec.node)
+        send_signal(pid, signal.SIGKILL)
+        record.update(node=node, pid=pid)
+    return record
+
+
+FAULT = FAULTS.register(Fault(kind="ckpt_corrupt", act=_act, outcome=Outcome.NEW_ROUND, damages_commit=True))

@@ -1,0 +1,20 @@
+"""``worker_hang``: a live worker of the current round is stopped (``SIGSTOP``) and never
+continued; the agent's hang detection must notice and the job restart its workers."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from chaos.faults.registry import FAULTS, Fault, Outcome
+from chaos.faults.spec import Context, FaultSpec
+from chaos.faults.targets import pick_worker, send_signal
+
+
+def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
+    node, pid = pick_worker(ctx, spec.node)
+    send_signal(pid, signal.SIGSTOP)
+    return ctx.emit(spec.kind, node=node, pid=pid, step=ctx.cluster.step())
+
+
+FAULT = FAULTS.register(Fault(kind="worker_hang", act=_act, outcome=Outcome.NEW_ROUND))

@@ -1,0 +1,55 @@
+"""``zombie_commit``: once the job is in its second round or later, a worker of the previous round
+resumes and tries to save into the job's checkpoints; every attempt must fail with
+``StaleRoundError`` (the commit fence), which the record's ``refused`` says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from chaos.cluster import WaitTimeout, quiet_env, wait_for
+from chaos.faults.registry import FAULTS, Fault, Outcome
+from chaos.faults.spec import Context, FaultSpec
+from chaos.faults.targets import current_round
+from contract.events import read_jsonl
+
+
+def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
+    g = wait_for(lambda: current_round(ctx) >= 2 and current_round(ctx), 120, "a second round")
+    zombie_events = ctx.cluster.workdir / "zombie-events.jsonl"
+    args = [a for a in ctx.cluster.worker_args if not a.startswith(("--logging.", "--data.ledger_dir",
+                                                                    "--train.save_final_path"))]
+    env = quiet_env(**ctx.cluster.env, FTRAIN_ETCD=ctx.cluster.etcd,
+                    FTRAIN_FENCE_KEY=f"/ftrain/jobs/{ctx.cluster.job}/round", FTRAIN_ROUND=str(g - 1),
+                    FTRAIN_JOB=ctx.cluster.job, FTRAIN_LOG_LEVEL="WARNING")
+    out = _run_zombie(args, zombie_events, env)
+    return ctx.emit(spec.kind, round=g - 1, current_round=g, **out)
+
+
+def _run_zombie(args: list[str], events_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One old-round worker that resumes and tries to save once; then it is stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "ftrain", "train", *args, f"--logging.events_path={events_path}",
+                             "--checkpoint.interval=1", "--checkpoint.async_mode=off", "--train.steps=100000",
+                             "--logging.progress=off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    try:
+        def attempted() -> list[dict[str, Any]]:
+            if not os.path.exists(events_path):
+                return []
+            return [e for e in read_jsonl(events_path) if e["event"] in ("ckpt_failed", "ckpt_committed")]
+        try:
+            attempts = wait_for(attempted, 90, "the zombie's first save")
+        except WaitTimeout:
+            attempts = []
+    finally:
+        proc.kill()
+        proc.wait()
+    committed = [e["step"] for e in attempts if e["event"] == "ckpt_committed"]
+    refused = bool(attempts) and not committed and all("StaleRoundError" in e.get("error", "") for e in attempts)
+    return {"refused": refused, "attempts": len(attempts), "committed": committed}
+
+
+FAULT = FAULTS.register(Fault(kind="zombie_commit", act=_act, outcome=Outcome.REFUSED))

@@ -1,0 +1,67 @@
+"""What a scenario asks of a fault (:class:`FaultSpec`) and what faults act on (:class:`Context`)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from chaos.cluster import Cluster
+from chaos.faults.registry import FAULTS, Fault
+from chaos.s3proxy import S3FaultProxy
+from checkpoint.storage import Storage
+from contract.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class FaultError(RuntimeError):
+    """A fault could not be applied (its target never appeared): the scenario is at fault."""
+
+
+@dataclass(slots=True)
+class FaultSpec:
+    """A kind (registered: an unknown one is refused here, naming the choices), a trigger
+    (``at_step`` and/or ``at_time_s`` since the run began) and the kind's parameters."""
+
+    kind: str
+    at_step: int | None = None
+    at_time_s: float | None = None
+    node: str = ""  #: target node (default: a seeded choice among live ones)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        FAULTS.get(self.kind)
+
+    @property
+    def fault(self) -> Fault:
+        return FAULTS.get(self.kind)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FaultSpec:
+        d = dict(d)
+        known = {k: d.pop(k) for k in ("kind", "at_step", "at_time_s", "node") if k in d}
+        return cls(**known, params=d)
+
+
+@dataclass(slots=True)
+class Context:
+    """What faults act on."""
+    cluster: Cluster
+    etcd: Any  #: agents.etcd_server.EtcdServer
+    s3: Any  #: checkpoint.seaweed.SeaweedS3
+    proxy: S3FaultProxy
+    storage: Storage  #: the job's checkpoint root
+    rng: random.Random
+    events: EventLog
+    started_at: float
+    stop: Callable[[], bool] = lambda: False  #: the run is over: stop waiting for triggers
+
+    def emit(self, kind: str, **detail: Any) -> dict[str, Any]:
+        """Record the fault as a ``chaos_fault`` event (the time it acted, the kind, details)."""
+        record = {"kind": kind, **detail}
+        self.events.emit("chaos_fault", **record)
+        log.warning("chaos: injected %s %s", kind, detail)
+        return record
