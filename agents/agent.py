@@ -56,6 +56,7 @@ from agents.records import (FAILED, FATAL, HANG, START, STOPPED, SUCCEEDED, WORK
                             NodeRecord, NodeStatus, Problem, Report, parse_master, validate_id)
 from agents.workers import Launch, WorkerGroup, dump_stacks, process_state
 from contract import exits
+from contract.worker_env import WorkerEnv, worker_environment
 from contract.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -136,13 +137,6 @@ class AgentOptions:
         return {k: v for k, v in settings.items() if v}
 
 
-#: environment variable naming the worker's etcd client settings file (see :func:`write_client_file`)
-CLIENT_FILE_ENV = "FTRAIN_ETCD_CLIENT_FILE"
-#: never inherited by workers from the agent's environment: the password is read from the client
-#: file instead, and a client file is only ever the one this agent wrote
-SECRET_ENV = ("FTRAIN_ETCD_PASSWORD", CLIENT_FILE_ENV)
-
-
 def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
     """Write ``settings`` as JSON to ``<run_dir>/etcd-client.json``, readable by this user only
     (created 0600, never widened); its path, or None when there is nothing to write."""
@@ -158,16 +152,6 @@ def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
         os.close(fd)
     os.replace(tmp, path)
     return path
-
-
-def worker_environment(base: dict[str, str], extra: dict[str, str], ours: dict[str, str]) -> dict[str, str]:
-    """The workers' environment: ``base`` (the agent's) less the secrets in :data:`SECRET_ENV`,
-    then ``extra`` (the job's worker_env), then ``ours`` (FTRAIN_* the agent sets)."""
-    env = {k: v for k, v in base.items() if k not in SECRET_ENV}
-    env.update({k: v for k, v in extra.items() if k not in SECRET_ENV})
-    env.update(ours)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def exit_report(rc: int, beats: dict, nproc: int, log_path: str, agent_uid: str, now: float) -> Report:
@@ -515,13 +499,11 @@ class Agent:
     def _launch(self, launch: Launch) -> None:
         self._hb.reset(launch.round)
         self._ckpt_failures_seen = 0
-        ours = {"FTRAIN_JOB": self.opts.job, "FTRAIN_ROUND": str(launch.round), "FTRAIN_NODE": self.opts.node_id,
-                "FTRAIN_ETCD": ",".join(self.opts.etcd), "FTRAIN_FENCE_KEY": self.keys.round,
-                "FTRAIN_HEARTBEAT": self._hb.path, "FTRAIN_AGENT_PID": str(os.getpid()),
-                "FTRAIN_STACK_DIR": self.stack_dir, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        if self.client_file:
-            ours[CLIENT_FILE_ENV] = self.client_file
-        env = worker_environment(dict(os.environ), self.opts.worker_env, ours)
+        ours = WorkerEnv(job=self.opts.job, round=launch.round, node=self.opts.node_id, etcd=tuple(self.opts.etcd),
+                         fence_key=self.keys.round, heartbeat=self._hb.path, agent_pid=os.getpid(),
+                         stack_dir=self.stack_dir, etcd_client_file=self.client_file or "")
+        env = worker_environment(os.environ, self.opts.worker_env,
+                                 {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
         self.workers = WorkerGroup(launch, env, log_path)
         self.metrics.launched()

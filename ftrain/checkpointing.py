@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from typing import Any
 
@@ -32,16 +31,13 @@ from checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatu
 from checkpoint.manifest import Manifest
 from checkpoint.storage import StorageOptions
 from ftrain import fence
-from ftrain.config import Config, ConfigError, worker_job_id
+from ftrain.config import Config, worker_job_id
 from ftrain.data import DataCursor, DataError
 from contract.events import EventLog
+from contract.worker_env import WorkerEnv
 from ftrain.parallel import Parallel
 
 log = logging.getLogger(__name__)
-
-
-#: Largest round accepted from the environment (an etcd revision-sized counter fits easily).
-MAX_ROUND = 2**62
 
 
 def current_round() -> int:
@@ -50,10 +46,7 @@ def current_round() -> int:
     ``FTRAIN_ROUND`` must be a plain non-negative decimal int: it is written into manifests and
     compared by the fence, so a garbled value is a start-up error, not a silent 0.
     """
-    raw = os.environ.get("FTRAIN_ROUND", "0").strip() or "0"
-    if not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_ROUND:
-        raise ConfigError("FTRAIN_ROUND", f"must be a non-negative integer (the agent's round), got {raw[:40]!r}")
-    return int(raw)
+    return WorkerEnv.from_env().round
 
 
 def validate_trainer_state(manifest: Manifest) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from checkpoint.config import CheckpointConfig
+from contract import worker_env
 from contract.config import (ConfigError, at_least, check_floats, int_range, load_sections, opt,
                              positive)
 
@@ -279,7 +280,7 @@ def worker_job_id(cfg: Config, environ: Any = None) -> str:
     from checkpoint.manifest import job_problem  # torch-free; only workers need it
 
     env = os.environ if environ is None else environ
-    job, key = ((env["FTRAIN_JOB"], "FTRAIN_JOB") if env.get("FTRAIN_JOB")
+    job, key = ((env[worker_env.JOB], worker_env.JOB) if env.get(worker_env.JOB)
                 else (cfg.others.get("agent", {}).get("job", ""), "agent.job"))
     why = job_problem(job)
     if why is not None:

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import CheckpointError, StaleRoundError
+from contract.worker_env import ETCD_CLIENT_FILE, WorkerEnv
 
 TIMEOUT_S = 3.0
-CLIENT_FILE_ENV = "FTRAIN_ETCD_CLIENT_FILE"
 _UNAUTHENTICATED, _INVALID_ARGUMENT, _PERMISSION_DENIED = 16, 3, 7
 _TOKEN_REJECTED = ("invalid auth token", "auth store is old", "user name is empty", "token")
 
@@ -72,18 +72,18 @@ class ClientSettings:
         try:
             mode = os.stat(path).st_mode
             if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: readable by other users "
+                raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: readable by other users "
                                        f"(mode {stat.S_IMODE(mode):o}); it holds a password: chmod 600")
             with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
         except (OSError, ValueError) as e:
-            raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: cannot read the etcd client settings: {e}") from e
+            raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: cannot read the etcd client settings: {e}") from e
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()) \
                 or set(data) - {"username", "password", "ca_cert", "cert", "key"}:
-            raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: expected a JSON object of strings with "
+            raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: expected a JSON object of strings with "
                                    "username, password, ca_cert, cert, key")
         if ("username" in data) != ("password" in data):
-            raise FenceConfigError(f"{CLIENT_FILE_ENV}={path}: username and password go together")
+            raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: username and password go together")
         return cls(**data)
 
     def __repr__(self) -> str:  # never print the password
@@ -245,8 +245,7 @@ class EtcdRoundFence:
 
 
 def from_env() -> EtcdRoundFence | None:
-    endpoints = [e for e in os.environ.get("FTRAIN_ETCD", "").split(",") if e]
-    key = os.environ.get("FTRAIN_FENCE_KEY", "")
-    if not endpoints or not key:
+    env = WorkerEnv.from_env()
+    if not env.etcd or not env.fence_key:
         return None
-    return EtcdRoundFence(endpoints, key, client_file=os.environ.get(CLIENT_FILE_ENV) or None)
+    return EtcdRoundFence(list(env.etcd), env.fence_key, client_file=env.etcd_client_file or None)

@@ -1,6 +1,7 @@
 """The worker's end of the agent channel: heartbeats, stack dumps on request, and a watchdog.
 
-Started from the environment the agent sets (nothing happens without an agent):
+Started from the environment the agent sets (:class:`contract.worker_env.WorkerEnv`; nothing
+happens without an agent):
 
 - ``FTRAIN_HEARTBEAT``: the agent's Unix datagram socket; one JSON datagram per step (see
   ``agents.heartbeat``), plus an "alive" datagram every ``ALIVE_INTERVAL_S`` from a background
@@ -15,47 +16,30 @@ Started from the environment the agent sets (nothing happens without an agent):
   an old round outlives its agent, even one killed with SIGKILL.
 
 A malformed ``FTRAIN_ROUND`` or ``FTRAIN_AGENT_PID`` stops the worker at start with an error
-naming the variable (:class:`ChannelConfigError`): a worker that cannot say which round it is
-in must not train (its heartbeats would be ignored and its commits fenced off anyway).
+naming the variable (:class:`contract.worker_env.WorkerEnvError`).
 Beats carry the checkpoint health (failed commits in a row, the last error); the exit message
 carries the error the worker failed with and whether a restart can help (``fatal``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
-import json
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+from typing import Any, TextIO
+
+from contract.heartbeat import Message
+from contract.worker_env import WorkerEnv
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
 ALIVE_INTERVAL_S = 1.0  #: a background thread says "alive" this often (see agents.heartbeat)
-MAX_ERROR_CHARS = 500  #: errors are cut to this so that a datagram stays well under 4 KiB
-
-
-class ChannelConfigError(ValueError):
-    """An ``FTRAIN_*`` variable the agent sets holds something unusable."""
-
-
-def env_int(name: str, default: int, *, low: int = 0) -> int:
-    """``$name`` as an int >= ``low`` (``default`` when unset or empty); ChannelConfigError otherwise."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise ChannelConfigError(f"{name}={raw[:40]!r} is not an integer (it is set by the ftrain agent; "
-                                 f"unset it to run without one)") from e
-    if value < low:
-        raise ChannelConfigError(f"{name}={value} must be >= {low}")
-    return value
 
 
 def process_gone(pid: int) -> bool:
@@ -73,10 +57,10 @@ def process_gone(pid: int) -> bool:
 class Heartbeat:
     def __init__(self, path: str, *, round_: int, rank: int, local_rank: int):
         self.path = path
-        self._base = {"round": round_, "rank": rank, "local_rank": local_rank, "pid": os.getpid()}
+        self._sender = Message(kind="beat", round=round_, rank=rank, local_rank=local_rank, pid=os.getpid())
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self._stack_file = None
+        self._stack_file: TextIO | None = None
         self._dropped = 0
         self._closing = threading.Event()
 
@@ -86,20 +70,19 @@ class Heartbeat:
         """``phase``: ``training`` (the agent expects the next beat within its hang timeout) or
         anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies).
         ``ckpt_failures``: commits failed in a row; ``ckpt_error``: the last one's error."""
-        self._send({"kind": "beat", "phase": phase, "step": step, "step_time_s": step_time_s,
-                    "committed_step": committed_step, "ckpt_duration_s": ckpt_duration_s,
-                    "ckpt_failures": ckpt_failures, "ckpt_failures_total": ckpt_failures_total,
-                    "ckpt_error": ckpt_error[:MAX_ERROR_CHARS]})
+        self._send(kind="beat", phase=phase, step=step, step_time_s=step_time_s, committed_step=committed_step,
+                   ckpt_duration_s=ckpt_duration_s, ckpt_failures=ckpt_failures,
+                   ckpt_failures_total=ckpt_failures_total, ckpt_error=ckpt_error)
 
     def exit(self, step: int, *, finished: bool, committed_step: int = -1, error: str = "",
              fatal: bool = False) -> None:
         """The last message: ``error`` says why the worker fails (empty on success), ``fatal``
         that restarting it cannot help (the agent then ends the job instead)."""
-        self._send({"kind": "exit", "phase": "exiting", "step": step, "finished": finished,
-                    "committed_step": committed_step, "error": error[:MAX_ERROR_CHARS], "fatal": fatal})
+        self._send(kind="exit", phase="exiting", step=step, finished=finished, committed_step=committed_step,
+                   error=error, fatal=fatal)
 
-    def _send(self, fields: dict) -> None:
-        msg = json.dumps({**self._base, **fields, "time": time.time()}).encode()
+    def _send(self, **fields: Any) -> None:
+        msg = dataclasses.replace(self._sender, **fields, time=time.time()).encode()
         try:
             self._sock.sendto(msg, self.path)
         except OSError:  # agent busy (buffer full) or gone: the watchdog handles the latter
@@ -115,7 +98,7 @@ class Heartbeat:
 
         def run() -> None:
             while not self._closing.wait(interval_s):
-                self._send({"kind": "alive"})
+                self._send(kind="alive")
 
         threading.Thread(target=run, name="heartbeat-alive", daemon=True).start()
 
@@ -134,17 +117,14 @@ def _watchdog(agent_pid: int, parent_pid: int) -> None:
 
 def from_env(rank: int, local_rank: int) -> Heartbeat | None:
     """The heartbeat of a worker started by an agent (None otherwise); also arms the watchdog."""
-    path = os.environ.get("FTRAIN_HEARTBEAT")
-    if not path:
+    env = WorkerEnv.from_env()
+    if not env.heartbeat:
         return None
-    round_ = env_int("FTRAIN_ROUND", 0)
-    agent_pid = env_int("FTRAIN_AGENT_PID", 0)
-    hb = Heartbeat(path, round_=round_, rank=rank, local_rank=local_rank)
-    stack_dir = os.environ.get("FTRAIN_STACK_DIR")
-    if stack_dir:
-        hb.enable_stack_dumps(stack_dir)
+    hb = Heartbeat(env.heartbeat, round_=env.round, rank=rank, local_rank=local_rank)
+    if env.stack_dir:
+        hb.enable_stack_dumps(env.stack_dir)
     hb.start_alive()
-    if agent_pid:
-        threading.Thread(target=_watchdog, args=(agent_pid, os.getppid()), name="agent-watchdog",
+    if env.agent_pid:
+        threading.Thread(target=_watchdog, args=(env.agent_pid, os.getppid()), name="agent-watchdog",
                          daemon=True).start()
     return hb

@@ -39,6 +39,7 @@ from ftrain.consistency import ConsistencyError, check_replicas
 from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
 from ftrain.distributed import compute_layout, init_distributed, select_device, select_dtype, shutdown_distributed
 from contract.events import EventLog
+from contract.worker_env import WorkerEnv
 from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_poison_loss, maybe_slow_down
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
@@ -151,7 +152,7 @@ class Trainer:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         cfg, layout = self.cfg, self.layout
         self.events.emit("worker_started", world_size=layout.world_size, strategy=layout.strategy,
-                         node=os.environ.get("FTRAIN_NODE", ""), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                         node=WorkerEnv.from_env().node, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         if self.ckpt is not None and cfg.checkpoint.resume:
             self._resume()
         self.progress.message(

@@ -16,7 +16,8 @@ from agents.etcd import EtcdClient
 from agents.etcd_server import EtcdServer
 from agents.records import JobKeys
 from checkpoint.errors import StaleRoundError
-from ftrain.fence import CLIENT_FILE_ENV, ClientSettings, EtcdRoundFence, FenceAuthError, FenceConfigError
+from contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
+from ftrain.fence import ClientSettings, EtcdRoundFence, FenceAuthError, FenceConfigError
 from tests.agent_support import AgentJob
 from tests.integration.test_etcd import tls_etcd
 

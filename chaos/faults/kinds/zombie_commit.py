@@ -14,7 +14,9 @@ from chaos.cluster import WaitTimeout, quiet_env, wait_for
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import current_round
+from agents.records import JobKeys
 from contract.events import read_jsonl
+from contract.worker_env import WorkerEnv
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
@@ -22,9 +24,9 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     zombie_events = ctx.cluster.workdir / "zombie-events.jsonl"
     args = [a for a in ctx.cluster.worker_args if not a.startswith(("--logging.", "--data.ledger_dir",
                                                                     "--train.save_final_path"))]
-    env = quiet_env(**ctx.cluster.env, FTRAIN_ETCD=ctx.cluster.etcd,
-                    FTRAIN_FENCE_KEY=f"/ftrain/jobs/{ctx.cluster.job}/round", FTRAIN_ROUND=str(g - 1),
-                    FTRAIN_JOB=ctx.cluster.job, FTRAIN_LOG_LEVEL="WARNING")
+    old_round = WorkerEnv(job=ctx.cluster.job, round=g - 1, etcd=(ctx.cluster.etcd,),
+                          fence_key=JobKeys(ctx.cluster.job).round)
+    env = quiet_env(**ctx.cluster.env, **old_round.to_env(), FTRAIN_LOG_LEVEL="WARNING")
     out = _run_zombie(args, zombie_events, env)
     return ctx.emit(spec.kind, round=g - 1, current_round=g, **out)
 

@@ -1,0 +1,111 @@
+"""The datagrams a worker sends its node agent, one JSON object each (the wire format).
+
+Three kinds share one schema, :class:`Message`:
+
+- ``beat``: one per step (``phase`` is ``training`` between steps, or ``starting``, ``loading``,
+  ``saving`` while a longer pause is expected), with the step, its duration and the checkpoint
+  health (``ckpt_failures``: commits failed since the last one that succeeded).
+- ``exit``: the last message (``finished``; ``error``: why it failed; ``fatal``: a restart
+  cannot help).
+- ``alive``: every second from a background thread: the process runs (a SIGSTOPped or frozen
+  worker sends nothing), which is not the same as making progress.
+
+What must stay true: :meth:`Message.decode` checks every field and refuses the whole datagram
+if one is wrong: integers are ints (not bools, floats or strings), ``pid`` a possible process
+id (2 .. :data:`PID_MAX`: never 0, 1 or negative, which ``kill`` reads as process groups or
+everything), ``local_rank`` 0 .. :data:`MAX_LOCAL_RANK`, times finite and non-negative, strings
+cut to :data:`MAX_TEXT_CHARS`. A decoded pid is still only a claim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = frozenset({"beat", "exit", "alive"})
+PHASES = frozenset({"training", "starting", "loading", "saving", "exiting"})
+MAX_DATAGRAM_BYTES = 4096
+PID_MAX = 2**22  #: the kernel's largest possible pid_max
+MAX_LOCAL_RANK = 4095
+MAX_TEXT_CHARS = 1000  #: longest string kept by the receiver
+MAX_ERROR_CHARS = 500  #: errors are cut to this by the sender, so that a datagram stays well under 4 KiB
+_BIG = 2**62
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: str  #: beat | exit | alive
+    round: int  #: the round the worker was started in (its agent ignores other rounds)
+    rank: int
+    local_rank: int
+    pid: int
+    time: float = 0.0  #: the sender's wall clock (informational)
+    phase: str = "training"
+    step: int = -1
+    step_time_s: float = 0.0
+    committed_step: int = -1
+    ckpt_duration_s: float = 0.0  #: how long the newest committed save took, staging to commit
+    ckpt_failures: int = 0  #: commits failed in a row (0 after a commit)
+    ckpt_failures_total: int = 0  #: failed commits of this worker process
+    ckpt_error: str = ""  #: the last failed commit's error
+    finished: bool = False  #: exit: the worker completed training
+    error: str = ""  #: exit: why the worker failed
+    fatal: bool = False  #: exit: a restart cannot help
+
+    def encode(self) -> bytes:
+        fields = dataclasses.asdict(self)
+        for name in ("error", "ckpt_error"):
+            fields[name] = fields[name][:MAX_ERROR_CHARS]
+        return json.dumps(fields).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Message:
+        """The message in ``data``; ValueError if it is not one (see the module doc)."""
+        msg = json.loads(data)
+        if not isinstance(msg, dict):
+            raise ValueError("not a JSON object")
+        kind = _text(msg, "kind", "beat")
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}")
+        phase = _text(msg, "phase", "training")
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}")
+        return cls(kind=kind, round=_int(msg, "round", None, 0, _BIG), rank=_int(msg, "rank", -1, -1, _BIG),
+                   local_rank=_int(msg, "local_rank", None, 0, MAX_LOCAL_RANK), pid=_int(msg, "pid", None, 2, PID_MAX),
+                   time=_float(msg, "time"), phase=phase, step=_int(msg, "step", -1, -1, _BIG),
+                   step_time_s=_float(msg, "step_time_s"), committed_step=_int(msg, "committed_step", -1, -1, _BIG),
+                   ckpt_duration_s=_float(msg, "ckpt_duration_s"), ckpt_failures=_int(msg, "ckpt_failures", 0, 0, _BIG),
+                   ckpt_failures_total=_int(msg, "ckpt_failures_total", 0, 0, _BIG),
+                   ckpt_error=_text(msg, "ckpt_error"), finished=_bool(msg, "finished"), error=_text(msg, "error"),
+                   fatal=_bool(msg, "fatal"))
+
+
+def _int(msg: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int:
+    value = msg.get(name, default)
+    if value is None or not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r}: need an int in [{low}, {high}]")
+    return value
+
+
+def _float(msg: dict[str, Any], name: str) -> float:
+    value = msg.get(name, 0.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r}: need a finite number >= 0")
+    return float(value)
+
+
+def _text(msg: dict[str, Any], name: str, default: str = "") -> str:
+    value = msg.get(name, default)
+    if not isinstance(value, str):
+        raise ValueError(f"{name}={value!r}: need a string")
+    return value[:MAX_TEXT_CHARS]
+
+
+def _bool(msg: dict[str, Any], name: str) -> bool:
+    value = msg.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: need a boolean")
+    return value
