@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from agents.etcd_server import EtcdServer, free_ports
 from agents.workers import Launch  # the floor runs the agent's own launcher command
+from contract.events import Event
 from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env
 
 FAULTS = ("worker_kill", "node_loss", "hang")
@@ -77,7 +78,7 @@ PHASES = ("detect", "rendezvous", "launcher", "worker_start", "ckpt_load", "firs
 #: FACTS.md: a node loss took 42.7 s with c10d defaults and 2.4 s with these.
 TUNED_RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
 AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "4")
-AGENT_REACTIONS = ("workers_exited", "hang", "round_formed", "workers_stopped")
+AGENT_REACTIONS = (Event.WORKERS_EXITED, Event.HANG, Event.ROUND_FORMED, Event.WORKERS_STOPPED)
 TORCHRUN_REACTION = "will restart worker group"
 TORCHRUN_LAUNCH = "Starting worker group"
 TARGET_NODE_LOSS_SPEEDUP = 3.0
@@ -151,7 +152,7 @@ def sigkill_now(pids: Iterable[int]) -> None:
 def kill_stray_workers(events: list[dict[str, Any]]) -> None:
     """SIGKILL every worker announced in the events that still runs ``ftrain train`` (a worker whose
     launcher was SIGKILLed is reparented and missed by a process-tree walk)."""
-    for pid in {e["pid"] for e in events if e.get("event") == "worker_started"}:
+    for pid in {e["pid"] for e in events if e.get("event") == Event.WORKER_STARTED}:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 cmdline = fh.read()
@@ -248,7 +249,7 @@ def first_step_after(since: float, events: list[dict[str, Any]],
                      metrics: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(rank 0's ``resumed`` event, metrics line) of the first step completed after a resume that
     came after ``since``; None if there is none yet."""
-    resumed = sorted((e for e in events if e.get("event") == "resumed" and e.get("rank") == 0 and e["time"] > since),
+    resumed = sorted((e for e in events if e.get("event") == Event.RESUMED and e.get("rank") == 0 and e["time"] > since),
                      key=lambda e: e["time"])
     if not resumed:
         return None
@@ -273,15 +274,15 @@ def _generation(since: float, resumed0: dict[str, Any], step_line: dict[str, Any
                 last[e["rank"]] = e
         return last
 
-    started = latest_per_rank("worker_started", resumed0["time"])
-    resumed = latest_per_rank("resumed", step_line["time"])
+    started = latest_per_rank(Event.WORKER_STARTED, resumed0["time"])
+    resumed = latest_per_rank(Event.RESUMED, step_line["time"])
     pids = {e["pid"] for e in started.values()}
-    load_starts = [e["time"] for e in events if e.get("event") == "resume_started" and e.get("pid") in pids
+    load_starts = [e["time"] for e in events if e.get("event") == Event.RESUME_STARTED and e.get("pid") in pids
                    and since < e["time"] <= step_line["time"]]
     if load_starts:
-        load_start, load_start_by = max(load_starts), "resume_started"
+        load_start, load_start_by = max(load_starts), Event.RESUME_STARTED
     else:
-        load_start, load_start_by = max((e["time"] for e in started.values()), default=None), "worker_started"
+        load_start, load_start_by = max((e["time"] for e in started.values()), default=None), Event.WORKER_STARTED
     return (min((e["time"] for e in started.values()), default=None), load_start, load_start_by,
             max((e["time"] for e in resumed.values()), default=None))
 
@@ -306,7 +307,7 @@ def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dic
         if reactions:
             detected = reactions[0]["time"]
             detected_by = reactions[0]["event"] + (f" ({reactions[0]['reason']})" if reactions[0].get("reason") else "")
-        launched = max((e["time"] for e in events if e.get("event") == "workers_started"
+        launched = max((e["time"] for e in events if e.get("event") == Event.WORKERS_STARTED
                         and e.get("worker_round") == resumed0.get("round")), default=None)
     elif launched_at is None:
         reactions = sorted((t, text) for t, text in launcher_lines if t >= fault and TORCHRUN_REACTION in text)
@@ -382,14 +383,14 @@ class Job:
 
         def ready() -> bool:
             metrics = self.metrics.poll()
-            committed = any(e.get("event") == "ckpt_committed" for e in self.events.poll())
+            committed = any(e.get("event") == Event.CKPT_COMMITTED for e in self.events.poll())
             return committed and bool(metrics) and metrics[-1]["world_size"] == 2 and metrics[-1]["step"] >= fault_step
 
         wait_for(f"training at world size 2 past step {fault_step}", ready, self.settings.startup_timeout_s,
                  self.any_alive)
 
     def worker_pid(self, rank: int) -> int:
-        started = [e for e in self.events.poll() if e.get("event") == "worker_started" and e.get("rank") == rank
+        started = [e for e in self.events.poll() if e.get("event") == Event.WORKER_STARTED and e.get("rank") == rank
                    and e.get("world_size") == 2]
         if not started:
             raise ScenarioError(f"no worker_started event for rank {rank}")
@@ -440,7 +441,7 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                 node = next((a for a in agents if rank1 in descendants(a.popen.pid)), None)
                 if node is None:
                     raise ScenarioError(f"worker {rank1} (rank 1) runs under neither agent")
-                leaders = [e["node"] for e in job.events.poll() if e.get("event") == "leader_elected"]
+                leaders = [e["node"] for e in job.events.poll() if e.get("event") == Event.LEADER_ELECTED]
                 fault_t, what = inject(job, fault, node)
                 if fault == "node_loss":
                     what += " (the leader)" if leaders and leaders[-1] == node.name else " (not the leader)"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.workers import descendants, signal_pids
-from contract.events import read_jsonl
+from contract.events import Event, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,13 +125,13 @@ class Cluster:
 
     def worker_pids(self, node_id: str, worker_round: int | None = None) -> list[int]:
         """PIDs of the workers of ``node_id`` in ``worker_round`` (default: its newest round)."""
-        started = self.events("worker_started", node=node_id)
+        started = self.events(Event.WORKER_STARTED, node=node_id)
         if worker_round is None:
             worker_round = max((e["round"] for e in started), default=None)
         return [e["pid"] for e in started if e["round"] == worker_round]
 
     def committed_steps(self) -> list[int]:
-        return sorted({e["step"] for e in self.events("ckpt_committed")})
+        return sorted({e["step"] for e in self.events(Event.CKPT_COMMITTED)})
 
     def live_nodes(self) -> list[str]:
         return [n for n, p in self.agents.items() if p.poll() is None]

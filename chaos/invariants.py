@@ -19,6 +19,7 @@ from chaos.faults import FAULTS, Fault, Outcome
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from checkpoint.verify import verify_step
+from contract.events import Event
 from ftrain.config import Config
 from ftrain.data import build_source
 from ftrain.data.ledger import check_exactly_once, read_ledger
@@ -45,7 +46,7 @@ def _fault(record: dict[str, Any]) -> Fault:
 
 def job_finished(events: list[dict[str, Any]], metrics: list[dict[str, Any]], steps: int,
                  exit_codes: dict[str, int | None]) -> Check:
-    final = _of(events, "job_final")
+    final = _of(events, Event.JOB_FINAL)
     last = max((m["step"] for m in metrics), default=0)
     bad = {n: c for n, c in exit_codes.items() if c != 0}
     ok = bool(final) and final[0]["status"] == "succeeded" and last == steps and not bad
@@ -103,12 +104,12 @@ CommitId = tuple[int, float]
 
 def corrupted_by_chaos(events: list[dict[str, Any]]) -> dict[int, float]:
     """Checkpoint steps the chaos run damaged on purpose -> when."""
-    return {e["ckpt_step"]: e["time"] for e in _of(events, "chaos_fault") if _fault(e).damages_commit}
+    return {e["ckpt_step"]: e["time"] for e in _of(events, Event.CHAOS_FAULT) if _fault(e).damages_commit}
 
 
 def damaged_commits(events: list[dict[str, Any]]) -> dict[CommitId, float]:
     """The commits chaos damaged on purpose -> when (each fault names the manifest it found)."""
-    return {(e["ckpt_step"], e["ckpt_created_time"]): e["time"] for e in _of(events, "chaos_fault")
+    return {(e["ckpt_step"], e["ckpt_created_time"]): e["time"] for e in _of(events, Event.CHAOS_FAULT)
             if _fault(e).damages_commit and "ckpt_created_time" in e}
 
 
@@ -139,7 +140,7 @@ def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[Co
     """
     damaged = damaged_commits(events)
     bad, loads = [], 0
-    for e in _of(events, "ckpt_loaded"):
+    for e in _of(events, Event.CKPT_LOADED):
         if e.get("rank") != 0:
             continue
         loads += 1
@@ -152,7 +153,7 @@ def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[Co
         if commit in damaged and damaged[commit] < at:
             bad.append(f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}) "
                        "after chaos had corrupted that commit")
-    skipped = sorted({e["step"] for e in _of(events, "ckpt_corrupt")})
+    skipped = sorted({e["step"] for e in _of(events, Event.CKPT_CORRUPT)})
     detail = "; ".join(bad) if bad else (f"{loads} load(s), each of a committed, intact step"
                                          + (f"; corrupt steps refused: {skipped}" if skipped else ""))
     return Check("loads_were_committed_and_intact", not bad, detail)
@@ -160,7 +161,7 @@ def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[Co
 
 def _committed_by_event(events: list[dict[str, Any]], commit: CommitId, before: float) -> bool:
     """A worker logged the commit of that step between the manifest's creation and ``before``."""
-    return any(e["step"] == commit[0] and commit[1] <= e["time"] <= before for e in _of(events, "ckpt_committed"))
+    return any(e["step"] == commit[0] and commit[1] <= e["time"] <= before for e in _of(events, Event.CKPT_COMMITTED))
 
 
 def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
@@ -173,8 +174,8 @@ def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
 def faults_handled(events: list[dict[str, Any]]) -> Check:
     """Refusals that must have happened (:attr:`Outcome.REFUSED` kinds: a duplicate node id, a
     zombie commit), and a new round after every fault that restarts the workers."""
-    faults = _of(events, "chaos_fault")
-    rounds = sorted(e["time"] for e in _of(events, "round_formed"))
+    faults = _of(events, Event.CHAOS_FAULT)
+    rounds = sorted(e["time"] for e in _of(events, Event.ROUND_FORMED))
     bad = []
     for i, f in enumerate(faults):
         fault = _fault(f)
@@ -189,7 +190,7 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
     """Per fault: detection (the first of its kind's ``detected_by`` events after it), recovery
     (first step completed by a round formed after it, for a kind that restarts the workers) and
     lost steps (completed before that round, recomputed after it)."""
-    faults = _of(events, "chaos_fault")
+    faults = _of(events, Event.CHAOS_FAULT)
     out = []
     for i, f in enumerate(faults):
         fault = _fault(f)
@@ -200,11 +201,11 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
         detect = min(reactions, key=lambda e: e["time"]) if reactions else None
         # only faults that stop training own the round that follows them; any other round in the
         # window belongs to an earlier fault still being recovered from
-        new_round = next((e for e in sorted(_of(events, "round_formed"), key=lambda e: e["time"])
+        new_round = next((e for e in sorted(_of(events, Event.ROUND_FORMED), key=lambda e: e["time"])
                           if t0 <= e["time"] < until), None) if fault.restarts else None
         recovery_s = lost = resumed_step = None
         if new_round is not None:
-            resumed = [e for e in _of(events, "resumed") if e["round"] >= new_round["new_round"] and e.get("rank") == 0]
+            resumed = [e for e in _of(events, Event.RESUMED) if e["round"] >= new_round["new_round"] and e.get("rank") == 0]
             if resumed:
                 r = min(resumed, key=lambda e: e["time"])
                 resumed_step = r["step"]
@@ -233,7 +234,7 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started
         contiguous = previous is not None and previous["step"] == m["step"] - 1 and m["time"] >= previous["time"]
         last[m["step"]] = m["time"] - previous["time"] if contiguous else m["step_time_s"]
         previous = m
-    final = _of(events, "job_final")
+    final = _of(events, Event.JOB_FINAL)
     end = final[0]["time"] if final else max((m["time"] for m in metrics), default=started_at)
     wall = max(1e-9, end - started_at)
     productive = sum(last.values())

@@ -18,15 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from chaos import invariants
-from chaos.cluster import FAST_AGENT_OPTIONS, REPO, Cluster, WaitTimeout, quiet_env, wait_for
+from chaos.cluster import (
+    FAST_AGENT_OPTIONS,
+    REPO,
+    Cluster,
+    WaitTimeout,
+    quiet_env,
+    wait_for,
+)
 from chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
 from chaos.report import write_report
 from chaos.s3proxy import S3FaultProxy
 from chaos.scenario import Scenario, ScenarioError, load_scenario
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
+from contract.events import Event, EventLog
 from ftrain.config import load_config
-from contract.events import EventLog
 from testbed.stack import LocalStack
 
 log = logging.getLogger(__name__)
@@ -180,7 +187,7 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
             print(f"chaos: {scenario.name} (seed {seed}): {job.nodes} node(s) x {job.nproc_per_node} worker(s), "
                   f"{job.steps} steps; output in {out_dir}", flush=True)
             try:
-                wait_for(lambda: cluster.events("job_final") and not cluster.live_nodes(), job.timeout_s,
+                wait_for(lambda: cluster.events(Event.JOB_FINAL) and not cluster.live_nodes(), job.timeout_s,
                          "the job to finish", poll_s=0.2)
             except WaitTimeout:
                 timed_out = True

@@ -37,30 +37,48 @@ from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
 
 from checkpoint.catalog import StepInfo, inspect_step, list_steps, read_manifest
+from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
 from checkpoint.dcp_io import METADATA_NAME, DigestingWriter, VerifiedReader
 from checkpoint.errors import (
-    ChecksumMismatchError,
     CheckpointError,
+    ChecksumMismatchError,
     FatalStorageError,
     ManifestError,
     StaleRoundError,
     TransientStorageError,
     UnsafePickleError,
 )
-from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, job_problem, step_dir_name
-from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
+from checkpoint.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    hmac_key_from_env,
+    job_problem,
+    step_dir_name,
+)
 from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import CORRUPTION_KINDS, Problem, check_pickled_items, mark_corrupt, split_files, verify_files
+from checkpoint.verify import (
+    CORRUPTION_KINDS,
+    Problem,
+    check_pickled_items,
+    mark_corrupt,
+    split_files,
+    verify_files,
+)
+from contract import events as ev
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[..., None]
+EventSink = Callable[[ev.Record], Any]
 
 
 class Fence(Protocol):
@@ -158,7 +176,7 @@ class NoLoadableStepError(CheckpointError):
         super().__init__(message)
 
 
-def _no_event(name: str, **fields: Any) -> None:
+def _no_event(record: ev.Record) -> None:
     return None
 
 
@@ -174,7 +192,7 @@ def collect_garbage(storage: Storage, retention: Retention, *, in_flight: set[in
     if plan.delete:
         apply_gc(storage, plan)
         log.info("retention removed %s", ", ".join(plan.delete))
-        on_event("ckpt_gc", deleted=plan.delete)
+        on_event(ev.CkptGc(deleted=plan.delete))
     return plan.delete
 
 
@@ -316,7 +334,7 @@ class CheckpointManager:
             if self.when_busy == "skip" and not sync:
                 self.status.saves_skipped += 1
                 log.warning("checkpoint of step %d skipped: step %d still uploading", step, self._in_flight.step)
-                self.on_event("ckpt_skipped", step=step, in_flight=self._in_flight.step)
+                self.on_event(ev.CkptSkipped(step=step, in_flight=self._in_flight.step))
                 return False
             log.info("checkpoint of step %d waits for step %d to finish uploading", step, self._in_flight.step)
             self.wait()
@@ -355,7 +373,7 @@ class CheckpointManager:
         future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         self._in_flight = _InFlight(step, started, future)
         self.status.in_flight_step = step
-        self.on_event("ckpt_staged", step=step, staging_s=time.monotonic() - started)
+        self.on_event(ev.CkptStaged(step=step, staging_s=time.monotonic() - started))
         return True
 
     def _group(self):
@@ -403,7 +421,7 @@ class CheckpointManager:
         self.status.last_error = ""
         self.status.consecutive_failures = 0
         log.info("checkpoint step %d committed in %.2fs", step, duration_s)
-        self.on_event("ckpt_committed", step=step, duration_s=duration_s)
+        self.on_event(ev.CkptCommitted(step=step, duration_s=duration_s))
 
     def _record_failure(self, step: int, err: BaseException) -> None:
         self.status.saves_failed += 1
@@ -412,7 +430,7 @@ class CheckpointManager:
         self.status.last_error = describe_error(err)[:1000]
         log.error("checkpoint of step %d FAILED (%s); training continues: %s", step,
                   "stale round" if stale else "error", self.status.last_error)
-        self.on_event("ckpt_failed", step=step, error=self.status.last_error, stale_round=stale)
+        self.on_event(ev.CkptFailed(step=step, error=self.status.last_error, stale_round=stale))
 
     # -- loading -------------------------------------------------------------------------
     def _hmac_key(self) -> bytes | None:
@@ -490,8 +508,8 @@ class CheckpointManager:
         if newer:
             log.warning("loaded step %d although newer steps exist that were refused: %s", info.step,
                         "; ".join(newer)[:2000])
-        self.on_event("ckpt_loaded", step=info.step, world_size=manifest.world_size, ckpt_round=manifest.round,
-                      created_time=manifest.created_time, job=manifest.job, refused_newer=newer)
+        self.on_event(ev.CkptLoaded(step=info.step, world_size=manifest.world_size, ckpt_round=manifest.round,
+                      created_time=manifest.created_time, job=manifest.job, refused_newer=newer))
         log.info("loaded checkpoint step %d (saved at world size %d)", info.step, manifest.world_size)
 
     def _nothing_loaded(self, refusals: list[Refusal], load_step: int) -> None:
@@ -504,7 +522,7 @@ class CheckpointManager:
         lines = "; ".join(str(r) for r in refusals)
         log.error("STARTING FROM STEP 0 (checkpoint.on_no_loadable_step=fresh): no step under %s can be loaded: %s",
                   self.url, lines[:4000])
-        self.on_event("ckpt_fresh_start", refused=[str(r)[:1000] for r in refusals])
+        self.on_event(ev.CkptFreshStart(refused=[str(r)[:1000] for r in refusals]))
         return None
 
     def _agree(self, value: Any) -> Any:
@@ -563,7 +581,7 @@ class CheckpointManager:
     def _reject(self, info: StepInfo, problems: list[Problem]) -> None:
         text = "; ".join(str(p) for p in problems[:5])
         log.error("checkpoint step %d is corrupt, falling back: %s", info.step, text)
-        self.on_event("ckpt_corrupt", step=info.step, problems=[str(p) for p in problems])
+        self.on_event(ev.CkptCorrupt(step=info.step, problems=[str(p) for p in problems]))
         if self.rank == 0:
             try:
                 mark_corrupt(self.storage, info.dirname, problems, reason="verification before load failed")

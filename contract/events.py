@@ -1,22 +1,471 @@
-"""Lifecycle events as JSON lines (ckpt_staged, ckpt_committed, ckpt_corrupt, resumed, ...).
+"""Lifecycle events: the catalogue (:class:`Event`, one typed record per event) and the log.
 
-Workers, agents and chaos write them; reports, ``ftrain status`` and the chaos invariants read them.
+Workers, the checkpoint service, agents and chaos write them; ``bench/``, the demo and the chaos
+invariants read them. Each event is one JSON line: the envelope (``time``, ``event``, ``rank``,
+``round``, ``pid``) and the record's fields. Every writer appends to the same file with one
+``write`` of one line, which appends atomically on local filesystems.
 
-Every rank appends to the same file; each event is one ``write`` of one line, which appends
-atomically on local filesystems. Events feed reports and the chaos suite's checks.
+What must stay true: an event name appears once, here; a writer emits a record of this module
+(never a bare name), so every field an event can carry is declared on its record. Readers compare
+``e["event"]`` with :class:`Event` members (a ``str`` enum) or turn lines into records with
+:func:`parse`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import threading
 import time
-from typing import Any
-
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
 
 log = logging.getLogger(__name__)
+
+
+class Event(str, Enum):
+    # a training worker (one per rank)
+    WORKER_STARTED = "worker_started"  #: a worker process joined its round's process group
+    RESUME_STARTED = "resume_started"
+    RESUMED = "resumed"
+    RESUME_FAILED = "resume_failed"  #: committed steps exist but none loads (on_no_loadable_step=fail)
+    GRACEFUL_STOP = "graceful_stop"
+    NONFINITE = "nonfinite"
+    ROLLED_BACK = "rolled_back"
+    REPLICA_MISMATCH = "replica_mismatch"
+    CKPT_UNSIGNED = "ckpt_unsigned"
+    CKPT_FAILURES_EXCEEDED = "ckpt_failures_exceeded"
+    # the checkpoint service (in the workers)
+    CKPT_STAGED = "ckpt_staged"
+    CKPT_SKIPPED = "ckpt_skipped"
+    CKPT_COMMITTED = "ckpt_committed"
+    CKPT_FAILED = "ckpt_failed"
+    CKPT_LOADED = "ckpt_loaded"
+    CKPT_CORRUPT = "ckpt_corrupt"
+    CKPT_FRESH_START = "ckpt_fresh_start"
+    CKPT_GC = "ckpt_gc"
+    # a node agent (rank -1)
+    AGENT_REGISTERED = "agent_registered"
+    AGENT_METRICS = "agent_metrics"
+    AGENT_EXIT = "agent_exit"
+    LEASE_LOST = "lease_lost"
+    ETCD_UNREACHABLE = "etcd_unreachable"
+    ETCD_REACHABLE = "etcd_reachable"
+    BAD_RECORD = "bad_record"
+    RECORD_REPAIRED = "record_repaired"
+    LEADER_ELECTED = "leader_elected"
+    ROUND_FORMED = "round_formed"
+    ROUND_HELD = "round_held"
+    JOB_FINAL = "job_final"
+    WORKERS_STARTED = "workers_started"  #: an agent launched its node's workers (torchrun) for a round
+    WORKERS_STOPPED = "workers_stopped"
+    WORKERS_EXITED = "workers_exited"
+    CHECKPOINT_FAILING = "checkpoint_failing"
+    HANG = "hang"
+    DRAIN = "drain"
+    # chaos (the fault injector)
+    CHAOS_FAULT = "chaos_fault"
+    CHAOS_FAULT_STEP = "chaos_fault_step"
+    CHAOS_FAULT_DONE = "chaos_fault_done"
+    CHAOS_NODE_BACK = "chaos_node_back"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+RECORDS: dict[Event, type[Record]] = {}
+
+
+def _record(cls: type[Record]) -> type[Record]:
+    """Register ``cls`` as the one record of its event."""
+    assert cls.EVENT not in RECORDS, cls.EVENT
+    RECORDS[cls.EVENT] = cls
+    return cls
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    EVENT: ClassVar[Event]
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# -- a training worker ---------------------------------------------------------------------------
+@_record
+@dataclass(frozen=True, slots=True)
+class WorkerStarted(Record):
+    EVENT = Event.WORKER_STARTED
+    world_size: int
+    strategy: str
+    node: str
+    local_rank: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ResumeStarted(Record):
+    EVENT = Event.RESUME_STARTED
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class Resumed(Record):
+    EVENT = Event.RESUMED
+    step: int
+    from_world_size: int
+    world_size: int
+    round: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ResumeFailed(Record):
+    EVENT = Event.RESUME_FAILED
+    refused: list[str]
+    load_step: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class GracefulStop(Record):
+    EVENT = Event.GRACEFUL_STOP
+    step: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class Nonfinite(Record):
+    EVENT = Event.NONFINITE
+    step: int
+    loss: str
+    grad_norm: str
+    policy: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class RolledBack(Record):
+    EVENT = Event.ROLLED_BACK
+    step: int
+    reason: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ReplicaMismatch(Record):
+    EVENT = Event.REPLICA_MISMATCH
+    step: int
+    ranks: list[int]
+    policy: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptUnsigned(Record):
+    EVENT = Event.CKPT_UNSIGNED
+    uri: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptFailuresExceeded(Record):
+    EVENT = Event.CKPT_FAILURES_EXCEEDED
+    failures: int
+    limit: int
+    error: str
+
+
+# -- the checkpoint service ----------------------------------------------------------------------
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptStaged(Record):
+    EVENT = Event.CKPT_STAGED
+    step: int
+    staging_s: float
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptSkipped(Record):
+    EVENT = Event.CKPT_SKIPPED
+    step: int
+    in_flight: int  #: the step still uploading
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptCommitted(Record):
+    EVENT = Event.CKPT_COMMITTED
+    step: int
+    duration_s: float
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptFailed(Record):
+    EVENT = Event.CKPT_FAILED
+    step: int
+    error: str
+    stale_round: bool  #: the commit fence refused it: this worker's round is over
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptLoaded(Record):
+    EVENT = Event.CKPT_LOADED
+    step: int
+    world_size: int  #: the world size it was saved at
+    ckpt_round: int  #: the round that committed it
+    created_time: float  #: with ``step``, names the commit that was read
+    job: str
+    refused_newer: list[str]  #: newer steps that were refused, and why
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptCorrupt(Record):
+    EVENT = Event.CKPT_CORRUPT
+    step: int
+    problems: list[str]
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptFreshStart(Record):
+    EVENT = Event.CKPT_FRESH_START
+    refused: list[str]
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CkptGc(Record):
+    EVENT = Event.CKPT_GC
+    deleted: list[str]
+
+
+# -- a node agent --------------------------------------------------------------------------------
+@_record
+@dataclass(frozen=True, slots=True)
+class AgentRegistered(Record):
+    EVENT = Event.AGENT_REGISTERED
+    node: str
+    agent: str  #: this agent process's uid
+    first: bool
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class AgentMetrics(Record):
+    EVENT = Event.AGENT_METRICS
+    node: str
+    port: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class AgentExit(Record):
+    EVENT = Event.AGENT_EXIT
+    node: str
+    exit_code: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class LeaseLost(Record):
+    EVENT = Event.LEASE_LOST
+    node: str
+    reason: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class EtcdUnreachable(Record):
+    EVENT = Event.ETCD_UNREACHABLE
+    node: str
+    error: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class EtcdReachable(Record):
+    EVENT = Event.ETCD_REACHABLE
+    node: str
+    down_s: float
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class BadRecord(Record):
+    EVENT = Event.BAD_RECORD
+    node: str
+    key: str
+    mod_revision: int
+    error: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class RecordRepaired(Record):
+    EVENT = Event.RECORD_REPAIRED
+    node: str
+    key: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class LeaderElected(Record):
+    EVENT = Event.LEADER_ELECTED
+    node: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class RoundFormed(Record):
+    EVENT = Event.ROUND_FORMED
+    node: str
+    new_round: int
+    reason: str
+    members: list[str]
+    world_size: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class RoundHeld(Record):
+    EVENT = Event.ROUND_HELD
+    node: str
+    why: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class JobFinal(Record):
+    EVENT = Event.JOB_FINAL
+    node: str
+    status: str
+    reason: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class WorkersStarted(Record):
+    EVENT = Event.WORKERS_STARTED
+    node: str
+    worker_round: int
+    node_rank: int
+    nnodes: int
+    pid: int  #: torchrun's
+    log: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class WorkersStopped(Record):
+    EVENT = Event.WORKERS_STOPPED
+    node: str
+    worker_round: int
+    why: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class WorkersExited(Record):
+    EVENT = Event.WORKERS_EXITED
+    node: str
+    worker_round: int
+    exit_code: int
+    outcome: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class CheckpointFailing(Record):
+    EVENT = Event.CHECKPOINT_FAILING
+    node: str
+    worker_round: int
+    failures: int
+    error: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class Hang(Record):
+    EVENT = Event.HANG
+    node: str
+    worker_round: int
+    why: str
+    local_ranks: list[int]
+    stacks: dict[str, str]  #: pid -> Python stacks of its threads
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class Drain(Record):
+    EVENT = Event.DRAIN
+    node: str
+    worker_round: int
+
+
+# -- chaos ---------------------------------------------------------------------------------------
+@_record
+@dataclass(frozen=True, slots=True)
+class ChaosFault(Record):
+    """An injected fault: its kind and what the injector recorded (node, pid, step, ...), flat."""
+
+    EVENT = Event.CHAOS_FAULT
+    kind: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        return {**self.detail, "kind": self.kind}
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ChaosFaultStep(Record):
+    EVENT = Event.CHAOS_FAULT_STEP
+    kind: str
+    node: str
+    pid: int
+    during: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ChaosFaultDone(Record):
+    EVENT = Event.CHAOS_FAULT_DONE
+    kind: str
+    injected: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ChaosNodeBack(Record):
+    EVENT = Event.CHAOS_NODE_BACK
+    node: str
+
+
+ENVELOPE = ("time", "event", "rank", "round", "pid")
+
+
+def parse(line: dict[str, Any]) -> Record | None:
+    """The record of one read event (None for an unknown event name or fields that do not fit)."""
+    try:
+        cls = RECORDS[Event(line.get("event"))]
+    except (ValueError, KeyError):
+        return None
+    if cls is ChaosFault:
+        return ChaosFault(kind=str(line.get("kind", "")),
+                          detail={k: v for k, v in line.items() if k not in (*ENVELOPE, "kind")})
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in line.items() if k in names})
+    except TypeError:  # a field is missing: written by another version
+        return None
 
 
 class EventLog:
@@ -30,15 +479,16 @@ class EventLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def emit(self, event: str, **fields: Any) -> None:
-        record = {"time": time.time(), "event": event, "rank": self.rank, "round": self.round, "pid": os.getpid(),
-                  **fields}
-        log.debug("event %s", record)
-        if self._fd < 0:
-            return
-        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
-        with self._lock:
-            os.write(self._fd, line)
+    def emit(self, record: Record) -> dict[str, Any]:
+        """Append ``record`` with the envelope; the line as written (also without a file)."""
+        line = {"time": time.time(), "event": record.EVENT.value, "rank": self.rank, "round": self.round,
+                "pid": os.getpid(), **record.fields()}
+        log.debug("event %s", line)
+        if self._fd >= 0:
+            data = (json.dumps(line, default=str, separators=(",", ":")) + "\n").encode()
+            with self._lock:
+                os.write(self._fd, data)
+        return line
 
     def close(self) -> None:
         if self._fd >= 0:

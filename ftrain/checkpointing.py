@@ -30,11 +30,12 @@ from checkpoint.errors import CheckpointError, ManifestError
 from checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
 from checkpoint.manifest import Manifest
 from checkpoint.storage import StorageOptions
+from contract import events as ev
+from contract.events import EventLog
+from contract.worker_env import WorkerEnv
 from ftrain import fence
 from ftrain.config import Config, worker_job_id
 from ftrain.data import DataCursor, DataError
-from contract.events import EventLog
-from contract.worker_env import WorkerEnv
 from ftrain.parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class Checkpointing:
                     "but anyone who can write there can replace a step with other weights that this job will "
                     "load. Set checkpoint.hmac_key_env to the name of a variable holding a secret key "
                     "(e.g. `export FTRAIN_CKPT_KEY=$(openssl rand -hex 32)`).", self.cfg.checkpoint.uri)
-        self.events.emit("ckpt_unsigned", uri=self.cfg.checkpoint.uri)
+        self.events.emit(ev.CkptUnsigned(uri=self.cfg.checkpoint.uri))
 
     # -- save ---------------------------------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
@@ -171,7 +172,7 @@ class Checkpointing:
         """Load the newest verified checkpoint (or checkpoint.load_step) into model, optimizer,
         cursor and RNG; returns its manifest, or None when starting fresh."""
         holder: dict[str, Any] = {}
-        self.events.emit("resume_started")
+        self.events.emit(ev.ResumeStarted())
 
         def build(manifest: Manifest) -> dict[str, Any]:
             sd = self._state_dict()
@@ -184,7 +185,7 @@ class Checkpointing:
             manifest = self.manager.load(build, load_step=self.cfg.checkpoint.load_step,
                                          validate=validate_trainer_state)
         except NoLoadableStepError as e:
-            self.events.emit("resume_failed", refused=[str(r)[:1000] for r in e.refusals], load_step=e.load_step)
+            self.events.emit(ev.ResumeFailed(refused=[str(r)[:1000] for r in e.refusals], load_step=e.load_step))
             log.error("ftrain: cannot resume: %s", e)
             raise
         if manifest is None:
@@ -199,8 +200,8 @@ class Checkpointing:
             log.info("resuming step %d saved with a different config (hash %s, now %s)", manifest.step,
                      manifest.config_hash, self.cfg.digest())
         self.manager.status.last_committed_step = max(self.manager.status.last_committed_step, manifest.step)
-        self.events.emit("resumed", step=manifest.step, from_world_size=manifest.world_size,
-                         world_size=self.par.layout.world_size, round=self.round)
+        self.events.emit(ev.Resumed(step=manifest.step, from_world_size=manifest.world_size,
+                         world_size=self.par.layout.world_size, round=self.round))
         return manifest
 
     def close(self) -> None:

@@ -32,15 +32,34 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from checkpoint.errors import CheckpointError
+from contract import events as ev
+from contract.events import EventLog
+from contract.worker_env import WorkerEnv
 from ftrain import heartbeat
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
-from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
-from ftrain.distributed import compute_layout, init_distributed, select_device, select_dtype, shutdown_distributed
-from contract.events import EventLog
-from contract.worker_env import WorkerEnv
-from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_poison_loss, maybe_slow_down
+from ftrain.data import (
+    DataCursor,
+    GlobalBatch,
+    Ledger,
+    accumulation_steps,
+    build_source,
+    micro_batches,
+)
+from ftrain.distributed import (
+    compute_layout,
+    init_distributed,
+    select_device,
+    select_dtype,
+    shutdown_distributed,
+)
+from ftrain.faults import (
+    maybe_crash,
+    maybe_perturb_replica,
+    maybe_poison_loss,
+    maybe_slow_down,
+)
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
@@ -151,8 +170,8 @@ class Trainer:
     def run(self) -> TrainResult:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         cfg, layout = self.cfg, self.layout
-        self.events.emit("worker_started", world_size=layout.world_size, strategy=layout.strategy,
-                         node=WorkerEnv.from_env().node, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        self.events.emit(ev.WorkerStarted(world_size=layout.world_size, strategy=layout.strategy,
+                         node=WorkerEnv.from_env().node, local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
         if self.ckpt is not None and cfg.checkpoint.resume:
             self._resume()
         self.progress.message(
@@ -181,7 +200,7 @@ class Trainer:
             if self._stop_agreed():
                 stopped_early = done < cfg.train.steps
                 self.progress.message(f"graceful stop requested: stopping after step {done}")
-                self.events.emit("graceful_stop", step=done)
+                self.events.emit(ev.GracefulStop(step=done))
                 break
         wall = time.perf_counter() - start
         if self.ckpt is not None:
@@ -225,7 +244,7 @@ class Trainer:
         if not self.max_failed_commits or failures < self.max_failed_commits:
             return
         error = self.ckpt.manager.status.last_error or "(no error recorded)"
-        self.events.emit("ckpt_failures_exceeded", failures=failures, limit=self.max_failed_commits, error=error)
+        self.events.emit(ev.CkptFailuresExceeded(failures=failures, limit=self.max_failed_commits, error=error))
         raise CheckpointFailuresError(
             f"{failures} checkpoint commits in a row failed (checkpoint.max_failed_commits={self.max_failed_commits}): "
             f"stopping rather than training unprotected; last error: {error}. Fix the storage or the etcd fence, or "
@@ -280,7 +299,7 @@ class Trainer:
 
     def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         policy = self.cfg.train.on_nonfinite
-        self.events.emit("nonfinite", step=step, loss=str(loss), grad_norm=str(grad_norm), policy=policy)
+        self.events.emit(ev.Nonfinite(step=step, loss=str(loss), grad_norm=str(grad_norm), policy=policy))
         log.warning("step %d: non-finite loss %s / grad norm %s -> %s", step, loss, grad_norm, policy)
         if policy == "halt":
             raise NonFiniteError(f"step {step}: loss {loss}, grad norm {grad_norm} (train.on_nonfinite=halt)")
@@ -295,7 +314,7 @@ class Trainer:
         manifest = self.ckpt.resume()
         if manifest is None:
             raise ConsistencyError(f"{why}, and there is no verified checkpoint to roll back to")
-        self.events.emit("rolled_back", step=manifest.step, reason=why)
+        self.events.emit(ev.RolledBack(step=manifest.step, reason=why))
         self.progress.message(f"rolled back to checkpoint step {manifest.step}: {why}")
 
     def _check_consistency(self, step: int) -> None:
@@ -304,7 +323,7 @@ class Trainer:
             return
         ranks = sorted(r for m in mismatches for r in m.ranks)
         policy = self.cfg.consistency.on_mismatch
-        self.events.emit("replica_mismatch", step=step, ranks=ranks, policy=policy)
+        self.events.emit(ev.ReplicaMismatch(step=step, ranks=ranks, policy=policy))
         log.error("step %d: replicas differ on ranks %s (policy %s)", step, ranks, policy)
         if policy == "halt":
             raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks} (consistency.on_mismatch=halt)")

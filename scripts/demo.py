@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contract.events import Event, read_jsonl
 from ftrain.config import load_config
 from ftrain.data import build_source
 from testbed.stack import LocalStack
-from contract.events import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "30", "--backoff-initial-s", "0.5")
@@ -84,7 +84,7 @@ class Demo:
         raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
     def worker_pids(self, node: str) -> list[int]:
-        started = [e for e in self.events("worker_started") if e.get("node") == node]
+        started = [e for e in self.events(Event.WORKER_STARTED) if e.get("node") == node]
         newest = max((e["round"] for e in started), default=None)
         return [e["pid"] for e in started if e["round"] == newest]
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             demo.agents["a"].send_signal(signal.SIGKILL)
             demo.agents["a"].wait()
             faults.append(("node lost", time.time()))
-            demo.wait(lambda: len(demo.events("resumed")) and max(e["round"] for e in demo.events("resumed")) >= 3,
+            demo.wait(lambda: len(demo.events(Event.RESUMED)) and max(e["round"] for e in demo.events(Event.RESUMED)) >= 3,
                       args.timeout_s, "the smaller round to resume")
             print(f"demo: step {demo.step()}: node a comes back")
             demo.start_agent("a")
@@ -146,19 +146,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(demo: Demo, faults: list[tuple[str, float]], floor: float, steps: int, code: int) -> int:
     metrics = demo.metrics()
-    final = demo.events("job_final")
+    final = demo.events(Event.JOB_FINAL)
     print("\n== ftrain demo summary ==")
     print(f"job: {final[0]['status'] if final else 'no final status'} (agent exit {code}); "
           f"steps {demo.step()}/{steps}")
-    for r in sorted(demo.events("round_formed"), key=lambda e: e["new_round"]):
+    for r in sorted(demo.events(Event.ROUND_FORMED), key=lambda e: e["new_round"]):
         print(f"  round {r['new_round']}: {r['reason']:<12} members {', '.join(r['members'])} "
               f"(world size {r['world_size']})")
-    restarts = len(demo.events("round_formed")) - 1
+    restarts = len(demo.events(Event.ROUND_FORMED)) - 1
     print(f"restarts: {restarts}")
     for name, at in faults:
         rec = recovery_s(metrics, at)
         print(f"  {name}: first step after it {rec:.1f} s later" if rec is not None else f"  {name}: not recovered")
-    for e in sorted(demo.events("resumed"), key=lambda e: e["round"]):
+    for e in sorted(demo.events(Event.RESUMED), key=lambda e: e["round"]):
         if e["rank"] == 0:
             print(f"  round {e['round']} resumed from checkpoint step {e['step']} "
                   f"(saved at world size {e['from_world_size']}, now {e['world_size']})")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from contract.events import Event
+
 if TYPE_CHECKING:
     from chaos.faults.spec import Context, FaultSpec
 
@@ -21,8 +23,8 @@ Action = Callable[["Context", "FaultSpec"], dict[str, Any]]
 
 #: Events by which agents or workers show they noticed a fault: the first one after a fault (and
 #: before the next) is its detection, unless the event says ``outcome = "succeeded"``.
-DETECTIONS = ("workers_exited", "hang", "round_formed", "lease_lost", "etcd_unreachable", "ckpt_corrupt",
-              "ckpt_failed")
+DETECTIONS = (Event.WORKERS_EXITED, Event.HANG, Event.ROUND_FORMED, Event.LEASE_LOST, Event.ETCD_UNREACHABLE, Event.CKPT_CORRUPT,
+              Event.CKPT_FAILED)
 
 
 class Outcome(enum.Enum):

@@ -12,6 +12,7 @@ from chaos.cluster import Cluster
 from chaos.faults.registry import FAULTS, Fault
 from chaos.s3proxy import S3FaultProxy
 from checkpoint.storage import Storage
+from contract import events as ev
 from contract.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,6 @@ class Context:
     def emit(self, kind: str, **detail: Any) -> dict[str, Any]:
         """Record the fault as a ``chaos_fault`` event (the time it acted, the kind, details)."""
         record = {"kind": kind, **detail}
-        self.events.emit("chaos_fault", **record)
+        self.events.emit(ev.ChaosFault(kind=kind, detail=detail))
         log.warning("chaos: injected %s %s", kind, detail)
         return record

@@ -7,11 +7,12 @@ import os
 
 from chaos.cluster import WaitTimeout, wait_for
 from chaos.faults.spec import Context, FaultError
+from contract.events import Event
 from ftrain.heartbeat import process_gone
 
 
 def current_round(ctx: Context) -> int:
-    rounds = ctx.cluster.events("round_formed")
+    rounds = ctx.cluster.events(Event.ROUND_FORMED)
     return max((e["new_round"] for e in rounds), default=0)
 
 

@@ -25,10 +25,16 @@ import torch
 from checkpoint.catalog import list_steps
 from checkpoint.errors import CheckpointError, StaleRoundError
 from checkpoint.manager import CheckpointManager, NoLoadableStepError
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_hmac, step_dir_name
+from checkpoint.manifest import (
+    CORRUPT_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    manifest_hmac,
+    step_dir_name,
+)
 from checkpoint.storage import Storage, StorageOptions
+from contract.events import Record, read_events
 from ftrain.checkpointing import validate_trainer_state
-from contract.events import read_events
 from tests.support import train_job
 
 KEY_ENV = "FTRAIN_TRUST_TEST_KEY"
@@ -42,8 +48,8 @@ class Events:
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict[str, Any]]] = []
 
-    def __call__(self, name: str, **fields: Any) -> None:
-        self.seen.append((name, fields))
+    def __call__(self, record: Record) -> None:
+        self.seen.append((record.EVENT.value, record.fields()))
 
     def named(self, name: str) -> list[dict[str, Any]]:
         return [fields for n, fields in self.seen if n == name]

@@ -15,6 +15,7 @@ from chaos.cluster import wait_for
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_node, send_signal
+from contract import events as ev
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
@@ -35,7 +36,7 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
             wait_for(lambda: ctx.stop() or client.get(key) is None, 60, f"node {node}'s lease to expire", poll_s=0.1)
         time.sleep(float(restart_after_s))
         ctx.cluster.restart(node)
-        ctx.events.emit("chaos_node_back", node=node)  # part of this fault, not a new one
+        ctx.events.emit(ev.ChaosNodeBack(node=node))  # part of this fault, not a new one
     return record
 
 

@@ -13,12 +13,14 @@ from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_worker, send_signal
 from chaos.faults.windows import with_slow_storage
+from contract import events as ev
+from contract.events import Event
 
 
 def _loading(ctx: Context, after: float) -> bool:
     """A worker started a resume after ``after`` and has not finished it."""
-    started = [e for e in ctx.cluster.events("resume_started") if e["time"] > after]
-    done = {(e["round"], e["rank"]) for e in ctx.cluster.events("resumed")}
+    started = [e for e in ctx.cluster.events(Event.RESUME_STARTED) if e["time"] > after]
+    done = {(e["round"], e["rank"]) for e in ctx.cluster.events(Event.RESUMED)}
     return any((e["round"], e["rank"]) not in done for e in started)
 
 
@@ -31,7 +33,7 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
         wait_for(lambda: _loading(ctx, t0), 120, "a checkpoint load", poll_s=0.01)
         victim_node, victim = pick_worker(ctx, spec.node)
         send_signal(victim, signal.SIGKILL)
-        ctx.events.emit("chaos_fault_step", kind=spec.kind, node=victim_node, pid=victim, during="load")
+        ctx.events.emit(ev.ChaosFaultStep(kind=spec.kind, node=victim_node, pid=victim, during="load"))
         record.update(load_victim=victim)
         return record
 

@@ -12,13 +12,14 @@ from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_worker, send_signal
 from chaos.faults.windows import with_slow_storage
+from contract.events import Event
 
 
 def _in_flight_upload(ctx: Context) -> int | None:
     """The newest step staged and neither committed nor failed yet."""
-    committed = {e["step"] for e in ctx.cluster.events("ckpt_committed")}
-    failed = {e["step"] for e in ctx.cluster.events("ckpt_failed")}
-    staged = [e["step"] for e in ctx.cluster.events("ckpt_staged")]
+    committed = {e["step"] for e in ctx.cluster.events(Event.CKPT_COMMITTED)}
+    failed = {e["step"] for e in ctx.cluster.events(Event.CKPT_FAILED)}
+    staged = [e["step"] for e in ctx.cluster.events(Event.CKPT_STAGED)]
     pending = [s for s in staged if s not in committed and s not in failed]
     return pending[-1] if pending else None
 

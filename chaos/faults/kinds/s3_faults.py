@@ -11,6 +11,7 @@ from typing import Any
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.s3proxy import FaultRates
+from contract import events as ev
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
@@ -26,7 +27,7 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     finally:
         ctx.proxy.set_faults(None)
     record["injected"] = {k: v - before[k] for k, v in ctx.proxy.injected.items()}
-    ctx.events.emit("chaos_fault_done", kind=spec.kind, injected=record["injected"])
+    ctx.events.emit(ev.ChaosFaultDone(kind=spec.kind, injected=record["injected"]))
     return record
 
 

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agents.records import JobKeys
 from chaos.cluster import WaitTimeout, quiet_env, wait_for
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import current_round
-from agents.records import JobKeys
-from contract.events import read_jsonl
+from contract.events import Event, read_jsonl
 from contract.worker_env import WorkerEnv
 
 
@@ -41,7 +41,7 @@ def _run_zombie(args: list[str], events_path: Path, env: dict[str, str]) -> dict
         def attempted() -> list[dict[str, Any]]:
             if not os.path.exists(events_path):
                 return []
-            return [e for e in read_jsonl(events_path) if e["event"] in ("ckpt_failed", "ckpt_committed")]
+            return [e for e in read_jsonl(events_path) if e["event"] in (Event.CKPT_FAILED, Event.CKPT_COMMITTED)]
         try:
             attempts = wait_for(attempted, 90, "the zombie's first save")
         except WaitTimeout:
@@ -49,7 +49,7 @@ def _run_zombie(args: list[str], events_path: Path, env: dict[str, str]) -> dict
     finally:
         proc.kill()
         proc.wait()
-    committed = [e["step"] for e in attempts if e["event"] == "ckpt_committed"]
+    committed = [e["step"] for e in attempts if e["event"] == Event.CKPT_COMMITTED]
     refused = bool(attempts) and not committed and all("StaleRoundError" in e.get("error", "") for e in attempts)
     return {"refused": refused, "attempts": len(attempts), "committed": committed}
 
