@@ -105,7 +105,7 @@ class Watcher:
         self._on_event, self._on_error, self._clock = on_event, on_error, clock
         self.progress_timeout_s = progress_timeout_s
         self._next_revision = start_revision  # the lowest revision not yet delivered
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue: queue.Queue[WatchEvent | object] = queue.Queue()  # events, then _CLOSED
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None  # the live stream's socket, shut down by close()
@@ -136,12 +136,12 @@ class Watcher:
             item = self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return None
-        if item is _CLOSED:
-            self._queue.put(_CLOSED)  # keep later get() calls from blocking
-            if self.error is not None:
-                raise self.error
-            return None
-        return item
+        if isinstance(item, WatchEvent):
+            return item
+        self._queue.put(_CLOSED)  # the end: keep later get() calls from blocking
+        if self.error is not None:
+            raise self.error
+        return None
 
     def __iter__(self) -> Iterator[WatchEvent]:
         while (event := self.get()) is not None:
@@ -186,7 +186,7 @@ class Watcher:
                 self._stream(endpoint)
                 return  # closing
             except _CallbackFailed as e:
-                self._fail(e.__cause__ or e)
+                self._fail(e.__cause__ if isinstance(e.__cause__, Exception) else e)
                 return
             except EtcdError as e:
                 if self._closing.is_set():
