@@ -47,9 +47,5 @@ class LeaseExpiredError(AgentError):
     """The lease is gone (expired, revoked, or never existed); anything attached to it too."""
 
 
-class StaleRoundError(AgentError):
-    """Acting on a rendezvous round that is no longer current (fencing): stop, re-read."""
-
-
 class NodeIdTakenError(AgentError):
     """Another live agent already registered this node id."""

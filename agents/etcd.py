@@ -1,7 +1,8 @@
-"""etcd v3 client layer for the node agent: the KV/transaction/lease client, its value types
-and its transport. Sessions (kept-alive leases) live in :mod:`agents.etcd_session`, watches in
-:mod:`agents.etcd_watch`; both build on :class:`EtcdClient` (they import this module, so this
-module never imports them).
+"""etcd v3 client layer for the node agent: the KV/transaction/lease client and its value types.
+How a cluster is reached (endpoint rotation, auth token, TLS, backoff, the HTTP transport) lives
+in :mod:`agents.etcd_endpoints`; sessions (kept-alive leases) in :mod:`agents.etcd_session`,
+watches in :mod:`agents.etcd_watch`. Both build on :class:`EtcdClient` and its public
+``endpoints`` object (they import this module, so this module never imports them).
 
 Speaks etcd's HTTP/JSON gRPC gateway (``POST /v3/...`` on the client port; every etcd >= 3.4
 serves it). etcd3gw speaks the same protocol, but its client has one fixed timeout per client
@@ -22,35 +23,23 @@ Conventions (the same in every call):
   retried only if repeating it is harmless: reads, plain ``put``/``delete``, lease calls. A
   transaction is never repeated after an ambiguous failure (the same rule as etcd's Go client):
   the caller gets ``EtcdUnavailableError(ambiguous=True)`` and must re-read.
-- Names with a leading underscore used by the session and watch modules (``_call``,
-  ``_keepalive``, ``_auth_token``, ``_range``, ...) are internal to this package.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import logging
-import ssl
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
-import requests
 import tenacity
-from urllib3.exceptions import NewConnectionError
 
-from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
+from agents.errors import EtcdUnavailableError, LeaseExpiredError
+from agents.etcd_endpoints import Backoff, Endpoints, TlsFiles, Transport, error_from_stream
 
 logger = logging.getLogger(__name__)
-
-# gRPC status codes etcd returns through the gateway
-_DEADLINE_EXCEEDED, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNAVAILABLE, _UNAUTHENTICATED = 4, 5, 8, 14, 16
-#: UNAVAILABLE replies that guarantee the request was not applied.
-_NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver: too many requests")
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -83,11 +72,17 @@ def prefix_range_end(prefix: bytes) -> bytes:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-def _range(key: str, prefix: bool) -> dict[str, str]:
+def key_range(key: str, prefix: bool) -> dict[str, str]:
+    """The ``key`` (and ``range_end``) fields selecting ``key``, or every key under it if ``prefix``."""
     raw = encode_key(key)
     if not prefix:
         return {"key": b64(raw)}
     return {"key": b64(raw or b"\0"), "range_end": b64(prefix_range_end(raw))}
+
+
+def header_revision(d: Mapping[str, Any]) -> int:
+    """The store revision in a reply's (or a watch message's) header; 0 if absent."""
+    return int(d.get("header", {}).get("revision", 0))
 
 
 # -- values -----------------------------------------------------------------------------------
@@ -181,7 +176,7 @@ class Op:
                 body["lease"] = str(self.lease)
             return {"request_put": body}
         name = "request_range" if self.kind == "get" else "request_delete_range"
-        return {name: _range(self.key, self.prefix)}
+        return {name: key_range(self.key, self.prefix)}
 
 
 #: Per-op result of a transaction: ``list[KeyValue]`` for get, deleted count for delete, None for put.
@@ -204,95 +199,7 @@ class TxnResult:
                 out.append(int(r["response_delete_range"].get("deleted", 0)))
             else:
                 out.append(None)
-        return cls(bool(d.get("succeeded", False)), _header_revision(d), tuple(out))
-
-
-def _header_revision(d: Mapping[str, Any]) -> int:
-    return int(d.get("header", {}).get("revision", 0))
-
-
-# -- transport --------------------------------------------------------------------------------
-class Transport(Protocol):
-    """POSTs one JSON request to one endpoint. The seam unit tests replace."""
-
-    def post(self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float,
-             token: str | None) -> dict[str, Any]:
-        """The decoded JSON reply. Raises :class:`EtcdUnavailableError` (``ambiguous`` if the
-        request may have reached etcd), :class:`LeaseExpiredError`, or :class:`EtcdError`."""
-        ...
-
-
-def error_from_reply(http_status: int, body: bytes | str, where: str) -> Exception:
-    """Map an etcd gateway error reply (``{"error", "code", "message"}``) to our errors."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        data = None
-    code = data.get("code") if isinstance(data, dict) else None
-    message = (data.get("message") or data.get("error")) if isinstance(data, dict) else None
-    message = str(message or (body[:200] if body else f"HTTP {http_status}"))
-    text = f"{where}: {message}"
-    if code == _UNAVAILABLE:
-        return EtcdUnavailableError(text, ambiguous=not any(m in message for m in _NOT_APPLIED))
-    if code == _RESOURCE_EXHAUSTED:
-        return EtcdUnavailableError(text, ambiguous=False)
-    if code == _DEADLINE_EXCEEDED or (code is None and http_status in (502, 503, 504)):
-        return EtcdUnavailableError(text, ambiguous=True)
-    if code == _NOT_FOUND and "lease not found" in message:
-        return LeaseExpiredError(text)
-    return EtcdError(text, code=code)
-
-
-def error_from_stream(err: Mapping[str, Any], where: str) -> Exception:
-    """Map the ``{"error": {...}}`` message a streaming gateway endpoint sends inside a 200 reply."""
-    body = json.dumps({"code": err.get("grpc_code"), "message": err.get("message")})
-    return error_from_reply(int(err.get("http_code") or 500), body, where)
-
-
-def _never_sent(exc: requests.exceptions.ConnectionError) -> bool:
-    """True if the connection itself failed (refused, unreachable), so nothing reached etcd."""
-    reason = getattr(exc.args[0], "reason", None) if exc.args else None
-    return isinstance(reason, NewConnectionError)
-
-
-class HttpTransport:
-    """:class:`Transport` over ``requests`` (one pooled session, TLS options applied)."""
-
-    def __init__(self, *, ca_cert: str | None = None, cert: str | None = None, key: str | None = None):
-        self._session = requests.Session()
-        # per request, not on the session: REQUESTS_CA_BUNDLE would override a session's verify
-        self._verify: str | bool = ca_cert or True
-        self._cert = ((cert, key) if key else cert) if cert else None
-
-    def post(self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float,
-             token: str | None) -> dict[str, Any]:
-        where = f"{endpoint}{path}"
-        try:
-            resp = self._session.post(where, json=payload, timeout=timeout_s, verify=self._verify, cert=self._cert,
-                                      headers={"Authorization": token} if token else None)
-        except requests.exceptions.SSLError as e:
-            raise EtcdError(f"{where}: TLS error: {e}") from e
-        except requests.exceptions.ConnectTimeout as e:
-            raise EtcdUnavailableError(f"{where}: connect timed out", ambiguous=False) from e
-        except requests.exceptions.ConnectionError as e:
-            raise EtcdUnavailableError(f"{where}: {type(e).__name__}: {e}", ambiguous=not _never_sent(e)) from e
-        except requests.exceptions.Timeout as e:
-            raise EtcdUnavailableError(f"{where}: no reply in {timeout_s:.2f} s", ambiguous=True) from e
-        except requests.exceptions.RequestException as e:
-            raise EtcdError(f"{where}: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200:
-            raise error_from_reply(resp.status_code, resp.content, where)
-        try:
-            return resp.json()
-        except ValueError as e:
-            raise EtcdError(f"{where}: reply is not JSON: {resp.text[:200]!r}") from e
-
-    def close(self) -> None:
-        self._session.close()
-
-
-def _is_token_error(e: EtcdError) -> bool:
-    return e.code == _UNAUTHENTICATED or "auth store is old" in str(e) or "invalid auth token" in str(e)
+        return cls(bool(d.get("succeeded", False)), header_revision(d), tuple(out))
 
 
 # -- client -----------------------------------------------------------------------------------
@@ -302,8 +209,10 @@ class EtcdClient:
     ``endpoints``: ``http(s)://host:port`` client URLs of the cluster's members. ``timeout_s``:
     per request and endpoint. ``retry_timeout_s``: how long one call keeps retrying transient
     failures. ``username``/``password``: etcd v3 auth (token fetched lazily, refreshed when
-    etcd rejects it). ``ca_cert``/``cert``/``key``: TLS for ``https`` endpoints. ``sleep``,
-    ``clock`` and ``transport`` are injectable for tests.
+    etcd rejects it). ``ca_cert``/``cert``/``key``: TLS for ``https`` endpoints.
+    ``backoff_initial_s``/``backoff_max_s``: between retries. These make up the public
+    :attr:`endpoints` object (:class:`~agents.etcd_endpoints.Endpoints`), which sessions and
+    watches on this client share. ``sleep``, ``clock`` and ``transport`` are injectable for tests.
     """
 
     def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 2.0, retry_timeout_s: float = 10.0,
@@ -312,44 +221,26 @@ class EtcdClient:
                  backoff_initial_s: float = 0.05, backoff_max_s: float = 1.0,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
                  transport: Transport | None = None):
-        if isinstance(endpoints, str) or not endpoints:
-            raise ValueError("endpoints must be a non-empty list of http(s)://host:port URLs")
-        self._endpoints = tuple(e.rstrip("/") for e in endpoints)
-        for e in self._endpoints:
-            parts = urlsplit(e)
-            if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
-                raise ValueError(f"bad etcd endpoint {e!r}: expected http(s)://host:port")
-        if (username is None) != (password is None):
-            raise ValueError("username and password must be given together")
         if timeout_s <= 0 or retry_timeout_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_timeout_s >= 0")
+        #: How this client reaches the cluster; shared with its sessions and watches.
+        self.endpoints = Endpoints(endpoints, username=username, password=password,
+                                   tls=TlsFiles(ca_cert, cert, key), backoff=Backoff(backoff_initial_s, backoff_max_s),
+                                   transport=transport)
         self.timeout_s = timeout_s
         self.retry_timeout_s = retry_timeout_s
-        self._username, self._password = username, password
-        self._tls = (ca_cert, cert, key)
-        self._backoff = (backoff_initial_s, backoff_max_s)
         self._sleep, self._clock = sleep, clock
-        self._transport: Transport = transport or HttpTransport(ca_cert=ca_cert, cert=cert, key=key)
-        self._preferred = 0
-        self._token: str | None = None
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"EtcdClient({list(self._endpoints)}, current={self.endpoint})"
-
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        return self._endpoints
+        return f"EtcdClient({list(self.endpoints.urls)}, current={self.endpoint})"
 
     @property
     def endpoint(self) -> str:
         """The endpoint that answered last (tried first by the next call)."""
-        return self._endpoints[self._preferred]
+        return self.endpoints.current
 
     def close(self) -> None:
-        close = getattr(self._transport, "close", None)
-        if close is not None:
-            close()
+        self.endpoints.close()
 
     def __enter__(self) -> EtcdClient:
         return self
@@ -359,7 +250,7 @@ class EtcdClient:
 
     # -- KV ---------------------------------------------------------------------------------
     def get(self, key: str) -> KeyValue | None:
-        kvs = self._call("/v3/kv/range", _range(key, False)).get("kvs", [])
+        kvs = self._call("/v3/kv/range", key_range(key, False)).get("kvs", [])
         return KeyValue.from_json(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
@@ -368,12 +259,12 @@ class EtcdClient:
 
     def list_prefix(self, prefix: str) -> Listing:
         """Like :meth:`get_prefix`, with the revision it was read at (to watch from ``+ 1``)."""
-        reply = self._call("/v3/kv/range", _range(prefix, True))
-        return Listing([KeyValue.from_json(kv) for kv in reply.get("kvs", [])], _header_revision(reply))
+        reply = self._call("/v3/kv/range", key_range(prefix, True))
+        return Listing([KeyValue.from_json(kv) for kv in reply.get("kvs", [])], header_revision(reply))
 
     def current_revision(self) -> int:
         """The store's current revision."""
-        return _header_revision(self._call("/v3/kv/range", {"key": b64(b"\0"), "count_only": True}))
+        return header_revision(self._call("/v3/kv/range", {"key": b64(b"\0"), "count_only": True}))
 
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
         """Write ``key`` (at least once: a retry after a lost reply writes it again); the new revision.
@@ -381,15 +272,15 @@ class EtcdClient:
         payload: dict[str, Any] = {"key": b64(encode_key(key)), "value": b64(encode_value(value))}
         if lease:
             payload["lease"] = str(lease)
-        return _header_revision(self._call("/v3/kv/put", payload))
+        return header_revision(self._call("/v3/kv/put", payload))
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed (may say False if a retry followed a lost reply)."""
-        return int(self._call("/v3/kv/deleterange", _range(key, False)).get("deleted", 0)) > 0
+        return int(self._call("/v3/kv/deleterange", key_range(key, False)).get("deleted", 0)) > 0
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key starting with ``prefix``; how many there were."""
-        return int(self._call("/v3/kv/deleterange", _range(prefix, True)).get("deleted", 0))
+        return int(self._call("/v3/kv/deleterange", key_range(prefix, True)).get("deleted", 0))
 
     def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (watches starting earlier get WatchCompactedError)."""
@@ -427,16 +318,25 @@ class EtcdClient:
         reply = self._call("/v3/lease/grant", {"TTL": str(int(ttl_s)), "ID": "0"})
         return Lease(int(reply["ID"]), int(reply["TTL"]))
 
-    def revoke(self, lease_id: int) -> None:
-        """Revoke a lease and delete its keys (no error if it is already gone)."""
+    def revoke(self, lease_id: int, *, retry: bool = True) -> None:
+        """Revoke a lease and delete its keys (no error if it is already gone). ``retry=False``:
+        one pass over the endpoints, for a caller that lets the lease expire if etcd is down."""
         try:
-            self._call("/v3/lease/revoke", {"ID": str(lease_id)})
+            self._call("/v3/lease/revoke", {"ID": str(lease_id)}, retry=retry)
         except LeaseExpiredError:
             pass
 
-    def keepalive_once(self, lease_id: int) -> int:
-        """Renew a lease once; its TTL in seconds from now, or 0 if it has expired or was revoked."""
-        return self._keepalive(lease_id)
+    def keepalive_once(self, lease_id: int, *, deadline: float | None = None) -> int:
+        """Renew a lease once; its TTL in seconds from now, or 0 if it has expired or was revoked.
+
+        With ``deadline`` (on this client's clock): one pass over the endpoints, no retries, each
+        request's timeout cut to the time left (a :class:`~agents.etcd_session.Session` retries on
+        its own schedule and must know by its deadline)."""
+        reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline,
+                           retry=deadline is None)
+        if "error" in reply:  # a streaming endpoint reports errors inside a 200 reply
+            raise error_from_stream(reply["error"], "/v3/lease/keepalive")
+        return int(reply.get("result", {}).get("TTL", 0))
 
     def time_to_live(self, lease_id: int) -> int | None:
         """Seconds the lease has left (rounded down), or None if it does not exist."""
@@ -444,17 +344,11 @@ class EtcdClient:
         ttl = int(self._call("/v3/lease/timetolive", {"ID": str(lease_id)}).get("TTL", 0))
         return None if ttl < 0 else ttl
 
-    def _keepalive(self, lease_id: int, *, deadline: float | None = None) -> int:
-        # One pass over the endpoints, no retries, when ``deadline`` is given (Session retries).
-        reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline,
-                           retry=deadline is None)
-        if "error" in reply:  # a streaming endpoint reports errors inside a 200 reply
-            raise error_from_stream(reply["error"], "/v3/lease/keepalive")
-        return int(reply.get("result", {}).get("TTL", 0))
-
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, path: str, payload: Mapping[str, Any], *, idempotent: bool = True,
               deadline: float | None = None, retry: bool = True) -> dict[str, Any]:
+        """POST ``payload`` to ``path`` under this client's retry rules (module docstring);
+        ``retry=False``: one pass over the endpoints."""
         if not retry:
             return self._call_once(path, payload, idempotent=idempotent, deadline=deadline)
         # The first pass over the endpoints always runs; retries stop at ``retry_deadline``.
@@ -462,10 +356,10 @@ class EtcdClient:
         retry_deadline = self._clock() + self.retry_timeout_s
         if deadline is not None:
             retry_deadline = min(retry_deadline, deadline)
-        backoff = tenacity.wait_random_exponential(multiplier=self._backoff[0], max=self._backoff[1])
+        backoff = self.endpoints.backoff
 
         def wait(state: tenacity.RetryCallState) -> float:
-            return max(0.0, min(backoff(state), retry_deadline - self._clock()))
+            return max(0.0, min(backoff.delay_s(state.attempt_number), retry_deadline - self._clock()))
 
         def log_retry(state: tenacity.RetryCallState) -> None:
             logger.info("etcd %s failed (attempt %d), retrying in %.2f s: %s", path, state.attempt_number,
@@ -481,11 +375,10 @@ class EtcdClient:
 
     def _call_once(self, path: str, payload: Mapping[str, Any], *, idempotent: bool,
                    deadline: float | None) -> dict[str, Any]:
-        """Try each endpoint once, starting with the preferred one."""
-        first, errors, ambiguous = self._preferred, [], False
-        for i in range(len(self._endpoints)):
-            index = (first + i) % len(self._endpoints)
-            endpoint = self._endpoints[index]
+        """Try each endpoint once, starting with the one that answered last."""
+        errors: list[str] = []
+        ambiguous = False
+        for endpoint in self.endpoints.rotation():
             timeout_s = self.timeout_s
             if deadline is not None:
                 timeout_s = min(timeout_s, deadline - self._clock())
@@ -493,48 +386,14 @@ class EtcdClient:
                     errors.append("deadline passed")
                     break
             try:
-                reply = self._post(endpoint, path, payload, timeout_s)
+                reply = self.endpoints.post(endpoint, path, payload, timeout_s=timeout_s)
             except EtcdUnavailableError as e:
                 errors.append(str(e))
                 ambiguous = ambiguous or e.ambiguous
                 if e.ambiguous and not idempotent:
                     raise
                 continue
-            if index != self._preferred:
-                logger.info("etcd: switching endpoint %s -> %s", self._endpoints[self._preferred], endpoint)
-                self._preferred = index
+            self.endpoints.answered(endpoint)
             return reply
         raise EtcdUnavailableError(f"no etcd endpoint answered {path}: " + "; ".join(errors),
                                    ambiguous=ambiguous)
-
-    def _post(self, endpoint: str, path: str, payload: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-        token = self._auth_token(endpoint, timeout_s)
-        try:
-            return self._transport.post(endpoint, path, payload, timeout_s=timeout_s, token=token)
-        except EtcdError as e:
-            if token is None or not _is_token_error(e):
-                raise
-            logger.info("etcd auth token rejected (%s): authenticating again", e)
-            token = self._auth_token(endpoint, timeout_s, refresh=True)
-            return self._transport.post(endpoint, path, payload, timeout_s=timeout_s, token=token)
-
-    def _auth_token(self, endpoint: str, timeout_s: float, *, refresh: bool = False) -> str | None:
-        """The auth token (None without credentials), fetched from ``endpoint`` if needed."""
-        if self._username is None:
-            return None
-        with self._lock:
-            if self._token is not None and not refresh:
-                return self._token
-        reply = self._transport.post(endpoint, "/v3/auth/authenticate",
-                                     {"name": self._username, "password": self._password},
-                                     timeout_s=timeout_s, token=None)
-        with self._lock:
-            self._token = str(reply["token"])
-            return self._token
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        ca_cert, cert, key = self._tls
-        context = ssl.create_default_context(cafile=ca_cert)
-        if cert:
-            context.load_cert_chain(cert, key)
-        return context

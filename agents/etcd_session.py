@@ -5,7 +5,8 @@ What must stay true: ``Session.done`` is set no later than the lease's deadline 
 locally (send time of the last successful keepalive + the TTL it returned), even when etcd
 never answers; a lost session never comes back (make a new one); when the local deadline
 passes the session tries once to revoke the lease, so a late keepalive cannot keep this node's
-keys alive after it gave them up. The KV client and transport live in :mod:`agents.etcd`.
+keys alive after it gave them up. It renews and revokes through the public lease calls of
+:class:`~agents.etcd.EtcdClient`.
 """
 
 from __future__ import annotations
@@ -110,9 +111,7 @@ class Session:
 
     def _try_revoke(self) -> None:
         try:  # one pass over the endpoints: if etcd is down the lease expires by itself
-            self._client._call("/v3/lease/revoke", {"ID": str(self.lease_id)}, retry=False)
-        except LeaseExpiredError:
-            pass
+            self._client.revoke(self.lease_id, retry=False)
         except (EtcdUnavailableError, EtcdError) as e:
             logger.info("etcd session %x: revoke failed (%s); the lease expires by itself", self.lease_id, e)
 
@@ -153,7 +152,7 @@ class Session:
             return None
         failed = False
         try:
-            ttl_s = self._client._keepalive(self.lease_id, deadline=self.schedule.deadline)
+            ttl_s = self._client.keepalive_once(self.lease_id, deadline=self.schedule.deadline)
         except LeaseExpiredError:
             ttl_s = 0
         except (EtcdUnavailableError, EtcdError) as e:

@@ -6,7 +6,8 @@ What must stay true: events arrive in revision order, each at most once; unless 
 reports :class:`~agents.errors.WatchCompactedError` it delivers every event from its start
 revision, across reconnects, hung servers and member loss (a stream with no event or progress
 notification within ``progress_timeout_s`` is dropped and resumed on the next endpoint). The
-KV client and transport live in :mod:`agents.etcd`.
+KV client lives in :mod:`agents.etcd`; the endpoints, token, TLS and backoff it shares with this
+watch in :mod:`agents.etcd_endpoints`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import http.client
 import json
 import logging
 import queue
-import random
 import socket
 import ssl
 import threading
@@ -23,11 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
-from agents.etcd import (EtcdClient, KeyValue, _header_revision, _is_token_error, _range, error_from_reply,
-                         error_from_stream)
+from agents.etcd import EtcdClient, KeyValue, header_revision, key_range
+from agents.etcd_endpoints import error_from_reply, error_from_stream, is_token_error
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class WatchResponse:
             kind: Literal["put", "delete"] = "delete" if e.get("type") == "DELETE" else "put"
             events.append(WatchEvent(kind, kv.key, kv.value, kv.mod_revision, kv.create_revision))
         return cls(bool(r.get("created")), bool(r.get("canceled")), str(r.get("cancel_reason", "")),
-                   int(r.get("compact_revision", 0)), _header_revision(r), tuple(events))
+                   int(r.get("compact_revision", 0)), header_revision(r), tuple(events))
 
 
 _CLOSED = object()
@@ -86,8 +85,9 @@ class Watcher:
     does), otherwise an idle watch reconnects every ``progress_timeout_s``, which is harmless.
 
     Events go to ``on_event`` (called on the watcher thread; if it raises, the watcher stops
-    with that error), or else queue up for :meth:`get` / iteration. ``on_error`` gets :class:`EtcdUnavailableError` each time the
-    stream is lost (the watcher keeps trying) and a fatal error once before it stops:
+    with that error), or else queue up for :meth:`get` / iteration. ``on_error`` gets
+    :class:`EtcdUnavailableError` each time the stream is lost (the watcher keeps trying) and a
+    fatal error once before it stops:
     :class:`WatchCompactedError` (re-list, then watch from the listing's revision + 1) or
     :class:`EtcdError`. In queue mode a fatal error is raised by :meth:`get` after the events.
     """
@@ -105,7 +105,7 @@ class Watcher:
         self._on_event, self._on_error, self._clock = on_event, on_error, clock
         self.progress_timeout_s = progress_timeout_s
         self._next_revision = start_revision  # the lowest revision not yet delivered
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue: queue.Queue[WatchEvent | object] = queue.Queue()  # events, then _CLOSED
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None  # the live stream's socket, shut down by close()
@@ -136,12 +136,12 @@ class Watcher:
             item = self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return None
-        if item is _CLOSED:
-            self._queue.put(_CLOSED)  # keep later get() calls from blocking
-            if self.error is not None:
-                raise self.error
-            return None
-        return item
+        if isinstance(item, WatchEvent):
+            return item
+        self._queue.put(_CLOSED)  # the end: keep later get() calls from blocking
+        if self.error is not None:
+            raise self.error
+        return None
 
     def __iter__(self) -> Iterator[WatchEvent]:
         while (event := self.get()) is not None:
@@ -177,25 +177,25 @@ class Watcher:
 
     def _loop(self) -> None:
         endpoints = self._client.endpoints
-        index, failures, auth_retried = self._client._preferred, 0, False
-        initial_s, max_s = self._client._backoff
+        order = endpoints.rotation()
+        index, failures, auth_retried = 0, 0, False
         while not self._closing.is_set():
-            endpoint = endpoints[index]
+            endpoint = order[index]
             delivered_before = self._next_revision
             try:
                 self._stream(endpoint)
                 return  # closing
             except _CallbackFailed as e:
-                self._fail(e.__cause__ or e)
+                self._fail(e.__cause__ if isinstance(e.__cause__, Exception) else e)
                 return
             except EtcdError as e:
                 if self._closing.is_set():
                     return
-                if not isinstance(e, WatchCompactedError) and not auth_retried and self._client._username \
-                        and ("permission denied" in str(e) or _is_token_error(e)):
+                if not isinstance(e, WatchCompactedError) and not auth_retried and endpoints.has_credentials \
+                        and ("permission denied" in str(e) or is_token_error(e)):
                     auth_retried = True  # the token may have expired: fetch a new one, once
                     try:
-                        self._client._auth_token(endpoint, self._client.timeout_s, refresh=True)
+                        endpoints.token(endpoint, self._client.timeout_s, refresh=True)
                         continue
                     except (EtcdError, EtcdUnavailableError) as auth_error:
                         e = auth_error if isinstance(auth_error, EtcdError) else e
@@ -223,26 +223,18 @@ class Watcher:
                 failures = 0 if progressed else failures + 1
                 if progressed:
                     auth_retried = False
-                index = (index + 1) % len(endpoints)
-                delay = 0.0 if failures == 0 else random.uniform(0, min(max_s, initial_s * 2 ** failures))
-                self._closing.wait(delay)
-
-    def _connect(self, endpoint: str) -> http.client.HTTPConnection:
-        parts = urlsplit(endpoint)
-        if parts.scheme == "https":
-            return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self._client.timeout_s,
-                                               context=self._client._ssl_context())
-        return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self._client.timeout_s)
+                index = (index + 1) % len(order)
+                self._closing.wait(0.0 if failures == 0 else endpoints.backoff.delay_s(failures))
 
     def _stream(self, endpoint: str) -> None:
-        create: dict[str, Any] = {**_range(self._key, not self._single_key), "progress_notify": True}
+        create: dict[str, Any] = {**key_range(self._key, not self._single_key), "progress_notify": True}
         if self._next_revision is not None:
             create["start_revision"] = str(self._next_revision)
         headers = {"Content-Type": "application/json"}
-        token = self._client._auth_token(endpoint, self._client.timeout_s)
+        token = self._client.endpoints.token(endpoint, self._client.timeout_s)
         if token:
             headers["Authorization"] = token
-        conn = self._connect(endpoint)
+        conn = self._client.endpoints.connection(endpoint, self._client.timeout_s)
         try:
             conn.connect()
             # keep the socket itself: http.client hands it to the response and may drop conn.sock

@@ -8,6 +8,7 @@ sleeps, so no test waits for real time.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,8 @@ import pytest
 
 from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
 from agents.etcd import (Compare, EtcdClient, KeyValue, Op, TxnResult, b64, decode_key, encode_key,
-                         error_from_reply, prefix_range_end, unb64)
+                         prefix_range_end, unb64)
+from agents.etcd_endpoints import Backoff, Endpoints, error_from_reply
 from agents.etcd_session import KeepaliveSchedule, Session
 from agents.etcd_watch import WatchResponse
 
@@ -272,6 +274,71 @@ def test_bad_endpoints_are_rejected(endpoints):
         EtcdClient(endpoints)
 
 
+# -- the shared endpoints object --------------------------------------------------------------
+def test_endpoints_rotation_starts_at_the_member_that_answered_last():
+    clock = FakeClock()
+    transport = FakeTransport({A: fail(REFUSED), B: fail(REFUSED), C: ok()})
+    client = make_client(transport, [A, B, C], clock)
+    endpoints = client.endpoints
+    assert endpoints.rotation() == [A, B, C] and endpoints.current == A
+    client.get("k")
+    assert endpoints.current == C == client.endpoint
+    assert endpoints.rotation() == [C, A, B]  # what a Watcher on this client tries, in order
+
+
+def test_the_auth_token_is_one_per_endpoints_object():
+    """The client's calls and anything else on ``client.endpoints`` (a Watcher's streams) use one token."""
+    clock = FakeClock()
+    tokens = iter(["t1", "t2"])
+
+    def handler(path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return {"token": next(tokens)} if path == "/v3/auth/authenticate" else {"header": {"revision": "1"}}
+
+    transport = FakeTransport({A: handler})
+    client = make_client(transport, [A], clock, username="u", password="p")
+    client.get("k")
+    assert client.endpoints.has_credentials and client.endpoints.token(A, 1.0) == "t1"
+    assert client.endpoints.token(A, 1.0, refresh=True) == "t2"
+    client.get("k")
+    assert transport.calls[-1][3] == "t2"
+    assert not make_client(transport, [A], clock).endpoints.has_credentials
+
+
+@pytest.mark.parametrize("failures, ceiling_s", [(1, 0.1), (2, 0.2), (4, 0.8), (5, 1.0), (5000, 1.0)])
+def test_backoff_is_full_jitter_doubling_up_to_its_cap(failures, ceiling_s):
+    backoff = Backoff(initial_s=0.1, max_s=1.0)
+    delays = [backoff.delay_s(failures) for _ in range(200)]
+    assert all(0.0 <= d <= ceiling_s for d in delays) and max(delays) > ceiling_s / 2
+
+
+def test_backoff_rejects_bad_settings_and_a_delay_before_any_failure():
+    with pytest.raises(ValueError, match="initial_s"):
+        Backoff(initial_s=2.0, max_s=1.0)
+    with pytest.raises(ValueError, match="failure"):
+        Backoff().delay_s(0)
+
+
+def test_one_pass_lease_calls_never_retry():
+    """What a Session relies on: with a deadline (keepalive) or ``retry=False`` (revoke), one pass
+    over the endpoints and no backoff, so it can decide by its own deadline."""
+    clock = FakeClock()
+    transport = FakeTransport({A: fail(REFUSED), B: fail(REFUSED)})
+    client = make_client(transport, [A, B], clock)
+    with pytest.raises(EtcdUnavailableError):
+        client.keepalive_once(7, deadline=clock.now + 5.0)
+    with pytest.raises(EtcdUnavailableError):
+        client.revoke(7, retry=False)
+    assert transport.endpoints_called() == [A, B, A, B] and clock.sleeps == []
+
+
+def test_stream_connections_follow_the_url_scheme():
+    endpoints = Endpoints([A, "https://127.0.0.1:4"], transport=FakeTransport({}))
+    plain = endpoints.connection(A, 1.5)
+    secure = endpoints.connection("https://127.0.0.1:4", 1.5)
+    assert type(plain) is http.client.HTTPConnection and plain.timeout == 1.5
+    assert isinstance(secure, http.client.HTTPSConnection) and (secure.host, secure.port) == ("127.0.0.1", 4)
+
+
 # -- session deadlines ------------------------------------------------------------------------
 def test_keepalive_schedule_deadline_and_delays():
     schedule = KeepaliveSchedule(interval_s=1.0, retry_interval_s=0.25, deadline=103.0)
@@ -430,7 +497,7 @@ def test_http_transport_tells_never_sent_from_maybe_applied():
     (a hung server): the request may be applied later, so it is ambiguous."""
     import socket
 
-    from agents.etcd import HttpTransport
+    from agents.etcd_endpoints import HttpTransport
 
     transport = HttpTransport()
     with socket.socket() as closed:
