@@ -3,7 +3,7 @@ s3fs PUT/GET of the same bytes, and how much an upload in flight slows training 
 
     python bench/checkpoint.py [--state-mb 300] [--repeats 3] [--no-process] [--timeout-s 420]
 
-One SeaweedFS (``checkpoint.seaweed.SeaweedS3``, loopback) serves the whole run; every
+One SeaweedFS (``testbed.seaweed.SeaweedS3``, loopback) serves the whole run; every
 measurement writes under a key prefix of its own. One ``torchrun --standalone
 --nproc-per-node 2`` job (gloo, CPU, FSDP2, OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE) builds
 the model and AdamW with ``ftrain.train.Trainer``, takes a few steps so the optimizer state
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
 
-    from checkpoint.seaweed import SeaweedS3
+    from testbed.seaweed import SeaweedS3
 
     started = time.perf_counter()
     shape = model_shape(args.state_mb)

@@ -67,7 +67,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agents.etcd_server import EtcdServer, free_ports
+from testbed.etcd import EtcdServer, free_ports
 from agents.workers import Launch  # the floor runs the agent's own launcher command
 from contract.events import Event
 from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env

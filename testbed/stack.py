@@ -9,8 +9,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from agents.etcd_server import EtcdServer
-from checkpoint.seaweed import SeaweedS3
+from testbed.etcd import EtcdServer
+from testbed.seaweed import SeaweedS3
 
 
 class LocalStack:

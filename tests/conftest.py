@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 import pytest
 
 from agents.etcd import EtcdClient
-from agents.etcd_server import EtcdServer
-from checkpoint.seaweed import SeaweedNotInstalledError, SeaweedS3
+from testbed.etcd import EtcdServer
+from testbed.seaweed import SeaweedNotInstalledError, SeaweedS3
 from checkpoint.storage import Storage
 from tests.support import RunResult, train_job
 

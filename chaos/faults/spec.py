@@ -51,8 +51,8 @@ class FaultSpec:
 class Context:
     """What faults act on."""
     cluster: Cluster
-    etcd: Any  #: agents.etcd_server.EtcdServer
-    s3: Any  #: checkpoint.seaweed.SeaweedS3
+    etcd: Any  #: testbed.etcd.EtcdServer
+    s3: Any  #: testbed.seaweed.SeaweedS3
     proxy: S3FaultProxy
     storage: Storage  #: the job's checkpoint root
     rng: random.Random

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from agents.etcd import EtcdClient
-from agents.etcd_server import EtcdServer
+from testbed.etcd import EtcdServer
 from agents.records import (FAILED, NODE_LOST, WORKER_EXIT, FinalStatus, JobKeys, Member, NodeRecord, NodeStatus,
                             RoundRecord)
 from agents.status import job_status, status_main

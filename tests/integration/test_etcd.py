@@ -25,7 +25,7 @@ from agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
 from agents.etcd import Compare, EtcdClient, Op
 from agents.etcd_session import Session
 from agents.etcd_watch import Watcher, WatchEvent
-from agents.etcd_server import EtcdCluster, EtcdServer, free_ports
+from testbed.etcd import EtcdCluster, EtcdServer, free_ports
 
 pytestmark = pytest.mark.timeout(60)
 #: Repository root (not tests.support.REPO: that module imports torch, which these tests never need).

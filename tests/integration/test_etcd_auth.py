@@ -13,7 +13,7 @@ import stat
 import pytest
 
 from agents.etcd import EtcdClient
-from agents.etcd_server import EtcdServer
+from testbed.etcd import EtcdServer
 from agents.records import JobKeys
 from checkpoint.errors import StaleRoundError
 from contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV

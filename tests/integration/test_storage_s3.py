@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 
 from checkpoint.errors import FatalStorageError, TransientStorageError
-from checkpoint.seaweed import SeaweedS3
+from testbed.seaweed import SeaweedS3
 from checkpoint.storage import Storage, StorageOptions
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from agents.errors import EtcdUnavailableError
 from agents.etcd import EtcdClient
-from agents.etcd_server import EtcdServer
+from testbed.etcd import EtcdServer
 from agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, EtcdStore, RollingLease, parse_endpoints
 from ftrain.cli.torchrun_plugin import handler
 from tests.support import REPO, kill_tree, worker_env

@@ -12,7 +12,7 @@ What must stay true:
 - :meth:`EtcdServer.stop` is SIGKILL + wait (SIGTERM of a cluster takes seconds); only the
   process this object started is ever signalled.
 
-``python -m agents.etcd_server`` runs one (or ``--members 3``) in the foreground and prints
+``python -m testbed.etcd`` runs one (or ``--members 3``) in the foreground and prints
 the endpoints.
 """
 
@@ -331,7 +331,7 @@ class EtcdCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.etcd_server",
+    parser = argparse.ArgumentParser(prog="python -m testbed.etcd",
                                      description="Run a throwaway local etcd in the foreground.")
     parser.add_argument("--members", type=int, default=1, help="cluster size (default 1)")
     parser.add_argument("--dir", help="data directory for a single member (default: a temp dir, deleted on exit)")

@@ -13,7 +13,7 @@ stay true:
 - Data lives in ``data_dir`` (a temp dir unless given), so :meth:`SeaweedS3.restart` keeps it;
   the ports are kept too.
 
-``python -m checkpoint.seaweed`` runs one in the foreground and prints its endpoint.
+``python -m testbed.seaweed`` runs one in the foreground and prints its endpoint.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ class SeaweedS3:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m checkpoint.seaweed",
+    parser = argparse.ArgumentParser(prog="python -m testbed.seaweed",
                                      description="Run a local SeaweedFS S3 server in the foreground.")
     parser.add_argument("--dir", help="data directory (default: a temp dir, deleted on exit)")
     parser.add_argument("--bucket", default="ftrain")
