@@ -23,8 +23,9 @@ from __future__ import annotations
 import errno
 import logging
 import posixpath
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterator, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from tenacity import (

@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+from collections.abc import Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
 
 from checkpoint.errors import CheckpointError
 
@@ -38,8 +39,6 @@ class StorageBackend(Protocol):
     object); :func:`checkpoint.storage.classify` decides what is transient.
     """
 
-    name: ClassVar[str]
-    """Short name, used by the contract suite and in messages."""
     schemes: ClassVar[tuple[str, ...]]
     """fsspec protocols this backend serves (``file`` for plain paths), or ``(ANY_SCHEME,)``."""
     fs: Any
@@ -103,22 +102,20 @@ class StorageBackend(Protocol):
 
 
 def collect(modules: Iterable[ModuleType]) -> dict[str, type[StorageBackend]]:
-    """The ``BACKEND`` of each module, by name; refuses a module without one, two backends
-    with one name or scheme, and a registry with no :data:`ANY_SCHEME` fallback."""
+    """The ``BACKEND`` of each module, named by its module (``local``, ``s3``, ...); refuses a
+    module without one, two backends claiming one scheme, and no :data:`ANY_SCHEME` fallback."""
     by_name: dict[str, type[StorageBackend]] = {}
     owner: dict[str, str] = {}
     for module in modules:
+        name = module.__name__.rpartition(".")[2]
         backend = getattr(module, "BACKEND", None)
         if backend is None:
             raise CheckpointError(f"storage backend module {module.__name__} defines no BACKEND")
-        if backend.name in by_name:
-            raise CheckpointError(f"two storage backends are named {backend.name!r} ({module.__name__})")
         for scheme in backend.schemes:
             if scheme in owner:
-                raise CheckpointError(f"storage scheme {scheme!r} is claimed by both {owner[scheme]!r} "
-                                      f"and {backend.name!r}")
-            owner[scheme] = backend.name
-        by_name[backend.name] = backend
+                raise CheckpointError(f"storage scheme {scheme!r} is claimed by both {owner[scheme]!r} and {name!r}")
+            owner[scheme] = name
+        by_name[name] = backend
     if ANY_SCHEME not in owner:
         raise CheckpointError(f"no storage backend claims {ANY_SCHEME!r} (the fallback for other fsspec schemes)")
     return dict(sorted(by_name.items()))
@@ -126,7 +123,7 @@ def collect(modules: Iterable[ModuleType]) -> dict[str, type[StorageBackend]]:
 
 @functools.cache
 def registered_backends() -> dict[str, type[StorageBackend]]:
-    """Every backend of this package, by name (its modules are imported on the first call)."""
+    """Every backend of this package, by module name (imported on the first call)."""
     return collect(importlib.import_module(f"{__name__}.{info.name}") for info in pkgutil.iter_modules(__path__))
 
 

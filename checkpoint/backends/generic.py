@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 class FsspecBackend:
     """A root URL on an fsspec filesystem, built from the URL alone."""
 
-    name: ClassVar[str] = "fsspec"
     schemes: ClassVar[tuple[str, ...]] = (ANY_SCHEME,)
 
     def __init__(self, url: str, options: StorageOptions) -> None:

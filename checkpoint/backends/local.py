@@ -24,7 +24,6 @@ _LOCAL_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")
 class LocalBackend(FsspecBackend):
     """A directory on a local filesystem."""
 
-    name: ClassVar[str] = "local"
     schemes: ClassVar[tuple[str, ...]] = ("file", "local")
 
     def write(self, path: str, data: bytes) -> None:

@@ -33,7 +33,6 @@ _TRANSIENT_TYPE_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "Read
 class S3Backend(FsspecBackend):
     """A bucket and key prefix on an S3 endpoint."""
 
-    name: ClassVar[str] = "s3"
     schemes: ClassVar[tuple[str, ...]] = ("s3", "s3a")
 
     @classmethod
