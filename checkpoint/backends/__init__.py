@@ -8,9 +8,9 @@ so adding a backend is one new module here (plus its root in
 ``tests/integration/test_storage_contract.py``, whose suite every backend must pass).
 
 What must stay true: each scheme belongs to one backend; exactly one backend claims
-:data:`ANY_SCHEME` and serves every fsspec scheme no other backend claims; a backend never
-retries or classifies errors itself (the facade does, once) and never answers metadata calls
-from a stale listing cache.
+:data:`ANY_SCHEME` and serves every fsspec scheme no other backend claims; a backend's
+operations never retry and never map errors (``Storage`` does, once, asking every backend's
+``classify_error``) and never answer metadata calls from a stale listing cache.
 """
 
 from __future__ import annotations
