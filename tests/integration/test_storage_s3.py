@@ -1,4 +1,5 @@
-"""Storage against a real S3 server (SeaweedFS): round trips, errors, outages, multipart cleanup.
+"""Storage against a real S3 server (SeaweedFS): listing caches, errors, credentials, outages,
+multipart cleanup. Round trips and what every backend must do are in test_storage_contract.py.
 
 One server for the session (``seaweed``); each test works under its own prefix. Tests that
 kill or pause the server restore it in ``finally``. No sleeps: threads wait on events set by
@@ -73,41 +74,7 @@ def is_retry_record(record: logging.LogRecord) -> bool:
     return record.name == "checkpoint.storage" and "retrying" in record.getMessage()
 
 
-# -- round trip -----------------------------------------------------------------------------
-def test_round_trip(s3_storage):
-    data = os.urandom(3 << 20)
-    s3_storage.write_bytes("step-1/shard-0.bin", data)
-    s3_storage.write_bytes("step-1/manifest.json", b"{}")
-    s3_storage.write_bytes("step-2/deep/er/file", b"x")
-    assert s3_storage.read_bytes("step-1/shard-0.bin") == data
-    assert s3_storage.exists("step-1/shard-0.bin") and s3_storage.exists("step-1")
-    assert not s3_storage.exists("step-1/nope")
-    assert s3_storage.size_bytes("step-1/shard-0.bin") == len(data)
-    assert s3_storage.listdir() == ["step-1", "step-2"]
-    assert s3_storage.listdir("step-1") == ["manifest.json", "shard-0.bin"]
-    assert s3_storage.listdir("step-2/deep") == ["er"]
-    chunks = list(s3_storage.iter_chunks("step-1/shard-0.bin", chunk_bytes=1 << 20))
-    assert len(chunks) == 3 and b"".join(chunks) == data
-    s3_storage.write_bytes("step-1/manifest.json", b'{"v": 2}')
-    assert s3_storage.read_bytes("step-1/manifest.json") == b'{"v": 2}'
-    s3_storage.remove("step-1", recursive=True)
-    assert s3_storage.listdir() == ["step-2"]
-    assert not s3_storage.exists("step-1/shard-0.bin")
-    s3_storage.remove("step-1", recursive=True)  # already gone: not an error
-    s3_storage.remove("", recursive=True)
-    assert s3_storage.listdir() == []
-
-
-def test_missing_keys_and_prefixes(s3_storage):
-    assert s3_storage.listdir() == []
-    assert s3_storage.listdir("no/such/prefix") == []
-    assert not s3_storage.exists("no/such/key")
-    with pytest.raises(FileNotFoundError):
-        s3_storage.read_bytes("no/such/key")
-    with pytest.raises(FileNotFoundError):
-        list(s3_storage.iter_chunks("no/such/key"))
-
-
+# -- S3 specifics (the shared contract is tests/integration/test_storage_contract.py) -------
 def test_metadata_is_not_answered_from_a_stale_listing(seaweed, s3_prefix, s3_storage):
     """Another client's write must be visible to exists/size after this client listed."""
     other = Storage(seaweed.url(s3_prefix), seaweed.storage_options(read_timeout_s=14.0))

@@ -1,5 +1,6 @@
-"""Storage without a server: error classification, retries with a fake sleep, memory:// and
-file:// round trips, ``/``-joined keys. The real-S3 behaviour is in tests/integration."""
+"""Storage without a server: error classification, retries with a fake sleep, the backend
+registry, local temp files, ``/``-joined keys. What every backend must do is the contract suite
+(tests/integration/test_storage_contract.py); the real-S3 behaviour is in tests/integration."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ import ast
 import errno
 import logging
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 from s3fs.errors import translate_boto_error
 
-from checkpoint.errors import FatalStorageError, TransientStorageError
+from checkpoint.backends import backend_for, collect, registered_backends
+from checkpoint.backends.generic import FsspecBackend
+from checkpoint.backends.local import LocalBackend
+from checkpoint.backends.s3 import S3Backend
+from checkpoint.errors import CheckpointError, FatalStorageError, TransientStorageError
 from checkpoint.storage import Storage, StorageOptions, classify
 
 REPO = Path(__file__).resolve().parents[2]  # not tests.support: it imports torch
@@ -191,58 +197,107 @@ def test_operations_go_through_retry(tmp_path, monkeypatch):
     storage.remove("", recursive=True)
 
 
-# -- round trips ----------------------------------------------------------------------------
-@pytest.fixture(params=["memory", "file"])
-def storage(request, tmp_path):
-    if request.param == "memory":
-        url = f"memory://unit-{request.node.name.replace('[', '-').rstrip(']')}"
-    else:
-        url = f"file://{tmp_path}/root"
-    s = Storage(url, sleep=FakeSleep())
-    yield s
-    s.remove("", recursive=True)
+class FlakyBackend:
+    """Wraps a backend; the first call of each of its methods raises ECONNRESET."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.failed: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: object, **kwargs: object) -> object:
+            if name not in self.failed:
+                self.failed.append(name)
+                raise ConnectionResetError(errno.ECONNRESET, f"{name}: reset")
+            return attr(*args, **kwargs)
+
+        return call
 
 
-def test_round_trip(storage):
-    data = bytes(range(256)) * 1000
-    storage.write_bytes("step-1/shard-0.bin", data)
-    storage.write_bytes("step-1/manifest.json", b"{}")
-    storage.write_bytes("step-2/deep/er/file", b"x")
-    assert storage.read_bytes("step-1/shard-0.bin") == data
-    assert storage.exists("step-1/shard-0.bin") and storage.exists("step-1")
-    assert not storage.exists("step-1/nope")
-    assert storage.size_bytes("step-1/shard-0.bin") == len(data)
-    assert storage.listdir() == ["step-1", "step-2"]
-    assert storage.listdir("step-1") == ["manifest.json", "shard-0.bin"]
-    assert storage.listdir("step-2/deep") == ["er"]
-    assert b"".join(storage.iter_chunks("step-1/shard-0.bin", chunk_bytes=10_000)) == data
-    assert len(list(storage.iter_chunks("step-1/shard-0.bin", chunk_bytes=100_000))) == 3
-    storage.write_bytes("step-1/manifest.json", b'{"v": 2}')  # overwrite
-    assert storage.read_bytes("step-1/manifest.json") == b'{"v": 2}'
-    storage.remove("step-1", recursive=True)
-    assert storage.listdir() == ["step-2"]
-    assert not storage.exists("step-1/shard-0.bin")
-    storage.remove("step-1", recursive=True)  # removing what is gone is not an error
+OPERATIONS = {
+    "read_bytes": lambda s: s.read_bytes("k"),
+    "read_range": lambda s: s.read_range("k", 0, 1),
+    "write_bytes": lambda s: s.write_bytes("k2", b"v"),
+    "exists": lambda s: s.exists("k"),
+    "size_bytes": lambda s: s.size_bytes("k"),
+    "listdir": lambda s: s.listdir(),
+    "remove": lambda s: s.remove("k", recursive=True),
+    "iter_chunks": lambda s: list(s.iter_chunks("k")),
+    "clear_multipart_uploads": lambda s: s.clear_multipart_uploads(),
+}
 
 
-def test_missing(storage):
-    assert storage.listdir("no/such/prefix") == []
-    assert not storage.exists("no/such/key")
-    with pytest.raises(FileNotFoundError):
-        storage.read_bytes("no/such/key")
-    with pytest.raises(FileNotFoundError):
-        storage.size_bytes("no/such/key")
-    with pytest.raises(FileNotFoundError):
-        list(storage.iter_chunks("no/such/key"))
+@pytest.mark.parametrize("op", sorted(OPERATIONS))
+def test_every_backend_call_is_retried(tmp_path, op):
+    sleep = FakeSleep()
+    storage = make_storage(tmp_path, sleep, max_attempts=3)
+    storage.write_bytes("k", b"v")
+    storage.backend = FlakyBackend(storage.backend)
+    OPERATIONS[op](storage)
+    assert storage.backend.failed != [] and len(sleep.calls) == len(storage.backend.failed) == 1
 
 
-def test_empty_object(storage):
-    storage.write_bytes("empty", b"")
-    assert storage.read_bytes("empty") == b""
-    assert storage.size_bytes("empty") == 0
-    assert list(storage.iter_chunks("empty")) == []
+# -- the backend registry -------------------------------------------------------------------
+S3_OPTIONS = StorageOptions(endpoint_url="http://127.0.0.1:1", access_key_id="K", secret_access_key="S")
 
 
+@pytest.mark.parametrize("url,backend", [
+    ("/plain/path", LocalBackend), ("relative/path", LocalBackend), ("file:///x/y", LocalBackend),
+    ("local:///x/y", LocalBackend), ("s3://bucket/p", S3Backend), ("s3a://bucket/p", S3Backend),
+])
+def test_backend_chosen_by_scheme(url, backend):
+    assert type(Storage(url, S3_OPTIONS).backend) is backend
+
+
+def test_unclaimed_schemes_go_to_the_generic_backend():
+    claimed = {scheme for backend in registered_backends().values() for scheme in backend.schemes}
+    unclaimed = [s for s in ("memory", "gcs", "hdfs", "an-unknown-scheme") if s not in claimed]
+    assert "an-unknown-scheme" in unclaimed
+    assert all(backend_for(s) is FsspecBackend for s in unclaimed)
+    assert type(Storage("memory://x").backend) is backend_for("memory")
+
+
+def test_every_module_of_the_package_is_a_backend():
+    modules = {p.stem for p in (REPO / "checkpoint/backends").glob("*.py")} - {"__init__"}
+    assert sorted(registered_backends()) == sorted(modules)
+    assert {"generic": FsspecBackend, "local": LocalBackend, "s3": S3Backend}.items() <= registered_backends().items()
+
+
+def test_options_ask_the_backend_for_fsspec_kwargs():
+    assert S3_OPTIONS.fsspec_kwargs("s3a") == S3_OPTIONS.fsspec_kwargs("s3") == S3Backend.fsspec_kwargs(S3_OPTIONS)
+    assert S3_OPTIONS.fsspec_kwargs("memory") == S3_OPTIONS.fsspec_kwargs("local") == {}
+
+
+def _module(name: str, backend: type | None = None) -> ModuleType:
+    module = ModuleType(f"checkpoint.backends.{name}")
+    if backend is not None:
+        module.BACKEND = backend  # type: ignore[attr-defined]
+    return module
+
+
+def test_collect_refuses_a_module_without_backend():
+    with pytest.raises(CheckpointError, match="checkpoint.backends.helpers defines no BACKEND"):
+        collect([_module("generic", FsspecBackend), _module("helpers")])
+
+
+def test_collect_refuses_a_scheme_claimed_twice():
+    class OtherS3(S3Backend):
+        schemes = ("s3",)
+
+    with pytest.raises(CheckpointError, match="'s3' is claimed by both 's3' and 'minio'"):
+        collect([_module("generic", FsspecBackend), _module("s3", S3Backend), _module("minio", OtherS3)])
+
+
+def test_collect_needs_a_fallback():
+    with pytest.raises(CheckpointError, match="no storage backend claims"):
+        collect([_module("local", LocalBackend), _module("s3", S3Backend)])
+
+
+# -- backend specifics (the shared contract is tests/integration/test_storage_contract.py) ----
 def test_local_write_is_atomic_and_leaves_no_temp_files(tmp_path):
     storage = Storage(str(tmp_path / "plain-path"))  # a plain path means file://
     assert storage.protocol == "file"
@@ -252,10 +307,6 @@ def test_local_write_is_atomic_and_leaves_no_temp_files(tmp_path):
     # an in-flight temp file of another writer is not listed
     (tmp_path / "plain-path/a/b/shard.bin.tmp-0123456789abcdef0123456789abcdef").write_bytes(b"")
     assert storage.listdir("a/b") == ["manifest.json"]
-
-
-def test_clear_multipart_uploads_is_noop_off_s3(storage):
-    assert storage.clear_multipart_uploads() == 0
 
 
 # -- paths ----------------------------------------------------------------------------------
@@ -276,9 +327,13 @@ def test_file_paths_are_slash_joined(tmp_path):
     assert storage.child_url("a", "b/") == f"file://{tmp_path}/a/b"
 
 
-def test_storage_module_never_uses_os_path():
+BACKEND_MODULES = sorted(str(p.relative_to(REPO)) for p in (REPO / "checkpoint/backends").glob("*.py"))
+
+
+@pytest.mark.parametrize("module", ["checkpoint/storage.py", *BACKEND_MODULES])
+def test_storage_module_never_uses_os_path(module):
     """Keys must be ``/``-joined on every OS: ``os.path`` is ``ntpath`` on Windows."""
-    tree = ast.parse((REPO / "checkpoint/storage.py").read_text())
+    tree = ast.parse((REPO / module).read_text())
     uses = [node.lineno for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and node.attr == "path"
             and isinstance(node.value, ast.Name) and node.value.id == "os"]
