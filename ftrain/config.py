@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ftrain.strategies import STRATEGIES  # torch-free registry of the parallel strategies
+from ftrain.strategies import check_config as _check_strategy_config
+from ftrain.strategies import check_parallel as _check_strategy_parallel
+
 
 class ConfigError(ValueError):
     """A configuration problem, reported with the offending key."""
@@ -179,9 +183,6 @@ class OptimConfig:
         _positive("optim.base_world_size", self.base_world_size)
 
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
-
-
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     strategy: str = _opt("ddp", "Parallelism: " + ", ".join(STRATEGIES) + ".", STRATEGIES)
@@ -205,11 +206,7 @@ class ParallelConfig:
             raise ConfigError("parallel.tp_size", f"must be >= 0, got {self.tp_size}")
         if self.shard_size < 0:
             raise ConfigError("parallel.shard_size", f"must be >= 0, got {self.shard_size}")
-        if self.deterministic and self.strategy != "ddp":
-            raise ConfigError(
-                "parallel.deterministic",
-                f"the fixed-order reduction supports parallel.strategy=ddp only, not {self.strategy!r}",
-            )
+        _check_strategy_parallel(self)  # strategy hook: a registered name; deterministic only where supported
         if self.bucket_cap_mb <= 0:
             raise ConfigError("parallel.bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         if self.timeout_s <= 0:
@@ -374,12 +371,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
-        if self.checkpoint.uri and self.parallel.strategy == "zero1":
-            raise ConfigError(
-                "parallel.strategy",
-                "zero1 (ZeroRedundancyOptimizer) cannot be checkpointed with DCP yet; use zero2, which "
-                "shards optimizer state and gradients and checkpoints/reshards like fsdp",
-            )
+        _check_strategy_config(self)  # strategy hook: e.g. zero1 refuses checkpoint.uri
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
