@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ftrain.strategies import STRATEGIES  # torch-free registry of the parallel strategies
+from ftrain.strategies import STRATEGIES
 from ftrain.strategies import check_config as _check_strategy_config
 from ftrain.strategies import check_parallel as _check_strategy_parallel
 

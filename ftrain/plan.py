@@ -78,7 +78,7 @@ from ftrain import strategies
 from ftrain.config import Config, ConfigError, ModelConfig, OptimConfig
 from ftrain.model import build_model, transformer_blocks
 from ftrain.optim import param_groups
-from ftrain.strategies import Layout, Strategy, compute_layout
+from ftrain.strategies import Layout, Strategy, Wrapper, compute_layout
 
 GiB = 2**30
 
@@ -297,7 +297,7 @@ def textbook_model_state_bytes(strategy: str, num_params: int, *, shard: int, tp
 def _precision_mode(strategy: Strategy, target: Target) -> str:
     if target.dtype == "fp32":
         return "fp32"
-    return "mp" if strategy.wrapper == "fsdp" else "autocast"
+    return "mp" if strategy.wrapper is Wrapper.FSDP else "autocast"
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,7 +410,7 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     """Per-rank memory of ``layout.strategy`` for this model, batch and precision, from the
     strategy's memory model (``Strategy.wrapper``, ``shard_count``, ``optimizer_numel``, ...)."""
     strategy = strategies.get(layout.strategy)
-    s, ddp, fsdp = strategy.name, strategy.wrapper == "ddp", strategy.wrapper == "fsdp"
+    s, ddp, fsdp = strategy.name, strategy.wrapper is Wrapper.DDP, strategy.wrapper is Wrapper.FSDP
     psi = stats.num_params
     tp = layout.tp_size
     shard = strategy.shard_count(layout)

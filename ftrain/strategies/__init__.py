@@ -16,12 +16,12 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy, config_error
+from ftrain.strategies.base import Layout, Strategy, Wrapper, config_error
 
 if TYPE_CHECKING:
     from ftrain.config import Config, ParallelConfig
 
-__all__ = ["STRATEGIES", "Layout", "Strategy", "by_preference", "check_config", "check_parallel",
+__all__ = ["STRATEGIES", "Layout", "Strategy", "Wrapper", "by_preference", "check_config", "check_parallel",
            "compute_layout", "discover", "get", "registered"]
 
 

@@ -21,8 +21,9 @@ What must stay true:
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -33,12 +34,18 @@ if TYPE_CHECKING:
     from ftrain.parallel.base import Parallel
     from ftrain.plan import MemoryEstimate, ModelStats
 
-#: What holds the parameters for data parallelism, as ``ftrain plan`` counts it:
-#: "ddp" replicated plain tensors whose gradient buckets persist through backward (unless
-#: ``parallel.deterministic``), and a foreach AdamW step on CUDA; "fsdp" FSDP2 units sharded over
-#: :meth:`Strategy.shard_count` ranks with dim 0 padded, bf16 by a MixedPrecisionPolicy, units
-#: gathered in forward and backward; "none" the parameters as they are (plain or TP DTensors).
-Wrapper = Literal["ddp", "fsdp", "none"]
+class Wrapper(enum.Enum):
+    """What holds the parameters for data parallelism, as ``ftrain plan`` counts memory."""
+
+    DDP = enum.auto()
+    """Replicated plain tensors; gradient buckets persist through backward (unless
+    ``parallel.deterministic``) and accumulation adds fresh gradients beside them; a foreach
+    AdamW step on CUDA."""
+    FSDP = enum.auto()
+    """FSDP2 units sharded over :meth:`Strategy.shard_count` ranks with dim 0 padded, bf16 by a
+    MixedPrecisionPolicy (not autocast), units gathered in forward and backward."""
+    NONE = enum.auto()
+    """The parameters as they are (plain, or tensor-parallel DTensors)."""
 
 MeshShape = tuple[tuple[int, ...], tuple[str, ...]]
 
@@ -104,6 +111,7 @@ class Strategy(abc.ABC):
 
     # -- memory model (ftrain plan does the arithmetic from these and the methods below) ---
     wrapper: ClassVar[Wrapper]
+    """What holds the parameters for data parallelism."""
     reshard_after_forward: ClassVar[bool] = True
     """FSDP2 only: re-shard each unit after its forward (ZeRO-3) or keep it gathered (ZeRO-2).
     Both ``apply_data_parallel`` and the memory model read it."""

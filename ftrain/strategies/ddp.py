@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy
+from ftrain.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +26,7 @@ class DDP(Strategy):
     position = 0
     preference = 0
     supports_deterministic = True
-    wrapper = "ddp"
+    wrapper = Wrapper.DDP
 
     def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
                n_head: int | None) -> Layout:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy
+from ftrain.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,7 @@ class FSDP(Strategy):
     name = "fsdp"
     position = 3
     preference = 4
-    wrapper = "fsdp"
+    wrapper = Wrapper.FSDP
 
     def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
                n_head: int | None) -> Layout:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy, config_error
+from ftrain.strategies.base import Layout, Strategy, Wrapper, config_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -48,7 +48,7 @@ class TP(Strategy):
     preference = 6
     needs_tp_plan = True
     needs_several_ranks = True
-    wrapper = "none"
+    wrapper = Wrapper.NONE
 
     def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
                n_head: int | None) -> Layout:
