@@ -47,6 +47,8 @@ class Wrapper(enum.Enum):
     NONE = enum.auto()
     """The parameters as they are (plain, or tensor-parallel DTensors)."""
 
+
+#: A device mesh as (shape, dimension names), what ``init_device_mesh`` takes.
 MeshShape = tuple[tuple[int, ...], tuple[str, ...]]
 
 
@@ -122,7 +124,7 @@ class Strategy(abc.ABC):
         return f"<strategy {self.name}>"
 
     # -- config ---------------------------------------------------------------------------
-    def check_config(self, cfg: Config) -> None:
+    def check_config(self, cfg: Config) -> None:  # noqa: B027  (a hook: most strategies add nothing)
         """Reject, with a ConfigError naming the key, a whole config this strategy cannot run
         (called from ``Config.__post_init__``)."""
 
@@ -134,7 +136,7 @@ class Strategy(abc.ABC):
         Settings left at 0 (``tp_size``, ``shard_size``) get the strategy's default here."""
 
     # -- the model (torch; imported lazily) -----------------------------------------------
-    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:  # noqa: B027  (a hook)
         """Split the model's layers in place, before activation checkpointing (default: nothing)."""
 
     def apply_data_parallel(self, model: nn.Module, parallel: ParallelConfig, layout: Layout,
@@ -170,7 +172,7 @@ class Strategy(abc.ABC):
         import torch
         from torch.distributed.tensor import DTensor
 
-        plain = [p for p in par.model.parameters() if not isinstance(p, DTensor)]
+        plain: list[torch.Tensor] = [p for p in par.model.parameters() if not isinstance(p, DTensor)]
         plain += [t for p in plain for t in par.optimizer.state.get(p, {}).values()
                   if torch.is_tensor(t) and not isinstance(t, DTensor)]
         return plain

@@ -142,7 +142,7 @@ def test_deterministic_is_refused_where_unsupported_naming_the_strategies_that_s
         if strategy.supports_deterministic:
             assert ParallelConfig(strategy=strategy.name, deterministic=True).deterministic
             continue
-        with pytest.raises(ConfigError, match="parallel.strategy=ddp only") as err:
+        with pytest.raises(ConfigError, match=r"parallel\.strategy=ddp only") as err:
             ParallelConfig(strategy=strategy.name, deterministic=True)
         assert err.value.key == "parallel.deterministic"
 
