@@ -31,9 +31,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from ftrain.strategies import STRATEGIES  # noqa: E402  (the registry's names; torch-free)
 from tests.support import descendants  # noqa: E402  (one process-tree walker for tests and benches)
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise
 CORES_NOTE_THRESHOLD = 4
 

@@ -22,6 +22,10 @@ from checkpoint.config import CheckpointConfig
 from contract import worker_env
 from contract.config import (ConfigError, at_least, check_floats, int_range, load_sections, opt,
                              positive)
+from ftrain.strategies import STRATEGIES
+from ftrain.strategies import check_config as _check_strategy_config
+from ftrain.strategies import check_parallel as _check_strategy_parallel
+
 
 #: sections of the shared config file that other processes own (the node agent's)
 OTHER_SECTIONS = ("agent",)
@@ -167,9 +171,6 @@ class OptimConfig:
         positive("optim.base_world_size", self.base_world_size)
 
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
-
-
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     strategy: str = opt("ddp", "Parallelism: " + ", ".join(STRATEGIES) + ".", STRATEGIES)
@@ -193,11 +194,7 @@ class ParallelConfig:
             raise ConfigError("parallel.tp_size", f"must be >= 0, got {self.tp_size}")
         if self.shard_size < 0:
             raise ConfigError("parallel.shard_size", f"must be >= 0, got {self.shard_size}")
-        if self.deterministic and self.strategy != "ddp":
-            raise ConfigError(
-                "parallel.deterministic",
-                f"the fixed-order reduction supports parallel.strategy=ddp only, not {self.strategy!r}",
-            )
+        _check_strategy_parallel(self)  # strategy hook: a registered name; deterministic only where supported
         if self.bucket_cap_mb <= 0:
             raise ConfigError("parallel.bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         if self.timeout_s <= 0:
@@ -252,12 +249,7 @@ class Config:
     read: the worker takes only ``agent.job`` from them (:func:`worker_job_id`)."""
 
     def __post_init__(self) -> None:
-        if self.checkpoint.uri and self.parallel.strategy == "zero1":
-            raise ConfigError(
-                "parallel.strategy",
-                "zero1 (ZeroRedundancyOptimizer) cannot be checkpointed with DCP yet; use zero2, which "
-                "shards optimizer state and gradients and checkpoints/reshards like fsdp",
-            )
+        _check_strategy_config(self)  # strategy hook: e.g. zero1 refuses checkpoint.uri
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)

@@ -1,10 +1,11 @@
 """Cross-replica consistency: ranks that must hold identical copies compare digests.
 
-Replicated copies: every rank under ddp (and the fixed-order reduction), the parameters under
-zero1, each shard position across HSDP replicate groups, and the replicated (non-DTensor)
-parameters of tensor-parallel ranks. fsdp and zero2 hold no replicas (only shards), so there
-is nothing to compare. A silent divergence (bit flip, a rank that skipped an update) shows up
-as a digest that differs from the rest of its group.
+Which ranks hold identical copies, and of what, is each strategy's rule
+(:meth:`ftrain.strategies.Strategy.replica_group` and ``replicated_tensors``): every rank under
+ddp (and the fixed-order reduction), the parameters under zero1, each shard position across HSDP
+replicate groups, the replicated (non-DTensor) parameters of tensor-parallel ranks; fsdp, zero2
+and fsdp+tp hold only shards, so there is nothing to compare. A silent divergence (bit flip, a
+rank that skipped an update) shows up as a digest that differs from the rest of its group.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.tensor import DTensor
 
+from ftrain import strategies
 from ftrain.parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -34,22 +35,11 @@ class Mismatch:
 
 
 def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:
-    """(replica group key, tensors that must match within the group), or None if none."""
-    strategy, layout = par.layout.strategy, par.layout
-    params = [p for p in par.model.parameters()]
-    if strategy == "hsdp":
-        key = layout.rank % layout.shard_size
-        tensors = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        tensors += [t.to_local() if isinstance(t, DTensor) else t for s in par.optimizer.state.values()
-                    for t in s.values() if torch.is_tensor(t)]
-        return key, tensors
-    if strategy in ("ddp", "tp", "zero1"):
-        plain = [p for p in params if not isinstance(p, DTensor)]
-        if strategy != "zero1":
-            plain += [t for p in plain for t in par.optimizer.state.get(p, {}).values()
-                      if torch.is_tensor(t) and not isinstance(t, DTensor)]
-        return 0, plain
-    return None
+    """(replica group key, tensors that must match within the group), or None if none: the
+    strategy's rule (:meth:`ftrain.strategies.Strategy.replica_group`)."""
+    strategy = strategies.get(par.layout.strategy)
+    group = strategy.replica_group(par.layout)
+    return None if group is None else (group, strategy.replicated_tensors(par))
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

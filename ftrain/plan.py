@@ -67,7 +67,6 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -75,10 +74,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from ftrain.config import STRATEGIES, Config, ConfigError, ModelConfig, OptimConfig
-from ftrain.distributed import Layout, compute_layout
+from ftrain import strategies
+from ftrain.config import Config, ConfigError, ModelConfig, OptimConfig
 from ftrain.model import build_model, transformer_blocks
 from ftrain.optim import param_groups
+from ftrain.strategies import Layout, Strategy, Wrapper, compute_layout
 
 GiB = 2**30
 
@@ -99,11 +99,9 @@ CUDA_RUNTIME_BYTES = 1 * GiB
 #: Device memory assumed when none is given and this machine has no GPU (an 80 GB H100/A100).
 DEFAULT_DEVICE_MEMORY_BYTES = 80 * GiB
 
-#: Least communication first: the recommendation is the first strategy in this order that fits.
-PREFERENCE = ("ddp", "zero1", "zero2", "hsdp", "fsdp", "fsdp+tp", "tp")
-
-#: Strategies whose parameters FSDP2 shards.
-_FSDP = ("zero2", "fsdp", "hsdp", "fsdp+tp")
+#: Least communication first (``Strategy.preference``): the recommendation is the first
+#: strategy in this order that fits.
+PREFERENCE = tuple(s.name for s in strategies.by_preference())
 
 #: Above this fraction of device memory a fitting plan is reported as tight.
 TIGHT_FRACTION = 0.9
@@ -285,48 +283,21 @@ def _fsdp_local_numel(shape: tuple[int, ...], n: int) -> int:
     return -(-shape[0] // n) * math.prod(shape[1:])
 
 
-def zero1_partition(stats: ModelStats, world_size: int) -> list[int]:
-    """Parameters per rank as ZeroRedundancyOptimizer assigns them: group by group, largest
-    first, each to the rank with the fewest so far (ties to the lowest rank)."""
-    sizes = [0] * world_size
-    heap = [(0, rank) for rank in range(world_size)]  # (size, rank): the minimum, ties to the lowest rank
-    for g in sorted({p.group for p in stats.params}):
-        for p in sorted((p for p in stats.params if p.group == g), key=lambda p: p.numel, reverse=True):
-            size, rank = heapq.heappop(heap)
-            sizes[rank] = size + p.numel
-            heapq.heappush(heap, (sizes[rank], rank))
-    return sizes
-
-
 def textbook_model_state_bytes(strategy: str, num_params: int, *, shard: int, tp_split: int = 0,
                                tp: int = 1) -> int:
     """Mixed-precision Adam model states per rank as in the ZeRO paper (16 bytes per parameter:
     2 fp16 params + 2 fp16 grads + 12 fp32 master, m, v), for comparison with ours."""
-    psi = num_params
-    if strategy == "ddp":
-        return 16 * psi
-    if strategy == "zero1":
-        return 4 * psi + 12 * psi // shard
-    if strategy == "zero2":
-        return 2 * psi + 14 * psi // shard
-    if strategy in ("fsdp", "hsdp"):
-        return 16 * psi // shard
-    local = tp_split // tp + (psi - tp_split)
-    if strategy == "tp":
-        return 16 * local
-    if strategy == "fsdp+tp":
-        return 16 * local // shard
-    raise ValueError(f"unknown strategy {strategy!r}")
+    return strategies.get(strategy).textbook_model_state_bytes(num_params, shard=shard, tp_split=tp_split, tp=tp)
 
 
 # --------------------------------------------------------------------------------------------
 # Activations.
 
 
-def _precision_mode(strategy: str, target: Target) -> str:
+def _precision_mode(strategy: Strategy, target: Target) -> str:
     if target.dtype == "fp32":
         return "fp32"
-    return "mp" if strategy in _FSDP else "autocast"
+    return "mp" if strategy.wrapper is Wrapper.FSDP else "autocast"
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,7 +392,8 @@ def resolve_target(cfg: Config) -> Target:
 def layout_for(cfg: Config, strategy: str, *, world_size: int, gpus_per_node: int) -> Layout:
     """Rank 0's layout for ``strategy``; ConfigError (naming the key) if it cannot run at this size."""
     parallel = dataclasses.replace(
-        cfg.parallel, strategy=strategy, deterministic=cfg.parallel.deterministic and strategy == "ddp"
+        cfg.parallel, strategy=strategy,
+        deterministic=cfg.parallel.deterministic and strategies.get(strategy).supports_deterministic,
     )
     n_head = cfg.model.n_head if not cfg.model.factory else None
     return compute_layout(parallel, world_size=world_size, rank=0,
@@ -435,13 +407,14 @@ def overhead_bytes(cfg: Config, target: Target) -> int:
 
 
 def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> MemoryEstimate:
-    """Per-rank memory of ``layout.strategy`` for this model, batch and precision."""
-    s = layout.strategy
+    """Per-rank memory of ``layout.strategy`` for this model, batch and precision, from the
+    strategy's memory model (``Strategy.wrapper``, ``shard_count``, ``optimizer_numel``, ...)."""
+    strategy = strategies.get(layout.strategy)
+    s, ddp, fsdp = strategy.name, strategy.wrapper is Wrapper.DDP, strategy.wrapper is Wrapper.FSDP
     psi = stats.num_params
-    tp = layout.tp_size if s in ("tp", "fsdp+tp") else 1
-    shard = {"zero1": layout.world_size, "zero2": layout.world_size, "fsdp": layout.world_size,
-             "hsdp": layout.shard_size, "fsdp+tp": layout.dp_size}.get(s, 1)
-    mode = _precision_mode(s, target)
+    tp = layout.tp_size
+    shard = strategy.shard_count(layout)
+    mode = _precision_mode(strategy, target)
     e = 4 if target.dtype == "fp32" else 2  # compute dtype
     accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
     notes: list[str] = []
@@ -450,16 +423,16 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
         return math.prod(_tp_local_shape(p, tp))
 
     def stored(p: ParamInfo) -> int:  # what this rank keeps of p between steps
-        return _fsdp_local_numel(_tp_local_shape(p, tp), shard) if s in _FSDP else tp_local(p)
+        return _fsdp_local_numel(_tp_local_shape(p, tp), shard) if fsdp else tp_local(p)
 
     local = sum(stored(p) for p in stats.params)
     params = 4 * local
-    grads = 4 * (psi if s == "zero1" else local)
-    opt_local = max(zero1_partition(stats, layout.world_size)) if s == "zero1" else local
+    grads = 4 * local  # shaped like the parameters this rank holds
+    opt_local = strategy.optimizer_numel(stats, layout, local)
     optimizer = 8 * opt_local
     # DDP's buckets are the gradients and live for the whole run; everywhere else gradients are
     # freed by zero_grad(set_to_none=True) and come back during backward as activations go.
-    grads_in_backward = grads if s in ("ddp", "zero1") and not layout.deterministic else 0
+    grads_in_backward = grads if ddp and not layout.deterministic else 0
 
     acts = activations(cfg.model, micro_batch=cfg.train.micro_batch_size, mode=mode, tp=tp,
                        device=target.device, checkpointing=cfg.parallel.activation_checkpointing)
@@ -470,13 +443,13 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
         extra_a += 2 * sum(tp_local(p) for p in stats.params if p.autocast_copy)
     unsharded = sum(tp_local(p) for p in stats.params)
     if accum > 1:
-        if s in ("ddp", "zero1") and not layout.deterministic:
+        if ddp and not layout.deterministic:
             # zero_grad(set_to_none=True) detaches the gradients from DDP's buckets; no_sync
             # micro-batches then accumulate into fresh tensors beside the buckets (measured).
             extra_a += 4 * psi
             notes.append(f"{s}: {accum} accumulation steps: no_sync micro-batches accumulate into fresh "
                          f"gradients beside DDP's buckets, {_gib(4 * psi)} per rank")
-        elif s in _FSDP:
+        elif fsdp:
             extra_a += 4 * unsharded  # no-sync micro-batches accumulate unsharded fp32 gradients
             notes.append(f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
                          f"micro-batches (set_requires_gradient_sync(False)), {_gib(4 * unsharded)} per rank")
@@ -485,13 +458,13 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
         else:
             extra_a += 4 * local  # p.grad accumulates
     extra_b = extra_a
-    if s in _FSDP:
+    if fsdp:
         root = sum(tp_local(p) for p in stats.params if p.unit == -1)
         block = max((sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)),
                     default=0)
         grad_work = block * (e + 4)  # a block's unsharded gradient and fp32 reduce-scatter input
-        if s == "zero2":
-            # reshard_after_forward=False: every unit stays unsharded from its forward on.
+        if not strategy.reshard_after_forward:
+            # ZeRO-2: every unit stays unsharded from its forward on.
             extra_a += e * unsharded
             extra_b = extra_a + e * root + grad_work
         else:
@@ -503,7 +476,7 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     transient = peak - acts.at_loss_backward
 
     # Optimizer step (activations gone, the loop still references the last logits).
-    if target.device == "cuda" and s in ("ddp", "zero1"):
+    if target.device == "cuda" and ddp:
         step = 4 * opt_local  # foreach AdamW: sqrt(v) for the whole group at once
     else:
         step = 8 * max((stored(p) for p in stats.params), default=0)  # per-tensor AdamW temporaries
@@ -518,10 +491,10 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     step += acts.logits_held
 
     # Start-up: the full fp32 model (plus DDP's buckets, or the first shards/splits).
-    init = 4 * psi + (4 * psi if s in ("ddp", "zero1") else 4 * local)
+    init = 4 * psi + (4 * psi if ddp else 4 * local)
 
     tp_split = sum(p.numel for p in stats.params if p.tp_dim is not None)
-    textbook = textbook_model_state_bytes(s, psi, shard=shard, tp_split=tp_split, tp=tp)
+    textbook = strategy.textbook_model_state_bytes(psi, shard=shard, tp_split=tp_split, tp=tp)
     return MemoryEstimate(
         strategy=s, world_size=layout.world_size, dp_size=layout.dp_size, tp_size=tp, shard_size=shard,
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
@@ -535,8 +508,9 @@ def estimate_all(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_no
                  target: Target) -> tuple[list[MemoryEstimate], list[Skipped]]:
     """Every strategy that can run at this world size, and the reason for each that cannot."""
     estimates, skipped = [], []
-    for s in STRATEGIES:
-        if s in ("tp", "fsdp+tp") and not stats.has_tp_plan:
+    for strategy in strategies.registered():
+        s = strategy.name
+        if strategy.needs_tp_plan and not stats.has_tp_plan:
             skipped.append(Skipped(s, f"{stats.name} has no tp_plan()"))
             continue
         try:
@@ -544,7 +518,7 @@ def estimate_all(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_no
         except ConfigError as e:
             skipped.append(Skipped(s, str(e)))
             continue
-        if s in ("hsdp", "fsdp+tp", "tp") and world_size == 1:
+        if strategy.needs_several_ranks and world_size == 1:
             skipped.append(Skipped(s, "needs more than one rank"))
             continue
         estimates.append(estimate(stats, cfg, layout, target))
@@ -640,16 +614,6 @@ def default_device_memory_bytes(target: Target) -> int:
     return DEFAULT_DEVICE_MEMORY_BYTES
 
 
-def _layout_text(e: MemoryEstimate) -> str:
-    if e.strategy == "fsdp+tp":
-        return f"dp={e.dp_size} tp={e.tp_size}"
-    if e.strategy == "tp":
-        return f"tp={e.tp_size}"
-    if e.strategy == "hsdp":
-        return f"{e.world_size // e.shard_size}x{e.shard_size}"
-    return f"dp={e.dp_size}"
-
-
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -691,9 +655,9 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         use = e.total_bytes / memory
         fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
         total = _gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
-        rows.append([e.strategy, _layout_text(e), _gib(e.model_state_bytes), _gib(e.activation_bytes),
-                     _gib(e.transient_bytes), _gib(e.step_transient_bytes), _gib(e.overhead_bytes), total,
-                     f"{fit} ({use:.0%})"])
+        rows.append([e.strategy, strategies.get(e.strategy).layout_text(e), _gib(e.model_state_bytes),
+                     _gib(e.activation_bytes), _gib(e.transient_bytes), _gib(e.step_transient_bytes),
+                     _gib(e.overhead_bytes), total, f"{fit} ({use:.0%})"])
     lines += _table(rows)
     for sk in skipped:
         lines.append(f"skipped {sk.strategy}: {sk.reason}")
@@ -717,8 +681,9 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
                  "accumulated between micro-batches; step extra: AdamW temporaries and the last logits")
     for e in estimates:
         if e.model_state_bytes != e.textbook_model_state_bytes:
+            why = strategies.get(e.strategy).textbook_difference
             lines.append(f"  - {e.strategy}: model states {_gib(e.model_state_bytes)} here vs "
-                         f"{_gib(e.textbook_model_state_bytes)} textbook ({_TEXTBOOK_DIFF.get(e.strategy, 'padding')})")
+                         f"{_gib(e.textbook_model_state_bytes)} textbook ({why})")
         lines += [f"  - {n}" for n in e.notes]
     if cfg.model.factory:
         lines.append("  - activations assume a GPT-like model with the configured model.* sizes")
@@ -735,9 +700,3 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
                      "bench/plan_vs_measured.py")
     return "\n".join(lines)
 
-
-_TEXTBOOK_DIFF = {
-    "zero1": "DDP keeps fp32 params and grads replicated: 8Ψ + 8Ψ/N, not 4Ψ + 12Ψ/N",
-    "zero2": "fp32 shards and grads with bf16/fp32 units gathered on demand: 16Ψ/N + transients, "
-             "not 2Ψ + 14Ψ/N",
-}

@@ -39,32 +39,15 @@ from ftrain import heartbeat
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
-from ftrain.data import (
-    DataCursor,
-    GlobalBatch,
-    Ledger,
-    accumulation_steps,
-    build_source,
-    micro_batches,
-)
-from ftrain.distributed import (
-    compute_layout,
-    init_distributed,
-    select_device,
-    select_dtype,
-    shutdown_distributed,
-)
-from ftrain.faults import (
-    maybe_crash,
-    maybe_perturb_replica,
-    maybe_poison_loss,
-    maybe_slow_down,
-)
+from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
+from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
+from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_poison_loss, maybe_slow_down
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
 from ftrain.parallel import Parallel, parallelize
 from ftrain.progress import Progress
+from ftrain.strategies import compute_layout
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from ftrain.distributed import Layout
 from ftrain.parallel.grad_norm import clip_grad_norm
+from ftrain.strategies import Layout
 
 
 class Parallel:

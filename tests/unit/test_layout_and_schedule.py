@@ -7,7 +7,7 @@ import math
 import pytest
 
 from ftrain.config import ConfigError, ParallelConfig
-from ftrain.distributed import compute_layout
+from ftrain.strategies import compute_layout
 from ftrain.optim import lr_at, peak_lr
 from ftrain.config import OptimConfig
 

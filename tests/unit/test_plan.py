@@ -24,8 +24,8 @@ from ftrain.plan import (
     plan_report,
     recommend,
     textbook_model_state_bytes,
-    zero1_partition,
 )
+from ftrain.strategies.zero1 import zero1_partition
 
 GPU_BF16 = Target("cuda", "bf16")
 CPU_FP32 = Target("cpu", "fp32")

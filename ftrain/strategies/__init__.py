@@ -1,0 +1,95 @@
+"""Parallel strategies: one module per strategy, found by name. Torch-free at import.
+
+Every module of this package other than ``base`` (and ``_``-prefixed helpers) defines
+``STRATEGY``, an instance of :class:`~ftrain.strategies.base.Strategy`. The registry imports them
+all when this package is imported and lists them by ``Strategy.position``. Everything that
+differs between strategies dispatches through :func:`get`: the config's choices and checks
+(``ftrain.config``), the layout (:func:`compute_layout`), the model wrapping
+(``ftrain.parallel.parallelize``), the replica check (``ftrain.consistency``) and the memory model
+and recommendation (``ftrain.plan``). So adding a strategy is adding one module here, plus its
+tests; ``tests/unit/test_strategy_registry.py`` runs its contract against every registered one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING
+
+from ftrain.strategies.base import Layout, Strategy, Wrapper, config_error
+
+if TYPE_CHECKING:
+    from ftrain.config import Config, ParallelConfig
+
+__all__ = ["STRATEGIES", "Layout", "Strategy", "Wrapper", "by_preference", "check_config", "check_parallel",
+           "compute_layout", "discover", "get", "registered"]
+
+
+def discover(package: str) -> tuple[Strategy, ...]:
+    """The strategies defined by the modules of ``package``, in listing order.
+
+    TypeError if a module defines no ``STRATEGY``, or two strategies share a name, a position or
+    a preference (the listings and the recommendation need one order)."""
+    found: list[Strategy] = []
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        if info.name == "base" or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        strategy = getattr(module, "STRATEGY", None)
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"{module.__name__} must define STRATEGY, a Strategy instance (got {strategy!r})")
+        found.append(strategy)
+    for attribute in ("name", "position", "preference"):
+        values = [getattr(s, attribute) for s in found]
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise TypeError(f"strategies in {package} share a {attribute}: {repeated}")
+    return tuple(sorted(found, key=lambda s: s.position))
+
+
+_REGISTERED = discover(__name__)
+_BY_NAME = {s.name: s for s in _REGISTERED}
+
+#: The values of ``parallel.strategy``, in listing order.
+STRATEGIES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name``; a ConfigError naming ``parallel.strategy`` and the choices if none is."""
+    strategy = _BY_NAME.get(name)
+    if strategy is None:
+        raise config_error("parallel.strategy", f"{name!r} is not one of {', '.join(STRATEGIES)}")
+    return strategy
+
+
+def registered() -> tuple[Strategy, ...]:
+    """Every strategy, in listing order."""
+    return _REGISTERED
+
+
+def by_preference() -> tuple[Strategy, ...]:
+    """Every strategy, least communication first (the order ``ftrain plan`` recommends in)."""
+    return tuple(sorted(_REGISTERED, key=lambda s: s.preference))
+
+
+def compute_layout(parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
+                   n_head: int | None) -> Layout:
+    """This rank's layout under ``parallel.strategy``; ConfigError naming the key that cannot work
+    at this size. A pure function of the settings and the world (``n_head`` None: not checked)."""
+    return get(parallel.strategy).layout(parallel, world_size=world_size, rank=rank,
+                                         local_world_size=local_world_size, n_head=n_head)
+
+
+def check_parallel(parallel: ParallelConfig) -> None:
+    """``ParallelConfig``'s strategy checks: the strategy exists and takes ``parallel.deterministic``."""
+    strategy = get(parallel.strategy)
+    if parallel.deterministic and not strategy.supports_deterministic:
+        able = "/".join(s.name for s in _REGISTERED if s.supports_deterministic)
+        raise config_error("parallel.deterministic",
+                           f"the fixed-order reduction supports parallel.strategy={able} only, "
+                           f"not {parallel.strategy!r}")
+
+
+def check_config(cfg: Config) -> None:
+    """``Config``'s strategy checks: what the strategy cannot run with in other sections."""
+    get(cfg.parallel.strategy).check_config(cfg)

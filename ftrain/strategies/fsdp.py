@@ -1,0 +1,64 @@
+"""fsdp: FSDP2 ``fully_shard`` (ZeRO-3). Parameters, gradients and optimizer state sharded over
+every rank; each transformer block is a unit, then the root; a unit is gathered for its forward
+and again for its backward, and gradients are reduce-scattered. bf16 runs as a
+MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction). No rank holds a replica.
+
+zero2, hsdp and fsdp+tp build on :class:`FSDP`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ftrain.strategies.base import Layout, Strategy, Wrapper
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ftrain.config import ParallelConfig
+    from ftrain.parallel.base import Parallel
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    position = 3
+    preference = 4
+    wrapper = Wrapper.FSDP
+
+    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
+               n_head: int | None) -> Layout:
+        return Layout(self.name, world_size, rank, world_size, rank, mesh_shape=((world_size,), ("dp",)))
+
+    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The (sub)mesh FSDP2 shards over."""
+        return mesh
+
+    def apply_data_parallel(self, model: nn.Module, parallel: ParallelConfig, layout: Layout,
+                            mesh: DeviceMesh | None, device: torch.device,
+                            compute_dtype: torch.dtype) -> nn.Module:
+        from ftrain.parallel.fsdp import shard_model
+
+        assert mesh is not None, "every FSDP layout has a mesh_shape"
+        shard_model(model, self.shard_mesh(mesh), reshard_after_forward=self.reshard_after_forward,
+                    compute_dtype=compute_dtype)
+        return model
+
+    def make_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
+                      device: torch.device, compute_dtype: torch.dtype, accum_steps: int) -> Parallel:
+        from ftrain.parallel.fsdp import FSDPParallel
+
+        return FSDPParallel(model, optimizer, layout, device, compute_dtype)
+
+    def replica_group(self, layout: Layout) -> int | None:
+        return None
+
+    def shard_count(self, layout: Layout) -> int:
+        return layout.world_size
+
+    def textbook_model_state_bytes(self, num_params: int, *, shard: int, tp_split: int, tp: int) -> int:
+        return 16 * num_params // shard
+
+
+STRATEGY = FSDP()
