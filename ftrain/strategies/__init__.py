@@ -16,7 +16,8 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy, Wrapper, config_error
+from contract.config import ConfigError
+from ftrain.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     from ftrain.config import Config, ParallelConfig
@@ -58,7 +59,7 @@ def get(name: str) -> Strategy:
     """The strategy called ``name``; a ConfigError naming ``parallel.strategy`` and the choices if none is."""
     strategy = _BY_NAME.get(name)
     if strategy is None:
-        raise config_error("parallel.strategy", f"{name!r} is not one of {', '.join(STRATEGIES)}")
+        raise ConfigError("parallel.strategy", f"{name!r} is not one of {', '.join(STRATEGIES)}")
     return strategy
 
 
@@ -85,7 +86,7 @@ def check_parallel(parallel: ParallelConfig) -> None:
     strategy = get(parallel.strategy)
     if parallel.deterministic and not strategy.supports_deterministic:
         able = "/".join(s.name for s in _REGISTERED if s.supports_deterministic)
-        raise config_error("parallel.deterministic",
+        raise ConfigError("parallel.deterministic",
                            f"the fixed-order reduction supports parallel.strategy={able} only, "
                            f"not {parallel.strategy!r}")
 

@@ -11,8 +11,7 @@ What must stay true:
   checks from the registry, and config validation runs in torch-free processes (the node agent).
   The torch-side mechanisms a strategy combines (``ftrain.parallel.ddp``, ``fsdp``, ``tp``, ...)
   are imported inside the methods that use them.
-- Config errors are :class:`ftrain.config.ConfigError` naming the key; they are built through
-  :func:`config_error`, because ``ftrain.config`` imports this package.
+- Config errors are :class:`contract.config.ConfigError` naming the key.
 - The framework fixes the order of wrapping for every strategy (``ftrain.parallel.parallelize``):
   mesh, :meth:`Strategy.apply_tensor_parallel`, activation checkpointing,
   :meth:`Strategy.apply_data_parallel`, :meth:`Strategy.make_optimizer`, :meth:`Strategy.make_parallel`.
@@ -82,13 +81,6 @@ class Layout:
             "deterministic": self.deterministic,
         }
 
-
-def config_error(key: str, message: str) -> ValueError:
-    """A :class:`ftrain.config.ConfigError` (imported here, not at the top: ftrain.config imports
-    this package for the strategy names)."""
-    from ftrain.config import ConfigError
-
-    return ConfigError(key, message)
 
 
 class Strategy(abc.ABC):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, config_error
+from contract.config import ConfigError
+from ftrain.strategies.base import Layout
 from ftrain.strategies.fsdp import FSDP
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class HSDP(FSDP):
                n_head: int | None) -> Layout:
         shard = parallel.shard_size or (local_world_size if local_world_size < world_size else 2)
         if world_size % shard or shard > world_size:
-            raise config_error(
+            raise ConfigError(
                 "parallel.shard_size",
                 f"HSDP shard groups of {shard} ranks do not tile a world of {world_size}; "
                 "choose a divisor of the world size",

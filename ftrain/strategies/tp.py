@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy, Wrapper, config_error
+from contract.config import ConfigError
+from ftrain.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,9 +24,9 @@ if TYPE_CHECKING:
 def tp_degree(tp: int, *, world_size: int, n_head: int | None) -> int:
     """``tp`` if it divides the world and the heads; a ConfigError naming ``parallel.tp_size`` if not."""
     if world_size % tp:
-        raise config_error("parallel.tp_size", f"{tp} does not divide the world size {world_size}")
+        raise ConfigError("parallel.tp_size", f"{tp} does not divide the world size {world_size}")
     if n_head is not None and n_head % tp:
-        raise config_error("parallel.tp_size", f"{tp} does not divide model.n_head={n_head}")
+        raise ConfigError("parallel.tp_size", f"{tp} does not divide model.n_head={n_head}")
     return tp
 
 
@@ -54,7 +55,7 @@ class TP(Strategy):
                n_head: int | None) -> Layout:
         tp = parallel.tp_size or world_size
         if tp != world_size:
-            raise config_error(
+            raise ConfigError(
                 "parallel.tp_size",
                 f"strategy tp uses every rank for tensor parallelism (tp_size={tp}, world={world_size}); "
                 "use fsdp+tp to combine it with data parallelism",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, config_error
+from contract.config import ConfigError
+from ftrain.strategies.base import Layout
 from ftrain.strategies.ddp import DDP
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class Zero1(DDP):
 
     def check_config(self, cfg: Config) -> None:
         if cfg.checkpoint.uri:
-            raise config_error(
+            raise ConfigError(
                 "parallel.strategy",
                 "zero1 (ZeroRedundancyOptimizer) cannot be checkpointed with DCP yet; use zero2, which "
                 "shards optimizer state and gradients and checkpoints/reshards like fsdp",
