@@ -1,6 +1,6 @@
 """Chaos: real fault injection and scenario runs whose invariants prove nothing was lost.
 
-May import anything; nothing imports ``chaos`` except tests and the CLI.
-
-Not implemented yet: tracked by the chaos issue.
+May import every layer below the CLI (``contract``, ``checkpoint``, ``ftrain``, ``agents``,
+``testbed``); nothing imports ``chaos`` except tests, benchmarks and the CLI. A fault kind is one
+module in :mod:`chaos.faults.kinds`.
 """
