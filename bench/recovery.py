@@ -67,9 +67,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.etcd import EtcdServer, free_ports
 from agents.workers import Launch  # the floor runs the agent's own launcher command
 from contract.events import Event
+from testbed.etcd import EtcdServer, free_ports
 from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env
 
 FAULTS = ("worker_kill", "node_loss", "hang")

@@ -31,10 +31,11 @@ min_steps_between = 0      # before each fault, training must pass its pre-fault
 from __future__ import annotations
 
 import random
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
 

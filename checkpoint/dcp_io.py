@@ -31,14 +31,15 @@ import posixpath
 import shutil
 import tempfile
 import threading
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from checkpoint.digest import new_hasher
 from checkpoint.errors import ChecksumMismatchError, UnsafeMetadataError, UnsafePickleError

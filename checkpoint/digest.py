@@ -6,7 +6,8 @@ always knows how to recompute them. Writers feed bytes as they stream out (no se
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import xxhash
 

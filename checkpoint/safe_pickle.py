@@ -30,7 +30,8 @@ import io
 import math
 import pickle
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element

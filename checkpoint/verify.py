@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from checkpoint.catalog import read_manifest
 from checkpoint.digest import new_hasher

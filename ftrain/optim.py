@@ -7,7 +7,8 @@ linearly to the peak, then cosine-decay to ``min_lr_ratio`` of the peak at ``tra
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 

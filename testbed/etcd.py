@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agents.etcd import EtcdClient
 from agents.errors import AgentError, EtcdError, EtcdUnavailableError
+from agents.etcd import EtcdClient
 
 HOST = "127.0.0.1"
 #: gRPC codes of an auth rejection (INVALID_ARGUMENT "user name is empty", PERMISSION_DENIED,

@@ -23,7 +23,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from checkpoint.catalog import StepInfo, inspect_step, list_steps
 from checkpoint.errors import CheckpointError, ChecksumMismatchError, UnsafePickleError
@@ -32,7 +33,6 @@ from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import verify_step
 from contract import exits
-
 
 Command = Callable[[argparse.Namespace, list[str]], int]
 

@@ -11,10 +11,19 @@ import time
 import pytest
 
 from agents.etcd import EtcdClient
-from testbed.etcd import EtcdServer
-from agents.records import (FAILED, NODE_LOST, WORKER_EXIT, FinalStatus, JobKeys, Member, NodeRecord, NodeStatus,
-                            RoundRecord)
+from agents.records import (
+    FAILED,
+    NODE_LOST,
+    WORKER_EXIT,
+    FinalStatus,
+    JobKeys,
+    Member,
+    NodeRecord,
+    NodeStatus,
+    RoundRecord,
+)
 from agents.status import job_status, status_main
+from testbed.etcd import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,11 +12,11 @@ from checkpoint.errors import ManifestError
 from checkpoint.manifest import (
     CORRUPT_NAME,
     FORMAT_VERSION,
+    HMAC_DOMAIN,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
-    HMAC_DOMAIN,
-    MAX_MANIFEST_BYTES,
     canonical_json,
     hmac_key_from_env,
     job_problem,
