@@ -50,7 +50,8 @@ def new_hasher(algorithm: str) -> Hasher:
         return xxhash.xxh3_128()
     if algorithm == "crc32c":
         return _Crc32cHasher()
-    raise ValueError(f"checkpoint.digest: unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    raise ValueError(f"checkpoint.digest: unknown digest algorithm {algorithm!r}; "
+                     f"choose one of {', '.join(ALGORITHMS)}")
 
 
 def digest_bytes(data: bytes | bytearray | memoryview, algorithm: str) -> str:

@@ -90,7 +90,7 @@ def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         value = float(value)
     if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
         raise ConfigError(key, f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
-    if expected is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # only a float field gets this far with a float
         raise ConfigError(key, f"must be a finite number, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:

@@ -227,7 +227,7 @@ class SeaweedS3:
         if self.running:
             raise RuntimeError(f"{self!r} is already running")
         if not self._ports:
-            self._ports = dict(zip(COMPONENTS, pick_port_pairs(len(COMPONENTS))))
+            self._ports = dict(zip(COMPONENTS, pick_port_pairs(len(COMPONENTS)), strict=True))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         grpc, local = self._socket_paths()
         self._created_sockets = [p for p in [*grpc, *local.values()] if not p.exists()]

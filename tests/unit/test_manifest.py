@@ -107,7 +107,8 @@ def test_canonical_json_is_independent_of_dict_order():
 
 
 def test_crc32c_manifest_round_trip():
-    m = make_manifest(digest_algorithm="crc32c", files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
+    m = make_manifest(digest_algorithm="crc32c",
+                      files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
     assert Manifest.from_json(m.to_json()) == m
 
 
