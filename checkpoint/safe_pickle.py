@@ -117,6 +117,7 @@ class SafeBytesLoadMixin:
     runs an unrestricted unpickler on shard bytes."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # mypy cannot type a mixin's self as the DefaultLoadPlanner it is mixed into
         safe_load_bytes(self, read_item, value)  # type: ignore[arg-type]
 
 

@@ -240,9 +240,10 @@ class EtcdServer:
         self._signal(signal.SIGCONT)
 
     def _signal(self, sig: int) -> None:
-        if not self.running:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
             raise RuntimeError(f"{self!r} is not running")
-        os.kill(self._proc.pid, sig)  # type: ignore[union-attr]
+        os.kill(proc.pid, sig)
 
     def wait(self) -> int:
         """Block until the server exits on its own; its exit code."""
@@ -261,9 +262,10 @@ class EtcdServer:
 
     def close(self) -> None:
         """Stop (resuming first if paused), and delete the data dir if this object made it."""
-        if self.running:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self._proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+                os.kill(proc.pid, signal.SIGCONT)
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)

@@ -309,9 +309,10 @@ class SeaweedS3:
         self._signal(signal.SIGCONT)
 
     def _signal(self, sig: int) -> None:
-        if not self.running:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
             raise RuntimeError(f"{self!r} is not running")
-        os.killpg(self._proc.pid, sig)  # type: ignore[union-attr]
+        os.killpg(proc.pid, sig)
 
     def close(self) -> None:
         """Stop, and delete the data dir if this object created it."""
