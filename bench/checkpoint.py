@@ -45,8 +45,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -217,7 +218,7 @@ class Bench:
         def get() -> int:
             if how == "cat_file":
                 return sum(len(storage.fs.cat_file(p)) for p in paths)
-            starts = [(p, o, min(o + RANGE_BYTES, files[n])) for p, n in zip(paths, names)
+            starts = [(p, o, min(o + RANGE_BYTES, files[n])) for p, n in zip(paths, names, strict=True)
                       for o in range(0, max(files[n], 1), RANGE_BYTES)]
             return sum(len(b) for b in storage.fs.cat_ranges([x[0] for x in starts], [x[1] for x in starts],
                                                              [x[2] for x in starts]))
@@ -457,7 +458,8 @@ def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        cells = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        lines.append("  ".join(cells))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

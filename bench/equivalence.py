@@ -34,7 +34,7 @@ def main() -> int:
             "strategy": name, "ranks": nproc,
             "param": max_abs_diff(run.final["model"], ref.final["model"]),
             "optim": max_abs_diff(optimizer_tensors(run.final["optim"]), optimizer_tensors(ref.final["optim"])),
-            "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(run.metrics, ref.metrics)),
+            "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(run.metrics, ref.metrics, strict=True)),
         }
         rows.append(row)
         print(f"{name:<18} {nproc:>5} {row['param']:>12.2e} {row['optim']:>12.2e} {row['loss']:>11.2e}")

@@ -67,10 +67,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.etcd import EtcdServer, free_ports
-from agents.workers import Launch  # the floor runs the agent's own launcher command
-from contract.events import Event
-from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env
+from agents.workers import Launch  # noqa: E402  (the floor runs the agent's own launcher command)
+from contract.events import Event  # noqa: E402
+from testbed.etcd import EtcdServer, free_ports  # noqa: E402
+from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env  # noqa: E402
 
 FAULTS = ("worker_kill", "node_loss", "hang")
 SYSTEMS = ("ftrain", "torchrun_default", "torchrun_tuned")
@@ -235,7 +235,7 @@ class Marks:
         points = (self.detected, self.launched, self.spawned, self.started, self.resumed, self.first_step)
         out: dict[str, float | None] = {}
         last = self.fault
-        for name, point in zip(PHASES, points):
+        for name, point in zip(PHASES, points, strict=True):
             out[name] = None if point is None else round(point - last, 3)
             last = last if point is None else point
         return out
@@ -249,7 +249,8 @@ def first_step_after(since: float, events: list[dict[str, Any]],
                      metrics: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(rank 0's ``resumed`` event, metrics line) of the first step completed after a resume that
     came after ``since``; None if there is none yet."""
-    resumed = sorted((e for e in events if e.get("event") == Event.RESUMED and e.get("rank") == 0 and e["time"] > since),
+    resumed = sorted((e for e in events
+                      if e.get("event") == Event.RESUMED and e.get("rank") == 0 and e["time"] > since),
                      key=lambda e: e["time"])
     if not resumed:
         return None
@@ -571,7 +572,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], floor: dict[str,
     lines = []
     for j, row in enumerate(rows):
         cells = (c.ljust(w) if i in (0, 1, len(header) - 1) else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, widths)))
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True)))
         lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))

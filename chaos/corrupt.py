@@ -23,10 +23,10 @@ def corrupt_step(storage: Storage, dirname: str, mode: str, rng: random.Random) 
     name = rng.choice(_data_files(storage, dirname))
     path = f"{dirname}/{name}"
     if mode == "bitflip":
-        data = bytearray(storage.read_bytes(path))
-        position = rng.randrange(len(data))
-        data[position] ^= 1 << rng.randrange(8)
-        storage.write_bytes(path, bytes(data))
+        flipped = bytearray(storage.read_bytes(path))
+        position = rng.randrange(len(flipped))
+        flipped[position] ^= 1 << rng.randrange(8)
+        storage.write_bytes(path, bytes(flipped))
     elif mode == "truncate":
         data = storage.read_bytes(path)
         storage.write_bytes(path, data[: len(data) // 3])

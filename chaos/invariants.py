@@ -80,7 +80,8 @@ def final_state_matches(golden_path: Path, final_path: Path, tolerance: float) -
             return Check("final_state_matches_golden", False, f"{part} keys differ: {missing}")
         for key in a:
             if a[key].shape != b[key].shape:
-                return Check("final_state_matches_golden", False, f"{part}.{key}: shape {a[key].shape} vs {b[key].shape}")
+                return Check("final_state_matches_golden", False,
+                             f"{part}.{key}: shape {a[key].shape} vs {b[key].shape}")
             if torch.equal(a[key], b[key]):
                 continue
             diff = (a[key].double() - b[key].double()).abs().max().item()
@@ -205,7 +206,8 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
                           if t0 <= e["time"] < until), None) if fault.restarts else None
         recovery_s = lost = resumed_step = None
         if new_round is not None:
-            resumed = [e for e in _of(events, Event.RESUMED) if e["round"] >= new_round["new_round"] and e.get("rank") == 0]
+            resumed = [e for e in _of(events, Event.RESUMED)
+                       if e["round"] >= new_round["new_round"] and e.get("rank") == 0]
             if resumed:
                 r = min(resumed, key=lambda e: e["time"])
                 resumed_step = r["step"]
@@ -231,8 +233,10 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started
     last: dict[int, float] = {}
     previous: dict[str, Any] | None = None
     for m in metrics:
-        contiguous = previous is not None and previous["step"] == m["step"] - 1 and m["time"] >= previous["time"]
-        last[m["step"]] = m["time"] - previous["time"] if contiguous else m["step_time_s"]
+        if previous is not None and previous["step"] == m["step"] - 1 and m["time"] >= previous["time"]:
+            last[m["step"]] = m["time"] - previous["time"]
+        else:
+            last[m["step"]] = m["step_time_s"]
         previous = m
     final = _of(events, Event.JOB_FINAL)
     end = final[0]["time"] if final else max((m["time"] for m in metrics), default=started_at)

@@ -117,7 +117,9 @@ const fb = document.querySelector("#faults tbody");
 R.faults.forEach(f => {
   const tr = document.createElement("tr");
   [f.index, f.kind, f.step, f.node, f.detected_by, f.detection_s, f.new_round, f.recovery_s, f.resumed_step,
-   f.lost_steps].forEach(v => { const td = document.createElement("td"); td.textContent = v ?? "-"; tr.appendChild(td); });
+   f.lost_steps].forEach(v => {
+    const td = document.createElement("td"); td.textContent = v ?? "-"; tr.appendChild(td);
+  });
   fb.appendChild(tr);
 });
 const cb = document.querySelector("#checks tbody");

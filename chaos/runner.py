@@ -125,8 +125,7 @@ class _Campaign(threading.Thread):
             for delay_s, spec in self.scenario.random_faults(self.rng):
                 if gap:
                     try:
-                        wait_for(lambda: self.ctx.stop() or self.ctx.cluster.step() >= high + gap, 600,
-                                 f"training to pass step {high + gap}", poll_s=0.1)
+                        self._wait_past(high + gap)
                     except WaitTimeout as e:
                         self.errors.append(f"no progress between faults: {e}")
                         return
@@ -139,6 +138,11 @@ class _Campaign(threading.Thread):
                 self._fire(spec)
         finally:
             self.done.set()
+
+    def _wait_past(self, target_step: int) -> None:
+        """Until training reached ``target_step`` or the run stops; WaitTimeout after 600 s."""
+        wait_for(lambda: self.ctx.stop() or self.ctx.cluster.step() >= target_step, 600,
+                 f"training to pass step {target_step}", poll_s=0.1)
 
     def _fire(self, spec: FaultSpec) -> None:
         if self.ctx.stop():
@@ -160,9 +164,10 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
     job = scenario.job
     cfg = load_config(scenario.config_path, worker_overrides(scenario))
     ledger_dir, final_path = out_dir / "ledger", out_dir / "final.pt"
-    with LocalStack(out_dir / "stack") as stack, S3FaultProxy(stack.s3.endpoint_url, seed=seed) as proxy:
-        ckpt_uri = stack.s3.url(JOB)
-        env = {**stack.s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url}
+    with LocalStack(out_dir / "stack") as stack, S3FaultProxy(stack.s3_server().endpoint_url, seed=seed) as proxy:
+        s3 = stack.s3_server()
+        ckpt_uri = s3.url(JOB)
+        env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url}
         cluster = Cluster(out_dir, stack.etcd_url, scenario.config_path, job=JOB, ckpt_uri=ckpt_uri,
                           ckpt_interval=job.checkpoint_interval, step_sleep_s=job.step_sleep_s,
                           # chaos corrupts checkpoints on purpose, the only committed one too:
@@ -173,11 +178,11 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
         events = EventLog(str(cluster.events_path), rank=-2)
         started_at = time.time()
         finished = threading.Event()
-        ctx = Context(cluster=cluster, etcd=stack.etcd, s3=stack.s3, proxy=proxy,
-                      storage=Storage(ckpt_uri, stack.s3.storage_options()), rng=rng, events=events,
+        ctx = Context(cluster=cluster, etcd=stack.etcd, s3=s3, proxy=proxy,
+                      storage=Storage(ckpt_uri, s3.storage_options()), rng=rng, events=events,
                       started_at=started_at, stop=finished.is_set)
         campaign = _Campaign(ctx, scenario, rng)
-        watcher = _CommitWatcher(Storage(ckpt_uri, stack.s3.storage_options(retry_timeout_s=1.0, max_attempts=1)))
+        watcher = _CommitWatcher(Storage(ckpt_uri, s3.storage_options(retry_timeout_s=1.0, max_attempts=1)))
         watcher.start()
         timed_out = False
         try:
@@ -202,7 +207,7 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
         exit_codes = {n: p.returncode for n, p in cluster.agents.items() if p.pid not in killed}
         all_events = cluster.events()
         metrics = cluster.metrics()
-        storage = Storage(ckpt_uri, stack.s3.storage_options())
+        storage = Storage(ckpt_uri, s3.storage_options())
         checks = [
             invariants.job_finished(all_events, metrics, job.steps, exit_codes),
             invariants.final_state_matches(golden, final_path, job.tolerance if not job.deterministic else 0.0),
@@ -216,7 +221,7 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
         if campaign.errors:
             checks.append(invariants.Check("faults_injected", False, "; ".join(campaign.errors)))
     timings = invariants.fault_timings(all_events, metrics)
-    report = {
+    report: dict[str, Any] = {
         "scenario": scenario.name, "seed": seed, "steps": job.steps, "nodes": job.nodes,
         "nproc_per_node": job.nproc_per_node, "started_at": started_at,
         "ok": all(c.ok for c in checks), "checks": [c.as_dict() for c in checks],

@@ -54,6 +54,8 @@ class FaultRates:
 class S3FaultProxy:
     def __init__(self, upstream_url: str, *, seed: int = 0, host: str = "127.0.0.1"):
         parts = urlsplit(upstream_url)
+        if parts.hostname is None:
+            raise ValueError(f"S3FaultProxy: upstream URL {upstream_url!r} names no host")
         self.upstream = (parts.hostname, parts.port or 80)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()

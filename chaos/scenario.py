@@ -30,13 +30,19 @@ min_steps_between = 0      # before each fault, training must pass its pre-fault
 
 from __future__ import annotations
 
-import random
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from random import Random
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import tomllib
 
 from chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Spec = TypeVar("_Spec", bound="DataclassInstance")
 
 
 class ScenarioError(ValueError):
@@ -83,14 +89,14 @@ class Scenario:
     def config_path(self) -> Path:
         return (self.path.parent / self.job.config).resolve()
 
-    def random_faults(self, rng: random.Random) -> list[tuple[float, FaultSpec]]:
+    def random_faults(self, rng: Random) -> list[tuple[float, FaultSpec]]:
         """(delay after the previous fault, spec) for the seeded random campaign."""
         lo, hi = self.random.interval_s
         return [(rng.uniform(lo, hi), FaultSpec(kind, params=dict(self.random.fault_params.get(kind, {}))))
                 for kind in (rng.choice(self.random.kinds) for _ in range(self.random.count))]
 
 
-def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+def _build(cls: type[_Spec], table: dict[str, Any], where: str) -> _Spec:
     names = set(cls.__dataclass_fields__)
     for key in table:
         if key not in names:

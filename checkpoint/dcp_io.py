@@ -31,14 +31,16 @@ import posixpath
 import shutil
 import tempfile
 import threading
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from checkpoint.digest import new_hasher
 from checkpoint.errors import ChecksumMismatchError, UnsafeMetadataError, UnsafePickleError
@@ -100,6 +102,11 @@ class _DigestingFileSystem:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property
+    def inner(self) -> Any:
+        """The wrapped torch FileSystem: what a pickled writer carries in place of this one."""
+        return self._inner
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -171,25 +178,31 @@ class DigestingWriter(FsspecWriter):
                          **self._storage.storage_kwargs)
         self._algorithm = algorithm
         self._publisher = publisher
-        self.fs = _DigestingFileSystem(self.fs, algorithm, self._storage)
+        self._wrap_fs()
 
-    def prepare_global_plan(self, plans):  # type: ignore[override]
+    def _wrap_fs(self) -> None:
+        self._digesting_fs = _DigestingFileSystem(self.fs, self._algorithm, self._storage)
+        # torch infers ``fs`` as its concrete FileSystem class; DCP calls only the FileSystemBase
+        # methods on it, which the wrapper provides or delegates.
+        self.fs = self._digesting_fs  # type: ignore[assignment]
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._publisher.prepare()  # coordinator only, before the plan is scattered to writers
         return super().prepare_global_plan(plans)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["fs"] = self.fs._inner
+        state["fs"] = state.pop("_digesting_fs").inner
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.fs = _DigestingFileSystem(self.fs, self._algorithm, self._storage)
+        self._wrap_fs()
 
-    def write_data(self, plan, planner):  # type: ignore[override]
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
-        entries = {k: v for k, v in self.fs.files.items() if k.endswith(".distcp")}
-        out: Future = Future()
+        entries = {k: v for k, v in self._digesting_fs.files.items() if k.endswith(".distcp")}
+        out: Future[list[WriteResult]] = Future()
         if results:
             first = results[0]
             results = [DigestedWriteResult(first.index, first.size_in_bytes, first.storage_data,
@@ -203,7 +216,8 @@ class DigestingWriter(FsspecWriter):
         for rank_results in results:
             for r in rank_results:
                 files.update(getattr(r, "file_entries", {}))
-        meta = self.fs.files.get(METADATA_NAME + ".tmp") or self.fs.files.get(METADATA_NAME)
+        files_written = self._digesting_fs.files
+        meta = files_written.get(METADATA_NAME + ".tmp") or files_written.get(METADATA_NAME)
         if meta is None:
             raise ChecksumMismatchError("the .metadata file was written without a digest")
         files[METADATA_NAME] = meta
@@ -311,19 +325,40 @@ class _VerifyingReadFileSystem:
             yield spool
 
 
-class _SafeBytesPlanner:
+class _SafeBytesPlanner(LoadPlanner):
     """Stands in for DCP's planner inside :meth:`VerifiedReader.read_data`: bytes items are
     stored by :func:`checkpoint.safe_pickle.safe_load_bytes` (allow-list unpickler), never by the
     planner's own ``load_bytes`` (``torch.load(weights_only=False)`` in DCP's default planner);
     everything else goes to the real planner."""
 
-    def __init__(self, planner: Any):
+    def __init__(self, planner: LoadPlanner):
         self._planner = planner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
 
-    def load_bytes(self, read_item: Any, value: Any) -> None:
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        self._planner.set_up_planner(*args, **kwargs)
+
+    def create_local_plan(self) -> LoadPlan:
+        return self._planner.create_local_plan()
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return self._planner.create_global_plan(global_plan)
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return self._planner.finish_plan(central_plan)
+
+    def resolve_bytes(self, read_item: ReadItem) -> io.BytesIO:
+        return self._planner.resolve_bytes(read_item)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self._planner.resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self._planner.commit_tensor(read_item, tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if isinstance(self._planner, SafeBytesLoadMixin):
             self._planner.load_bytes(read_item, value)  # already the allow-list loader
         elif isinstance(self._planner, DefaultLoadPlanner):
@@ -347,7 +382,9 @@ class VerifiedReader(FsspecReader):
         self._files = files
         self._expected = files[METADATA_NAME]
         self._algorithm = algorithm
-        self.fs = _VerifyingReadFileSystem(self.fs, files, algorithm, storage, str(url))
+        # torch infers ``fs`` as its concrete FileSystem class; DCP calls only the FileSystemBase
+        # methods on it, which the wrapper provides or delegates.
+        self.fs = _VerifyingReadFileSystem(self.fs, files, algorithm, storage, str(url))  # type: ignore[assignment]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -359,9 +396,10 @@ class VerifiedReader(FsspecReader):
             raise ChecksumMismatchError(f"{path}: does not match the manifest (size {len(data)}, "
                                         f"expected {self._expected.size_bytes})")
         metadata = load_metadata(data)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -6,7 +6,8 @@ always knows how to recompute them. Writers feed bytes as they stream out (no se
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import xxhash
 
@@ -49,7 +50,8 @@ def new_hasher(algorithm: str) -> Hasher:
         return xxhash.xxh3_128()
     if algorithm == "crc32c":
         return _Crc32cHasher()
-    raise ValueError(f"checkpoint.digest: unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    raise ValueError(f"checkpoint.digest: unknown digest algorithm {algorithm!r}; "
+                     f"choose one of {', '.join(ALGORITHMS)}")
 
 
 def digest_bytes(data: bytes | bytearray | memoryview, algorithm: str) -> str:

@@ -60,9 +60,9 @@ def export_step(storage: Storage, step: int, out_path: str | Path, *, hmac_key_e
     being loaded."""
     dirname = step_dir_name(step)
     report = verify_step(storage, dirname, hmac_key_from_env(hmac_key_env), job=job)
-    if not report.ok:
-        raise ChecksumMismatchError(f"{dirname} does not verify: " + "; ".join(str(p) for p in report.problems))
     manifest = report.manifest
+    if not report.ok or manifest is None:  # a report is ok only with the manifest it verified against
+        raise ChecksumMismatchError(f"{dirname} does not verify: " + "; ".join(str(p) for p in report.problems))
     reader = VerifiedReader(storage.child_url(dirname), options=storage.options, files=manifest.files,
                             algorithm=manifest.digest_algorithm)
     state = _load_all(reader)

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -109,13 +110,14 @@ _CORRUPTION_TEXT = ("ChecksumMismatchError", "UnsafePickleError", "UnsafeMetadat
 
 def _exceptions(err: BaseException) -> list[BaseException]:
     """``err``, each rank's error inside a DCP CheckpointException, and their causes."""
-    roots = [err]
+    roots: list[object] = [err]  # what a CheckpointException wraps may be anything
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict):
         for wrapped in failures.values():
             roots.append(wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped))
     found: list[BaseException] = []
-    for exc in roots:
+    for root in roots:
+        exc: object = root
         while isinstance(exc, BaseException) and exc not in found and len(found) < 64:
             found.append(exc)
             exc = exc.__cause__ or exc.__context__
@@ -392,22 +394,25 @@ class CheckpointManager:
 
     def poll(self) -> SaveStatus:
         """Check the in-flight save without blocking; surface its result."""
-        if self._in_flight is not None and self._in_flight.future.done():
-            self._finish_in_flight()
+        flight = self._in_flight
+        if flight is not None and flight.future.done():
+            self._finish_in_flight(flight)
         return self.status
 
     def wait(self) -> SaveStatus:
         """Block until the in-flight save (if any) is committed or failed."""
-        if self._in_flight is not None:
+        flight = self._in_flight
+        if flight is not None:
             try:
-                self._in_flight.future.result()
+                flight.future.result()
             except BaseException:  # noqa: BLE001 - reported by _finish_in_flight
                 pass
-            self._finish_in_flight()
+            self._finish_in_flight(flight)
         return self.status
 
-    def _finish_in_flight(self) -> None:
-        flight, self._in_flight = self._in_flight, None
+    def _finish_in_flight(self, flight: _InFlight) -> None:
+        """Record how ``flight``, the in-flight save, ended (its future is done)."""
+        self._in_flight = None
         self.status.in_flight_step = -1
         err = flight.future.exception()
         if err is not None:
@@ -458,7 +463,8 @@ class CheckpointManager:
                 self._loaded(info, manifest, refusals)
                 return manifest
             refusals.append(refusal)
-        return self._nothing_loaded(refusals, load_step)
+        self._nothing_loaded(refusals, load_step)  # raises, or the job starts fresh
+        return None
 
     def _survey(self, load_step: int) -> tuple[list[StepInfo], list[Refusal]]:
         """Rank 0's view: committed candidates newest first, and the steps already refused."""
@@ -479,14 +485,16 @@ class CheckpointManager:
                   validate: Callable[[Manifest], None] | None) -> tuple[Manifest | None, Refusal | None]:
         """Verify then read one step: (manifest, None) when loaded, (None, refusal) when the step
         is corrupt (marked). A storage error raises CheckpointError on every rank, marks nothing."""
-        problems = self._verify_everywhere(info, validate)
+        manifest = info.manifest
+        if manifest is None:  # _survey hands over committed steps only, and their manifests parsed
+            raise CheckpointError(f"{info.dirname} has no parsed manifest; only a committed step can be loaded")
+        problems = self._verify_everywhere(info, manifest, validate)
         if any(p.kind in CORRUPTION_KINDS for p in problems):
             self._reject(info, problems)
             return None, Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
         if problems:  # unreadable / storage errors: not proof of corruption, so no marker
             raise CheckpointError(f"{info.dirname} cannot be read (a storage problem, not corruption; nothing was "
                                   "marked): " + "; ".join(map(str, problems[:5])))
-        manifest = info.manifest
         state_dict = build_state_dict(manifest)
         reader = VerifiedReader(self.storage.child_url(info.dirname), options=self.options,
                                 files=manifest.files, algorithm=manifest.digest_algorithm)
@@ -550,15 +558,17 @@ class CheckpointManager:
             raise CheckpointError(f"rank 0 could not list the checkpoints under {self.url}: {message}")
         return value
 
-    def _verify_everywhere(self, info: StepInfo, validate: Callable[[Manifest], None] | None) -> list[Problem]:
-        """Every rank's problems with ``info``, gathered: all ranks return the same list."""
+    def _verify_everywhere(self, info: StepInfo, manifest: Manifest,
+                           validate: Callable[[Manifest], None] | None) -> list[Problem]:
+        """Every rank's problems with ``info`` (whose parsed manifest is ``manifest``), gathered:
+        all ranks return the same list."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        mine = self._validation_problems(info.manifest, validate) if self.rank == 0 else []
-        names = split_files(info.manifest, self.rank, world)
+        mine = self._validation_problems(manifest, validate) if self.rank == 0 else []
+        names = split_files(manifest, self.rank, world)
         try:
-            mine += verify_files(self.storage, info.dirname, info.manifest, names)
+            mine += verify_files(self.storage, info.dirname, manifest, names)
             if METADATA_NAME in names and not any(p.file == METADATA_NAME for p in mine):
-                mine += check_pickled_items(self.storage, info.dirname, info.manifest)
+                mine += check_pickled_items(self.storage, info.dirname, manifest)
         except _STORAGE_TYPES as e:
             mine.append(Problem(MANIFEST_NAME if not names else names[0], "unreadable",
                                 f"storage error, not corruption: {type(e).__name__}: {e}"[:500]))

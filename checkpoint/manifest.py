@@ -159,8 +159,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ManifestError(f"manifest repeats the key {dup!r}")
+        for key, _ in pairs:
+            if key in seen:
+                raise ManifestError(f"manifest repeats the key {key!r}")
+            seen.add(key)
     return obj
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from checkpoint.catalog import StepInfo
 from checkpoint.config import DEFAULTS

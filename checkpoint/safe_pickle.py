@@ -30,7 +30,8 @@ import io
 import math
 import pickle
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -116,6 +117,7 @@ class SafeBytesLoadMixin:
     runs an unrestricted unpickler on shard bytes."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # mypy cannot type a mixin's self as the DefaultLoadPlanner it is mixed into
         safe_load_bytes(self, read_item, value)  # type: ignore[arg-type]
 
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from checkpoint.catalog import read_manifest
 from checkpoint.digest import new_hasher
@@ -195,9 +196,11 @@ def _read_metadata(storage: Storage, dirname: str, manifest: Manifest | None) ->
 
 def _digest_problem(data: bytes, manifest: Manifest | None) -> Problem | None:
     """A size/digest problem when ``data`` is not the ``.metadata`` the manifest lists."""
-    entry = manifest.files.get(METADATA_NAME) if manifest is not None else None
+    if manifest is None:
+        return None
+    entry = manifest.files.get(METADATA_NAME)
     if entry is None:
-        return None if manifest is None else Problem(METADATA_NAME, "manifest", "not listed in the manifest")
+        return Problem(METADATA_NAME, "manifest", "not listed in the manifest")
     if len(data) != entry.size_bytes:
         return Problem(METADATA_NAME, "size", f"expected {entry.size_bytes} bytes, found "
                                               f"{'more' if len(data) > entry.size_bytes else len(data)}")

@@ -18,9 +18,11 @@ import difflib
 import json
 import math
 import os
-import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import field
-from typing import Any, Iterable, Mapping
+from typing import Any
+
+import tomllib
 
 
 class ConfigError(ValueError):
@@ -88,7 +90,7 @@ def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         value = float(value)
     if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
         raise ConfigError(key, f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
-    if expected is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # only a float field gets this far with a float
         raise ConfigError(key, f"must be a finite number, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -7,7 +7,8 @@ linearly to the peak, then cosine-decay to ``min_lr_ratio`` of the peak at ``tra
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
@@ -17,7 +18,8 @@ from ftrain.config import OptimConfig
 def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
     """Weight decay on matrices only; biases, norms and embeddings are not decayed."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)

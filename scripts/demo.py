@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             demo.agents["a"].send_signal(signal.SIGKILL)
             demo.agents["a"].wait()
             faults.append(("node lost", time.time()))
-            demo.wait(lambda: len(demo.events(Event.RESUMED)) and max(e["round"] for e in demo.events(Event.RESUMED)) >= 3,
+            demo.wait(lambda: len(demo.events(Event.RESUMED))
+                      and max(e["round"] for e in demo.events(Event.RESUMED)) >= 3,
                       args.timeout_s, "the smaller round to resume")
             print(f"demo: step {demo.step()}: node a comes back")
             demo.start_agent("a")

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agents.etcd import EtcdClient
 from agents.errors import AgentError, EtcdError, EtcdUnavailableError
+from agents.etcd import EtcdClient
 
 HOST = "127.0.0.1"
 #: gRPC codes of an auth rejection (INVALID_ARGUMENT "user name is empty", PERMISSION_DENIED,
@@ -240,9 +240,10 @@ class EtcdServer:
         self._signal(signal.SIGCONT)
 
     def _signal(self, sig: int) -> None:
-        if not self.running:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
             raise RuntimeError(f"{self!r} is not running")
-        os.kill(self._proc.pid, sig)  # type: ignore[union-attr]
+        os.kill(proc.pid, sig)
 
     def wait(self) -> int:
         """Block until the server exits on its own; its exit code."""
@@ -261,9 +262,10 @@ class EtcdServer:
 
     def close(self) -> None:
         """Stop (resuming first if paused), and delete the data dir if this object made it."""
-        if self.running:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self._proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+                os.kill(proc.pid, signal.SIGCONT)
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)

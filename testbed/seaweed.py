@@ -227,7 +227,7 @@ class SeaweedS3:
         if self.running:
             raise RuntimeError(f"{self!r} is already running")
         if not self._ports:
-            self._ports = dict(zip(COMPONENTS, pick_port_pairs(len(COMPONENTS))))
+            self._ports = dict(zip(COMPONENTS, pick_port_pairs(len(COMPONENTS)), strict=True))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         grpc, local = self._socket_paths()
         self._created_sockets = [p for p in [*grpc, *local.values()] if not p.exists()]
@@ -309,9 +309,10 @@ class SeaweedS3:
         self._signal(signal.SIGCONT)
 
     def _signal(self, sig: int) -> None:
-        if not self.running:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
             raise RuntimeError(f"{self!r} is not running")
-        os.killpg(self._proc.pid, sig)  # type: ignore[union-attr]
+        os.killpg(proc.pid, sig)
 
     def close(self) -> None:
         """Stop, and delete the data dir if this object created it."""

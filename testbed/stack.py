@@ -6,6 +6,7 @@ fast etcd elections, random S3 credentials handed to children only through the e
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from testbed.seaweed import SeaweedS3
 
 
 class LocalStack:
-    def __init__(self, base_dir: str | None = None, *, with_s3: bool = True):
+    def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, with_s3: bool = True):
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="ftrain-local-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self.etcd = EtcdServer(self.base_dir / "etcd")
@@ -32,6 +33,12 @@ class LocalStack:
             self.close()
             raise
         return self
+
+    def s3_server(self) -> SeaweedS3:
+        """The S3 server; RuntimeError for a stack built with ``with_s3=False``."""
+        if self.s3 is None:
+            raise RuntimeError(f"the local stack in {self.base_dir} was built without S3 (with_s3=False)")
+        return self.s3
 
     @property
     def etcd_url(self) -> str:

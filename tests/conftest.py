@@ -8,14 +8,14 @@ restarts a dead server so one failure cannot cascade."""
 from __future__ import annotations
 
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from agents.etcd import EtcdClient
+from checkpoint.storage import Storage
 from testbed.etcd import EtcdServer
 from testbed.seaweed import SeaweedNotInstalledError, SeaweedS3
-from checkpoint.storage import Storage
 from tests.support import RunResult, train_job
 
 

@@ -15,6 +15,8 @@ import shutil
 import uuid
 from typing import BinaryIO, ClassVar
 
+import fsspec
+
 from checkpoint.backends.generic import FsspecBackend
 
 #: In-flight temp files of :func:`write_local_atomic`, hidden from listings.
@@ -33,7 +35,7 @@ class LocalBackend(FsspecBackend):
         return [n for n in super().list_names(path) if not _LOCAL_TMP_NAME.search(n)]
 
     def local_path(self, path: str) -> str | None:
-        return str(self.fs._strip_protocol(str(path)))
+        return str(fsspec.core.strip_protocol(str(path)))
 
 
 def write_local_atomic(path: str, data: bytes | BinaryIO) -> None:

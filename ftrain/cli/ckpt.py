@@ -23,7 +23,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from checkpoint.catalog import StepInfo, inspect_step, list_steps
 from checkpoint.errors import CheckpointError, ChecksumMismatchError, UnsafePickleError
@@ -32,7 +33,6 @@ from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import verify_step
 from contract import exits
-
 
 Command = Callable[[argparse.Namespace, list[str]], int]
 
@@ -124,7 +124,7 @@ def _iso(t: float) -> str:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def _guarded(fn: Command) -> Command:

@@ -12,14 +12,15 @@ import argparse
 import dataclasses
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from agents.config import AgentConfig
 from contract import exits
 from contract.config import load_sections
 from contract.config import reference_markdown as _reference
-from ftrain.config import Config, sections as runtime_sections
+from ftrain.config import Config
+from ftrain.config import sections as runtime_sections
 
 
 @dataclass(kw_only=True, slots=True)

@@ -22,7 +22,7 @@ from ftrain.data import DataError, as_sample_ids
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def resolve_dtype(dtype: str, vocab_size: int) -> np.dtype:

@@ -21,7 +21,8 @@ def _consumed(ledger_dir):
     """step -> sample ids in global micro-batch order, merged over ranks."""
     by_step: dict[int, dict[int, list[int]]] = {}
     for e in read_ledger(ledger_dir):
-        for idx, chunk in zip(e["micro"], [e["sample_ids"][i:i + MICRO] for i in range(0, len(e["sample_ids"]), MICRO)]):
+        chunks = [e["sample_ids"][i:i + MICRO] for i in range(0, len(e["sample_ids"]), MICRO)]
+        for idx, chunk in zip(e["micro"], chunks, strict=True):
             by_step.setdefault(e["step"], {})[idx] = chunk
     return {s: [i for m in sorted(ms) for i in ms[m]] for s, ms in by_step.items()}
 
@@ -42,4 +43,4 @@ def test_world_sizes_consume_same_samples_and_follow_same_losses(tmp_path):
     for world in (2, 4):
         samples, losses = runs[world]
         assert samples == samples_1, f"W={world} consumed different samples"
-        assert max(abs(a - b) for a, b in zip(losses, losses_1)) < 1e-4, (world, losses, losses_1)
+        assert max(abs(a - b) for a, b in zip(losses, losses_1, strict=True)) < 1e-4, (world, losses, losses_1)

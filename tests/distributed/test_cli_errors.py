@@ -53,7 +53,8 @@ def test_trains_on_a_token_file(tmp_path):
     tokens = tmp_path / "tokens.bin"
     rng = np.random.default_rng(0)
     write_token_file(tokens, rng.integers(0, 64, 20_000), "uint16")
-    proc = ftrain(tmp_path, f"--data.source={tokens}", "--train.steps=3", f"--logging.metrics_path={tmp_path / 'm.jsonl'}")
+    proc = ftrain(tmp_path, f"--data.source={tokens}", "--train.steps=3",
+                  f"--logging.metrics_path={tmp_path / 'm.jsonl'}")
     assert proc.returncode == 0, proc.stdout
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
 

@@ -33,7 +33,7 @@ def ddp(golden):
 
 def _assert_close(run, ref, what):
     assert len(run.metrics) == len(ref.metrics) == 10
-    for a, b in zip(run.metrics, ref.metrics):
+    for a, b in zip(run.metrics, ref.metrics, strict=True):
         assert abs(a["loss"] - b["loss"]) < LOSS_ATOL, f"{what}: step {a['step']} loss {a['loss']} vs {b['loss']}"
     diff = max_abs_diff(run.final["model"], ref.final["model"])
     assert diff < PARAM_ATOL, f"{what}: parameters differ by {diff}"
@@ -67,5 +67,5 @@ def test_activation_checkpointing_and_bf16_train(tmp_path, ddp):
     losses = [m["loss"] for m in run.metrics]
     ref = [m["loss"] for m in ddp.metrics]
     # bf16 has 8 bits of mantissa: loss agrees to ~1e-2, not bitwise
-    assert max(abs(a - b) for a, b in zip(losses, ref)) < 5e-2
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 5e-2
     assert losses[-1] < losses[0] - 0.3

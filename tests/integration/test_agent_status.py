@@ -11,10 +11,19 @@ import time
 import pytest
 
 from agents.etcd import EtcdClient
-from testbed.etcd import EtcdServer
-from agents.records import (FAILED, NODE_LOST, WORKER_EXIT, FinalStatus, JobKeys, Member, NodeRecord, NodeStatus,
-                            RoundRecord)
+from agents.records import (
+    FAILED,
+    NODE_LOST,
+    WORKER_EXIT,
+    FinalStatus,
+    JobKeys,
+    Member,
+    NodeRecord,
+    NodeStatus,
+    RoundRecord,
+)
 from agents.status import job_status, status_main
+from testbed.etcd import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,10 +63,12 @@ def test_job_status_of_a_round_with_a_lost_member(client: EtcdClient) -> None:
     nodes = {n["node"]: n for n in s["nodes"]}
     assert [n["node"] for n in s["nodes"]] == ["a", "b", "c"]
     pick = ("live", "member", "node_rank", "leader", "host", "agent_pid", "state", "worker_round", "step")
-    assert {k: nodes["a"][k] for k in pick} == dict(zip(pick, (True, True, 0, True, "host-a", 111, "running", 3, 42)))
-    assert {k: nodes["b"][k] for k in pick} == dict(zip(pick, (False, True, 1, False, "", None, "", None, None)))
+    assert {k: nodes["a"][k] for k in pick} == dict(zip(pick, (True, True, 0, True, "host-a", 111, "running", 3, 42),
+                                                        strict=True))
+    assert {k: nodes["b"][k] for k in pick} == dict(zip(pick, (False, True, 1, False, "", None, "", None, None),
+                                                        strict=True))
     assert {k: nodes["c"][k] for k in pick} == dict(zip(pick, (True, False, None, False, "host-c", 333, "waiting", 0,
-                                                               -1)))
+                                                               -1), strict=True))
     assert 0 <= nodes["a"]["status_age_s"] < 30
     assert nodes["b"]["status_age_s"] is None
 

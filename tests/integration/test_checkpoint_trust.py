@@ -15,8 +15,9 @@ import contextlib
 import json
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec.implementations.local as fsspec_local
 import pytest

@@ -80,16 +80,16 @@ def test_put_get_delete_and_prefix(client):
 
 def test_put_if_absent_race_has_exactly_one_winner(etcd):
     clients = [EtcdClient([etcd.endpoint], timeout_s=2.0) for _ in range(2)]
+
+    def contend(i: int, round_no: int, barrier: threading.Barrier, wins: dict[int, bool]) -> None:
+        barrier.wait(timeout=5)
+        wins[i] = clients[i].put_if_absent(f"leader/{round_no}", f"node-{i}")
+
     try:
         for round_no in range(15):
             barrier = threading.Barrier(2)
             wins: dict[int, bool] = {}
-
-            def contend(i: int) -> None:
-                barrier.wait(timeout=5)
-                wins[i] = clients[i].put_if_absent(f"leader/{round_no}", f"node-{i}")
-
-            threads = [threading.Thread(target=contend, args=(i,)) for i in range(2)]
+            threads = [threading.Thread(target=contend, args=(i, round_no, barrier, wins)) for i in range(2)]
             for t in threads:
                 t.start()
             for t in threads:

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from checkpoint.errors import FatalStorageError, TransientStorageError
-from testbed.seaweed import SeaweedS3
 from checkpoint.storage import Storage, StorageOptions
+from testbed.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,9 +26,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from agents.errors import EtcdUnavailableError
 from agents.etcd import EtcdClient
-from testbed.etcd import EtcdServer
 from agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, EtcdStore, RollingLease, parse_endpoints
 from ftrain.cli.torchrun_plugin import handler
+from testbed.etcd import EtcdServer
 from tests.support import REPO, kill_tree, worker_env
 
 pytestmark = pytest.mark.timeout(90)

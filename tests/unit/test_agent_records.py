@@ -28,10 +28,26 @@ from agents.agent import AgentOptions
 from agents.etcd import KeyValue
 from agents.heartbeat import HeartbeatServer
 from agents.metrics import AgentMetrics
-from agents.records import (FAILED, HANG, NODE_LOST, START, SUCCEEDED, WORKER_EXIT, FinalStatus, JobKeys, JobState,
-                            Member, NodeRecord, NodeStatus, Report, RoundRecord, parse_master, validate_id)
-from agents.workers import PidTracker
+from agents.records import (
+    FAILED,
+    HANG,
+    NODE_LOST,
+    START,
+    SUCCEEDED,
+    WORKER_EXIT,
+    FinalStatus,
+    JobKeys,
+    JobState,
+    Member,
+    NodeRecord,
+    NodeStatus,
+    Report,
+    RoundRecord,
+    parse_master,
+    validate_id,
+)
 from agents.status import format_status
+from agents.workers import PidTracker
 from ftrain.heartbeat import Heartbeat, process_gone
 
 KEYS = JobKeys("job-7")

@@ -12,8 +12,9 @@ from contract.worker_env import AGENT_PID, ROUND, WorkerEnv, WorkerEnvError, wor
 
 
 def test_worker_env_round_trips_through_the_environment():
-    env = WorkerEnv(job="j-1", round=7, node="n0", etcd=("http://a:1", "http://b:2"), fence_key="/ftrain/jobs/j-1/round",
-                    heartbeat="/run/hb.sock", agent_pid=1234, stack_dir="/run/stacks", etcd_client_file="/run/c.json")
+    env = WorkerEnv(job="j-1", round=7, node="n0", etcd=("http://a:1", "http://b:2"),
+                    fence_key="/ftrain/jobs/j-1/round", heartbeat="/run/hb.sock", agent_pid=1234,
+                    stack_dir="/run/stacks", etcd_client_file="/run/c.json")
     exported = env.to_env()
     assert len(exported) == 9 and all(k.startswith("FTRAIN_") for k in exported)
     assert WorkerEnv.from_env(exported) == env

@@ -57,7 +57,7 @@ def test_resume_at_another_world_size_consumes_exactly_the_remaining_samples(run
     second.load_state_dict(state)
     resumed_steps += [_step_at_world_size(second, b, run["world2"]) for _ in range(run["steps"] - run["stop"])]
 
-    for step, ((g_batch, g_ids), (r_batch, r_ids)) in enumerate(zip(golden_steps, resumed_steps)):
+    for step, ((g_batch, g_ids), (r_batch, r_ids)) in enumerate(zip(golden_steps, resumed_steps, strict=True)):
         assert (g_batch.step, r_batch.step) == (step, step)
         assert (g_batch.epoch, g_batch.start) == (r_batch.epoch, r_batch.start)
         np.testing.assert_array_equal(g_ids, g_batch.sample_ids)  # ranks cover the batch in order

@@ -44,7 +44,7 @@ def test_windows_overlap_by_exactly_one_token(tmp_path: Path) -> None:
     src = TokenFileSource(path, seq_len=7, vocab_size=64)
     rows = src.sample(np.arange(src.num_samples))
     assert src.num_samples == 7
-    for a, b in zip(rows[:-1], rows[1:]):
+    for a, b in zip(rows[:-1], rows[1:], strict=True):
         assert a[-1] == b[0]
         assert not set(a[:-1].tolist()) & set(b.tolist())
     # Every token but the first is a target exactly once (the last one here is the tail).

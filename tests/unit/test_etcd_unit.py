@@ -16,8 +16,18 @@ from typing import Any
 import pytest
 
 from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from agents.etcd import (Compare, EtcdClient, KeyValue, Op, TxnResult, b64, decode_key, encode_key,
-                         prefix_range_end, unb64)
+from agents.etcd import (
+    Compare,
+    EtcdClient,
+    KeyValue,
+    Op,
+    TxnResult,
+    b64,
+    decode_key,
+    encode_key,
+    prefix_range_end,
+    unb64,
+)
 from agents.etcd_endpoints import Backoff, Endpoints, error_from_reply
 from agents.etcd_session import KeepaliveSchedule, Session
 from agents.etcd_watch import WatchResponse

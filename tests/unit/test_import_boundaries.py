@@ -127,7 +127,8 @@ def test_every_package_is_mapped_to_a_layer():
     on_disk = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "bench", "scripts"}
     assert on_disk == set(PACKAGES)
     purelib = Path(sysconfig.get_paths()["purelib"])
-    assert not any((purelib / p).is_dir() for p in PACKAGES if p != "ftrain"), "a name collides with an installed package"
+    assert not any((purelib / p).is_dir() for p in PACKAGES if p != "ftrain"), \
+        "a name collides with an installed package"
 
 
 def test_agents_and_data_import_without_torch():

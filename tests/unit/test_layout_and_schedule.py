@@ -6,10 +6,9 @@ import math
 
 import pytest
 
-from ftrain.config import ConfigError, ParallelConfig
-from ftrain.strategies import compute_layout
+from ftrain.config import ConfigError, OptimConfig, ParallelConfig
 from ftrain.optim import lr_at, peak_lr
-from ftrain.config import OptimConfig
+from ftrain.strategies import compute_layout
 
 
 def layout(strategy, world, rank=0, local=None, n_head=4, **kw):

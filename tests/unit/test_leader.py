@@ -15,9 +15,29 @@ import pytest
 
 from agents.etcd import KeyValue
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, Wait, decide
-from agents.records import (BAD_RECORD, FATAL, ROUND_REPAIR, FAILED, HANG, NODE_LEFT, NODE_LOST, SCALE_UP, START, START_TIMEOUT, STOPPED, SUCCEEDED,
-                            WORKER_EXIT, FinalStatus, JobKeys, JobState, Member, NodeRecord, NodeStatus, Report,
-                            RoundRecord)
+from agents.records import (
+    BAD_RECORD,
+    FAILED,
+    FATAL,
+    HANG,
+    NODE_LEFT,
+    NODE_LOST,
+    ROUND_REPAIR,
+    SCALE_UP,
+    START,
+    START_TIMEOUT,
+    STOPPED,
+    SUCCEEDED,
+    WORKER_EXIT,
+    FinalStatus,
+    JobKeys,
+    JobState,
+    Member,
+    NodeRecord,
+    NodeStatus,
+    Report,
+    RoundRecord,
+)
 
 T0 = 10_000.0
 POLICY = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, start_timeout_s=60.0, max_restarts=3,

@@ -12,11 +12,11 @@ from checkpoint.errors import ManifestError
 from checkpoint.manifest import (
     CORRUPT_NAME,
     FORMAT_VERSION,
+    HMAC_DOMAIN,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
-    HMAC_DOMAIN,
-    MAX_MANIFEST_BYTES,
     canonical_json,
     hmac_key_from_env,
     job_problem,
@@ -107,7 +107,8 @@ def test_canonical_json_is_independent_of_dict_order():
 
 
 def test_crc32c_manifest_round_trip():
-    m = make_manifest(digest_algorithm="crc32c", files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
+    m = make_manifest(digest_algorithm="crc32c",
+                      files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
     assert Manifest.from_json(m.to_json()) == m
 
 

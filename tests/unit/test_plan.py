@@ -12,8 +12,8 @@ import torch
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.model import build_model, count_parameters
 from ftrain.plan import (
-    GiB,
     PREFERENCE,
+    GiB,
     Target,
     activation_bytes,
     activations,

@@ -30,7 +30,7 @@ def test_any_divisor_split_reproduces_the_canonical_tree_bitwise(total, data):
         lo, hi = rank * per_rank, (rank + 1) * per_rank
         block_nodes = cover(0, total, lo, hi)
         assert block_nodes[0][0] == lo and block_nodes[-1][1] == hi
-        assert all(a[1] == b[0] for a, b in zip(block_nodes, block_nodes[1:]))  # contiguous tiling
+        assert all(a[1] == b[0] for a, b in zip(block_nodes, block_nodes[1:], strict=False))  # contiguous tiling
         i = lo
         for node in block_nodes:
             acc = StreamingTreeSum()

@@ -31,7 +31,8 @@ def dcp_metadata(step: int) -> bytes:
 
 
 def step_files(step: int) -> dict[str, bytes]:
-    return {"__0_0.distcp": bytes([step % 251]) * 300, "__1_0.distcp": b"rank-one" * 20, ".metadata": dcp_metadata(step)}
+    return {"__0_0.distcp": bytes([step % 251]) * 300, "__1_0.distcp": b"rank-one" * 20,
+            ".metadata": dcp_metadata(step)}
 
 
 def write_step(storage: Storage, step: int, *, files: dict[str, bytes] | None = None, commit: bool = True,
@@ -109,7 +110,8 @@ def test_catalog_with_hmac_key(mem_storage):
 
 def test_manifest_in_the_wrong_directory_is_corrupt(storage):
     write_step(storage, 5)
-    storage.write_bytes(f"{step_dir_name(6)}/{MANIFEST_NAME}", storage.read_bytes(f"{step_dir_name(5)}/{MANIFEST_NAME}"))
+    storage.write_bytes(f"{step_dir_name(6)}/{MANIFEST_NAME}",
+                        storage.read_bytes(f"{step_dir_name(5)}/{MANIFEST_NAME}"))
     assert {s.step: s.state for s in list_steps(storage)} == {5: "committed", 6: "corrupt"}
     with pytest.raises(ManifestError, match="says step 5"):
         read_manifest(storage, step_dir_name(6))
