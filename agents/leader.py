@@ -219,10 +219,9 @@ def _fatal(state: JobState, cur: RoundRecord, now: float) -> Finish | None:
 def _deterministic(need: _Need, signatures: list[str], policy: Policy, round_: int, state: JobState,
                    members: list[Member], now: float) -> Finish | None:
     """The last ``deterministic_failures`` failures were the same worker error at the same step."""
-    n = policy.deterministic_failures
-    if n < 1 or len(signatures) < n or not signatures[-1] or len(set(signatures[-n:])) != 1:
-        return None
-    report = need.report
+    n, report = policy.deterministic_failures, need.report
+    if n < 1 or len(signatures) < n or not signatures[-1] or len(set(signatures[-n:])) != 1 or report is None:
+        return None  # (a non-empty signature has a report)
     return Finish(FinalStatus(
         FAILED, f"deterministic failure: the workers failed {n} times in a row at step {report.step} with the "
         f"same error, not restarting (deterministic_failures={n}): {report.error} ({need.detail})",

@@ -27,7 +27,7 @@ def exit_report(rc: int, beats: dict[int, Beat], nproc: int, log_path: str, agen
     step = max((b.step for b in beats.values()), default=-1)
     errors = [b for _, b in sorted(beats.items()) if b.error]
     fatal = [b for b in errors if b.fatal]
-    first = (fatal or errors or [None])[0]
+    first = next(iter(fatal or errors), None)
     error = first.error if first else ""
     detail = f"torchrun exited with {rc}; log {log_path}"
     if first:

@@ -122,7 +122,7 @@ class Cluster:
                 if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())]
 
     def wait_event(self, name: str, timeout_s: float = 60, **match: Any) -> dict[str, Any]:
-        return wait_for(lambda: (self.events(name, **match) or [None])[-1], timeout_s,
+        return wait_for(lambda: next(reversed(self.events(name, **match)), None), timeout_s,
                         f"event {name} {match or ''} (log: {self.log_tail()})")
 
     def metrics(self) -> list[dict[str, Any]]:

@@ -113,6 +113,17 @@ def test_backoff_is_free_once_then_doubles_up_to_the_cap(recent_failures: int, b
     assert POLICY.backoff_s(recent_failures) == backoff_s
 
 
+def test_decide_returns_the_next_memory_and_changes_none_of_its_arguments() -> None:
+    job = FakeJob()
+    job.join("a")
+    memory = memory_at(T0)
+    state = job.state()
+    decision, after = decide(state, POLICY, memory, T0 + 1)
+    assert memory == memory_at(T0) and after != memory  # the join was seen, in the returned memory only
+    assert after.live == frozenset(state.live_members()) and after.live_changed_at == T0 + 1
+    assert decide(state, POLICY, memory, T0 + 1) == (decision, after)  # same inputs, same answer
+
+
 # -- the first round ---------------------------------------------------------------------------
 def test_first_round_waits_for_min_nodes() -> None:
     job = FakeJob()
