@@ -15,6 +15,12 @@ reads the whole job state from etcd in one range request and acts on it:
   hangs (dump stacks, kill). Report how the round ended on this node.
 - **status**: ``status/<id>`` for ``ftrain status``; Prometheus metrics.
 
+The agent is assembled from parts passed in (:mod:`agents.assemble` wires the production ones):
+a job store (:mod:`agents.jobstore`), a clock, the heartbeat channel, metrics, an event sink and
+a worker launcher (:mod:`agents.parts`, :mod:`agents.workers`). It reads no clock and starts no
+process or thread of its own, so a unit test drives it tick by tick on a fake clock
+(:meth:`Agent.start`, :meth:`Agent.tick`); :meth:`Agent.run` is the production loop.
+
 Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when the job failed
 (restart budget, a deterministic or fatal worker error), 2 for bad arguments or a node id in use.
 
@@ -34,30 +40,31 @@ What is read from etcd, the heartbeat socket or the environment is checked, neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
-import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
+from agents.config import AgentConfig
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
-from agents.etcd import Compare, EtcdClient, Op
-from agents.etcd_session import Session
-from agents.etcd_watch import Watcher
-from agents.heartbeat import HeartbeatServer
+from agents.etcd import Compare, Op
+from agents.heartbeat import Beat
+from agents.jobstore import Closable, JobStore, LeaseSession
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
 from agents.metrics import AgentMetrics
-from agents.records import (FAILED, FATAL, HANG, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys, JobState, Member,
-                            NodeRecord, NodeStatus, Problem, Report, parse_master, validate_id)
-from agents.workers import Launch, WorkerGroup, dump_stacks, process_state
+from agents.parts import Clock, EventSink, Heartbeats
+from agents.records import (FAILED, HANG, START, SUCCEEDED, FinalStatus, JobKeys, JobState, Member, NodeRecord,
+                            NodeStatus, Problem, Report, parse_master, validate_id)
+from agents.supervision import exit_report, hung_ranks
+from agents.workers import Launch, Launcher, Workers
 from contract import exits
 from contract.worker_env import WorkerEnv, worker_environment
-from contract.events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +76,10 @@ ROUNDS_KEPT = 8  #: round records (and their reports) kept in etcd behind the cu
 
 @dataclass(kw_only=True)
 class AgentOptions:
-    etcd: list[str]
-    job: str
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
+    """What one agent runs with: its settings (``config``, the ``[agent]`` keys: their one
+    definition and default is :class:`AgentConfig`) and what is not a key of the config file."""
+    config: AgentConfig
     worker_args: list[str]  #: CONFIG.toml and --section.key=value overrides for ``ftrain train``
-    node_id: str = field(default_factory=socket.gethostname)
-    host: str = "127.0.0.1"  #: address other nodes reach this one at (its rendezvous, if node rank 0)
-    lease_ttl_s: int = 5
-    settle_s: float = 2.0
-    hang_timeout_s: float = 120.0
-    start_timeout_s: float = 300.0
-    max_restarts: int = 10
-    restart_window_s: float = 3600.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-    scale_up: str = "checkpoint"
-    drain_timeout_s: float = 120.0
-    metrics_port: int = -1  #: -1: off; 0: any free port
-    run_dir: str = ""  #: heartbeat socket, stack dumps, worker logs (default: a new temp dir)
     events_path: str = ""
     worker_env: dict[str, str] = field(default_factory=dict)
     etcd_username: str | None = None
@@ -96,30 +87,26 @@ class AgentOptions:
     etcd_ca_cert: str | None = None
     etcd_cert: str | None = None  #: client certificate (PEM) for https endpoints that require one
     etcd_key: str | None = None  #: its private key (PEM), if not in the certificate file
-    deterministic_failures: int = 3  #: same worker error at the same step this often in a row: stop (0: never)
+
+    @classmethod
+    def of(cls, **kwargs: Any) -> AgentOptions:
+        """From flat keyword arguments: this class's fields, and ``[agent]`` keys that go into
+        ``config`` (as :meth:`AgentConfig.of` takes them); ``node_id`` defaults to the host name."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"config"}
+        settings = {k: v for k, v in kwargs.items() if k not in own}
+        settings.setdefault("node_id", socket.gethostname())
+        return cls(config=AgentConfig.of(**settings), **{k: v for k, v in kwargs.items() if k in own})
 
     def policy(self) -> Policy:
-        return Policy(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc_per_node,
-                      settle_s=self.settle_s, start_timeout_s=self.start_timeout_s, max_restarts=self.max_restarts,
-                      restart_window_s=self.restart_window_s, backoff_initial_s=self.backoff_initial_s,
-                      backoff_max_s=self.backoff_max_s, scale_up=self.scale_up,
-                      deterministic_failures=self.deterministic_failures)
+        return Policy.from_config(self.config)
 
     def validate(self) -> None:
-        validate_id(self.job, "--job")
-        validate_id(self.node_id, "--node-id")
-        if not 1 <= self.min_nodes <= self.max_nodes:
-            raise ValueError(f"--nnodes: need 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
-        if self.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.lease_ttl_s < 2:
-            raise ValueError(f"--lease-ttl-s must be >= 2 (etcd's minimum), got {self.lease_ttl_s}")
+        """What :class:`AgentConfig` cannot check alone: the ids as they reach key paths, the
+        training config, the etcd credentials and TLS files (ValueError naming the option)."""
+        validate_id(self.config.job, "--job")
+        validate_id(self.config.node_id, "--node-id")
         if not self.worker_args:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
-        if self.scale_up not in ("checkpoint", "immediate"):
-            raise ValueError(f"--scale-up must be checkpoint or immediate, got {self.scale_up!r}")
-        if self.deterministic_failures < 0:
-            raise ValueError(f"--deterministic-failures must be >= 0 (0: off), got {self.deterministic_failures}")
         if (self.etcd_username is None) != (self.etcd_password is None):
             raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")
         for option, path in (("--etcd-ca-cert", self.etcd_ca_cert), ("--etcd-cert", self.etcd_cert),
@@ -154,29 +141,6 @@ def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
     return path
 
 
-def exit_report(rc: int, beats: dict, nproc: int, log_path: str, agent_uid: str, now: float) -> Report:
-    """How a round ended on this node, from torchrun's exit code and the workers' last messages.
-
-    Success needs exit code 0 and every local rank's exit message saying it finished. A failure
-    carries the newest step any worker reported and the first worker error (by local rank), or a
-    stand-in naming the exit code; a worker that said its error is fatal makes the report fatal.
-    """
-    finished = len(beats) == nproc and all(b.finished for b in beats.values())
-    if rc == 0 and finished:
-        return Report(SUCCEEDED, agent_uid=agent_uid, time=now)
-    if rc == 0:
-        return Report(STOPPED, detail="workers stopped early (drain)", agent_uid=agent_uid, time=now)
-    step = max((b.step for b in beats.values()), default=-1)
-    errors = [b for _, b in sorted(beats.items()) if b.error]
-    fatal = [b for b in errors if b.fatal]
-    first = (fatal or errors or [None])[0]
-    error = first.error if first else ""
-    detail = f"torchrun exited with {rc}; log {log_path}" + (f"; local rank {first.local_rank}: {error}" if first else "")
-    return Report(FAILED, FATAL if fatal else WORKER_EXIT, detail[:1000], agent_uid, now, step=step, error=error)
-
-
-def process_gone(pid: int) -> bool:
-    return process_state(pid) in (None, "Z", "X")
 
 
 def free_port(host: str) -> int:
@@ -186,28 +150,30 @@ def free_port(host: str) -> int:
 
 
 class Agent:
-    def __init__(self, opts: AgentOptions):
+    """One node's agent, assembled from its parts (see the module docstring); ``run_dir`` holds
+    the worker logs and stack dumps, ``client_file`` the workers' etcd settings (if any)."""
+
+    def __init__(self, opts: AgentOptions, *, store: JobStore, clock: Clock, heartbeats: Heartbeats,
+                 metrics: AgentMetrics, events: EventSink, launcher: Launcher, run_dir: str,
+                 client_file: str | None = None):
         opts.validate()
         self.opts = opts
+        self.cfg = opts.config
+        self.store, self.clock, self.heartbeats = store, clock, heartbeats
+        self.metrics, self.events, self.launcher = metrics, events, launcher
+        self.run_dir = run_dir
+        self.client_file = client_file
         self.uid = uuid.uuid4().hex[:12]
-        self.me = Member(opts.node_id, self.uid)
-        self.keys = JobKeys(opts.job)
+        self.me = Member(self.cfg.node_id, self.uid)
+        self.keys = JobKeys(self.cfg.job)
         self.policy = opts.policy()
-        self.client = EtcdClient(opts.etcd, timeout_s=1.0, retry_timeout_s=1.0, username=opts.etcd_username,
-                                 password=opts.etcd_password, ca_cert=opts.etcd_ca_cert, cert=opts.etcd_cert,
-                                 key=opts.etcd_key)
-        self.run_dir = opts.run_dir or tempfile.mkdtemp(prefix="ftrain-agent-")
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.client_file = write_client_file(self.run_dir, opts.etcd_client_settings())
+        self.stack_dir = os.path.join(run_dir, "stacks")
         self._problems_seen: set[tuple[str, int]] = set()  #: (key, mod_revision) already logged
         self._held_why = ""  #: why the follower last held (logged once per reason)
         self._ckpt_failures_seen = 0  #: failed commits in a row the workers last reported
         self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
-        self.stack_dir = os.path.join(self.run_dir, "stacks")
-        self.events = EventLog(opts.events_path, rank=-1)
-        self.metrics = AgentMetrics(opts.job, opts.node_id)
-        self.session: Session | None = None
-        self.workers: WorkerGroup | None = None
+        self.session: LeaseSession | None = None
+        self.workers: Workers | None = None
         self.finished_rounds: set[int] = set()  #: rounds whose workers ran and ended here
         self.pending_reports: dict[int, Report] = {}
         self.memory: LeaderMemory | None = None
@@ -221,58 +187,68 @@ class Agent:
         self._last_status_at = 0.0
         self.committed_step = -1  #: newest committed checkpoint step the workers reported
         self._gone_since: dict[int, float] = {}  #: worker pid -> when it was first seen gone
-        self._hb = HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock"))
-        self._watcher: Watcher | None = None
+        self._watch: Closable | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         """Register (raising :class:`NodeIdTakenError` if the id is in use), then loop until the
-        job ends or the agent drains."""
-        self._register(first=True)
-        if self.opts.metrics_port >= 0:
-            port = self.metrics.serve(self.opts.metrics_port)
-            log.info("metrics on http://127.0.0.1:%d/metrics", port)
-            self.events.emit("agent_metrics", node=self.opts.node_id, port=port)
-        self._watcher = Watcher(self.client, self.keys.prefix, on_event=lambda _e: self.wake.set(),
-                                on_error=lambda _e: None, progress_timeout_s=max(2.0, self.opts.lease_ttl_s))
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        signal.signal(signal.SIGINT, self._on_sigterm)
+        job ends or the agent drains; SIGTERM and SIGINT drain."""
+        self.start()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         try:
             while self.exit_code is None:
-                self._tick()
+                self.tick()
                 self.wake.wait(TICK_S)
                 self.wake.clear()
         finally:
-            self._shutdown()
+            self.close()
         return self.exit_code
 
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        if self.draining:  # a second signal: stop now
-            log.warning("second signal: killing workers and leaving")
+    def start(self) -> None:
+        """Register (raising :class:`NodeIdTakenError` if the id is in use), serve the metrics
+        if asked to, and watch the job's keys."""
+        self._register(first=True)
+        if self.cfg.metrics_port >= 0:
+            port = self.metrics.serve(self.cfg.metrics_port)
+            log.info("metrics on http://127.0.0.1:%d/metrics", port)
+            self.events.emit("agent_metrics", node=self.cfg.node_id, port=port)
+        self._watch = self.store.watch(self.keys.prefix, self.wake.set,
+                                       progress_timeout_s=max(2.0, self.cfg.lease_ttl_s))
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.drain(f"signal {signum}")
+
+    def drain(self, why: str) -> None:
+        """Drain: the workers finish the step, save and exit; a second call stops at once."""
+        if self.draining:
+            log.warning("asked again (%s): killing workers and leaving", why)
             self.exit_code = exits.OK
         else:
-            log.info("signal %d: draining (workers finish the step, save, exit)", signum)
+            log.info("%s: draining (workers finish the step, save, exit)", why)
             self.draining = True
-            self.drain_deadline = time.monotonic() + self.opts.drain_timeout_s
+            self.drain_deadline = self.clock.monotonic() + self.cfg.drain_timeout_s
         self.wake.set()
 
-    def _shutdown(self) -> None:
+    def close(self) -> None:
+        """Kill any workers, flush reports, give up the lease and close every part."""
         if self.workers is not None:
             self.workers.kill()
             self.workers = None
-        if self._watcher is not None:
-            self._watcher.close()
+        if self._watch is not None:
+            self._watch.close()
         self._flush_reports()
         if self.session is not None:
             self.session.close(revoke=True)
-        self._hb.close()
+        self.heartbeats.close()
         self.metrics.close()
-        self.events.emit("agent_exit", node=self.opts.node_id, exit_code=self.exit_code)
+        self.events.emit("agent_exit", node=self.cfg.node_id, exit_code=self.exit_code)
         self.events.close()
-        self.client.close()
+        self.store.close()
 
     # -- one tick ----------------------------------------------------------------------------
-    def _tick(self) -> None:
+    def tick(self) -> None:
+        """One pass of the loop: read the job, supervise the workers, lead, follow, report."""
         self._ensure_session()
         state = self._read()
         self._supervise()
@@ -281,7 +257,7 @@ class Agent:
         if state is None:
             return
         if state.final is not None:
-            self._finish(state)
+            self._finish(state, state.final)
             return
         try:
             if self._registered():
@@ -297,49 +273,57 @@ class Agent:
     def _registered(self) -> bool:
         return self.session is not None and not self.session.done.is_set()
 
+    def _lease_id(self) -> int:
+        """The lease of the current session (only called while registered)."""
+        if self.session is None:
+            raise LeaseExpiredError("not registered")
+        return self.session.lease_id
+
     def _ensure_session(self) -> None:
-        if self._registered() or time.monotonic() < self._next_register_at:
+        if self._registered() or self.clock.monotonic() < self._next_register_at:
             return
         if self.session is not None:
             log.warning("lease lost (%s): re-registering as a new member", self.session.lost_reason)
-            self.events.emit("lease_lost", node=self.opts.node_id, reason=self.session.lost_reason)
+            self.events.emit("lease_lost", node=self.cfg.node_id, reason=self.session.lost_reason)
             self.session, self.memory = None, None
         try:
             self._register(first=False)
             self._register_backoff_s = 0.2
         except (EtcdUnavailableError, NodeIdTakenError, LeaseExpiredError) as e:
-            self._next_register_at = time.monotonic() + self._register_backoff_s
+            self._next_register_at = self.clock.monotonic() + self._register_backoff_s
             self._register_backoff_s = min(5.0, self._register_backoff_s * 2)
             log.info("re-registration failed (%s); retrying in %.1fs", e, self._register_backoff_s)
 
+    def _node_record(self) -> NodeRecord:
+        return NodeRecord(self.cfg.node_id, self.uid, self.cfg.host, os.getpid(), self.cfg.nproc_per_node,
+                          self.clock.time())
+
     def _register(self, *, first: bool) -> None:
-        session = Session(self.client, self.opts.lease_ttl_s, keepalive_interval_s=self.opts.lease_ttl_s / 4,
-                          on_lost=lambda _reason: self.wake.set())
-        record = NodeRecord(self.opts.node_id, self.uid, self.opts.host, os.getpid(), self.opts.nproc_per_node,
-                            time.time())
-        key = self.keys.node(self.opts.node_id)
+        session = self.store.session(self.cfg.lease_ttl_s, on_lost=lambda _reason: self.wake.set())
+        record = self._node_record()
+        key = self.keys.node(self.cfg.node_id)
         try:
-            created = self.client.put_if_absent(key, record.to_json(), lease=session.lease_id)
+            created = self.store.put_if_absent(key, record.to_json(), lease=session.lease_id)
             if not created and self._reclaim(key):
-                created = self.client.put_if_absent(key, record.to_json(), lease=session.lease_id)
+                created = self.store.put_if_absent(key, record.to_json(), lease=session.lease_id)
         except BaseException:
             session.close(revoke=True)
             raise
         if not created:
             session.close(revoke=True)
-            holder = self.client.get(self.keys.node(self.opts.node_id))
+            holder = self.store.get(self.keys.node(self.cfg.node_id))
             detail = holder.value.decode() if holder else "(gone since)"
-            raise NodeIdTakenError(f"node id {self.opts.node_id!r} is already registered in job {self.opts.job!r} "
+            raise NodeIdTakenError(f"node id {self.cfg.node_id!r} is already registered in job {self.cfg.job!r} "
                                    f"by a live agent: {detail}; pick another --node-id or stop that agent")
         self.session = session
-        log.info("registered node %s (agent %s, lease %x, ttl %ds)", self.opts.node_id, self.uid, session.lease_id,
+        log.info("registered node %s (agent %s, lease %x, ttl %ds)", self.cfg.node_id, self.uid, session.lease_id,
                  session.ttl_s)
-        self.events.emit("agent_registered", node=self.opts.node_id, agent=self.uid, first=first)
+        self.events.emit("agent_registered", node=self.cfg.node_id, agent=self.uid, first=first)
 
     def _reclaim(self, key: str) -> bool:
         """Our own earlier registration still holds the key (etcd restored the lease we gave up
         for lost, as it does after a restart): revoke that lease rather than wait for it."""
-        holder = self.client.get(key)
+        holder = self.store.get(key)
         if holder is None:
             return True
         try:
@@ -349,22 +333,22 @@ class Agent:
         ours = isinstance(record, dict) and record.get("agent_uid") == self.uid
         if ours and holder.lease:
             log.info("revoking this agent's previous lease %x to register again", holder.lease)
-            self.client.revoke(holder.lease)
+            self.store.revoke(holder.lease)
         return ours
 
     def _read(self) -> JobState | None:
         try:
-            listing = self.client.list_prefix(self.keys.prefix)
+            listing = self.store.list_prefix(self.keys.prefix)
         except EtcdUnavailableError as e:
             if self._etcd_down_since is None:
-                self._etcd_down_since = time.monotonic()
+                self._etcd_down_since = self.clock.monotonic()
                 log.warning("etcd unreachable (%s); workers keep running", e)
-                self.events.emit("etcd_unreachable", node=self.opts.node_id, error=str(e))
+                self.events.emit("etcd_unreachable", node=self.cfg.node_id, error=str(e))
             return None
         if self._etcd_down_since is not None:
-            down_s = time.monotonic() - self._etcd_down_since
+            down_s = self.clock.monotonic() - self._etcd_down_since
             log.info("etcd reachable again after %.1fs", down_s)
-            self.events.emit("etcd_reachable", node=self.opts.node_id, down_s=round(down_s, 3))
+            self.events.emit("etcd_reachable", node=self.cfg.node_id, down_s=round(down_s, 3))
             self._etcd_down_since = None
         state = JobState.parse(self.keys, listing.kvs, listing.revision)
         self._note_problems(state.problems)
@@ -380,59 +364,58 @@ class Agent:
                 self._problems_seen.clear()
             self._problems_seen.add(seen)
             log.error("%s: skipped (fix or delete the key)", problem)
-            self.events.emit("bad_record", node=self.opts.node_id, key=problem.key,
+            self.events.emit("bad_record", node=self.cfg.node_id, key=problem.key,
                              mod_revision=problem.mod_revision, error=problem.error)
 
     def _repair_own_record(self, state: JobState) -> None:
         """Our ``nodes/<id>`` became unreadable (someone overwrote it): put ours back on our
         lease, with a compare-and-swap so a record another agent wrote meanwhile is kept."""
-        key = self.keys.node(self.opts.node_id)
+        key = self.keys.node(self.cfg.node_id)
         bad = [p for p in state.problems if p.key == key]
-        if not bad or self.opts.node_id in state.nodes:
+        if not bad or self.cfg.node_id in state.nodes:
             return
-        record = NodeRecord(self.opts.node_id, self.uid, self.opts.host, os.getpid(), self.opts.nproc_per_node,
-                            time.time())
         try:
-            if self.client.put_if_mod_revision(key, record.to_json(), bad[0].mod_revision, lease=self.session.lease_id):
+            if self.store.put_if_mod_revision(key, self._node_record().to_json(), bad[0].mod_revision,
+                                              lease=self._lease_id()):
                 log.warning("rewrote this agent's unreadable record %s", key)
-                self.events.emit("record_repaired", node=self.opts.node_id, key=key)
+                self.events.emit("record_repaired", node=self.cfg.node_id, key=key)
         except LeaseExpiredError:
             pass
 
     # -- leader ------------------------------------------------------------------------------
     def _lead(self, state: JobState) -> None:
-        lease = self.session.lease_id
+        lease = self._lease_id()
         if state.leader is None:
             try:
                 if state.leader_mod_revision:  # an unusable leader key (no lease, unreadable): replace it
-                    taken = self.client.put_if_mod_revision(self.keys.leader, self.opts.node_id,
-                                                            state.leader_mod_revision, lease=lease)
+                    taken = self.store.put_if_mod_revision(self.keys.leader, self.cfg.node_id,
+                                                           state.leader_mod_revision, lease=lease)
                 else:
-                    taken = self.client.put_if_absent(self.keys.leader, self.opts.node_id, lease=lease)
+                    taken = self.store.put_if_absent(self.keys.leader, self.cfg.node_id, lease=lease)
                 if taken:
-                    log.info("elected leader of job %s", self.opts.job)
-                    self.events.emit("leader_elected", node=self.opts.node_id)
+                    log.info("elected leader of job %s", self.cfg.job)
+                    self.events.emit("leader_elected", node=self.cfg.node_id)
                     self.wake.set()
             except (EtcdUnavailableError, LeaseExpiredError):
                 pass
             return
-        leading = state.leader == self.opts.node_id and state.leader_lease == lease
+        leading = state.leader == self.cfg.node_id and state.leader_lease == lease
         self.metrics.leader.set(1 if leading else 0)
         if not leading:
             self.memory = None
             return
-        now = time.time()
+        now = self.clock.time()
         if self.memory is None:
             self.memory = LeaderMemory(leader_since=now, live=frozenset(state.live_members()), live_changed_at=now)
-        decision = decide(state, self.policy, self.memory, now)
+        decision, self.memory = decide(state, self.policy, self.memory, now)
         try:
             if isinstance(decision, FormRound):
                 self._form_round(state, decision)
             elif isinstance(decision, Finish):
-                if self.client.put_if_mod_revision(self.keys.final, decision.final.to_json(),
-                                                   state.final_mod_revision):  # 0: absent; else unreadable
-                    log.info("job %s: %s (%s)", decision.final.status, self.opts.job, decision.final.reason)
-                    self.events.emit("job_final", node=self.opts.node_id, status=decision.final.status,
+                if self.store.put_if_mod_revision(self.keys.final, decision.final.to_json(),
+                                                  state.final_mod_revision):  # 0: absent; else unreadable
+                    log.info("job %s: %s (%s)", decision.final.status, self.cfg.job, decision.final.reason)
+                    self.events.emit("job_final", node=self.cfg.node_id, status=decision.final.status,
                                      reason=decision.final.reason)
         except EtcdUnavailableError as e:
             log.warning("leader action failed, retrying: %s", e)
@@ -440,18 +423,18 @@ class Agent:
     def _form_round(self, state: JobState, decision: FormRound) -> None:
         record = decision.record
         guard = [Compare(self.keys.round, "mod_revision", "==", state.round_mod_revision),
-                 Compare(self.keys.leader, "lease", "==", self.session.lease_id)]
+                 Compare(self.keys.leader, "lease", "==", self._lease_id())]
         ops = [Op.put(self.keys.round, str(record.round)), Op.put(self.keys.round_record(record.round),
                                                                   record.to_json())]
         old = record.round - ROUNDS_KEPT  # the state read stays small however many rounds a job has
         if old > 0:
             ops += [Op.delete(self.keys.round_record(old)), Op.delete(self.keys.round_record(old) + "/", prefix=True)]
-        if not self.client.txn(guard, ops).succeeded:
+        if not self.store.txn(guard, ops).succeeded:
             log.info("round %d not formed: the job state moved on (re-reading)", record.round)
             return
         members = [m.node_id for m in record.members]
         log.info("formed round %d (%s): %s, world size %d", record.round, record.reason, members, record.world_size)
-        self.events.emit("round_formed", node=self.opts.node_id, new_round=record.round, reason=record.reason,
+        self.events.emit("round_formed", node=self.cfg.node_id, new_round=record.round, reason=record.reason,
                          members=members, world_size=record.world_size)
         self.wake.set()
 
@@ -460,7 +443,7 @@ class Agent:
         if why != self._held_why:
             self._held_why = why
             log.error("not acting on the current round: %s", why)
-            self.events.emit("round_held", node=self.opts.node_id, why=why)
+            self.events.emit("round_held", node=self.cfg.node_id, why=why)
 
     def _follow(self, state: JobState) -> None:
         if not state.round_known:  # never stop or start workers on a round we cannot read
@@ -471,7 +454,8 @@ class Agent:
         if self.workers is not None and (cur is None or self.workers.round != cur.round):
             if cur is not None and cur.reason == HANG:  # a peer hung: show where these workers wait
                 self._dump(self.workers, f"round {cur.round} formed after a hang elsewhere")
-            self._stop_workers(f"round {cur.round if cur else '?'} replaced round {self.workers.round}")
+            why = f"round {cur.round if cur else '?'} replaced round {self.workers.round}"
+            self._stop_workers(self.workers, why)
         if cur is None or self.draining:
             return
         node_rank = cur.node_rank(self.me)
@@ -487,7 +471,7 @@ class Agent:
         master = state.masters.get(cur.round)
         if master is None:
             if node_rank == 0:
-                self.client.put_if_absent(self.keys.master(cur.round), f"{self.opts.host}:{free_port(self.opts.host)}")
+                self.store.put_if_absent(self.keys.master(cur.round), f"{self.cfg.host}:{free_port(self.cfg.host)}")
                 self.wake.set()
             return
         addr, port = parse_master(master)  # JobState.parse let only well-formed addresses through
@@ -497,36 +481,36 @@ class Agent:
                             worker_args=tuple(self.opts.worker_args)))
 
     def _launch(self, launch: Launch) -> None:
-        self._hb.reset(launch.round)
+        self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
-        ours = WorkerEnv(job=self.opts.job, round=launch.round, node=self.opts.node_id, etcd=tuple(self.opts.etcd),
-                         fence_key=self.keys.round, heartbeat=self._hb.path, agent_pid=os.getpid(),
+        ours = WorkerEnv(job=self.cfg.job, round=launch.round, node=self.cfg.node_id, etcd=tuple(self.cfg.endpoints),
+                         fence_key=self.keys.round, heartbeat=self.heartbeats.path, agent_pid=os.getpid(),
                          stack_dir=self.stack_dir, etcd_client_file=self.client_file or "")
         env = worker_environment(os.environ, self.opts.worker_env,
                                  {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
-        self.workers = WorkerGroup(launch, env, log_path)
+        self.workers = self.launcher(launch, env, log_path)
         self.metrics.launched()
-        self.events.emit("workers_started", node=self.opts.node_id, worker_round=launch.round,
-                         node_rank=launch.node_rank, nnodes=launch.nnodes, pid=self.workers.proc.pid, log=log_path)
+        self.events.emit("workers_started", node=self.cfg.node_id, worker_round=launch.round,
+                         node_rank=launch.node_rank, nnodes=launch.nnodes, pid=self.workers.pid, log=log_path)
         try:
-            self.client.put(self.keys.started(launch.round, self.opts.node_id), self.uid)
+            self.store.put(self.keys.started(launch.round, self.cfg.node_id), self.uid)
         except EtcdUnavailableError as e:
             log.warning("could not record the start of round %d: %s", launch.round, e)
 
-    def _stop_workers(self, why: str) -> None:
-        workers, self.workers = self.workers, None
+    def _stop_workers(self, workers: Workers, why: str) -> None:
+        self.workers = None
         rc = workers.kill()
         self.finished_rounds.add(workers.round)
         log.info("stopped the workers of round %d (%s), torchrun exit %s", workers.round, why, rc)
-        self.events.emit("workers_stopped", node=self.opts.node_id, worker_round=workers.round, why=why)
+        self.events.emit("workers_stopped", node=self.cfg.node_id, worker_round=workers.round, why=why)
 
     # -- supervision -------------------------------------------------------------------------
     def _supervise(self) -> None:
         workers = self.workers
         if workers is None:
             return
-        beats = self._hb.beats()
+        beats = self.heartbeats.beats()
         workers.note_pids(b.pid for b in beats.values())
         if beats:
             newest = max(beats.values(), key=lambda b: b.step)
@@ -535,10 +519,10 @@ class Agent:
             self.committed_step = max(self.committed_step, *(b.committed_step for b in beats.values()))
             self.metrics.committed_step.set(self.committed_step)
             self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))
-            self.metrics.heartbeat_age.set(time.monotonic() - min(b.received_at for b in beats.values()))
+            self.metrics.heartbeat_age.set(self.clock.monotonic() - min(b.received_at for b in beats.values()))
             self._note_ckpt_failures(workers.round, beats)
         rc = workers.poll()
-        crashed = self._crashed_workers(beats)
+        crashed = self._crashed_workers(workers, beats)
         if rc is None and crashed:  # do not wait for torchrun to notice and tear down: seconds
             log.info("round %d: worker %d (local rank %d) died without saying goodbye", workers.round,
                      crashed[0].pid, crashed[0].local_rank)
@@ -547,54 +531,37 @@ class Agent:
         if rc is not None:
             self.workers = None
             self.finished_rounds.add(workers.round)
-            report = exit_report(rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid, time.time())
+            report = exit_report(rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid,
+                                 self.clock.time())
             log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
-            self.events.emit("workers_exited", node=self.opts.node_id, worker_round=workers.round, exit_code=rc,
+            self.events.emit("workers_exited", node=self.cfg.node_id, worker_round=workers.round, exit_code=rc,
                              outcome=report.outcome)
             self.pending_reports[workers.round] = report
             return
-        hung = self._hung_ranks(workers, beats)
+        hung = hung_ranks(beats, nproc_per_node=workers.launch.nproc_per_node, started_at=workers.started_at,
+                          now=self.clock.monotonic(), hang_timeout_s=self.cfg.hang_timeout_s,
+                          start_timeout_s=self.cfg.start_timeout_s)
         if hung:
             self._on_hang(workers, hung)
 
-    def _crashed_workers(self, beats: dict) -> list:
+    def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the
         grace lets the heartbeat thread read a message already on its way)."""
-        now = time.monotonic()
-        workers = self.workers
-        gone = {b.pid for b in beats.values() if b.finished is None and (
-            process_gone(b.pid) or (workers is not None and workers.pids.replaced(b.pid)))}
+        now = self.clock.monotonic()
+        gone = {b.pid for b in beats.values() if b.finished is None and workers.gone(b.pid)}
         self._gone_since = {pid: self._gone_since.get(pid, now) for pid in gone}
         return [b for b in beats.values() if b.pid in gone and now - self._gone_since[b.pid] >= CRASH_GRACE_S]
 
-    def _hung_ranks(self, workers: WorkerGroup, beats: dict) -> list[int]:
-        """Local ranks that made no progress within their limit (``hang_timeout_s`` between
-        steps, ``start_timeout_s`` in start-up, loads and saves), or that stopped saying they are
-        alive for ``hang_timeout_s`` in any phase (a frozen process: no need to wait out the start
-        timeout) — except one that sent its exit message: it is leaving, and torchrun's exit
-        (which can take seconds) decides how the round ended."""
-        now = time.monotonic()
-        hung = []
-        for local_rank in range(workers.launch.nproc_per_node):
-            beat = beats.get(local_rank)
-            since = beat.received_at if beat else workers.started_at
-            limit = self.opts.hang_timeout_s if beat and beat.phase == "training" else self.opts.start_timeout_s
-            frozen = (beat is not None and beat.finished is None and beat.phase != "exiting" and beat.alive_at > 0
-                      and now - beat.alive_at > self.opts.hang_timeout_s)  # said goodbye: not frozen, leaving
-            if now - since > limit or frozen:
-                hung.append(local_rank)
-        return hung
-
-    def _on_hang(self, workers: WorkerGroup, hung: list[int]) -> None:
+    def _on_hang(self, workers: Workers, hung: list[int]) -> None:
         self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
         self.workers = None
         workers.kill()
         self.finished_rounds.add(workers.round)
         self.pending_reports[workers.round] = Report(
-            FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, time.time(),
-            step=max((b.step for b in self._hb.beats().values()), default=-1))
+            FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, self.clock.time(),
+            step=max((b.step for b in self.heartbeats.beats().values()), default=-1))
 
-    def _note_ckpt_failures(self, round_: int, beats: dict) -> None:
+    def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
         """Failed checkpoint commits: metrics always, an event (and an error log) each time the
         count of failures in a row grows."""
         failures = max(b.ckpt_failures for b in beats.values())
@@ -603,17 +570,16 @@ class Agent:
         self.metrics.ckpt_failed(round_, total, failures)
         if failures > self._ckpt_failures_seen:
             log.error("round %d: %d checkpoint commit(s) in a row failed; last error: %s", round_, failures, error)
-            self.events.emit("checkpoint_failing", node=self.opts.node_id, worker_round=round_, failures=failures,
+            self.events.emit("checkpoint_failing", node=self.cfg.node_id, worker_round=round_, failures=failures,
                              error=error)
         self._ckpt_failures_seen = failures
         self._ckpt_error = error if failures else ""
 
-    def _dump(self, workers: WorkerGroup, why: str, local_ranks: list[int] | None = None) -> None:
+    def _dump(self, workers: Workers, why: str, local_ranks: list[int] | None = None) -> None:
         """Every worker's Python stack into the event log (and this agent's log)."""
-        pids = workers.worker_pids()
-        log.error("round %d: %s: dumping the stacks of workers %s", workers.round, why, pids)
-        stacks = dump_stacks(pids, self.stack_dir)
-        self.events.emit("hang", node=self.opts.node_id, worker_round=workers.round, why=why,
+        log.error("round %d: %s: dumping the stacks of the workers", workers.round, why)
+        stacks = workers.dump_stacks(self.stack_dir)
+        self.events.emit("hang", node=self.cfg.node_id, worker_round=workers.round, why=why,
                          local_ranks=local_ranks or [], stacks={str(pid): text for pid, text in stacks.items()})
         for pid, text in stacks.items():
             log.error("stack of worker %d:\n%s", pid, text)
@@ -624,47 +590,46 @@ class Agent:
             return
         if not self.workers.terminating:
             self.workers.terminate()
-            self.events.emit("drain", node=self.opts.node_id, worker_round=self.workers.round)
-        elif time.monotonic() > self.drain_deadline:
-            self._stop_workers("drain timed out")
+            self.events.emit("drain", node=self.cfg.node_id, worker_round=self.workers.round)
+        elif self.clock.monotonic() > self.drain_deadline:
+            self._stop_workers(self.workers, "drain timed out")
             self.exit_code = exits.OK
 
     def _flush_reports(self) -> None:
         for round_, report in sorted(self.pending_reports.items()):
             try:
-                self.client.put(self.keys.report(round_, self.opts.node_id), report.to_json())
+                self.store.put(self.keys.report(round_, self.cfg.node_id), report.to_json())
             except EtcdUnavailableError:
                 return
             del self.pending_reports[round_]
             self.wake.set()
 
-    def _finish(self, state: JobState) -> None:
+    def _finish(self, state: JobState, final: FinalStatus) -> None:
         if self.workers is not None:
             if self.workers.wait(timeout_s=10.0) is None:
-                self._stop_workers("job finished")
-        final = state.final
+                self._stop_workers(self.workers, "job finished")
         self.exit_code = exits.OK if final.status == SUCCEEDED else exits.FAILED
-        log.info("job %s %s: %s", self.opts.job, final.status, final.reason)
+        log.info("job %s %s: %s", self.cfg.job, final.status, final.reason)
         self._publish_status(state, state_name="done", force=True)
 
     def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if not self._registered() or (not force and now - self._last_status_at < STATUS_INTERVAL_S):
             return
         self._last_status_at = now
-        beats = self._hb.beats() if self.workers is not None else {}
+        beats = self.heartbeats.beats() if self.workers is not None else {}
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
             state=name, step=max((b.step for b in beats.values()), default=-1),
             step_time_s=max((b.step_time_s for b in beats.values()), default=0.0),
-            heartbeat_age_s=round(time.monotonic() - min(b.received_at for b in beats.values()), 3) if beats else None,
+            heartbeat_age_s=round(now - min(b.received_at for b in beats.values()), 3) if beats else None,
             committed_step=self.committed_step,
-            restarts=self.metrics.restarts(), host=self.opts.host, pid=os.getpid(), updated_at=time.time(),
+            restarts=self.metrics.restarts(), host=self.cfg.host, pid=os.getpid(), updated_at=self.clock.time(),
             ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
             ckpt_failures_total=self.metrics.ckpt_failures_total(), ckpt_error=self._ckpt_error[:300])
         try:
-            self.client.put(self.keys.status(self.opts.node_id), status.to_json(), lease=self.session.lease_id)
+            self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())
         except (EtcdUnavailableError, LeaseExpiredError):
             pass
 

@@ -1,14 +1,28 @@
 """The ``[agent]`` section of the config file: the node agent's settings (one definition each).
 
-``ftrain agent``'s options are these keys (an option overrides the file); workers ignore the
-section except ``agent.job``. Standard library only.
+Every setting of the node agent is a key here, with its one default and its help text:
+``ftrain agent``'s per-key options are generated from these fields (an option overrides the
+file), :class:`agents.agent.AgentOptions` holds an instance, and the leader's
+:class:`agents.leader.Policy` is derived from one. Workers ignore the section except
+``agent.job``. Standard library only.
+
+What must stay true: an instance is valid (``__post_init__`` raises :class:`ConfigError` naming
+the key), whether it came from a file, from options or from code.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from contract.config import ConfigError, at_least, check_floats, int_range, opt, parse_nnodes, positive
+
+
+def option_name(key: str) -> str:
+    """``ftrain agent``'s option for an ``[agent]`` key: ``nproc_per_node`` -> ``--nproc-per-node``."""
+    return "--" + key.replace("_", "-")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,20 +50,51 @@ class AgentConfig:
         "checkpoint", "Nodes that join a running job enter at the next committed checkpoint, or immediately.",
         ("checkpoint", "immediate"),
     )
+    drain_timeout_s: float = opt(
+        120.0, "On SIGTERM the workers finish the step and save; after this long they are killed.")
     metrics_port: int = opt(-1, "Prometheus metrics port (0: any free port, -1: off).")
     run_dir: str = opt("", "Worker logs and stack dumps (default: a new temporary directory).")
 
     def __post_init__(self) -> None:
         check_floats("agent", self)
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"agent.{f.name}", f"{getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         parse_nnodes(self.nnodes, "agent.nnodes")
         positive("agent.nproc_per_node", self.nproc_per_node)
         if self.lease_ttl_s < 2:
             raise ConfigError("agent.lease_ttl_s", f"must be >= 2 (etcd's minimum lease), got {self.lease_ttl_s}")
         at_least("agent.settle_s", self.settle_s, 0)
-        for name in ("hang_timeout_s", "start_timeout_s", "restart_window_s"):
+        for name in ("hang_timeout_s", "start_timeout_s", "restart_window_s", "drain_timeout_s"):
             positive(f"agent.{name}", getattr(self, name))
         at_least("agent.max_restarts", self.max_restarts, 0)
         at_least("agent.deterministic_failures", self.deterministic_failures, 0)
         at_least("agent.backoff_initial_s", self.backoff_initial_s, 0)
         at_least("agent.backoff_max_s", self.backoff_max_s, self.backoff_initial_s)
         int_range("agent.metrics_port", self.metrics_port, -1, 65535)
+
+    @classmethod
+    def of(cls, *, min_nodes: int | None = None, max_nodes: int | None = None, etcd: str | Sequence[str] = "",
+           **settings: Any) -> AgentConfig:
+        """Built in code: the keys as keyword arguments, and for convenience ``min_nodes`` and
+        ``max_nodes`` instead of ``nnodes`` (``max_nodes`` defaults to ``min_nodes``) and
+        ``etcd`` as a list of URLs."""
+        if min_nodes is not None:
+            settings["nnodes"] = f"{min_nodes}:{max_nodes if max_nodes is not None else min_nodes}"
+        elif max_nodes is not None:
+            raise ConfigError("agent.nnodes", "max_nodes needs min_nodes")
+        return cls(etcd=etcd if isinstance(etcd, str) else ",".join(etcd), **settings)
+
+    @property
+    def min_nodes(self) -> int:
+        return parse_nnodes(self.nnodes, "agent.nnodes")[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return parse_nnodes(self.nnodes, "agent.nnodes")[1]
+
+    @property
+    def endpoints(self) -> list[str]:
+        """``etcd`` as a list of URLs."""
+        return [e for e in self.etcd.split(",") if e]

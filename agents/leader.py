@@ -1,8 +1,9 @@
 """The leader's decisions: when to form a new round, with whom, and when the job is over.
 
 :func:`decide` is pure: it looks at one :class:`~agents.records.JobState`, what this leader
-remembers (:class:`LeaderMemory`) and the time, and says what to do. The agent's loop reads
-etcd, calls it, and applies the answer with a compare-and-swap on the ``round`` key, so two
+remembers (:class:`LeaderMemory`, immutable) and the time, and says what to do and what to
+remember next (it changes none of its arguments). The agent's loop reads etcd, calls it, keeps
+the returned memory, and applies the answer with a compare-and-swap on the ``round`` key, so two
 agents that both believe they lead cannot both form round g+1.
 
 Rules, in order:
@@ -33,9 +34,12 @@ Rules, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from agents.config import AgentConfig
 from agents.records import (BAD_RECORD, FAILED, FAILURE_CAUSES, FATAL, NODE_LEFT, NODE_LOST, ROUND_REPAIR, SCALE_UP,
                             START, START_TIMEOUT, STOPPED, SUCCEEDED, WORKER_EXIT, FinalStatus, JobState, Member,
                             Report, RoundRecord)
@@ -45,18 +49,29 @@ _DIGITS = re.compile(r"\d+")
 
 @dataclass(frozen=True, slots=True)
 class Policy:
+    """The settings :func:`decide` follows, derived from the ``[agent]`` section
+    (:class:`~agents.config.AgentConfig` holds their one definition and default: none here)."""
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
-    settle_s: float = 2.0
-    start_timeout_s: float = 120.0
-    max_restarts: int = 10
-    restart_window_s: float = 3600.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-    scale_up: str = "checkpoint"  #: checkpoint | immediate
+    settle_s: float
+    start_timeout_s: float
+    max_restarts: int
+    restart_window_s: float
+    backoff_initial_s: float
+    backoff_max_s: float
+    scale_up: str  #: checkpoint | immediate
     #: the same worker error at the same step this many times in a row ends the job (0: never)
-    deterministic_failures: int = 3
+    deterministic_failures: int
+
+    @classmethod
+    def from_config(cls, config: AgentConfig) -> Policy:
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def of(cls, **settings: Any) -> Policy:
+        """From ``[agent]`` keys as keyword arguments (see :meth:`AgentConfig.of`); the rest default."""
+        return cls.from_config(AgentConfig.of(**settings))
 
     def backoff_s(self, recent_failures: int) -> float:
         """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
@@ -65,19 +80,20 @@ class Policy:
         return min(self.backoff_max_s, self.backoff_initial_s * 2 ** (recent_failures - 2))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LeaderMemory:
-    """What one leader remembers between reads; a new leader starts blank (and careful)."""
+    """What one leader remembers between reads; a new leader starts blank (and careful).
+    Immutable: :func:`decide` returns the next one."""
     leader_since: float
     live: frozenset[Member] = frozenset()
     live_changed_at: float = 0.0
     #: committed step when nodes were first seen waiting to join; grow once it advances
     grow_baseline_step: int | None = None
 
-    def observe(self, state: JobState, now: float) -> None:
+    def observed(self, state: JobState, now: float) -> LeaderMemory:
+        """This memory after seeing ``state`` at ``now`` (membership changes restart the quiet time)."""
         live = frozenset(state.live_members())
-        if live != self.live:
-            self.live, self.live_changed_at = live, now
+        return self if live == self.live else dataclasses.replace(self, live=live, live_changed_at=now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,45 +149,47 @@ def _status_newer_than(state: JobState, members: list[Member], joiners: list[Mem
     return all(m.node_id in state.status and state.status[m.node_id].updated_at >= joined_at for m in members)
 
 
-def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> _Need | None:
+def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[_Need | None, LeaderMemory]:
+    """Why a new round is needed (None: it is not), and the memory after looking."""
     cur = state.current
     if cur is None:
         if state.round_unreadable or state.round > 0:
-            return _Need(ROUND_REPAIR, f"round key or record of round {state.round} unreadable")
-        return _Need(START)
+            return _Need(ROUND_REPAIR, f"round key or record of round {state.round} unreadable"), memory
+        return _Need(START), memory
     live = {m.node_id: m for m in state.live_members()}
     reports = state.member_reports(cur.round)
     failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
     if failed:
         node, report = sorted(failed.items())[0]
         return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed), report,
-                     [failed[n] for n in sorted(failed)])
+                     [failed[n] for n in sorted(failed)]), memory
     stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
     if stopped:
-        return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}")
+        return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}"), memory
     gone = [m.node_id for m in cur.members if live.get(m.node_id) != m]
     if gone:
-        return _Need(NODE_LOST, f"agent gone: {', '.join(gone)}")
+        return _Need(NODE_LOST, f"agent gone: {', '.join(gone)}"), memory
     started = state.started.get(cur.round, set())
     late = [m.node_id for m in cur.members if m.node_id not in started]
     if late and cur.round in state.bad_masters:
-        return _Need(BAD_RECORD, f"{state.bad_masters[cur.round]}; not started on {', '.join(late)}")
+        return _Need(BAD_RECORD, f"{state.bad_masters[cur.round]}; not started on {', '.join(late)}"), memory
     if late and now - cur.created_at > policy.start_timeout_s:
-        return _Need(START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on {', '.join(late)}")
+        return _Need(START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on "
+                     f"{', '.join(late)}"), memory
     joiners = [m for m in live.values() if m not in cur.members]
-    if joiners and len(cur.members) < policy.max_nodes:
-        if policy.scale_up == "immediate":
-            return _Need(SCALE_UP, f"joined: {', '.join(m.node_id for m in joiners)}")
-        step = committed_step(state, cur.members)
-        if memory.grow_baseline_step is None:
-            if not _status_newer_than(state, cur.members, joiners):
-                return None  # a stale status could hide a commit made before they joined
-            memory.grow_baseline_step = step
-        elif step > memory.grow_baseline_step:
-            return _Need(SCALE_UP, f"joined: {', '.join(m.node_id for m in joiners)} (at checkpoint step {step})")
-    else:
-        memory.grow_baseline_step = None
-    return None
+    if not joiners or len(cur.members) >= policy.max_nodes:
+        return None, dataclasses.replace(memory, grow_baseline_step=None)
+    joined = ", ".join(m.node_id for m in joiners)
+    if policy.scale_up == "immediate":
+        return _Need(SCALE_UP, f"joined: {joined}"), memory
+    step = committed_step(state, cur.members)
+    if memory.grow_baseline_step is None:
+        if not _status_newer_than(state, cur.members, joiners):
+            return None, memory  # a stale status could hide a commit made before they joined
+        return None, dataclasses.replace(memory, grow_baseline_step=step)
+    if step > memory.grow_baseline_step:
+        return _Need(SCALE_UP, f"joined: {joined} (at checkpoint step {step})"), memory
+    return None, memory
 
 
 def _failure_time(state: JobState, need: _Need, policy: Policy, now: float) -> float:
@@ -201,32 +219,33 @@ def _fatal(state: JobState, cur: RoundRecord, now: float) -> Finish | None:
 def _deterministic(need: _Need, signatures: list[str], policy: Policy, round_: int, state: JobState,
                    members: list[Member], now: float) -> Finish | None:
     """The last ``deterministic_failures`` failures were the same worker error at the same step."""
-    n = policy.deterministic_failures
-    if n < 1 or len(signatures) < n or not signatures[-1] or len(set(signatures[-n:])) != 1:
-        return None
-    report = need.report
+    n, report = policy.deterministic_failures, need.report
+    if n < 1 or len(signatures) < n or not signatures[-1] or len(set(signatures[-n:])) != 1 or report is None:
+        return None  # (a non-empty signature has a report)
     return Finish(FinalStatus(
         FAILED, f"deterministic failure: the workers failed {n} times in a row at step {report.step} with the "
         f"same error, not restarting (deterministic_failures={n}): {report.error} ({need.detail})",
         round_, now, committed_step(state, members)))
 
 
-def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> Decision:
+def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[Decision, LeaderMemory]:
+    """What the leader does now, and what it remembers for the next call (``memory`` itself is
+    never changed: pass the returned one next time)."""
     if state.final is not None:
-        return Wait(f"job finished: {state.final.status}")
-    memory.observe(state, now)
+        return Wait(f"job finished: {state.final.status}"), memory
+    memory = memory.observed(state, now)
     cur = state.current
     if cur is not None:
         reports = state.member_reports(cur.round)
         if len(reports) == len(cur.members) and all(r.outcome == SUCCEEDED for r in reports.values()):
             return Finish(FinalStatus(SUCCEEDED, "every node finished training", cur.round, now,
-                                      committed_step(state, cur.members)))
+                                      committed_step(state, cur.members))), memory
         fatal = _fatal(state, cur, now)
         if fatal is not None:
-            return fatal
-    need = _need(state, policy, memory, now)
+            return fatal, memory
+    need, memory = _need(state, policy, memory, now)
     if need is None:
-        return Wait("round healthy")
+        return Wait("round healthy"), memory
 
     prev = cur or state.newest_record()  # the budget's memory survives an unreadable current record
     failure_times = [t for t in (prev.failure_times if prev else []) if now - t <= policy.restart_window_s]
@@ -240,30 +259,30 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
                 FAILED, f"restart budget exhausted: {len(failure_times)} failures within "
                 f"{policy.restart_window_s:.0f}s (max_restarts={policy.max_restarts}); last: {need.reason} "
                 f"({need.detail})", cur.round if cur else 0, now,
-                committed_step(state, cur.members) if cur else -1))
+                committed_step(state, cur.members) if cur else -1)), memory
         stop = _deterministic(need, signatures, policy, cur.round if cur else 0, state, cur.members if cur else [],
                               now)
         if stop is not None:
-            return stop
+            return stop, memory
         ready_at = failure_time + policy.backoff_s(len(failure_times))
         if now < ready_at:
-            return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}")
+            return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}"), memory
 
     leaving = {n for n, r in state.member_reports(cur.round).items() if r.outcome == STOPPED} if cur else set()
     live = [m for m in state.live_members() if m.node_id not in leaving]  # drained: its lease goes next
     if len(live) < policy.min_nodes:
-        return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live")
+        return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live"), memory
     members = live[:policy.max_nodes]
     all_reported = cur is not None and set(cur.members) == set(members) and len(
         state.member_reports(cur.round)) == len(cur.members)
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
     if not all_reported and quiet_s < policy.settle_s:
-        return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)")
+        return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
 
     restarts = dict(prev.restarts_by_cause) if prev else {}
     if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1
     return FormRound(RoundRecord(
         round=state.round + 1, members=members, nproc_per_node=policy.nproc_per_node, reason=need.reason,
-        created_at=now, failure_times=failure_times, restarts_by_cause=restarts, failure_signatures=signatures))
+        created_at=now, failure_times=failure_times, restarts_by_cause=restarts, failure_signatures=signatures)), memory
 

@@ -12,13 +12,17 @@ checkpoint load, and steps recomputed after a rollback to a checkpoint — is lo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 
 class AgentMetrics:
-    def __init__(self, job: str, node_id: str):
+    """``clock``: the agent's monotonic clock (lost time is measured on it)."""
+
+    def __init__(self, job: str, node_id: str, *, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
         self.registry = CollectorRegistry()
         labels = {"job": job, "node": node_id}
         names = list(labels)
@@ -79,7 +83,7 @@ class AgentMetrics:
 
     def launched(self) -> None:
         if self._first_launch is None:
-            self._first_launch = time.monotonic()
+            self._first_launch = self._clock()
 
     def stepped(self, step: int, step_time_s: float) -> None:
         self.step.set(step)
@@ -92,7 +96,7 @@ class AgentMetrics:
 
     def tick(self) -> None:
         if self._first_launch is not None:
-            self.lost.set(max(0.0, time.monotonic() - self._first_launch - self._productive_s))
+            self.lost.set(max(0.0, self._clock() - self._first_launch - self._productive_s))
 
     def close(self) -> None:
         if self._server is not None:

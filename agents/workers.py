@@ -13,6 +13,9 @@ taken on only while it is a descendant of this round's torchrun, with its start 
 signalled (SIGKILL, SIGTERM, SIGUSR1 for stack dumps) only while the process with that PID
 still has that start time. A PID announced in a heartbeat that is not a descendant — a
 zombie of an old round, another user's process, a recycled PID — is never signalled.
+
+The agent sees a round's workers through :class:`Workers` and starts them through a
+:data:`Launcher` (:class:`WorkerGroup` in production), so its unit tests run without processes.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +162,56 @@ class Launch:
                 "--monitor-interval=0.2", "-m", "ftrain", "train", *self.worker_args]
 
 
+class Workers(Protocol):
+    """One round's started workers on this node, as the agent supervises them."""
+    launch: Launch
+    log_path: str
+    started_at: float  #: when they were started, on the agent's monotonic clock
+    terminating: bool  #: :meth:`terminate` was called: a graceful stop is under way
+
+    @property
+    def round(self) -> int: ...
+
+    @property
+    def pid(self) -> int:
+        """The launcher's process id (torchrun's)."""
+        ...
+
+    def poll(self) -> int | None:
+        """The launcher's exit code, None while it runs."""
+        ...
+
+    def note_pids(self, pids: Iterable[int]) -> None:
+        """PIDs the workers announced (heartbeats): taken on only if they are the launcher's."""
+        ...
+
+    def gone(self, pid: int) -> bool:
+        """The worker process ``pid`` announced is gone (exited, a zombie, or its PID reused)."""
+        ...
+
+    def terminate(self) -> None:
+        """Ask the workers to stop gracefully (finish the step, save)."""
+        ...
+
+    def kill(self, timeout_s: float = 5.0) -> int | None:
+        """Kill the launcher and every worker; the launcher's exit code (None if not reaped)."""
+        ...
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The launcher's exit code once it exits within ``timeout_s``, else None."""
+        ...
+
+    def dump_stacks(self, stack_dir: str) -> dict[int, str]:
+        """Every live worker's Python stack: pid -> text (or why there is none)."""
+        ...
+
+
+#: starts a round's workers: (launch, environment, log path) -> the started workers
+Launcher = Callable[[Launch, dict[str, str], str], Workers]
+
+
 class WorkerGroup:
-    """A started torchrun for one round (see :class:`Launch`)."""
+    """A started torchrun for one round (see :class:`Launch`): the production :class:`Workers`."""
 
     def __init__(self, launch: Launch, env: dict[str, str], log_path: str):
         self.launch = launch
@@ -177,12 +229,23 @@ class WorkerGroup:
     def round(self) -> int:
         return self.launch.round
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def poll(self) -> int | None:
         return self.proc.poll()
 
     def note_pids(self, pids: Iterable[int]) -> None:
         """PIDs from heartbeats: taken on only if they are torchrun's descendants (see PidTracker)."""
         self.pids.note(pids)
+
+    def gone(self, pid: int) -> bool:
+        """``pid`` exited (or is a zombie), or the PID now belongs to another process."""
+        return process_state(pid) in (None, "Z", "X") or self.pids.replaced(pid)
+
+    def dump_stacks(self, stack_dir: str) -> dict[int, str]:
+        return dump_stacks(self.worker_pids(), stack_dir)
 
     def worker_pids(self) -> list[int]:
         """Live worker processes: torchrun's descendants, now or when first seen, still the same

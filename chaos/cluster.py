@@ -9,18 +9,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agents.config import AgentConfig, option_name
 from agents.workers import descendants, signal_pids
 from contract.events import Event, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: Fast failure detection for runs on one machine (production defaults are in ftrain/config.py).
-FAST_AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "5", "--start-timeout-s", "60",
-                      "--backoff-initial-s", "0.2")
+
+def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
+    """``ftrain agent`` options setting these ``[agent]`` keys; checked against
+    :class:`AgentConfig` here, so a misspelt key or a bad value fails before any agent starts."""
+    AgentConfig(**settings)
+    return tuple(arg for key, value in settings.items() for arg in (option_name(key), str(value)))
+
+
+#: Where runs on one machine differ from the defaults (agents/config.py): failures are found fast.
+FAST_AGENT_SETTINGS: dict[str, Any] = {"lease_ttl_s": 2, "settle_s": 1.0, "hang_timeout_s": 5.0,
+                                       "start_timeout_s": 60.0, "backoff_initial_s": 0.2}
+FAST_AGENT_OPTIONS = agent_flags(FAST_AGENT_SETTINGS)
 
 
 class WaitTimeout(AssertionError):
@@ -89,9 +99,10 @@ class Cluster:
         old = self.agents.get(node_id)
         if old is not None:
             self._retired.append(old)
-        cmd = [sys.executable, "-m", "ftrain", "agent", "--etcd", self.etcd, "--job", self.job, "--nnodes", nnodes,
-               "--nproc-per-node", str(nproc), "--node-id", node_id, "--run-dir", str(self.workdir / node_id),
-               "--events", str(self.events_path), *self.agent_options, *agent_args, "--", *self.worker_args]
+        node = agent_flags({"etcd": self.etcd, "job": self.job, "nnodes": nnodes, "nproc_per_node": nproc,
+                            "node_id": node_id, "run_dir": str(self.workdir / node_id)})
+        cmd = [sys.executable, "-m", "ftrain", "agent", *node, "--events", str(self.events_path), *self.agent_options,
+               *agent_args, "--", *self.worker_args]
         with open(self.workdir / f"agent-{node_id}.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                     env=quiet_env(FTRAIN_LOG_LEVEL="INFO", **self.env, **(env or {})))
@@ -111,7 +122,7 @@ class Cluster:
                 if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())]
 
     def wait_event(self, name: str, timeout_s: float = 60, **match: Any) -> dict[str, Any]:
-        return wait_for(lambda: (self.events(name, **match) or [None])[-1], timeout_s,
+        return wait_for(lambda: next(reversed(self.events(name, **match)), None), timeout_s,
                         f"event {name} {match or ''} (log: {self.log_tail()})")
 
     def metrics(self) -> list[dict[str, Any]]:

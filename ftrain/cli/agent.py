@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
 import sys
 
-from agents.agent import Agent, AgentOptions
+from agents.agent import AgentOptions
+from agents.assemble import build_agent
+from agents.config import AgentConfig, option_name
 from agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenError
 from contract import exits
-from contract.config import ConfigError, parse_nnodes
+from contract.config import ConfigError
 from ftrain.cli.config import load_job_config
 
 log = logging.getLogger(__name__)
 
-# option -> AgentConfig field; every one may also come from the config file's [agent] section
-_FROM_CONFIG = ("etcd", "job", "nnodes", "nproc_per_node", "node_id", "host", "lease_ttl_s", "settle_s",
-                "hang_timeout_s", "start_timeout_s", "max_restarts", "restart_window_s", "backoff_initial_s",
-                "backoff_max_s", "deterministic_failures", "scale_up", "metrics_port", "run_dir")
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """One option per :class:`AgentConfig` key (``--nproc-per-node`` for ``nproc_per_node``),
+    with the key's type, choices and help; unset (None) unless given, so the file's value stays."""
+    for f in dataclasses.fields(AgentConfig):
+        p.add_argument(option_name(f.name), dest=f.name, type=_TYPES[str(f.type)], choices=f.metadata.get("choices"),
+                       default=None, help=f"{f.metadata['help']} (agent.{f.name})")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -27,31 +35,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "agent", help="run this node's agent: join the job in etcd, supervise workers, restart elastically",
         description="ftrain agent --etcd URL --job ID --nnodes MIN:MAX --nproc-per-node N -- CONFIG.toml "
                     "[--section.key=value ...]. Options default to the config file's [agent] section.")
-    p.add_argument("--etcd", help="etcd client URLs, comma-separated")
-    p.add_argument("--job", help="job id shared by the job's agents")
-    p.add_argument("--nnodes", help="MIN:MAX (or N) nodes")
-    p.add_argument("--nproc-per-node", type=int, help="workers per node")
-    p.add_argument("--node-id", help="unique node id (default: host name)")
-    p.add_argument("--host", help="address other nodes reach this one at")
-    p.add_argument("--lease-ttl-s", type=int, help="etcd lease TTL in seconds (node-loss detection)")
-    p.add_argument("--settle-s", type=float, help="quiet membership time before a round forms")
-    p.add_argument("--hang-timeout-s", type=float, help="heartbeat silence that counts as a hang")
-    p.add_argument("--start-timeout-s", type=float, help="limit for start-up, loads and saves")
-    p.add_argument("--max-restarts", type=int, help="failures allowed within --restart-window-s")
-    p.add_argument("--restart-window-s", type=float)
-    p.add_argument("--backoff-initial-s", type=float)
-    p.add_argument("--backoff-max-s", type=float)
-    p.add_argument("--scale-up", choices=("checkpoint", "immediate"), help="when joining nodes enter")
-    p.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free one, -1: off)")
-    p.add_argument("--run-dir", help="worker logs and stack dumps")
+    add_config_options(p)
     p.add_argument("--events", default=None, help="agent events file (default: the config's logging.events_path)")
     p.add_argument("--etcd-user", default=None, help="etcd user (password from FTRAIN_ETCD_PASSWORD)")
     p.add_argument("--etcd-ca-cert", default=None, help="CA bundle for https etcd endpoints")
     p.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for https etcd endpoints")
     p.add_argument("--etcd-key", default=None, help="the client certificate's private key (PEM)")
-    p.add_argument("--deterministic-failures", type=int, default=None,
-                   help="stop the job when the workers fail with the same error at the same step this many "
-                        "times in a row (default 3; 0: never)")
     p.add_argument("worker_args", nargs="*", help="after --: CONFIG.toml and --section.key=value overrides")
     p.set_defaults(func=agent_main, takes_overrides=True)
 
@@ -66,33 +55,41 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_status_main)
 
 
+def resolve_config(file_config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
+    """The file's ``[agent]`` section with the options given on the command line over it; a bad
+    value is a :class:`ConfigError` naming the key and, when an option gave it, the option."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(AgentConfig)
+             if getattr(args, f.name, None) is not None}
+    try:
+        config = dataclasses.replace(file_config, **given)
+    except ConfigError as e:
+        name = e.key.removeprefix("agent.")
+        if name not in given:
+            raise
+        raise ConfigError(e.key, f"{str(e).removeprefix(e.key + ': ')} (given as {option_name(name)})") from None
+    missing = [f"{option_name(n)} (or agent.{n})" for n in ("etcd", "job") if not getattr(config, n)]
+    if missing:
+        raise ConfigError("agent", f"missing {' and '.join(missing)}")
+    return config if config.node_id else dataclasses.replace(config, node_id=socket.gethostname())
+
+
 def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOptions:
     worker_args = [*args.worker_args, *overrides]
     if not worker_args:
         raise ConfigError("", "no training config: ftrain agent [options] -- CONFIG.toml [--section.key=value ...]")
     cfg = load_job_config(worker_args[0], worker_args[1:])  # fail here, not in every worker
-    values = {name: getattr(cfg.agent, name) for name in _FROM_CONFIG}
-    for name in _FROM_CONFIG:
-        given = getattr(args, name, None)
-        if given is not None:
-            values[name] = given
-    missing = [f"--{n.replace('_', '-')} (or agent.{n})" for n in ("etcd", "job") if not values[n]]
-    if missing:
-        raise ConfigError("agent", f"missing {' and '.join(missing)}")
-    low, high = parse_nnodes(values.pop("nnodes"))
     password = os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None
     return AgentOptions(
-        etcd=[e for e in values.pop("etcd").split(",") if e], min_nodes=low, max_nodes=high,
-        node_id=values.pop("node_id") or socket.gethostname(), worker_args=worker_args,
+        config=resolve_config(cfg.agent, args), worker_args=worker_args,
         events_path=args.events if args.events is not None else cfg.logging.events_path,
         etcd_username=args.etcd_user, etcd_password=password, etcd_ca_cert=args.etcd_ca_cert,
-        etcd_cert=args.etcd_cert, etcd_key=args.etcd_key, **values)
+        etcd_cert=args.etcd_cert, etcd_key=args.etcd_key)
 
 
 def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = resolve_options(args, overrides)
     try:
-        agent = Agent(opts)
+        agent = build_agent(opts)
     except ValueError as e:
         print(f"ftrain agent: {e}", file=sys.stderr)
         return exits.USAGE
@@ -102,7 +99,7 @@ def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"ftrain agent: {e}", file=sys.stderr)
         return exits.USAGE
     except EtcdUnavailableError as e:
-        print(f"ftrain agent: cannot reach etcd at {','.join(opts.etcd)}: {e}", file=sys.stderr)
+        print(f"ftrain agent: cannot reach etcd at {','.join(opts.config.endpoints)}: {e}", file=sys.stderr)
         return exits.USAGE
     except AgentError as e:
         print(f"ftrain agent: {e}", file=sys.stderr)

@@ -89,8 +89,8 @@ def test_job_id_must_be_one_path_segment(job: str) -> None:
 
 @pytest.mark.parametrize("node", ["a/b", "", "node 1", "../x", "n" * 65])
 def test_agent_options_refuse_a_bad_node_id_naming_the_option(node: str) -> None:
-    opts = AgentOptions(etcd=["http://127.0.0.1:1"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
-                        worker_args=["c.toml"], node_id=node)
+    opts = AgentOptions.of(etcd=["http://127.0.0.1:1"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
+                           worker_args=["c.toml"], node_id=node)
     with pytest.raises(ValueError, match="--node-id: bad id"):
         opts.validate()
 

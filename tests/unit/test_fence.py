@@ -26,9 +26,9 @@ PASSWORD = "pw-do-not-leak"
 def options(tmp_path, **kw) -> AgentOptions:
     ca = tmp_path / "ca.pem"
     ca.write_text("not really a CA")
-    return AgentOptions(etcd=["http://127.0.0.1:2379"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
-                        worker_args=["cfg.toml"], node_id="n1", etcd_username="root", etcd_password=PASSWORD,
-                        etcd_ca_cert=os.path.relpath(ca), **kw)
+    return AgentOptions.of(etcd=["http://127.0.0.1:2379"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
+                           worker_args=["cfg.toml"], node_id="n1", etcd_username="root", etcd_password=PASSWORD,
+                           etcd_ca_cert=os.path.relpath(ca), **kw)
 
 
 def test_agent_gives_workers_its_credentials_in_a_0600_file_not_in_argv_or_env(tmp_path, monkeypatch) -> None:

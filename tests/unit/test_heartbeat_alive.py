@@ -8,10 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
-
-from agents.agent import Agent
 from agents.heartbeat import Beat, HeartbeatServer
+from agents.supervision import hung_ranks
 from chaos.cluster import wait_for
 
 WORKER = """
@@ -50,9 +48,9 @@ def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
 
 
 def _hung(beats: dict[int, Beat], *, hang_timeout_s: float = 5.0, start_timeout_s: float = 60.0) -> list[int]:
-    me = SimpleNamespace(opts=SimpleNamespace(hang_timeout_s=hang_timeout_s, start_timeout_s=start_timeout_s))
-    workers = SimpleNamespace(launch=SimpleNamespace(nproc_per_node=len(beats)), started_at=time.monotonic() - 100)
-    return Agent._hung_ranks(me, workers, beats)  # type: ignore[arg-type]
+    now = time.monotonic()
+    return hung_ranks(beats, nproc_per_node=len(beats), started_at=now - 100, now=now, hang_timeout_s=hang_timeout_s,
+                      start_timeout_s=start_timeout_s)
 
 
 def _beat(local_rank: int, phase: str, progress_age_s: float, alive_age_s: float, finished: bool | None = None) -> Beat:

@@ -40,8 +40,8 @@ from agents.records import (
 )
 
 T0 = 10_000.0
-POLICY = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, start_timeout_s=60.0, max_restarts=3,
-                restart_window_s=600.0, backoff_initial_s=4.0, backoff_max_s=30.0, scale_up="checkpoint")
+POLICY = Policy.of(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, start_timeout_s=60.0, max_restarts=3,
+                   restart_window_s=600.0, backoff_initial_s=4.0, backoff_max_s=30.0, scale_up="checkpoint")
 
 
 class FakeJob:
@@ -106,11 +106,11 @@ def memory_at(now: float) -> LeaderMemory:
     return LeaderMemory(leader_since=now)
 
 
-def form(job: FakeJob, memory: LeaderMemory, now: float, policy: Policy = POLICY) -> RoundRecord:
-    decision = decide(job.state(), policy, memory, now)
+def form(job: FakeJob, memory: LeaderMemory, now: float, policy: Policy = POLICY) -> tuple[RoundRecord, LeaderMemory]:
+    decision, memory = decide(job.state(), policy, memory, now)
     assert isinstance(decision, FormRound), decision
     job.apply(decision.record)
-    return decision.record
+    return decision.record, memory
 
 
 def running_job(*node_ids: str, policy: Policy = POLICY) -> tuple[FakeJob, LeaderMemory, RoundRecord]:
@@ -120,8 +120,8 @@ def running_job(*node_ids: str, policy: Policy = POLICY) -> tuple[FakeJob, Leade
     for node_id in node_ids:
         job.join(node_id)
     memory = memory_at(T0 - 100)
-    decide(job.state(), policy, memory, T0 - 100)  # membership observed, then quiet
-    record = form(job, memory, T0, policy)
+    _, memory = decide(job.state(), policy, memory, T0 - 100)  # membership observed, then quiet
+    record, memory = form(job, memory, T0, policy)
     job.start(record.round, *node_ids)
     return job, memory, record
 
@@ -133,12 +133,23 @@ def test_backoff_is_free_once_then_doubles_up_to_the_cap(recent_failures: int, b
     assert POLICY.backoff_s(recent_failures) == backoff_s
 
 
+def test_decide_returns_the_next_memory_and_changes_none_of_its_arguments() -> None:
+    job = FakeJob()
+    job.join("a")
+    memory = memory_at(T0)
+    state = job.state()
+    decision, after = decide(state, POLICY, memory, T0 + 1)
+    assert memory == memory_at(T0) and after != memory  # the join was seen, in the returned memory only
+    assert after.live == frozenset(state.live_members()) and after.live_changed_at == T0 + 1
+    assert decide(state, POLICY, memory, T0 + 1) == (decision, after)  # same inputs, same answer
+
+
 # -- the first round ---------------------------------------------------------------------------
 def test_first_round_waits_for_min_nodes() -> None:
     job = FakeJob()
     job.join("a")
     memory = memory_at(T0)
-    decision = decide(job.state(), POLICY, memory, T0 + 1000)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
     assert decision == Wait("1 of at least 2 nodes live")
 
 
@@ -147,11 +158,14 @@ def test_first_round_waits_until_membership_is_quiet_for_settle_s() -> None:
     memory = memory_at(T0)
     job.join("a")
     job.join("b")
-    assert isinstance(decide(job.state(), POLICY, memory, T0), Wait)
+    decision, memory = decide(job.state(), POLICY, memory, T0)
+    assert isinstance(decision, Wait)
     job.join("c")  # a join restarts the settle window
-    assert isinstance(decide(job.state(), POLICY, memory, T0 + 3), Wait)
-    assert isinstance(decide(job.state(), POLICY, memory, T0 + 3 + POLICY.settle_s - 0.1), Wait)
-    record = form(job, memory, T0 + 3 + POLICY.settle_s)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 3)
+    assert isinstance(decision, Wait)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 3 + POLICY.settle_s - 0.1)
+    assert isinstance(decision, Wait)
+    record, memory = form(job, memory, T0 + 3 + POLICY.settle_s)
     assert [m.node_id for m in record.members] == ["a", "b", "c"]
 
 
@@ -159,8 +173,8 @@ def test_first_round_members_in_join_order_capped_at_max_nodes() -> None:
     job = FakeJob()
     joined = [job.join(node_id) for node_id in ("zed", "alpha", "mid", "beta")]  # not alphabetical
     memory = memory_at(T0)
-    decide(job.state(), POLICY, memory, T0)
-    record = form(job, memory, T0 + POLICY.settle_s)
+    _, memory = decide(job.state(), POLICY, memory, T0)
+    record, memory = form(job, memory, T0 + POLICY.settle_s)
     assert record == RoundRecord(round=1, members=joined[:3], nproc_per_node=2, reason=START,
                                  created_at=T0 + POLICY.settle_s, failure_times=[], restarts_by_cause={})
     assert record.world_size == 6
@@ -169,7 +183,8 @@ def test_first_round_members_in_join_order_capped_at_max_nodes() -> None:
 
 def test_healthy_round_waits() -> None:
     job, memory, _ = running_job("a", "b")
-    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("round healthy")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
+    assert decision == Wait("round healthy")
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -181,7 +196,7 @@ def test_failure_reported_by_every_member_restarts_at_once(reason: str) -> None:
     job.report(1, "b", FAILED, WORKER_EXIT, time=failed_at - 0.5)
     # Even a leader elected this very instant (no quiet time at all) does not wait to settle:
     # the live agents are exactly the members, and every one of them has reported.
-    record = form(job, memory_at(failed_at), failed_at)
+    record, _ = form(job, memory_at(failed_at), failed_at)
     assert record.round == 2
     assert record.reason == reason
     assert record.members == first.members
@@ -194,8 +209,9 @@ def test_failure_reported_while_membership_changes_waits_to_settle() -> None:
     job.join("c")
     job.report(1, "a", FAILED, WORKER_EXIT, time=T0 + 30)
     job.report(1, "b", FAILED, WORKER_EXIT, time=T0 + 30)
-    assert isinstance(decide(job.state(), POLICY, memory, T0 + 30), Wait)
-    record = form(job, memory, T0 + 30 + POLICY.settle_s)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 30)
+    assert isinstance(decision, Wait)
+    record, memory = form(job, memory, T0 + 30 + POLICY.settle_s)
     assert [m.node_id for m in record.members] == ["a", "b", "c"]
     assert record.reason == WORKER_EXIT
 
@@ -205,22 +221,24 @@ def test_report_of_an_earlier_agent_process_is_not_a_failure_of_the_member() -> 
     # A report with b's node id but another agent's uid (a previous process of node b).
     stale = Report(FAILED, WORKER_EXIT, "old agent", agent_uid="previous-agent", time=T0 + 5)
     job.put(job.keys.report(1, "b"), stale.to_json())
-    assert decide(job.state(), POLICY, memory, T0 + 30) == Wait("round healthy")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 30)
+    assert decision == Wait("round healthy")
 
 
 def test_second_failure_in_window_waits_backoff_initial_s() -> None:
     job, memory, _ = running_job("a", "b")
     for node_id in ("a", "b"):
         job.report(1, node_id, FAILED, WORKER_EXIT, time=T0 + 10)
-    assert form(job, memory, T0 + 10).round == 2  # the first failure: no backoff
+    record, memory = form(job, memory, T0 + 10)
+    assert record.round == 2  # the first failure: no backoff
     job.start(2, "a", "b")
 
     failed_at = T0 + 20
     for node_id in ("a", "b"):
         job.report(2, node_id, FAILED, WORKER_EXIT, time=failed_at)
-    decision = decide(job.state(), POLICY, memory, failed_at + POLICY.backoff_initial_s - 0.1)
+    decision, memory = decide(job.state(), POLICY, memory, failed_at + POLICY.backoff_initial_s - 0.1)
     assert isinstance(decision, Wait) and decision.why.startswith("backoff"), decision
-    record = form(job, memory, failed_at + POLICY.backoff_initial_s)
+    record, memory = form(job, memory, failed_at + POLICY.backoff_initial_s)
     assert record.round == 3
     assert record.failure_times == [T0 + 10, failed_at]
     job.start(3, "a", "b")
@@ -228,21 +246,24 @@ def test_second_failure_in_window_waits_backoff_initial_s() -> None:
     failed_at = T0 + 40  # the third failure waits twice as long
     for node_id in ("a", "b"):
         job.report(3, node_id, FAILED, HANG, time=failed_at)
-    assert isinstance(decide(job.state(), POLICY, memory, failed_at + 2 * POLICY.backoff_initial_s - 0.1), Wait)
-    assert form(job, memory, failed_at + 2 * POLICY.backoff_initial_s).round == 4
+    decision, memory = decide(job.state(), POLICY, memory, failed_at + 2 * POLICY.backoff_initial_s - 0.1)
+    assert isinstance(decision, Wait)
+    record, memory = form(job, memory, failed_at + 2 * POLICY.backoff_initial_s)
+    assert record.round == 4
 
 
 def test_restart_budget_exhausted_finishes_failed() -> None:
-    policy = Policy(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=2, restart_window_s=600.0,
-                    backoff_initial_s=0.0)
+    policy = Policy.of(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=2, restart_window_s=600.0,
+                       backoff_initial_s=0.0)
     job, memory, _ = running_job("a", policy=policy)
     for g, failed_at in ((1, T0 + 10), (2, T0 + 20)):
         job.report(g, "a", FAILED, WORKER_EXIT, time=failed_at)
-        assert form(job, memory, failed_at, policy).round == g + 1
+        record, memory = form(job, memory, failed_at, policy)
+        assert record.round == g + 1
         job.start(g + 1, "a")
 
     job.report(3, "a", FAILED, HANG, time=T0 + 30)
-    decision = decide(job.state(), policy, memory, T0 + 30)
+    decision, memory = decide(job.state(), policy, memory, T0 + 30)
     assert isinstance(decision, Finish), decision
     final = decision.final
     assert (final.status, final.round, final.time) == (FAILED, 3, T0 + 30)
@@ -253,13 +274,13 @@ def test_restart_budget_exhausted_finishes_failed() -> None:
 
 
 def test_failures_older_than_the_window_do_not_count() -> None:
-    policy = Policy(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1, restart_window_s=100.0,
-                    backoff_initial_s=50.0)
+    policy = Policy.of(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1, restart_window_s=100.0,
+                       backoff_initial_s=50.0, backoff_max_s=50.0)
     job, memory, _ = running_job("a", policy=policy)
     for g in range(1, 5):
         failed_at = T0 + 101 * g
         job.report(g, "a", FAILED, WORKER_EXIT, time=failed_at)
-        record = form(job, memory, failed_at, policy)  # each failure is alone in its window: no backoff
+        record, memory = form(job, memory, failed_at, policy)  # each failure is alone in its window: no backoff
         assert record.failure_times == [failed_at]
         job.start(record.round, "a")
 
@@ -269,8 +290,9 @@ def test_lost_member_gives_a_node_lost_round_without_it() -> None:
     job, memory, first = running_job("a", "b", "c")
     lost_at = T0 + 50
     job.lose("b")
-    assert isinstance(decide(job.state(), POLICY, memory, lost_at), Wait)  # membership just changed
-    record = form(job, memory, lost_at + POLICY.settle_s)
+    decision, memory = decide(job.state(), POLICY, memory, lost_at)
+    assert isinstance(decision, Wait)  # membership just changed
+    record, memory = form(job, memory, lost_at + POLICY.settle_s)
     assert record.reason == NODE_LOST
     assert record.members == [first.members[0], first.members[2]]
     assert record.failure_times == []  # a lost node is not a failure of the job
@@ -280,15 +302,16 @@ def test_lost_member_gives_a_node_lost_round_without_it() -> None:
 def test_lost_members_below_min_nodes_wait() -> None:
     job, memory, _ = running_job("a", "b")
     job.lose("b")
-    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("1 of at least 2 nodes live")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
+    assert decision == Wait("1 of at least 2 nodes live")
 
 
 def test_replaced_agent_is_a_lost_member_and_rejoins_last() -> None:
     job, memory, first = running_job("a", "b", "c")
     job.lose("a")
     new_a = job.join("a")  # the agent of node a restarted: same node id, new process
-    decide(job.state(), POLICY, memory, T0 + 50)
-    record = form(job, memory, T0 + 50 + POLICY.settle_s)
+    _, memory = decide(job.state(), POLICY, memory, T0 + 50)
+    record, memory = form(job, memory, T0 + 50 + POLICY.settle_s)
     assert record.reason == NODE_LOST
     assert record.members == [first.members[1], first.members[2], new_a]  # b now hosts the rendezvous
 
@@ -299,18 +322,20 @@ def test_new_leader_waits_settle_s_before_acting_on_a_missing_member() -> None:
     elected_at = T0 + 50
     memory = LeaderMemory(leader_since=elected_at, live=frozenset(job.state().live_members()),
                           live_changed_at=elected_at)
-    decision = decide(job.state(), POLICY, memory, elected_at + POLICY.settle_s - 0.1)
+    decision, memory = decide(job.state(), POLICY, memory, elected_at + POLICY.settle_s - 0.1)
     assert isinstance(decision, Wait) and decision.why.startswith("settling"), decision
-    assert form(job, memory, elected_at + POLICY.settle_s).reason == NODE_LOST
+    record, memory = form(job, memory, elected_at + POLICY.settle_s)
+    assert record.reason == NODE_LOST
 
 
 def test_drained_member_that_left_gives_a_node_left_round() -> None:
-    policy = Policy(min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=0)
+    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=0)
     job, memory, first = running_job("a", "b", policy=policy)
     job.report(1, "a", STOPPED, time=T0 + 30)
     job.lose("a")
-    assert isinstance(decide(job.state(), policy, memory, T0 + 30), Wait)  # membership just changed
-    record = form(job, memory, T0 + 30 + policy.settle_s, policy)  # no restart budget: a drain is no failure
+    decision, memory = decide(job.state(), policy, memory, T0 + 30)
+    assert isinstance(decision, Wait)  # membership just changed
+    record, memory = form(job, memory, T0 + 30 + policy.settle_s, policy)  # no restart budget: a drain is no failure
     assert record.reason == NODE_LEFT
     assert record.members == [first.members[1]]
     assert record.restarts_by_cause == {NODE_LEFT: 1}
@@ -319,10 +344,10 @@ def test_drained_member_that_left_gives_a_node_left_round() -> None:
 def test_drained_member_still_registered_is_not_in_the_next_round() -> None:
     # A draining agent writes its STOPPED report, then revokes its lease as it exits: the
     # leader, woken by the report, sees the report while the node key is still there.
-    policy = Policy(min_nodes=1, max_nodes=3, nproc_per_node=2)
+    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2)
     job, memory, first = running_job("a", "b", policy=policy)
     job.report(1, "a", STOPPED, time=T0 + 30)
-    record = form(job, memory, T0 + 30, policy)
+    record, memory = form(job, memory, T0 + 30, policy)
     assert record.reason == NODE_LEFT
     assert record.members == [first.members[1]]
 
@@ -333,12 +358,13 @@ def test_member_that_never_starts_its_workers_times_out() -> None:
     job.join("a")
     job.join("b")
     memory = memory_at(T0 - 100)
-    decide(job.state(), POLICY, memory, T0 - 100)
-    first = form(job, memory, T0)
+    _, memory = decide(job.state(), POLICY, memory, T0 - 100)
+    first, memory = form(job, memory, T0)
     job.start(1, "a")
-    assert decide(job.state(), POLICY, memory, T0 + POLICY.start_timeout_s) == Wait("round healthy")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + POLICY.start_timeout_s)
+    assert decision == Wait("round healthy")
     timed_out_at = T0 + POLICY.start_timeout_s + 1
-    record = form(job, memory, timed_out_at)
+    record, memory = form(job, memory, timed_out_at)
     assert record.reason == START_TIMEOUT
     assert record.members == first.members
     assert record.failure_times == [T0 + POLICY.start_timeout_s]  # when the round ran out of time
@@ -347,18 +373,19 @@ def test_member_that_never_starts_its_workers_times_out() -> None:
 
 def test_started_members_never_time_out() -> None:
     job, memory, _ = running_job("a", "b")
-    assert decide(job.state(), POLICY, memory, T0 + 100 * POLICY.start_timeout_s) == Wait("round healthy")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 100 * POLICY.start_timeout_s)
+    assert decision == Wait("round healthy")
 
 
 def test_start_timeout_after_an_earlier_failure_forms_a_round_after_its_backoff() -> None:
     job, memory, _ = running_job("a", "b")
     for node_id in ("a", "b"):
         job.report(1, node_id, FAILED, WORKER_EXIT, time=T0 + 10)
-    second = form(job, memory, T0 + 10)
+    second, memory = form(job, memory, T0 + 10)
     job.start(2, "a")  # b never starts
     timed_out_at = second.created_at + POLICY.start_timeout_s + 1
     # Well past any backoff, and the earlier failure is still inside the restart window.
-    decision = decide(job.state(), POLICY, memory, timed_out_at + POLICY.backoff_max_s + 1)
+    decision, memory = decide(job.state(), POLICY, memory, timed_out_at + POLICY.backoff_max_s + 1)
     assert isinstance(decision, FormRound), decision
     assert decision.record.reason == START_TIMEOUT
 
@@ -369,16 +396,19 @@ def test_scale_up_at_checkpoint_waits_for_the_committed_step_to_advance() -> Non
     job.checkpoint("a", 100)
     job.checkpoint("b", 100)
     c = job.join("c")
-    assert decide(job.state(), POLICY, memory, T0 + 10) == Wait("round healthy")  # baseline: step 100
-    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("round healthy")  # no new checkpoint yet
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 10)
+    assert decision == Wait("round healthy")  # baseline: step 100
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
+    assert decision == Wait("round healthy")  # no new checkpoint yet
     job.checkpoint("b", 200)
-    record = form(job, memory, T0 + 1001)
+    record, memory = form(job, memory, T0 + 1001)
     assert record.reason == SCALE_UP
     assert record.members == [*first.members, c]
     assert record.failure_times == []
     assert record.restarts_by_cause == {SCALE_UP: 1}
     job.start(2, "a", "b", "c")
-    assert decide(job.state(), POLICY, memory, T0 + 1002) == Wait("round healthy")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 1002)
+    assert decision == Wait("round healthy")
 
 
 def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
@@ -388,40 +418,45 @@ def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
     job.checkpoint("a", 100, at=T0 + 5)
     job.checkpoint("b", 100, at=T0 + 5)
     c = job.join("c", at=T0 + 50)  # step 200 was committed at T0 + 49; the status records still say 100
-    assert decide(job.state(), POLICY, memory, T0 + 50.5) == Wait("round healthy")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 50.5)
+    assert decision == Wait("round healthy")
     job.checkpoint("a", 200, at=T0 + 51)
     job.checkpoint("b", 200, at=T0 + 51)
-    assert decide(job.state(), POLICY, memory, T0 + 51.5) == Wait("round healthy")  # baseline: 200, not 100
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 51.5)
+    assert decision == Wait("round healthy")  # baseline: 200, not 100
     job.checkpoint("b", 300, at=T0 + 60)
-    record = form(job, memory, T0 + 61)
+    record, memory = form(job, memory, T0 + 61)
     assert record.reason == SCALE_UP and record.members == [*first.members, c]
 
 
 def test_scale_up_immediate_forms_once_membership_settles() -> None:
-    policy = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, scale_up="immediate")
+    policy = Policy.of(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, scale_up="immediate")
     job, memory, first = running_job("a", "b", policy=policy)
     joined_at = T0 + 10
     c = job.join("c")
-    assert isinstance(decide(job.state(), policy, memory, joined_at), Wait)
-    record = form(job, memory, joined_at + policy.settle_s, policy)  # no checkpoint needed
+    decision, memory = decide(job.state(), policy, memory, joined_at)
+    assert isinstance(decision, Wait)
+    record, memory = form(job, memory, joined_at + policy.settle_s, policy)  # no checkpoint needed
     assert record.reason == SCALE_UP
     assert record.members == [*first.members, c]
 
 
 def test_no_scale_up_beyond_max_nodes() -> None:
-    policy = Policy(min_nodes=2, max_nodes=2, nproc_per_node=2, scale_up="immediate")
+    policy = Policy.of(min_nodes=2, max_nodes=2, nproc_per_node=2, scale_up="immediate")
     job, memory, _ = running_job("a", "b", policy=policy)
     job.join("c")
-    assert decide(job.state(), policy, memory, T0 + 1000) == Wait("round healthy")
+    decision, memory = decide(job.state(), policy, memory, T0 + 1000)
+    assert decision == Wait("round healthy")
 
 
 # -- the end -----------------------------------------------------------------------------------
 def test_every_member_succeeded_finishes_the_job() -> None:
     job, memory, _ = running_job("a", "b")
     job.report(1, "a", SUCCEEDED, time=T0 + 100)
-    assert decide(job.state(), POLICY, memory, T0 + 101) == Wait("round healthy")  # b still training
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 101)
+    assert decision == Wait("round healthy")  # b still training
     job.report(1, "b", SUCCEEDED, time=T0 + 102)
-    decision = decide(job.state(), POLICY, memory, T0 + 103)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 103)
     assert isinstance(decision, Finish), decision
     assert (decision.final.status, decision.final.round, decision.final.time) == (SUCCEEDED, 1, T0 + 103)
 
@@ -430,11 +465,12 @@ def test_finished_job_is_left_alone() -> None:
     job, memory, _ = running_job("a", "b")
     job.put(job.keys.final, FinalStatus(FAILED, "budget", 1, T0 + 5).to_json())
     job.lose("b")
-    assert decide(job.state(), POLICY, memory, T0 + 1000) == Wait("job finished: failed")
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
+    assert decision == Wait("job finished: failed")
 
 
 def test_restarts_by_cause_accumulate_over_rounds() -> None:
-    policy = Policy(min_nodes=2, max_nodes=3, nproc_per_node=2, max_restarts=10, backoff_initial_s=0.0)
+    policy = Policy.of(min_nodes=2, max_nodes=3, nproc_per_node=2, max_restarts=10, backoff_initial_s=0.0)
     job, memory, _ = running_job("a", "b", "c", policy=policy)
     now = T0
     for cause in (WORKER_EXIT, NODE_LOST, HANG, WORKER_EXIT):
@@ -442,20 +478,20 @@ def test_restarts_by_cause_accumulate_over_rounds() -> None:
         g = job.state().round
         if cause == NODE_LOST:
             job.lose("c")
-            decide(job.state(), policy, memory, now)
+            _, memory = decide(job.state(), policy, memory, now)
             now += policy.settle_s
         else:
             for node_id in job.state().nodes:
                 job.report(g, node_id, FAILED, cause, time=now)
-        record = form(job, memory, now, policy)
+        record, memory = form(job, memory, now, policy)
         job.start(record.round, *(m.node_id for m in record.members))
     assert record.round == 5
     assert record.restarts_by_cause == {WORKER_EXIT: 2, NODE_LOST: 1, HANG: 1}
 
 
 # -- deterministic and fatal failures ----------------------------------------------------------
-LOOSE = Policy(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=10, restart_window_s=600.0,
-               backoff_initial_s=0.0, deterministic_failures=3)
+LOOSE = Policy.of(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=10, restart_window_s=600.0,
+                  backoff_initial_s=0.0, deterministic_failures=3)
 
 
 def fail(job: FakeJob, g: int, node_id: str, *, step: int, error: str, when: float, reason: str = WORKER_EXIT) -> None:
@@ -467,7 +503,7 @@ def fail_rounds(job: FakeJob, memory: LeaderMemory, failures: list[tuple[int, st
     """Round g fails on node a with failures[g-1] (step, error); returns the decision after the last."""
     for g, (step, error) in enumerate(failures, start=1):
         fail(job, g, "a", step=step, error=error, when=T0 + 10 * g)
-        decision = decide(job.state(), policy, memory, T0 + 10 * g)
+        decision, memory = decide(job.state(), policy, memory, T0 + 10 * g)
         if g == len(failures) or not isinstance(decision, FormRound):
             return decision
         job.apply(decision.record)
@@ -503,7 +539,7 @@ def test_a_peer_killed_at_the_same_step_is_not_a_deterministic_failure() -> None
         fail(job, g, "a", step=17, error="RuntimeError: Connection closed by peer [127.0.0.1]:4123" + str(g),
              when=T0 + 10 * g)
         fail(job, g, "b", step=17, error="", when=T0 + 10 * g)
-        decision = decide(job.state(), LOOSE, memory, T0 + 10 * g)
+        decision, memory = decide(job.state(), LOOSE, memory, T0 + 10 * g)
         assert isinstance(decision, FormRound), decision
         job.apply(decision.record)
         job.start(g + 1, "a", "b")
@@ -519,23 +555,26 @@ def test_deterministic_rule_off_with_zero() -> None:
 def test_a_node_loss_between_identical_failures_does_not_reset_the_count() -> None:
     job, memory, _ = running_job("a", "b", policy=LOOSE)
     fail(job, 1, "a", step=9, error="E: same", when=T0 + 10)
-    job.start(form(job, memory, T0 + 10, LOOSE).round, "a", "b")
+    record, memory = form(job, memory, T0 + 10, LOOSE)
+    job.start(record.round, "a", "b")
     fail(job, 2, "a", step=9, error="E: same", when=T0 + 20)
-    job.start(form(job, memory, T0 + 20, LOOSE).round, "a", "b")
+    record, memory = form(job, memory, T0 + 20, LOOSE)
+    job.start(record.round, "a", "b")
     job.lose("b")
-    decide(job.state(), LOOSE, memory, T0 + 30)  # the leader sees b gone, then membership settles
-    record = form(job, memory, T0 + 40, LOOSE)
+    _, memory = decide(job.state(), LOOSE, memory, T0 + 30)  # the leader sees b gone, then membership settles
+    record, memory = form(job, memory, T0 + 40, LOOSE)
     assert record.reason == NODE_LOST and record.failure_signatures == ["worker_exit|9|E: same"] * 2
     job.start(record.round, "a")
     fail(job, 4, "a", step=9, error="E: same", when=T0 + 50)
-    assert isinstance(decide(job.state(), LOOSE, memory, T0 + 50), Finish)
+    decision, memory = decide(job.state(), LOOSE, memory, T0 + 50)
+    assert isinstance(decision, Finish)
 
 
 def test_a_fatal_report_ends_the_job_at_once_without_spending_the_budget() -> None:
     job, memory, _ = running_job("a", "b")
     fail(job, 1, "b", step=60, error="CheckpointFailuresError: 3 checkpoint commits in a row failed", when=T0 + 5,
          reason=FATAL)
-    decision = decide(job.state(), POLICY, memory, T0 + 5)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 5)
     assert isinstance(decision, Finish), decision
     assert decision.final.status == FAILED and "fatal error on b at step 60" in decision.final.reason
     assert "CheckpointFailuresError" in decision.final.reason
@@ -546,7 +585,7 @@ def test_an_unreadable_round_key_makes_the_leader_form_a_round_above_every_numbe
     job, memory, first = running_job("a", "b")
     job.put(job.keys.round, "garbage")
     job.put(job.keys.started(7, "a"), "uid")  # some key says round 7 was used
-    record = form(job, memory, T0 + 10)
+    record, memory = form(job, memory, T0 + 10)
     assert record.round == 8 and record.reason == ROUND_REPAIR and record.members == first.members
     state = job.state()
     assert state.round_known and state.current == record
@@ -556,9 +595,10 @@ def test_an_unreadable_current_record_makes_the_leader_form_the_next_round_keepi
     job, memory, _ = running_job("a", "b")
     for g in (1, 2):
         job.report(g, "a", FAILED, WORKER_EXIT, time=T0 + 10 * g)
-        job.start(form(job, memory, T0 + 10 * g + POLICY.backoff_initial_s).round, "a", "b")
+        record, memory = form(job, memory, T0 + 10 * g + POLICY.backoff_initial_s)
+        job.start(record.round, "a", "b")
     job.put(job.keys.round_record(3), '{"round": "three"}')
-    record = form(job, memory, T0 + 40)
+    record, memory = form(job, memory, T0 + 40)
     assert (record.round, record.reason) == (4, ROUND_REPAIR)
     assert record.failure_times == [T0 + 10]  # round 2's memory: round 3's record is unreadable
     assert record.restarts_by_cause == {WORKER_EXIT: 1, ROUND_REPAIR: 1}
@@ -568,20 +608,21 @@ def test_a_malformed_master_fails_the_round_until_every_member_started() -> None
     job = FakeJob()
     job.join("a"), job.join("b")
     memory = memory_at(T0 - 100)
-    decide(job.state(), POLICY, memory, T0 - 100)
-    form(job, memory, T0)
+    _, memory = decide(job.state(), POLICY, memory, T0 - 100)
+    _, memory = form(job, memory, T0)
     job.start(1, "a")
     job.put(job.keys.master(1), "nonsense")  # b cannot launch with it
-    record = form(job, memory, T0 + 1)
+    record, memory = form(job, memory, T0 + 1)
     assert (record.round, record.reason) == (2, BAD_RECORD)
     job.start(2, "a", "b")
     job.put(job.keys.master(2), "also:nonsense")  # everybody started already: nobody needs it any more
-    assert isinstance(decide(job.state(), POLICY, memory, T0 + 2), Wait)
+    decision, memory = decide(job.state(), POLICY, memory, T0 + 2)
+    assert isinstance(decision, Wait)
 
 
 def test_a_garbage_node_record_is_not_a_live_member() -> None:
     job, memory, _ = running_job("a", "b", "c")
     job.put(job.keys.node("b"), '{"node_id": "b"}')
-    decide(job.state(), POLICY, memory, T0 + 100)
-    record = form(job, memory, T0 + 100 + POLICY.settle_s)
+    _, memory = decide(job.state(), POLICY, memory, T0 + 100)
+    record, memory = form(job, memory, T0 + 100 + POLICY.settle_s)
     assert record.reason == NODE_LOST and [m.node_id for m in record.members] == ["a", "c"]

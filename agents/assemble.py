@@ -1,0 +1,34 @@
+"""The production wiring of a node agent: the parts :class:`agents.agent.Agent` takes, built
+from its options (``ftrain agent`` calls :func:`build_agent`; tests assemble their own)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from agents.agent import Agent, AgentOptions, write_client_file
+from agents.etcd import EtcdClient
+from agents.heartbeat import HeartbeatServer
+from agents.jobstore import EtcdJobStore
+from agents.metrics import AgentMetrics
+from agents.parts import SystemClock
+from agents.workers import WorkerGroup
+from contract.events import EventLog
+
+
+def build_agent(opts: AgentOptions) -> Agent:
+    """An agent on the real etcd, clocks, heartbeat socket, Prometheus metrics, event log and
+    torchrun launcher. Raises ValueError for bad options, before anything is created."""
+    opts.validate()
+    cfg = opts.config
+    clock = SystemClock()
+    client = EtcdClient(cfg.endpoints, timeout_s=1.0, retry_timeout_s=1.0, username=opts.etcd_username,
+                        password=opts.etcd_password, ca_cert=opts.etcd_ca_cert, cert=opts.etcd_cert,
+                        key=opts.etcd_key)
+    run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="ftrain-agent-")
+    os.makedirs(run_dir, exist_ok=True)
+    return Agent(opts, store=EtcdJobStore(client), clock=clock,
+                 heartbeats=HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock")),
+                 metrics=AgentMetrics(cfg.job, cfg.node_id, clock=clock.monotonic),
+                 events=EventLog(opts.events_path, rank=-1), launcher=WorkerGroup, run_dir=run_dir,
+                 client_file=write_client_file(run_dir, opts.etcd_client_settings()))

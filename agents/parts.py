@@ -1,0 +1,60 @@
+"""The small parts an :class:`agents.agent.Agent` is assembled from, as protocols: its clock,
+its workers' heartbeats and its event sink (the job store is :mod:`agents.jobstore`, the worker
+launcher :mod:`agents.workers`, the metrics :class:`agents.metrics.AgentMetrics`).
+
+Production parts: :class:`SystemClock`, :class:`agents.heartbeat.HeartbeatServer` and
+:class:`contract.events.EventLog`; :mod:`agents.assemble` wires them. Unit tests pass in-memory
+ones and a fake clock. What must stay true: every monotonic time the agent compares (beats'
+``received_at``, the workers' ``started_at``) comes from the same clock as ``Clock.monotonic``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from agents.heartbeat import Beat
+
+
+class Clock(Protocol):
+    def time(self) -> float:
+        """Wall-clock seconds since the epoch: times written to records other hosts read."""
+        ...
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back: intervals and deadlines on this host."""
+        ...
+
+
+class SystemClock:
+    """The real clocks (:func:`time.time`, :func:`time.monotonic`)."""
+
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class Heartbeats(Protocol):
+    """This node's end of the worker heartbeat channel (see :mod:`agents.heartbeat`)."""
+    path: str  #: where the workers send their beats (``FTRAIN_HEARTBEAT``)
+
+    def reset(self, round_: int) -> None:
+        """Forget the beats of earlier rounds; accept only ``round_`` from now on."""
+        ...
+
+    def beats(self) -> dict[int, Beat]:
+        """The newest beat of each local rank of the current round (``received_at`` and
+        ``alive_at`` on the agent's monotonic clock)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EventSink(Protocol):
+    """Where lifecycle events go (:class:`contract.events.EventLog` writes JSON lines)."""
+
+    def emit(self, event: str, **fields: Any) -> None: ...
+
+    def close(self) -> None: ...

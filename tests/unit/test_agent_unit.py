@@ -1,0 +1,356 @@
+"""The node agent assembled from in-memory parts and driven tick by tick on a fake clock: a
+worker failure, a worker crash, a node loss, a join, the end of a job and a drain.
+
+Every agent of a test shares one :class:`MemoryJobStore` (etcd's semantics: revisions, CAS,
+leases; see tests/integration/test_jobstore_contract.py) and one :class:`FakeClock`; each has
+its own heartbeat channel and a launcher whose workers are no processes: the test says what they
+report and when they exit. Nothing sleeps: the clock moves by one tick between passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agents.agent import TICK_S, Agent, AgentOptions
+from agents.heartbeat import Beat
+from agents.metrics import AgentMetrics
+from agents.records import (FAILED, NODE_LEFT, NODE_LOST, SCALE_UP, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys,
+                            JobState)
+from agents.workers import Launch
+from chaos.cluster import FAST_AGENT_SETTINGS
+from contract import exits
+from contract.events import EventLog, read_jsonl
+from tests.memory_jobstore import FakeClock, MemoryJobStore, MemorySession
+
+JOB = "job"
+KEYS = JobKeys(JOB)
+
+
+class MemoryHeartbeats:
+    """The agent's end of the heartbeat channel, fed by :class:`FakeWorkers` instead of a socket
+    (the same rule as the real one: only beats of the current round are kept)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._round = -1
+        self._beats: dict[int, Beat] = {}
+
+    def reset(self, round_: int) -> None:
+        self._round, self._beats = round_, {}
+
+    def beats(self) -> dict[int, Beat]:
+        return dict(self._beats)
+
+    def receive(self, round_: int, beat: Beat) -> None:
+        if round_ == self._round:
+            self._beats[beat.local_rank] = beat
+
+    def close(self) -> None:
+        pass
+
+
+class FakeWorkers:
+    """One round's workers (one per local rank) as the test makes them behave."""
+
+    def __init__(self, launch: Launch, env: dict[str, str], log_path: str, clock: FakeClock,
+                 heartbeats: MemoryHeartbeats, pid: int):
+        self.launch, self.env, self.log_path = launch, env, log_path
+        self.clock, self.heartbeats = clock, heartbeats
+        self.started_at = clock.monotonic()
+        self.terminating = False
+        self.pid = pid
+        self.rc: int | None = None
+        self.killed = False
+        self.crashed: set[int] = set()  #: local ranks whose process died without a word
+
+    @property
+    def round(self) -> int:
+        return self.launch.round
+
+    def worker_pid(self, local_rank: int) -> int:
+        return self.pid + 1 + local_rank
+
+    # -- what the agent calls -----------------------------------------------------------------
+    def poll(self) -> int | None:
+        return self.rc
+
+    def note_pids(self, pids: Iterable[int]) -> None:
+        pass
+
+    def gone(self, pid: int) -> bool:
+        return self.rc is not None or pid in {self.worker_pid(r) for r in self.crashed}
+
+    def terminate(self) -> None:
+        self.terminating = True
+
+    def kill(self, timeout_s: float = 5.0) -> int | None:
+        if self.rc is None:
+            self.rc, self.killed = -9, True
+        return self.rc
+
+    def wait(self, timeout_s: float) -> int | None:
+        return self.rc
+
+    def dump_stacks(self, stack_dir: str) -> dict[int, str]:
+        return {self.worker_pid(r): "File train.py, line 1, in step" for r in range(self.launch.nproc_per_node)}
+
+    # -- what the test makes them do ------------------------------------------------------------
+    def beat(self, step: int, *, committed_step: int = -1, **fields: object) -> None:
+        """Every local rank finished ``step`` (and knows ``committed_step`` is committed)."""
+        for r in range(self.launch.nproc_per_node):
+            now = self.clock.monotonic()
+            self.heartbeats.receive(self.round, Beat(local_rank=r, rank=r, pid=self.worker_pid(r), step=step,
+                                                     step_time_s=0.1, committed_step=committed_step, received_at=now,
+                                                     alive_at=now, **fields))  # type: ignore[arg-type]
+
+    def fail(self, error: str, *, step: int) -> None:
+        """Local rank 0 raises ``error`` at ``step``: its exit message, then torchrun exits 1."""
+        self.beat(step, finished=False, error=error, phase="exiting")
+        self.rc = 1
+
+    def crash(self, local_rank: int = 0) -> None:
+        """A worker is SIGKILLed: no exit message; torchrun has not noticed yet."""
+        self.crashed.add(local_rank)
+
+    def finish(self, step: int) -> None:
+        """Training is over: every rank says it finished, torchrun exits 0."""
+        self.beat(step, committed_step=step, finished=True, phase="exiting")
+        self.rc = 0
+
+    def stop(self, step: int) -> None:
+        """A graceful stop before the end (drain): every rank leaves unfinished, torchrun exits 0."""
+        self.beat(step, committed_step=step, finished=False, phase="exiting")
+        self.rc = 0
+
+
+class Node:
+    """One node: its agent and the parts a test reaches into."""
+
+    def __init__(self, node_id: str, store: MemoryJobStore, clock: FakeClock, tmp_path: Path, pids: Iterator[int],
+                 **settings: object):
+        run_dir = tmp_path / node_id
+        run_dir.mkdir()
+        self.node_id = node_id
+        self.started: list[FakeWorkers] = []
+        self.heartbeats = MemoryHeartbeats(str(run_dir / "hb.sock"))
+
+        def launch(launch: Launch, env: dict[str, str], log_path: str) -> FakeWorkers:
+            workers = FakeWorkers(launch, env, log_path, clock, self.heartbeats, next(pids))
+            self.started.append(workers)
+            return workers
+
+        opts = AgentOptions.of(etcd=["http://etcd.invalid:2379"], job=JOB, node_id=node_id, worker_args=["cfg.toml"],
+                               **{**FAST_AGENT_SETTINGS, **settings})  # lease_ttl_s 2, settle_s 1, hang_timeout_s 5
+        self.agent = Agent(opts, store=store, clock=clock, heartbeats=self.heartbeats,
+                           metrics=AgentMetrics(JOB, node_id, clock=clock.monotonic),
+                           events=EventLog(str(tmp_path / "events.jsonl"), rank=-1), launcher=launch,
+                           run_dir=str(run_dir))
+        self.agent.start()
+        self.alive = True
+        self.closed = False
+
+    @property
+    def workers(self) -> FakeWorkers:
+        """The workers of the newest round this node started."""
+        assert self.started, f"{self.node_id} started no workers"
+        return self.started[-1]
+
+    def die(self) -> None:
+        """SIGKILL: the agent stops ticking and its lease runs out; its workers die with it."""
+        session = self.agent.session
+        assert isinstance(session, MemorySession)
+        session.halt()
+        for workers in self.started:
+            workers.kill()
+        self.alive = False
+
+    def close(self) -> None:
+        """The agent's way out (kill workers, flush reports, revoke its lease), once."""
+        if not self.closed:
+            self.closed = True
+            self.alive = False
+            self.agent.close()
+
+
+class Job:
+    """The nodes of one job on one store and clock."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.clock = FakeClock()
+        self.store = MemoryJobStore(self.clock)
+        self.nodes: dict[str, Node] = {}
+        self._pids = itertools.count(10_000, 100)
+
+    def join(self, node_id: str, **settings: object) -> Node:
+        self.nodes[node_id] = node = Node(node_id, self.store, self.clock, self.tmp_path, self._pids, **settings)
+        return node
+
+    def state(self) -> JobState:
+        listing = self.store.list_prefix(KEYS.prefix)
+        return JobState.parse(KEYS, listing.kvs, listing.revision)
+
+    def tick(self) -> None:
+        """One pass of every live agent, then the clock moves one tick on."""
+        for node in self.nodes.values():
+            if node.alive and node.agent.exit_code is None:
+                node.agent.tick()
+        self.clock.advance(TICK_S)
+
+    def run_until(self, condition: Callable[[], object], what: str, *, within_s: float = 30.0) -> None:
+        """Tick until ``condition()`` holds, failing after ``within_s`` of fake time."""
+        for _ in range(int(within_s / TICK_S)):
+            if condition():
+                return
+            self.tick()
+        raise AssertionError(f"not within {within_s:.0f}s of fake time: {what}")
+
+    def running(self, round_: int, *node_ids: str) -> bool:
+        """Each of ``node_ids`` runs workers of ``round_``."""
+        return all(self.nodes[n].started and self.nodes[n].workers.round == round_
+                   and self.nodes[n].workers.rc is None for n in node_ids)
+
+    def events(self, name: str, **match: object) -> list[dict]:
+        return [e for e in read_jsonl(self.tmp_path / "events.jsonl")
+                if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.close()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    j = Job(tmp_path)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def start_round_1(job: Job, *node_ids: str, **settings: object) -> None:
+    """``node_ids`` join (the first is the oldest: leader and node rank 0) and run round 1."""
+    for node_id in node_ids:
+        job.join(node_id, **settings)
+    job.run_until(lambda: job.running(1, *node_ids), f"round 1 running on {node_ids}")
+
+
+def test_the_first_round_forms_after_settle_s_with_the_oldest_agent_as_leader_and_rank_0(job: Job) -> None:
+    job.join("a", nnodes="2:2")
+    job.tick()
+    assert job.state().leader == "a" and job.state().round == 0  # alone: waits for a second node
+    job.join("b", nnodes="2:2")
+    joined_at = job.clock.monotonic()
+    job.run_until(lambda: job.state().round == 1, "round 1 formed")
+    assert job.clock.monotonic() - joined_at >= 1.0  # settle_s of quiet membership first
+    record = job.state().current
+    assert record is not None and record.reason == START and [m.node_id for m in record.members] == ["a", "b"]
+    job.run_until(lambda: job.running(1, "a", "b"), "round 1 running")
+    a, b = job.nodes["a"].workers.launch, job.nodes["b"].workers.launch
+    assert (a.node_rank, b.node_rank, a.nnodes, b.nnodes) == (0, 1, 2, 2)
+    assert (a.master_addr, a.master_port) == (b.master_addr, b.master_port)  # a's rendezvous, for both
+    env = job.nodes["b"].workers.env
+    assert env["FTRAIN_ROUND"] == "1" and env["FTRAIN_NODE"] == "b" and env["FTRAIN_FENCE_KEY"] == KEYS.round
+    assert env["FTRAIN_HEARTBEAT"] == job.nodes["b"].heartbeats.path
+    assert job.state().started[1] == {"a", "b"}
+
+
+def test_a_worker_failure_is_reported_and_both_nodes_restart_in_a_new_round(job: Job) -> None:
+    start_round_1(job, "a", "b", nnodes="2:2")
+    first_a, first_b = job.nodes["a"].workers, job.nodes["b"].workers
+    first_a.beat(7, committed_step=5)
+    first_b.fail("ValueError: bad batch", step=7)
+    job.run_until(lambda: job.running(2, "a", "b"), "round 2 running on both")
+
+    report = job.state().reports[1]["b"]
+    assert (report.outcome, report.reason, report.step) == (FAILED, WORKER_EXIT, 7)
+    assert report.error == "ValueError: bad batch"
+    record = job.state().current
+    assert record is not None and record.reason == WORKER_EXIT and len(record.failure_times) == 1
+    assert record.restarts_by_cause == {WORKER_EXIT: 1}
+    assert first_a.killed and not first_b.killed  # a's healthy workers were stopped for the new round
+    assert job.events("workers_exited", node="b", worker_round=1, outcome=FAILED)
+    assert job.events("workers_stopped", node="a", worker_round=1)
+    assert [e["reason"] for e in job.events("round_formed")] == [START, WORKER_EXIT]
+
+
+def test_a_worker_killed_without_a_word_is_noticed_before_torchrun_exits(job: Job) -> None:
+    start_round_1(job, "a", nnodes="1:1")
+    workers = job.nodes["a"].workers
+    workers.beat(3)
+    workers.crash(local_rank=0)
+    job.run_until(lambda: job.running(2, "a"), "round 2 after the crash")
+    assert workers.killed  # the agent killed torchrun rather than wait for it
+    report = job.state().reports[1]["a"]
+    assert report.outcome == FAILED and report.reason == WORKER_EXIT and report.step == 3
+    assert "torchrun exited with -9" in report.detail  # torchrun as the agent killed it
+
+
+def test_losing_the_leader_node_moves_leadership_and_rank_0_to_the_survivor(job: Job) -> None:
+    start_round_1(job, "a", "b", nnodes="1:2")
+    survivor_round_1 = job.nodes["b"].workers
+    job.nodes["a"].die()
+    died_at = job.clock.monotonic()
+    job.run_until(lambda: job.running(2, "b"), "round 2 running on b")
+
+    state = job.state()
+    assert state.leader == "b" and "a" not in state.nodes
+    record = state.current
+    assert record is not None and record.reason == NODE_LOST and [m.node_id for m in record.members] == ["b"]
+    assert record.failure_times == []  # a lost node is no failure of the job
+    assert job.clock.monotonic() - died_at >= 2.0  # not before the lease ran out
+    assert survivor_round_1.killed
+    launch = job.nodes["b"].workers.launch
+    assert (launch.node_rank, launch.nnodes) == (0, 1)
+    assert job.events("leader_elected", node="b")
+
+
+def test_a_node_that_joins_enters_at_the_next_committed_checkpoint(job: Job) -> None:
+    start_round_1(job, "a", nnodes="1:2")
+    job.nodes["a"].workers.beat(12, committed_step=10)
+    job.join("c", nnodes="1:2")
+    job.run_until(lambda: (s := job.state().status.get("a")) and s.updated_at >= job.state().nodes["c"].registered_at,
+                  "a's status written after c joined")
+    for _ in range(int(30 / TICK_S)):  # no new checkpoint: c waits, however long
+        job.tick()
+        job.nodes["a"].workers.beat(12, committed_step=10)
+    assert job.state().round == 1 and not job.nodes["c"].started
+
+    job.nodes["a"].workers.beat(21, committed_step=20)
+    job.run_until(lambda: job.running(2, "a", "c"), "round 2 running on a and c")
+    record = job.state().current
+    assert record is not None and record.reason == SCALE_UP and [m.node_id for m in record.members] == ["a", "c"]
+    launches = [job.nodes[n].workers.launch for n in ("a", "c")]
+    assert [(x.node_rank, x.nnodes) for x in launches] == [(0, 2), (1, 2)]
+
+
+def test_every_node_finishing_ends_the_job_with_exit_code_0(job: Job) -> None:
+    start_round_1(job, "a", "b", nnodes="2:2")
+    job.nodes["a"].workers.finish(step=100)
+    job.nodes["b"].workers.finish(step=100)
+    job.run_until(lambda: all(n.agent.exit_code is not None for n in job.nodes.values()), "both agents done")
+    final = job.state().final
+    assert final is not None and final.status == SUCCEEDED and final.round == 1
+    assert [n.agent.exit_code for n in job.nodes.values()] == [exits.OK, exits.OK]
+    assert job.state().status["b"].state == "done"
+
+
+def test_a_drained_node_leaves_and_the_others_continue_without_it(job: Job) -> None:
+    start_round_1(job, "a", "b", nnodes="1:2")
+    b = job.nodes["b"]
+    b.agent.drain("test")
+    job.tick()
+    assert b.workers.terminating  # asked to finish the step and save
+    b.workers.stop(step=40)  # they did, and exited 0 before the end of training
+    job.run_until(lambda: b.agent.exit_code is not None, "b drained")
+    assert b.agent.exit_code == exits.OK
+    assert job.state().reports[1]["b"].outcome == STOPPED
+    b.close()  # the process exits: its lease is revoked
+    job.run_until(lambda: job.running(2, "a"), "round 2 on a alone")
+    record = job.state().current
+    assert record is not None and record.reason == NODE_LEFT and [m.node_id for m in record.members] == ["a"]
+    assert record.failure_times == []  # a drain is no failure
