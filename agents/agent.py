@@ -65,6 +65,7 @@ from agents.supervision import exit_report, hung_ranks
 from agents.workers import Launch, Launcher, Workers
 from contract import exits
 from contract.worker_env import WorkerEnv, worker_environment
+from contract import events as ev
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class Agent:
         if self.cfg.metrics_port >= 0:
             port = self.metrics.serve(self.cfg.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
-            self.events.emit("agent_metrics", node=self.cfg.node_id, port=port)
+            self.events.emit(ev.AgentMetrics(node=self.cfg.node_id, port=port))
         self._watch = self.store.watch(self.keys.prefix, self.wake.set,
                                        progress_timeout_s=max(2.0, self.cfg.lease_ttl_s))
 
@@ -242,7 +243,7 @@ class Agent:
             self.session.close(revoke=True)
         self.heartbeats.close()
         self.metrics.close()
-        self.events.emit("agent_exit", node=self.cfg.node_id, exit_code=self.exit_code)
+        self.events.emit(ev.AgentExit(node=self.cfg.node_id, exit_code=self.exit_code))
         self.events.close()
         self.store.close()
 
@@ -284,7 +285,7 @@ class Agent:
             return
         if self.session is not None:
             log.warning("lease lost (%s): re-registering as a new member", self.session.lost_reason)
-            self.events.emit("lease_lost", node=self.cfg.node_id, reason=self.session.lost_reason)
+            self.events.emit(ev.LeaseLost(node=self.cfg.node_id, reason=self.session.lost_reason))
             self.session, self.memory = None, None
         try:
             self._register(first=False)
@@ -318,7 +319,7 @@ class Agent:
         self.session = session
         log.info("registered node %s (agent %s, lease %x, ttl %ds)", self.cfg.node_id, self.uid, session.lease_id,
                  session.ttl_s)
-        self.events.emit("agent_registered", node=self.cfg.node_id, agent=self.uid, first=first)
+        self.events.emit(ev.AgentRegistered(node=self.cfg.node_id, agent=self.uid, first=first))
 
     def _reclaim(self, key: str) -> bool:
         """Our own earlier registration still holds the key (etcd restored the lease we gave up
@@ -343,12 +344,12 @@ class Agent:
             if self._etcd_down_since is None:
                 self._etcd_down_since = self.clock.monotonic()
                 log.warning("etcd unreachable (%s); workers keep running", e)
-                self.events.emit("etcd_unreachable", node=self.cfg.node_id, error=str(e))
+                self.events.emit(ev.EtcdUnreachable(node=self.cfg.node_id, error=str(e)))
             return None
         if self._etcd_down_since is not None:
             down_s = self.clock.monotonic() - self._etcd_down_since
             log.info("etcd reachable again after %.1fs", down_s)
-            self.events.emit("etcd_reachable", node=self.cfg.node_id, down_s=round(down_s, 3))
+            self.events.emit(ev.EtcdReachable(node=self.cfg.node_id, down_s=round(down_s, 3)))
             self._etcd_down_since = None
         state = JobState.parse(self.keys, listing.kvs, listing.revision)
         self._note_problems(state.problems)
@@ -364,8 +365,8 @@ class Agent:
                 self._problems_seen.clear()
             self._problems_seen.add(seen)
             log.error("%s: skipped (fix or delete the key)", problem)
-            self.events.emit("bad_record", node=self.cfg.node_id, key=problem.key,
-                             mod_revision=problem.mod_revision, error=problem.error)
+            self.events.emit(ev.BadRecord(node=self.cfg.node_id, key=problem.key,
+                             mod_revision=problem.mod_revision, error=problem.error))
 
     def _repair_own_record(self, state: JobState) -> None:
         """Our ``nodes/<id>`` became unreadable (someone overwrote it): put ours back on our
@@ -378,7 +379,7 @@ class Agent:
             if self.store.put_if_mod_revision(key, self._node_record().to_json(), bad[0].mod_revision,
                                               lease=self._lease_id()):
                 log.warning("rewrote this agent's unreadable record %s", key)
-                self.events.emit("record_repaired", node=self.cfg.node_id, key=key)
+                self.events.emit(ev.RecordRepaired(node=self.cfg.node_id, key=key))
         except LeaseExpiredError:
             pass
 
@@ -394,7 +395,7 @@ class Agent:
                     taken = self.store.put_if_absent(self.keys.leader, self.cfg.node_id, lease=lease)
                 if taken:
                     log.info("elected leader of job %s", self.cfg.job)
-                    self.events.emit("leader_elected", node=self.cfg.node_id)
+                    self.events.emit(ev.LeaderElected(node=self.cfg.node_id))
                     self.wake.set()
             except (EtcdUnavailableError, LeaseExpiredError):
                 pass
@@ -415,8 +416,8 @@ class Agent:
                 if self.store.put_if_mod_revision(self.keys.final, decision.final.to_json(),
                                                   state.final_mod_revision):  # 0: absent; else unreadable
                     log.info("job %s: %s (%s)", decision.final.status, self.cfg.job, decision.final.reason)
-                    self.events.emit("job_final", node=self.cfg.node_id, status=decision.final.status,
-                                     reason=decision.final.reason)
+                    self.events.emit(ev.JobFinal(node=self.cfg.node_id, status=decision.final.status,
+                                     reason=decision.final.reason))
         except EtcdUnavailableError as e:
             log.warning("leader action failed, retrying: %s", e)
 
@@ -434,8 +435,8 @@ class Agent:
             return
         members = [m.node_id for m in record.members]
         log.info("formed round %d (%s): %s, world size %d", record.round, record.reason, members, record.world_size)
-        self.events.emit("round_formed", node=self.cfg.node_id, new_round=record.round, reason=record.reason,
-                         members=members, world_size=record.world_size)
+        self.events.emit(ev.RoundFormed(node=self.cfg.node_id, new_round=record.round, reason=record.reason,
+                         members=members, world_size=record.world_size))
         self.wake.set()
 
     # -- follower ----------------------------------------------------------------------------
@@ -443,7 +444,7 @@ class Agent:
         if why != self._held_why:
             self._held_why = why
             log.error("not acting on the current round: %s", why)
-            self.events.emit("round_held", node=self.cfg.node_id, why=why)
+            self.events.emit(ev.RoundHeld(node=self.cfg.node_id, why=why))
 
     def _follow(self, state: JobState) -> None:
         if not state.round_known:  # never stop or start workers on a round we cannot read
@@ -491,8 +492,8 @@ class Agent:
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
         self.workers = self.launcher(launch, env, log_path)
         self.metrics.launched()
-        self.events.emit("workers_started", node=self.cfg.node_id, worker_round=launch.round,
-                         node_rank=launch.node_rank, nnodes=launch.nnodes, pid=self.workers.pid, log=log_path)
+        self.events.emit(ev.WorkersStarted(node=self.cfg.node_id, worker_round=launch.round,
+                         node_rank=launch.node_rank, nnodes=launch.nnodes, pid=self.workers.pid, log=log_path))
         try:
             self.store.put(self.keys.started(launch.round, self.cfg.node_id), self.uid)
         except EtcdUnavailableError as e:
@@ -503,7 +504,7 @@ class Agent:
         rc = workers.kill()
         self.finished_rounds.add(workers.round)
         log.info("stopped the workers of round %d (%s), torchrun exit %s", workers.round, why, rc)
-        self.events.emit("workers_stopped", node=self.cfg.node_id, worker_round=workers.round, why=why)
+        self.events.emit(ev.WorkersStopped(node=self.cfg.node_id, worker_round=workers.round, why=why))
 
     # -- supervision -------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -534,8 +535,8 @@ class Agent:
             report = exit_report(rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid,
                                  self.clock.time())
             log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
-            self.events.emit("workers_exited", node=self.cfg.node_id, worker_round=workers.round, exit_code=rc,
-                             outcome=report.outcome)
+            self.events.emit(ev.WorkersExited(node=self.cfg.node_id, worker_round=workers.round, exit_code=rc,
+                             outcome=report.outcome))
             self.pending_reports[workers.round] = report
             return
         hung = hung_ranks(beats, nproc_per_node=workers.launch.nproc_per_node, started_at=workers.started_at,
@@ -570,8 +571,8 @@ class Agent:
         self.metrics.ckpt_failed(round_, total, failures)
         if failures > self._ckpt_failures_seen:
             log.error("round %d: %d checkpoint commit(s) in a row failed; last error: %s", round_, failures, error)
-            self.events.emit("checkpoint_failing", node=self.cfg.node_id, worker_round=round_, failures=failures,
-                             error=error)
+            self.events.emit(ev.CheckpointFailing(node=self.cfg.node_id, worker_round=round_, failures=failures,
+                             error=error))
         self._ckpt_failures_seen = failures
         self._ckpt_error = error if failures else ""
 
@@ -579,8 +580,8 @@ class Agent:
         """Every worker's Python stack into the event log (and this agent's log)."""
         log.error("round %d: %s: dumping the stacks of the workers", workers.round, why)
         stacks = workers.dump_stacks(self.stack_dir)
-        self.events.emit("hang", node=self.cfg.node_id, worker_round=workers.round, why=why,
-                         local_ranks=local_ranks or [], stacks={str(pid): text for pid, text in stacks.items()})
+        self.events.emit(ev.Hang(node=self.cfg.node_id, worker_round=workers.round, why=why,
+                         local_ranks=local_ranks or [], stacks={str(pid): text for pid, text in stacks.items()}))
         for pid, text in stacks.items():
             log.error("stack of worker %d:\n%s", pid, text)
 
@@ -590,7 +591,7 @@ class Agent:
             return
         if not self.workers.terminating:
             self.workers.terminate()
-            self.events.emit("drain", node=self.cfg.node_id, worker_round=self.workers.round)
+            self.events.emit(ev.Drain(node=self.cfg.node_id, worker_round=self.workers.round))
         elif self.clock.monotonic() > self.drain_deadline:
             self._stop_workers(self.workers, "drain timed out")
             self.exit_code = exits.OK

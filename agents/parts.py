@@ -14,6 +14,7 @@ import time
 from typing import Any, Protocol
 
 from agents.heartbeat import Beat
+from contract.events import Record
 
 
 class Clock(Protocol):
@@ -55,6 +56,6 @@ class Heartbeats(Protocol):
 class EventSink(Protocol):
     """Where lifecycle events go (:class:`contract.events.EventLog` writes JSON lines)."""
 
-    def emit(self, event: str, **fields: Any) -> None: ...
+    def emit(self, record: Record) -> Any: ...
 
     def close(self) -> None: ...
