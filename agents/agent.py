@@ -59,13 +59,27 @@ from agents.jobstore import Closable, JobStore, LeaseSession
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
 from agents.metrics import AgentMetrics
 from agents.parts import Clock, EventSink, Heartbeats
-from agents.records import (FAILED, HANG, START, SUCCEEDED, FinalStatus, JobKeys, JobState, Member, NodeRecord,
-                            NodeStatus, Problem, Report, parse_master, validate_id)
+from agents.records import (
+    FAILED,
+    HANG,
+    START,
+    SUCCEEDED,
+    FinalStatus,
+    JobKeys,
+    JobState,
+    Member,
+    NodeRecord,
+    NodeStatus,
+    Problem,
+    Report,
+    parse_master,
+    validate_id,
+)
 from agents.supervision import exit_report, hung_ranks
 from agents.workers import Launch, Launcher, Workers
+from contract import events as ev
 from contract import exits
 from contract.worker_env import WorkerEnv, worker_environment
-from contract import events as ev
 
 log = logging.getLogger(__name__)
 

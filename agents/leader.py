@@ -40,10 +40,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.config import AgentConfig
-from agents.records import (BAD_RECORD, FAILED, FAILURE_CAUSES, FATAL, NODE_LEFT, NODE_LOST, ROUND_REPAIR, SCALE_UP,
-                            START, START_TIMEOUT, STOPPED, SUCCEEDED, WORKER_EXIT, FinalStatus, JobState, Member,
-                            Report, RoundRecord)
-
+from agents.records import (
+    BAD_RECORD,
+    FAILED,
+    FAILURE_CAUSES,
+    FATAL,
+    NODE_LEFT,
+    NODE_LOST,
+    ROUND_REPAIR,
+    SCALE_UP,
+    START,
+    START_TIMEOUT,
+    STOPPED,
+    SUCCEEDED,
+    WORKER_EXIT,
+    FinalStatus,
+    JobState,
+    Member,
+    Report,
+    RoundRecord,
+)
 
 _DIGITS = re.compile(r"\d+")
 

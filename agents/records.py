@@ -414,9 +414,9 @@ class JobState:
             self.rounds[g] = record
         elif parts[0] == "rounds" and len(parts) == 3 and parts[2] == "master":
             g = _round_number(parts[1])
-            value = kv.value.decode()
-            parse_master(value)
-            self.masters[g] = value
+            address = kv.value.decode()
+            parse_master(address)
+            self.masters[g] = address
         elif parts[0] == "rounds" and len(parts) == 4 and parts[2] == "started":
             self.started.setdefault(_round_number(parts[1]), set()).add(parts[3])
         elif parts[0] == "rounds" and len(parts) == 4 and parts[2] == "reports":

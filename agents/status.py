@@ -90,7 +90,7 @@ def format_status(s: dict[str, Any]) -> str:
             ("status age s", "status_age_s")]
     rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in s["nodes"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     failing = [n for n in s["nodes"] if n.get("ckpt_failures")]
     if failing:
         lines.append("")

@@ -2,9 +2,9 @@
 
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:PORT[,HOST:PORT...] --rdzv-id=RUN``
 (registered through the entry-point group ``torchrun.handlers`` by the tiny
-:mod:`ftrain.cli.torchrun_plugin`, which imports this module only when torchrun creates a handler). torch's own ``etcd`` and
-``etcd-v2`` backends need etcd's v2 API, which etcd >= 3.4 does not serve by default and 3.6
-removed; this one speaks v3 through :class:`~agents.etcd.EtcdClient`.
+:mod:`ftrain.cli.torchrun_plugin`, which imports this module only when torchrun creates a
+handler). torch's own ``etcd`` and ``etcd-v2`` backends need etcd's v2 API, which etcd >= 3.4
+does not serve by default and 3.6 removed; this one speaks v3 through :class:`~agents.etcd.EtcdClient`.
 
 What it owns, under ``<key_prefix>/<run_id>/`` (``key_prefix`` defaults to ``/ftrain/torchrun``):
 
@@ -58,9 +58,18 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError, RendezvousParameters, RendezvousStateError)
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler, RendezvousBackend, RendezvousTimeout, Token, _NodeDesc, _RendezvousState)
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+    _NodeDesc,
+    _RendezvousState,
+)
 
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
 from agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
@@ -113,7 +122,8 @@ def check_state(key: str, data: bytes) -> bytes:
         raise RendezvousStateError(f"etcd-v3: the rendezvous state under {key} does not unpickle "
                                    f"({type(e).__name__}: {e})") from None
     if not isinstance(state, _RendezvousState):
-        raise RendezvousStateError(f"etcd-v3: the value under {key} is a {type(state).__name__}, not a rendezvous state")
+        raise RendezvousStateError(f"etcd-v3: the value under {key} is a {type(state).__name__}, "
+                                   "not a rendezvous state")
     return data
 
 
@@ -273,7 +283,10 @@ class RollingLease:
             return write(self.current())
 
 
-def cas(client: EtcdClient, lease: RollingLease, build: Callable[[int | None], tuple[list[Compare], list[Op], list[Op]]],
+Transaction = tuple[list[Compare], list[Op], list[Op]]
+
+
+def cas(client: EtcdClient, lease: RollingLease, build: Callable[[int | None], Transaction],
         *, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> TxnResult:
     """Run the compare-and-swap transaction ``build(lease_id)`` describes.
 
@@ -397,10 +410,10 @@ class EtcdStore(dist.Store):
             raise self._fail(f"set({key!r})", e) from e
 
     def get(self, key: str) -> bytes:
-        return self._wait([key], self.timeout)[0]
+        return self._wait([key], self.timeout)[0]  # type: ignore[attr-defined]  # c10d Store's, no stub
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self._wait(keys, self.timeout if timeout is None else timeout)
+        self._wait(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]  # as above
 
     def check(self, keys: Sequence[str]) -> bool:
         try:
@@ -420,10 +433,13 @@ class EtcdStore(dist.Store):
             while True:
                 new = self._int(kv) + int(amount)
                 revision = kv.mod_revision if kv else 0
-                result = cas(self._client, self._lease, lambda lease_id: (
-                    [Compare(full, "mod_revision", "==", revision)],
-                    [Op.put(full, str(new), lease_id), Op.put(marker, str(new), lease_id)],
-                    [Op.get(full), Op.get(marker)]))
+
+                def txn(lease_id: int | None, revision: int = revision, new: int = new) -> Transaction:
+                    return ([Compare(full, "mod_revision", "==", revision)],
+                            [Op.put(full, str(new), lease_id), Op.put(marker, str(new), lease_id)],
+                            [Op.get(full), Op.get(marker)])
+
+                result = cas(self._client, self._lease, txn)
                 if result.succeeded:
                     break
                 found, mark = result.responses
@@ -451,8 +467,10 @@ class EtcdStore(dist.Store):
                 if kv is not None and kv.value != want:
                     return kv.value
                 guard = Compare.absent(full) if kv is None else Compare(full, "mod_revision", "==", kv.mod_revision)
-                result = cas(self._client, self._lease,
-                             lambda lease_id: ([guard], [Op.put(full, new, lease_id)], [Op.get(full)]))
+                def txn(lease_id: int | None, guard: Compare = guard) -> Transaction:
+                    return [guard], [Op.put(full, new, lease_id)], [Op.get(full)]
+
+                result = cas(self._client, self._lease, txn)
                 if result.succeeded:
                     return new
                 found = result.responses[0]
@@ -571,7 +589,8 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     interval = _timeout(params, "keep_alive_interval") or timedelta(seconds=5)
     max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
     if max_attempt is None or max_attempt < 1:
-        raise ValueError(f"rdzv conf 'keep_alive_max_attempt' must be >= 1, got {params.get('keep_alive_max_attempt')!r}")
+        raise ValueError("rdzv conf 'keep_alive_max_attempt' must be >= 1, "
+                         f"got {params.get('keep_alive_max_attempt')!r}")
     return DynamicRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=int(interval.total_seconds()), keep_alive_max_attempt=max_attempt)

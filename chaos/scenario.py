@@ -30,12 +30,11 @@ min_steps_between = 0      # before each fault, training must pass its pre-fault
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from random import Random
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import tomllib
 
 from chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
 

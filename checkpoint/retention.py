@@ -137,7 +137,7 @@ def _entry_time(info: dict[str, Any]) -> float | None:
                 continue
         if isinstance(value, _dt.datetime):
             if value.tzinfo is None:
-                value = value.replace(tzinfo=_dt.timezone.utc)
+                value = value.replace(tzinfo=_dt.UTC)
             return value.timestamp()
     return None
 

@@ -18,11 +18,10 @@ import difflib
 import json
 import math
 import os
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import field
 from typing import Any
-
-import tomllib
 
 
 class ConfigError(ValueError):

@@ -20,13 +20,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, ClassVar
 
 log = logging.getLogger(__name__)
 
 
-class Event(str, Enum):
+class Event(StrEnum):
     # a training worker (one per rank)
     WORKER_STARTED = "worker_started"  #: a worker process joined its round's process group
     RESUME_STARTED = "resume_started"
@@ -71,9 +71,6 @@ class Event(str, Enum):
     CHAOS_FAULT_STEP = "chaos_fault_step"
     CHAOS_FAULT_DONE = "chaos_fault_done"
     CHAOS_NODE_BACK = "chaos_node_back"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 RECORDS: dict[Event, type[Record]] = {}
@@ -270,7 +267,7 @@ class AgentMetrics(Record):
 class AgentExit(Record):
     EVENT = Event.AGENT_EXIT
     node: str
-    exit_code: int
+    exit_code: int | None  #: None: it stopped before deciding one
 
 
 @_record
@@ -278,7 +275,7 @@ class AgentExit(Record):
 class LeaseLost(Record):
     EVENT = Event.LEASE_LOST
     node: str
-    reason: str
+    reason: str | None
 
 
 @_record
@@ -455,7 +452,7 @@ ENVELOPE = ("time", "event", "rank", "round", "pid")
 def parse(line: dict[str, Any]) -> Record | None:
     """The record of one read event (None for an unknown event name or fields that do not fit)."""
     try:
-        cls = RECORDS[Event(line.get("event"))]
+        cls = RECORDS[Event(str(line.get("event")))]
     except (ValueError, KeyError):
         return None
     if cls is ChaosFault:

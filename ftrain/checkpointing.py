@@ -72,9 +72,11 @@ RNG_BYTES = 64 * 1024
 
 
 def _rng_tensor() -> torch.Tensor:
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple)  # legacy=True: the 5-tuple form, never the dict
     state = {
         "torch": torch.get_rng_state().tolist(),
-        "numpy": [np.random.get_state()[0], np.random.get_state()[1].tolist(), *np.random.get_state()[2:]],
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
     }
     if torch.cuda.is_available():

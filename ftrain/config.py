@@ -14,18 +14,17 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from checkpoint.config import CheckpointConfig
 from contract import worker_env
-from contract.config import (ConfigError, at_least, check_floats, int_range, load_sections, opt,
-                             positive)
+from contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
 from ftrain.strategies import STRATEGIES
 from ftrain.strategies import check_config as _check_strategy_config
 from ftrain.strategies import check_parallel as _check_strategy_parallel
-
 
 #: sections of the shared config file that other processes own (the node agent's)
 OTHER_SECTIONS = ("agent",)

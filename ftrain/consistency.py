@@ -45,7 +45,7 @@ def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:
 def _digest(tensors: list[torch.Tensor]) -> str:
     h = xxhash.xxh3_64()
     for t in tensors:
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

@@ -68,8 +68,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -186,7 +186,7 @@ class MemoryEstimate:
     def phase(self) -> str:
         """Which phase sets the peak: "backward", "step" or "init"."""
         peaks = self._peaks()
-        return max(peaks, key=peaks.get)
+        return max(peaks, key=lambda phase: peaks[phase])
 
     @property
     def total_bytes(self) -> int:
@@ -619,7 +619,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     lines = []
     for j, row in enumerate(rows):
         lines.append("| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
-                                       enumerate(zip(row, widths))) + " |")
+                                       enumerate(zip(row, widths, strict=True))) + " |")
         if j == 0:
             lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return lines

@@ -223,6 +223,8 @@ class Trainer:
 
     def _check_commit_failures(self) -> None:
         """Stop once ``checkpoint.max_failed_commits`` commits in a row have failed (0: never)."""
+        if self.ckpt is None:  # no checkpoints, no commits to fail
+            return
         failures = self.consecutive_commit_failures()
         if not self.max_failed_commits or failures < self.max_failed_commits:
             return
@@ -234,6 +236,8 @@ class Trainer:
             "raise checkpoint.max_failed_commits (0: never stop)")
 
     def _resume(self) -> None:
+        if self.ckpt is None:
+            return
         self._beat(-1, "loading")
         manifest = self.ckpt.resume()
         if manifest is not None:
@@ -293,6 +297,9 @@ class Trainer:
         self.skipped_steps += 1  # skip: the batch is consumed, the update is not applied
 
     def _rollback(self, why: str) -> None:
+        if self.ckpt is None:
+            raise ConsistencyError(f"{why}, and checkpointing is off (checkpoint.uri is empty): "
+                                   "nothing to roll back to")
         self.ckpt.manager.wait()
         manifest = self.ckpt.resume()
         if manifest is None:

@@ -22,7 +22,6 @@ from typing import Any
 from agents.errors import LeaseExpiredError
 from agents.etcd import Compare, KeyValue, Listing, Op, OpResult, TxnResult, encode_value
 
-
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {"==": operator.eq, "!=": operator.ne, "<": operator.lt,
                                                   ">": operator.gt}
 

@@ -119,7 +119,7 @@ def human_bytes(n: int) -> str:
 
 
 def _iso(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _dt.datetime.fromtimestamp(t, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _table(rows: list[list[str]]) -> str:

@@ -28,7 +28,9 @@ __all__ = ["Parallel", "parallelize"]
 
 def _checkpoint_blocks(model: nn.Module) -> None:
     blocks = block_container(model)
-    for i, block in enumerate(blocks if blocks is not None else []):
+    if blocks is None:
+        return
+    for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block)
 
 

@@ -8,7 +8,8 @@ reduced, how the global gradient norm is clipped, and how to export the full sta
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,13 +37,13 @@ class Parallel:
         self.device = device
         self.compute_dtype = compute_dtype
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         """Context for a micro-batch's forward (bf16 compute where the wrapper does not cast)."""
         if self.uses_autocast and self.compute_dtype != torch.float32:
             return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
-    def grad_sync(self, is_last: bool) -> ContextManager:
+    def grad_sync(self, is_last: bool) -> AbstractContextManager:
         """Context for a micro-batch's forward and backward: skip gradient communication on all
         but the last micro-batch of a step."""
         return contextlib.nullcontext()

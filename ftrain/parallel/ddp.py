@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,9 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, *, bucket_cap_mb: flo
 class DDPParallel(Parallel):
     """DistributedDataParallel; accumulation skips the all-reduce with ``no_sync``."""
 
-    def grad_sync(self, is_last: bool) -> ContextManager:
-        return contextlib.nullcontext() if is_last else self.model.no_sync()
+    def grad_sync(self, is_last: bool) -> AbstractContextManager:
+        model = cast(DDP, self.model)  # nn.Module's __getattr__ hides the type
+        return contextlib.nullcontext() if is_last else model.no_sync()
 
 
 class Zero1Parallel(DDPParallel):
@@ -36,13 +38,13 @@ class Zero1Parallel(DDPParallel):
     def full_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         # ZeroRedundancyOptimizer keeps state by parameter index: gather it on rank 0 and key it
         # by parameter name, like the other strategies.
-        self.optimizer.consolidate_state_dict(to=0)
+        cast(ZeroRedundancyOptimizer, self.optimizer).consolidate_state_dict(to=0)
         model_sd = {k.removeprefix("module."): v.detach().cpu() for k, v in self.model.state_dict().items()}
         if dist.get_rank() != 0:
             return model_sd, {}
         full = self.optimizer.state_dict()
         names = [n.removeprefix("module.") for n, _ in self.model.named_parameters()]
-        by_param = {id(p): n for n, p in zip(names, self.model.parameters())}
+        by_param = {id(p): n for n, p in zip(names, self.model.parameters(), strict=True)}
         index_to_name = {}
         i = 0
         for group in self.optimizer.param_groups:

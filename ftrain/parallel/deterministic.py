@@ -91,7 +91,7 @@ class DeterministicParallel(Parallel):
 
     def backward(self, loss: torch.Tensor, micro_index: int, accum_steps: int) -> None:
         loss.backward()  # the mean over micro-batches is taken once, after the tree sum
-        flat = torch.cat([p.grad.reshape(-1).float() for p in self.params])
+        flat = torch.cat([_grad(p).reshape(-1).float() for p in self.params])
         for p in self.params:
             p.grad = None
         self._partial.push(flat)
@@ -104,11 +104,11 @@ class DeterministicParallel(Parallel):
     def reduce_gradients(self) -> None:
         numel = self._node_sums[0].numel()
         local = torch.zeros(self.max_nodes, numel, dtype=torch.float32, device=self._node_sums[0].device)
-        for i, node in enumerate(self._node_sums):
-            local[i] = node
+        for i, node_sum in enumerate(self._node_sums):
+            local[i] = node_sum
         gathered = torch.empty(self.layout.dp_size * self.max_nodes, numel, dtype=local.dtype, device=local.device)
         dist.all_gather_single(gathered, local)
-        nodes = {}
+        nodes: dict[tuple[int, int], torch.Tensor] = {}
         for r in range(self.layout.dp_size):
             block_lo = r * self.accum_steps
             for i, node in enumerate(cover(0, self.total_micro, block_lo, block_lo + self.accum_steps)):
@@ -120,3 +120,11 @@ class DeterministicParallel(Parallel):
             p.grad = total[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
         self._node_sums = []
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient; every parameter takes part in the loss, so a missing one is a bug to name."""
+    if p.grad is None:
+        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got no gradient: the fixed-order reduction "
+                           "needs every parameter to take part in the loss")
+    return p.grad

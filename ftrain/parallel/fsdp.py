@@ -8,14 +8,14 @@ bf16 runs as a MixedPrecisionPolicy: bf16 parameters for compute, fp32 gradient 
 
 from __future__ import annotations
 
-from typing import ContextManager
-
 import contextlib
+from contextlib import AbstractContextManager
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ftrain.model import transformer_blocks
 from ftrain.parallel.base import Parallel
@@ -34,6 +34,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bo
 class FSDPParallel(Parallel):
     uses_autocast = False  # the MixedPrecisionPolicy casts
 
-    def grad_sync(self, is_last: bool) -> ContextManager:
-        self.model.set_requires_gradient_sync(is_last)
+    def grad_sync(self, is_last: bool) -> AbstractContextManager:
+        cast(FSDPModule, self.model).set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()

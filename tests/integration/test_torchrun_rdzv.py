@@ -62,7 +62,7 @@ def S(tag: str) -> bytes:
     """A real pickled rendezvous state (the backend refuses anything else), told apart by ``tag``."""
     state, node = _RendezvousState(), _NodeDesc(tag, 1, 0)
     state.participants[node] = 0
-    state.last_heartbeats[node] = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)  # as torch writes it
+    state.last_heartbeats[node] = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)  # as torch writes it
     return pickle.dumps(state)
 
 

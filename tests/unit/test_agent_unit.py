@@ -18,8 +18,18 @@ import pytest
 from agents.agent import TICK_S, Agent, AgentOptions
 from agents.heartbeat import Beat
 from agents.metrics import AgentMetrics
-from agents.records import (FAILED, NODE_LEFT, NODE_LOST, SCALE_UP, START, STOPPED, SUCCEEDED, WORKER_EXIT, JobKeys,
-                            JobState)
+from agents.records import (
+    FAILED,
+    NODE_LEFT,
+    NODE_LOST,
+    SCALE_UP,
+    START,
+    STOPPED,
+    SUCCEEDED,
+    WORKER_EXIT,
+    JobKeys,
+    JobState,
+)
 from agents.workers import Launch
 from chaos.cluster import FAST_AGENT_SETTINGS
 from contract import exits

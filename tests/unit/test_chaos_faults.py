@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import tomllib
 from typing import Any
 
 import pytest
-import tomllib
 
 import chaos.faults.kinds
 from chaos.faults import FAULTS, KINDS, Fault, FaultRegistry, FaultSpec, Outcome, UnknownFaultKind

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import types
 import typing
 
 import pytest
@@ -20,6 +21,8 @@ def _sample(record_type: type[ev.Record]) -> ev.Record:
     values = {}
     for f in dataclasses.fields(record_type):
         hint = hints[f.name]
+        if isinstance(hint, types.UnionType):  # X | None: the X
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
         origin = typing.get_origin(hint)
         values[f.name] = (["a"] if origin is list else {"k": "v"} if origin is dict else SAMPLES[hint])
     return record_type(**values)

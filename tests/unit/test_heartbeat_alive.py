@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+
 from agents.heartbeat import Beat, HeartbeatServer
 from agents.supervision import hung_ranks
 from chaos.cluster import wait_for

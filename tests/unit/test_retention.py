@@ -148,13 +148,13 @@ def test_modified_times_memory_backend():
     try:
         write_step(s, 1)
         t = modified_times(s, [step_dir_name(1)])[step_dir_name(1)]
-        assert abs(t - dt.datetime.now(dt.timezone.utc).timestamp()) < 60
+        assert abs(t - dt.datetime.now(dt.UTC).timestamp()) < 60
     finally:
         s.remove("", recursive=True)
 
 
 def test_entry_time_formats():
-    utc = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    utc = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
     assert _entry_time({"LastModified": utc}) == utc.timestamp()  # S3
     assert _entry_time({"LastModified": utc.replace(tzinfo=None)}) == utc.timestamp()
     assert _entry_time({"mtime": 12.5, "created": 1.0}) == 12.5  # local
