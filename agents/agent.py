@@ -93,6 +93,7 @@ ROUNDS_KEPT = 8  #: round records (and their reports) kept in etcd behind the cu
 class AgentOptions:
     """What one agent runs with: its settings (``config``, the ``[agent]`` keys: their one
     definition and default is :class:`AgentConfig`) and what is not a key of the config file."""
+
     config: AgentConfig
     worker_args: list[str]  #: CONFIG.toml and --section.key=value overrides for ``ftrain train``
     events_path: str = ""
@@ -124,18 +125,24 @@ class AgentOptions:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
         if (self.etcd_username is None) != (self.etcd_password is None):
             raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")
-        for option, path in (("--etcd-ca-cert", self.etcd_ca_cert), ("--etcd-cert", self.etcd_cert),
-                             ("--etcd-key", self.etcd_key)):
+        for option, path in (
+            ("--etcd-ca-cert", self.etcd_ca_cert),
+            ("--etcd-cert", self.etcd_cert),
+            ("--etcd-key", self.etcd_key),
+        ):
             if path and not os.path.isfile(path):
                 raise ValueError(f"{option}: no such file {path!r}")
 
     def etcd_client_settings(self) -> dict[str, str]:
         """What a worker needs to reach etcd as this agent does (credentials, TLS files as
         absolute paths); empty when the agent uses none."""
-        settings = {"username": self.etcd_username, "password": self.etcd_password,
-                    "ca_cert": self.etcd_ca_cert and os.path.abspath(self.etcd_ca_cert),
-                    "cert": self.etcd_cert and os.path.abspath(self.etcd_cert),
-                    "key": self.etcd_key and os.path.abspath(self.etcd_key)}
+        settings = {
+            "username": self.etcd_username,
+            "password": self.etcd_password,
+            "ca_cert": self.etcd_ca_cert and os.path.abspath(self.etcd_ca_cert),
+            "cert": self.etcd_cert and os.path.abspath(self.etcd_cert),
+            "key": self.etcd_key and os.path.abspath(self.etcd_key),
+        }
         return {k: v for k, v in settings.items() if v}
 
 
@@ -156,8 +163,6 @@ def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
     return path
 
 
-
-
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -168,9 +173,19 @@ class Agent:
     """One node's agent, assembled from its parts (see the module docstring); ``run_dir`` holds
     the worker logs and stack dumps, ``client_file`` the workers' etcd settings (if any)."""
 
-    def __init__(self, opts: AgentOptions, *, store: JobStore, clock: Clock, heartbeats: Heartbeats,
-                 metrics: AgentMetrics, events: EventSink, launcher: Launcher, run_dir: str,
-                 client_file: str | None = None):
+    def __init__(
+        self,
+        opts: AgentOptions,
+        *,
+        store: JobStore,
+        clock: Clock,
+        heartbeats: Heartbeats,
+        metrics: AgentMetrics,
+        events: EventSink,
+        launcher: Launcher,
+        run_dir: str,
+        client_file: str | None = None,
+    ):
         opts.validate()
         self.opts = opts
         self.cfg = opts.config
@@ -228,8 +243,9 @@ class Agent:
             port = self.metrics.serve(self.cfg.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
             self.events.emit(ev.AgentMetrics(node=self.cfg.node_id, port=port))
-        self._watch = self.store.watch(self.keys.prefix, self.wake.set,
-                                       progress_timeout_s=max(2.0, self.cfg.lease_ttl_s))
+        self._watch = self.store.watch(
+            self.keys.prefix, self.wake.set, progress_timeout_s=max(2.0, self.cfg.lease_ttl_s)
+        )
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.drain(f"signal {signum}")
@@ -310,8 +326,9 @@ class Agent:
             log.info("re-registration failed (%s); retrying in %.1fs", e, self._register_backoff_s)
 
     def _node_record(self) -> NodeRecord:
-        return NodeRecord(self.cfg.node_id, self.uid, self.cfg.host, os.getpid(), self.cfg.nproc_per_node,
-                          self.clock.time())
+        return NodeRecord(
+            self.cfg.node_id, self.uid, self.cfg.host, os.getpid(), self.cfg.nproc_per_node, self.clock.time()
+        )
 
     def _register(self, *, first: bool) -> None:
         session = self.store.session(self.cfg.lease_ttl_s, on_lost=lambda _reason: self.wake.set())
@@ -328,11 +345,18 @@ class Agent:
             session.close(revoke=True)
             holder = self.store.get(self.keys.node(self.cfg.node_id))
             detail = holder.value.decode() if holder else "(gone since)"
-            raise NodeIdTakenError(f"node id {self.cfg.node_id!r} is already registered in job {self.cfg.job!r} "
-                                   f"by a live agent: {detail}; pick another --node-id or stop that agent")
+            raise NodeIdTakenError(
+                f"node id {self.cfg.node_id!r} is already registered in job {self.cfg.job!r} "
+                f"by a live agent: {detail}; pick another --node-id or stop that agent"
+            )
         self.session = session
-        log.info("registered node %s (agent %s, lease %x, ttl %ds)", self.cfg.node_id, self.uid, session.lease_id,
-                 session.ttl_s)
+        log.info(
+            "registered node %s (agent %s, lease %x, ttl %ds)",
+            self.cfg.node_id,
+            self.uid,
+            session.lease_id,
+            session.ttl_s,
+        )
         self.events.emit(ev.AgentRegistered(node=self.cfg.node_id, agent=self.uid, first=first))
 
     def _reclaim(self, key: str) -> bool:
@@ -379,8 +403,11 @@ class Agent:
                 self._problems_seen.clear()
             self._problems_seen.add(seen)
             log.error("%s: skipped (fix or delete the key)", problem)
-            self.events.emit(ev.BadRecord(node=self.cfg.node_id, key=problem.key,
-                             mod_revision=problem.mod_revision, error=problem.error))
+            self.events.emit(
+                ev.BadRecord(
+                    node=self.cfg.node_id, key=problem.key, mod_revision=problem.mod_revision, error=problem.error
+                )
+            )
 
     def _repair_own_record(self, state: JobState) -> None:
         """Our ``nodes/<id>`` became unreadable (someone overwrote it): put ours back on our
@@ -390,8 +417,9 @@ class Agent:
         if not bad or self.cfg.node_id in state.nodes:
             return
         try:
-            if self.store.put_if_mod_revision(key, self._node_record().to_json(), bad[0].mod_revision,
-                                              lease=self._lease_id()):
+            if self.store.put_if_mod_revision(
+                key, self._node_record().to_json(), bad[0].mod_revision, lease=self._lease_id()
+            ):
                 log.warning("rewrote this agent's unreadable record %s", key)
                 self.events.emit(ev.RecordRepaired(node=self.cfg.node_id, key=key))
         except LeaseExpiredError:
@@ -403,8 +431,9 @@ class Agent:
         if state.leader is None:
             try:
                 if state.leader_mod_revision:  # an unusable leader key (no lease, unreadable): replace it
-                    taken = self.store.put_if_mod_revision(self.keys.leader, self.cfg.node_id,
-                                                           state.leader_mod_revision, lease=lease)
+                    taken = self.store.put_if_mod_revision(
+                        self.keys.leader, self.cfg.node_id, state.leader_mod_revision, lease=lease
+                    )
                 else:
                     taken = self.store.put_if_absent(self.keys.leader, self.cfg.node_id, lease=lease)
                 if taken:
@@ -427,20 +456,26 @@ class Agent:
             if isinstance(decision, FormRound):
                 self._form_round(state, decision)
             elif isinstance(decision, Finish):
-                if self.store.put_if_mod_revision(self.keys.final, decision.final.to_json(),
-                                                  state.final_mod_revision):  # 0: absent; else unreadable
+                if self.store.put_if_mod_revision(
+                    self.keys.final, decision.final.to_json(), state.final_mod_revision
+                ):  # 0: absent; else unreadable
                     log.info("job %s: %s (%s)", decision.final.status, self.cfg.job, decision.final.reason)
-                    self.events.emit(ev.JobFinal(node=self.cfg.node_id, status=decision.final.status,
-                                     reason=decision.final.reason))
+                    self.events.emit(
+                        ev.JobFinal(node=self.cfg.node_id, status=decision.final.status, reason=decision.final.reason)
+                    )
         except EtcdUnavailableError as e:
             log.warning("leader action failed, retrying: %s", e)
 
     def _form_round(self, state: JobState, decision: FormRound) -> None:
         record = decision.record
-        guard = [Compare(self.keys.round, "mod_revision", "==", state.round_mod_revision),
-                 Compare(self.keys.leader, "lease", "==", self._lease_id())]
-        ops = [Op.put(self.keys.round, str(record.round)), Op.put(self.keys.round_record(record.round),
-                                                                  record.to_json())]
+        guard = [
+            Compare(self.keys.round, "mod_revision", "==", state.round_mod_revision),
+            Compare(self.keys.leader, "lease", "==", self._lease_id()),
+        ]
+        ops = [
+            Op.put(self.keys.round, str(record.round)),
+            Op.put(self.keys.round_record(record.round), record.to_json()),
+        ]
         old = record.round - ROUNDS_KEPT  # the state read stays small however many rounds a job has
         if old > 0:
             ops += [Op.delete(self.keys.round_record(old)), Op.delete(self.keys.round_record(old) + "/", prefix=True)]
@@ -449,8 +484,15 @@ class Agent:
             return
         members = [m.node_id for m in record.members]
         log.info("formed round %d (%s): %s, world size %d", record.round, record.reason, members, record.world_size)
-        self.events.emit(ev.RoundFormed(node=self.cfg.node_id, new_round=record.round, reason=record.reason,
-                         members=members, world_size=record.world_size))
+        self.events.emit(
+            ev.RoundFormed(
+                node=self.cfg.node_id,
+                new_round=record.round,
+                reason=record.reason,
+                members=members,
+                world_size=record.world_size,
+            )
+        )
         self.wake.set()
 
     # -- follower ----------------------------------------------------------------------------
@@ -462,8 +504,10 @@ class Agent:
 
     def _follow(self, state: JobState) -> None:
         if not state.round_known:  # never stop or start workers on a round we cannot read
-            self._hold(f"the round key or the record of round {state.round} is unreadable; waiting for the leader "
-                       "to form a new round")
+            self._hold(
+                f"the round key or the record of round {state.round} is unreadable; waiting for the leader "
+                "to form a new round"
+            )
             return
         cur = state.current
         if self.workers is not None and (cur is None or self.workers.round != cur.round):
@@ -491,23 +535,48 @@ class Agent:
             return
         addr, port = parse_master(master)  # JobState.parse let only well-formed addresses through
         self._held_why = ""
-        self._launch(Launch(round=cur.round, nnodes=len(cur.members), node_rank=node_rank,
-                            nproc_per_node=cur.nproc_per_node, master_addr=addr, master_port=port,
-                            worker_args=tuple(self.opts.worker_args)))
+        self._launch(
+            Launch(
+                round=cur.round,
+                nnodes=len(cur.members),
+                node_rank=node_rank,
+                nproc_per_node=cur.nproc_per_node,
+                master_addr=addr,
+                master_port=port,
+                worker_args=tuple(self.opts.worker_args),
+            )
+        )
 
     def _launch(self, launch: Launch) -> None:
         self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
-        ours = WorkerEnv(job=self.cfg.job, round=launch.round, node=self.cfg.node_id, etcd=tuple(self.cfg.endpoints),
-                         fence_key=self.keys.round, heartbeat=self.heartbeats.path, agent_pid=os.getpid(),
-                         stack_dir=self.stack_dir, etcd_client_file=self.client_file or "")
-        env = worker_environment(os.environ, self.opts.worker_env,
-                                 {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        ours = WorkerEnv(
+            job=self.cfg.job,
+            round=launch.round,
+            node=self.cfg.node_id,
+            etcd=tuple(self.cfg.endpoints),
+            fence_key=self.keys.round,
+            heartbeat=self.heartbeats.path,
+            agent_pid=os.getpid(),
+            stack_dir=self.stack_dir,
+            etcd_client_file=self.client_file or "",
+        )
+        env = worker_environment(
+            os.environ, self.opts.worker_env, {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        )
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
         self.workers = self.launcher(launch, env, log_path)
         self.metrics.launched()
-        self.events.emit(ev.WorkersStarted(node=self.cfg.node_id, worker_round=launch.round,
-                         node_rank=launch.node_rank, nnodes=launch.nnodes, pid=self.workers.pid, log=log_path))
+        self.events.emit(
+            ev.WorkersStarted(
+                node=self.cfg.node_id,
+                worker_round=launch.round,
+                node_rank=launch.node_rank,
+                nnodes=launch.nnodes,
+                pid=self.workers.pid,
+                log=log_path,
+            )
+        )
         try:
             self.store.put(self.keys.started(launch.round, self.cfg.node_id), self.uid)
         except EtcdUnavailableError as e:
@@ -539,23 +608,36 @@ class Agent:
         rc = workers.poll()
         crashed = self._crashed_workers(workers, beats)
         if rc is None and crashed:  # do not wait for torchrun to notice and tear down: seconds
-            log.info("round %d: worker %d (local rank %d) died without saying goodbye", workers.round,
-                     crashed[0].pid, crashed[0].local_rank)
+            log.info(
+                "round %d: worker %d (local rank %d) died without saying goodbye",
+                workers.round,
+                crashed[0].pid,
+                crashed[0].local_rank,
+            )
             rc = workers.kill()
             rc = 1 if rc in (None, 0) else rc
         if rc is not None:
             self.workers = None
             self.finished_rounds.add(workers.round)
-            report = exit_report(rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid,
-                                 self.clock.time())
+            report = exit_report(
+                rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid, self.clock.time()
+            )
             log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
-            self.events.emit(ev.WorkersExited(node=self.cfg.node_id, worker_round=workers.round, exit_code=rc,
-                             outcome=report.outcome))
+            self.events.emit(
+                ev.WorkersExited(
+                    node=self.cfg.node_id, worker_round=workers.round, exit_code=rc, outcome=report.outcome
+                )
+            )
             self.pending_reports[workers.round] = report
             return
-        hung = hung_ranks(beats, nproc_per_node=workers.launch.nproc_per_node, started_at=workers.started_at,
-                          now=self.clock.monotonic(), hang_timeout_s=self.cfg.hang_timeout_s,
-                          start_timeout_s=self.cfg.start_timeout_s)
+        hung = hung_ranks(
+            beats,
+            nproc_per_node=workers.launch.nproc_per_node,
+            started_at=workers.started_at,
+            now=self.clock.monotonic(),
+            hang_timeout_s=self.cfg.hang_timeout_s,
+            start_timeout_s=self.cfg.start_timeout_s,
+        )
         if hung:
             self._on_hang(workers, hung)
 
@@ -573,8 +655,13 @@ class Agent:
         workers.kill()
         self.finished_rounds.add(workers.round)
         self.pending_reports[workers.round] = Report(
-            FAILED, HANG, f"no heartbeat from local rank(s) {hung}", self.uid, self.clock.time(),
-            step=max((b.step for b in self.heartbeats.beats().values()), default=-1))
+            FAILED,
+            HANG,
+            f"no heartbeat from local rank(s) {hung}",
+            self.uid,
+            self.clock.time(),
+            step=max((b.step for b in self.heartbeats.beats().values()), default=-1),
+        )
 
     def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
         """Failed checkpoint commits: metrics always, an event (and an error log) each time the
@@ -585,8 +672,9 @@ class Agent:
         self.metrics.ckpt_failed(round_, total, failures)
         if failures > self._ckpt_failures_seen:
             log.error("round %d: %d checkpoint commit(s) in a row failed; last error: %s", round_, failures, error)
-            self.events.emit(ev.CheckpointFailing(node=self.cfg.node_id, worker_round=round_, failures=failures,
-                             error=error))
+            self.events.emit(
+                ev.CheckpointFailing(node=self.cfg.node_id, worker_round=round_, failures=failures, error=error)
+            )
         self._ckpt_failures_seen = failures
         self._ckpt_error = error if failures else ""
 
@@ -594,8 +682,15 @@ class Agent:
         """Every worker's Python stack into the event log (and this agent's log)."""
         log.error("round %d: %s: dumping the stacks of the workers", workers.round, why)
         stacks = workers.dump_stacks(self.stack_dir)
-        self.events.emit(ev.Hang(node=self.cfg.node_id, worker_round=workers.round, why=why,
-                         local_ranks=local_ranks or [], stacks={str(pid): text for pid, text in stacks.items()}))
+        self.events.emit(
+            ev.Hang(
+                node=self.cfg.node_id,
+                worker_round=workers.round,
+                why=why,
+                local_ranks=local_ranks or [],
+                stacks={str(pid): text for pid, text in stacks.items()},
+            )
+        )
         for pid, text in stacks.items():
             log.error("stack of worker %d:\n%s", pid, text)
 
@@ -636,13 +731,19 @@ class Agent:
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
-            state=name, step=max((b.step for b in beats.values()), default=-1),
+            state=name,
+            step=max((b.step for b in beats.values()), default=-1),
             step_time_s=max((b.step_time_s for b in beats.values()), default=0.0),
             heartbeat_age_s=round(now - min(b.received_at for b in beats.values()), 3) if beats else None,
             committed_step=self.committed_step,
-            restarts=self.metrics.restarts(), host=self.cfg.host, pid=os.getpid(), updated_at=self.clock.time(),
+            restarts=self.metrics.restarts(),
+            host=self.cfg.host,
+            pid=os.getpid(),
+            updated_at=self.clock.time(),
             ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
-            ckpt_failures_total=self.metrics.ckpt_failures_total(), ckpt_error=self._ckpt_error[:300])
+            ckpt_failures_total=self.metrics.ckpt_failures_total(),
+            ckpt_error=self._ckpt_error[:300],
+        )
         try:
             self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())
         except (EtcdUnavailableError, LeaseExpiredError):

@@ -22,13 +22,26 @@ def build_agent(opts: AgentOptions) -> Agent:
     opts.validate()
     cfg = opts.config
     clock = SystemClock()
-    client = EtcdClient(cfg.endpoints, timeout_s=1.0, retry_timeout_s=1.0, username=opts.etcd_username,
-                        password=opts.etcd_password, ca_cert=opts.etcd_ca_cert, cert=opts.etcd_cert,
-                        key=opts.etcd_key)
+    client = EtcdClient(
+        cfg.endpoints,
+        timeout_s=1.0,
+        retry_timeout_s=1.0,
+        username=opts.etcd_username,
+        password=opts.etcd_password,
+        ca_cert=opts.etcd_ca_cert,
+        cert=opts.etcd_cert,
+        key=opts.etcd_key,
+    )
     run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="ftrain-agent-")
     os.makedirs(run_dir, exist_ok=True)
-    return Agent(opts, store=EtcdJobStore(client), clock=clock,
-                 heartbeats=HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock")),
-                 metrics=AgentMetrics(cfg.job, cfg.node_id, clock=clock.monotonic),
-                 events=EventLog(opts.events_path, rank=-1), launcher=WorkerGroup, run_dir=run_dir,
-                 client_file=write_client_file(run_dir, opts.etcd_client_settings()))
+    return Agent(
+        opts,
+        store=EtcdJobStore(client),
+        clock=clock,
+        heartbeats=HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock")),
+        metrics=AgentMetrics(cfg.job, cfg.node_id, clock=clock.monotonic),
+        events=EventLog(opts.events_path, rank=-1),
+        launcher=WorkerGroup,
+        run_dir=run_dir,
+        client_file=write_client_file(run_dir, opts.etcd_client_settings()),
+    )

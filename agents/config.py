@@ -28,6 +28,7 @@ def option_name(key: str) -> str:
 @dataclass(kw_only=True, slots=True)
 class AgentConfig:
     """Read by ``ftrain agent`` (its command-line options override these); workers ignore it."""
+
     etcd: str = opt("", "etcd client URLs, comma-separated (http://host:port,...).")
     job: str = opt("", "Job id: the agents of one job share it (and its keys in etcd).")
     nnodes: str = opt("1:1", "MIN:MAX nodes (or N): rounds need at least MIN live agents and take at most MAX.")
@@ -38,20 +39,25 @@ class AgentConfig:
     settle_s: float = opt(2.0, "Membership must be quiet this long before a round forms (last call for joiners).")
     hang_timeout_s: float = opt(120.0, "No heartbeat from a training worker for this long: dump stacks, restart.")
     start_timeout_s: float = opt(
-        300.0, "Limit for start-up, checkpoint loads and saves (no step heartbeat), and for all members to start.")
+        300.0, "Limit for start-up, checkpoint loads and saves (no step heartbeat), and for all members to start."
+    )
     max_restarts: int = opt(10, "Failures (worker exit, hang, start timeout) allowed within restart_window_s.")
     restart_window_s: float = opt(3600.0, "Window of the restart budget.")
     backoff_initial_s: float = opt(1.0, "Wait before the 2nd restart in the window; doubles after each failure.")
     backoff_max_s: float = opt(30.0, "Longest wait between restarts.")
     deterministic_failures: int = opt(
-        3, "The workers failed with the same error at the same step this many times in a row: stop the job "
-        "with that error instead of spending the restart budget (0: never).")
+        3,
+        "The workers failed with the same error at the same step this many times in a row: stop the job "
+        "with that error instead of spending the restart budget (0: never).",
+    )
     scale_up: str = opt(
-        "checkpoint", "Nodes that join a running job enter at the next committed checkpoint, or immediately.",
+        "checkpoint",
+        "Nodes that join a running job enter at the next committed checkpoint, or immediately.",
         ("checkpoint", "immediate"),
     )
     drain_timeout_s: float = opt(
-        120.0, "On SIGTERM the workers finish the step and save; after this long they are killed.")
+        120.0, "On SIGTERM the workers finish the step and save; after this long they are killed."
+    )
     metrics_port: int = opt(-1, "Prometheus metrics port (0: any free port, -1: off).")
     run_dir: str = opt("", "Worker logs and stack dumps (default: a new temporary directory).")
 
@@ -75,8 +81,14 @@ class AgentConfig:
         int_range("agent.metrics_port", self.metrics_port, -1, 65535)
 
     @classmethod
-    def of(cls, *, min_nodes: int | None = None, max_nodes: int | None = None, etcd: str | Sequence[str] = "",
-           **settings: Any) -> AgentConfig:
+    def of(
+        cls,
+        *,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
+        etcd: str | Sequence[str] = "",
+        **settings: Any,
+    ) -> AgentConfig:
         """Built in code: the keys as keyword arguments, and for convenience ``min_nodes`` and
         ``max_nodes`` instead of ``nnodes`` (``max_nodes`` defaults to ``min_nodes``) and
         ``etcd`` as a list of URLs."""

@@ -97,15 +97,20 @@ class KeyValue:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> KeyValue:
-        return cls(key=decode_key(unb64(d["key"])), value=unb64(d.get("value", "")),
-                   create_revision=int(d.get("create_revision", 0)),
-                   mod_revision=int(d.get("mod_revision", 0)), version=int(d.get("version", 0)),
-                   lease=int(d.get("lease", 0)))
+        return cls(
+            key=decode_key(unb64(d["key"])),
+            value=unb64(d.get("value", "")),
+            create_revision=int(d.get("create_revision", 0)),
+            mod_revision=int(d.get("mod_revision", 0)),
+            version=int(d.get("version", 0)),
+            lease=int(d.get("lease", 0)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Listing:
     """Keys under a prefix and the store revision they were read at (watch from ``revision + 1``)."""
+
     kvs: list[KeyValue]
     revision: int
 
@@ -116,8 +121,13 @@ class Lease:
     ttl_s: int
 
 
-_TARGETS = {"create_revision": "CREATE", "mod_revision": "MOD", "version": "VERSION",
-            "value": "VALUE", "lease": "LEASE"}
+_TARGETS = {
+    "create_revision": "CREATE",
+    "mod_revision": "MOD",
+    "version": "VERSION",
+    "value": "VALUE",
+    "lease": "LEASE",
+}
 _RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 
 
@@ -125,6 +135,7 @@ _RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 class Compare:
     """One transaction guard: ``<target of key> <op> <value>``, e.g.
     ``Compare("round", "mod_revision", "==", 17)``. A missing key has every revision 0."""
+
     key: str
     target: Literal["create_revision", "mod_revision", "version", "value", "lease"]
     op: Literal["==", "!=", "<", ">"]
@@ -144,13 +155,18 @@ class Compare:
 
     def to_json(self) -> dict[str, Any]:
         value = b64(encode_value(self.value)) if self.target == "value" else str(self.value)  # type: ignore[arg-type]
-        return {"key": b64(encode_key(self.key)), "target": _TARGETS[self.target],
-                "result": _RESULTS[self.op], self.target: value}
+        return {
+            "key": b64(encode_key(self.key)),
+            "target": _TARGETS[self.target],
+            "result": _RESULTS[self.op],
+            self.target: value,
+        }
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
     """One transaction operation; build with :meth:`put`, :meth:`delete` or :meth:`get`."""
+
     kind: Literal["put", "delete", "get"]
     key: str
     value: bytes = b""
@@ -215,18 +231,34 @@ class EtcdClient:
     watches on this client share. ``sleep``, ``clock`` and ``transport`` are injectable for tests.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 2.0, retry_timeout_s: float = 10.0,
-                 username: str | None = None, password: str | None = None, ca_cert: str | None = None,
-                 cert: str | None = None, key: str | None = None,
-                 backoff_initial_s: float = 0.05, backoff_max_s: float = 1.0,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 transport: Transport | None = None):
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout_s: float = 2.0,
+        retry_timeout_s: float = 10.0,
+        username: str | None = None,
+        password: str | None = None,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        transport: Transport | None = None,
+    ):
         if timeout_s <= 0 or retry_timeout_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_timeout_s >= 0")
         #: How this client reaches the cluster; shared with its sessions and watches.
-        self.endpoints = Endpoints(endpoints, username=username, password=password,
-                                   tls=TlsFiles(ca_cert, cert, key), backoff=Backoff(backoff_initial_s, backoff_max_s),
-                                   transport=transport)
+        self.endpoints = Endpoints(
+            endpoints,
+            username=username,
+            password=password,
+            tls=TlsFiles(ca_cert, cert, key),
+            backoff=Backoff(backoff_initial_s, backoff_max_s),
+            transport=transport,
+        )
         self.timeout_s = timeout_s
         self.retry_timeout_s = retry_timeout_s
         self._sleep, self._clock = sleep, clock
@@ -293,16 +325,18 @@ class EtcdClient:
         Never repeated after an ambiguous failure: then ``EtcdUnavailableError(ambiguous=True)``
         and the outcome is unknown (re-read; fencing with a lease or revision makes that safe).
         """
-        payload = {"compare": [c.to_json() for c in compare], "success": [o.to_json() for o in success],
-                   "failure": [o.to_json() for o in failure]}
+        payload = {
+            "compare": [c.to_json() for c in compare],
+            "success": [o.to_json() for o in success],
+            "failure": [o.to_json() for o in failure],
+        }
         return TxnResult.from_json(self._call("/v3/kv/txn", payload, idempotent=False))
 
     def put_if_absent(self, key: str, value: bytes | str, lease: int | None = None) -> bool:
         """Create ``key`` unless it exists (``create_revision == 0``); whether this call created it."""
         return self.txn([Compare.absent(key)], [Op.put(key, value, lease)]).succeeded
 
-    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int,
-                            lease: int | None = None) -> bool:
+    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int, lease: int | None = None) -> bool:
         """Overwrite ``key`` only if it was last written at ``mod_revision`` (0: only if absent)."""
         return self.txn([Compare(key, "mod_revision", "==", mod_revision)], [Op.put(key, value, lease)]).succeeded
 
@@ -332,8 +366,7 @@ class EtcdClient:
         With ``deadline`` (on this client's clock): one pass over the endpoints, no retries, each
         request's timeout cut to the time left (a :class:`~agents.etcd_session.Session` retries on
         its own schedule and must know by its deadline)."""
-        reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline,
-                           retry=deadline is None)
+        reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline, retry=deadline is None)
         if "error" in reply:  # a streaming endpoint reports errors inside a 200 reply
             raise error_from_stream(reply["error"], "/v3/lease/keepalive")
         return int(reply.get("result", {}).get("TTL", 0))
@@ -345,8 +378,15 @@ class EtcdClient:
         return None if ttl < 0 else ttl
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _call(self, path: str, payload: Mapping[str, Any], *, idempotent: bool = True,
-              deadline: float | None = None, retry: bool = True) -> dict[str, Any]:
+    def _call(
+        self,
+        path: str,
+        payload: Mapping[str, Any],
+        *,
+        idempotent: bool = True,
+        deadline: float | None = None,
+        retry: bool = True,
+    ) -> dict[str, Any]:
         """POST ``payload`` to ``path`` under this client's retry rules (module docstring);
         ``retry=False``: one pass over the endpoints."""
         if not retry:
@@ -362,19 +402,29 @@ class EtcdClient:
             return max(0.0, min(backoff.delay_s(state.attempt_number), retry_deadline - self._clock()))
 
         def log_retry(state: tenacity.RetryCallState) -> None:
-            logger.info("etcd %s failed (attempt %d), retrying in %.2f s: %s", path, state.attempt_number,
-                           state.next_action.sleep if state.next_action else 0.0,
-                           state.outcome.exception() if state.outcome else None)
+            logger.info(
+                "etcd %s failed (attempt %d), retrying in %.2f s: %s",
+                path,
+                state.attempt_number,
+                state.next_action.sleep if state.next_action else 0.0,
+                state.outcome.exception() if state.outcome else None,
+            )
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(
-                lambda e: isinstance(e, EtcdUnavailableError) and (idempotent or not e.ambiguous)),
-            stop=lambda state: self._clock() >= retry_deadline, wait=wait, sleep=self._sleep,
-            before_sleep=log_retry, reraise=True)
+                lambda e: isinstance(e, EtcdUnavailableError) and (idempotent or not e.ambiguous)
+            ),
+            stop=lambda state: self._clock() >= retry_deadline,
+            wait=wait,
+            sleep=self._sleep,
+            before_sleep=log_retry,
+            reraise=True,
+        )
         return retrying(self._call_once, path, payload, idempotent=idempotent, deadline=deadline)
 
-    def _call_once(self, path: str, payload: Mapping[str, Any], *, idempotent: bool,
-                   deadline: float | None) -> dict[str, Any]:
+    def _call_once(
+        self, path: str, payload: Mapping[str, Any], *, idempotent: bool, deadline: float | None
+    ) -> dict[str, Any]:
         """Try each endpoint once, starting with the one that answered last."""
         errors: list[str] = []
         ambiguous = False
@@ -395,5 +445,4 @@ class EtcdClient:
                 continue
             self.endpoints.answered(endpoint)
             return reply
-        raise EtcdUnavailableError(f"no etcd endpoint answered {path}: " + "; ".join(errors),
-                                   ambiguous=ambiguous)
+        raise EtcdUnavailableError(f"no etcd endpoint answered {path}: " + "; ".join(errors), ambiguous=ambiguous)

@@ -80,6 +80,7 @@ class TlsFiles:
     """TLS for ``https`` endpoints: ``ca_cert`` (None: the system's CAs), and a client
     certificate ``cert`` with its ``key`` (None: the key is in ``cert``) for etcd's
     ``--client-cert-auth``."""
+
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
@@ -95,6 +96,7 @@ class TlsFiles:
 class Backoff:
     """Jittered exponential backoff between attempts: after ``failures`` failed attempts in a
     row, wait a uniform random time in ``[0, min(max_s, initial_s * 2 ** (failures - 1))]``."""
+
     initial_s: float = 0.05
     max_s: float = 1.0
 
@@ -106,15 +108,16 @@ class Backoff:
         if failures < 1:
             raise ValueError(f"backoff is for after a failure, got failures={failures}")
         exponent = min(failures - 1, 64)  # 2 ** 64 exceeds any max_s; a larger power overflows a float
-        return random.uniform(0.0, min(self.max_s, self.initial_s * 2.0 ** exponent))
+        return random.uniform(0.0, min(self.max_s, self.initial_s * 2.0**exponent))
 
 
 # -- transport --------------------------------------------------------------------------------
 class Transport(Protocol):
     """POSTs one JSON request to one endpoint. The seam unit tests replace."""
 
-    def post(self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float,
-             token: str | None) -> dict[str, Any]:
+    def post(
+        self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float, token: str | None
+    ) -> dict[str, Any]:
         """The decoded JSON reply. Raises :class:`EtcdUnavailableError` (``ambiguous`` if the
         request may have reached etcd), :class:`LeaseExpiredError`, or :class:`EtcdError`."""
         ...
@@ -135,12 +138,19 @@ class HttpTransport:
         self._verify: str | bool = tls.ca_cert or True
         self._cert = ((tls.cert, tls.key) if tls.key else tls.cert) if tls.cert else None
 
-    def post(self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float,
-             token: str | None) -> dict[str, Any]:
+    def post(
+        self, endpoint: str, path: str, payload: Mapping[str, Any], *, timeout_s: float, token: str | None
+    ) -> dict[str, Any]:
         where = f"{endpoint}{path}"
         try:
-            resp = self._session.post(where, json=payload, timeout=timeout_s, verify=self._verify, cert=self._cert,
-                                      headers={"Authorization": token} if token else None)
+            resp = self._session.post(
+                where,
+                json=payload,
+                timeout=timeout_s,
+                verify=self._verify,
+                cert=self._cert,
+                headers={"Authorization": token} if token else None,
+            )
         except requests.exceptions.SSLError as e:
             raise EtcdError(f"{where}: TLS error: {e}") from e
         except requests.exceptions.ConnectTimeout as e:
@@ -173,8 +183,16 @@ class Endpoints:
     Thread-safe.
     """
 
-    def __init__(self, urls: Sequence[str], *, username: str | None = None, password: str | None = None,
-                 tls: TlsFiles = TlsFiles(), backoff: Backoff = Backoff(), transport: Transport | None = None):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        tls: TlsFiles = TlsFiles(),
+        backoff: Backoff = Backoff(),
+        transport: Transport | None = None,
+    ):
         if isinstance(urls, str) or not urls:
             raise ValueError("endpoints must be a non-empty list of http(s)://host:port URLs")
         self.urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
@@ -225,8 +243,13 @@ class Endpoints:
         with self._lock:
             if self._token is not None and not refresh:
                 return self._token
-        reply = self.transport.post(url, "/v3/auth/authenticate", {"name": self._username, "password": self._password},
-                                    timeout_s=timeout_s, token=None)
+        reply = self.transport.post(
+            url,
+            "/v3/auth/authenticate",
+            {"name": self._username, "password": self._password},
+            timeout_s=timeout_s,
+            token=None,
+        )
         with self._lock:
             self._token = str(reply["token"])
             return self._token
@@ -248,8 +271,9 @@ class Endpoints:
         """An unopened connection to ``url`` for a streaming request (TLS applied for https)."""
         parts = urlsplit(url)
         if parts.scheme == "https":
-            return http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout_s,
-                                               context=self.tls.ssl_context())
+            return http.client.HTTPSConnection(
+                parts.hostname or "", parts.port, timeout=timeout_s, context=self.tls.ssl_context()
+            )
         return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ class KeepaliveSchedule:
     ``deadline``: until then the lease is known to live. A keepalive sent at ``t`` whose reply
     says TTL ``r`` was processed after ``t``, so the lease lives at least until ``t + r``.
     """
+
     interval_s: float  #: between successful renewals
     retry_interval_s: float  #: between attempts after a failed one
     deadline: float
@@ -64,9 +65,16 @@ class Session:
     leaves the thread unstarted (call :meth:`start`; tests drive :meth:`keepalive_step`).
     """
 
-    def __init__(self, client: EtcdClient, ttl_s: int = 10, *, keepalive_interval_s: float | None = None,
-                 on_lost: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 start: bool = True):
+    def __init__(
+        self,
+        client: EtcdClient,
+        ttl_s: int = 10,
+        *,
+        keepalive_interval_s: float | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ):
         interval_s = keepalive_interval_s if keepalive_interval_s is not None else ttl_s / 3
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"keepalive interval must be in (0, ttl_s={ttl_s}), got {interval_s}")
@@ -156,8 +164,12 @@ class Session:
         except LeaseExpiredError:
             ttl_s = 0
         except (EtcdUnavailableError, EtcdError) as e:
-            logger.info("etcd session %x: keepalive failed (%.2f s left): %s", self.lease_id,
-                        self.schedule.remaining_s(self._clock()), e)
+            logger.info(
+                "etcd session %x: keepalive failed (%.2f s left): %s",
+                self.lease_id,
+                self.schedule.remaining_s(self._clock()),
+                e,
+            )
             failed = True
         if not failed:
             if ttl_s <= 0:

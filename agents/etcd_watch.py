@@ -43,6 +43,7 @@ class WatchEvent:
 @dataclass(frozen=True, slots=True)
 class WatchResponse:
     """One decoded message of the watch stream."""
+
     created: bool = False
     canceled: bool = False
     cancel_reason: str = ""
@@ -62,8 +63,14 @@ class WatchResponse:
             kv = KeyValue.from_json(e["kv"])
             kind: Literal["put", "delete"] = "delete" if e.get("type") == "DELETE" else "put"
             events.append(WatchEvent(kind, kv.key, kv.value, kv.mod_revision, kv.create_revision))
-        return cls(bool(r.get("created")), bool(r.get("canceled")), str(r.get("cancel_reason", "")),
-                   int(r.get("compact_revision", 0)), header_revision(r), tuple(events))
+        return cls(
+            bool(r.get("created")),
+            bool(r.get("canceled")),
+            str(r.get("cancel_reason", "")),
+            int(r.get("compact_revision", 0)),
+            header_revision(r),
+            tuple(events),
+        )
 
 
 _CLOSED = object()
@@ -92,11 +99,18 @@ class Watcher:
     :class:`EtcdError`. In queue mode a fatal error is raised by :meth:`get` after the events.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, start_revision: int | None = None, *,
-                 on_event: Callable[[WatchEvent], None] | None = None,
-                 on_error: Callable[[Exception], None] | None = None,
-                 progress_timeout_s: float = 5.0, single_key: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        start_revision: int | None = None,
+        *,
+        on_event: Callable[[WatchEvent], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+        progress_timeout_s: float = 5.0,
+        single_key: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if progress_timeout_s <= 0:
             raise ValueError("progress_timeout_s must be > 0")
         if start_revision is not None and start_revision < 1:
@@ -191,8 +205,12 @@ class Watcher:
             except EtcdError as e:
                 if self._closing.is_set():
                     return
-                if not isinstance(e, WatchCompactedError) and not auth_retried and endpoints.has_credentials \
-                        and ("permission denied" in str(e) or is_token_error(e)):
+                if (
+                    not isinstance(e, WatchCompactedError)
+                    and not auth_retried
+                    and endpoints.has_credentials
+                    and ("permission denied" in str(e) or is_token_error(e))
+                ):
                     auth_retried = True  # the token may have expired: fetch a new one, once
                     try:
                         endpoints.token(endpoint, self._client.timeout_s, refresh=True)
@@ -213,10 +231,14 @@ class Watcher:
                 self.reconnects += 1
                 self.stalls += stalled
                 self.last_lost_at = self._clock()
-                reason = (f"no event or progress notification in {self.progress_timeout_s:.2f} s" if stalled
-                          else f"{type(e).__name__}: {e}")
-                lost = EtcdUnavailableError(f"watch on {endpoint} lost ({reason}); resuming at revision "
-                                            f"{self._next_revision}", ambiguous=False)
+                reason = (
+                    f"no event or progress notification in {self.progress_timeout_s:.2f} s"
+                    if stalled
+                    else f"{type(e).__name__}: {e}"
+                )
+                lost = EtcdUnavailableError(
+                    f"watch on {endpoint} lost ({reason}); resuming at revision {self._next_revision}", ambiguous=False
+                )
                 logger.warning("%s", lost)
                 self._notify_error(lost)
                 progressed = was_connected or self._next_revision != delivered_before
@@ -265,7 +287,9 @@ class Watcher:
             if r.compact_revision:
                 raise WatchCompactedError(
                     f"watch on {self._key!r} from revision {self._next_revision}: history compacted up to "
-                    f"{r.compact_revision}; re-list and watch again", compact_revision=r.compact_revision)
+                    f"{r.compact_revision}; re-list and watch again",
+                    compact_revision=r.compact_revision,
+                )
             text = f"watch on {self._key!r} canceled by {endpoint}: {r.cancel_reason or 'no reason'}"
             if "no leader" in r.cancel_reason or "Unavailable" in r.cancel_reason:
                 raise EtcdUnavailableError(text)  # that member lost its leader: try another

@@ -25,7 +25,6 @@ from contract.heartbeat import MAX_DATAGRAM_BYTES, Message
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class Beat:
     local_rank: int
@@ -49,11 +48,24 @@ class Beat:
 def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
     """(round, kind, beat) of one datagram; ValueError if any field is missing or wrong."""
     msg = Message.decode(data)
-    beat = Beat(local_rank=msg.local_rank, rank=msg.rank, pid=msg.pid, step=msg.step, step_time_s=msg.step_time_s,
-                committed_step=msg.committed_step, received_at=received_at, phase=msg.phase,
-                alive_at=received_at, ckpt_duration_s=msg.ckpt_duration_s, ckpt_failures=msg.ckpt_failures,
-                ckpt_failures_total=msg.ckpt_failures_total, ckpt_error=msg.ckpt_error, error=msg.error,
-                fatal=msg.fatal, finished=msg.finished if msg.kind == "exit" else None)
+    beat = Beat(
+        local_rank=msg.local_rank,
+        rank=msg.rank,
+        pid=msg.pid,
+        step=msg.step,
+        step_time_s=msg.step_time_s,
+        committed_step=msg.committed_step,
+        received_at=received_at,
+        phase=msg.phase,
+        alive_at=received_at,
+        ckpt_duration_s=msg.ckpt_duration_s,
+        ckpt_failures=msg.ckpt_failures,
+        ckpt_failures_total=msg.ckpt_failures_total,
+        ckpt_error=msg.ckpt_error,
+        error=msg.error,
+        fatal=msg.fatal,
+        finished=msg.finished if msg.kind == "exit" else None,
+    )
     return msg.round, msg.kind, beat
 
 

@@ -31,6 +31,7 @@ from agents.etcd_watch import Watcher
 
 class LeaseSession(Protocol):
     """A lease kept alive until lost or closed (:class:`agents.etcd_session.Session`)."""
+
     lease_id: int
     ttl_s: int
     done: threading.Event  #: set once the lease is lost (or the session closed); never cleared
@@ -54,8 +55,9 @@ class JobStore(Protocol):
 
     def put_if_absent(self, key: str, value: bytes | str, lease: int | None = None) -> bool: ...
 
-    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int,
-                            lease: int | None = None) -> bool: ...
+    def put_if_mod_revision(
+        self, key: str, value: bytes | str, mod_revision: int, lease: int | None = None
+    ) -> bool: ...
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult: ...
 
@@ -92,8 +94,7 @@ class EtcdJobStore:
     def put_if_absent(self, key: str, value: bytes | str, lease: int | None = None) -> bool:
         return self.client.put_if_absent(key, value, lease)
 
-    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int,
-                            lease: int | None = None) -> bool:
+    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int, lease: int | None = None) -> bool:
         return self.client.put_if_mod_revision(key, value, mod_revision, lease)
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
@@ -108,8 +109,13 @@ class EtcdJobStore:
 
     def watch(self, prefix: str, on_change: Callable[[], None], *, progress_timeout_s: float) -> Watcher:
         """Lost streams are retried by the watcher itself; the agent re-reads every tick anyway."""
-        return Watcher(self.client, prefix, on_event=lambda _event: on_change(), on_error=lambda _error: None,
-                       progress_timeout_s=progress_timeout_s)
+        return Watcher(
+            self.client,
+            prefix,
+            on_event=lambda _event: on_change(),
+            on_error=lambda _error: None,
+            progress_timeout_s=progress_timeout_s,
+        )
 
     def close(self) -> None:
         self.client.close()

@@ -63,10 +63,12 @@ from agents.records import (
 
 _DIGITS = re.compile(r"\d+")
 
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The settings :func:`decide` follows, derived from the ``[agent]`` section
     (:class:`~agents.config.AgentConfig` holds their one definition and default: none here)."""
+
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
@@ -100,6 +102,7 @@ class Policy:
 class LeaderMemory:
     """What one leader remembers between reads; a new leader starts blank (and careful).
     Immutable: :func:`decide` returns the next one."""
+
     leader_since: float
     live: frozenset[Member] = frozenset()
     live_changed_at: float = 0.0
@@ -177,8 +180,13 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
     if failed:
         node, report = sorted(failed.items())[0]
-        return _Need(report.reason or WORKER_EXIT, f"{node}: {report.detail}", sorted(failed), report,
-                     [failed[n] for n in sorted(failed)]), memory
+        return _Need(
+            report.reason or WORKER_EXIT,
+            f"{node}: {report.detail}",
+            sorted(failed),
+            report,
+            [failed[n] for n in sorted(failed)],
+        ), memory
     stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
     if stopped:
         return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}"), memory
@@ -190,8 +198,9 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     if late and cur.round in state.bad_masters:
         return _Need(BAD_RECORD, f"{state.bad_masters[cur.round]}; not started on {', '.join(late)}"), memory
     if late and now - cur.created_at > policy.start_timeout_s:
-        return _Need(START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on "
-                     f"{', '.join(late)}"), memory
+        return _Need(
+            START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on {', '.join(late)}"
+        ), memory
     joiners = [m for m in live.values() if m not in cur.members]
     if not joiners or len(cur.members) >= policy.max_nodes:
         return None, dataclasses.replace(memory, grow_baseline_step=None)
@@ -223,25 +232,40 @@ def _failure_time(state: JobState, need: _Need, policy: Policy, now: float) -> f
 
 def _fatal(state: JobState, cur: RoundRecord, now: float) -> Finish | None:
     """A member said its workers stopped on an error a restart cannot fix: the job fails now."""
-    fatal = sorted((n, r) for n, r in state.member_reports(cur.round).items()
-                   if r.outcome == FAILED and r.reason == FATAL)
+    fatal = sorted(
+        (n, r) for n, r in state.member_reports(cur.round).items() if r.outcome == FAILED and r.reason == FATAL
+    )
     if not fatal:
         return None
     node, report = fatal[0]
-    return Finish(FinalStatus(FAILED, f"fatal error on {node} at step {report.step}, not restarting: "
-                              f"{report.error or report.detail}", cur.round, now, committed_step(state, cur.members)))
+    return Finish(
+        FinalStatus(
+            FAILED,
+            f"fatal error on {node} at step {report.step}, not restarting: {report.error or report.detail}",
+            cur.round,
+            now,
+            committed_step(state, cur.members),
+        )
+    )
 
 
-def _deterministic(need: _Need, signatures: list[str], policy: Policy, round_: int, state: JobState,
-                   members: list[Member], now: float) -> Finish | None:
+def _deterministic(
+    need: _Need, signatures: list[str], policy: Policy, round_: int, state: JobState, members: list[Member], now: float
+) -> Finish | None:
     """The last ``deterministic_failures`` failures were the same worker error at the same step."""
     n, report = policy.deterministic_failures, need.report
     if n < 1 or len(signatures) < n or not signatures[-1] or len(set(signatures[-n:])) != 1 or report is None:
         return None  # (a non-empty signature has a report)
-    return Finish(FinalStatus(
-        FAILED, f"deterministic failure: the workers failed {n} times in a row at step {report.step} with the "
-        f"same error, not restarting (deterministic_failures={n}): {report.error} ({need.detail})",
-        round_, now, committed_step(state, members)))
+    return Finish(
+        FinalStatus(
+            FAILED,
+            f"deterministic failure: the workers failed {n} times in a row at step {report.step} with the "
+            f"same error, not restarting (deterministic_failures={n}): {report.error} ({need.detail})",
+            round_,
+            now,
+            committed_step(state, members),
+        )
+    )
 
 
 def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[Decision, LeaderMemory]:
@@ -254,8 +278,11 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if cur is not None:
         reports = state.member_reports(cur.round)
         if len(reports) == len(cur.members) and all(r.outcome == SUCCEEDED for r in reports.values()):
-            return Finish(FinalStatus(SUCCEEDED, "every node finished training", cur.round, now,
-                                      committed_step(state, cur.members))), memory
+            return Finish(
+                FinalStatus(
+                    SUCCEEDED, "every node finished training", cur.round, now, committed_step(state, cur.members)
+                )
+            ), memory
         fatal = _fatal(state, cur, now)
         if fatal is not None:
             return fatal, memory
@@ -269,15 +296,20 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if need.reason in FAILURE_CAUSES:
         failure_time = _failure_time(state, need, policy, now)
         failure_times.append(failure_time)
-        signatures = (signatures + [need.signature()])[-max(1, policy.deterministic_failures):]
+        signatures = (signatures + [need.signature()])[-max(1, policy.deterministic_failures) :]
         if len(failure_times) > policy.max_restarts:
-            return Finish(FinalStatus(
-                FAILED, f"restart budget exhausted: {len(failure_times)} failures within "
-                f"{policy.restart_window_s:.0f}s (max_restarts={policy.max_restarts}); last: {need.reason} "
-                f"({need.detail})", cur.round if cur else 0, now,
-                committed_step(state, cur.members) if cur else -1)), memory
-        stop = _deterministic(need, signatures, policy, cur.round if cur else 0, state, cur.members if cur else [],
-                              now)
+            return Finish(
+                FinalStatus(
+                    FAILED,
+                    f"restart budget exhausted: {len(failure_times)} failures within "
+                    f"{policy.restart_window_s:.0f}s (max_restarts={policy.max_restarts}); last: {need.reason} "
+                    f"({need.detail})",
+                    cur.round if cur else 0,
+                    now,
+                    committed_step(state, cur.members) if cur else -1,
+                )
+            ), memory
+        stop = _deterministic(need, signatures, policy, cur.round if cur else 0, state, cur.members if cur else [], now)
         if stop is not None:
             return stop, memory
         ready_at = failure_time + policy.backoff_s(len(failure_times))
@@ -288,9 +320,12 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     live = [m for m in state.live_members() if m.node_id not in leaving]  # drained: its lease goes next
     if len(live) < policy.min_nodes:
         return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live"), memory
-    members = live[:policy.max_nodes]
-    all_reported = cur is not None and set(cur.members) == set(members) and len(
-        state.member_reports(cur.round)) == len(cur.members)
+    members = live[: policy.max_nodes]
+    all_reported = (
+        cur is not None
+        and set(cur.members) == set(members)
+        and len(state.member_reports(cur.round)) == len(cur.members)
+    )
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
     if not all_reported and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
@@ -298,7 +333,15 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     restarts = dict(prev.restarts_by_cause) if prev else {}
     if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1
-    return FormRound(RoundRecord(
-        round=state.round + 1, members=members, nproc_per_node=policy.nproc_per_node, reason=need.reason,
-        created_at=now, failure_times=failure_times, restarts_by_cause=restarts, failure_signatures=signatures)), memory
-
+    return FormRound(
+        RoundRecord(
+            round=state.round + 1,
+            members=members,
+            nproc_per_node=policy.nproc_per_node,
+            reason=need.reason,
+            created_at=now,
+            failure_times=failure_times,
+            restarts_by_cause=restarts,
+            failure_signatures=signatures,
+        )
+    ), memory

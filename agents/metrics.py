@@ -37,17 +37,22 @@ class AgentMetrics:
         self.step = gauge("ftrain_step", "Last completed training step reported by this node's workers.")
         self.step_time = gauge("ftrain_step_time_seconds", "Duration of the last training step.")
         self.committed_step = gauge("ftrain_last_committed_step", "Newest committed checkpoint step.")
-        self.ckpt_duration = gauge("ftrain_checkpoint_duration_seconds",
-                                   "Staging to commit of the newest committed checkpoint, as the workers saw it.")
+        self.ckpt_duration = gauge(
+            "ftrain_checkpoint_duration_seconds",
+            "Staging to commit of the newest committed checkpoint, as the workers saw it.",
+        )
         self.productive = gauge("ftrain_productive_seconds", "Step time of first-time steps since the first launch.")
         self.lost = gauge("ftrain_lost_seconds", "Wall time since the first launch that was not productive.")
-        self.ckpt_consecutive_failures = gauge("ftrain_checkpoint_consecutive_failures",
-                                               "Checkpoint commits failed in a row (0 after a commit).")
-        self._ckpt_failures = Counter("ftrain_checkpoint_failures", "Checkpoint commits that failed.", names,
-                                      registry=self.registry).labels(**labels)
+        self.ckpt_consecutive_failures = gauge(
+            "ftrain_checkpoint_consecutive_failures", "Checkpoint commits failed in a row (0 after a commit)."
+        )
+        self._ckpt_failures = Counter(
+            "ftrain_checkpoint_failures", "Checkpoint commits that failed.", names, registry=self.registry
+        ).labels(**labels)
         self._ckpt_failures_by_round: dict[int, int] = {}
-        self._restarts = Counter("ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"],
-                                 registry=self.registry)
+        self._restarts = Counter(
+            "ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"], registry=self.registry
+        )
         self._labels = labels
         self._counted_rounds: set[int] = set()
         self._best_step = -1

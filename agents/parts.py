@@ -39,6 +39,7 @@ class SystemClock:
 
 class Heartbeats(Protocol):
     """This node's end of the worker heartbeat channel (see :mod:`agents.heartbeat`)."""
+
     path: str  #: where the workers send their beats (``FTRAIN_HEARTBEAT``)
 
     def reset(self, round_: int) -> None:

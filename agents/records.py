@@ -48,7 +48,14 @@ ROOT = "/ftrain/jobs"
 
 # Round formation reasons. FAILURE_CAUSES count against the restart budget.
 START, WORKER_EXIT, HANG, START_TIMEOUT, NODE_LOST, NODE_LEFT, SCALE_UP = (
-    "start", "worker_exit", "hang", "start_timeout", "node_lost", "node_left", "scale_up")
+    "start",
+    "worker_exit",
+    "hang",
+    "start_timeout",
+    "node_lost",
+    "node_left",
+    "scale_up",
+)
 #: a record of the current round could not be used (a malformed master address...)
 BAD_RECORD = "bad_record"
 #: the round key or the current round's record was unreadable: the leader formed a new round
@@ -69,9 +76,12 @@ def validate_id(value: str, option: str) -> str:
     :data:`ID_PATTERN` (no ``/``, no spaces, no control characters, at most 64 characters).
     """
     if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
-        raise ValueError(f"{option}: bad id {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a "
-                         f"letter or digit (e.g. {option} node-1)")
+        raise ValueError(
+            f"{option}: bad id {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a "
+            f"letter or digit (e.g. {option} node-1)"
+        )
     return value
+
 
 # Report outcomes.
 SUCCEEDED, FAILED, STOPPED = "succeeded", "failed", "stopped"
@@ -174,8 +184,14 @@ def _from_dict(cls: type, d: Any) -> Any:
 def parse_master(value: str) -> tuple[str, int]:
     """``host:port`` of a round's rendezvous, or ValueError saying what is wrong with it."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or len(host) > 255 \
-            or any(c.isspace() or not c.isprintable() for c in host):
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+        or len(host) > 255
+        or any(c.isspace() or not c.isprintable() for c in host)
+    ):
         raise ValueError(f"malformed master address {value[:80]!r}: expected host:port with a port in 1-65535")
     return host, int(port)
 
@@ -237,8 +253,10 @@ class RoundRecord:
     def from_json(cls, raw: bytes | str) -> RoundRecord:
         record = _from_dict(cls, json.loads(raw))
         if record.round < 1 or record.nproc_per_node < 1 or not record.members:
-            raise ValueError(f"RoundRecord: round {record.round}, nproc_per_node {record.nproc_per_node} and "
-                             f"{len(record.members)} members: need round >= 1, nproc >= 1 and a member")
+            raise ValueError(
+                f"RoundRecord: round {record.round}, nproc_per_node {record.nproc_per_node} and "
+                f"{len(record.members)} members: need round >= 1, nproc >= 1 and a member"
+            )
         return record
 
 
@@ -295,6 +313,7 @@ def _load(cls: type, raw: bytes) -> Any:
 @dataclass(frozen=True, slots=True)
 class Problem:
     """A record :meth:`JobState.parse` skipped: report it once per (key, mod_revision)."""
+
     key: str
     mod_revision: int
     error: str
@@ -312,6 +331,7 @@ def _round_number(text: str) -> int:
 @dataclass(slots=True)
 class JobState:
     """One consistent read of a job (every key at one etcd revision)."""
+
     revision: int
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     leader: str | None = None  #: None also when the key is unreadable or has no lease
@@ -360,8 +380,11 @@ class JobState:
         if record is None:
             return {}
         uids = {m.node_id: m.agent_uid for m in record.members}
-        return {n: r for n, r in self.reports.get(g, {}).items() if uids.get(n) == r.agent_uid or
-                (n in uids and r.agent_uid == _UNREADABLE_UID)}
+        return {
+            n: r
+            for n, r in self.reports.get(g, {}).items()
+            if uids.get(n) == r.agent_uid or (n in uids and r.agent_uid == _UNREADABLE_UID)
+        }
 
     @classmethod
     def parse(cls, keys: JobKeys, kvs: list[KeyValue], revision: int) -> JobState:
@@ -371,7 +394,7 @@ class JobState:
         highest_round = 0
         round_kv: KeyValue | None = None
         for kv in kvs:
-            rel = kv.key[len(keys.prefix):]
+            rel = kv.key[len(keys.prefix) :]
             parts = rel.split("/")
             try:
                 if parts[0] == "rounds" and len(parts) >= 2:
@@ -440,7 +463,8 @@ class JobState:
             self.bad_masters[int(parts[1])] = f"{kv.key}: {error}"
         elif parts[0] == "rounds" and len(parts) == 4 and parts[2] == "reports" and parts[1].isdigit():
             self.reports.setdefault(int(parts[1]), {})[parts[3]] = Report(
-                FAILED, WORKER_EXIT, f"unreadable report {kv.key}: {error}"[:300], _UNREADABLE_UID, 0.0)
+                FAILED, WORKER_EXIT, f"unreadable report {kv.key}: {error}"[:300], _UNREADABLE_UID, 0.0
+            )
 
 
 #: agent_uid of the stand-in for an unreadable report: it counts for whichever agent is the member

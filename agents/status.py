@@ -25,26 +25,29 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
     nodes = []
     for node_id in sorted(set(state.nodes) | set(members) | set(state.status)):
         record, status = state.nodes.get(node_id), state.status.get(node_id)
-        nodes.append({
-            "node": node_id,
-            "live": record is not None,
-            "member": node_id in members,
-            "node_rank": members.index(node_id) if node_id in members else None,
-            "leader": node_id == state.leader,
-            "host": record.host if record else (status.host if status else ""),
-            "agent_pid": record.pid if record else None,
-            "state": status.state if status else "",
-            "worker_round": status.round if status else None,
-            "step": status.step if status else None,
-            "heartbeat_age_s": status.heartbeat_age_s if status else None,
-            "status_age_s": round(now - status.updated_at, 1) if status else None,
-            "restarts_seen": status.restarts if status else 0,
-            "ckpt_failures": status.ckpt_failures if status else 0,
-            "ckpt_failures_total": status.ckpt_failures_total if status else 0,
-            "ckpt_error": status.ckpt_error if status else "",
-        })
-    committed = max((s.committed_step for s in state.status.values()),
-                    default=state.final.committed_step if state.final else -1)
+        nodes.append(
+            {
+                "node": node_id,
+                "live": record is not None,
+                "member": node_id in members,
+                "node_rank": members.index(node_id) if node_id in members else None,
+                "leader": node_id == state.leader,
+                "host": record.host if record else (status.host if status else ""),
+                "agent_pid": record.pid if record else None,
+                "state": status.state if status else "",
+                "worker_round": status.round if status else None,
+                "step": status.step if status else None,
+                "heartbeat_age_s": status.heartbeat_age_s if status else None,
+                "status_age_s": round(now - status.updated_at, 1) if status else None,
+                "restarts_seen": status.restarts if status else 0,
+                "ckpt_failures": status.ckpt_failures if status else 0,
+                "ckpt_failures_total": status.ckpt_failures_total if status else 0,
+                "ckpt_error": status.ckpt_error if status else "",
+            }
+        )
+    committed = max(
+        (s.committed_step for s in state.status.values()), default=state.final.committed_step if state.final else -1
+    )
     return {
         "job": job,
         "revision": state.revision,
@@ -56,9 +59,15 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
         "restarts_by_cause": cur.restarts_by_cause if cur else {},
         "restarts": sum(cur.restarts_by_cause.values()) if cur else 0,
         "last_committed_step": committed if committed >= 0 else None,
-        "final": None if state.final is None else {"status": state.final.status, "reason": state.final.reason,
-                                                   "round": state.final.round, "time": state.final.time,
-                                                   "committed_step": state.final.committed_step},
+        "final": None
+        if state.final is None
+        else {
+            "status": state.final.status,
+            "reason": state.final.reason,
+            "round": state.final.round,
+            "time": state.final.time,
+            "committed_step": state.final.committed_step,
+        },
         "nodes": nodes,
         "problems": [str(p) for p in state.problems],
     }
@@ -82,21 +91,35 @@ def format_status(s: dict[str, Any]) -> str:
     else:
         head = f"job {s['job']}: no round yet"
     restarts = ", ".join(f"{k} {v}" for k, v in sorted(s["restarts_by_cause"].items())) or "none"
-    lines = [head,
-             f"leader {s['leader'] or '-'}; members {', '.join(s['members']) or '-'}; "
-             f"last committed step {_cell(s['last_committed_step'])}; restarts {s['restarts']} ({restarts})", ""]
-    cols = [("node", "node"), ("live", "live"), ("rank", "node_rank"), ("leader", "leader"), ("host", "host"),
-            ("state", "state"), ("round", "worker_round"), ("step", "step"), ("hb age s", "heartbeat_age_s"),
-            ("status age s", "status_age_s")]
+    lines = [
+        head,
+        f"leader {s['leader'] or '-'}; members {', '.join(s['members']) or '-'}; "
+        f"last committed step {_cell(s['last_committed_step'])}; restarts {s['restarts']} ({restarts})",
+        "",
+    ]
+    cols = [
+        ("node", "node"),
+        ("live", "live"),
+        ("rank", "node_rank"),
+        ("leader", "leader"),
+        ("host", "host"),
+        ("state", "state"),
+        ("round", "worker_round"),
+        ("step", "step"),
+        ("hb age s", "heartbeat_age_s"),
+        ("status age s", "status_age_s"),
+    ]
     rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in s["nodes"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     failing = [n for n in s["nodes"] if n.get("ckpt_failures")]
     if failing:
         lines.append("")
-        lines += [f"CHECKPOINTS FAILING on {n['node']}: {n['ckpt_failures']} commit(s) in a row failed "
-                  f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
-                  for n in failing]
+        lines += [
+            f"CHECKPOINTS FAILING on {n['node']}: {n['ckpt_failures']} commit(s) in a row failed "
+            f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
+            for n in failing
+        ]
     if s.get("problems"):
         lines.append("")
         lines += [f"warning: {p} (skipped)" for p in s["problems"]]

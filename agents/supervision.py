@@ -35,8 +35,15 @@ def exit_report(rc: int, beats: dict[int, Beat], nproc: int, log_path: str, agen
     return Report(FAILED, FATAL if fatal else WORKER_EXIT, detail[:1000], agent_uid, now, step=step, error=error)
 
 
-def hung_ranks(beats: dict[int, Beat], *, nproc_per_node: int, started_at: float, now: float, hang_timeout_s: float,
-               start_timeout_s: float) -> list[int]:
+def hung_ranks(
+    beats: dict[int, Beat],
+    *,
+    nproc_per_node: int,
+    started_at: float,
+    now: float,
+    hang_timeout_s: float,
+    start_timeout_s: float,
+) -> list[int]:
     """Local ranks that made no progress within their limit (``hang_timeout_s`` between steps,
     ``start_timeout_s`` in start-up, loads and saves, counted from ``started_at`` before the
     first beat), or that stopped saying they are alive for ``hang_timeout_s`` in any phase (a
@@ -48,8 +55,13 @@ def hung_ranks(beats: dict[int, Beat], *, nproc_per_node: int, started_at: float
         beat = beats.get(local_rank)
         since = beat.received_at if beat else started_at
         limit = hang_timeout_s if beat and beat.phase == "training" else start_timeout_s
-        frozen = (beat is not None and beat.finished is None and beat.phase != "exiting" and beat.alive_at > 0
-                  and now - beat.alive_at > hang_timeout_s)  # said goodbye: not frozen, leaving
+        frozen = (
+            beat is not None
+            and beat.finished is None
+            and beat.phase != "exiting"
+            and beat.alive_at > 0
+            and now - beat.alive_at > hang_timeout_s
+        )  # said goodbye: not frozen, leaving
         if now - since > limit or frozen:
             hung.append(local_rank)
     return hung

@@ -112,18 +112,22 @@ def check_state(key: str, data: bytes) -> bytes:
     naming the key otherwise. torch unpickles the state with plain ``pickle.loads``: this check
     is what keeps a value written into etcd from running code in every agent."""
     if len(data) > MAX_STATE_BYTES:
-        raise RendezvousStateError(f"etcd-v3: the rendezvous state under {key} is {len(data)} bytes, more than "
-                                   f"{MAX_STATE_BYTES}: refusing to unpickle it")
+        raise RendezvousStateError(
+            f"etcd-v3: the rendezvous state under {key} is {len(data)} bytes, more than "
+            f"{MAX_STATE_BYTES}: refusing to unpickle it"
+        )
     try:
         state = _StateUnpickler(io.BytesIO(data)).load()
     except RendezvousStateError as e:
         raise RendezvousStateError(f"etcd-v3: refusing the rendezvous state under {key}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any bytes that do not unpickle are not a state
-        raise RendezvousStateError(f"etcd-v3: the rendezvous state under {key} does not unpickle "
-                                   f"({type(e).__name__}: {e})") from None
+        raise RendezvousStateError(
+            f"etcd-v3: the rendezvous state under {key} does not unpickle ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(state, _RendezvousState):
-        raise RendezvousStateError(f"etcd-v3: the value under {key} is a {type(state).__name__}, "
-                                   "not a rendezvous state")
+        raise RendezvousStateError(
+            f"etcd-v3: the value under {key} is a {type(state).__name__}, not a rendezvous state"
+        )
     return data
 
 
@@ -213,8 +217,7 @@ class EtcdRdzvConfig:
             raise ValueError("rdzv conf 'ssl_cert_key' needs 'ssl_cert'")
 
     @classmethod
-    def from_params(cls, params: RendezvousParameters,
-                    environ: Mapping[str, str] = os.environ) -> EtcdRdzvConfig:
+    def from_params(cls, params: RendezvousParameters, environ: Mapping[str, str] = os.environ) -> EtcdRdzvConfig:
         protocol = str(params.get("protocol", "http")).strip().lower()
         username = params.get("username") or None
         password = environ.get(PASSWORD_ENV) or None
@@ -229,13 +232,25 @@ class EtcdRdzvConfig:
             request_timeout_s=_conf_number(params, "request_timeout", 5.0, minimum=0.001),
             retry_timeout_s=_conf_number(params, "retry_timeout", 10.0, minimum=0),
             read_timeout_s=_conf_number(params, "read_timeout", 60.0, minimum=0.001),
-            state_ttl_s=int(ttl), ca_cert=params.get("ca_cert") or None, ssl_cert=params.get("ssl_cert") or None,
-            ssl_cert_key=params.get("ssl_cert_key") or None, username=username, password=password)
+            state_ttl_s=int(ttl),
+            ca_cert=params.get("ca_cert") or None,
+            ssl_cert=params.get("ssl_cert") or None,
+            ssl_cert_key=params.get("ssl_cert_key") or None,
+            username=username,
+            password=password,
+        )
 
     def client(self) -> EtcdClient:
-        return EtcdClient(list(self.endpoints), timeout_s=self.request_timeout_s,
-                          retry_timeout_s=self.retry_timeout_s, username=self.username, password=self.password,
-                          ca_cert=self.ca_cert, cert=self.ssl_cert, key=self.ssl_cert_key)
+        return EtcdClient(
+            list(self.endpoints),
+            timeout_s=self.request_timeout_s,
+            retry_timeout_s=self.retry_timeout_s,
+            username=self.username,
+            password=self.password,
+            ca_cert=self.ca_cert,
+            cert=self.ssl_cert,
+            key=self.ssl_cert_key,
+        )
 
 
 def run_prefix(key_prefix: str, run_id: str) -> str:
@@ -286,8 +301,14 @@ class RollingLease:
 Transaction = tuple[list[Compare], list[Op], list[Op]]
 
 
-def cas(client: EtcdClient, lease: RollingLease, build: Callable[[int | None], Transaction],
-        *, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> TxnResult:
+def cas(
+    client: EtcdClient,
+    lease: RollingLease,
+    build: Callable[[int | None], Transaction],
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> TxnResult:
     """Run the compare-and-swap transaction ``build(lease_id)`` describes.
 
     The client never repeats a transaction whose reply was lost; this one may, because every
@@ -306,7 +327,7 @@ def cas(client: EtcdClient, lease: RollingLease, build: Callable[[int | None], T
                 raise
             attempt += 1
             logger.info("etcd CAS reply lost (%s): sending it again (attempt %d)", e, attempt + 1)
-            sleep(min(max(0.0, deadline - clock()), random.uniform(0, min(1.0, 0.05 * 2 ** attempt))))
+            sleep(min(max(0.0, deadline - clock()), random.uniform(0, min(1.0, 0.05 * 2**attempt))))
 
 
 # -- the rendezvous state ---------------------------------------------------------------------
@@ -314,8 +335,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
     """torch's :class:`RendezvousBackend` on etcd v3: the state under ``<prefix>state``, its
     fencing token the key's ``mod_revision`` (an ``int``)."""
 
-    def __init__(self, client: EtcdClient, run_id: str, *, key_prefix: str = "/ftrain/torchrun",
-                 lease: RollingLease | None = None, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        client: EtcdClient,
+        run_id: str,
+        *,
+        key_prefix: str = "/ftrain/torchrun",
+        lease: RollingLease | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self._client = client
         self.key = run_prefix(key_prefix, run_id) + "state"
         self._lease = lease or RollingLease(client, 0)
@@ -347,8 +375,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         expected = token or 0  # an absent key has mod_revision 0
 
         def build(lease_id: int | None) -> tuple[list[Compare], list[Op], list[Op]]:
-            return ([Compare(self.key, "mod_revision", "==", expected)], [Op.put(self.key, state, lease_id)],
-                    [Op.get(self.key)])
+            return (
+                [Compare(self.key, "mod_revision", "==", expected)],
+                [Op.put(self.key, state, lease_id)],
+                [Op.get(self.key)],
+            )
 
         try:
             result = cas(self._client, self._lease, build, sleep=self._sleep)
@@ -381,9 +412,17 @@ class EtcdStore(dist.Store):
     "Not implemented" (the handler keeps one, so torchrun is safe).
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, *, timeout: timedelta = timedelta(seconds=60),
-                 lease: RollingLease | None = None, marker_prefix: str | None = None,
-                 progress_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        *,
+        timeout: timedelta = timedelta(seconds=60),
+        lease: RollingLease | None = None,
+        marker_prefix: str | None = None,
+        progress_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__()  # required by the pybind trampoline
         if not prefix.endswith("/"):
             raise ValueError(f"store prefix must end with '/', got {prefix!r}")
@@ -435,9 +474,11 @@ class EtcdStore(dist.Store):
                 revision = kv.mod_revision if kv else 0
 
                 def txn(lease_id: int | None, revision: int = revision, new: int = new) -> Transaction:
-                    return ([Compare(full, "mod_revision", "==", revision)],
-                            [Op.put(full, str(new), lease_id), Op.put(marker, str(new), lease_id)],
-                            [Op.get(full), Op.get(marker)])
+                    return (
+                        [Compare(full, "mod_revision", "==", revision)],
+                        [Op.put(full, str(new), lease_id), Op.put(marker, str(new), lease_id)],
+                        [Op.get(full), Op.get(marker)],
+                    )
 
                 result = cas(self._client, self._lease, txn)
                 if result.succeeded:
@@ -467,6 +508,7 @@ class EtcdStore(dist.Store):
                 if kv is not None and kv.value != want:
                     return kv.value
                 guard = Compare.absent(full) if kv is None else Compare(full, "mod_revision", "==", kv.mod_revision)
+
                 def txn(lease_id: int | None, guard: Compare = guard) -> Transaction:
                     return [guard], [Op.put(full, new, lease_id)], [Op.get(full)]
 
@@ -533,12 +575,13 @@ class EtcdStore(dist.Store):
 
     def _watch_until_present(self, keys: list[str], found: dict[str, bytes], revision: int, deadline: float) -> None:
         wanted = set(keys)
-        with Watcher(self._client, os.path.commonprefix(keys), revision + 1,
-                     progress_timeout_s=self._progress_timeout_s) as watcher:
+        with Watcher(
+            self._client, os.path.commonprefix(keys), revision + 1, progress_timeout_s=self._progress_timeout_s
+        ) as watcher:
             while len(found) < len(wanted):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    missing = sorted(k[len(self._prefix):] for k in wanted - found.keys())
+                    missing = sorted(k[len(self._prefix) :] for k in wanted - found.keys())
                     raise dist.DistStoreError(f"etcd store {self._prefix}: timed out waiting for keys {missing}")
                 event = watcher.get(timeout_s=remaining)
                 if event is None or event.key not in wanted:
@@ -570,8 +613,13 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     client = config.client()
     lease = RollingLease(client, config.state_ttl_s)
     backend = EtcdRendezvousBackend(client, params.run_id, key_prefix=config.key_prefix, lease=lease)
-    store = EtcdStore(client, prefix + "store/", timeout=timedelta(seconds=config.read_timeout_s), lease=lease,
-                      marker_prefix=prefix + "adds/")
+    store = EtcdStore(
+        client,
+        prefix + "store/",
+        timeout=timedelta(seconds=config.read_timeout_s),
+        lease=lease,
+        marker_prefix=prefix + "adds/",
+    )
     logger.info("etcd-v3 rendezvous %r on %s under %s", params.run_id, ",".join(config.endpoints), prefix)
     return backend, store
 
@@ -583,14 +631,26 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     ``keep_alive_max_attempt`` 3). A dead node is dropped after about
     ``keep_alive_interval * keep_alive_max_attempt + last_call_timeout`` seconds."""
     backend, store = create_backend(params)
-    timeout = RendezvousTimeout(join=_timeout(params, "join_timeout"), last_call=_timeout(params, "last_call_timeout"),
-                                close=_timeout(params, "close_timeout"),
-                                heartbeat=_timeout(params, "heartbeat_timeout"))
+    timeout = RendezvousTimeout(
+        join=_timeout(params, "join_timeout"),
+        last_call=_timeout(params, "last_call_timeout"),
+        close=_timeout(params, "close_timeout"),
+        heartbeat=_timeout(params, "heartbeat_timeout"),
+    )
     interval = _timeout(params, "keep_alive_interval") or timedelta(seconds=5)
     max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
     if max_attempt is None or max_attempt < 1:
-        raise ValueError("rdzv conf 'keep_alive_max_attempt' must be >= 1, "
-                         f"got {params.get('keep_alive_max_attempt')!r}")
+        raise ValueError(
+            f"rdzv conf 'keep_alive_max_attempt' must be >= 1, got {params.get('keep_alive_max_attempt')!r}"
+        )
     return DynamicRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
-        keep_alive_interval=int(interval.total_seconds()), keep_alive_max_attempt=max_attempt)
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=int(interval.total_seconds()),
+        keep_alive_max_attempt=max_attempt,
+    )

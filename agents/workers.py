@@ -146,6 +146,7 @@ def signal_pids(pids: Iterable[int], sig: int) -> None:
 @dataclass(frozen=True, slots=True)
 class Launch:
     """What a round asks of this node's torchrun."""
+
     round: int
     nnodes: int
     node_rank: int
@@ -155,15 +156,28 @@ class Launch:
     worker_args: tuple[str, ...]  #: after ``-m ftrain train``: CONFIG.toml and overrides
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run",
-                f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
-                f"--nproc-per-node={self.nproc_per_node}", f"--master-addr={self.master_addr}",
-                f"--master-port={self.master_port}", "--rdzv-backend=static", "--max-restarts=0",
-                "--monitor-interval=0.2", "-m", "ftrain", "train", *self.worker_args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            f"--node-rank={self.node_rank}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--master-addr={self.master_addr}",
+            f"--master-port={self.master_port}",
+            "--rdzv-backend=static",
+            "--max-restarts=0",
+            "--monitor-interval=0.2",
+            "-m",
+            "ftrain",
+            "train",
+            *self.worker_args,
+        ]
 
 
 class Workers(Protocol):
     """One round's started workers on this node, as the agent supervises them."""
+
     launch: Launch
     log_path: str
     started_at: float  #: when they were started, on the agent's monotonic clock
@@ -219,11 +233,24 @@ class WorkerGroup:
         self.started_at = time.monotonic()
         self.terminating = False  #: terminate() was called: a graceful stop is under way
         with open(log_path, "ab") as out:
-            self.proc = subprocess.Popen(launch.command(), env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                launch.command(),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
         self.pids = PidTracker(self.proc.pid)
-        log.info("round %d: started torchrun pid %d (node rank %d of %d, %d worker(s)), log %s", launch.round,
-                 self.proc.pid, launch.node_rank, launch.nnodes, launch.nproc_per_node, log_path)
+        log.info(
+            "round %d: started torchrun pid %d (node rank %d of %d, %d worker(s)), log %s",
+            launch.round,
+            self.proc.pid,
+            launch.node_rank,
+            launch.nnodes,
+            launch.nproc_per_node,
+            log_path,
+        )
 
     @property
     def round(self) -> int:

@@ -146,8 +146,9 @@ class Bench:
         from checkpoint.manager import CheckpointManager
 
         if mode not in self.managers:
-            self.managers[mode] = CheckpointManager(url=f"{self.args.url}/save-{mode}", async_mode=mode,
-                                                    keep_last=1000, gc_grace_s=1e9, device_type="cpu")
+            self.managers[mode] = CheckpointManager(
+                url=f"{self.args.url}/save-{mode}", async_mode=mode, keep_last=1000, gc_grace_s=1e9, device_type="cpu"
+            )
         return self.managers[mode]
 
     def step_files(self, mode: str, step: int) -> dict[str, int]:
@@ -164,14 +165,18 @@ class Bench:
         box = [files]
         self.dist.broadcast_object_list(box, src=0)
         if box[0] is None:
-            raise RuntimeError(f"{mode} save of step {step} was not committed: "
-                               f"{self.manager(mode).status.last_error or 'no error recorded'}")
+            raise RuntimeError(
+                f"{mode} save of step {step} was not committed: "
+                f"{self.manager(mode).status.last_error or 'no error recorded'}"
+            )
         return box[0]
 
     def my_files(self, files: dict[str, int]) -> list[str]:
         """Files this rank writes in a DCP save (``__<rank>_<n>.distcp``); the rest are rank 0's."""
-        owners = {name: int(name[2:].split("_")[0]) if name.startswith("__") and name.endswith(".distcp") else 0
-                  for name in files}
+        owners = {
+            name: int(name[2:].split("_")[0]) if name.startswith("__") and name.endswith(".distcp") else 0
+            for name in files
+        }
         return sorted(n for n, r in owners.items() if r == self.rank)
 
     # -- (a) + (b): a blocking save ---------------------------------------------------------
@@ -187,8 +192,13 @@ class Bench:
         t2 = time.perf_counter()
         rows = self.gather((t1 - t0, t2 - t0))
         files = self.step_files("off", step)
-        return {"step": step, "state_dict_s": max(r[0] for r in rows), "blocked_s": max(r[1] for r in rows),
-                "bytes": sum(files.values()), "files": files}
+        return {
+            "step": step,
+            "state_dict_s": max(r[0] for r in rows),
+            "blocked_s": max(r[1] for r in rows),
+            "bytes": sum(files.values()),
+            "files": files,
+        }
 
     # -- (b) raw PUT, (c) raw GET and verified load -------------------------------------------
     def raw_put(self, files: dict[str, int], tag: str) -> float:
@@ -218,10 +228,15 @@ class Bench:
         def get() -> int:
             if how == "cat_file":
                 return sum(len(storage.fs.cat_file(p)) for p in paths)
-            starts = [(p, o, min(o + RANGE_BYTES, files[n])) for p, n in zip(paths, names, strict=True)
-                      for o in range(0, max(files[n], 1), RANGE_BYTES)]
-            return sum(len(b) for b in storage.fs.cat_ranges([x[0] for x in starts], [x[1] for x in starts],
-                                                             [x[2] for x in starts]))
+            starts = [
+                (p, o, min(o + RANGE_BYTES, files[n]))
+                for p, n in zip(paths, names, strict=True)
+                for o in range(0, max(files[n], 1), RANGE_BYTES)
+            ]
+            return sum(
+                len(b)
+                for b in storage.fs.cat_ranges([x[0] for x in starts], [x[1] for x in starts], [x[2] for x in starts])
+            )
 
         got, seconds = self.timed(get)
         mine = sum(files[n] for n in names)
@@ -242,8 +257,12 @@ class Bench:
         if manifest is None or manifest.step != step:
             raise RuntimeError(f"load of step {step} returned {manifest}")
         sd = holder["sd"]  # as resume() does (outside the timing)
-        set_state_dict(self.trainer.par.model, self.trainer.par.optimizer, model_state_dict=sd["model"],
-                       optim_state_dict=sd["optim"])
+        set_state_dict(
+            self.trainer.par.model,
+            self.trainer.par.optimizer,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+        )
         return seconds
 
     # -- (d) steps with and without an upload in flight -------------------------------------
@@ -281,8 +300,14 @@ class Bench:
         upload_s = (done_at or time.perf_counter()) - t0
         ok = all(self.gather(mgr.status.last_committed_step == step))
         files = self.step_files(mode, step) if ok else {}
-        return {"step": step, "blocked_s": max(self.gather(blocked)), "upload_s": max(self.gather(upload_s)),
-                "bytes": sum(files.values()), "step_times_s": times, "ok": ok}
+        return {
+            "step": step,
+            "blocked_s": max(self.gather(blocked)),
+            "upload_s": max(self.gather(upload_s)),
+            "bytes": sum(files.values()),
+            "step_times_s": times,
+            "ok": ok,
+        }
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -305,14 +330,16 @@ class Bench:
             raw_put.append(self.raw_put(s["files"], f"r{r}"))
             # rotate the order so no read always comes first after the write
             order = ["load", "cat_file", "ranges"]
-            for what in order[r % 3:] + order[:r % 3]:
+            for what in order[r % 3 :] + order[: r % 3]:
                 if what == "load":
                     loads.append(self.verified_load("off", s["step"]))
                 else:
                     raw_get[what].append(self.raw_get("off", s["step"], s["files"], what))
-            self.say(f"{r + 1}/{args.repeats} sync save {s['blocked_s']:.2f}s ({s['bytes'] / 1e6:.0f} MB), "
-                     f"raw PUT {raw_put[-1]:.2f}s | verified load {loads[-1]:.2f}s, raw GET cat_file "
-                     f"{raw_get['cat_file'][-1]:.2f}s, ranges {raw_get['ranges'][-1]:.2f}s")
+            self.say(
+                f"{r + 1}/{args.repeats} sync save {s['blocked_s']:.2f}s ({s['bytes'] / 1e6:.0f} MB), "
+                f"raw PUT {raw_put[-1]:.2f}s | verified load {loads[-1]:.2f}s, raw GET cat_file "
+                f"{raw_get['cat_file'][-1]:.2f}s, ranges {raw_get['ranges'][-1]:.2f}s"
+            )
         # Training: async saves with steps running while they upload; run 0 is the warm-up
         # (async group creation, the checkpoint process start), reported apart.
         async_modes = ["thread"] + ([] if args.no_process else ["process"])
@@ -325,16 +352,19 @@ class Bench:
                 except Exception as e:  # noqa: BLE001 - reported; the mode is dropped
                     run = {"ok": False, "error": e}
                 if not run["ok"]:
-                    self._drop_mode(mode, run.get("error") or RuntimeError(self.manager(mode).status.last_error),
-                                    async_modes)
+                    self._drop_mode(
+                        mode, run.get("error") or RuntimeError(self.manager(mode).status.last_error), async_modes
+                    )
                     continue
                 run.update(baseline_step_times_s=base, warmup=r == 0)
                 runs[mode].append(run)
                 busy = run["step_times_s"]
-                self.say(f"{'warm-up' if r == 0 else f'{r}/{args.repeats}'} {mode} save while training: "
-                         f"blocked {run['blocked_s']:.3f}s, upload {run['upload_s']:.2f}s; step "
-                         f"{statistics.median(base):.3f}s idle, {statistics.median(busy or [float('nan')]):.3f}s "
-                         f"over {len(busy)} steps in flight")
+                self.say(
+                    f"{'warm-up' if r == 0 else f'{r}/{args.repeats}'} {mode} save while training: "
+                    f"blocked {run['blocked_s']:.3f}s, upload {run['upload_s']:.2f}s; step "
+                    f"{statistics.median(base):.3f}s idle, {statistics.median(busy or [float('nan')]):.3f}s "
+                    f"over {len(busy)} steps in flight"
+                )
         for s in sync:
             s.pop("files", None)
         self.results.update(sync=sync, raw_put_s=raw_put, load_s=loads, raw_get_s=raw_get, runs=runs)
@@ -372,8 +402,9 @@ def worker_main(args: argparse.Namespace) -> int:
 
     from ftrain.distributed import shutdown_distributed
 
-    logging.basicConfig(level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s "
-                        "%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s"
+    )
     bench = None
     try:
         bench = Bench(args)
@@ -401,16 +432,24 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
     get_cat, get_ranges = _median(res["raw_get_s"]["cat_file"]), _median(res["raw_get_s"]["ranges"])
     raw_get = min(get_cat, get_ranges)  # the ratio is taken against the faster raw read
     out: dict[str, Any] = {
-        "bench": "checkpoint", "state_mb_requested": state_mb, "bytes": total_bytes,
+        "bench": "checkpoint",
+        "state_mb_requested": state_mb,
+        "bytes": total_bytes,
         "state_bytes_per_rank": res["state_bytes_per_rank"],
-        "sync_save_s": sync_s, "first_sync_save_s": res["first_sync"]["blocked_s"],
+        "sync_save_s": sync_s,
+        "first_sync_save_s": res["first_sync"]["blocked_s"],
         "state_dict_s": _median([s["state_dict_s"] for s in sync]),
         "sync_save_MBps": total_bytes / sync_s / 1e6,
-        "raw_put_s": raw_put, "raw_put_MBps": total_bytes / raw_put / 1e6,
-        "load_s": load, "load_MBps": total_bytes / load / 1e6,
-        "raw_get_s": raw_get, "raw_get_MBps": total_bytes / raw_get / 1e6,
-        "raw_get_cat_file_s": get_cat, "raw_get_ranges_s": get_ranges,
-        "save_vs_raw": raw_put / sync_s, "load_vs_raw": raw_get / load,
+        "raw_put_s": raw_put,
+        "raw_put_MBps": total_bytes / raw_put / 1e6,
+        "load_s": load,
+        "load_MBps": total_bytes / load / 1e6,
+        "raw_get_s": raw_get,
+        "raw_get_MBps": total_bytes / raw_get / 1e6,
+        "raw_get_cat_file_s": get_cat,
+        "raw_get_ranges_s": get_ranges,
+        "save_vs_raw": raw_put / sync_s,
+        "load_vs_raw": raw_get / load,
         "load_vs_raw_cat_file": get_cat / load,
         "modes": {},
     }
@@ -423,20 +462,30 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
         idle = [t for r in runs for t in r["baseline_step_times_s"]]
         blocked, upload = _median([r["blocked_s"] for r in runs]), _median([r["upload_s"] for r in runs])
         out["modes"][mode] = {
-            "blocked_s": blocked, "blocked_ratio": blocked / sync_s,
+            "blocked_s": blocked,
+            "blocked_ratio": blocked / sync_s,
             "first_blocked_s": warm[0]["blocked_s"] if warm else None,
             "first_upload_s": warm[0]["upload_s"] if warm else None,
-            "upload_s": upload, "upload_MBps": total_bytes / upload / 1e6, "upload_vs_raw": raw_put / upload,
-            "step_idle_s": _median(idle), "step_inflight_s": _median(busy), "steps_idle": len(idle),
-            "steps_inflight": len(busy), "step_slowdown": _median(busy) / _median(idle) if busy and idle else None,
+            "upload_s": upload,
+            "upload_MBps": total_bytes / upload / 1e6,
+            "upload_vs_raw": raw_put / upload,
+            "step_idle_s": _median(idle),
+            "step_inflight_s": _median(busy),
+            "steps_idle": len(idle),
+            "steps_inflight": len(busy),
+            "step_slowdown": _median(busy) / _median(idle) if busy and idle else None,
         }
     head = "thread" if "thread" in out["modes"] else next(iter(out["modes"]), None)
     out["headline_mode"] = head
     out["blocked_ratio"] = out["modes"][head]["blocked_ratio"] if head else None
     out["step_slowdown"] = out["modes"][head]["step_slowdown"] if head else None
-    out["spread_s"] = {"sync_save": _spread([x["blocked_s"] for x in sync]), "raw_put": _spread(res["raw_put_s"]),
-                       "load": _spread(res["load_s"]), "raw_get_cat_file": _spread(res["raw_get_s"]["cat_file"]),
-                       "raw_get_ranges": _spread(res["raw_get_s"]["ranges"])}
+    out["spread_s"] = {
+        "sync_save": _spread([x["blocked_s"] for x in sync]),
+        "raw_put": _spread(res["raw_put_s"]),
+        "load": _spread(res["load_s"]),
+        "raw_get_cat_file": _spread(res["raw_get_s"]["cat_file"]),
+        "raw_get_ranges": _spread(res["raw_get_s"]["ranges"]),
+    }
     for mode, runs in res["runs"].items():
         measured = [r for r in runs if not r["warmup"]]
         out["spread_s"][f"{mode}_blocked"] = _spread([r["blocked_s"] for r in measured])
@@ -474,48 +523,112 @@ def _verdict(name: str, value: float | None) -> str:
 
 
 def report(s: dict[str, Any]) -> str:
-    out = [f"state: {s['bytes'] / 1e6:.0f} MB in the files of a step; per rank in memory "
-           + ", ".join(f"{b / 1e6:.0f} MB" for b in s["state_bytes_per_rank"])
-           + f"; state_dict() {s['state_dict_s'] * 1e3:.0f} ms", ""]
+    out = [
+        f"state: {s['bytes'] / 1e6:.0f} MB in the files of a step; per rank in memory "
+        + ", ".join(f"{b / 1e6:.0f} MB" for b in s["state_bytes_per_rank"])
+        + f"; state_dict() {s['state_dict_s'] * 1e3:.0f} ms",
+        "",
+    ]
     sp = s["spread_s"]
-    rows = [["save (median of repeats)", "training blocked", "vs sync", "until committed", "range", "MB/s",
-             "vs raw PUT"],
-            ["sync (async_mode=off), idle", f"{s['sync_save_s']:.3f} s", "1", f"{s['sync_save_s']:.2f} s",
-             _range(sp["sync_save"]), f"{s['sync_save_MBps']:.0f}", f"{s['save_vs_raw']:.2f}"]]
+    rows = [
+        ["save (median of repeats)", "training blocked", "vs sync", "until committed", "range", "MB/s", "vs raw PUT"],
+        [
+            "sync (async_mode=off), idle",
+            f"{s['sync_save_s']:.3f} s",
+            "1",
+            f"{s['sync_save_s']:.2f} s",
+            _range(sp["sync_save"]),
+            f"{s['sync_save_MBps']:.0f}",
+            f"{s['save_vs_raw']:.2f}",
+        ],
+    ]
     for mode, m in s["modes"].items():
-        rows.append([f"async_mode={mode}, training", f"{m['blocked_s']:.3f} s", f"{m['blocked_ratio']:.2%}",
-                     f"<= {m['upload_s']:.2f} s", _range(sp[f"{mode}_upload"]), f"{m['upload_MBps']:.0f}",
-                     f"{m['upload_vs_raw']:.2f}"])
-    rows.append(["raw s3fs pipe_file, 2 ranks, idle", "-", "-", f"{s['raw_put_s']:.2f} s", _range(sp["raw_put"]),
-                 f"{s['raw_put_MBps']:.0f}", "1"])
+        rows.append(
+            [
+                f"async_mode={mode}, training",
+                f"{m['blocked_s']:.3f} s",
+                f"{m['blocked_ratio']:.2%}",
+                f"<= {m['upload_s']:.2f} s",
+                _range(sp[f"{mode}_upload"]),
+                f"{m['upload_MBps']:.0f}",
+                f"{m['upload_vs_raw']:.2f}",
+            ]
+        )
+    rows.append(
+        [
+            "raw s3fs pipe_file, 2 ranks, idle",
+            "-",
+            "-",
+            f"{s['raw_put_s']:.2f} s",
+            _range(sp["raw_put"]),
+            f"{s['raw_put_MBps']:.0f}",
+            "1",
+        ]
+    )
     out += [_table(rows), f"warm-up, left out: first sync save {s['first_sync_save_s']:.2f} s", ""]
-    rows = [["load (median of repeats), idle", "wall", "range", "MB/s", "vs best raw GET"],
-            ["manager.load (verify + DCP read)", f"{s['load_s']:.2f} s", _range(sp["load"]), f"{s['load_MBps']:.0f}",
-             f"{s['load_vs_raw']:.2f}"],
-            ["raw s3fs cat_file, 2 ranks", f"{s['raw_get_cat_file_s']:.2f} s", _range(sp["raw_get_cat_file"]),
-             f"{s['bytes'] / s['raw_get_cat_file_s'] / 1e6:.0f}", f"{s['raw_get_s'] / s['raw_get_cat_file_s']:.2f}"],
-            [f"raw s3fs cat_ranges {RANGE_BYTES >> 20} MiB, 2 ranks", f"{s['raw_get_ranges_s']:.2f} s",
-             _range(sp["raw_get_ranges"]), f"{s['bytes'] / s['raw_get_ranges_s'] / 1e6:.0f}",
-             f"{s['raw_get_s'] / s['raw_get_ranges_s']:.2f}"]]
+    rows = [
+        ["load (median of repeats), idle", "wall", "range", "MB/s", "vs best raw GET"],
+        [
+            "manager.load (verify + DCP read)",
+            f"{s['load_s']:.2f} s",
+            _range(sp["load"]),
+            f"{s['load_MBps']:.0f}",
+            f"{s['load_vs_raw']:.2f}",
+        ],
+        [
+            "raw s3fs cat_file, 2 ranks",
+            f"{s['raw_get_cat_file_s']:.2f} s",
+            _range(sp["raw_get_cat_file"]),
+            f"{s['bytes'] / s['raw_get_cat_file_s'] / 1e6:.0f}",
+            f"{s['raw_get_s'] / s['raw_get_cat_file_s']:.2f}",
+        ],
+        [
+            f"raw s3fs cat_ranges {RANGE_BYTES >> 20} MiB, 2 ranks",
+            f"{s['raw_get_ranges_s']:.2f} s",
+            _range(sp["raw_get_ranges"]),
+            f"{s['bytes'] / s['raw_get_ranges_s'] / 1e6:.0f}",
+            f"{s['raw_get_s'] / s['raw_get_ranges_s']:.2f}",
+        ],
+    ]
     out += [_table(rows), ""]
-    rows = [["training steps (median)", "no upload", "upload in flight", "slowdown", "steps", "first save: blocked",
-             "upload"]]
+    rows = [
+        [
+            "training steps (median)",
+            "no upload",
+            "upload in flight",
+            "slowdown",
+            "steps",
+            "first save: blocked",
+            "upload",
+        ]
+    ]
     for mode, m in s["modes"].items():
-        first = ((f"{m['first_blocked_s']:.3f} s", f"{m['first_upload_s']:.2f} s") if m["first_blocked_s"]
-                 else ("-", "-"))
-        rows.append([f"async_mode={mode}", f"{m['step_idle_s']:.3f} s", f"{m['step_inflight_s']:.3f} s",
-                     f"{m['step_slowdown']:.2f}x" if m["step_slowdown"] else "-",
-                     f"{m['steps_idle']}/{m['steps_inflight']}", *first])
+        first = (
+            (f"{m['first_blocked_s']:.3f} s", f"{m['first_upload_s']:.2f} s") if m["first_blocked_s"] else ("-", "-")
+        )
+        rows.append(
+            [
+                f"async_mode={mode}",
+                f"{m['step_idle_s']:.3f} s",
+                f"{m['step_inflight_s']:.3f} s",
+                f"{m['step_slowdown']:.2f}x" if m["step_slowdown"] else "-",
+                f"{m['steps_idle']}/{m['steps_inflight']}",
+                *first,
+            ]
+        )
     out += [_table(rows), ""]
     hm = s["headline_mode"]
     if s["blocked_ratio"] is not None:
-        out.append(f"(a) blocked_ratio ({hm})   = {s['blocked_ratio']:.2%}   "
-                   f"[{_verdict('blocked_ratio', s['blocked_ratio'])}]")
+        out.append(
+            f"(a) blocked_ratio ({hm})   = {s['blocked_ratio']:.2%}   [{_verdict('blocked_ratio', s['blocked_ratio'])}]"
+        )
     else:
         out.append("(a) blocked_ratio: no async mode worked")
     out.append(f"(b) save_vs_raw (sync)     = {s['save_vs_raw']:.2f}    [{_verdict('save_vs_raw', s['save_vs_raw'])}]")
-    out.append(f"(c) load_vs_raw            = {s['load_vs_raw']:.2f}    [{_verdict('load_vs_raw', s['load_vs_raw'])}] "
-               f"(against cat_file alone: {s['load_vs_raw_cat_file']:.2f})")
+    out.append(
+        f"(c) load_vs_raw            = {s['load_vs_raw']:.2f}    [{_verdict('load_vs_raw', s['load_vs_raw'])}] "
+        f"(against cat_file alone: {s['load_vs_raw_cat_file']:.2f})"
+    )
     if s["step_slowdown"] is not None:
         out.append(f"(d) step_slowdown ({hm})   = {s['step_slowdown']:.2f}x")
     for mode, err in s["errors"].items():
@@ -544,7 +657,6 @@ notes:
   would show far less."""
 
 
-
 def _start_time(pid: int) -> str:
     """Field 22 of /proc/<pid>/stat (start time in clock ticks); "" if the process is gone."""
     try:
@@ -559,21 +671,41 @@ def run_job(args: argparse.Namespace, workdir: Path, s3: Any) -> tuple[int, str,
     url = s3.url(f"bench-{int(time.time())}")
     env = dict(os.environ)
     env.update(s3.env())
-    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", FTRAIN_LOG_LEVEL="WARNING",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(Path(__file__).resolve()), "--worker", "--config", str(workdir / "config.toml"), "--url", url,
-           "--out", str(out_path), "--repeats", str(args.repeats)] + (["--no-process"] if args.no_process else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=workdir, start_new_session=True)
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        FTRAIN_LOG_LEVEL="WARNING",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--config",
+        str(workdir / "config.toml"),
+        "--url",
+        url,
+        "--out",
+        str(out_path),
+        "--repeats",
+        str(args.repeats),
+    ] + (["--no-process"] if args.no_process else [])
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir, start_new_session=True
+    )
     kept: list[str] = []
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith(MARK):
-                print("  " + line[len(MARK):], end="", flush=True)
+                print("  " + line[len(MARK) :], end="", flush=True)
             else:
                 kept.append(line)
 
@@ -628,9 +760,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape(args.state_mb)
     params = num_params(shape)
     train = {"global_batch_size": 2, "micro_batch_size": 1}
-    print(f"model: GPT {params / 1e6:.2f}M params {shape}, fp32 + AdamW = {12 * params / 1e6:.0f} MB; fsdp on 2 "
-          f"ranks (gloo, CPU), global batch {train['global_batch_size']} x seq {shape['seq_len']}; "
-          f"{args.repeats} repeats; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    print(
+        f"model: GPT {params / 1e6:.2f}M params {shape}, fp32 + AdamW = {12 * params / 1e6:.0f} MB; fsdp on 2 "
+        f"ranks (gloo, CPU), global batch {train['global_batch_size']} x seq {shape['seq_len']}; "
+        f"{args.repeats} repeats; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="ftrain-bench-ckpt-") as tmp:
         workdir = Path(tmp)
         text = config_toml(shape, train, steps=100_000) + '\n[parallel]\nstrategy = "fsdp"\n'
@@ -645,15 +780,23 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         res = json.loads(out_path.read_text())
     summary = summarise(res, args.state_mb)
-    summary.update(num_params=params, shape=shape, repeats=args.repeats, cores=os.cpu_count(),
-                   seaweed_rss_bytes=s3_rss, wall_s=round(time.perf_counter() - started, 1))
+    summary.update(
+        num_params=params,
+        shape=shape,
+        repeats=args.repeats,
+        cores=os.cpu_count(),
+        seaweed_rss_bytes=s3_rss,
+        wall_s=round(time.perf_counter() - started, 1),
+    )
     print()
     print(report(summary))
     print(NOTES)
     load_1m = os.getloadavg()[0]
     summary["load_average_end"] = load_1m
-    print(f"wall time {summary['wall_s']:.0f}s; load average {load_1m:.1f} at the end (this run alone keeps it ~3-4: "
-          "more means other jobs shared the cores)")
+    print(
+        f"wall time {summary['wall_s']:.0f}s; load average {load_1m:.1f} at the end (this run alone keeps it ~3-4: "
+        "more means other jobs shared the cores)"
+    )
     print(json.dumps(summary))
     return 0
 

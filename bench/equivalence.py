@@ -16,10 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support import max_abs_diff, optimizer_tensors, train_job  # noqa: E402
 
-RUNS = [("single", 1, []), ("ddp", 2, []), ("zero1", 2, ["--parallel.strategy=zero1"]),
-        ("zero2", 2, ["--parallel.strategy=zero2"]), ("fsdp", 2, ["--parallel.strategy=fsdp"]),
-        ("hsdp", 4, ["--parallel.strategy=hsdp"]), ("tp", 2, ["--parallel.strategy=tp"]),
-        ("fsdp+tp", 4, ["--parallel.strategy=fsdp+tp"]), ("ddp-deterministic", 4, ["--parallel.deterministic=true"])]
+RUNS = [
+    ("single", 1, []),
+    ("ddp", 2, []),
+    ("zero1", 2, ["--parallel.strategy=zero1"]),
+    ("zero2", 2, ["--parallel.strategy=zero2"]),
+    ("fsdp", 2, ["--parallel.strategy=fsdp"]),
+    ("hsdp", 4, ["--parallel.strategy=hsdp"]),
+    ("tp", 2, ["--parallel.strategy=tp"]),
+    ("fsdp+tp", 4, ["--parallel.strategy=fsdp+tp"]),
+    ("ddp-deterministic", 4, ["--parallel.deterministic=true"]),
+]
 
 
 def main() -> int:
@@ -31,7 +38,8 @@ def main() -> int:
     for name, nproc, _ in RUNS[1:]:
         run = results[name]
         row = {
-            "strategy": name, "ranks": nproc,
+            "strategy": name,
+            "ranks": nproc,
             "param": max_abs_diff(run.final["model"], ref.final["model"]),
             "optim": max_abs_diff(optimizer_tensors(run.final["optim"]), optimizer_tensors(ref.final["optim"])),
             "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(run.metrics, ref.metrics, strict=True)),

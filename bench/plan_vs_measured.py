@@ -28,8 +28,12 @@ def _mb(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3; AdamW state "
-                   "exists from step 1, so the peak is reached early)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="optimizer steps per run (default 3; AdamW state exists from step 1, so the peak is reached early)",
+    )
     p.add_argument("--strategies", default="ddp,fsdp", help="comma-separated (default ddp,fsdp)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
@@ -57,48 +61,96 @@ def main(argv: list[str] | None = None) -> int:
         config_path.write_text(text)
         cfg = load_config(config_path)
         stats = model_stats(cfg.model, cfg.optim)
-        print(f"model: {stats.num_params / 1e6:.2f}M params {model}, micro batch {args.micro_batch}, cpu fp32, "
-              f"{args.steps} steps, activation checkpointing {'on' if args.activation_checkpointing else 'off'}, "
-              f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}", flush=True)
+        print(
+            f"model: {stats.num_params / 1e6:.2f}M params {model}, micro batch {args.micro_batch}, cpu fp32, "
+            f"{args.steps} steps, activation checkpointing {'on' if args.activation_checkpointing else 'off'}, "
+            f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}",
+            flush=True,
+        )
         for s in strategies:
             nproc = RANKS.get(s, 2)
-            job, failures = run_with_retry(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s,
-                                           retries=args.retries)
+            job, failures = run_with_retry(
+                config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s, retries=args.retries
+            )
             r = summarise(job, warmup=0)
             layout = layout_for(cfg, s, world_size=nproc, gpus_per_node=nproc)
             e = estimate(stats, cfg, layout, Target("cpu", "fp32"))
-            row = {"strategy": s, "ranks": nproc, "estimate_bytes": e.total_bytes, "phase": e.phase,
-                   "model_state_bytes": e.model_state_bytes, "activation_bytes": e.activation_bytes,
-                   "transient_bytes": e.transient_bytes, "step_transient_bytes": e.step_transient_bytes,
-                   "init_bytes": e.init_bytes, "overhead_bytes": e.overhead_bytes, "ok": r["ok"],
-                   "failed_attempts": failures}
+            row = {
+                "strategy": s,
+                "ranks": nproc,
+                "estimate_bytes": e.total_bytes,
+                "phase": e.phase,
+                "model_state_bytes": e.model_state_bytes,
+                "activation_bytes": e.activation_bytes,
+                "transient_bytes": e.transient_bytes,
+                "step_transient_bytes": e.step_transient_bytes,
+                "init_bytes": e.init_bytes,
+                "overhead_bytes": e.overhead_bytes,
+                "ok": r["ok"],
+                "failed_attempts": failures,
+            }
             if r["ok"]:
                 row["measured_bytes"] = r["peak_rss_bytes"]
                 row["measured_per_rank"] = r["peak_rss_per_rank"]
                 row["relative_error"] = (e.total_bytes - r["peak_rss_bytes"]) / r["peak_rss_bytes"]
-                print(f"  {s} x{nproc}: measured {_mb(r['peak_rss_bytes'])} MB, estimate {_mb(e.total_bytes)} MB "
-                      f"({row['relative_error']:+.1%})", flush=True)
+                print(
+                    f"  {s} x{nproc}: measured {_mb(r['peak_rss_bytes'])} MB, estimate {_mb(e.total_bytes)} MB "
+                    f"({row['relative_error']:+.1%})",
+                    flush=True,
+                )
             else:
                 row["error"] = r["error"]
                 print(f"  {s} x{nproc}: FAILED: {r['error']}", flush=True)
             rows.append(row)
 
     print()
-    header = ("strategy", "ranks", "states", "activ.", "transient", "step tmp", "init", "overhead",
-              "estimate", "measured", "error")
-    print("MB per rank (10^6 bytes). estimate = overhead + the largest of: backward = params + optimizer state "
-          "(+ grads for ddp/zero1) + activ. + transient; step = states + step tmp; init")
+    header = (
+        "strategy",
+        "ranks",
+        "states",
+        "activ.",
+        "transient",
+        "step tmp",
+        "init",
+        "overhead",
+        "estimate",
+        "measured",
+        "error",
+    )
+    print(
+        "MB per rank (10^6 bytes). estimate = overhead + the largest of: backward = params + optimizer state "
+        "(+ grads for ddp/zero1) + activ. + transient; step = states + step tmp; init"
+    )
     print("  ".join(f"{h:>9}" for h in header))
     for row in rows:
         measured = _mb(row["measured_bytes"]) if row["ok"] else "FAILED"
         error = f"{row['relative_error']:+.1%}" if row["ok"] else "-"
-        cells = (row["strategy"], str(row["ranks"]), _mb(row["model_state_bytes"]), _mb(row["activation_bytes"]),
-                 _mb(row["transient_bytes"]), _mb(row["step_transient_bytes"]), _mb(row["init_bytes"]),
-                 _mb(row["overhead_bytes"]), _mb(row["estimate_bytes"]) + f" ({row['phase']})", measured, error)
+        cells = (
+            row["strategy"],
+            str(row["ranks"]),
+            _mb(row["model_state_bytes"]),
+            _mb(row["activation_bytes"]),
+            _mb(row["transient_bytes"]),
+            _mb(row["step_transient_bytes"]),
+            _mb(row["init_bytes"]),
+            _mb(row["overhead_bytes"]),
+            _mb(row["estimate_bytes"]) + f" ({row['phase']})",
+            measured,
+            error,
+        )
         print("  ".join(f"{c:>9}" for c in cells))
-    print(json.dumps({"bench": "plan_vs_measured", "num_params": stats.num_params, "micro_batch": args.micro_batch,
-                      "activation_checkpointing": args.activation_checkpointing,
-                      "malloc_tuning": not args.no_malloc_tuning, "results": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "plan_vs_measured",
+                "num_params": stats.num_params,
+                "micro_batch": args.micro_batch,
+                "activation_checkpointing": args.activation_checkpointing,
+                "malloc_tuning": not args.no_malloc_tuning,
+                "results": rows,
+            }
+        )
+    )
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -121,8 +121,15 @@ class Launched:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
         self.name = name
         self.lines: list[tuple[float, str]] = []
-        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        self.popen = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, args=(log_path,), name=f"read-{name}", daemon=True)
         self._reader.start()
 
@@ -162,8 +169,7 @@ def kill_stray_workers(events: list[dict[str, Any]]) -> None:
             sigkill_now([pid, *descendants(pid)])
 
 
-def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float,
-             alive: Callable[[], bool] | None = None) -> Any:
+def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float, alive: Callable[[], bool] | None = None) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail at the deadline or when the
     processes that could make it true are all gone."""
     deadline = time.monotonic() + timeout_s
@@ -218,6 +224,7 @@ def read_glog_lines(paths: Iterable[Path]) -> list[tuple[float, str]]:
 @dataclass(frozen=True, slots=True)
 class Marks:
     """Wall-clock times (unix s) of one recovery; None where the run gives no such mark."""
+
     fault: float
     detected: float | None
     launched: float | None
@@ -245,13 +252,15 @@ class Marks:
         return round(self.first_step - self.fault, 3)
 
 
-def first_step_after(since: float, events: list[dict[str, Any]],
-                     metrics: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def first_step_after(
+    since: float, events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(rank 0's ``resumed`` event, metrics line) of the first step completed after a resume that
     came after ``since``; None if there is none yet."""
-    resumed = sorted((e for e in events
-                      if e.get("event") == Event.RESUMED and e.get("rank") == 0 and e["time"] > since),
-                     key=lambda e: e["time"])
+    resumed = sorted(
+        (e for e in events if e.get("event") == Event.RESUMED and e.get("rank") == 0 and e["time"] > since),
+        key=lambda e: e["time"],
+    )
     if not resumed:
         return None
     for line in sorted((m for m in metrics if m["time"] > resumed[0]["time"]), key=lambda m: m["time"]):
@@ -261,36 +270,55 @@ def first_step_after(since: float, events: list[dict[str, Any]],
     return None
 
 
-def _generation(since: float, resumed0: dict[str, Any], step_line: dict[str, Any],
-                events: list[dict[str, Any]]) -> tuple[float | None, float | None, str, float | None]:
+def _generation(
+    since: float, resumed0: dict[str, Any], step_line: dict[str, Any], events: list[dict[str, Any]]
+) -> tuple[float | None, float | None, str, float | None]:
     """Over the ranks of the generation that resumed (same round and world size as rank 0's
     resume, after ``since``; per rank its latest worker): (first ``worker_started``, last load
     start, the event that gave it, last ``resumed``). The load start is ``resume_started``, or
     ``worker_started`` (emitted just before the load) where workers predate that event."""
+
     def latest_per_rank(name: str, until: float) -> dict[int, dict[str, Any]]:
         last: dict[int, dict[str, Any]] = {}
         for e in sorted(events, key=lambda e: e["time"]):
-            if (e.get("event") == name and e.get("round") == resumed0.get("round") and since < e["time"] <= until
-                    and e.get("world_size") == resumed0["world_size"]):
+            if (
+                e.get("event") == name
+                and e.get("round") == resumed0.get("round")
+                and since < e["time"] <= until
+                and e.get("world_size") == resumed0["world_size"]
+            ):
                 last[e["rank"]] = e
         return last
 
     started = latest_per_rank(Event.WORKER_STARTED, resumed0["time"])
     resumed = latest_per_rank(Event.RESUMED, step_line["time"])
     pids = {e["pid"] for e in started.values()}
-    load_starts = [e["time"] for e in events if e.get("event") == Event.RESUME_STARTED and e.get("pid") in pids
-                   and since < e["time"] <= step_line["time"]]
+    load_starts = [
+        e["time"]
+        for e in events
+        if e.get("event") == Event.RESUME_STARTED and e.get("pid") in pids and since < e["time"] <= step_line["time"]
+    ]
     if load_starts:
         load_start, load_start_by = max(load_starts), Event.RESUME_STARTED
     else:
         load_start, load_start_by = max((e["time"] for e in started.values()), default=None), Event.WORKER_STARTED
-    return (min((e["time"] for e in started.values()), default=None), load_start, load_start_by,
-            max((e["time"] for e in resumed.values()), default=None))
+    return (
+        min((e["time"] for e in started.values()), default=None),
+        load_start,
+        load_start_by,
+        max((e["time"] for e in resumed.values()), default=None),
+    )
 
 
-def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
-                   launcher_lines: list[tuple[float, str]], *, agents: bool,
-                   launched_at: float | None = None) -> Marks | None:
+def recovery_marks(
+    fault: float,
+    events: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    launcher_lines: list[tuple[float, str]],
+    *,
+    agents: bool,
+    launched_at: float | None = None,
+) -> Marks | None:
     """The marks of the first recovery after ``fault``, or None if it has not completed.
 
     ``agents``: ftrain, whose agents' events give the reaction and the launch. Otherwise torchrun,
@@ -303,13 +331,21 @@ def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dic
     first_start, started, load_start_by, resumed = _generation(fault, resumed0, line, events)
     detected, detected_by, launched = None, "", launched_at
     if agents:
-        reactions = sorted((e for e in events if e.get("rank") == -1 and e.get("event") in AGENT_REACTIONS
-                            and e["time"] >= fault), key=lambda e: e["time"])
+        reactions = sorted(
+            (e for e in events if e.get("rank") == -1 and e.get("event") in AGENT_REACTIONS and e["time"] >= fault),
+            key=lambda e: e["time"],
+        )
         if reactions:
             detected = reactions[0]["time"]
             detected_by = reactions[0]["event"] + (f" ({reactions[0]['reason']})" if reactions[0].get("reason") else "")
-        launched = max((e["time"] for e in events if e.get("event") == Event.WORKERS_STARTED
-                        and e.get("worker_round") == resumed0.get("round")), default=None)
+        launched = max(
+            (
+                e["time"]
+                for e in events
+                if e.get("event") == Event.WORKERS_STARTED and e.get("worker_round") == resumed0.get("round")
+            ),
+            default=None,
+        )
     elif launched_at is None:
         reactions = sorted((t, text) for t, text in launcher_lines if t >= fault and TORCHRUN_REACTION in text)
         if reactions:
@@ -319,8 +355,19 @@ def recovery_marks(fault: float, events: list[dict[str, Any]], metrics: list[dic
     spawned = max((t for t, text in launcher_lines if fault < t <= until and TORCHRUN_LAUNCH in text), default=None)
     if not agents and launched_at is None:
         launched = spawned  # torchrun's launcher lives on: its rendezvous ends where it spawns workers
-    return Marks(fault, detected, launched, spawned, started, resumed, line["time"], detected_by, resumed0["step"],
-                 resumed0["world_size"], load_start_by)
+    return Marks(
+        fault,
+        detected,
+        launched,
+        spawned,
+        started,
+        resumed,
+        line["time"],
+        detected_by,
+        resumed0["step"],
+        resumed0["world_size"],
+        load_start_by,
+    )
 
 
 # -- running one scenario -----------------------------------------------------------------------
@@ -358,14 +405,23 @@ class Job:
         self.events = JsonlTail(workdir / "events.jsonl")
         self.metrics = JsonlTail(workdir / "metrics.jsonl")
         self.procs: list[Launched] = []
-        self.env = worker_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO",
-                              FTRAIN_FAULT_STEP_SLEEP_S=str(settings.step_sleep_s))
+        self.env = worker_env(
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+            PYTHONUNBUFFERED="1",
+            LOGLEVEL="INFO",
+            FTRAIN_FAULT_STEP_SLEEP_S=str(settings.step_sleep_s),
+        )
 
     def train_args(self) -> list[str]:
-        return [str(self.config), f"--checkpoint.uri={self.ckpt}",
-                f"--checkpoint.interval={self.settings.ckpt_interval}",
-                f"--logging.metrics_path={self.metrics.path}", f"--logging.events_path={self.events.path}",
-                "--logging.progress=off", f"--parallel.timeout_s={self.settings.collective_timeout_s:g}"]
+        return [
+            str(self.config),
+            f"--checkpoint.uri={self.ckpt}",
+            f"--checkpoint.interval={self.settings.ckpt_interval}",
+            f"--logging.metrics_path={self.metrics.path}",
+            f"--logging.events_path={self.events.path}",
+            "--logging.progress=off",
+            f"--parallel.timeout_s={self.settings.collective_timeout_s:g}",
+        ]
 
     def start(self, name: str, cmd: list[str]) -> Launched:
         proc = Launched(name, cmd, self.env, self.dir / f"{name}.log")
@@ -387,12 +443,16 @@ class Job:
             committed = any(e.get("event") == Event.CKPT_COMMITTED for e in self.events.poll())
             return committed and bool(metrics) and metrics[-1]["world_size"] == 2 and metrics[-1]["step"] >= fault_step
 
-        wait_for(f"training at world size 2 past step {fault_step}", ready, self.settings.startup_timeout_s,
-                 self.any_alive)
+        wait_for(
+            f"training at world size 2 past step {fault_step}", ready, self.settings.startup_timeout_s, self.any_alive
+        )
 
     def worker_pid(self, rank: int) -> int:
-        started = [e for e in self.events.poll() if e.get("event") == Event.WORKER_STARTED and e.get("rank") == rank
-                   and e.get("world_size") == 2]
+        started = [
+            e
+            for e in self.events.poll()
+            if e.get("event") == Event.WORKER_STARTED and e.get("rank") == rank and e.get("world_size") == 2
+        ]
         if not started:
             raise ScenarioError(f"no worker_started event for rank {rank}")
         return started[-1]["pid"]
@@ -432,11 +492,35 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
     try:
         with EtcdServer() as etcd:
             try:
-                agents = [job.start(f"n{i}", [
-                    sys.executable, "-m", "ftrain", "agent", "--etcd", etcd.endpoint, "--job", "recovery",
-                    "--nnodes", "1:2", "--nproc-per-node", "1", "--node-id", f"n{i}", *AGENT_OPTIONS,
-                    "--run-dir", str(workdir / f"run-n{i}"), "--events", str(job.events.path), "--",
-                    *job.train_args()]) for i in range(2)]
+                agents = [
+                    job.start(
+                        f"n{i}",
+                        [
+                            sys.executable,
+                            "-m",
+                            "ftrain",
+                            "agent",
+                            "--etcd",
+                            etcd.endpoint,
+                            "--job",
+                            "recovery",
+                            "--nnodes",
+                            "1:2",
+                            "--nproc-per-node",
+                            "1",
+                            "--node-id",
+                            f"n{i}",
+                            *AGENT_OPTIONS,
+                            "--run-dir",
+                            str(workdir / f"run-n{i}"),
+                            "--events",
+                            str(job.events.path),
+                            "--",
+                            *job.train_args(),
+                        ],
+                    )
+                    for i in range(2)
+                ]
                 job.wait_training()
                 rank1 = job.worker_pid(1)
                 node = next((a for a in agents if rank1 in descendants(a.popen.pid)), None)
@@ -466,11 +550,28 @@ def run_torchrun(fault: str, workdir: Path, settings: Settings, rdzv_conf: str) 
             nodes = []
             for i, is_host in enumerate((1, 0)):  # node A hosts the c10d store: pinned, not raced for
                 conf = ",".join(c for c in (f"is_host={is_host}", rdzv_conf) if c)
-                nodes.append(job.start(f"torchrun{'AB'[i]}", [
-                    sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=recovery",
-                    f"--rdzv-conf={conf}", "--max-restarts=3", "--local-addr=127.0.0.1",
-                    "-m", "ftrain", "train", *job.train_args()]))
+                nodes.append(
+                    job.start(
+                        f"torchrun{'AB'[i]}",
+                        [
+                            sys.executable,
+                            "-m",
+                            "torch.distributed.run",
+                            "--nnodes=1:2",
+                            "--nproc-per-node=1",
+                            "--rdzv-backend=c10d",
+                            f"--rdzv-endpoint=127.0.0.1:{port}",
+                            "--rdzv-id=recovery",
+                            f"--rdzv-conf={conf}",
+                            "--max-restarts=3",
+                            "--local-addr=127.0.0.1",
+                            "-m",
+                            "ftrain",
+                            "train",
+                            *job.train_args(),
+                        ],
+                    )
+                )
             job.wait_training()
             fault_t, what = inject(job, fault, nodes[1])
             out.notes.append(what)
@@ -493,12 +594,20 @@ def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
         try:
             launched_at = time.time()
             for rank in range(2):
-                launch = Launch(round=0, nnodes=2, node_rank=rank, nproc_per_node=1, master_addr="127.0.0.1",
-                                master_port=port, worker_args=tuple(job.train_args()))
+                launch = Launch(
+                    round=0,
+                    nnodes=2,
+                    node_rank=rank,
+                    nproc_per_node=1,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    worker_args=tuple(job.train_args()),
+                )
                 job.start(f"static{rank}", launch.command())
             job.wait_recovered(launched_at, settings.startup_timeout_s)
-            out.marks = recovery_marks(launched_at, job.events.poll(), job.metrics.poll(), job.lines(), agents=False,
-                                       launched_at=launched_at)
+            out.marks = recovery_marks(
+                launched_at, job.events.poll(), job.metrics.poll(), job.lines(), agents=False, launched_at=launched_at
+            )
         finally:
             job.close()
     except Exception as e:  # noqa: BLE001 - reported in the table, the scenarios' numbers stand
@@ -525,9 +634,12 @@ def aggregate(outcomes: list[Outcome]) -> dict[str, Any]:
     """Medians over the repeats that recovered (each phase and the total on its own, so the phase
     medians need not add up to the total's)."""
     good = [o.marks for o in outcomes if o.marks is not None]
-    result: dict[str, Any] = {"runs": len(outcomes), "recovered": len(good),
-                              "errors": [o.error for o in outcomes if o.error],
-                              "notes": [n for o in outcomes for n in o.notes]}
+    result: dict[str, Any] = {
+        "runs": len(outcomes),
+        "recovered": len(good),
+        "errors": [o.error for o in outcomes if o.error],
+        "notes": [n for o in outcomes for n in o.notes],
+    }
     if not good:
         result["total_s"] = None
         return result
@@ -547,8 +659,20 @@ def _cell(value: float | None) -> str:
 
 
 def format_table(results: dict[str, dict[str, dict[str, Any]]], floor: dict[str, Any], cap_s: float) -> str:
-    header = ["fault", "system", "detect", "rendezvous", "launcher", "worker start", "ckpt load", "first step",
-              "total", "vs floor", "world", "first reaction"]
+    header = [
+        "fault",
+        "system",
+        "detect",
+        "rendezvous",
+        "launcher",
+        "worker start",
+        "ckpt load",
+        "first step",
+        "total",
+        "vs floor",
+        "world",
+        "first reaction",
+    ]
     rows = [header]
     floor_total = floor.get("total_s")
     for fault, by_system in results.items():
@@ -560,19 +684,50 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], floor: dict[str,
                 rows.append([name, system, *[""] * len(PHASES), "-", "", "", text[:70]])
                 continue
             ratio = f"{r['total_s'] / floor_total:.2f}x" if floor_total else "-"
-            rows.append([name, system, *(_cell(r[f"{p}_s"]) for p in PHASES), _cell(r["total_s"]), ratio,
-                         ",".join(map(str, r["world_size_after"])), "; ".join(r["detected_by"])[:60]])
+            rows.append(
+                [
+                    name,
+                    system,
+                    *(_cell(r[f"{p}_s"]) for p in PHASES),
+                    _cell(r["total_s"]),
+                    ratio,
+                    ",".join(map(str, r["world_size_after"])),
+                    "; ".join(r["detected_by"])[:60],
+                ]
+            )
     if floor_total is not None:
-        rows.append(["floor", "static torchrun x2", "-", "-", *(_cell(floor[f"{p}_s"]) for p in PHASES[2:]),
-                     _cell(floor_total), "1.00x", "2", "fresh start from a checkpoint"])
+        rows.append(
+            [
+                "floor",
+                "static torchrun x2",
+                "-",
+                "-",
+                *(_cell(floor[f"{p}_s"]) for p in PHASES[2:]),
+                _cell(floor_total),
+                "1.00x",
+                "2",
+                "fresh start from a checkpoint",
+            ]
+        )
     elif floor.get("runs"):
-        rows.append(["floor", "static torchrun x2", *[""] * len(PHASES), "-", "", "",
-                     f"FAILED: {(floor['errors'] or ['?'])[0]}"[:70]])
+        rows.append(
+            [
+                "floor",
+                "static torchrun x2",
+                *[""] * len(PHASES),
+                "-",
+                "",
+                "",
+                f"FAILED: {(floor['errors'] or ['?'])[0]}"[:70],
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for j, row in enumerate(rows):
-        cells = (c.ljust(w) if i in (0, 1, len(header) - 1) else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        cells = (
+            c.ljust(w) if i in (0, 1, len(header) - 1) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
         lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -592,8 +747,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-interval", type=int, default=20, help="steps between checkpoints (default 20)")
     p.add_argument("--fault-step", type=int, default=50, help="inject once training passed this step (default 50)")
     p.add_argument("--step-sleep-s", type=float, default=0.03, help="FTRAIN_FAULT_STEP_SLEEP_S (default 0.03)")
-    p.add_argument("--collective-timeout-s", type=float, default=30.0,
-                   help="parallel.timeout_s for every system: torchrun's only hang detection (default 30)")
+    p.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=30.0,
+        help="parallel.timeout_s for every system: torchrun's only hang detection (default 30)",
+    )
     p.add_argument("--cap-s", type=float, default=150.0, help="give up on a recovery after this long (default 150)")
     p.add_argument("--startup-timeout-s", type=float, default=120.0, help="limit to reach --fault-step (default 120)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events, metrics)")
@@ -605,9 +764,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown or empty faults/systems: {bad}")
     if args.repeats < 1 or args.fault_step <= args.ckpt_interval:
         p.error("need --repeats >= 1 and --fault-step > --ckpt-interval (a checkpoint must exist)")
-    settings = Settings(steps=100_000, ckpt_interval=args.ckpt_interval, fault_step=args.fault_step,
-                        step_sleep_s=args.step_sleep_s, collective_timeout_s=args.collective_timeout_s,
-                        startup_timeout_s=args.startup_timeout_s, cap_s=args.cap_s)
+    settings = Settings(
+        steps=100_000,
+        ckpt_interval=args.ckpt_interval,
+        fault_step=args.fault_step,
+        step_sleep_s=args.step_sleep_s,
+        collective_timeout_s=args.collective_timeout_s,
+        startup_timeout_s=args.startup_timeout_s,
+        cap_s=args.cap_s,
+    )
 
     cores = os.cpu_count() or 1
     load_start = os.getloadavg()[0]
@@ -615,17 +780,23 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: dict[tuple[str, str], list[Outcome]] = {}
     floors: list[Outcome] = []
     workdir = Path(tempfile.mkdtemp(prefix="ftrain-recovery-"))
-    print(f"work dir {workdir}; faults {faults}; systems {systems}; {args.repeats} repeat(s); {cores} cores; "
-          f"checkpoint every {args.ckpt_interval} steps, fault after step {args.fault_step}, step sleep "
-          f"{args.step_sleep_s}s, parallel.timeout_s={args.collective_timeout_s:g}", flush=True)
+    print(
+        f"work dir {workdir}; faults {faults}; systems {systems}; {args.repeats} repeat(s); {cores} cores; "
+        f"checkpoint every {args.ckpt_interval} steps, fault after step {args.fault_step}, step sleep "
+        f"{args.step_sleep_s}s, parallel.timeout_s={args.collective_timeout_s:g}",
+        flush=True,
+    )
     try:
         for rep in range(args.repeats):
             for fault in faults:
                 for system in systems:
                     out = run_scenario(system, fault, workdir / f"r{rep}-{fault}-{system}", settings)
                     outcomes.setdefault((fault, system), []).append(out)
-                    state = (f"{out.marks.total_s:.2f}s " + json.dumps(out.marks.phases())) if out.marks else \
-                        f"FAILED: {out.error}"
+                    state = (
+                        (f"{out.marks.total_s:.2f}s " + json.dumps(out.marks.phases()))
+                        if out.marks
+                        else f"FAILED: {out.error}"
+                    )
                     print(f"  [{rep}] {fault:11s} {system:16s} {state}  ({out.wall_s:.0f}s wall)", flush=True)
                     ckpt = workdir / f"r{rep}-{fault}-{system}" / "ckpt"
                     if len(floors) == rep and (ckpt / "latest").exists():
@@ -640,8 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {f: {s: aggregate(outcomes[(f, s)]) for s in systems} for f in faults}
     floor = aggregate(floors)
     print()
-    print(f"Recovery: seconds from the fault to the first step completed after the resume "
-          f"({'median of ' + str(args.repeats) if args.repeats > 1 else 'one run each'}).")
+    print(
+        f"Recovery: seconds from the fault to the first step completed after the resume "
+        f"({'median of ' + str(args.repeats) if args.repeats > 1 else 'one run each'})."
+    )
     print(format_table(results, floor, args.cap_s))
     for fault in faults:
         for system in systems:
@@ -651,34 +824,48 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {fault}/{system}: {notes[0]}{more}")
     load_end = os.getloadavg()[0]
     print(f"load average (1 min): {load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores")
-    print(f"hang: torchrun has no hang detection; its detect column is the gloo collective timeout "
-          f"(parallel.timeout_s={args.collective_timeout_s:g} here, ftrain's default is 120) and its rendezvous column "
-          "includes the 30 s torchrun waits after SIGTERM before it SIGKILLs the stopped worker; ftrain detects "
-          "by heartbeat (--hang-timeout-s 4).")
+    print(
+        f"hang: torchrun has no hang detection; its detect column is the gloo collective timeout "
+        f"(parallel.timeout_s={args.collective_timeout_s:g} here, ftrain's default is 120) and its rendezvous column "
+        "includes the 30 s torchrun waits after SIGTERM before it SIGKILLs the stopped worker; ftrain detects "
+        "by heartbeat (--hang-timeout-s 4)."
+    )
 
     def total(fault: str, system: str) -> float | None:
         return results.get(fault, {}).get(system, {}).get("total_s")
 
     summary = {
         "bench": "recovery",
-        "node_loss_speedup_vs_torchrun_default": _ratio(total("node_loss", "torchrun_default"),
-                                                        total("node_loss", "ftrain")),
+        "node_loss_speedup_vs_torchrun_default": _ratio(
+            total("node_loss", "torchrun_default"), total("node_loss", "ftrain")
+        ),
         "worker_crash_over_floor": _ratio(total("worker_kill", "ftrain"), floor.get("total_s")),
-        "node_loss_speedup_vs_torchrun_tuned": _ratio(total("node_loss", "torchrun_tuned"),
-                                                      total("node_loss", "ftrain")),
-        "worker_crash_speedup_vs_torchrun_default": _ratio(total("worker_kill", "torchrun_default"),
-                                                           total("worker_kill", "ftrain")),
-        "worker_crash_speedup_vs_torchrun_tuned": _ratio(total("worker_kill", "torchrun_tuned"),
-                                                         total("worker_kill", "ftrain")),
+        "node_loss_speedup_vs_torchrun_tuned": _ratio(
+            total("node_loss", "torchrun_tuned"), total("node_loss", "ftrain")
+        ),
+        "worker_crash_speedup_vs_torchrun_default": _ratio(
+            total("worker_kill", "torchrun_default"), total("worker_kill", "ftrain")
+        ),
+        "worker_crash_speedup_vs_torchrun_tuned": _ratio(
+            total("worker_kill", "torchrun_tuned"), total("worker_kill", "ftrain")
+        ),
         "hang_speedup_vs_torchrun_default": _ratio(total("hang", "torchrun_default"), total("hang", "ftrain")),
         "hang_speedup_vs_torchrun_tuned": _ratio(total("hang", "torchrun_tuned"), total("hang", "ftrain")),
         "floor_s": floor.get("total_s"),
-        "targets": {"node_loss_speedup_vs_torchrun_default": f">= {TARGET_NODE_LOSS_SPEEDUP}",
-                    "worker_crash_over_floor": f"<= {TARGET_WORKER_CRASH_OVER_FLOOR}"},
+        "targets": {
+            "node_loss_speedup_vs_torchrun_default": f">= {TARGET_NODE_LOSS_SPEEDUP}",
+            "worker_crash_over_floor": f"<= {TARGET_WORKER_CRASH_OVER_FLOOR}",
+        },
         "results": results,
         "floor": floor,
-        "settings": {**asdict(settings), "repeats": args.repeats, "tuned_rdzv_conf": TUNED_RDZV_CONF,
-                     "agent_options": " ".join(AGENT_OPTIONS), "systems": systems, "faults": faults},
+        "settings": {
+            **asdict(settings),
+            "repeats": args.repeats,
+            "tuned_rdzv_conf": TUNED_RDZV_CONF,
+            "agent_options": " ".join(AGENT_OPTIONS),
+            "systems": systems,
+            "faults": faults,
+        },
         "cores": cores,
         "load_avg_1min": [load_start, load_end],
         "wall_s": round(time.monotonic() - started, 1),

@@ -39,14 +39,20 @@ CORES_NOTE_THRESHOLD = 4
 
 #: Model sizes. n_head is a multiple of 4 so tp (2 ranks) and fsdp+tp (tp=2) both split it.
 MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {"model": dict(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64),
-             "train": dict(global_batch_size=16, micro_batch_size=4)},
+    "tiny": {
+        "model": dict(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64),
+        "train": dict(global_batch_size=16, micro_batch_size=4),
+    },
     # Model states (16 B/param = 163 MB for DDP) outweigh activations (~21 MB), so the memory
     # columns show the strategies; 512 tokens per step keep the 7 jobs to a few minutes.
-    "small": {"model": dict(vocab_size=4096, seq_len=64, n_layer=4, n_head=4, d_model=384),
-              "train": dict(global_batch_size=8, micro_batch_size=2)},
-    "medium": {"model": dict(vocab_size=8192, seq_len=256, n_layer=8, n_head=8, d_model=512),
-               "train": dict(global_batch_size=8, micro_batch_size=2)},
+    "small": {
+        "model": dict(vocab_size=4096, seq_len=64, n_layer=4, n_head=4, d_model=384),
+        "train": dict(global_batch_size=8, micro_batch_size=2),
+    },
+    "medium": {
+        "model": dict(vocab_size=8192, seq_len=256, n_layer=8, n_head=8, d_model=512),
+        "train": dict(global_batch_size=8, micro_batch_size=2),
+    },
 }
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -57,15 +63,28 @@ def config_toml(model: dict[str, Any], train: dict[str, Any], *, steps: int, num
     lines = ["[train]", f"steps = {steps}", 'device = "cpu"', 'dtype = "fp32"', "seed = 0"]
     lines += [f"{k} = {v}" for k, v in train.items()]
     lines += ["", "[model]"] + [f"{k} = {v}" for k, v in model.items()]
-    lines += ["", "[data]", f"num_samples = {num_samples}", "", "[optim]", "warmup_steps = 2",
-              "", "[logging]", 'progress = "off"']
+    lines += [
+        "",
+        "[data]",
+        f"num_samples = {num_samples}",
+        "",
+        "[optim]",
+        "warmup_steps = 2",
+        "",
+        "[logging]",
+        'progress = "off"',
+    ]
     return "\n".join(lines) + "\n"
 
 
 def worker_env(malloc_tuning: bool = True) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", FTRAIN_LOG_LEVEL="WARNING",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        FTRAIN_LOG_LEVEL="WARNING",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     if malloc_tuning:
         env.update(MALLOC_ENV)
     else:
@@ -84,19 +103,39 @@ class Job:
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
 
-def torchrun_train(config_path: Path, nproc: int, strategy: str, workdir: Path, *, env: dict[str, str],
-                   timeout_s: float, overrides: tuple[str, ...] = ()) -> Job:
+def torchrun_train(
+    config_path: Path,
+    nproc: int,
+    strategy: str,
+    workdir: Path,
+    *,
+    env: dict[str, str],
+    timeout_s: float,
+    overrides: tuple[str, ...] = (),
+) -> Job:
     """One ``torchrun --standalone -m ftrain train`` job; its processes are killed in ``finally``."""
     from ftrain.metrics import read_metrics
 
     metrics_path = workdir / f"metrics-{strategy.replace('+', '_')}-{nproc}.jsonl"
     metrics_path.unlink(missing_ok=True)  # the writer appends
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "ftrain", "train", str(config_path), f"--parallel.strategy={strategy}",
-           f"--logging.metrics_path={metrics_path}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "ftrain",
+        "train",
+        str(config_path),
+        f"--parallel.strategy={strategy}",
+        f"--logging.metrics_path={metrics_path}",
+        *overrides,
+    ]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=workdir, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -121,8 +160,9 @@ def failure_reason(job: Job) -> str:
     return " / ".join((picked or lines)[-4:])[:600] or f"exit {job.returncode}, no output"
 
 
-def run_with_retry(config_path: Path, nproc: int, strategy: str, workdir: Path, *, env: dict[str, str],
-                   timeout_s: float, retries: int) -> tuple[Job, list[str]]:
+def run_with_retry(
+    config_path: Path, nproc: int, strategy: str, workdir: Path, *, env: dict[str, str], timeout_s: float, retries: int
+) -> tuple[Job, list[str]]:
     """Run a job; a failed one is run again up to ``retries`` times and each failure reported."""
     failures = []
     while True:
@@ -130,8 +170,11 @@ def run_with_retry(config_path: Path, nproc: int, strategy: str, workdir: Path, 
         if job.returncode == 0 or len(failures) >= retries:
             return job, failures
         failures.append(failure_reason(job))
-        print(f"  {strategy} x{nproc}: failed (exit {job.returncode}), running it again: {failures[-1]}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {strategy} x{nproc}: failed (exit {job.returncode}), running it again: {failures[-1]}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def summarise(job: Job, warmup: int) -> dict[str, Any]:
@@ -177,12 +220,18 @@ def format_table(results: list[dict[str, Any]]) -> str:
             continue
         tps, peak = r["tokens_per_s"], r["peak_rss_bytes"]
         est = r.get("plan_bytes")
-        rows.append([
-            r["strategy"], str(r["ranks"]), f"{tps:,.0f}",
-            f"{tps / base['tokens_per_s']:.2f}x" if base else "-",
-            _mb(peak), f"{peak / base['peak_rss_bytes']:.2f}x" if base else "-",
-            _mb(est), f"{(est - peak) / peak:+.0%}" if est else "-",
-        ])
+        rows.append(
+            [
+                r["strategy"],
+                str(r["ranks"]),
+                f"{tps:,.0f}",
+                f"{tps / base['tokens_per_s']:.2f}x" if base else "-",
+                _mb(peak),
+                f"{peak / base['peak_rss_bytes']:.2f}x" if base else "-",
+                _mb(est),
+                f"{(est - peak) / peak:+.0%}" if est else "-",
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for j, row in enumerate(rows):
@@ -201,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
     p.add_argument("--timeout-s", type=float, default=600, help="per job (default 600)")
     p.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")
-    p.add_argument("--retries", type=int, default=1, help="re-run a failed job this many times (default 1; "
-                   "every failure is reported)")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="re-run a failed job this many times (default 1; every failure is reported)",
+    )
     args = p.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -225,21 +278,28 @@ def main(argv: list[str] | None = None) -> int:
         config_path.write_text(config_toml(spec["model"], spec["train"], steps=args.steps))
         cfg = load_config(config_path)
         num_params = model_stats(cfg.model, cfg.optim).num_params
-        print(f"model {args.model_size}: {num_params / 1e6:.2f}M params, {spec['model']}; global batch "
-              f"{cfg.train.global_batch_size} x seq {cfg.model.seq_len}, micro batch {cfg.train.micro_batch_size}; "
-              f"cpu fp32, {args.steps} steps ({args.warmup} warmup dropped); {cores} cores; "
-              f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}", flush=True)
+        print(
+            f"model {args.model_size}: {num_params / 1e6:.2f}M params, {spec['model']}; global batch "
+            f"{cfg.train.global_batch_size} x seq {cfg.model.seq_len}, micro batch {cfg.train.micro_batch_size}; "
+            f"cpu fp32, {args.steps} steps ({args.warmup} warmup dropped); {cores} cores; "
+            f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}",
+            flush=True,
+        )
         for s in strategies:
             nproc = RANKS.get(s, 2)
-            job, failures = run_with_retry(config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s,
-                                           retries=args.retries)
+            job, failures = run_with_retry(
+                config_path, nproc, s, workdir, env=env, timeout_s=args.timeout_s, retries=args.retries
+            )
             r = summarise(job, args.warmup)
             if failures:
                 r["failed_attempts"] = failures
             if r["ok"]:
                 r["plan_bytes"] = plan_estimate(config_path, s, nproc)
-                print(f"  {s:8s} x{nproc}: {r['tokens_per_s']:,.0f} tokens/s, peak {_mb(r['peak_rss_bytes'])}"
-                      f"/rank, {r['wall_s']}s", flush=True)
+                print(
+                    f"  {s:8s} x{nproc}: {r['tokens_per_s']:,.0f} tokens/s, peak {_mb(r['peak_rss_bytes'])}"
+                    f"/rank, {r['wall_s']}s",
+                    flush=True,
+                )
             else:
                 print(f"  {s:8s} x{nproc}: FAILED (exit {job.returncode}): {r['error']}", flush=True)
             results.append(r)
@@ -247,18 +307,35 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     oversubscribed = [r["strategy"] for r in results if r["ranks"] > cores]
     if oversubscribed:
-        print(f"\ncaveat: {cores} cores; the runs with more ranks than cores ({', '.join(oversubscribed)}) "
-              "oversubscribe them, so their tokens/s is not comparable with the 2-rank runs (it measures "
-              "time-slicing as much as the strategy).")
+        print(
+            f"\ncaveat: {cores} cores; the runs with more ranks than cores ({', '.join(oversubscribed)}) "
+            "oversubscribe them, so their tokens/s is not comparable with the 2-rank runs (it measures "
+            "time-slicing as much as the strategy)."
+        )
     load_end = os.getloadavg()[0]
-    print(f"load average (1 min): {load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores "
-          "(other work on the machine skews tokens/s; peak RSS is not affected)")
-    print("note: CPU/gloo, one thread per rank: communication is memory copies on one host, not a network. "
-          "Use the ranking and the memory ratios, not the absolute speeds, to reason about GPUs.")
-    print(json.dumps({"bench": "strategies", "model_size": args.model_size, "num_params": num_params,
-                      "steps": args.steps, "warmup": args.warmup, "cores": cores,
-                      "malloc_tuning": not args.no_malloc_tuning, "load_avg_1min": [load_start, load_end],
-                      "results": results}))
+    print(
+        f"load average (1 min): {load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores "
+        "(other work on the machine skews tokens/s; peak RSS is not affected)"
+    )
+    print(
+        "note: CPU/gloo, one thread per rank: communication is memory copies on one host, not a network. "
+        "Use the ranking and the memory ratios, not the absolute speeds, to reason about GPUs."
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "strategies",
+                "model_size": args.model_size,
+                "num_params": num_params,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "cores": cores,
+                "malloc_tuning": not args.no_malloc_tuning,
+                "load_avg_1min": [load_start, load_end],
+                "results": results,
+            }
+        )
+    )
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -28,8 +28,13 @@ def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 #: Where runs on one machine differ from the defaults (agents/config.py): failures are found fast.
-FAST_AGENT_SETTINGS: dict[str, Any] = {"lease_ttl_s": 2, "settle_s": 1.0, "hang_timeout_s": 5.0,
-                                       "start_timeout_s": 60.0, "backoff_initial_s": 0.2}
+FAST_AGENT_SETTINGS: dict[str, Any] = {
+    "lease_ttl_s": 2,
+    "settle_s": 1.0,
+    "hang_timeout_s": 5.0,
+    "start_timeout_s": 60.0,
+    "backoff_initial_s": 0.2,
+}
 FAST_AGENT_OPTIONS = agent_flags(FAST_AGENT_SETTINGS)
 
 
@@ -56,8 +61,9 @@ def kill_tree(proc: subprocess.Popen, timeout_s: float = 30) -> None:
 def quiet_env(**extra: str) -> dict[str, str]:
     """One intra-op thread per rank (bitwise reproducible, no fighting over cores)."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    )
     env.update(extra)
     return env
 
@@ -65,10 +71,21 @@ def quiet_env(**extra: str) -> dict[str, str]:
 class Cluster:
     """Agents of one job sharing an events file, a metrics file and a checkpoint location."""
 
-    def __init__(self, workdir: Path, etcd_endpoint: str, config_path: Path, *, job: str = "job",
-                 steps: int | None = None, ckpt_uri: str | None = None, ckpt_interval: int | None = None,
-                 step_sleep_s: float = 0.0, overrides: Sequence[str] = (), env: dict[str, str] | None = None,
-                 agent_options: Sequence[str] = FAST_AGENT_OPTIONS):
+    def __init__(
+        self,
+        workdir: Path,
+        etcd_endpoint: str,
+        config_path: Path,
+        *,
+        job: str = "job",
+        steps: int | None = None,
+        ckpt_uri: str | None = None,
+        ckpt_interval: int | None = None,
+        step_sleep_s: float = 0.0,
+        overrides: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        agent_options: Sequence[str] = FAST_AGENT_OPTIONS,
+    ):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.etcd = etcd_endpoint
@@ -76,9 +93,13 @@ class Cluster:
         self.events_path = self.workdir / "events.jsonl"
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.ckpt_uri = ckpt_uri or str(self.workdir / "ckpt")
-        self.worker_args = [str(config_path), f"--checkpoint.uri={self.ckpt_uri}",
-                            f"--logging.metrics_path={self.metrics_path}", f"--logging.events_path={self.events_path}",
-                            "--logging.log_every=1000"]
+        self.worker_args = [
+            str(config_path),
+            f"--checkpoint.uri={self.ckpt_uri}",
+            f"--logging.metrics_path={self.metrics_path}",
+            f"--logging.events_path={self.events_path}",
+            "--logging.log_every=1000",
+        ]
         if steps is not None:
             self.worker_args.append(f"--train.steps={steps}")
         if ckpt_interval is not None:
@@ -92,20 +113,46 @@ class Cluster:
         self._launches: dict[str, tuple[tuple[str, ...], str, int, dict[str, str] | None]] = {}
         self._retired: list[subprocess.Popen] = []
 
-    def start(self, node_id: str, *agent_args: str, nnodes: str = "1:2", nproc: int = 1,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, node_id: str, *agent_args: str, nnodes: str = "1:2", nproc: int = 1, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """Start (or restart) the agent of ``node_id``."""
         self._launches[node_id] = (agent_args, nnodes, nproc, env)
         old = self.agents.get(node_id)
         if old is not None:
             self._retired.append(old)
-        node = agent_flags({"etcd": self.etcd, "job": self.job, "nnodes": nnodes, "nproc_per_node": nproc,
-                            "node_id": node_id, "run_dir": str(self.workdir / node_id)})
-        cmd = [sys.executable, "-m", "ftrain", "agent", *node, "--events", str(self.events_path), *self.agent_options,
-               *agent_args, "--", *self.worker_args]
+        node = agent_flags(
+            {
+                "etcd": self.etcd,
+                "job": self.job,
+                "nnodes": nnodes,
+                "nproc_per_node": nproc,
+                "node_id": node_id,
+                "run_dir": str(self.workdir / node_id),
+            }
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "ftrain",
+            "agent",
+            *node,
+            "--events",
+            str(self.events_path),
+            *self.agent_options,
+            *agent_args,
+            "--",
+            *self.worker_args,
+        ]
         with open(self.workdir / f"agent-{node_id}.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                                    env=quiet_env(FTRAIN_LOG_LEVEL="INFO", **self.env, **(env or {})))
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+                env=quiet_env(FTRAIN_LOG_LEVEL="INFO", **self.env, **(env or {})),
+            )
         self.agents[node_id] = proc
         return proc
 
@@ -118,12 +165,18 @@ class Cluster:
     def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
         if not self.events_path.exists():
             return []
-        return [e for e in read_jsonl(self.events_path)
-                if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())]
+        return [
+            e
+            for e in read_jsonl(self.events_path)
+            if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())
+        ]
 
     def wait_event(self, name: str, timeout_s: float = 60, **match: Any) -> dict[str, Any]:
-        return wait_for(lambda: next(reversed(self.events(name, **match)), None), timeout_s,
-                        f"event {name} {match or ''} (log: {self.log_tail()})")
+        return wait_for(
+            lambda: next(reversed(self.events(name, **match)), None),
+            timeout_s,
+            f"event {name} {match or ''} (log: {self.log_tail()})",
+        )
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []

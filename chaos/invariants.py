@@ -44,8 +44,9 @@ def _fault(record: dict[str, Any]) -> Fault:
     return FAULTS.get(record["kind"])
 
 
-def job_finished(events: list[dict[str, Any]], metrics: list[dict[str, Any]], steps: int,
-                 exit_codes: dict[str, int | None]) -> Check:
+def job_finished(
+    events: list[dict[str, Any]], metrics: list[dict[str, Any]], steps: int, exit_codes: dict[str, int | None]
+) -> Check:
     final = _of(events, Event.JOB_FINAL)
     last = max((m["step"] for m in metrics), default=0)
     bad = {n: c for n, c in exit_codes.items() if c != 0}
@@ -80,8 +81,9 @@ def final_state_matches(golden_path: Path, final_path: Path, tolerance: float) -
             return Check("final_state_matches_golden", False, f"{part} keys differ: {missing}")
         for key in a:
             if a[key].shape != b[key].shape:
-                return Check("final_state_matches_golden", False,
-                             f"{part}.{key}: shape {a[key].shape} vs {b[key].shape}")
+                return Check(
+                    "final_state_matches_golden", False, f"{part}.{key}: shape {a[key].shape} vs {b[key].shape}"
+                )
             if torch.equal(a[key], b[key]):
                 continue
             diff = (a[key].double() - b[key].double()).abs().max().item()
@@ -94,7 +96,8 @@ def final_state_matches(golden_path: Path, final_path: Path, tolerance: float) -
     else:
         ok = worst <= tolerance
         detail = f"max |diff| {worst:.3g} (tolerance {tolerance:g}) over {compared} tensors" + (
-            f", at {where}" if where else "")
+            f", at {where}" if where else ""
+        )
     return Check("final_state_matches_golden", ok, detail)
 
 
@@ -110,8 +113,11 @@ def corrupted_by_chaos(events: list[dict[str, Any]]) -> dict[int, float]:
 
 def damaged_commits(events: list[dict[str, Any]]) -> dict[CommitId, float]:
     """The commits chaos damaged on purpose -> when (each fault names the manifest it found)."""
-    return {(e["ckpt_step"], e["ckpt_created_time"]): e["time"] for e in _of(events, Event.CHAOS_FAULT)
-            if _fault(e).damages_commit and "ckpt_created_time" in e}
+    return {
+        (e["ckpt_step"], e["ckpt_created_time"]): e["time"]
+        for e in _of(events, Event.CHAOS_FAULT)
+        if _fault(e).damages_commit and "ckpt_created_time" in e
+    }
 
 
 def committed_checkpoints_verify(storage: Storage, events: list[dict[str, Any]]) -> Check:
@@ -125,8 +131,11 @@ def committed_checkpoints_verify(storage: Storage, events: list[dict[str, Any]])
         if not report.ok:
             bad.append(f"step {info.step}: {'; '.join(str(p) for p in report.problems[:3])}")
     ok = not bad and bool(checked)
-    detail = f"{len(checked)} committed step(s) verified: {checked}" if ok else (
-        "; ".join(bad) or "no committed checkpoint left to verify")
+    detail = (
+        f"{len(checked)} committed step(s) verified: {checked}"
+        if ok
+        else ("; ".join(bad) or "no committed checkpoint left to verify")
+    )
     return Check("committed_checkpoints_verify", ok, detail)
 
 
@@ -149,14 +158,24 @@ def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[Co
         at = e["time"]
         seen = observed_commits.get(commit)
         if commit[1] > at or (seen is None and not _committed_by_event(events, commit, at)):
-            bad.append(f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}), "
-                       "which was not committed before the load")
+            bad.append(
+                f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}), "
+                "which was not committed before the load"
+            )
         if commit in damaged and damaged[commit] < at:
-            bad.append(f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}) "
-                       "after chaos had corrupted that commit")
+            bad.append(
+                f"round {e['round']} loaded step {commit[0]} (manifest of {commit[1]:.3f}) "
+                "after chaos had corrupted that commit"
+            )
     skipped = sorted({e["step"] for e in _of(events, Event.CKPT_CORRUPT)})
-    detail = "; ".join(bad) if bad else (f"{loads} load(s), each of a committed, intact step"
-                                         + (f"; corrupt steps refused: {skipped}" if skipped else ""))
+    detail = (
+        "; ".join(bad)
+        if bad
+        else (
+            f"{loads} load(s), each of a committed, intact step"
+            + (f"; corrupt steps refused: {skipped}" if skipped else "")
+        )
+    )
     return Check("loads_were_committed_and_intact", not bad, detail)
 
 
@@ -167,8 +186,13 @@ def _committed_by_event(events: list[dict[str, Any]], commit: CommitId, before: 
 
 def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
     source = build_source(cfg.data, cfg.model)
-    report = check_exactly_once(read_ledger(ledger_dir), num_samples=source.num_samples,
-                                global_batch_size=cfg.train.global_batch_size, seed=cfg.data.seed, steps=steps)
+    report = check_exactly_once(
+        read_ledger(ledger_dir),
+        num_samples=source.num_samples,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.data.seed,
+        steps=steps,
+    )
     return Check("samples_consumed_exactly_once", report.ok, report.summary())
 
 
@@ -197,17 +221,31 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
         fault = _fault(f)
         t0 = f["time"]
         until = faults[i + 1]["time"] if i + 1 < len(faults) else float("inf")
-        reactions = [e for e in events if e["event"] in fault.detected_by and t0 <= e["time"] < until
-                     and e.get("outcome") != "succeeded"]
+        reactions = [
+            e
+            for e in events
+            if e["event"] in fault.detected_by and t0 <= e["time"] < until and e.get("outcome") != "succeeded"
+        ]
         detect = min(reactions, key=lambda e: e["time"]) if reactions else None
         # only faults that stop training own the round that follows them; any other round in the
         # window belongs to an earlier fault still being recovered from
-        new_round = next((e for e in sorted(_of(events, Event.ROUND_FORMED), key=lambda e: e["time"])
-                          if t0 <= e["time"] < until), None) if fault.restarts else None
+        new_round = (
+            next(
+                (
+                    e
+                    for e in sorted(_of(events, Event.ROUND_FORMED), key=lambda e: e["time"])
+                    if t0 <= e["time"] < until
+                ),
+                None,
+            )
+            if fault.restarts
+            else None
+        )
         recovery_s = lost = resumed_step = None
         if new_round is not None:
-            resumed = [e for e in _of(events, Event.RESUMED)
-                       if e["round"] >= new_round["new_round"] and e.get("rank") == 0]
+            resumed = [
+                e for e in _of(events, Event.RESUMED) if e["round"] >= new_round["new_round"] and e.get("rank") == 0
+            ]
             if resumed:
                 r = min(resumed, key=lambda e: e["time"])
                 resumed_step = r["step"]
@@ -216,12 +254,21 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
                     recovery_s = min(m["time"] for m in after) - t0
                 before = [m["step"] for m in metrics if m["time"] <= new_round["time"]]
                 lost = max(0, max(before, default=0) - r["step"])
-        out.append({"index": i, "kind": f["kind"], "time": t0, "step": f.get("step"), "node": f.get("node"),
-                    "detected_by": detect["event"] if detect else None,
-                    "detection_s": round(detect["time"] - t0, 3) if detect else None,
-                    "new_round": new_round["new_round"] if new_round else None,
-                    "recovery_s": round(recovery_s, 3) if recovery_s is not None else None,
-                    "resumed_step": resumed_step, "lost_steps": lost})
+        out.append(
+            {
+                "index": i,
+                "kind": f["kind"],
+                "time": t0,
+                "step": f.get("step"),
+                "node": f.get("node"),
+                "detected_by": detect["event"] if detect else None,
+                "detection_s": round(detect["time"] - t0, 3) if detect else None,
+                "new_round": new_round["new_round"] if new_round else None,
+                "recovery_s": round(recovery_s, 3) if recovery_s is not None else None,
+                "resumed_step": resumed_step,
+                "lost_steps": lost,
+            }
+        )
     return out
 
 

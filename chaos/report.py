@@ -13,9 +13,17 @@ from pathlib import Path
 from typing import Any
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-HEADLESS_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars")
+HEADLESS_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+)
 
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>ftrain chaos: __TITLE__</title>
@@ -147,15 +155,23 @@ def render_html(report: dict[str, Any]) -> str:
     return _PAGE.replace("__TITLE__", str(report["scenario"])).replace("__DATA__", data)
 
 
-def screenshot(html_path: Path, png_path: Path, *, width: int = 1200, height: int = 900,
-               timeout_s: float = 60) -> bool:
+def screenshot(html_path: Path, png_path: Path, *, width: int = 1200, height: int = 900, timeout_s: float = 60) -> bool:
     browser = find_browser()
     if browser is None:
         return False
     with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
-        out = subprocess.run([browser, *HEADLESS_FLAGS, f"--user-data-dir={profile}",
-                              f"--screenshot={png_path}", f"--window-size={width},{height}",
-                              html_path.resolve().as_uri()], capture_output=True, timeout=timeout_s)
+        out = subprocess.run(
+            [
+                browser,
+                *HEADLESS_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--screenshot={png_path}",
+                f"--window-size={width},{height}",
+                html_path.resolve().as_uri(),
+            ],
+            capture_output=True,
+            timeout=timeout_s,
+        )
     return out.returncode == 0 and png_path.exists()
 
 
@@ -165,8 +181,12 @@ def dump_dom(html_path: Path, *, timeout_s: float = 60) -> str:
     if browser is None:
         raise FileNotFoundError(f"no headless browser found (tried {', '.join(BROWSERS)})")
     with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
-        out = subprocess.run([browser, *HEADLESS_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
-                              html_path.resolve().as_uri()], capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(
+            [browser, *HEADLESS_FLAGS, f"--user-data-dir={profile}", "--dump-dom", html_path.resolve().as_uri()],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     return out.stdout
 
 

@@ -55,8 +55,11 @@ class RunResult:
 
 def worker_overrides(scenario: Scenario) -> list[str]:
     job = scenario.job
-    return [f"--train.steps={job.steps}", f"--parallel.deterministic={'true' if job.deterministic else 'false'}",
-            *job.overrides]
+    return [
+        f"--train.steps={job.steps}",
+        f"--parallel.deterministic={'true' if job.deterministic else 'false'}",
+        *job.overrides,
+    ]
 
 
 def golden_run(scenario: Scenario, cache_dir: Path) -> Path:
@@ -71,10 +74,20 @@ def golden_run(scenario: Scenario, cache_dir: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     print(f"chaos: golden run ({scenario.job.steps} steps, one process) -> {final}", flush=True)
     partial = final.with_suffix(".partial")
-    cmd = [sys.executable, "-m", "ftrain", "train", str(scenario.config_path), *overrides, "--checkpoint.uri=",
-           f"--train.save_final_path={partial}", "--logging.progress=off"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                         env=quiet_env(FTRAIN_LOG_LEVEL="WARNING"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftrain",
+        "train",
+        str(scenario.config_path),
+        *overrides,
+        "--checkpoint.uri=",
+        f"--train.save_final_path={partial}",
+        "--logging.progress=off",
+    ]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1800, cwd=REPO, env=quiet_env(FTRAIN_LOG_LEVEL="WARNING")
+    )
     if out.returncode != 0:
         raise RuntimeError(f"golden run failed (exit {out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     partial.rename(final)
@@ -141,8 +154,12 @@ class _Campaign(threading.Thread):
 
     def _wait_past(self, target_step: int) -> None:
         """Until training reached ``target_step`` or the run stops; WaitTimeout after 600 s."""
-        wait_for(lambda: self.ctx.stop() or self.ctx.cluster.step() >= target_step, 600,
-                 f"training to pass step {target_step}", poll_s=0.1)
+        wait_for(
+            lambda: self.ctx.stop() or self.ctx.cluster.step() >= target_step,
+            600,
+            f"training to pass step {target_step}",
+            poll_s=0.1,
+        )
 
     def _fire(self, spec: FaultSpec) -> None:
         if self.ctx.stop():
@@ -168,19 +185,39 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
         s3 = stack.s3_server()
         ckpt_uri = s3.url(JOB)
         env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url}
-        cluster = Cluster(out_dir, stack.etcd_url, scenario.config_path, job=JOB, ckpt_uri=ckpt_uri,
-                          ckpt_interval=job.checkpoint_interval, step_sleep_s=job.step_sleep_s,
-                          # chaos corrupts checkpoints on purpose, the only committed one too:
-                          # starting over from step 0 then is this scenario's explicit choice
-                          overrides=[*worker_overrides(scenario), f"--data.ledger_dir={ledger_dir}",
-                                     f"--train.save_final_path={final_path}", "--checkpoint.on_no_loadable_step=fresh"],
-                          env=env, agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options])
+        cluster = Cluster(
+            out_dir,
+            stack.etcd_url,
+            scenario.config_path,
+            job=JOB,
+            ckpt_uri=ckpt_uri,
+            ckpt_interval=job.checkpoint_interval,
+            step_sleep_s=job.step_sleep_s,
+            # chaos corrupts checkpoints on purpose, the only committed one too:
+            # starting over from step 0 then is this scenario's explicit choice
+            overrides=[
+                *worker_overrides(scenario),
+                f"--data.ledger_dir={ledger_dir}",
+                f"--train.save_final_path={final_path}",
+                "--checkpoint.on_no_loadable_step=fresh",
+            ],
+            env=env,
+            agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options],
+        )
         events = EventLog(str(cluster.events_path), rank=-2)
         started_at = time.time()
         finished = threading.Event()
-        ctx = Context(cluster=cluster, etcd=stack.etcd, s3=s3, proxy=proxy,
-                      storage=Storage(ckpt_uri, s3.storage_options()), rng=rng, events=events,
-                      started_at=started_at, stop=finished.is_set)
+        ctx = Context(
+            cluster=cluster,
+            etcd=stack.etcd,
+            s3=s3,
+            proxy=proxy,
+            storage=Storage(ckpt_uri, s3.storage_options()),
+            rng=rng,
+            events=events,
+            started_at=started_at,
+            stop=finished.is_set,
+        )
         campaign = _Campaign(ctx, scenario, rng)
         watcher = _CommitWatcher(Storage(ckpt_uri, s3.storage_options(retry_timeout_s=1.0, max_attempts=1)))
         watcher.start()
@@ -189,11 +226,18 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
             for i in range(job.nodes):
                 cluster.start(f"n{i}", nnodes=job.nnodes, nproc=job.nproc_per_node)
             campaign.start()
-            print(f"chaos: {scenario.name} (seed {seed}): {job.nodes} node(s) x {job.nproc_per_node} worker(s), "
-                  f"{job.steps} steps; output in {out_dir}", flush=True)
+            print(
+                f"chaos: {scenario.name} (seed {seed}): {job.nodes} node(s) x {job.nproc_per_node} worker(s), "
+                f"{job.steps} steps; output in {out_dir}",
+                flush=True,
+            )
             try:
-                wait_for(lambda: cluster.events(Event.JOB_FINAL) and not cluster.live_nodes(), job.timeout_s,
-                         "the job to finish", poll_s=0.2)
+                wait_for(
+                    lambda: cluster.events(Event.JOB_FINAL) and not cluster.live_nodes(),
+                    job.timeout_s,
+                    "the job to finish",
+                    poll_s=0.2,
+                )
             except WaitTimeout:
                 timed_out = True
             finished.set()
@@ -222,12 +266,19 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
             checks.append(invariants.Check("faults_injected", False, "; ".join(campaign.errors)))
     timings = invariants.fault_timings(all_events, metrics)
     report: dict[str, Any] = {
-        "scenario": scenario.name, "seed": seed, "steps": job.steps, "nodes": job.nodes,
-        "nproc_per_node": job.nproc_per_node, "started_at": started_at,
-        "ok": all(c.ok for c in checks), "checks": [c.as_dict() for c in checks],
-        "faults": timings, "goodput": invariants.goodput(all_events, metrics, started_at),
+        "scenario": scenario.name,
+        "seed": seed,
+        "steps": job.steps,
+        "nodes": job.nodes,
+        "nproc_per_node": job.nproc_per_node,
+        "started_at": started_at,
+        "ok": all(c.ok for c in checks),
+        "checks": [c.as_dict() for c in checks],
+        "faults": timings,
+        "goodput": invariants.goodput(all_events, metrics, started_at),
         "proxy": {"requests": proxy.requests, "injected": proxy.injected},
-        "events": all_events, "metrics": [{k: m[k] for k in ("step", "time", "loss", "world_size")} for m in metrics],
+        "events": all_events,
+        "metrics": [{k: m[k] for k in ("step", "time", "loss", "world_size")} for m in metrics],
     }
     write_report(out_dir, report)
     return RunResult(report["ok"], checks, report, out_dir)
@@ -238,8 +289,10 @@ def print_summary(result: RunResult) -> None:
     print(f"\n== chaos: {r['scenario']} (seed {r['seed']}) ==")
     for c in result.checks:
         print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
-    print(f"  faults: {len(r['faults'])}; goodput {r['goodput']['goodput']:.1%} "
-          f"({r['goodput']['productive_s']:.0f} s productive of {r['goodput']['wall_s']:.0f} s)")
+    print(
+        f"  faults: {len(r['faults'])}; goodput {r['goodput']['goodput']:.1%} "
+        f"({r['goodput']['productive_s']:.0f} s productive of {r['goodput']['wall_s']:.0f} s)"
+    )
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for f in r["faults"]:
         by_kind.setdefault(f["kind"], []).append(f)
@@ -248,8 +301,10 @@ def print_summary(result: RunResult) -> None:
         rec = sorted(f["recovery_s"] for f in fs if f["recovery_s"] is not None)
         lost = [f["lost_steps"] for f in fs if f["lost_steps"] is not None]
         median = lambda xs: xs[len(xs) // 2] if xs else None  # noqa: E731
-        print(f"    {kind:<17} x{len(fs):<3} detection median {_s(median(det))}  recovery median {_s(median(rec))} "
-              f"max {_s(rec[-1] if rec else None)}  lost steps {sum(lost)}")
+        print(
+            f"    {kind:<17} x{len(fs):<3} detection median {_s(median(det))}  recovery median {_s(median(rec))} "
+            f"max {_s(rec[-1] if rec else None)}  lost steps {sum(lost)}"
+        )
     print(f"  report: {result.out_dir / 'report.html'}")
     print("chaos: OK" if result.ok else f"chaos: FAILED ({', '.join(result.failed)})")
 
@@ -264,8 +319,11 @@ def run_main(args: argparse.Namespace) -> int:
     except ScenarioError as e:
         print(f"ftrain chaos: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else REPO / "runs" / "chaos" / (
-        f"{scenario.name}-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO / "runs" / "chaos" / (f"{scenario.name}-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
     result = run_scenario(scenario, args.seed, out, cache_dir=Path(args.cache_dir))
     print_summary(result)
     return 0 if result.ok else 1

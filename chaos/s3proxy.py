@@ -27,10 +27,20 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
-_ERRORS = ((503, "SlowDown", "Please reduce your request rate."),
-           (500, "InternalError", "We encountered an internal error. Please try again."))
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-               "transfer-encoding", "upgrade"}
+_ERRORS = (
+    (503, "SlowDown", "Please reduce your request rate."),
+    (500, "InternalError", "We encountered an internal error. Please try again."),
+)
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +124,9 @@ class S3FaultProxy:
         kind, rates = self._decide()
         if kind == "error":
             status, code, message = _ERRORS[self.injected["error"] % 2]
-            payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
-                       f"<Message>{message}</Message></Error>").encode()
+            payload = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'
+            ).encode()
             h.send_response(status)
             h.send_header("Content-Type", "application/xml")
             h.send_header("Content-Length", str(len(payload)))
@@ -130,8 +141,9 @@ class S3FaultProxy:
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP}
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
-            conn.request(h.command, h.path, body=body if (body or h.command in ("PUT", "POST")) else None,
-                         headers=headers)
+            conn.request(
+                h.command, h.path, body=body if (body or h.command in ("PUT", "POST")) else None, headers=headers
+            )
             reply = conn.getresponse()
             data = reply.read()
         except OSError as e:
@@ -151,7 +163,7 @@ class S3FaultProxy:
         if head:
             return
         if kind == "truncate" and len(data) > 1:
-            h.wfile.write(data[:len(data) // 2])
+            h.wfile.write(data[: len(data) // 2])
             h.wfile.flush()
             self._reset(h)
             return

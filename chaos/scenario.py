@@ -91,8 +91,10 @@ class Scenario:
     def random_faults(self, rng: Random) -> list[tuple[float, FaultSpec]]:
         """(delay after the previous fault, spec) for the seeded random campaign."""
         lo, hi = self.random.interval_s
-        return [(rng.uniform(lo, hi), FaultSpec(kind, params=dict(self.random.fault_params.get(kind, {}))))
-                for kind in (rng.choice(self.random.kinds) for _ in range(self.random.count))]
+        return [
+            (rng.uniform(lo, hi), FaultSpec(kind, params=dict(self.random.fault_params.get(kind, {}))))
+            for kind in (rng.choice(self.random.kinds) for _ in range(self.random.count))
+        ]
 
 
 def _build(cls: type[_Spec], table: dict[str, Any], where: str) -> _Spec:

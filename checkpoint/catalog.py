@@ -78,8 +78,7 @@ def read_bounded(storage: Storage, rel: str, max_bytes: int) -> bytes:
     return storage.retry(read, f"read {rel}")
 
 
-def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None, *,
-                  job: str | None = None) -> Manifest:
+def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None, *, job: str | None = None) -> Manifest:
     """The manifest of ``dirname``, checked: bounded parse, HMAC, its step equals the directory's,
     and (unless ``job`` is None) it belongs to job ``job``.
 
@@ -91,23 +90,23 @@ def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None,
     if step is not None and manifest.step != step:
         raise ManifestError(f"manifest of {dirname} says step {manifest.step}")
     if job is not None and manifest.format >= 2 and manifest.job != job:
-        raise ManifestError(f"manifest of {dirname} belongs to job {manifest.job!r}, not to this job {job!r}: "
-                            "copied from another job's root, or two jobs share checkpoint.uri")
+        raise ManifestError(
+            f"manifest of {dirname} belongs to job {manifest.job!r}, not to this job {job!r}: "
+            "copied from another job's root, or two jobs share checkpoint.uri"
+        )
     return manifest
 
 
 def _marker_reason(storage: Storage, dirname: str) -> str:
     try:
-        marker = parse_json_bounded(read_bounded(storage, f"{dirname}/{CORRUPT_NAME}", MAX_MARKER_BYTES),
-                                    CORRUPT_NAME)
+        marker = parse_json_bounded(read_bounded(storage, f"{dirname}/{CORRUPT_NAME}", MAX_MARKER_BYTES), CORRUPT_NAME)
         reason = marker.get("reason") if isinstance(marker, dict) else None
     except (ManifestError, FileNotFoundError):
         reason = None
     return f"marked corrupt: {str(reason)[:500]}" if reason else "marked corrupt"
 
 
-def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *,
-                 job: str | None = None) -> StepInfo:
+def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *, job: str | None = None) -> StepInfo:
     """The state of one step directory (see the module doc)."""
     step = parse_step_dir(dirname)
     if step is None:

@@ -18,34 +18,41 @@ ON_NO_LOADABLE_STEP = ("fail", "fresh")
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     uri: str = opt(
-        "", "This job's checkpoint root: a path, file://, s3://bucket/prefix or any fsspec URL (empty: no "
+        "",
+        "This job's checkpoint root: a path, file://, s3://bucket/prefix or any fsspec URL (empty: no "
         "checkpoints). Step directories go directly under it, so give every job its own, e.g. "
-        "s3://bucket/ckpt/<job>; a step of another job found here is refused."
+        "s3://bucket/ckpt/<job>; a step of another job found here is refused.",
     )
     interval: int = opt(100, "Save every this many steps (0: only the final save).")
     async_mode: str = opt(
-        "thread", "off (blocking saves), thread or process (training blocks only for staging).",
+        "thread",
+        "off (blocking saves), thread or process (training blocks only for staging).",
         ("off", "thread", "process"),
     )
     when_busy: str = opt(
-        "wait", "When a save is due while the previous one still uploads: wait for it, or skip this one.",
+        "wait",
+        "When a save is due while the previous one still uploads: wait for it, or skip this one.",
         ("wait", "skip"),
     )
     digest: str = opt("xxh3_128", "Per-file digest recorded in the manifest.", ("xxh3_128", "crc32c"))
     hmac_key_env: str = opt(
-        "", "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256, "
-        "bound to the job id (FTRAIN_JOB, set by the node agent, or agent.job), which must then be known."
+        "",
+        "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256, "
+        "bound to the job id (FTRAIN_JOB, set by the node agent, or agent.job), which must then be known.",
     )
     resume: bool = opt(True, "Load the newest verified checkpoint under checkpoint.uri at start.")
     load_step: int = opt(-1, "Load exactly this step (fails if it is not committed and verified); -1: newest.")
     on_no_loadable_step: str = opt(
-        "fail", "Step directories with manifests exist but none loads (wrong HMAC key or job, all corrupt): fail "
+        "fail",
+        "Step directories with manifests exist but none loads (wrong HMAC key or job, all corrupt): fail "
         "with the list of steps and why each was refused, or start fresh from step 0 (the old step directories "
-        "are replaced as the new run saves).", ON_NO_LOADABLE_STEP,
+        "are replaced as the new run saves).",
+        ON_NO_LOADABLE_STEP,
     )
     max_failed_commits: int = opt(
-        3, "Consecutive failed checkpoint commits after which training stops instead of running unprotected. "
-        "0: never stop."
+        3,
+        "Consecutive failed checkpoint commits after which training stops instead of running unprotected. "
+        "0: never stop.",
     )
     final_save: bool = opt(True, "Save synchronously at the end of training and on a graceful stop (SIGTERM).")
     keep_last: int = opt(3, "Retention: keep the newest N committed steps.")
@@ -66,9 +73,11 @@ class CheckpointConfig:
         at_least("checkpoint.load_step", self.load_step, -1)
         at_least("checkpoint.max_failed_commits", self.max_failed_commits, 0)
         if self.hmac_key_env and not os.environ.get(self.hmac_key_env):
-            raise ConfigError("checkpoint.hmac_key_env",
-                              f"environment variable {self.hmac_key_env} is not set (or empty): export the key there, "
-                              "or leave checkpoint.hmac_key_env empty for unsigned manifests")
+            raise ConfigError(
+                "checkpoint.hmac_key_env",
+                f"environment variable {self.hmac_key_env} is not set (or empty): export the key there, "
+                "or leave checkpoint.hmac_key_env empty for unsigned manifests",
+            )
 
 
 DEFAULTS = CheckpointConfig()

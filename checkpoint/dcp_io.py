@@ -171,11 +171,13 @@ class DigestingWriter(FsspecWriter):
     The publisher must be picklable for process-based async saves.
     """
 
-    def __init__(self, url: str, *, options: StorageOptions, algorithm: str, publisher: Publisher,
-                 thread_count: int = 1):
+    def __init__(
+        self, url: str, *, options: StorageOptions, algorithm: str, publisher: Publisher, thread_count: int = 1
+    ):
         self._storage = Storage(url, options)
-        super().__init__(url, sync_files=False, overwrite=True, thread_count=thread_count,
-                         **self._storage.storage_kwargs)
+        super().__init__(
+            url, sync_files=False, overwrite=True, thread_count=thread_count, **self._storage.storage_kwargs
+        )
         self._algorithm = algorithm
         self._publisher = publisher
         self._wrap_fs()
@@ -205,8 +207,9 @@ class DigestingWriter(FsspecWriter):
         out: Future[list[WriteResult]] = Future()
         if results:
             first = results[0]
-            results = [DigestedWriteResult(first.index, first.size_in_bytes, first.storage_data,
-                                           file_entries=entries)] + list(results[1:])
+            results = [
+                DigestedWriteResult(first.index, first.size_in_bytes, first.storage_data, file_entries=entries)
+            ] + list(results[1:])
         out.set_result(results)
         return out
 
@@ -227,9 +230,16 @@ class DigestingWriter(FsspecWriter):
 # -- reading ---------------------------------------------------------------------------
 
 _ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
-        "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -270,8 +280,15 @@ class _VerifyingReadFileSystem:
     digests it itself); nothing can be written.
     """
 
-    def __init__(self, inner: Any, files: dict[str, FileEntry], algorithm: str, storage: Storage,
-                 root: str, spool_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        inner: Any,
+        files: dict[str, FileEntry],
+        algorithm: str,
+        storage: Storage,
+        root: str,
+        spool_bytes: int = 256 << 20,
+    ):
         self._inner = inner
         self._files = files
         self._algorithm = algorithm
@@ -286,10 +303,12 @@ class _VerifyingReadFileSystem:
         """``path`` relative to the step root; ChecksumMismatchError unless the manifest lists it."""
         text = str(path)
         prefix = self._root + "/"
-        name = text[len(prefix):] if text.startswith(prefix) else None
+        name = text[len(prefix) :] if text.startswith(prefix) else None
         if name is None or (name != METADATA_NAME and name not in self._files):
-            raise ChecksumMismatchError(f"{text}: not listed in the manifest of {self._root}; refusing to read "
-                                        "unverified bytes (a forged or corrupt .metadata points at it)")
+            raise ChecksumMismatchError(
+                f"{text}: not listed in the manifest of {self._root}; refusing to read "
+                "unverified bytes (a forged or corrupt .metadata points at it)"
+            )
         return name
 
     @contextlib.contextmanager
@@ -319,8 +338,10 @@ class _VerifyingReadFileSystem:
 
             size, digest = self._storage.retry(fetch, f"read {name}")
             if size != expected.size_bytes or digest != expected.digest:
-                raise ChecksumMismatchError(f"{name}: changed since it was verified (size {size}, expected "
-                                            f"{expected.size_bytes}; digest {digest}, expected {expected.digest})")
+                raise ChecksumMismatchError(
+                    f"{name}: changed since it was verified (size {size}, expected "
+                    f"{expected.size_bytes}; digest {digest}, expected {expected.digest})"
+                )
             spool.seek(0)
             yield spool
 
@@ -364,9 +385,11 @@ class _SafeBytesPlanner(LoadPlanner):
         elif isinstance(self._planner, DefaultLoadPlanner):
             safe_load_bytes(self._planner, read_item, value)
         else:
-            raise UnsafePickleError(f"item {read_item.storage_index.fqn!r}: planner {type(self._planner).__name__} is "
-                                    "not a DefaultLoadPlanner, so VerifiedReader cannot store its bytes items safely; "
-                                    "pass planner=checkpoint.safe_pickle.SafeLoadPlanner()")
+            raise UnsafePickleError(
+                f"item {read_item.storage_index.fqn!r}: planner {type(self._planner).__name__} is "
+                "not a DefaultLoadPlanner, so VerifiedReader cannot store its bytes items safely; "
+                "pass planner=checkpoint.safe_pickle.SafeLoadPlanner()"
+            )
 
 
 class VerifiedReader(FsspecReader):
@@ -393,8 +416,9 @@ class VerifiedReader(FsspecReader):
         hasher = new_hasher(self._algorithm)
         hasher.update(data)
         if len(data) != self._expected.size_bytes or hasher.hexdigest() != self._expected.digest:
-            raise ChecksumMismatchError(f"{path}: does not match the manifest (size {len(data)}, "
-                                        f"expected {self._expected.size_bytes})")
+            raise ChecksumMismatchError(
+                f"{path}: does not match the manifest (size {len(data)}, expected {self._expected.size_bytes})"
+            )
         metadata = load_metadata(data)
         storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
         if storage_meta is None:

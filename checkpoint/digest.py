@@ -32,8 +32,9 @@ class _Crc32cHasher:
         try:
             import crc32c  # the PyPI package: hardware CRC32C with a software fallback
         except ImportError as e:
-            raise ValueError("checkpoint.digest: digest algorithm 'crc32c' needs the 'crc32c' package "
-                             "(pip install crc32c)") from e
+            raise ValueError(
+                "checkpoint.digest: digest algorithm 'crc32c' needs the 'crc32c' package (pip install crc32c)"
+            ) from e
         self._crc = crc32c.crc32c
         self._value = 0
 
@@ -50,8 +51,9 @@ def new_hasher(algorithm: str) -> Hasher:
         return xxhash.xxh3_128()
     if algorithm == "crc32c":
         return _Crc32cHasher()
-    raise ValueError(f"checkpoint.digest: unknown digest algorithm {algorithm!r}; "
-                     f"choose one of {', '.join(ALGORITHMS)}")
+    raise ValueError(
+        f"checkpoint.digest: unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+    )
 
 
 def digest_bytes(data: bytes | bytearray | memoryview, algorithm: str) -> str:

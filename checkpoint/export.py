@@ -51,8 +51,15 @@ def _load_all(reader: VerifiedReader) -> dict[str, Any]:
     return state
 
 
-def export_step(storage: Storage, step: int, out_path: str | Path, *, hmac_key_env: str = "",
-                job: str | None = None, include_optimizer: bool = False) -> dict[str, Any]:
+def export_step(
+    storage: Storage,
+    step: int,
+    out_path: str | Path,
+    *,
+    hmac_key_env: str = "",
+    job: str | None = None,
+    include_optimizer: bool = False,
+) -> dict[str, Any]:
     """Write the consolidated state of ``step`` to ``out_path``; returns a summary.
 
     Raises ChecksumMismatchError when the step does not verify (nothing is written), and
@@ -63,8 +70,9 @@ def export_step(storage: Storage, step: int, out_path: str | Path, *, hmac_key_e
     manifest = report.manifest
     if not report.ok or manifest is None:  # a report is ok only with the manifest it verified against
         raise ChecksumMismatchError(f"{dirname} does not verify: " + "; ".join(str(p) for p in report.problems))
-    reader = VerifiedReader(storage.child_url(dirname), options=storage.options, files=manifest.files,
-                            algorithm=manifest.digest_algorithm)
+    reader = VerifiedReader(
+        storage.child_url(dirname), options=storage.options, files=manifest.files, algorithm=manifest.digest_algorithm
+    )
     state = _load_all(reader)
     model = state.get("model", {})
     out: dict[str, Any] = dict(model)
@@ -72,5 +80,9 @@ def export_step(storage: Storage, step: int, out_path: str | Path, *, hmac_key_e
         out = {"model": model, "optim": state.get("optim", {})}
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, out_path)
-    return {"step": step, "tensors": len(model), "params": sum(t.numel() for t in model.values() if torch.is_tensor(t)),
-            "path": str(out_path)}
+    return {
+        "step": step,
+        "tensors": len(model),
+        "params": sum(t.numel() for t in model.values() if torch.is_tensor(t)),
+        "path": str(out_path),
+    }

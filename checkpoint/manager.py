@@ -104,8 +104,14 @@ _CORRUPTION_TYPES = (ChecksumMismatchError, UnsafePickleError)
 #: Errors of storage, not of the bytes: they never mark a step corrupt.
 _STORAGE_TYPES = (TransientStorageError, FatalStorageError, OSError)
 #: DCP re-raises a failed metadata read as a bare AssertionError carrying only the message.
-_CORRUPTION_TEXT = ("ChecksumMismatchError", "UnsafePickleError", "UnsafeMetadataError", "DCP metadata",
-                    "does not match the manifest", "changed since it was verified")
+_CORRUPTION_TEXT = (
+    "ChecksumMismatchError",
+    "UnsafePickleError",
+    "UnsafeMetadataError",
+    "DCP metadata",
+    "does not match the manifest",
+    "changed since it was verified",
+)
 
 
 def _exceptions(err: BaseException) -> list[BaseException]:
@@ -140,8 +146,6 @@ def _is_corruption(err: BaseException) -> bool:
     return any(marker in text for marker in _CORRUPTION_TEXT)
 
 
-
-
 @dataclass(slots=True)
 class Refusal:
     """One step a load could not use, and why (manifest, HMAC, job, digests, marker...)."""
@@ -167,14 +171,18 @@ class NoLoadableStepError(CheckpointError):
         self.load_step = load_step
         listing = "\n".join(f"  - {r}"[:1200] for r in self.refusals) or "  (none)"
         if load_step >= 0:
-            message = (f"checkpoint.load_step={load_step} cannot be loaded from {url}:\n{listing}\n"
-                       f"Pick a committed step (ftrain ckpt ls {url}) or set checkpoint.load_step=-1.")
+            message = (
+                f"checkpoint.load_step={load_step} cannot be loaded from {url}:\n{listing}\n"
+                f"Pick a committed step (ftrain ckpt ls {url}) or set checkpoint.load_step=-1."
+            )
         else:
-            message = (f"no checkpoint step under {url} can be loaded, but {len(self.refusals)} step(s) with "
-                       f"manifests exist; refusing to start from step 0 over them:\n{listing}\n"
-                       "Fix the cause (the HMAC key in checkpoint.hmac_key_env, the job id FTRAIN_JOB / "
-                       "agent.job, checkpoint.uri, or the storage), or set checkpoint.on_no_loadable_step=fresh "
-                       "to start from step 0 (the new run replaces those step directories as it saves).")
+            message = (
+                f"no checkpoint step under {url} can be loaded, but {len(self.refusals)} step(s) with "
+                f"manifests exist; refusing to start from step 0 over them:\n{listing}\n"
+                "Fix the cause (the HMAC key in checkpoint.hmac_key_env, the job id FTRAIN_JOB / "
+                "agent.job, checkpoint.uri, or the storage), or set checkpoint.on_no_loadable_step=fresh "
+                "to start from step 0 (the new run replaces those step directories as it saves)."
+            )
         super().__init__(message)
 
 
@@ -182,15 +190,27 @@ def _no_event(record: ev.Record) -> None:
     return None
 
 
-def collect_garbage(storage: Storage, retention: Retention, *, in_flight: set[int], hmac_key: bytes | None,
-                    on_event: EventSink = _no_event, job: str | None = None) -> list[str]:
+def collect_garbage(
+    storage: Storage,
+    retention: Retention,
+    *,
+    in_flight: set[int],
+    hmac_key: bytes | None,
+    on_event: EventSink = _no_event,
+    job: str | None = None,
+) -> list[str]:
     """Apply retention: never touches the newest committed step or an in-flight one. With
     ``job``, another job's steps are not committed here (they never count as this job's newest)."""
     steps = list_steps(storage, hmac_key, job=job)
-    plan = plan_gc(steps, keep_last=retention.keep_last, keep_every=retention.keep_every, in_flight=in_flight,
-                   now_s=time.time(), modified_s=modified_times(storage, [s.dirname for s in steps
-                                                                          if s.state != "committed"]),
-                   grace_s=retention.grace_s)
+    plan = plan_gc(
+        steps,
+        keep_last=retention.keep_last,
+        keep_every=retention.keep_every,
+        in_flight=in_flight,
+        now_s=time.time(),
+        modified_s=modified_times(storage, [s.dirname for s in steps if s.state != "committed"]),
+        grace_s=retention.grace_s,
+    )
     if plan.delete:
         apply_gc(storage, plan)
         log.info("retention removed %s", ", ".join(plan.delete))
@@ -240,12 +260,18 @@ class StepPublisher:
             raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
         other = _other_job(storage, self.dirname, self.fields["job"])
         if other is not None:
-            raise CheckpointError(f"{self.dirname} holds a step of job {other!r}, not of this job "
-                                  f"({self.fields['job']!r}): two jobs share {self.url}; give each job its own "
-                                  "checkpoint.uri (nothing was deleted)")
+            raise CheckpointError(
+                f"{self.dirname} holds a step of job {other!r}, not of this job "
+                f"({self.fields['job']!r}): two jobs share {self.url}; give each job its own "
+                "checkpoint.uri (nothing was deleted)"
+            )
         if info.state == "corrupt":
-            log.warning("clearing %s before saving it again: not a committed step under the current HMAC key and "
-                        "job %r (%s)", self.dirname, self.fields["job"], info.error)
+            log.warning(
+                "clearing %s before saving it again: not a committed step under the current HMAC key and job %r (%s)",
+                self.dirname,
+                self.fields["job"],
+                info.error,
+            )
         else:
             log.warning("clearing %s (a torn earlier save) before saving it again", self.dirname)
         storage.remove(self.dirname, recursive=True)
@@ -312,11 +338,13 @@ class CheckpointManager:
         if why is not None:
             raise CheckpointError(f"checkpoint job id {why}")
         if self.hmac_key_env and not self.job:
-            raise CheckpointError(f"signed manifests (HMAC key in {self.hmac_key_env}) are bound to a job id, "
-                                  "but none was given")
+            raise CheckpointError(
+                f"signed manifests (HMAC key in {self.hmac_key_env}) are bound to a job id, but none was given"
+            )
         if self.on_no_loadable_step not in ON_NO_LOADABLE_STEP:
-            raise CheckpointError(f"on_no_loadable_step must be one of {ON_NO_LOADABLE_STEP}, "
-                                  f"got {self.on_no_loadable_step!r}")
+            raise CheckpointError(
+                f"on_no_loadable_step must be one of {ON_NO_LOADABLE_STEP}, got {self.on_no_loadable_step!r}"
+            )
         self.storage = Storage(self.url, self.options)
         self.status = SaveStatus()
         self._in_flight: _InFlight | None = None
@@ -341,12 +369,18 @@ class CheckpointManager:
             log.info("checkpoint of step %d waits for step %d to finish uploading", step, self._in_flight.step)
             self.wait()
         dirname = step_dir_name(step)
-        publisher = StepPublisher(self.url, self.options, dirname,
-                                  {**fields, "step": step, "digest_algorithm": self.digest, "job": self.job},
-                                  self.hmac_key_env, self.fence,
-                                  Retention(self.keep_last, self.keep_every, self.gc_grace_s))
-        writer = DigestingWriter(self.storage.child_url(dirname), options=self.options, algorithm=self.digest,
-                                 publisher=publisher)
+        publisher = StepPublisher(
+            self.url,
+            self.options,
+            dirname,
+            {**fields, "step": step, "digest_algorithm": self.digest, "job": self.job},
+            self.hmac_key_env,
+            self.fence,
+            Retention(self.keep_last, self.keep_every, self.gc_grace_s),
+        )
+        writer = DigestingWriter(
+            self.storage.child_url(dirname), options=self.options, algorithm=self.digest, publisher=publisher
+        )
         started = time.monotonic()
         if sync or self.async_mode == "off":
             try:
@@ -360,8 +394,11 @@ class CheckpointManager:
             return True
         try:
             response = dcp.async_save(
-                state_dict, storage_writer=writer, process_group=self._group(),
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                state_dict,
+                storage_writer=writer,
+                process_group=self._group(),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS
+                if self.async_mode == "process"
                 else AsyncCheckpointerType.THREAD,
                 async_stager=self._get_stager(),
             )
@@ -388,8 +425,14 @@ class CheckpointManager:
             if self.device_type == "cuda":
                 self._stager = DefaultStager()
             else:  # the default pinned/non-blocking copies need an accelerator
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=False,
+                        use_shared_memory=False,
+                        use_async_staging=False,
+                        use_non_blocking_copy=False,
+                    )
+                )
         return self._stager
 
     def poll(self) -> SaveStatus:
@@ -433,8 +476,12 @@ class CheckpointManager:
         self.status.consecutive_failures += 1
         stale = isinstance(err, StaleRoundError) or "StaleRoundError" in describe_error(err)
         self.status.last_error = describe_error(err)[:1000]
-        log.error("checkpoint of step %d FAILED (%s); training continues: %s", step,
-                  "stale round" if stale else "error", self.status.last_error)
+        log.error(
+            "checkpoint of step %d FAILED (%s); training continues: %s",
+            step,
+            "stale round" if stale else "error",
+            self.status.last_error,
+        )
         self.on_event(ev.CkptFailed(step=step, error=self.status.last_error, stale_round=stale))
 
     # -- loading -------------------------------------------------------------------------
@@ -445,8 +492,13 @@ class CheckpointManager:
         steps = list_steps(self.storage, self._hmac_key(), job=self.job)
         return [s for s in steps if s.state == "committed"]
 
-    def load(self, build_state_dict: Callable[[Manifest], dict[str, Any]], *, load_step: int = -1,
-             validate: Callable[[Manifest], None] | None = None) -> Manifest | None:
+    def load(
+        self,
+        build_state_dict: Callable[[Manifest], dict[str, Any]],
+        *,
+        load_step: int = -1,
+        validate: Callable[[Manifest], None] | None = None,
+    ) -> Manifest | None:
         """Load the newest verified committed step (or ``load_step``) into the state dict that
         ``build_state_dict(manifest)`` returns; None if there is nothing to load (or, with
         ``on_no_loadable_step="fresh"``, nothing loadable). See the module doc for the rules.
@@ -481,8 +533,12 @@ class CheckpointManager:
         """Every step directory that has a manifest (committed or corrupt), ascending by step."""
         return [s for s in list_steps(self.storage, self._hmac_key(), job=self.job) if s.state != "uncommitted"]
 
-    def _try_load(self, info: StepInfo, build_state_dict: Callable[[Manifest], dict[str, Any]],
-                  validate: Callable[[Manifest], None] | None) -> tuple[Manifest | None, Refusal | None]:
+    def _try_load(
+        self,
+        info: StepInfo,
+        build_state_dict: Callable[[Manifest], dict[str, Any]],
+        validate: Callable[[Manifest], None] | None,
+    ) -> tuple[Manifest | None, Refusal | None]:
         """Verify then read one step: (manifest, None) when loaded, (None, refusal) when the step
         is corrupt (marked). A storage error raises CheckpointError on every rank, marks nothing."""
         manifest = info.manifest
@@ -493,19 +549,27 @@ class CheckpointManager:
             self._reject(info, problems)
             return None, Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
         if problems:  # unreadable / storage errors: not proof of corruption, so no marker
-            raise CheckpointError(f"{info.dirname} cannot be read (a storage problem, not corruption; nothing was "
-                                  "marked): " + "; ".join(map(str, problems[:5])))
+            raise CheckpointError(
+                f"{info.dirname} cannot be read (a storage problem, not corruption; nothing was "
+                "marked): " + "; ".join(map(str, problems[:5]))
+            )
         state_dict = build_state_dict(manifest)
-        reader = VerifiedReader(self.storage.child_url(info.dirname), options=self.options,
-                                files=manifest.files, algorithm=manifest.digest_algorithm)
+        reader = VerifiedReader(
+            self.storage.child_url(info.dirname),
+            options=self.options,
+            files=manifest.files,
+            algorithm=manifest.digest_algorithm,
+        )
         try:
             dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner())
         except BaseException as e:  # noqa: BLE001 - CheckpointException wraps per-rank errors
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             if not _is_corruption(e):
-                raise CheckpointError(f"reading {info.dirname} failed, not proof of corruption (nothing was "
-                                      f"marked): {describe_error(e)[:1000]}") from e
+                raise CheckpointError(
+                    f"reading {info.dirname} failed, not proof of corruption (nothing was "
+                    f"marked): {describe_error(e)[:1000]}"
+                ) from e
             problems = [Problem(METADATA_NAME, "digest", describe_error(e)[:300])]
             self._reject(info, problems)
             return None, Refusal(info.step, str(problems[0]))
@@ -514,10 +578,19 @@ class CheckpointManager:
     def _loaded(self, info: StepInfo, manifest: Manifest, refusals: list[Refusal]) -> None:
         newer = [str(r) for r in refusals if r.step > info.step]
         if newer:
-            log.warning("loaded step %d although newer steps exist that were refused: %s", info.step,
-                        "; ".join(newer)[:2000])
-        self.on_event(ev.CkptLoaded(step=info.step, world_size=manifest.world_size, ckpt_round=manifest.round,
-                      created_time=manifest.created_time, job=manifest.job, refused_newer=newer))
+            log.warning(
+                "loaded step %d although newer steps exist that were refused: %s", info.step, "; ".join(newer)[:2000]
+            )
+        self.on_event(
+            ev.CkptLoaded(
+                step=info.step,
+                world_size=manifest.world_size,
+                ckpt_round=manifest.round,
+                created_time=manifest.created_time,
+                job=manifest.job,
+                refused_newer=newer,
+            )
+        )
         log.info("loaded checkpoint step %d (saved at world size %d)", info.step, manifest.world_size)
 
     def _nothing_loaded(self, refusals: list[Refusal], load_step: int) -> None:
@@ -528,8 +601,11 @@ class CheckpointManager:
         if self.on_no_loadable_step != "fresh":
             raise NoLoadableStepError(self.url, refusals)
         lines = "; ".join(str(r) for r in refusals)
-        log.error("STARTING FROM STEP 0 (checkpoint.on_no_loadable_step=fresh): no step under %s can be loaded: %s",
-                  self.url, lines[:4000])
+        log.error(
+            "STARTING FROM STEP 0 (checkpoint.on_no_loadable_step=fresh): no step under %s can be loaded: %s",
+            self.url,
+            lines[:4000],
+        )
         self.on_event(ev.CkptFreshStart(refused=[str(r)[:1000] for r in refusals]))
         return None
 
@@ -558,8 +634,9 @@ class CheckpointManager:
             raise CheckpointError(f"rank 0 could not list the checkpoints under {self.url}: {message}")
         return value
 
-    def _verify_everywhere(self, info: StepInfo, manifest: Manifest,
-                           validate: Callable[[Manifest], None] | None) -> list[Problem]:
+    def _verify_everywhere(
+        self, info: StepInfo, manifest: Manifest, validate: Callable[[Manifest], None] | None
+    ) -> list[Problem]:
         """Every rank's problems with ``info`` (whose parsed manifest is ``manifest``), gathered:
         all ranks return the same list."""
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -570,8 +647,13 @@ class CheckpointManager:
             if METADATA_NAME in names and not any(p.file == METADATA_NAME for p in mine):
                 mine += check_pickled_items(self.storage, info.dirname, manifest)
         except _STORAGE_TYPES as e:
-            mine.append(Problem(MANIFEST_NAME if not names else names[0], "unreadable",
-                                f"storage error, not corruption: {type(e).__name__}: {e}"[:500]))
+            mine.append(
+                Problem(
+                    MANIFEST_NAME if not names else names[0],
+                    "unreadable",
+                    f"storage error, not corruption: {type(e).__name__}: {e}"[:500],
+                )
+            )
         if world == 1:
             return mine
         gathered: list[list[Problem]] = [[] for _ in range(world)]
@@ -606,8 +688,14 @@ class CheckpointManager:
         if self.rank != 0:
             return []
         in_flight = {self._in_flight.step} if self._in_flight is not None else set()
-        return collect_garbage(self.storage, Retention(self.keep_last, self.keep_every, self.gc_grace_s),
-                               in_flight=in_flight, hmac_key=self._hmac_key(), on_event=self.on_event, job=self.job)
+        return collect_garbage(
+            self.storage,
+            Retention(self.keep_last, self.keep_every, self.gc_grace_s),
+            in_flight=in_flight,
+            hmac_key=self._hmac_key(),
+            on_event=self.on_event,
+            job=self.job,
+        )
 
     def close(self) -> None:
         self.wait()

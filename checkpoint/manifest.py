@@ -94,8 +94,9 @@ def parse_step_dir(name: str) -> int | None:
 def canonical_json(obj: Any) -> bytes:
     """The one byte encoding of ``obj`` that manifests and their HMACs use."""
     try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
+            "ascii"
+        )
     except (TypeError, ValueError) as e:
         raise ManifestError(f"manifest is not JSON-serialisable: {e}") from e
 
@@ -173,8 +174,13 @@ def parse_json_bounded(data: bytes, what: str = "manifest") -> Any:
     if _json_depth_exceeds(data, MAX_JSON_DEPTH):
         raise ManifestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(data, parse_int=_bounded_int, parse_float=_bounded_float,
-                          parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        return json.loads(
+            data,
+            parse_int=_bounded_int,
+            parse_float=_bounded_float,
+            parse_constant=_no_constant,
+            object_pairs_hook=_unique_keys,
+        )
     except ManifestError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -270,8 +276,10 @@ class Manifest:
         if self.world_size < 1:
             return f"manifest field 'world_size' must be >= 1, got {self.world_size}"
         if self.digest_algorithm not in ALGORITHMS:
-            return (f"manifest field 'digest_algorithm' is {self.digest_algorithm!r}, "
-                    f"expected one of {', '.join(ALGORITHMS)}")
+            return (
+                f"manifest field 'digest_algorithm' is {self.digest_algorithm!r}, "
+                f"expected one of {', '.join(ALGORITHMS)}"
+            )
         if not math.isfinite(self.created_time):
             return f"manifest field 'created_time' must be finite, got {self.created_time}"
         hex_len = _DIGEST_HEX_LEN[self.digest_algorithm]
@@ -284,8 +292,10 @@ class Manifest:
             if isinstance(entry.size_bytes, bool) or not isinstance(entry.size_bytes, int) or entry.size_bytes < 0:
                 return f"bad file entry {name!r}: size_bytes must be a non-negative int, got {entry.size_bytes!r}"
             if not isinstance(entry.digest, str) or len(entry.digest) != hex_len or not _HEX.fullmatch(entry.digest):
-                return (f"bad file entry {name!r}: digest must be {hex_len} lower-case hex digits "
-                        f"for {self.digest_algorithm}, got {entry.digest!r}")
+                return (
+                    f"bad file entry {name!r}: digest must be {hex_len} lower-case hex digits "
+                    f"for {self.digest_algorithm}, got {entry.digest!r}"
+                )
         return None
 
     @property
@@ -361,9 +371,11 @@ class Manifest:
 def _check_hmac(obj: dict[str, Any], given: Any, hmac_key: bytes, fmt: int) -> None:
     """Raise ManifestError unless ``given`` is the format-2 HMAC of ``obj`` under ``hmac_key``."""
     if fmt == 1:
-        raise ManifestError("format-1 manifest refused while an HMAC key is set: its signature does not bind "
-                            "the job id, so another job's step would pass; re-save it with this version, or "
-                            "read it without checkpoint.hmac_key_env")
+        raise ManifestError(
+            "format-1 manifest refused while an HMAC key is set: its signature does not bind "
+            "the job id, so another job's step would pass; re-save it with this version, or "
+            "read it without checkpoint.hmac_key_env"
+        )
     if given is None:
         raise ManifestError("manifest has no 'hmac' but an HMAC key is set")
     if not isinstance(given, str):
@@ -378,8 +390,11 @@ def _files_from(raw_files: dict[str, Any]) -> dict[str, FileEntry]:
     files: dict[str, FileEntry] = {}
     for name, entry in raw_files.items():
         if not isinstance(entry, dict) or set(entry) != {"size_bytes", "digest"}:
-            raise ManifestError(f"bad file entry {name!r}: expected an object with exactly "
-                                f"'size_bytes' and 'digest', got {entry!r}"[:300])
+            raise ManifestError(
+                f"bad file entry {name!r}: expected an object with exactly 'size_bytes' and 'digest', got {entry!r}"[
+                    :300
+                ]
+            )
         files[name] = FileEntry(size_bytes=entry["size_bytes"], digest=entry["digest"])
     if METADATA_FILE not in files:
         raise ManifestError(f"manifest lists no {METADATA_FILE} file: not a DCP checkpoint step")
@@ -387,7 +402,22 @@ def _files_from(raw_files: dict[str, Any]) -> dict[str, FileEntry]:
 
 
 __all__ = [
-    "CORRUPT_NAME", "FORMAT_VERSION", "HMAC_DOMAIN", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES",
-    "METADATA_FILE", "READABLE_FORMATS", "RESERVED_NAMES", "FileEntry", "Manifest", "canonical_json",
-    "hmac_key_from_env", "job_problem", "manifest_hmac", "parse_json_bounded", "parse_step_dir", "step_dir_name",
+    "CORRUPT_NAME",
+    "FORMAT_VERSION",
+    "HMAC_DOMAIN",
+    "MANIFEST_NAME",
+    "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
+    "METADATA_FILE",
+    "READABLE_FORMATS",
+    "RESERVED_NAMES",
+    "FileEntry",
+    "Manifest",
+    "canonical_json",
+    "hmac_key_from_env",
+    "job_problem",
+    "manifest_hmac",
+    "parse_json_bounded",
+    "parse_step_dir",
+    "step_dir_name",
 ]

@@ -51,8 +51,16 @@ class GcPlan:
     """A reason for every directory in ``delete`` and ``keep``."""
 
 
-def plan_gc(steps: list[StepInfo], *, keep_last: int, keep_every: int, in_flight: set[int], now_s: float,
-            modified_s: dict[str, float], grace_s: float) -> GcPlan:
+def plan_gc(
+    steps: list[StepInfo],
+    *,
+    keep_last: int,
+    keep_every: int,
+    in_flight: set[int],
+    now_s: float,
+    modified_s: dict[str, float],
+    grace_s: float,
+) -> GcPlan:
     """Decide what to delete (pure: no I/O, ``now_s`` injected). Rules in the module doc."""
     if keep_last < 0:
         raise ValueError(f"plan_gc: keep_last must be >= 0, got {keep_last}")
@@ -165,8 +173,7 @@ def modified_times(storage: Storage, dirnames: Iterable[str]) -> dict[str, float
                     return {}
             return found
 
-        times = [t for info in storage.retry(find, f"list {dirname}").values()
-                 if (t := _entry_time(info)) is not None]
+        times = [t for info in storage.retry(find, f"list {dirname}").values() if (t := _entry_time(info)) is not None]
         if times:
             out[dirname] = max(times)
     return out

@@ -65,8 +65,11 @@ def _refusal_reason(err: BaseException) -> str:
     if says:
         return says.group(1).split(". ")[0][:200]
     first = text.strip().splitlines()[0] if text.strip() else ""
-    return (first[:200] or type(err).__name__) if not first.startswith("Weights only load failed") else (
-        type(err).__name__)
+    return (
+        (first[:200] or type(err).__name__)
+        if not first.startswith("Weights only load failed")
+        else (type(err).__name__)
+    )
 
 
 def load_bytes_item(data: bytes, *, fqn: str, file: str) -> Any:
@@ -77,19 +80,24 @@ def load_bytes_item(data: bytes, *, fqn: str, file: str) -> Any:
     every case the step holds bytes no writer of this project produced.
     """
     if not bytes(data[:4]) == TORCH_SAVE_MAGIC:
-        raise UnsafePickleError(f"{file}: item {fqn!r} is not a torch.save archive (DCP writes every non-tensor "
-                                "item with torch.save); refused to unpickle it")
+        raise UnsafePickleError(
+            f"{file}: item {fqn!r} is not a torch.save archive (DCP writes every non-tensor "
+            "item with torch.save); refused to unpickle it"
+        )
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UnsafePickleError(f"{file}: item {fqn!r} was refused by the weights-only unpickler "
-                                f"({_refusal_reason(e)}): the shard was forged or corrupted; do not load it "
-                                "with weights_only=False") from e
+        raise UnsafePickleError(
+            f"{file}: item {fqn!r} was refused by the weights-only unpickler "
+            f"({_refusal_reason(e)}): the shard was forged or corrupted; do not load it "
+            "with weights_only=False"
+        ) from e
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - in-memory bytes: any failure is a property of the bytes
-        raise UnsafePickleError(f"{file}: item {fqn!r} is not a loadable torch.save item: "
-                                f"{type(e).__name__}: {_refusal_reason(e)}") from e
+        raise UnsafePickleError(
+            f"{file}: item {fqn!r} is not a loadable torch.save item: {type(e).__name__}: {_refusal_reason(e)}"
+        ) from e
 
 
 def _item_file(planner: DefaultLoadPlanner, read_item: ReadItem) -> str:
@@ -155,8 +163,7 @@ def reference_problem(index: Any, info: Any, files: Mapping[str, FileEntry]) -> 
         return f"entry for {fqn!r} has offset {offset!r} and length {length!r}; both must be non-negative ints"
     size_bytes = files[name].size_bytes
     if offset + length > size_bytes:
-        return (f"entry for {fqn!r} reads bytes {offset}..{offset + length} of {name}, "
-                f"which has {size_bytes} bytes")
+        return f"entry for {fqn!r} reads bytes {offset}..{offset + length} of {name}, which has {size_bytes} bytes"
     if info.transform_descriptors:
         return f"entry for {fqn!r} asks for stream transforms {list(info.transform_descriptors)!r}; none are allowed"
     return None
@@ -236,12 +243,22 @@ def metadata_problems(metadata: Metadata, files: Mapping[str, FileEntry]) -> lis
 def bytes_items(metadata: Metadata) -> dict[str, _StorageInfo]:
     """Every bytes item of ``metadata`` (fqn -> where it is): exactly what a full load unpickles.
     Call only after :func:`metadata_problems` found nothing."""
-    return {fqn: (metadata.storage_data or {})[MetadataIndex(fqn)]
-            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    return {
+        fqn: (metadata.storage_data or {})[MetadataIndex(fqn)]
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, BytesStorageMetadata)
+    }
 
 
 __all__ = [
-    "MAX_LISTED_PROBLEMS", "SafeBytesLoadMixin", "SafeEmptyStateDictLoadPlanner", "SafeLoadPlanner",
-    "TORCH_SAVE_MAGIC", "bytes_items", "load_bytes_item", "metadata_problems", "reference_problem",
+    "MAX_LISTED_PROBLEMS",
+    "SafeBytesLoadMixin",
+    "SafeEmptyStateDictLoadPlanner",
+    "SafeLoadPlanner",
+    "TORCH_SAVE_MAGIC",
+    "bytes_items",
+    "load_bytes_item",
+    "metadata_problems",
+    "reference_problem",
     "safe_load_bytes",
 ]

@@ -50,8 +50,15 @@ T = TypeVar("T")
 #: Connection-level errors of the HTTP stack under fsspec's remote filesystems (aiohttp), and
 #: any library's class named TimeoutError.
 _TRANSIENT_TYPE_NAMES = {"ServerDisconnectedError", "ClientOSError", "ClientPayloadError", "TimeoutError"}
-_TRANSIENT_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH,
-                     errno.ECONNABORTED, errno.ENETUNREACH}
+_TRANSIENT_ERRNOS = {
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EHOSTUNREACH,
+    errno.ECONNABORTED,
+    errno.ENETUNREACH,
+}
 
 
 @dataclass(slots=True)
@@ -89,8 +96,11 @@ def classify(exc: BaseException) -> BaseException:
     if isinstance(exc, FileNotFoundError):
         return exc
     name = type(exc).__name__
-    if name in _TRANSIENT_TYPE_NAMES or isinstance(exc, (ConnectionError, TimeoutError)) or (
-            isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS):
+    if (
+        name in _TRANSIENT_TYPE_NAMES
+        or isinstance(exc, (ConnectionError, TimeoutError))
+        or (isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS)
+    ):
         return TransientStorageError(f"{name}: {exc}")
     if isinstance(exc, PermissionError):
         return FatalStorageError(f"{name}: {exc}")
@@ -107,8 +117,7 @@ def classify(exc: BaseException) -> BaseException:
 class Storage:
     """A root URL on one storage backend, with retried I/O and paths relative to the root."""
 
-    def __init__(self, url: str, options: StorageOptions | None = None,
-                 sleep: Callable[[float], None] | None = None):
+    def __init__(self, url: str, options: StorageOptions | None = None, sleep: Callable[[float], None] | None = None):
         self.url = url.rstrip("/")
         self.options = options or StorageOptions()
         protocol = fsspec.utils.get_protocol(self.url)
@@ -148,8 +157,12 @@ class Storage:
     # -- retries -----------------------------------------------------------------------
     def retry(self, fn: Callable[[], T], what: str) -> T:
         def before_sleep(state: RetryCallState) -> None:
-            log.warning("storage %s failed (attempt %d), retrying: %s", what, state.attempt_number,
-                        state.outcome.exception() if state.outcome else "?")
+            log.warning(
+                "storage %s failed (attempt %d), retrying: %s",
+                what,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else "?",
+            )
 
         kwargs: dict[str, Any] = {}
         if self._sleep is not None:
@@ -181,8 +194,10 @@ class Storage:
             raise ValueError(f"read_range {rel}: offset {offset} and length {length} must be >= 0")
         if length == 0:
             return b""
-        data = self.retry(lambda: self.backend.read(self.path(rel), offset, offset + length),
-                          f"read {rel}[{offset}:{offset + length}]")
+        data = self.retry(
+            lambda: self.backend.read(self.path(rel), offset, offset + length),
+            f"read {rel}[{offset}:{offset + length}]",
+        )
         if len(data) != length:
             raise EOFError(f"{rel}: wanted bytes {offset}..{offset + length}, the file ended after {len(data)}")
         return data
@@ -241,8 +256,9 @@ class Storage:
     def clear_multipart_uploads(self, rel: str = "") -> int:
         """Abort unfinished multipart uploads under the directory ``rel`` (S3 only: a sibling
         sharing the string prefix, ``step-10`` for ``step-1``, is not touched); how many."""
-        return self.retry(lambda: self.backend.clear_multipart_uploads(self.path(rel)),
-                          f"abort multipart uploads under {rel}")
+        return self.retry(
+            lambda: self.backend.clear_multipart_uploads(self.path(rel)), f"abort multipart uploads under {rel}"
+        )
 
 
 def _classified(fn: Callable[[], T]) -> T:

@@ -80,8 +80,9 @@ class _Tally:
     problems: list[Problem] = field(default_factory=list)
 
 
-def _check_file(storage: Storage, rel: str, algorithm: str, chunk_bytes: int,
-                max_bytes: int | None = None) -> tuple[int, str]:
+def _check_file(
+    storage: Storage, rel: str, algorithm: str, chunk_bytes: int, max_bytes: int | None = None
+) -> tuple[int, str]:
     """Stream ``rel`` through a hasher, retrying the whole read on transient errors; stops once
     more than ``max_bytes`` arrived (the size is then wrong anyway, and a file grown huge is not
     read to its end)."""
@@ -99,8 +100,9 @@ def _check_file(storage: Storage, rel: str, algorithm: str, chunk_bytes: int,
     return storage.retry(read, f"verify {rel}")
 
 
-def _verify(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[str] | None,
-            chunk_bytes: int) -> _Tally:
+def _verify(
+    storage: Storage, dirname: str, manifest: Manifest, names: Iterable[str] | None, chunk_bytes: int
+) -> _Tally:
     tally = _Tally()
     for name in sorted(manifest.files) if names is None else list(names):
         entry = manifest.files.get(name)
@@ -108,11 +110,13 @@ def _verify(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[
             tally.problems.append(Problem(name, "manifest", "not listed in the manifest"))
             continue
         try:
-            size_bytes, digest = _check_file(storage, f"{dirname}/{name}", manifest.digest_algorithm, chunk_bytes,
-                                             entry.size_bytes)
+            size_bytes, digest = _check_file(
+                storage, f"{dirname}/{name}", manifest.digest_algorithm, chunk_bytes, entry.size_bytes
+            )
         except FileNotFoundError:
-            tally.problems.append(Problem(name, "missing", f"listed in the manifest ({entry.size_bytes} bytes) "
-                                                           "but not in storage"))
+            tally.problems.append(
+                Problem(name, "missing", f"listed in the manifest ({entry.size_bytes} bytes) but not in storage")
+            )
             continue
         except (FatalStorageError, IsADirectoryError, PermissionError) as e:
             tally.problems.append(Problem(name, "unreadable", str(e)))
@@ -124,13 +128,20 @@ def _verify(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[
         elif size_bytes != entry.size_bytes:
             tally.problems.append(Problem(name, "size", f"expected {entry.size_bytes} bytes, found {size_bytes}"))
         elif digest != entry.digest:
-            tally.problems.append(Problem(name, "digest", f"{manifest.digest_algorithm} expected {entry.digest}, "
-                                                          f"computed {digest}"))
+            tally.problems.append(
+                Problem(name, "digest", f"{manifest.digest_algorithm} expected {entry.digest}, computed {digest}")
+            )
     return tally
 
 
-def verify_files(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[str] | None = None,
-                 *, chunk_bytes: int = 8 << 20) -> list[Problem]:
+def verify_files(
+    storage: Storage,
+    dirname: str,
+    manifest: Manifest,
+    names: Iterable[str] | None = None,
+    *,
+    chunk_bytes: int = 8 << 20,
+) -> list[Problem]:
     """Problems with the files of ``dirname`` (all in the manifest, or just ``names``)."""
     return _verify(storage, dirname, manifest, names, chunk_bytes).problems
 
@@ -154,8 +165,9 @@ def split_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:
     return sorted(mine)
 
 
-def verify_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *, job: str | None = None,
-                chunk_bytes: int = 8 << 20) -> VerifyReport:
+def verify_step(
+    storage: Storage, dirname: str, hmac_key: bytes | None = None, *, job: str | None = None, chunk_bytes: int = 8 << 20
+) -> VerifyReport:
     """Verify the manifest of ``dirname`` (written by job ``job`` unless it is None), then every
     file it lists, then (when the bytes are what the manifest says) everything a load would
     unpickle (:func:`check_pickled_items`)."""
@@ -202,13 +214,19 @@ def _digest_problem(data: bytes, manifest: Manifest | None) -> Problem | None:
     if entry is None:
         return Problem(METADATA_NAME, "manifest", "not listed in the manifest")
     if len(data) != entry.size_bytes:
-        return Problem(METADATA_NAME, "size", f"expected {entry.size_bytes} bytes, found "
-                                              f"{'more' if len(data) > entry.size_bytes else len(data)}")
+        return Problem(
+            METADATA_NAME,
+            "size",
+            f"expected {entry.size_bytes} bytes, found {'more' if len(data) > entry.size_bytes else len(data)}",
+        )
     hasher = new_hasher(manifest.digest_algorithm)
     hasher.update(data)
     if hasher.hexdigest() != entry.digest:
-        return Problem(METADATA_NAME, "digest", f"{manifest.digest_algorithm} expected {entry.digest}, "
-                                                f"computed {hasher.hexdigest()}")
+        return Problem(
+            METADATA_NAME,
+            "digest",
+            f"{manifest.digest_algorithm} expected {entry.digest}, computed {hasher.hexdigest()}",
+        )
     return None
 
 
@@ -246,20 +264,22 @@ def check_metadata_safe(storage: Storage, dirname: str) -> list[Problem]:
     return _parse_metadata(storage, dirname)[1]
 
 
-def _read_items(storage: Storage, dirname: str, name: str, items: dict[str, Any],
-                span_limit_bytes: int) -> dict[str, bytes]:
+def _read_items(
+    storage: Storage, dirname: str, name: str, items: dict[str, Any], span_limit_bytes: int
+) -> dict[str, bytes]:
     """The bytes of each item (fqn -> _StorageInfo) inside file ``name``: one ranged read of the
     span covering them all when it is at most ``span_limit_bytes``, else one read per item."""
     start = min(info.offset for info in items.values())
     end = max(info.offset + info.length for info in items.values())
     if end - start <= span_limit_bytes:
         span = storage.read_range(f"{dirname}/{name}", start, end - start)
-        return {fqn: span[info.offset - start:info.offset - start + info.length] for fqn, info in items.items()}
+        return {fqn: span[info.offset - start : info.offset - start + info.length] for fqn, info in items.items()}
     return {fqn: storage.read_range(f"{dirname}/{name}", info.offset, info.length) for fqn, info in items.items()}
 
 
-def _check_items_in_file(storage: Storage, dirname: str, name: str, items: dict[str, Any],
-                         span_limit_bytes: int) -> list[Problem]:
+def _check_items_in_file(
+    storage: Storage, dirname: str, name: str, items: dict[str, Any], span_limit_bytes: int
+) -> list[Problem]:
     from checkpoint.safe_pickle import load_bytes_item
 
     try:
@@ -279,8 +299,9 @@ def _check_items_in_file(storage: Storage, dirname: str, name: str, items: dict[
     return problems
 
 
-def check_pickled_items(storage: Storage, dirname: str, manifest: Manifest, *,
-                        span_limit_bytes: int = 64 << 20) -> list[Problem]:
+def check_pickled_items(
+    storage: Storage, dirname: str, manifest: Manifest, *, span_limit_bytes: int = 64 << 20
+) -> list[Problem]:
     """Everything a full DCP load of ``dirname`` would unpickle, unpickled the safe way.
 
     ``.metadata`` is checked against the manifest and parsed with the allow-list unpickler
@@ -311,8 +332,9 @@ def check_pickled_items(storage: Storage, dirname: str, manifest: Manifest, *,
     return problems
 
 
-def mark_corrupt(storage: Storage, dirname: str, problems: list[Problem], reason: str,
-                 *, now_s: float | None = None) -> None:
+def mark_corrupt(
+    storage: Storage, dirname: str, problems: list[Problem], reason: str, *, now_s: float | None = None
+) -> None:
     """Write ``<dirname>/corrupt.json`` = ``{"time", "reason", "problems"}``. Deletes nothing.
 
     Readers then treat the step as corrupt (see :mod:`checkpoint.catalog`) and fall back.

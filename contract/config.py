@@ -130,9 +130,13 @@ def read_file(path: str | os.PathLike | None) -> dict[str, Any]:
         raise ConfigError("", f"{path}: invalid TOML: {e}") from None
 
 
-def load_sections(schema: Mapping[str, type], path: str | os.PathLike | None = None,
-                  overrides: Iterable[str] = (), *, opaque: Iterable[str] = ()
-                  ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def load_sections(
+    schema: Mapping[str, type],
+    path: str | os.PathLike | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    opaque: Iterable[str] = (),
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Resolve defaults < TOML file < ``--section.key=value`` overrides.
 
     Returns one validated instance per section of ``schema`` and, for every ``opaque`` section

@@ -456,8 +456,9 @@ def parse(line: dict[str, Any]) -> Record | None:
     except (ValueError, KeyError):
         return None
     if cls is ChaosFault:
-        return ChaosFault(kind=str(line.get("kind", "")),
-                          detail={k: v for k, v in line.items() if k not in (*ENVELOPE, "kind")})
+        return ChaosFault(
+            kind=str(line.get("kind", "")), detail={k: v for k, v in line.items() if k not in (*ENVELOPE, "kind")}
+        )
     names = {f.name for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in line.items() if k in names})
@@ -478,8 +479,14 @@ class EventLog:
 
     def emit(self, record: Record) -> dict[str, Any]:
         """Append ``record`` with the envelope; the line as written (also without a file)."""
-        line = {"time": time.time(), "event": record.EVENT.value, "rank": self.rank, "round": self.round,
-                "pid": os.getpid(), **record.fields()}
+        line = {
+            "time": time.time(),
+            "event": record.EVENT.value,
+            "rank": self.rank,
+            "round": self.round,
+            "pid": os.getpid(),
+            **record.fields(),
+        }
         log.debug("event %s", line)
         if self._fd >= 0:
             data = (json.dumps(line, default=str, separators=(",", ":")) + "\n").encode()

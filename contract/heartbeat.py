@@ -73,14 +73,25 @@ class Message:
         phase = _text(msg, "phase", "training")
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r}")
-        return cls(kind=kind, round=_int(msg, "round", None, 0, _BIG), rank=_int(msg, "rank", -1, -1, _BIG),
-                   local_rank=_int(msg, "local_rank", None, 0, MAX_LOCAL_RANK), pid=_int(msg, "pid", None, 2, PID_MAX),
-                   time=_float(msg, "time"), phase=phase, step=_int(msg, "step", -1, -1, _BIG),
-                   step_time_s=_float(msg, "step_time_s"), committed_step=_int(msg, "committed_step", -1, -1, _BIG),
-                   ckpt_duration_s=_float(msg, "ckpt_duration_s"), ckpt_failures=_int(msg, "ckpt_failures", 0, 0, _BIG),
-                   ckpt_failures_total=_int(msg, "ckpt_failures_total", 0, 0, _BIG),
-                   ckpt_error=_text(msg, "ckpt_error"), finished=_bool(msg, "finished"), error=_text(msg, "error"),
-                   fatal=_bool(msg, "fatal"))
+        return cls(
+            kind=kind,
+            round=_int(msg, "round", None, 0, _BIG),
+            rank=_int(msg, "rank", -1, -1, _BIG),
+            local_rank=_int(msg, "local_rank", None, 0, MAX_LOCAL_RANK),
+            pid=_int(msg, "pid", None, 2, PID_MAX),
+            time=_float(msg, "time"),
+            phase=phase,
+            step=_int(msg, "step", -1, -1, _BIG),
+            step_time_s=_float(msg, "step_time_s"),
+            committed_step=_int(msg, "committed_step", -1, -1, _BIG),
+            ckpt_duration_s=_float(msg, "ckpt_duration_s"),
+            ckpt_failures=_int(msg, "ckpt_failures", 0, 0, _BIG),
+            ckpt_failures_total=_int(msg, "ckpt_failures_total", 0, 0, _BIG),
+            ckpt_error=_text(msg, "ckpt_error"),
+            finished=_bool(msg, "finished"),
+            error=_text(msg, "error"),
+            fatal=_bool(msg, "fatal"),
+        )
 
 
 def _int(msg: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int:

@@ -48,8 +48,11 @@ def _natural(environ: Mapping[str, str], name: str, high: int) -> int:
     if not raw:
         return 0
     if not raw.isdigit() or len(raw) > 19 or int(raw) > high:
-        raise WorkerEnvError(name, f"must be an integer in [0, {high}], got {raw[:40]!r} (it is set by the ftrain "
-                                   "agent; unset it to run without one)")
+        raise WorkerEnvError(
+            name,
+            f"must be an integer in [0, {high}], got {raw[:40]!r} (it is set by the ftrain "
+            "agent; unset it to run without one)",
+        )
     return int(raw)
 
 
@@ -67,20 +70,34 @@ class WorkerEnv:
 
     def to_env(self) -> dict[str, str]:
         """The variables to export (only those with a value)."""
-        values = {JOB: self.job, ROUND: str(self.round), NODE: self.node, ETCD: ",".join(self.etcd),
-                  FENCE_KEY: self.fence_key, HEARTBEAT: self.heartbeat,
-                  AGENT_PID: str(self.agent_pid) if self.agent_pid else "", STACK_DIR: self.stack_dir,
-                  ETCD_CLIENT_FILE: self.etcd_client_file}
+        values = {
+            JOB: self.job,
+            ROUND: str(self.round),
+            NODE: self.node,
+            ETCD: ",".join(self.etcd),
+            FENCE_KEY: self.fence_key,
+            HEARTBEAT: self.heartbeat,
+            AGENT_PID: str(self.agent_pid) if self.agent_pid else "",
+            STACK_DIR: self.stack_dir,
+            ETCD_CLIENT_FILE: self.etcd_client_file,
+        }
         return {k: v for k, v in values.items() if v}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         """This process's (or ``environ``'s) values; :class:`WorkerEnvError` on an unusable one."""
         env = os.environ if environ is None else environ
-        return cls(job=env.get(JOB, ""), round=_natural(env, ROUND, MAX_ROUND), node=env.get(NODE, ""),
-                   etcd=tuple(e for e in env.get(ETCD, "").split(",") if e), fence_key=env.get(FENCE_KEY, ""),
-                   heartbeat=env.get(HEARTBEAT, ""), agent_pid=_natural(env, AGENT_PID, PID_MAX),
-                   stack_dir=env.get(STACK_DIR, ""), etcd_client_file=env.get(ETCD_CLIENT_FILE, ""))
+        return cls(
+            job=env.get(JOB, ""),
+            round=_natural(env, ROUND, MAX_ROUND),
+            node=env.get(NODE, ""),
+            etcd=tuple(e for e in env.get(ETCD, "").split(",") if e),
+            fence_key=env.get(FENCE_KEY, ""),
+            heartbeat=env.get(HEARTBEAT, ""),
+            agent_pid=_natural(env, AGENT_PID, PID_MAX),
+            stack_dir=env.get(STACK_DIR, ""),
+            etcd_client_file=env.get(ETCD_CLIENT_FILE, ""),
+        )
 
 
 def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], ours: Mapping[str, str]) -> dict[str, str]:

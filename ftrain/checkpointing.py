@@ -101,8 +101,9 @@ def _restore_rng(t: torch.Tensor, step: int) -> None:
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
     except (ValueError, TypeError, KeyError, RuntimeError, RecursionError) as e:
-        raise CheckpointError(f"checkpoint step {step}: the saved RNG state is unusable "
-                              f"({type(e).__name__}: {str(e)[:200]})") from e
+        raise CheckpointError(
+            f"checkpoint step {step}: the saved RNG state is unusable ({type(e).__name__}: {str(e)[:200]})"
+        ) from e
 
 
 class Checkpointing:
@@ -120,9 +121,17 @@ class Checkpointing:
         self.manager = CheckpointManager(
             url=c.uri,
             options=StorageOptions(endpoint_url=c.endpoint_url, region=c.region),
-            async_mode=c.async_mode, when_busy=c.when_busy, digest=c.digest, hmac_key_env=c.hmac_key_env,
-            job=self.job, keep_last=c.keep_last, keep_every=c.keep_every, gc_grace_s=c.gc_grace_s,
-            on_no_loadable_step=c.on_no_loadable_step, on_event=events.emit, device_type=par.device.type,
+            async_mode=c.async_mode,
+            when_busy=c.when_busy,
+            digest=c.digest,
+            hmac_key_env=c.hmac_key_env,
+            job=self.job,
+            keep_last=c.keep_last,
+            keep_every=c.keep_every,
+            gc_grace_s=c.gc_grace_s,
+            on_no_loadable_step=c.on_no_loadable_step,
+            on_event=events.emit,
+            device_type=par.device.type,
             fence=fence.from_env() if self.round > 0 else None,
         )
         if not c.hmac_key_env and self.manager.storage.protocol not in ("file", "memory") and self.rank == 0:
@@ -130,10 +139,13 @@ class Checkpointing:
 
     def _warn_unsigned(self) -> None:
         """Shared storage without an HMAC key: say once, at start, what is not protected."""
-        log.warning("checkpoints under %s are not signed (checkpoint.hmac_key_env is empty): digests catch damage, "
-                    "but anyone who can write there can replace a step with other weights that this job will "
-                    "load. Set checkpoint.hmac_key_env to the name of a variable holding a secret key "
-                    "(e.g. `export FTRAIN_CKPT_KEY=$(openssl rand -hex 32)`).", self.cfg.checkpoint.uri)
+        log.warning(
+            "checkpoints under %s are not signed (checkpoint.hmac_key_env is empty): digests catch damage, "
+            "but anyone who can write there can replace a step with other weights that this job will "
+            "load. Set checkpoint.hmac_key_env to the name of a variable holding a secret key "
+            "(e.g. `export FTRAIN_CKPT_KEY=$(openssl rand -hex 32)`).",
+            self.cfg.checkpoint.uri,
+        )
         self.events.emit(ev.CkptUnsigned(uri=self.cfg.checkpoint.uri))
 
     # -- save ---------------------------------------------------------------------------
@@ -184,8 +196,9 @@ class Checkpointing:
             return sd
 
         try:
-            manifest = self.manager.load(build, load_step=self.cfg.checkpoint.load_step,
-                                         validate=validate_trainer_state)
+            manifest = self.manager.load(
+                build, load_step=self.cfg.checkpoint.load_step, validate=validate_trainer_state
+            )
         except NoLoadableStepError as e:
             self.events.emit(ev.ResumeFailed(refused=[str(r)[:1000] for r in e.refusals], load_step=e.load_step))
             log.error("ftrain: cannot resume: %s", e)
@@ -199,11 +212,21 @@ class Checkpointing:
         if rng is not None:
             _restore_rng(rng, manifest.step)
         if manifest.config_hash != self.cfg.digest():
-            log.info("resuming step %d saved with a different config (hash %s, now %s)", manifest.step,
-                     manifest.config_hash, self.cfg.digest())
+            log.info(
+                "resuming step %d saved with a different config (hash %s, now %s)",
+                manifest.step,
+                manifest.config_hash,
+                self.cfg.digest(),
+            )
         self.manager.status.last_committed_step = max(self.manager.status.last_committed_step, manifest.step)
-        self.events.emit(ev.Resumed(step=manifest.step, from_world_size=manifest.world_size,
-                         world_size=self.par.layout.world_size, round=self.round))
+        self.events.emit(
+            ev.Resumed(
+                step=manifest.step,
+                from_world_size=manifest.world_size,
+                world_size=self.par.layout.world_size,
+                round=self.round,
+            )
+        )
         return manifest
 
     def close(self) -> None:

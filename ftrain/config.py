@@ -46,12 +46,12 @@ class TrainConfig:
         "(bf16 params and compute, fp32 gradient reduction and optimizer master state).",
         ("auto", "fp32", "bf16"),
     )
-    save_final_path: str = opt(
-        "", "If set, rank 0 writes the final full model and optimizer state here (torch.save)."
-    )
+    save_final_path: str = opt("", "If set, rank 0 writes the final full model and optimizer state here (torch.save).")
     on_nonfinite: str = opt(
-        "skip", "A non-finite loss or gradient norm: skip the optimizer step, rollback to the last verified "
-        "checkpoint, or halt.", ("skip", "rollback", "halt"),
+        "skip",
+        "A non-finite loss or gradient norm: skip the optimizer step, rollback to the last verified "
+        "checkpoint, or halt.",
+        ("skip", "rollback", "halt"),
     )
 
     def __post_init__(self) -> None:
@@ -61,8 +61,7 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 "train.global_batch_size",
-                f"{self.global_batch_size} is not a multiple of train.micro_batch_size="
-                f"{self.micro_batch_size}",
+                f"{self.global_batch_size} is not a multiple of train.micro_batch_size={self.micro_batch_size}",
             )
         check_floats("train", self)
         at_least("train.grad_clip", self.grad_clip, 0)
@@ -91,9 +90,7 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
             positive(f"model.{name}", getattr(self, name))
         if self.d_model % self.n_head:
-            raise ConfigError(
-                "model.d_model", f"{self.d_model} is not a multiple of model.n_head={self.n_head}"
-            )
+            raise ConfigError("model.d_model", f"{self.d_model} is not a multiple of model.n_head={self.n_head}")
         check_floats("model", self)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("model.dropout", f"must be in [0, 1), got {self.dropout}")
@@ -107,7 +104,8 @@ class DataConfig:
         "token file (uint16/uint32 memmap, nanoGPT/Megatron layout).",
     )
     token_dtype: str = opt(
-        "auto", "Token file element type; auto: uint16 if vocab_size <= 65536, else uint32.",
+        "auto",
+        "Token file element type; auto: uint16 if vocab_size <= 65536, else uint32.",
         ("auto", "uint16", "uint32"),
     )
     seed: int = opt(0, "Seed of the synthetic chain and of the per-epoch sample permutation.")
@@ -116,9 +114,7 @@ class DataConfig:
     concentration: float = opt(
         0.5, "Synthetic source: Dirichlet concentration of transition probabilities (lower = less entropy)."
     )
-    ledger_dir: str = opt(
-        "", "If set, each data-parallel rank appends the sample ids it consumed per step here."
-    )
+    ledger_dir: str = opt("", "If set, each data-parallel rank appends the sample ids it consumed per step here.")
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -126,8 +122,7 @@ class DataConfig:
         if self.source != "synthetic" and not Path(self.source).is_file():
             raise ConfigError(
                 "data.source",
-                f"token file {self.source!r} does not exist (give a flat uint16/uint32 token "
-                'file, or "synthetic")',
+                f'token file {self.source!r} does not exist (give a flat uint16/uint32 token file, or "synthetic")',
             )
         check_floats("data", self)
         positive("data.num_samples", self.num_samples)
@@ -148,8 +143,7 @@ class OptimConfig:
     eps: float = opt(1e-8, "AdamW epsilon.")
     lr_scaling: str = opt(
         "none",
-        "Scale the peak LR with the data-parallel size relative to optim.base_world_size: "
-        "none, linear or sqrt.",
+        "Scale the peak LR with the data-parallel size relative to optim.base_world_size: none, linear or sqrt.",
         ("none", "linear", "sqrt"),
     )
     base_world_size: int = opt(1, "Data-parallel size at which optim.lr is the peak LR as given.")
@@ -183,8 +177,9 @@ class ParallelConfig:
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MB.")
     static_graph: bool = opt(False, "DDP static_graph (same graph every step).")
     activation_checkpointing: bool = opt(False, "Recompute each block's activations in backward.")
-    backend: str = opt("auto", "Process-group backend: auto (nccl on GPU, gloo on CPU), gloo or nccl.",
-                        ("auto", "gloo", "nccl"))
+    backend: str = opt(
+        "auto", "Process-group backend: auto (nccl on GPU, gloo on CPU), gloo or nccl.", ("auto", "gloo", "nccl")
+    )
     timeout_s: float = opt(120.0, "Collective and rendezvous timeout in seconds.")
 
     def __post_init__(self) -> None:
@@ -203,11 +198,13 @@ class ParallelConfig:
 @dataclass(kw_only=True, slots=True)
 class ConsistencyConfig:
     interval: int = opt(
-        0, "Every this many steps (and after every load), compare digests of replicated parameters and "
-        "optimizer state across ranks that must hold identical copies (0: only after loads)."
+        0,
+        "Every this many steps (and after every load), compare digests of replicated parameters and "
+        "optimizer state across ranks that must hold identical copies (0: only after loads).",
     )
     on_mismatch: str = opt(
-        "halt", "When replicas differ: warn, halt (exit non-zero) or rollback (reload the last verified checkpoint).",
+        "halt",
+        "When replicas differ: warn, halt (exit non-zero) or rollback (reload the last verified checkpoint).",
         ("warn", "halt", "rollback"),
     )
 
@@ -220,13 +217,15 @@ class ConsistencyConfig:
 class LoggingConfig:
     metrics_path: str = opt("", "JSON lines file written by rank 0, one line per step (empty: off).")
     progress: str = opt(
-        "auto", "Rank-0 progress: auto (a bar on a terminal, lines otherwise), bar, lines or off.",
+        "auto",
+        "Rank-0 progress: auto (a bar on a terminal, lines otherwise), bar, lines or off.",
         ("auto", "bar", "lines", "off"),
     )
     log_every: int = opt(10, "Steps between progress lines when not drawing a bar.")
     events_path: str = opt(
-        "", "JSON lines file of lifecycle events (ckpt_staged, ckpt_committed, ckpt_corrupt, resumed, ...) "
-        "appended by every rank (empty: off)."
+        "",
+        "JSON lines file of lifecycle events (ckpt_staged, ckpt_committed, ckpt_corrupt, resumed, ...) "
+        "appended by every rank (empty: off).",
     )
 
     def __post_init__(self) -> None:
@@ -251,8 +250,9 @@ class Config:
         _check_strategy_config(self)  # strategy hook: e.g. zero1 refuses checkpoint.uri
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name != "others"}
+        return {
+            f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "others"
+        }
 
     def digest(self) -> str:
         """A stable hash of what is trained (recorded in checkpoints; the agent section is left
@@ -271,25 +271,31 @@ def worker_job_id(cfg: Config, environ: Any = None) -> str:
     from checkpoint.manifest import job_problem  # torch-free; only workers need it
 
     env = os.environ if environ is None else environ
-    job, key = ((env[worker_env.JOB], worker_env.JOB) if env.get(worker_env.JOB)
-                else (cfg.others.get("agent", {}).get("job", ""), "agent.job"))
+    job, key = (
+        (env[worker_env.JOB], worker_env.JOB)
+        if env.get(worker_env.JOB)
+        else (cfg.others.get("agent", {}).get("job", ""), "agent.job")
+    )
     why = job_problem(job)
     if why is not None:
         raise ConfigError(key, f"job id {why}")
     if cfg.checkpoint.uri and cfg.checkpoint.hmac_key_env and not job:
-        raise ConfigError("checkpoint.hmac_key_env",
-                          "signed manifests are bound to the job id, but no job id is known: set agent.job=<job id> "
-                          "(or run under `ftrain agent`, which sets FTRAIN_JOB), or leave checkpoint.hmac_key_env "
-                          "empty")
+        raise ConfigError(
+            "checkpoint.hmac_key_env",
+            "signed manifests are bound to the job id, but no job id is known: set agent.job=<job id> "
+            "(or run under `ftrain agent`, which sets FTRAIN_JOB), or leave checkpoint.hmac_key_env "
+            "empty",
+        )
     return job
-
-
 
 
 def sections() -> dict[str, type]:
     """The sections the runtime owns and validates, in file order."""
-    return {f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
-            if f.name != "others"}
+    return {
+        f.name: f.default_factory
+        for f in dataclasses.fields(Config)  # type: ignore[misc]
+        if f.name != "others"
+    }
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Config:

@@ -59,6 +59,7 @@ class FenceConfigError(CheckpointError):
 @dataclass(frozen=True)
 class ClientSettings:
     """How to reach etcd: what the agent wrote to the client file."""
+
     username: str | None = None
     password: str | None = None
     ca_cert: str | None = None
@@ -72,23 +73,32 @@ class ClientSettings:
         try:
             mode = os.stat(path).st_mode
             if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: readable by other users "
-                                       f"(mode {stat.S_IMODE(mode):o}); it holds a password: chmod 600")
+                raise FenceConfigError(
+                    f"{ETCD_CLIENT_FILE}={path}: readable by other users "
+                    f"(mode {stat.S_IMODE(mode):o}); it holds a password: chmod 600"
+                )
             with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
         except (OSError, ValueError) as e:
             raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: cannot read the etcd client settings: {e}") from e
-        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()) \
-                or set(data) - {"username", "password", "ca_cert", "cert", "key"}:
-            raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: expected a JSON object of strings with "
-                                   "username, password, ca_cert, cert, key")
+        if (
+            not isinstance(data, dict)
+            or not all(isinstance(v, str) for v in data.values())
+            or set(data) - {"username", "password", "ca_cert", "cert", "key"}
+        ):
+            raise FenceConfigError(
+                f"{ETCD_CLIENT_FILE}={path}: expected a JSON object of strings with "
+                "username, password, ca_cert, cert, key"
+            )
         if ("username" in data) != ("password" in data):
             raise FenceConfigError(f"{ETCD_CLIENT_FILE}={path}: username and password go together")
         return cls(**data)
 
     def __repr__(self) -> str:  # never print the password
-        return (f"ClientSettings(username={self.username!r}, password={'***' if self.password else None}, "
-                f"ca_cert={self.ca_cert!r}, cert={self.cert!r}, key={self.key!r})")
+        return (
+            f"ClientSettings(username={self.username!r}, password={'***' if self.password else None}, "
+            f"ca_cert={self.ca_cert!r}, cert={self.cert!r}, key={self.key!r})"
+        )
 
 
 def _b64(text: str) -> str:
@@ -104,8 +114,11 @@ class _Rejected(Exception):
 
     @property
     def auth(self) -> bool:
-        return self.code in (_UNAUTHENTICATED, _PERMISSION_DENIED) or (
-            self.code == _INVALID_ARGUMENT and "user name" in self.message) or "auth" in self.message
+        return (
+            self.code in (_UNAUTHENTICATED, _PERMISSION_DENIED)
+            or (self.code == _INVALID_ARGUMENT and "user name" in self.message)
+            or "auth" in self.message
+        )
 
     @property
     def token_rejected(self) -> bool:
@@ -119,8 +132,15 @@ class EtcdRoundFence:
     there at first use instead (what :func:`from_env` does).
     """
 
-    def __init__(self, endpoints: list[str], key: str, *, timeout_s: float = TIMEOUT_S,
-                 settings: ClientSettings | None = None, client_file: str | None = None):
+    def __init__(
+        self,
+        endpoints: list[str],
+        key: str,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        settings: ClientSettings | None = None,
+        client_file: str | None = None,
+    ):
         if not endpoints:
             raise ValueError("EtcdRoundFence needs at least one etcd endpoint")
         self.endpoints = [e.rstrip("/") for e in endpoints]
@@ -152,8 +172,9 @@ class EtcdRoundFence:
                 if s.cert:
                     context.load_cert_chain(s.cert, s.key)
             except (OSError, ssl.SSLError) as e:
-                raise FenceConfigError(f"etcd TLS files (ca_cert={s.ca_cert}, cert={s.cert}, key={s.key}) "
-                                       f"unusable: {e}") from e
+                raise FenceConfigError(
+                    f"etcd TLS files (ca_cert={s.ca_cert}, cert={s.cert}, key={s.key}) unusable: {e}"
+                ) from e
             self._ssl = context
         return self._ssl
 
@@ -174,8 +195,7 @@ class EtcdRoundFence:
             except ValueError:
                 data = {}
             data = data if isinstance(data, dict) else {}
-            raise _Rejected(e.code, data.get("code"), str(data.get("message") or data.get("error") or raw[:200])
-                            ) from e
+            raise _Rejected(e.code, data.get("code"), str(data.get("message") or data.get("error") or raw[:200])) from e
         if not isinstance(answer, dict):
             raise ValueError(f"reply is not a JSON object: {answer!r}"[:200])
         if "error" in answer and isinstance(answer["error"], dict):  # some gateway errors come in a 200
@@ -188,11 +208,12 @@ class EtcdRoundFence:
         if s.username is None:
             return None
         try:
-            answer = self._post(endpoint, "/v3/auth/authenticate", {"name": s.username, "password": s.password},
-                                None)
+            answer = self._post(endpoint, "/v3/auth/authenticate", {"name": s.username, "password": s.password}, None)
         except _Rejected as e:
-            raise FenceAuthError(f"etcd authentication as {s.username!r} failed at {endpoint} ({e.message}): "
-                                 f"commit refused; check the agent's --etcd-user and FTRAIN_ETCD_PASSWORD") from e
+            raise FenceAuthError(
+                f"etcd authentication as {s.username!r} failed at {endpoint} ({e.message}): "
+                f"commit refused; check the agent's --etcd-user and FTRAIN_ETCD_PASSWORD"
+            ) from e
         token = answer.get("token")
         if not isinstance(token, str) or not token:
             raise FenceAuthError(f"etcd authentication at {endpoint} gave no token: commit refused")
@@ -208,20 +229,27 @@ class EtcdRoundFence:
                 raise
             if self._token is None or not e.token_rejected:
                 who = f"user {self.settings().username!r}" if self.settings().username else "no credentials"
-                raise FenceAuthError(f"etcd authentication refused the fence's transaction ({who}) at "
-                                     f"{endpoint}: {e.message}; commit refused") from e
+                raise FenceAuthError(
+                    f"etcd authentication refused the fence's transaction ({who}) at "
+                    f"{endpoint}: {e.message}; commit refused"
+                ) from e
         self._token = self._authenticate(endpoint)  # expired or invalid: once more with a fresh token
         try:
             return self._post(endpoint, "/v3/kv/txn", body, self._token)
         except _Rejected as e:
             if e.auth:
-                raise FenceAuthError(f"etcd authentication refused the fence's transaction at {endpoint} even "
-                                     f"with a fresh token: {e.message}; commit refused") from e
+                raise FenceAuthError(
+                    f"etcd authentication refused the fence's transaction at {endpoint} even "
+                    f"with a fresh token: {e.message}; commit refused"
+                ) from e
             raise
 
     def check(self, round_: int) -> None:
-        body = {"compare": [{"key": _b64(self.key), "target": "VALUE", "result": "EQUAL",
-                             "value": _b64(str(round_))}], "success": [], "failure": []}
+        body = {
+            "compare": [{"key": _b64(self.key), "target": "VALUE", "result": "EQUAL", "value": _b64(str(round_))}],
+            "success": [],
+            "failure": [],
+        }
         errors = []
         for endpoint in self.endpoints:
             try:
@@ -238,10 +266,13 @@ class EtcdRoundFence:
                 continue
             if answer.get("succeeded"):
                 return
-            raise StaleRoundError(f"round {round_} is no longer current ({self.key} moved on): "
-                                  "this worker belongs to an old round and may not commit")
-        raise StaleRoundError(f"cannot confirm round {round_} is current, etcd unreachable "
-                              f"({'; '.join(errors)}): commit refused")
+            raise StaleRoundError(
+                f"round {round_} is no longer current ({self.key} moved on): "
+                "this worker belongs to an old round and may not commit"
+            )
+        raise StaleRoundError(
+            f"cannot confirm round {round_} is current, etcd unreachable ({'; '.join(errors)}): commit refused"
+        )
 
 
 def from_env() -> EtcdRoundFence | None:

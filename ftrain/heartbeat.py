@@ -64,22 +64,47 @@ class Heartbeat:
         self._dropped = 0
         self._closing = threading.Event()
 
-    def beat(self, step: int, *, phase: str = "training", step_time_s: float = 0.0, committed_step: int = -1,
-             ckpt_duration_s: float = 0.0, ckpt_failures: int = 0, ckpt_failures_total: int = 0,
-             ckpt_error: str = "") -> None:
+    def beat(
+        self,
+        step: int,
+        *,
+        phase: str = "training",
+        step_time_s: float = 0.0,
+        committed_step: int = -1,
+        ckpt_duration_s: float = 0.0,
+        ckpt_failures: int = 0,
+        ckpt_failures_total: int = 0,
+        ckpt_error: str = "",
+    ) -> None:
         """``phase``: ``training`` (the agent expects the next beat within its hang timeout) or
         anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies).
         ``ckpt_failures``: commits failed in a row; ``ckpt_error``: the last one's error."""
-        self._send(kind="beat", phase=phase, step=step, step_time_s=step_time_s, committed_step=committed_step,
-                   ckpt_duration_s=ckpt_duration_s, ckpt_failures=ckpt_failures,
-                   ckpt_failures_total=ckpt_failures_total, ckpt_error=ckpt_error)
+        self._send(
+            kind="beat",
+            phase=phase,
+            step=step,
+            step_time_s=step_time_s,
+            committed_step=committed_step,
+            ckpt_duration_s=ckpt_duration_s,
+            ckpt_failures=ckpt_failures,
+            ckpt_failures_total=ckpt_failures_total,
+            ckpt_error=ckpt_error,
+        )
 
-    def exit(self, step: int, *, finished: bool, committed_step: int = -1, error: str = "",
-             fatal: bool = False) -> None:
+    def exit(
+        self, step: int, *, finished: bool, committed_step: int = -1, error: str = "", fatal: bool = False
+    ) -> None:
         """The last message: ``error`` says why the worker fails (empty on success), ``fatal``
         that restarting it cannot help (the agent then ends the job instead)."""
-        self._send(kind="exit", phase="exiting", step=step, finished=finished, committed_step=committed_step,
-                   error=error, fatal=fatal)
+        self._send(
+            kind="exit",
+            phase="exiting",
+            step=step,
+            finished=finished,
+            committed_step=committed_step,
+            error=error,
+            fatal=fatal,
+        )
 
     def _send(self, **fields: Any) -> None:
         msg = dataclasses.replace(self._sender, **fields, time=time.time()).encode()
@@ -125,6 +150,7 @@ def from_env(rank: int, local_rank: int) -> Heartbeat | None:
         hb.enable_stack_dumps(env.stack_dir)
     hb.start_alive()
     if env.agent_pid:
-        threading.Thread(target=_watchdog, args=(env.agent_pid, os.getppid()), name="agent-watchdog",
-                         daemon=True).start()
+        threading.Thread(
+            target=_watchdog, args=(env.agent_pid, os.getppid()), name="agent-watchdog", daemon=True
+        ).start()
     return hb

@@ -32,9 +32,7 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -199,8 +199,11 @@ class MemoryEstimate:
 
     def _peaks(self) -> dict[str, int]:
         return {
-            "backward": self.params_bytes + self.optimizer_bytes + self.grads_in_backward_bytes
-            + self.activation_bytes + self.transient_bytes,
+            "backward": self.params_bytes
+            + self.optimizer_bytes
+            + self.grads_in_backward_bytes
+            + self.activation_bytes
+            + self.transient_bytes,
             "step": self.model_state_bytes + self.step_transient_bytes,
             "init": self.init_bytes,
         }
@@ -227,9 +230,7 @@ def model_stats(model_cfg: ModelConfig, optim_cfg: OptimConfig | None = None) ->
     except ConfigError:
         raise
     except Exception as e:  # a user factory that cannot run on the meta device
-        raise ConfigError(
-            "model.factory", f"cannot build the model on the meta device to count parameters: {e}"
-        ) from e
+        raise ConfigError("model.factory", f"cannot build the model on the meta device to count parameters: {e}") from e
     return stats_of(model, optim_cfg or OptimConfig())
 
 
@@ -283,8 +284,7 @@ def _fsdp_local_numel(shape: tuple[int, ...], n: int) -> int:
     return -(-shape[0] // n) * math.prod(shape[1:])
 
 
-def textbook_model_state_bytes(strategy: str, num_params: int, *, shard: int, tp_split: int = 0,
-                               tp: int = 1) -> int:
+def textbook_model_state_bytes(strategy: str, num_params: int, *, shard: int, tp_split: int = 0, tp: int = 1) -> int:
     """Mixed-precision Adam model states per rank as in the ZeRO paper (16 bytes per parameter:
     2 fp16 params + 2 fp16 grads + 12 fp32 master, m, v), for comparison with ours."""
     return strategies.get(strategy).textbook_model_state_bytes(num_params, shard=shard, tp_split=tp_split, tp=tp)
@@ -332,8 +332,9 @@ class Activations:
         return self.layers + self.recompute + self.logits_held
 
 
-def activations(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str,
-                checkpointing: bool) -> Activations:
+def activations(
+    model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str, checkpointing: bool
+) -> Activations:
     """Activation memory of the built-in GPT (see the module docstring for what is counted).
 
     ``mode`` is "fp32", "mp" (FSDP2 bf16: everything bf16) or "autocast" (bf16 matmuls, fp32
@@ -369,11 +370,13 @@ def activations(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, dev
     )
 
 
-def activation_bytes(model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str,
-                     checkpointing: bool) -> int:
+def activation_bytes(
+    model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str, checkpointing: bool
+) -> int:
     """Activation memory at the start of backward (peak A of :class:`Activations`)."""
-    return activations(model, micro_batch=micro_batch, mode=mode, tp=tp, device=device,
-                       checkpointing=checkpointing).at_loss_backward
+    return activations(
+        model, micro_batch=micro_batch, mode=mode, tp=tp, device=device, checkpointing=checkpointing
+    ).at_loss_backward
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,12 +395,14 @@ def resolve_target(cfg: Config) -> Target:
 def layout_for(cfg: Config, strategy: str, *, world_size: int, gpus_per_node: int) -> Layout:
     """Rank 0's layout for ``strategy``; ConfigError (naming the key) if it cannot run at this size."""
     parallel = dataclasses.replace(
-        cfg.parallel, strategy=strategy,
+        cfg.parallel,
+        strategy=strategy,
         deterministic=cfg.parallel.deterministic and strategies.get(strategy).supports_deterministic,
     )
     n_head = cfg.model.n_head if not cfg.model.factory else None
-    return compute_layout(parallel, world_size=world_size, rank=0,
-                          local_world_size=min(gpus_per_node, world_size), n_head=n_head)
+    return compute_layout(
+        parallel, world_size=world_size, rank=0, local_world_size=min(gpus_per_node, world_size), n_head=n_head
+    )
 
 
 def overhead_bytes(cfg: Config, target: Target) -> int:
@@ -434,8 +439,14 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     # freed by zero_grad(set_to_none=True) and come back during backward as activations go.
     grads_in_backward = grads if ddp and not layout.deterministic else 0
 
-    acts = activations(cfg.model, micro_batch=cfg.train.micro_batch_size, mode=mode, tp=tp,
-                       device=target.device, checkpointing=cfg.parallel.activation_checkpointing)
+    acts = activations(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        mode=mode,
+        tp=tp,
+        device=target.device,
+        checkpointing=cfg.parallel.activation_checkpointing,
+    )
 
     # Extras present through forward and backward (A), and at the last block's backward (B).
     extra_a = 0
@@ -447,12 +458,16 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
             # zero_grad(set_to_none=True) detaches the gradients from DDP's buckets; no_sync
             # micro-batches then accumulate into fresh tensors beside the buckets (measured).
             extra_a += 4 * psi
-            notes.append(f"{s}: {accum} accumulation steps: no_sync micro-batches accumulate into fresh "
-                         f"gradients beside DDP's buckets, {_gib(4 * psi)} per rank")
+            notes.append(
+                f"{s}: {accum} accumulation steps: no_sync micro-batches accumulate into fresh "
+                f"gradients beside DDP's buckets, {_gib(4 * psi)} per rank"
+            )
         elif fsdp:
             extra_a += 4 * unsharded  # no-sync micro-batches accumulate unsharded fp32 gradients
-            notes.append(f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
-                         f"micro-batches (set_requires_gradient_sync(False)), {_gib(4 * unsharded)} per rank")
+            notes.append(
+                f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
+                f"micro-batches (set_requires_gradient_sync(False)), {_gib(4 * unsharded)} per rank"
+            )
         elif layout.deterministic:
             extra_a += 4 * psi * accum.bit_length()  # the streaming tree's partial sums
         else:
@@ -460,8 +475,7 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     extra_b = extra_a
     if fsdp:
         root = sum(tp_local(p) for p in stats.params if p.unit == -1)
-        block = max((sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)),
-                    default=0)
+        block = max((sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)), default=0)
         grad_work = block * (e + 4)  # a block's unsharded gradient and fp32 reduce-scatter input
         if not strategy.reshard_after_forward:
             # ZeRO-2: every unit stays unsharded from its forward on.
@@ -486,8 +500,10 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
         total_micro = accum * layout.dp_size
         max_nodes = max(len(cover(0, total_micro, r * accum, (r + 1) * accum)) for r in range(layout.dp_size))
         step = max(step, 4 * psi * (layout.dp_size * max_nodes + max_nodes + 1))
-        notes.append(f"ddp deterministic: the fixed-order reduction gathers {layout.dp_size}x{max_nodes} "
-                     "flattened fp32 gradients")
+        notes.append(
+            f"ddp deterministic: the fixed-order reduction gathers {layout.dp_size}x{max_nodes} "
+            "flattened fp32 gradients"
+        )
     step += acts.logits_held
 
     # Start-up: the full fp32 model (plus DDP's buckets, or the first shards/splits).
@@ -496,16 +512,28 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     tp_split = sum(p.numel for p in stats.params if p.tp_dim is not None)
     textbook = strategy.textbook_model_state_bytes(psi, shard=shard, tp_split=tp_split, tp=tp)
     return MemoryEstimate(
-        strategy=s, world_size=layout.world_size, dp_size=layout.dp_size, tp_size=tp, shard_size=shard,
-        params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
-        grads_in_backward_bytes=grads_in_backward, activation_bytes=acts.at_loss_backward,
-        transient_bytes=transient, step_transient_bytes=step, init_bytes=init,
-        overhead_bytes=overhead_bytes(cfg, target), textbook_model_state_bytes=textbook, notes=tuple(notes),
+        strategy=s,
+        world_size=layout.world_size,
+        dp_size=layout.dp_size,
+        tp_size=tp,
+        shard_size=shard,
+        params_bytes=params,
+        grads_bytes=grads,
+        optimizer_bytes=optimizer,
+        grads_in_backward_bytes=grads_in_backward,
+        activation_bytes=acts.at_loss_backward,
+        transient_bytes=transient,
+        step_transient_bytes=step,
+        init_bytes=init,
+        overhead_bytes=overhead_bytes(cfg, target),
+        textbook_model_state_bytes=textbook,
+        notes=tuple(notes),
     )
 
 
-def estimate_all(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int,
-                 target: Target) -> tuple[list[MemoryEstimate], list[Skipped]]:
+def estimate_all(
+    stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target
+) -> tuple[list[MemoryEstimate], list[Skipped]]:
     """Every strategy that can run at this world size, and the reason for each that cannot."""
     estimates, skipped = [], []
     for strategy in strategies.registered():
@@ -529,8 +557,9 @@ def estimate_all(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_no
 # Decisions.
 
 
-def recommend(estimates: Iterable[MemoryEstimate], device_memory_bytes: int, *,
-              include_init: bool = True) -> MemoryEstimate | None:
+def recommend(
+    estimates: Iterable[MemoryEstimate], device_memory_bytes: int, *, include_init: bool = True
+) -> MemoryEstimate | None:
     """The fitting strategy with the least communication (:data:`PREFERENCE` order), or None.
 
     ``include_init=False`` ignores the start-up peak of the full fp32 model (as if the model
@@ -542,8 +571,15 @@ def recommend(estimates: Iterable[MemoryEstimate], device_memory_bytes: int, *,
     return None
 
 
-def _best(stats: ModelStats, cfg: Config, world_size: int, gpus_per_node: int, target: Target,
-          memory: int, include_init: bool = True) -> MemoryEstimate | None:
+def _best(
+    stats: ModelStats,
+    cfg: Config,
+    world_size: int,
+    gpus_per_node: int,
+    target: Target,
+    memory: int,
+    include_init: bool = True,
+) -> MemoryEstimate | None:
     estimates, _ = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
     return recommend(estimates, memory, include_init=include_init)
 
@@ -552,8 +588,16 @@ def _with(cfg: Config, section: str, **changes) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
 
 
-def suggestions(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target,
-                device_memory_bytes: int, max_world_size: int = 65536) -> list[str]:
+def suggestions(
+    stats: ModelStats,
+    cfg: Config,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    target: Target,
+    device_memory_bytes: int,
+    max_world_size: int = 65536,
+) -> list[str]:
     """What would make some strategy fit, when none does at this configuration."""
     out = []
     memory = device_memory_bytes
@@ -568,14 +612,18 @@ def suggestions(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_nod
         )
         best = _best(stats, cfg, world_size, gpus_per_node, target, memory, include_init=False)
         if best is not None:
-            out.append(f"with meta-device initialisation, {best.strategy} would fit at {world_size} ranks "
-                       f"({_gib(best.running_bytes)} per rank)")
+            out.append(
+                f"with meta-device initialisation, {best.strategy} would fit at {world_size} ranks "
+                f"({_gib(best.running_bytes)} per rank)"
+            )
     if not cfg.parallel.activation_checkpointing:
-        best = _best(stats, _with(cfg, "parallel", activation_checkpointing=True), world_size, gpus_per_node,
-                     target, memory)
+        best = _best(
+            stats, _with(cfg, "parallel", activation_checkpointing=True), world_size, gpus_per_node, target, memory
+        )
         if best is not None:
-            out.append(f"--parallel.activation_checkpointing=true: {best.strategy} fits "
-                       f"({_gib(best.total_bytes)} per rank)")
+            out.append(
+                f"--parallel.activation_checkpointing=true: {best.strategy} fits ({_gib(best.total_bytes)} per rank)"
+            )
     b = cfg.train.micro_batch_size
     for micro in sorted((d for d in range(1, b) if cfg.train.global_batch_size % d == 0), reverse=True):
         best = _best(stats, _with(cfg, "train", micro_batch_size=micro), world_size, gpus_per_node, target, memory)
@@ -589,14 +637,18 @@ def suggestions(stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_nod
             if best is not None:
                 extra = ""
                 if cfg.train.global_batch_size % (cfg.train.micro_batch_size * best.dp_size):
-                    extra = (f"; train.global_batch_size={cfg.train.global_batch_size} must then be a multiple "
-                             f"of {cfg.train.micro_batch_size * best.dp_size}")
+                    extra = (
+                        f"; train.global_batch_size={cfg.train.global_batch_size} must then be a multiple "
+                        f"of {cfg.train.micro_batch_size * best.dp_size}"
+                    )
                 out.append(f"{world} ranks: {best.strategy} fits ({_gib(best.total_bytes)} per rank){extra}")
                 break
             world *= 2
     if not out:
-        out.append("nothing tried fits: combine activation checkpointing, micro batch 1 and more ranks, "
-                   "or use devices with more memory")
+        out.append(
+            "nothing tried fits: combine activation checkpointing, micro batch 1 and more ranks, "
+            "or use devices with more memory"
+        )
     return out
 
 
@@ -618,15 +670,17 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
-        lines.append("| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
-                                       enumerate(zip(row, widths, strict=True))) + " |")
+        lines.append(
+            "| "
+            + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            + " |"
+        )
         if j == 0:
             lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return lines
 
 
-def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None,
-                gpus_per_node: int = 8) -> str:
+def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8) -> str:
     """The table ``ftrain plan`` prints: every feasible strategy's per-rank memory, and a pick."""
     if world_size < 1:
         raise ConfigError("", f"--world-size must be >= 1, got {world_size}")
@@ -641,23 +695,45 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         f"ftrain plan: {stats.name} with {psi / 1e6:.2f}M parameters (Ψ, counted on the meta device), "
         f"{world_size} rank(s), {gpus_per_node} per node",
         f"target: {target.device} {target.dtype}"
-        + (" (train.device=auto plans for GPUs; --train.device=cpu plans a CPU run)"
-           if cfg.train.device == "auto" else "")
+        + (
+            " (train.device=auto plans for GPUs; --train.device=cpu plans a CPU run)"
+            if cfg.train.device == "auto"
+            else ""
+        )
         + f", {_gib(memory)} per rank",
         f"micro batch {cfg.train.micro_batch_size} x seq {cfg.model.seq_len}, activation checkpointing "
         f"{'on' if cfg.parallel.activation_checkpointing else 'off'}",
         "",
     ]
-    header = ["strategy", "layout", "params+grads+optim", "activations", "backward extra", "step extra",
-              "overhead", "total/rank", f"fits {_gib(memory)}"]
+    header = [
+        "strategy",
+        "layout",
+        "params+grads+optim",
+        "activations",
+        "backward extra",
+        "step extra",
+        "overhead",
+        "total/rank",
+        f"fits {_gib(memory)}",
+    ]
     rows = [header]
     for e in estimates:
         use = e.total_bytes / memory
         fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
         total = _gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
-        rows.append([e.strategy, strategies.get(e.strategy).layout_text(e), _gib(e.model_state_bytes),
-                     _gib(e.activation_bytes), _gib(e.transient_bytes), _gib(e.step_transient_bytes),
-                     _gib(e.overhead_bytes), total, f"{fit} ({use:.0%})"])
+        rows.append(
+            [
+                e.strategy,
+                strategies.get(e.strategy).layout_text(e),
+                _gib(e.model_state_bytes),
+                _gib(e.activation_bytes),
+                _gib(e.transient_bytes),
+                _gib(e.step_transient_bytes),
+                _gib(e.overhead_bytes),
+                total,
+                f"{fit} ({use:.0%})",
+            ]
+        )
     lines += _table(rows)
     for sk in skipped:
         lines.append(f"skipped {sk.strategy}: {sk.reason}")
@@ -668,35 +744,55 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         lines.append(f"recommended: {best.strategy} (the least communication of those that fit){tight}")
     else:
         lines.append("recommended: none: no strategy fits in " + _gib(memory) + " per rank. What would:")
-        lines += [f"  - {s}" for s in suggestions(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node,
-                                                   target=target, device_memory_bytes=memory)]
+        lines += [
+            f"  - {s}"
+            for s in suggestions(
+                stats,
+                cfg,
+                world_size=world_size,
+                gpus_per_node=gpus_per_node,
+                target=target,
+                device_memory_bytes=memory,
+            )
+        ]
     lines.append("")
     lines.append("notes:")
-    lines.append("  - total/rank = overhead + the largest of: backward (params + optimizer state + activations "
-                 "+ backward extra, + gradients for ddp/zero1 whose buckets persist; other strategies free "
-                 "gradients after each step and re-create them as activations are freed), step (params + "
-                 "grads + optimizer + step extra), init (the full fp32 model before sharding); the phase "
-                 "is named when it is not backward")
-    lines.append("  - backward extra: unsharded FSDP units and buffers, bf16 autocast weight copies, gradients "
-                 "accumulated between micro-batches; step extra: AdamW temporaries and the last logits")
+    lines.append(
+        "  - total/rank = overhead + the largest of: backward (params + optimizer state + activations "
+        "+ backward extra, + gradients for ddp/zero1 whose buckets persist; other strategies free "
+        "gradients after each step and re-create them as activations are freed), step (params + "
+        "grads + optimizer + step extra), init (the full fp32 model before sharding); the phase "
+        "is named when it is not backward"
+    )
+    lines.append(
+        "  - backward extra: unsharded FSDP units and buffers, bf16 autocast weight copies, gradients "
+        "accumulated between micro-batches; step extra: AdamW temporaries and the last logits"
+    )
     for e in estimates:
         if e.model_state_bytes != e.textbook_model_state_bytes:
             why = strategies.get(e.strategy).textbook_difference
-            lines.append(f"  - {e.strategy}: model states {_gib(e.model_state_bytes)} here vs "
-                         f"{_gib(e.textbook_model_state_bytes)} textbook ({why})")
+            lines.append(
+                f"  - {e.strategy}: model states {_gib(e.model_state_bytes)} here vs "
+                f"{_gib(e.textbook_model_state_bytes)} textbook ({why})"
+            )
         lines += [f"  - {n}" for n in e.notes]
     if cfg.model.factory:
         lines.append("  - activations assume a GPT-like model with the configured model.* sizes")
     if getattr(cfg, "checkpoint", None) is not None and cfg.checkpoint.uri:
-        lines.append("  - not included: checkpoint staging (an async save copies this rank's params and optimizer "
-                     "state to host memory first)")
+        lines.append(
+            "  - not included: checkpoint staging (an async save copies this rank's params and optimizer "
+            "state to host memory first)"
+        )
     if target.device == "cuda":
-        lines.append(f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {_gib(CUDA_RUNTIME_BYTES)} "
-                     "(not in torch.cuda.max_memory_allocated)")
+        lines.append(
+            f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {_gib(CUDA_RUNTIME_BYTES)} "
+            "(not in torch.cuda.max_memory_allocated)"
+        )
     else:
         lines.append("  - overhead: torch + gloo process baseline (measured) + the data cursor's permutation")
-        lines.append("  - CPU peak RSS matches these (live) bytes with MALLOC_MMAP_THRESHOLD_=65536 "
-                     "MALLOC_TRIM_THRESHOLD_=0; glibc's defaults added 10-50% of fragmentation in "
-                     "bench/plan_vs_measured.py")
+        lines.append(
+            "  - CPU peak RSS matches these (live) bytes with MALLOC_MMAP_THRESHOLD_=65536 "
+            "MALLOC_TRIM_THRESHOLD_=0; glibc's defaults added 10-50% of fragmentation in "
+            "bench/plan_vs_measured.py"
+        )
     return "\n".join(lines)
-

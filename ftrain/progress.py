@@ -7,8 +7,7 @@ from typing import Any, TextIO
 
 
 class Progress:
-    def __init__(self, total_steps: int, mode: str = "auto", log_every: int = 10,
-                 stream: TextIO | None = None):
+    def __init__(self, total_steps: int, mode: str = "auto", log_every: int = 10, stream: TextIO | None = None):
         self.stream = stream or sys.stderr
         if mode == "auto":
             mode = "bar" if self.stream.isatty() else "lines"
@@ -19,8 +18,10 @@ class Progress:
     def update(self, step: int, m: dict[str, Any]) -> None:
         if self.mode == "off":
             return
-        text = (f"step {step}/{self.total} loss {m['loss']:.4f} lr {m['lr']:.2e} "
-                f"gnorm {m['grad_norm']:.3f} {m['tokens_per_s']:.0f} tok/s {m['step_time_s'] * 1e3:.0f} ms")
+        text = (
+            f"step {step}/{self.total} loss {m['loss']:.4f} lr {m['lr']:.2e} "
+            f"gnorm {m['grad_norm']:.3f} {m['tokens_per_s']:.0f} tok/s {m['step_time_s'] * 1e3:.0f} ms"
+        )
         if self.mode == "bar":
             width = 24
             filled = int(width * step / max(1, self.total))

@@ -95,9 +95,13 @@ def train(cfg: Config) -> TrainResult:
         # No collective teardown on failure: peers may be stuck in a collective, and a barrier
         # or destroy here would hang; the launcher ends the job.
         if hb is not None and not isinstance(e, KeyboardInterrupt):
-            hb.exit(trainer.cursor.step if trainer is not None else -1, finished=False,
-                    committed_step=trainer.committed_step() if trainer is not None else -1,
-                    error=describe_failure(e), fatal=bool(getattr(e, "fatal", False)))
+            hb.exit(
+                trainer.cursor.step if trainer is not None else -1,
+                finished=False,
+                committed_step=trainer.committed_step() if trainer is not None else -1,
+                error=describe_failure(e),
+                fatal=bool(getattr(e, "fatal", False)),
+            )
         if trainer is not None:
             trainer.close()
         raise
@@ -109,15 +113,24 @@ def train(cfg: Config) -> TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, device: torch.device, dtype: torch.dtype, rank: int, world_size: int,
-                 local_world: int, hb: heartbeat.Heartbeat | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        world_size: int,
+        local_world: int,
+        hb: heartbeat.Heartbeat | None = None,
+    ):
         self.cfg = cfg
         self.hb = hb
         self.device = device
         self.rank = rank
         n_head = cfg.model.n_head if not cfg.model.factory else None
-        self.layout = compute_layout(cfg.parallel, world_size=world_size, rank=rank,
-                                     local_world_size=local_world, n_head=n_head)
+        self.layout = compute_layout(
+            cfg.parallel, world_size=world_size, rank=rank, local_world_size=local_world, n_head=n_head
+        )
         self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.dp_size)
         self.source = build_source(cfg.data, cfg.model)
         torch.manual_seed(cfg.train.seed)
@@ -126,8 +139,11 @@ class Trainer:
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.accum)
         self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=current_round())
-        self.ledger = Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=current_round()) \
-            if cfg.data.ledger_dir and self.layout.tp_rank == 0 else None
+        self.ledger = (
+            Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=current_round())
+            if cfg.data.ledger_dir and self.layout.tp_rank == 0
+            else None
+        )
         self.metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
         self.progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
         self.ckpt = Checkpointing(cfg, self.par, self.cursor, self.events) if cfg.checkpoint.uri else None
@@ -153,8 +169,14 @@ class Trainer:
     def run(self) -> TrainResult:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         cfg, layout = self.cfg, self.layout
-        self.events.emit(ev.WorkerStarted(world_size=layout.world_size, strategy=layout.strategy,
-                         node=WorkerEnv.from_env().node, local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
+        self.events.emit(
+            ev.WorkerStarted(
+                world_size=layout.world_size,
+                strategy=layout.strategy,
+                node=WorkerEnv.from_env().node,
+                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            )
+        )
         if self.ckpt is not None and cfg.checkpoint.resume:
             self._resume()
         self.progress.message(
@@ -200,11 +222,16 @@ class Trainer:
     def _beat(self, step: int, phase: str, step_time_s: float = 0.0) -> None:
         if self.hb is not None:
             status = self.ckpt.manager.status if self.ckpt else None
-            self.hb.beat(step, phase=phase, step_time_s=step_time_s, committed_step=self.committed_step(),
-                         ckpt_duration_s=status.last_save_duration_s if status else 0.0,
-                         ckpt_failures=self.consecutive_commit_failures(),
-                         ckpt_failures_total=status.saves_failed if status else 0,
-                         ckpt_error=status.last_error if status and self.consecutive_commit_failures() else "")
+            self.hb.beat(
+                step,
+                phase=phase,
+                step_time_s=step_time_s,
+                committed_step=self.committed_step(),
+                ckpt_duration_s=status.last_save_duration_s if status else 0.0,
+                ckpt_failures=self.consecutive_commit_failures(),
+                ckpt_failures_total=status.saves_failed if status else 0,
+                ckpt_error=status.last_error if status and self.consecutive_commit_failures() else "",
+            )
 
     def committed_step(self) -> int:
         return self.ckpt.manager.status.last_committed_step if self.ckpt is not None else -1
@@ -233,7 +260,8 @@ class Trainer:
         raise CheckpointFailuresError(
             f"{failures} checkpoint commits in a row failed (checkpoint.max_failed_commits={self.max_failed_commits}): "
             f"stopping rather than training unprotected; last error: {error}. Fix the storage or the etcd fence, or "
-            "raise checkpoint.max_failed_commits (0: never stop)")
+            "raise checkpoint.max_failed_commits (0: never stop)"
+        )
 
     def _resume(self) -> None:
         if self.ckpt is None:
@@ -241,8 +269,10 @@ class Trainer:
         self._beat(-1, "loading")
         manifest = self.ckpt.resume()
         if manifest is not None:
-            self.progress.message(f"resumed from checkpoint step {manifest.step} "
-                                  f"(saved at world size {manifest.world_size}, round {manifest.round})")
+            self.progress.message(
+                f"resumed from checkpoint step {manifest.step} "
+                f"(saved at world size {manifest.world_size}, round {manifest.round})"
+            )
             self._check_consistency(self.cursor.step)
 
     def close(self) -> None:
@@ -270,8 +300,13 @@ class Trainer:
         par.reduce_gradients()
         grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
         loss, peaks = self._step_stats(losses)
-        lr = lr_at(step, peak=self.peak_lr, warmup_steps=cfg.optim.warmup_steps,
-                   total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+        lr = lr_at(
+            step,
+            peak=self.peak_lr,
+            warmup_steps=cfg.optim.warmup_steps,
+            total_steps=cfg.train.steps,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
+        )
         if math.isfinite(loss) and math.isfinite(grad_norm):
             set_lr(par.optimizer.param_groups, lr)
             par.optimizer.step()
@@ -298,8 +333,9 @@ class Trainer:
 
     def _rollback(self, why: str) -> None:
         if self.ckpt is None:
-            raise ConsistencyError(f"{why}, and checkpointing is off (checkpoint.uri is empty): "
-                                   "nothing to roll back to")
+            raise ConsistencyError(
+                f"{why}, and checkpointing is off (checkpoint.uri is empty): nothing to roll back to"
+            )
         self.ckpt.manager.wait()
         manifest = self.ckpt.resume()
         if manifest is None:
@@ -330,8 +366,11 @@ class Trainer:
         micro-batches were spread over ranks.
         """
         layout = self.layout
-        local = torch.tensor([float(x) for x in losses] + [float(peak_memory_bytes(self.device))],
-                             dtype=torch.float64, device=self.device)
+        local = torch.tensor(
+            [float(x) for x in losses] + [float(peak_memory_bytes(self.device))],
+            dtype=torch.float64,
+            device=self.device,
+        )
         gathered = torch.empty(layout.world_size * local.numel(), dtype=torch.float64, device=self.device)
         dist.all_gather_single(gathered, local)
         rows = gathered.view(layout.world_size, -1).cpu()
@@ -342,8 +381,16 @@ class Trainer:
                 count += 1
         return total / count, [int(v) for v in rows[:, -1].tolist()]
 
-    def _report(self, step: int, batch: GlobalBatch, loss: float, grad_norm: float, lr: float,
-                peaks: list[int], step_time_s: float) -> None:
+    def _report(
+        self,
+        step: int,
+        batch: GlobalBatch,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        peaks: list[int],
+        step_time_s: float,
+    ) -> None:
         record: dict[str, Any] = {
             "step": step,
             "loss": loss,
@@ -361,10 +408,13 @@ class Trainer:
         }
         if self.ckpt is not None:
             status = self.ckpt.poll()
-            record.update(ckpt_last_committed_step=status.last_committed_step,
-                          ckpt_saves_failed=status.saves_failed, ckpt_in_flight=status.in_flight_step,
-                          ckpt_last_error=status.last_error,
-                          ckpt_consecutive_failures=self.consecutive_commit_failures())
+            record.update(
+                ckpt_last_committed_step=status.last_committed_step,
+                ckpt_saves_failed=status.saves_failed,
+                ckpt_in_flight=status.in_flight_step,
+                ckpt_last_error=status.last_error,
+                ckpt_consecutive_failures=self.consecutive_commit_failures(),
+            )
         if self.metrics is not None:
             self.metrics.write(record)
         self._beat(step, "training", step_time_s)
@@ -373,6 +423,13 @@ class Trainer:
     def _save_final(self) -> None:
         model_sd, optim_sd = self.par.full_state_dict()
         if dist.get_rank() == 0:
-            torch.save({"model": model_sd, "optim": optim_sd, "cursor": self.cursor.state_dict(),
-                        "config": self.cfg.to_dict(), "layout": self.layout.describe()},
-                       self.cfg.train.save_final_path)
+            torch.save(
+                {
+                    "model": model_sd,
+                    "optim": optim_sd,
+                    "cursor": self.cursor.state_dict(),
+                    "config": self.cfg.to_dict(),
+                    "layout": self.layout.describe(),
+                },
+                self.cfg.train.save_final_path,
+            )

@@ -47,20 +47,50 @@ class Demo:
         self.agents: dict[str, subprocess.Popen] = {}
         # checkpoints signed with a per-demo key, bound to job "demo" (see the README's security section)
         self.ckpt_key = secrets.token_hex(32)
-        self.worker_args = [args.config, f"--checkpoint.uri={stack.s3.url('demo')}",
-                            f"--checkpoint.hmac_key_env={CKPT_KEY_ENV}",
-                            f"--logging.metrics_path={self.metrics_path}", f"--logging.events_path={self.events_path}"]
+        self.worker_args = [
+            args.config,
+            f"--checkpoint.uri={stack.s3.url('demo')}",
+            f"--checkpoint.hmac_key_env={CKPT_KEY_ENV}",
+            f"--logging.metrics_path={self.metrics_path}",
+            f"--logging.events_path={self.events_path}",
+        ]
 
     def start_agent(self, node: str) -> None:
-        cmd = [sys.executable, "-m", "ftrain", "agent", "--etcd", self.stack.etcd_url, "--job", "demo",
-               "--nnodes", "1:2", "--nproc-per-node", str(self.args.nproc), "--node-id", node,
-               "--run-dir", str(self.work / node), "--events", str(self.events_path), *AGENT_OPTIONS,
-               "--", *self.worker_args]
-        env = {**os.environ, **self.stack.env(), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-               "FTRAIN_LOG_LEVEL": "WARNING", CKPT_KEY_ENV: self.ckpt_key}
+        cmd = [
+            sys.executable,
+            "-m",
+            "ftrain",
+            "agent",
+            "--etcd",
+            self.stack.etcd_url,
+            "--job",
+            "demo",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            str(self.args.nproc),
+            "--node-id",
+            node,
+            "--run-dir",
+            str(self.work / node),
+            "--events",
+            str(self.events_path),
+            *AGENT_OPTIONS,
+            "--",
+            *self.worker_args,
+        ]
+        env = {
+            **os.environ,
+            **self.stack.env(),
+            "OMP_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "FTRAIN_LOG_LEVEL": "WARNING",
+            CKPT_KEY_ENV: self.ckpt_key,
+        }
         with open(self.work / f"agent-{node}.log", "ab") as log:
-            self.agents[node] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
+            self.agents[node] = subprocess.Popen(
+                cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         print(f"demo: started agent {node} (pid {self.agents[node].pid}, log {self.work / f'agent-{node}.log'})")
 
     def events(self, name: str) -> list[dict[str, Any]]:
@@ -115,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ftrain-demo-"))
     print(f"demo: working directory {work}")
     with LocalStack(work / "stack") as stack:
-        print(f"demo: etcd at {stack.etcd_url}, S3 (SeaweedFS) at {stack.s3.endpoint_url}, "
-              f"checkpoints to {stack.s3.url('demo')}")
+        print(
+            f"demo: etcd at {stack.etcd_url}, S3 (SeaweedFS) at {stack.s3.endpoint_url}, "
+            f"checkpoints to {stack.s3.url('demo')}"
+        )
         demo = Demo(work, stack, args)
         faults: list[tuple[str, float]] = []
         try:
@@ -133,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             demo.agents["a"].send_signal(signal.SIGKILL)
             demo.agents["a"].wait()
             faults.append(("node lost", time.time()))
-            demo.wait(lambda: len(demo.events(Event.RESUMED))
-                      and max(e["round"] for e in demo.events(Event.RESUMED)) >= 3,
-                      args.timeout_s, "the smaller round to resume")
+            demo.wait(
+                lambda: len(demo.events(Event.RESUMED)) and max(e["round"] for e in demo.events(Event.RESUMED)) >= 3,
+                args.timeout_s,
+                "the smaller round to resume",
+            )
             print(f"demo: step {demo.step()}: node a comes back")
             demo.start_agent("a")
             code = demo.agents["b"].wait(timeout=args.timeout_s)
@@ -149,11 +183,12 @@ def summarize(demo: Demo, faults: list[tuple[str, float]], floor: float, steps: 
     metrics = demo.metrics()
     final = demo.events(Event.JOB_FINAL)
     print("\n== ftrain demo summary ==")
-    print(f"job: {final[0]['status'] if final else 'no final status'} (agent exit {code}); "
-          f"steps {demo.step()}/{steps}")
+    print(f"job: {final[0]['status'] if final else 'no final status'} (agent exit {code}); steps {demo.step()}/{steps}")
     for r in sorted(demo.events(Event.ROUND_FORMED), key=lambda e: e["new_round"]):
-        print(f"  round {r['new_round']}: {r['reason']:<12} members {', '.join(r['members'])} "
-              f"(world size {r['world_size']})")
+        print(
+            f"  round {r['new_round']}: {r['reason']:<12} members {', '.join(r['members'])} "
+            f"(world size {r['world_size']})"
+        )
     restarts = len(demo.events(Event.ROUND_FORMED)) - 1
     print(f"restarts: {restarts}")
     for name, at in faults:
@@ -161,8 +196,10 @@ def summarize(demo: Demo, faults: list[tuple[str, float]], floor: float, steps: 
         print(f"  {name}: first step after it {rec:.1f} s later" if rec is not None else f"  {name}: not recovered")
     for e in sorted(demo.events(Event.RESUMED), key=lambda e: e["round"]):
         if e["rank"] == 0:
-            print(f"  round {e['round']} resumed from checkpoint step {e['step']} "
-                  f"(saved at world size {e['from_world_size']}, now {e['world_size']})")
+            print(
+                f"  round {e['round']} resumed from checkpoint step {e['step']} "
+                f"(saved at world size {e['from_world_size']}, now {e['world_size']})"
+            )
     loss = metrics[-1]["loss"] if metrics else float("nan")
     print(f"final loss {loss:.4f} vs entropy floor {floor:.4f} (+{loss - floor:.4f} nats)")
     ok = bool(final) and final[0]["status"] == "succeeded" and demo.step() == steps and code == 0

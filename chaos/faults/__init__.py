@@ -22,5 +22,17 @@ from chaos.faults.trigger import inject, wait_trigger
 #: Every registered kind, sorted.
 KINDS = FAULTS.kinds()
 
-__all__ = ["DETECTIONS", "FAULTS", "KINDS", "Context", "Fault", "FaultError", "FaultRegistry", "FaultSpec",
-           "Outcome", "UnknownFaultKind", "inject", "wait_trigger"]
+__all__ = [
+    "DETECTIONS",
+    "FAULTS",
+    "KINDS",
+    "Context",
+    "Fault",
+    "FaultError",
+    "FaultRegistry",
+    "FaultSpec",
+    "Outcome",
+    "UnknownFaultKind",
+    "inject",
+    "wait_trigger",
+]

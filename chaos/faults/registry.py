@@ -23,8 +23,15 @@ Action = Callable[["Context", "FaultSpec"], dict[str, Any]]
 
 #: Events by which agents or workers show they noticed a fault: the first one after a fault (and
 #: before the next) is its detection, unless the event says ``outcome = "succeeded"``.
-DETECTIONS = (Event.WORKERS_EXITED, Event.HANG, Event.ROUND_FORMED, Event.LEASE_LOST, Event.ETCD_UNREACHABLE,
-              Event.CKPT_CORRUPT, Event.CKPT_FAILED)
+DETECTIONS = (
+    Event.WORKERS_EXITED,
+    Event.HANG,
+    Event.ROUND_FORMED,
+    Event.LEASE_LOST,
+    Event.ETCD_UNREACHABLE,
+    Event.CKPT_CORRUPT,
+    Event.CKPT_FAILED,
+)
 
 
 class Outcome(enum.Enum):

@@ -50,6 +50,7 @@ class FaultSpec:
 @dataclass(slots=True)
 class Context:
     """What faults act on."""
+
     cluster: Cluster
     etcd: Any  #: testbed.etcd.EtcdServer
     s3: Any  #: testbed.seaweed.SeaweedS3

@@ -34,6 +34,7 @@ def pick_node(ctx: Context, node: str) -> str:
 def pick_worker(ctx: Context, node: str) -> tuple[str, int]:
     """A live worker of the current round on ``node`` (any node if empty), waiting while a
     restart is under way."""
+
     def pick() -> tuple[str, int] | None:
         chosen = pick_node(ctx, node)
         pids = [p for p in ctx.cluster.worker_pids(chosen, current_round(ctx)) if not process_gone(p)]

@@ -13,6 +13,7 @@ from chaos.faults.spec import Context, FaultSpec
 
 def wait_trigger(ctx: Context, spec: FaultSpec, timeout_s: float) -> None:
     """Return once the trigger is met or the run is over (``ctx.stop()``)."""
+
     def until(predicate: Callable[[], Any], what: str) -> Any:
         return wait_for(lambda: predicate() or ctx.stop(), timeout_s, what, poll_s=0.01)
 

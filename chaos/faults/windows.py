@@ -11,8 +11,9 @@ from chaos.faults.spec import Context, FaultSpec
 from chaos.s3proxy import FaultRates
 
 
-def outage(ctx: Context, spec: FaultSpec, default_s: float, begin: Callable[[], None],
-           end: Callable[[], None]) -> dict[str, Any]:
+def outage(
+    ctx: Context, spec: FaultSpec, default_s: float, begin: Callable[[], None], end: Callable[[], None]
+) -> dict[str, Any]:
     """A server is unavailable for ``duration_s`` (the fault's own length), then back: ``end``
     runs even if the wait is interrupted."""
     duration_s = float(spec.params.get("duration_s", default_s))

@@ -20,14 +20,37 @@ if TYPE_CHECKING:
     from checkpoint.storage import StorageOptions
 
 #: S3 error codes (or HTTP statuses) worth retrying.
-_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeTooSkewed",
+    "503",
+    "500",
+    "502",
+    "504",
+}
 #: S3 error codes (or HTTP statuses) retrying cannot fix: credentials, bucket.
-_FATAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "403",
-                "InvalidBucketName"}
+_FATAL_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "NoSuchBucket",
+    "403",
+    "InvalidBucketName",
+}
 #: botocore's connection-level errors, all worth retrying.
-_TRANSIENT_TYPE_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                         "ConnectionClosedError", "ResponseStreamingError", "IncompleteReadError"}
+_TRANSIENT_TYPE_NAMES = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+}
 
 
 class S3Backend(FsspecBackend):
@@ -39,11 +62,14 @@ class S3Backend(FsspecBackend):
     def fsspec_kwargs(cls, options: StorageOptions) -> dict[str, Any]:
         endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
         region = options.region or os.environ.get("AWS_REGION", "") or os.environ.get("AWS_DEFAULT_REGION", "")
-        kwargs: dict[str, Any] = {"client_kwargs": {}, "config_kwargs": {
-            "retries": {"max_attempts": 1},
-            "connect_timeout": options.connect_timeout_s,
-            "read_timeout": options.read_timeout_s,
-        }}
+        kwargs: dict[str, Any] = {
+            "client_kwargs": {},
+            "config_kwargs": {
+                "retries": {"max_attempts": 1},
+                "connect_timeout": options.connect_timeout_s,
+                "read_timeout": options.read_timeout_s,
+            },
+        }
         if endpoint:
             kwargs["client_kwargs"]["endpoint_url"] = endpoint
         if region:
@@ -102,8 +128,11 @@ class S3Backend(FsspecBackend):
         keys = {d.partition("/")[2].strip("/") for d in dirs}
         ordered = sorted((k + "/" for k in keys if k), key=lambda k: (-k.count("/"), k))
         for i in range(0, len(ordered), 1000):
-            self.fs.call_s3("delete_objects", Bucket=bucket,
-                            Delete={"Objects": [{"Key": k} for k in ordered[i:i + 1000]], "Quiet": True})
+            self.fs.call_s3(
+                "delete_objects",
+                Bucket=bucket,
+                Delete={"Objects": [{"Key": k} for k in ordered[i : i + 1000]], "Quiet": True},
+            )
 
     def clear_multipart_uploads(self, path: str) -> int:
         bucket, _, key = path.partition("/")
@@ -127,8 +156,9 @@ class S3Backend(FsspecBackend):
                 aborted += 1
             if not page.get("IsTruncated"):
                 return aborted
-            page_kwargs.update(KeyMarker=page.get("NextKeyMarker", ""),
-                               UploadIdMarker=page.get("NextUploadIdMarker", ""))
+            page_kwargs.update(
+                KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", "")
+            )
 
 
 def _error_code(exc: BaseException | None) -> str:

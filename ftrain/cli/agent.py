@@ -26,15 +26,23 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     """One option per :class:`AgentConfig` key (``--nproc-per-node`` for ``nproc_per_node``),
     with the key's type, choices and help; unset (None) unless given, so the file's value stays."""
     for f in dataclasses.fields(AgentConfig):
-        p.add_argument(option_name(f.name), dest=f.name, type=_TYPES[str(f.type)], choices=f.metadata.get("choices"),
-                       default=None, help=f"{f.metadata['help']} (agent.{f.name})")
+        p.add_argument(
+            option_name(f.name),
+            dest=f.name,
+            type=_TYPES[str(f.type)],
+            choices=f.metadata.get("choices"),
+            default=None,
+            help=f"{f.metadata['help']} (agent.{f.name})",
+        )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "agent", help="run this node's agent: join the job in etcd, supervise workers, restart elastically",
+        "agent",
+        help="run this node's agent: join the job in etcd, supervise workers, restart elastically",
         description="ftrain agent --etcd URL --job ID --nnodes MIN:MAX --nproc-per-node N -- CONFIG.toml "
-                    "[--section.key=value ...]. Options default to the config file's [agent] section.")
+        "[--section.key=value ...]. Options default to the config file's [agent] section.",
+    )
     add_config_options(p)
     p.add_argument("--events", default=None, help="agent events file (default: the config's logging.events_path)")
     p.add_argument("--etcd-user", default=None, help="etcd user (password from FTRAIN_ETCD_PASSWORD)")
@@ -58,8 +66,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def resolve_config(file_config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
     """The file's ``[agent]`` section with the options given on the command line over it; a bad
     value is a :class:`ConfigError` naming the key and, when an option gave it, the option."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(AgentConfig)
-             if getattr(args, f.name, None) is not None}
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(AgentConfig)
+        if getattr(args, f.name, None) is not None
+    }
     try:
         config = dataclasses.replace(file_config, **given)
     except ConfigError as e:
@@ -80,10 +91,15 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
     cfg = load_job_config(worker_args[0], worker_args[1:])  # fail here, not in every worker
     password = os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None
     return AgentOptions(
-        config=resolve_config(cfg.agent, args), worker_args=worker_args,
+        config=resolve_config(cfg.agent, args),
+        worker_args=worker_args,
         events_path=args.events if args.events is not None else cfg.logging.events_path,
-        etcd_username=args.etcd_user, etcd_password=password, etcd_ca_cert=args.etcd_ca_cert,
-        etcd_cert=args.etcd_cert, etcd_key=args.etcd_key)
+        etcd_username=args.etcd_user,
+        etcd_password=password,
+        etcd_ca_cert=args.etcd_ca_cert,
+        etcd_cert=args.etcd_cert,
+        etcd_key=args.etcd_key,
+    )
 
 
 def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -113,11 +129,17 @@ def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.etcd_user and password is None:
         print("ftrain status: --etcd-user needs the password in FTRAIN_ETCD_PASSWORD", file=sys.stderr)
         return exits.USAGE
-    client_options = {"username": args.etcd_user, "password": password, "ca_cert": args.etcd_ca_cert,
-                      "cert": args.etcd_cert, "key": args.etcd_key}
+    client_options = {
+        "username": args.etcd_user,
+        "password": password,
+        "ca_cert": args.etcd_ca_cert,
+        "cert": args.etcd_cert,
+        "key": args.etcd_key,
+    }
     try:
-        return status_main([e for e in args.etcd.split(",") if e], args.job, as_json=args.json,
-                           client_options=client_options)
+        return status_main(
+            [e for e in args.etcd.split(",") if e], args.job, as_json=args.json, client_options=client_options
+        )
     except ValueError as e:  # a bad --job or --etcd
         print(f"ftrain status: {e}", file=sys.stderr)
         return exits.USAGE

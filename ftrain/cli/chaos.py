@@ -16,8 +16,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("scenario", help="scenario TOML file (see chaos/scenarios/)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default=None, help="output directory (default: runs/chaos/<name>-<seed>-<time>)")
-    r.add_argument("--cache-dir", default=os.environ.get("FTRAIN_CHAOS_CACHE", str(REPO / "runs" / "chaos-cache")),
-                   help="where golden runs are kept (keyed by config hash)")
+    r.add_argument(
+        "--cache-dir",
+        default=os.environ.get("FTRAIN_CHAOS_CACHE", str(REPO / "runs" / "chaos-cache")),
+        help="where golden runs are kept (keyed by config hash)",
+    )
     r.set_defaults(func=_run)
 
 

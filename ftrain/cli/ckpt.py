@@ -50,9 +50,11 @@ def _hmac_key(args: argparse.Namespace) -> bytes | None:
     return hmac_key_from_env(args.hmac_key_env)
 
 
-NO_HMAC_KEY_NOTE = ("note: no HMAC key: digests prove integrity against accidents, not against someone who can "
-                    "write the bucket; set checkpoint.hmac_key_env in the job's config and pass --hmac-key-env NAME "
-                    "here to check manifest signatures")
+NO_HMAC_KEY_NOTE = (
+    "note: no HMAC key: digests prove integrity against accidents, not against someone who can "
+    "write the bucket; set checkpoint.hmac_key_env in the job's config and pass --hmac-key-env NAME "
+    "here to check manifest signatures"
+)
 #: Manifests are read back only this far to look for an ``hmac`` field (real ones are KiBs).
 _HMAC_PEEK_MAX_BYTES = 16 << 20
 #: At most this many unchecked signed steps are named in the warning.
@@ -85,8 +87,10 @@ def hmac_notes(storage: Storage, key: bytes | None, key_env: str, steps: list[St
     notes = [NO_HMAC_KEY_NOTE]
     if signed:
         named = ", ".join(signed[:_HMAC_NAMED_STEPS]) + (", ..." if len(signed) > _HMAC_NAMED_STEPS else "")
-        notes.append(f"warning: {len(signed)} manifest(s) carry an 'hmac' field that was NOT checked ({named}): "
-                     "pass --hmac-key-env NAME (the variable checkpoint.hmac_key_env names) to check them")
+        notes.append(
+            f"warning: {len(signed)} manifest(s) carry an 'hmac' field that was NOT checked ({named}): "
+            "pass --hmac-key-env NAME (the variable checkpoint.hmac_key_env names) to check them"
+        )
     return notes
 
 
@@ -158,10 +162,18 @@ def cmd_ls(args: argparse.Namespace, overrides: list[str]) -> int:
     rows = [["STEP", "STATE", "WORLD", "ROUND", "FILES", "SIZE", "CREATED", "NOTE"]]
     for s in steps:
         m = s.manifest
-        rows.append([str(s.step), s.state,
-                     str(m.world_size) if m else "-", str(m.round) if m else "-",
-                     str(len(m.files)) if m else "-", human_bytes(m.total_size_bytes) if m else "-",
-                     _iso(m.created_time) if m else "-", s.error or ""])
+        rows.append(
+            [
+                str(s.step),
+                s.state,
+                str(m.world_size) if m else "-",
+                str(m.round) if m else "-",
+                str(len(m.files)) if m else "-",
+                human_bytes(m.total_size_bytes) if m else "-",
+                _iso(m.created_time) if m else "-",
+                s.error or "",
+            ]
+        )
     print(_table(rows))
     return exits.OK
 
@@ -233,8 +245,15 @@ def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
     storage = _storage(args)
     steps = list_steps(storage, _hmac_key(args), job=args.job)
     ages = modified_times(storage, [s.dirname for s in steps if s.state != "committed"])
-    plan = plan_gc(steps, keep_last=args.keep_last, keep_every=args.keep_every, in_flight=set(),
-                   now_s=time.time(), modified_s=ages, grace_s=args.grace_s)
+    plan = plan_gc(
+        steps,
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+        in_flight=set(),
+        now_s=time.time(),
+        modified_s=ages,
+        grace_s=args.grace_s,
+    )
     verb = "would delete" if args.dry_run else "delete"
     for dirname in plan.keep:
         print(f"keep          {dirname}: {plan.reasons[dirname]}")
@@ -255,31 +274,51 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     if not args.hmac_key_env:
         print(NO_HMAC_KEY_NOTE, file=sys.stderr)
     try:
-        summary = export_step(storage, args.step, args.out, hmac_key_env=args.hmac_key_env, job=args.job,
-                              include_optimizer=args.with_optimizer)
+        summary = export_step(
+            storage,
+            args.step,
+            args.out,
+            hmac_key_env=args.hmac_key_env,
+            job=args.job,
+            include_optimizer=args.with_optimizer,
+        )
     except (ChecksumMismatchError, UnsafePickleError) as e:
         print(f"ftrain ckpt export: {e}", file=sys.stderr)
         return exits.FAILED
-    print(f"exported step {summary['step']}: {summary['tensors']} tensors, {summary['params']:,} parameters "
-          f"-> {summary['path']}")
+    print(
+        f"exported step {summary['step']}: {summary['tensors']} tensors, {summary['params']:,} parameters "
+        f"-> {summary['path']}"
+    )
     return exits.OK
 
 
 # -- parser ----------------------------------------------------------------------------------
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Add ``ckpt`` and its subcommands; each sets ``func(args, overrides) -> int``."""
-    ckpt = subparsers.add_parser("ckpt", help="inspect, verify, garbage-collect and export checkpoints",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ckpt = subparsers.add_parser(
+        "ckpt",
+        help="inspect, verify, garbage-collect and export checkpoints",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
 
     def command(name: str, help_text: str, func: Command) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("uri", help="checkpoint root: s3://bucket/prefix, file:///path, a path, memory://...")
         p.add_argument("--endpoint-url", default="", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
-        p.add_argument("--hmac-key-env", default="", metavar="NAME",
-                       help="environment variable holding the manifest HMAC key (default: no HMAC check)")
-        p.add_argument("--job", default=None, metavar="ID",
-                       help="refuse steps written by any other job (default: accept every job's steps)")
+        p.add_argument(
+            "--hmac-key-env",
+            default="",
+            metavar="NAME",
+            help="environment variable holding the manifest HMAC key (default: no HMAC check)",
+        )
+        p.add_argument(
+            "--job",
+            default=None,
+            metavar="ID",
+            help="refuse steps written by any other job (default: accept every job's steps)",
+        )
         p.set_defaults(func=func)
         return p
 
@@ -289,21 +328,40 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("step", type=_step_arg, help="step number or step directory name")
 
     p = command("verify", "re-hash files against manifests; exit 1 on any problem", cmd_verify)
-    p.add_argument("step", type=_step_arg, nargs="?", default=None,
-                   help="one step (any state); default: every committed step (steps already marked "
-                        "corrupt are listed and skipped, uncommitted ones skipped)")
+    p.add_argument(
+        "step",
+        type=_step_arg,
+        nargs="?",
+        default=None,
+        help="one step (any state); default: every committed step (steps already marked "
+        "corrupt are listed and skipped, uncommitted ones skipped)",
+    )
 
     p = command("gc", "delete step directories outside the retention rules", cmd_gc)
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
-    p.add_argument("--keep-last", type=int, default=Retention().keep_last, metavar="N",
-                   help=f"keep the newest N committed steps ({Retention().keep_last})")
-    p.add_argument("--keep-every", type=int, default=0, metavar="M",
-                   help="also keep every step that is a multiple of M (0: off)")
-    p.add_argument("--grace-s", type=float, default=Retention().grace_s, metavar="S",
-                   help=f"uncommitted/corrupt directories younger than this are kept ({Retention().grace_s:g})")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=Retention().keep_last,
+        metavar="N",
+        help=f"keep the newest N committed steps ({Retention().keep_last})",
+    )
+    p.add_argument(
+        "--keep-every", type=int, default=0, metavar="M", help="also keep every step that is a multiple of M (0: off)"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=Retention().grace_s,
+        metavar="S",
+        help=f"uncommitted/corrupt directories younger than this are kept ({Retention().grace_s:g})",
+    )
 
     p = command("export", "write one step as a single torch.save file", cmd_export)
     p.add_argument("step", type=_step_arg, help="step number or step directory name")
     p.add_argument("out", help="output file (.pt)")
-    p.add_argument("--with-optimizer", action="store_true",
-                   help='also export optimizer state ({"model": ..., "optim": ...}); default: model parameters only')
+    p.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help='also export optimizer state ({"model": ..., "optim": ...}); default: model parameters only',
+    )

@@ -32,8 +32,10 @@ def _up(args: argparse.Namespace, overrides: list[str]) -> int:
         print("# point workers at its S3:")
         for key, value in stack.env().items():
             print(f"export {key}={value}")
-        print(f"# e.g. ftrain agent --etcd {stack.etcd_url} --job demo --nnodes 1:2 --nproc-per-node 1 "
-              f"-- configs/demo.toml --checkpoint.uri={stack.s3.url('demo') if stack.s3 else '/tmp/ckpt'}")
+        print(
+            f"# e.g. ftrain agent --etcd {stack.etcd_url} --job demo --nnodes 1:2 --nproc-per-node 1 "
+            f"-- configs/demo.toml --checkpoint.uri={stack.s3.url('demo') if stack.s3 else '/tmp/ckpt'}"
+        )
         print("Ctrl-C to stop.", flush=True)
         code = stack.etcd.wait()
         print(f"etcd exited with code {code}; log {stack.etcd.log_path}", file=sys.stderr)

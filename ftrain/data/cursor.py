@@ -105,9 +105,7 @@ class DataCursor:
             dropped = self.num_samples - self.next_index
             self.epoch += 1
             self.next_index = 0
-            logger.debug(
-                "data epoch %d starts at step %d (%d tail samples dropped)", self.epoch, self.step, dropped
-            )
+            logger.debug("data epoch %d starts at step %d (%d tail samples dropped)", self.epoch, self.step, dropped)
         start = self.next_index
         ids = self._permutation()[start : start + self.global_batch_size].copy()
         ids.setflags(write=False)
@@ -134,13 +132,12 @@ class DataCursor:
         most one epoch; next_index <= num_samples). Extra keys are ignored. It comes from storage,
         so nothing else about it is trusted."""
         if not isinstance(state, dict):
-            raise DataError(f"data cursor state must be an object (a DataCursor.state_dict()), "
-                            f"got {type(state).__name__}")
+            raise DataError(
+                f"data cursor state must be an object (a DataCursor.state_dict()), got {type(state).__name__}"
+            )
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
-            raise DataError(
-                f"data cursor state is missing {', '.join(missing)}; it is not a DataCursor.state_dict()"
-            )
+            raise DataError(f"data cursor state is missing {', '.join(missing)}; it is not a DataCursor.state_dict()")
         for key in _STATE_KEYS:
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -180,7 +177,10 @@ class DataCursor:
         if int(state["global_batch_size"]) != self.global_batch_size:
             logger.info(
                 "data cursor: global batch size changed %d -> %d; continuing from epoch %d index %d",
-                state["global_batch_size"], self.global_batch_size, epoch, next_index,
+                state["global_batch_size"],
+                self.global_batch_size,
+                epoch,
+                next_index,
             )
         self.epoch, self.next_index, self.step = epoch, next_index, step
 

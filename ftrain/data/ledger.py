@@ -93,9 +93,7 @@ def read_ledger(directory: str | os.PathLike) -> list[dict[str, Any]]:
                     continue
                 raise DataError(f"ledger {path}:{lineno} is not valid JSON ({e}); the file is corrupt") from e
             if not isinstance(entry, dict) or any(k not in entry for k in _ENTRY_KEYS):
-                raise DataError(
-                    f"ledger {path}:{lineno} is not a ledger entry (needs {', '.join(_ENTRY_KEYS)})"
-                )
+                raise DataError(f"ledger {path}:{lineno} is not a ledger entry (needs {', '.join(_ENTRY_KEYS)})")
             entries.append(entry)
     return entries
 
@@ -132,8 +130,11 @@ class LedgerReport:
         lines = [f"ledger NOT ok over {self.steps_checked} steps:"]
         if self.missing_steps:
             lines.append(f"  steps never recorded: {_ids(self.missing_steps)}")
-        for label, table in (("missing", self.missing), ("duplicated", self.duplicates),
-                             ("unexpected", self.unexpected)):
+        for label, table in (
+            ("missing", self.missing),
+            ("duplicated", self.duplicates),
+            ("unexpected", self.unexpected),
+        ):
             for step, ids in sorted(table.items()):
                 lines.append(f"  step {step}: {len(ids)} {label} ids {_ids(ids)}")
         if self.out_of_order:

@@ -56,8 +56,12 @@ class MarkovSource:
         branching: int = 4,
         concentration: float = 0.5,
     ):
-        for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("num_samples", num_samples),
-                            ("branching", branching)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("seq_len", seq_len),
+            ("num_samples", num_samples),
+            ("branching", branching),
+        ):
             if int(value) != value or value <= 0:
                 raise DataError(f"MarkovSource: {name} must be a positive integer, got {value!r}")
         if branching > vocab_size:
@@ -93,8 +97,12 @@ class MarkovSource:
         logger.info(
             "synthetic Markov source: vocab=%d branching=%d concentration=%g seed=%d "
             "entropy_floor=%.6g nats (log(vocab)=%.4f)",
-            self.vocab_size, self.branching, self.concentration, self.seed,
-            self.entropy_floor_nats, math.log(self.vocab_size),
+            self.vocab_size,
+            self.branching,
+            self.concentration,
+            self.seed,
+            self.entropy_floor_nats,
+            math.log(self.vocab_size),
         )
 
     def __repr__(self) -> str:
@@ -140,9 +148,7 @@ def _distinct_successors(rng: np.random.Generator, vocab_size: int, branching: i
     return succ
 
 
-def _transition_probs(
-    rng: np.random.Generator, vocab_size: int, branching: int, concentration: float
-) -> np.ndarray:
+def _transition_probs(rng: np.random.Generator, vocab_size: int, branching: int, concentration: float) -> np.ndarray:
     probs = rng.dirichlet(np.full(branching, concentration), size=vocab_size)
     # Very low concentrations can underflow a share to exactly 0 (or leave a NaN row); keep
     # every listed successor possible and each row a distribution. The floor is computed from
@@ -185,9 +191,7 @@ def _stationary(successors: np.ndarray, probs: np.ndarray) -> np.ndarray:
         new = pi @ lazy
         new /= new.sum()
         if float(np.abs(new - pi).sum()) < _STATIONARY_TOL:
-            logger.debug(
-                "stationary distribution converged after %d + 2**%d iterations", _VECTOR_ITERS, squarings
-            )
+            logger.debug("stationary distribution converged after %d + 2**%d iterations", _VECTOR_ITERS, squarings)
             return new
         pi = new
         lazy = lazy @ lazy

@@ -54,12 +54,10 @@ class TokenFileSource:
         except FileNotFoundError:
             raise DataError(
                 f"token file {str(self.path)!r} does not exist; set data.source to a flat "
-                f"uint16/uint32 token file (see ftrain.data.write_token_file) or to \"synthetic\""
+                f'uint16/uint32 token file (see ftrain.data.write_token_file) or to "synthetic"'
             ) from None
         if not self.path.is_file():
-            raise DataError(
-                f"token file {str(self.path)!r} is not a regular file; set data.source to a token file"
-            )
+            raise DataError(f"token file {str(self.path)!r} is not a regular file; set data.source to a token file")
         itemsize = self.dtype.itemsize
         if size_bytes % itemsize:
             other = "uint32" if itemsize == 2 else "uint16"
@@ -80,7 +78,11 @@ class TokenFileSource:
         self._window = np.arange(self.seq_len + 1, dtype=np.int64)
         logger.info(
             "token file %s: %d tokens (%s), %d samples of seq_len=%d",
-            self.path, self.num_tokens, self.dtype.name, self.num_samples, self.seq_len,
+            self.path,
+            self.num_tokens,
+            self.dtype.name,
+            self.num_samples,
+            self.seq_len,
         )
 
     def __repr__(self) -> str:

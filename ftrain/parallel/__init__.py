@@ -34,8 +34,9 @@ def _checkpoint_blocks(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(block)
 
 
-def parallelize(model: nn.Module, cfg: Config, layout: Layout, device: torch.device,
-                compute_dtype: torch.dtype, accum_steps: int) -> Parallel:
+def parallelize(
+    model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, accum_steps: int
+) -> Parallel:
     strategy = strategies.get(layout.strategy)
     model = model.to(device)
     mesh = None

@@ -29,8 +29,14 @@ class Parallel:
     #: Whether bf16 is applied with torch.autocast (fp32 params) rather than by the wrapper.
     uses_autocast = True
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
-                 device: torch.device, compute_dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.layout = layout

@@ -51,8 +51,10 @@ class Zero1Parallel(DDPParallel):
             for p in group["params"]:
                 index_to_name[i] = by_param[id(p)]
                 i += 1
-        state = {index_to_name[i]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
-                 for i, s in full["state"].items()}
+        state = {
+            index_to_name[i]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+            for i, s in full["state"].items()
+        }
         return model_sd, {"state": state}
 
 

@@ -82,8 +82,7 @@ class DeterministicParallel(Parallel):
         block_lo = self.layout.dp_rank * accum_steps
         self.my_nodes = cover(0, self.total_micro, block_lo, block_lo + accum_steps)
         self.max_nodes = max(
-            len(cover(0, self.total_micro, r * accum_steps, (r + 1) * accum_steps))
-            for r in range(self.layout.dp_size)
+            len(cover(0, self.total_micro, r * accum_steps, (r + 1) * accum_steps)) for r in range(self.layout.dp_size)
         )
         self._node_sums: list[torch.Tensor] = []
         self._partial = StreamingTreeSum()
@@ -117,7 +116,7 @@ class DeterministicParallel(Parallel):
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = total[offset:offset + n].view_as(p).to(p.dtype)
+            p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
         self._node_sums = []
 
@@ -125,6 +124,8 @@ class DeterministicParallel(Parallel):
 def _grad(p: torch.Tensor) -> torch.Tensor:
     """``p``'s gradient; every parameter takes part in the loss, so a missing one is a bug to name."""
     if p.grad is None:
-        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got no gradient: the fixed-order reduction "
-                           "needs every parameter to take part in the loss")
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} got no gradient: the fixed-order reduction "
+            "needs every parameter to take part in the loss"
+        )
     return p.grad

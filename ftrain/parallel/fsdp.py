@@ -21,10 +21,14 @@ from ftrain.model import transformer_blocks
 from ftrain.parallel.base import Parallel
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
-                compute_dtype: torch.dtype) -> nn.Module:
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
-        if compute_dtype != torch.float32 else MixedPrecisionPolicy()
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, compute_dtype: torch.dtype
+) -> nn.Module:
+    mp = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)

@@ -22,8 +22,19 @@ from ftrain.strategies.base import Layout, Strategy, Wrapper
 if TYPE_CHECKING:
     from ftrain.config import Config, ParallelConfig
 
-__all__ = ["STRATEGIES", "Layout", "Strategy", "Wrapper", "by_preference", "check_config", "check_parallel",
-           "compute_layout", "discover", "get", "registered"]
+__all__ = [
+    "STRATEGIES",
+    "Layout",
+    "Strategy",
+    "Wrapper",
+    "by_preference",
+    "check_config",
+    "check_parallel",
+    "compute_layout",
+    "discover",
+    "get",
+    "registered",
+]
 
 
 def discover(package: str) -> tuple[Strategy, ...]:
@@ -73,12 +84,14 @@ def by_preference() -> tuple[Strategy, ...]:
     return tuple(sorted(_REGISTERED, key=lambda s: s.preference))
 
 
-def compute_layout(parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-                   n_head: int | None) -> Layout:
+def compute_layout(
+    parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+) -> Layout:
     """This rank's layout under ``parallel.strategy``; ConfigError naming the key that cannot work
     at this size. A pure function of the settings and the world (``n_head`` None: not checked)."""
-    return get(parallel.strategy).layout(parallel, world_size=world_size, rank=rank,
-                                         local_world_size=local_world_size, n_head=n_head)
+    return get(parallel.strategy).layout(
+        parallel, world_size=world_size, rank=rank, local_world_size=local_world_size, n_head=n_head
+    )
 
 
 def check_parallel(parallel: ParallelConfig) -> None:
@@ -86,9 +99,10 @@ def check_parallel(parallel: ParallelConfig) -> None:
     strategy = get(parallel.strategy)
     if parallel.deterministic and not strategy.supports_deterministic:
         able = "/".join(s.name for s in _REGISTERED if s.supports_deterministic)
-        raise ConfigError("parallel.deterministic",
-                           f"the fixed-order reduction supports parallel.strategy={able} only, "
-                           f"not {parallel.strategy!r}")
+        raise ConfigError(
+            "parallel.deterministic",
+            f"the fixed-order reduction supports parallel.strategy={able} only, not {parallel.strategy!r}",
+        )
 
 
 def check_config(cfg: Config) -> None:

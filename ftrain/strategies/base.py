@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ftrain.parallel.base import Parallel
     from ftrain.plan import MemoryEstimate, ModelStats
 
+
 class Wrapper(enum.Enum):
     """What holds the parameters for data parallelism, as ``ftrain plan`` counts memory."""
 
@@ -82,7 +83,6 @@ class Layout:
         }
 
 
-
 class Strategy(abc.ABC):
     """One parallel strategy. Subclasses set the class attributes and implement the abstract methods;
     the defaults fit a strategy without tensor parallelism whose replicas are plain tensors."""
@@ -122,8 +122,9 @@ class Strategy(abc.ABC):
 
     # -- layout ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-               n_head: int | None) -> Layout:
+    def layout(
+        self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+    ) -> Layout:
         """This rank's layout, or a ConfigError naming the key that cannot work at this size.
         Settings left at 0 (``tp_size``, ``shard_size``) get the strategy's default here."""
 
@@ -131,9 +132,15 @@ class Strategy(abc.ABC):
     def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:  # noqa: B027  (a hook)
         """Split the model's layers in place, before activation checkpointing (default: nothing)."""
 
-    def apply_data_parallel(self, model: nn.Module, parallel: ParallelConfig, layout: Layout,
-                            mesh: DeviceMesh | None, device: torch.device,
-                            compute_dtype: torch.dtype) -> nn.Module:
+    def apply_data_parallel(
+        self,
+        model: nn.Module,
+        parallel: ParallelConfig,
+        layout: Layout,
+        mesh: DeviceMesh | None,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+    ) -> nn.Module:
         """Wrap or shard the model for data parallelism; returns the module to train (default: as is)."""
         return model
 
@@ -145,8 +152,15 @@ class Strategy(abc.ABC):
 
         return torch.optim.AdamW(groups, **adamw_kwargs(optim))
 
-    def make_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
-                      device: torch.device, compute_dtype: torch.dtype, accum_steps: int) -> Parallel:
+    def make_parallel(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        accum_steps: int,
+    ) -> Parallel:
         """The train loop's handle on model and optimizer (default: no gradient sync to do)."""
         from ftrain.parallel.base import Parallel
 
@@ -165,8 +179,12 @@ class Strategy(abc.ABC):
         from torch.distributed.tensor import DTensor
 
         plain: list[torch.Tensor] = [p for p in par.model.parameters() if not isinstance(p, DTensor)]
-        plain += [t for p in plain for t in par.optimizer.state.get(p, {}).values()
-                  if torch.is_tensor(t) and not isinstance(t, DTensor)]
+        plain += [
+            t
+            for p in plain
+            for t in par.optimizer.state.get(p, {}).values()
+            if torch.is_tensor(t) and not isinstance(t, DTensor)
+        ]
         return plain
 
     # -- memory model ---------------------------------------------------------------------

@@ -28,21 +28,35 @@ class DDP(Strategy):
     supports_deterministic = True
     wrapper = Wrapper.DDP
 
-    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-               n_head: int | None) -> Layout:
+    def layout(
+        self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+    ) -> Layout:
         return Layout(self.name, world_size, rank, world_size, rank, deterministic=parallel.deterministic)
 
-    def apply_data_parallel(self, model: nn.Module, parallel: ParallelConfig, layout: Layout,
-                            mesh: DeviceMesh | None, device: torch.device,
-                            compute_dtype: torch.dtype) -> nn.Module:
+    def apply_data_parallel(
+        self,
+        model: nn.Module,
+        parallel: ParallelConfig,
+        layout: Layout,
+        mesh: DeviceMesh | None,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+    ) -> nn.Module:
         if layout.deterministic:
             return model  # the fixed-order reduction replaces DDP's all-reduce
         from ftrain.parallel.ddp import wrap_ddp
 
         return wrap_ddp(model, device, bucket_cap_mb=parallel.bucket_cap_mb, static_graph=parallel.static_graph)
 
-    def make_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
-                      device: torch.device, compute_dtype: torch.dtype, accum_steps: int) -> Parallel:
+    def make_parallel(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        accum_steps: int,
+    ) -> Parallel:
         if layout.deterministic:
             from ftrain.parallel.deterministic import DeterministicParallel
 

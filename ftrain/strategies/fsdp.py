@@ -27,26 +27,41 @@ class FSDP(Strategy):
     preference = 4
     wrapper = Wrapper.FSDP
 
-    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-               n_head: int | None) -> Layout:
+    def layout(
+        self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+    ) -> Layout:
         return Layout(self.name, world_size, rank, world_size, rank, mesh_shape=((world_size,), ("dp",)))
 
     def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The (sub)mesh FSDP2 shards over."""
         return mesh
 
-    def apply_data_parallel(self, model: nn.Module, parallel: ParallelConfig, layout: Layout,
-                            mesh: DeviceMesh | None, device: torch.device,
-                            compute_dtype: torch.dtype) -> nn.Module:
+    def apply_data_parallel(
+        self,
+        model: nn.Module,
+        parallel: ParallelConfig,
+        layout: Layout,
+        mesh: DeviceMesh | None,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+    ) -> nn.Module:
         from ftrain.parallel.fsdp import shard_model
 
         assert mesh is not None, "every FSDP layout has a mesh_shape"
-        shard_model(model, self.shard_mesh(mesh), reshard_after_forward=self.reshard_after_forward,
-                    compute_dtype=compute_dtype)
+        shard_model(
+            model, self.shard_mesh(mesh), reshard_after_forward=self.reshard_after_forward, compute_dtype=compute_dtype
+        )
         return model
 
-    def make_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
-                      device: torch.device, compute_dtype: torch.dtype, accum_steps: int) -> Parallel:
+    def make_parallel(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        accum_steps: int,
+    ) -> Parallel:
         from ftrain.parallel.fsdp import FSDPParallel
 
         return FSDPParallel(model, optimizer, layout, device, compute_dtype)

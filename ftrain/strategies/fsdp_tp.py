@@ -27,11 +27,19 @@ class FSDPTP(FSDP):
     needs_tp_plan = True
     needs_several_ranks = True
 
-    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-               n_head: int | None) -> Layout:
+    def layout(
+        self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+    ) -> Layout:
         tp = tp_degree(parallel.tp_size or 2, world_size=world_size, n_head=n_head)
-        return Layout(self.name, world_size, rank, world_size // tp, rank // tp, tp_size=tp,
-                      mesh_shape=((world_size // tp, tp), ("dp", "tp")))
+        return Layout(
+            self.name,
+            world_size,
+            rank,
+            world_size // tp,
+            rank // tp,
+            tp_size=tp,
+            mesh_shape=((world_size // tp, tp), ("dp", "tp")),
+        )
 
     def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
         split_layers(model, mesh)

@@ -26,8 +26,9 @@ class HSDP(FSDP):
     preference = 3
     needs_several_ranks = True
 
-    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-               n_head: int | None) -> Layout:
+    def layout(
+        self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+    ) -> Layout:
         shard = parallel.shard_size or (local_world_size if local_world_size < world_size else 2)
         if world_size % shard or shard > world_size:
             raise ConfigError(
@@ -35,8 +36,15 @@ class HSDP(FSDP):
                 f"HSDP shard groups of {shard} ranks do not tile a world of {world_size}; "
                 "choose a divisor of the world size",
             )
-        return Layout(self.name, world_size, rank, world_size, rank, shard_size=shard,
-                      mesh_shape=((world_size // shard, shard), ("replicate", "shard")))
+        return Layout(
+            self.name,
+            world_size,
+            rank,
+            world_size,
+            rank,
+            shard_size=shard,
+            mesh_shape=((world_size // shard, shard), ("replicate", "shard")),
+        )
 
     def replica_group(self, layout: Layout) -> int | None:
         return layout.rank % layout.shard_size
@@ -47,8 +55,12 @@ class HSDP(FSDP):
         from torch.distributed.tensor import DTensor
 
         tensors = [p.to_local() if isinstance(p, DTensor) else p for p in par.model.parameters()]
-        tensors += [t.to_local() if isinstance(t, DTensor) else t for s in par.optimizer.state.values()
-                    for t in s.values() if torch.is_tensor(t)]
+        tensors += [
+            t.to_local() if isinstance(t, DTensor) else t
+            for s in par.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
+        ]
         return tensors
 
     def shard_count(self, layout: Layout) -> int:

@@ -51,8 +51,9 @@ class TP(Strategy):
     needs_several_ranks = True
     wrapper = Wrapper.NONE
 
-    def layout(self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int,
-               n_head: int | None) -> Layout:
+    def layout(
+        self, parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
+    ) -> Layout:
         tp = parallel.tp_size or world_size
         if tp != world_size:
             raise ConfigError(
@@ -61,8 +62,9 @@ class TP(Strategy):
                 "use fsdp+tp to combine it with data parallelism",
             )
         tp = tp_degree(tp, world_size=world_size, n_head=n_head)
-        return Layout(self.name, world_size, rank, world_size // tp, rank // tp, tp_size=tp,
-                      mesh_shape=((tp,), ("tp",)))
+        return Layout(
+            self.name, world_size, rank, world_size // tp, rank // tp, tp_size=tp, mesh_shape=((tp,), ("tp",))
+        )
 
     def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
         split_layers(model, mesh)

@@ -57,8 +57,15 @@ class Zero1(DDP):
 
         return make_zero1_optimizer(groups, **adamw_kwargs(optim))
 
-    def make_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
-                      device: torch.device, compute_dtype: torch.dtype, accum_steps: int) -> Parallel:
+    def make_parallel(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        accum_steps: int,
+    ) -> Parallel:
         from ftrain.parallel.ddp import Zero1Parallel
 
         return Zero1Parallel(model, optimizer, layout, device, compute_dtype)

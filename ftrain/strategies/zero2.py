@@ -14,8 +14,9 @@ class Zero2(FSDP):
     position = 2
     preference = 2
     reshard_after_forward = False
-    textbook_difference = ("fp32 shards and grads with bf16/fp32 units gathered on demand: 16Ψ/N + transients, "
-                           "not 2Ψ + 14Ψ/N")
+    textbook_difference = (
+        "fp32 shards and grads with bf16/fp32 units gathered on demand: 16Ψ/N + transients, not 2Ψ + 14Ψ/N"
+    )
 
     def textbook_model_state_bytes(self, num_params: int, *, shard: int, tp_split: int, tp: int) -> int:
         return 2 * num_params + 14 * num_params // shard

@@ -68,27 +68,63 @@ def test_proxy_passes_requests_through_and_storage_rides_out_its_faults(seaweed,
 def _report() -> dict:
     t0 = time.time()
     events = [
-        {"time": t0 + 0.5, "event": "round_formed", "rank": -1, "node": "n0", "new_round": 1, "reason": "start",
-         "members": ["n0", "n1"], "world_size": 2},
+        {
+            "time": t0 + 0.5,
+            "event": "round_formed",
+            "rank": -1,
+            "node": "n0",
+            "new_round": 1,
+            "reason": "start",
+            "members": ["n0", "n1"],
+            "world_size": 2,
+        },
         {"time": t0 + 1, "event": "worker_started", "rank": 0, "round": 1, "pid": 11},
         {"time": t0 + 1, "event": "worker_started", "rank": 1, "round": 1, "pid": 12},
         {"time": t0 + 3, "event": "ckpt_committed", "rank": 0, "round": 1, "step": 10},
         {"time": t0 + 4, "event": "chaos_fault", "rank": -2, "kind": "worker_kill", "node": "n1"},
         {"time": t0 + 4.5, "event": "workers_exited", "rank": -1, "node": "n1", "outcome": "failed"},
-        {"time": t0 + 4.6, "event": "round_formed", "rank": -1, "node": "n0", "new_round": 2,
-         "reason": "worker_exit", "members": ["n0", "n1"], "world_size": 2},
+        {
+            "time": t0 + 4.6,
+            "event": "round_formed",
+            "rank": -1,
+            "node": "n0",
+            "new_round": 2,
+            "reason": "worker_exit",
+            "members": ["n0", "n1"],
+            "world_size": 2,
+        },
         {"time": t0 + 9, "event": "resumed", "rank": 0, "round": 2, "step": 10},
     ]
     metrics = [{"step": s, "time": t0 + 1 + 0.2 * s, "loss": 4.0 - s / 10, "world_size": 2} for s in range(1, 16)]
-    return {"scenario": "unit", "seed": 0, "ok": True, "started_at": t0, "events": events, "metrics": metrics,
-            "faults": [{"index": 0, "kind": "worker_kill", "step": 15, "node": "n1", "detected_by": "workers_exited",
-                        "detection_s": 0.5, "new_round": 2, "recovery_s": 5.2, "resumed_step": 10, "lost_steps": 5}],
-            "checks": [{"name": "job_finished", "ok": True, "detail": "step 15/15"}],
-            "goodput": {"productive_s": 3.0, "wall_s": 10.0, "goodput": 0.3}}
+    return {
+        "scenario": "unit",
+        "seed": 0,
+        "ok": True,
+        "started_at": t0,
+        "events": events,
+        "metrics": metrics,
+        "faults": [
+            {
+                "index": 0,
+                "kind": "worker_kill",
+                "step": 15,
+                "node": "n1",
+                "detected_by": "workers_exited",
+                "detection_s": 0.5,
+                "new_round": 2,
+                "recovery_s": 5.2,
+                "resumed_step": 10,
+                "lost_steps": 5,
+            }
+        ],
+        "checks": [{"name": "job_finished", "ok": True, "detail": "step 15/15"}],
+        "goodput": {"productive_s": 3.0, "wall_s": 10.0, "goodput": 0.3},
+    }
 
 
-@pytest.mark.skipif(find_browser() is None, reason="no headless Chromium installed (apt-get install chromium; "
-                                                     ".ci/run installs it)")
+@pytest.mark.skipif(
+    find_browser() is None, reason="no headless Chromium installed (apt-get install chromium; .ci/run installs it)"
+)
 def test_report_renders_a_lane_per_node_and_rank_in_a_real_browser(tmp_path):
     write_report(tmp_path, _report())
     dom = dump_dom(tmp_path / "report.html")

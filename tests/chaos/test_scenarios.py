@@ -28,8 +28,13 @@ def test_scenario_keeps_every_invariant(name, tmp_path, golden_cache):
     print_summary(result)
     assert result.ok, f"invariants failed: {result.failed}; report {result.out_dir / 'report.html'}"
     assert {c.name for c in result.checks} >= {
-        "job_finished", "final_state_matches_golden", "committed_checkpoints_verify",
-        "loads_were_committed_and_intact", "samples_consumed_exactly_once", "faults_handled"}
+        "job_finished",
+        "final_state_matches_golden",
+        "committed_checkpoints_verify",
+        "loads_were_committed_and_intact",
+        "samples_consumed_exactly_once",
+        "faults_handled",
+    }
     kinds = [f["kind"] for f in result.report["faults"]]
     assert sorted(set(kinds)) == sorted({f.kind for f in scenario.faults})
     restarts = [f for f in result.report["faults"] if f["new_round"] is not None]

@@ -21,7 +21,7 @@ def _consumed(ledger_dir):
     """step -> sample ids in global micro-batch order, merged over ranks."""
     by_step: dict[int, dict[int, list[int]]] = {}
     for e in read_ledger(ledger_dir):
-        chunks = [e["sample_ids"][i:i + MICRO] for i in range(0, len(e["sample_ids"]), MICRO)]
+        chunks = [e["sample_ids"][i : i + MICRO] for i in range(0, len(e["sample_ids"]), MICRO)]
         for idx, chunk in zip(e["micro"], chunks, strict=True):
             by_step.setdefault(e["step"], {})[idx] = chunk
     return {s: [i for m in sorted(ms) for i in ms[m]] for s, ms in by_step.items()}
@@ -31,11 +31,18 @@ def test_world_sizes_consume_same_samples_and_follow_same_losses(tmp_path):
     runs = {}
     for world, accum in ((1, 4), (2, 2), (4, 1)):
         ledger = tmp_path / f"ledger-w{world}"
-        run = train_job(tmp_path / f"w{world}", world, f"--train.global_batch_size={GLOBAL_BATCH}",
-                        f"--train.micro_batch_size={MICRO}", f"--data.ledger_dir={ledger}", save_final=False)
+        run = train_job(
+            tmp_path / f"w{world}",
+            world,
+            f"--train.global_batch_size={GLOBAL_BATCH}",
+            f"--train.micro_batch_size={MICRO}",
+            f"--data.ledger_dir={ledger}",
+            save_final=False,
+        )
         assert run.metrics[0]["accum_steps"] == accum
-        report = check_exactly_once(read_ledger(ledger), num_samples=1_000_000, global_batch_size=GLOBAL_BATCH,
-                                    seed=5, steps=10)
+        report = check_exactly_once(
+            read_ledger(ledger), num_samples=1_000_000, global_batch_size=GLOBAL_BATCH, seed=5, steps=10
+        )
         assert report.ok, report.summary()
         runs[world] = (_consumed(ledger), [m["loss"] for m in run.metrics])
     samples_1, losses_1 = runs[1]

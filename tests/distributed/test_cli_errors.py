@@ -53,23 +53,32 @@ def test_trains_on_a_token_file(tmp_path):
     tokens = tmp_path / "tokens.bin"
     rng = np.random.default_rng(0)
     write_token_file(tokens, rng.integers(0, 64, 20_000), "uint16")
-    proc = ftrain(tmp_path, f"--data.source={tokens}", "--train.steps=3",
-                  f"--logging.metrics_path={tmp_path / 'm.jsonl'}")
+    proc = ftrain(
+        tmp_path, f"--data.source={tokens}", "--train.steps=3", f"--logging.metrics_path={tmp_path / 'm.jsonl'}"
+    )
     assert proc.returncode == 0, proc.stdout
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
 
 
 def test_user_model_factory_trains_under_fsdp(tmp_path):
-    run_ = train_job(tmp_path, 2, "--model.factory=tests.user_model:build", "--parallel.strategy=fsdp",
-                     "--train.steps=4", save_final=False)
+    run_ = train_job(
+        tmp_path,
+        2,
+        "--model.factory=tests.user_model:build",
+        "--parallel.strategy=fsdp",
+        "--train.steps=4",
+        save_final=False,
+    )
     assert len(run_.metrics) == 4 and run_.metrics[-1]["loss"] < run_.metrics[0]["loss"]
 
 
 @pytest.mark.parametrize(
     ("factory", "message"),
-    [("tests.user_model:not_a_model", "returned str, not an nn.Module"),
-     ("tests.no_such_module:build", "cannot import module 'tests.no_such_module'"),
-     ("tests.user_model", 'expected "pkg.module:function"')],
+    [
+        ("tests.user_model:not_a_model", "returned str, not an nn.Module"),
+        ("tests.no_such_module:build", "cannot import module 'tests.no_such_module'"),
+        ("tests.user_model", 'expected "pkg.module:function"'),
+    ],
 )
 def test_bad_model_factory_is_named(tmp_path, factory, message):
     proc = ftrain(tmp_path, f"--model.factory={factory}", "--train.steps=1")

@@ -20,9 +20,17 @@ def _events(path, name):
 
 def test_perturbed_replica_halts_the_job(tmp_path):
     ev = tmp_path / "events.jsonl"
-    run = train_job(tmp_path / "job", 3, "--consistency.interval=1", "--consistency.on_mismatch=halt",
-                    "--train.global_batch_size=12", f"--logging.events_path={ev}",
-                    env={"FTRAIN_FAULT_PERTURB": "4:2"}, check=False, save_final=False)
+    run = train_job(
+        tmp_path / "job",
+        3,
+        "--consistency.interval=1",
+        "--consistency.on_mismatch=halt",
+        "--train.global_batch_size=12",
+        f"--logging.events_path={ev}",
+        env={"FTRAIN_FAULT_PERTURB": "4:2"},
+        check=False,
+        save_final=False,
+    )
     assert run.returncode != 0
     assert "replicas differ on ranks [2]" in run.output
     mismatch = _events(ev, "replica_mismatch")
@@ -35,9 +43,16 @@ def test_perturbed_replica_rolls_back_to_a_verified_checkpoint(tmp_path):
     ck = ["--checkpoint.interval=2", "--checkpoint.async_mode=off"]
     golden = train_job(tmp_path / "golden", 2, f"--checkpoint.uri={tmp_path / 'ck0'}", *ck)
     ev = tmp_path / "events.jsonl"
-    run = train_job(tmp_path / "job", 2, "--consistency.interval=1", "--consistency.on_mismatch=rollback",
-                    f"--checkpoint.uri={tmp_path / 'ck1'}", *ck, f"--logging.events_path={ev}",
-                    env={"FTRAIN_FAULT_PERTURB": "3:1"})
+    run = train_job(
+        tmp_path / "job",
+        2,
+        "--consistency.interval=1",
+        "--consistency.on_mismatch=rollback",
+        f"--checkpoint.uri={tmp_path / 'ck1'}",
+        *ck,
+        f"--logging.events_path={ev}",
+        env={"FTRAIN_FAULT_PERTURB": "3:1"},
+    )
     rolled = _events(ev, "rolled_back")
     assert rolled and rolled[0]["step"] == 2
     assert _events(ev, "replica_mismatch")[0]["ranks"] == [1]
@@ -47,8 +62,14 @@ def test_perturbed_replica_rolls_back_to_a_verified_checkpoint(tmp_path):
 
 def test_nan_loss_skips_the_step(tmp_path):
     ev = tmp_path / "events.jsonl"
-    run = train_job(tmp_path / "job", 2, "--train.on_nonfinite=skip", f"--logging.events_path={ev}",
-                    env={"FTRAIN_FAULT_NAN": "3:0"}, save_final=False)
+    run = train_job(
+        tmp_path / "job",
+        2,
+        "--train.on_nonfinite=skip",
+        f"--logging.events_path={ev}",
+        env={"FTRAIN_FAULT_NAN": "3:0"},
+        save_final=False,
+    )
     assert [m["step"] for m in run.metrics] == list(range(1, 11))
     assert run.metrics[-1]["skipped_steps"] == 1
     assert _events(ev, "nonfinite")[0]["policy"] == "skip"
@@ -56,8 +77,9 @@ def test_nan_loss_skips_the_step(tmp_path):
 
 
 def test_nan_loss_halts_when_asked(tmp_path):
-    run = train_job(tmp_path / "job", 1, "--train.on_nonfinite=halt", env={"FTRAIN_FAULT_NAN": "2:0"},
-                    check=False, save_final=False)
+    run = train_job(
+        tmp_path / "job", 1, "--train.on_nonfinite=halt", env={"FTRAIN_FAULT_NAN": "2:0"}, check=False, save_final=False
+    )
     assert run.returncode != 0 and "train.on_nonfinite=halt" in run.output
 
 
@@ -69,9 +91,17 @@ def test_hmac_signed_manifests_and_process_async_saves(tmp_path):
 
     key_env = {"FTRAIN_TEST_HMAC": "s3cret"}
     uri = tmp_path / "ck"
-    run = train_job(tmp_path / "job", 2, f"--checkpoint.uri={uri}", "--checkpoint.interval=5",
-                    "--checkpoint.async_mode=process", "--checkpoint.hmac_key_env=FTRAIN_TEST_HMAC",
-                    "--agent.job=hmac-job", save_final=False, env=key_env)
+    run = train_job(
+        tmp_path / "job",
+        2,
+        f"--checkpoint.uri={uri}",
+        "--checkpoint.interval=5",
+        "--checkpoint.async_mode=process",
+        "--checkpoint.hmac_key_env=FTRAIN_TEST_HMAC",
+        "--agent.job=hmac-job",
+        save_final=False,
+        env=key_env,
+    )
     assert run.metrics[-1]["ckpt_saves_failed"] == 0
     manifest = json.loads((uri / "step-000000005" / "manifest.json").read_text())
     assert len(manifest["hmac"]) == 64 and manifest["job"] == "hmac-job"

@@ -15,8 +15,12 @@ from tests.support import optimizer_tensors
 pytestmark = pytest.mark.dist
 
 
-DETERMINISTIC = ("--parallel.deterministic=true", "--train.global_batch_size=12", "--train.micro_batch_size=1",
-                 "--train.steps=6")
+DETERMINISTIC = (
+    "--parallel.deterministic=true",
+    "--train.global_batch_size=12",
+    "--train.micro_batch_size=1",
+    "--train.steps=6",
+)
 
 
 def test_one_two_three_four_ranks_are_bitwise_identical(golden):

@@ -62,8 +62,9 @@ def test_strategy_matches_ddp(strategy, nproc, ddp, golden):
 
 def test_activation_checkpointing_and_bf16_train(tmp_path, ddp):
     """bf16 compute (fp32 reduce) and recomputed activations still follow the fp32 trajectory."""
-    run = train_job(tmp_path, 2, "--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true",
-                    "--train.dtype=bf16")
+    run = train_job(
+        tmp_path, 2, "--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true", "--train.dtype=bf16"
+    )
     losses = [m["loss"] for m in run.metrics]
     ref = [m["loss"] for m in ddp.metrics]
     # bf16 has 8 bits of mantissa: loss agrees to ~1e-2, not bitwise

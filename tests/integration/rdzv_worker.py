@@ -36,9 +36,13 @@ def main() -> None:
     # a short timeout: a collective whose peer vanished without a reset fails instead of hanging
     dist.init_process_group("gloo", timeout=timedelta(seconds=15))
     rank, world = dist.get_rank(), dist.get_world_size()
-    info = {"pid": os.getpid(), "rank": rank, "world_size": world,
-            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "group_rank": int(os.environ["GROUP_RANK"])}
+    info = {
+        "pid": os.getpid(),
+        "rank": rank,
+        "world_size": world,
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "group_rank": int(os.environ["GROUP_RANK"]),
+    }
 
     ones = torch.ones(4)
     dist.all_reduce(ones)

@@ -164,9 +164,31 @@ def test_the_job_survives_an_etcd_outage_longer_than_the_lease(job, etcd, outage
 def test_a_second_agent_with_a_live_node_id_is_refused(job):
     job.start("a", nnodes="1:1")
     job.wait_event("agent_registered", node="a")
-    dup = subprocess.run([sys.executable, "-m", "ftrain", "agent", "--etcd", job.etcd, "--job", job.job, "--nnodes",
-                          "1:1", "--nproc-per-node", "1", "--node-id", "a", "--", *job.worker_args],
-                         capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env())
+    dup = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftrain",
+            "agent",
+            "--etcd",
+            job.etcd,
+            "--job",
+            job.job,
+            "--nnodes",
+            "1:1",
+            "--nproc-per-node",
+            "1",
+            "--node-id",
+            "a",
+            "--",
+            *job.worker_args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=worker_env(),
+    )
     assert dup.returncode == 2
     assert "node id 'a' is already registered" in dup.stderr
     assert job.agents["a"].poll() is None, "the first agent must be unaffected"
@@ -182,9 +204,17 @@ def test_a_worker_of_an_old_round_cannot_commit(tmp_path, etcd, client):
     cfg = tmp_path / "config.toml"
     cfg.write_text(TINY_CONFIG)
     events = tmp_path / "events.jsonl"
-    out = run(torchrun_cmd(1, cfg, f"--checkpoint.uri={tmp_path / 'ckpt'}", "--checkpoint.interval=5",
-                           f"--logging.events_path={events}"), timeout_s=180,
-              env=worker_env(FTRAIN_ETCD=etcd.endpoint, FTRAIN_FENCE_KEY=keys.round, FTRAIN_ROUND="1"))
+    out = run(
+        torchrun_cmd(
+            1,
+            cfg,
+            f"--checkpoint.uri={tmp_path / 'ckpt'}",
+            "--checkpoint.interval=5",
+            f"--logging.events_path={events}",
+        ),
+        timeout_s=180,
+        env=worker_env(FTRAIN_ETCD=etcd.endpoint, FTRAIN_FENCE_KEY=keys.round, FTRAIN_ROUND="1"),
+    )
     assert out.returncode == 0, out.stdout
     failures = [json.loads(line) for line in events.read_text().splitlines() if '"ckpt_failed"' in line]
     assert failures and all("StaleRoundError" in f["error"] for f in failures)
@@ -208,12 +238,25 @@ def test_a_crash_loop_stops_at_the_restart_budget(job):
     final = job.events("job_final")[0]
     assert final["status"] == "failed" and "restart budget" in final["reason"]
     assert len(_rounds(job)) == 3  # the first round and two restarts
-    status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-                            capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
+    status = subprocess.run(
+        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        env=worker_env(),
+    )
     assert status.returncode == 0 and "FAILED" in status.stdout and "restart budget" in status.stdout, status.stdout
-    as_json = json.loads(subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job",
-                                         job.job, "--json"], capture_output=True, text=True, timeout=30, cwd=REPO,
-                                        env=worker_env()).stdout)
+    as_json = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=REPO,
+            env=worker_env(),
+        ).stdout
+    )
     assert as_json["final"]["status"] == "failed" and as_json["restarts_by_cause"] == {"worker_exit": 2}
 
 
@@ -241,8 +284,14 @@ def test_garbage_records_in_etcd_are_skipped_and_the_job_finishes(job, client):
     bad = {e["key"] for e in job.events("bad_record", node="a")}
     assert bad == {keys.status("x"), keys.node("ghost"), keys.prefix + "rounds/1x"}, bad
     assert len(job.events("bad_record", node="a", key=keys.status("x"))) == 1, "logged once, not every tick"
-    status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-                            capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
+    status = subprocess.run(
+        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        env=worker_env(),
+    )
     assert status.returncode == 0, status.stderr
     assert "SUCCEEDED" in status.stdout and f"warning: unreadable job record {keys.status('x')}" in status.stdout
 
@@ -266,8 +315,14 @@ def test_a_job_whose_commits_keep_failing_stops_with_the_error(job, tmp_path):
     assert "CheckpointFailuresError" in final["reason"] and "checkpoint.max_failed_commits=3" in final["reason"]
     assert "Not a directory" in final["reason"], "the final status must name the last error"
     assert len(_rounds(job)) == 3, "stopped after 3 identical failures, not at the restart budget"
-    status = subprocess.run([sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-                            capture_output=True, text=True, timeout=30, cwd=REPO, env=worker_env())
+    status = subprocess.run(
+        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        env=worker_env(),
+    )
     assert "FAILED" in status.stdout and "CheckpointFailuresError" in status.stdout, status.stdout
 
 

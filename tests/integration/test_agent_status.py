@@ -39,16 +39,37 @@ def write_job(client: EtcdClient) -> int:
     c = NodeRecord("c", "uid-c", "host-c", 333, 2, time.time())
     client.put(KEYS.node("a"), a.to_json(), lease=lease)
     client.put(KEYS.leader, "a", lease=lease)
-    record = RoundRecord(3, [a.member(), Member("b", "uid-b")], 2, NODE_LOST, time.time(),
-                         restarts_by_cause={WORKER_EXIT: 1, NODE_LOST: 1})
+    record = RoundRecord(
+        3,
+        [a.member(), Member("b", "uid-b")],
+        2,
+        NODE_LOST,
+        time.time(),
+        restarts_by_cause={WORKER_EXIT: 1, NODE_LOST: 1},
+    )
     client.put(KEYS.round, "3")
     client.put(KEYS.round_record(3), record.to_json())
-    client.put(KEYS.status("a"), NodeStatus(round=3, state="running", step=42, heartbeat_age_s=0.2,
-                                            committed_step=30, restarts=2, host="host-a", pid=111,
-                                            updated_at=time.time()).to_json(), lease=lease)
+    client.put(
+        KEYS.status("a"),
+        NodeStatus(
+            round=3,
+            state="running",
+            step=42,
+            heartbeat_age_s=0.2,
+            committed_step=30,
+            restarts=2,
+            host="host-a",
+            pid=111,
+            updated_at=time.time(),
+        ).to_json(),
+        lease=lease,
+    )
     client.put(KEYS.node("c"), c.to_json(), lease=lease)
-    client.put(KEYS.status("c"), NodeStatus(state="waiting", host="host-c", pid=333,
-                                            updated_at=time.time()).to_json(), lease=lease)
+    client.put(
+        KEYS.status("c"),
+        NodeStatus(state="waiting", host="host-c", pid=333, updated_at=time.time()).to_json(),
+        lease=lease,
+    )
     return lease
 
 
@@ -56,19 +77,44 @@ def test_job_status_of_a_round_with_a_lost_member(client: EtcdClient) -> None:
     write_job(client)
     s = job_status(client, JOB)
     assert s["revision"] == client.current_revision()
-    assert {k: s[k] for k in ("job", "leader", "round", "round_reason", "world_size", "members", "restarts",
-                              "restarts_by_cause", "last_committed_step", "final")} == {
-        "job": JOB, "leader": "a", "round": 3, "round_reason": NODE_LOST, "world_size": 4, "members": ["a", "b"],
-        "restarts": 2, "restarts_by_cause": {WORKER_EXIT: 1, NODE_LOST: 1}, "last_committed_step": 30, "final": None}
+    assert {
+        k: s[k]
+        for k in (
+            "job",
+            "leader",
+            "round",
+            "round_reason",
+            "world_size",
+            "members",
+            "restarts",
+            "restarts_by_cause",
+            "last_committed_step",
+            "final",
+        )
+    } == {
+        "job": JOB,
+        "leader": "a",
+        "round": 3,
+        "round_reason": NODE_LOST,
+        "world_size": 4,
+        "members": ["a", "b"],
+        "restarts": 2,
+        "restarts_by_cause": {WORKER_EXIT: 1, NODE_LOST: 1},
+        "last_committed_step": 30,
+        "final": None,
+    }
     nodes = {n["node"]: n for n in s["nodes"]}
     assert [n["node"] for n in s["nodes"]] == ["a", "b", "c"]
     pick = ("live", "member", "node_rank", "leader", "host", "agent_pid", "state", "worker_round", "step")
-    assert {k: nodes["a"][k] for k in pick} == dict(zip(pick, (True, True, 0, True, "host-a", 111, "running", 3, 42),
-                                                        strict=True))
-    assert {k: nodes["b"][k] for k in pick} == dict(zip(pick, (False, True, 1, False, "", None, "", None, None),
-                                                        strict=True))
-    assert {k: nodes["c"][k] for k in pick} == dict(zip(pick, (True, False, None, False, "host-c", 333, "waiting", 0,
-                                                               -1), strict=True))
+    assert {k: nodes["a"][k] for k in pick} == dict(
+        zip(pick, (True, True, 0, True, "host-a", 111, "running", 3, 42), strict=True)
+    )
+    assert {k: nodes["b"][k] for k in pick} == dict(
+        zip(pick, (False, True, 1, False, "", None, "", None, None), strict=True)
+    )
+    assert {k: nodes["c"][k] for k in pick} == dict(
+        zip(pick, (True, False, None, False, "host-c", 333, "waiting", 0, -1), strict=True)
+    )
     assert 0 <= nodes["a"]["status_age_s"] < 30
     assert nodes["b"]["status_age_s"] is None
 
@@ -83,8 +129,9 @@ def test_job_status_after_the_agents_are_gone(client: EtcdClient) -> None:
     assert [(n["node"], n["live"]) for n in s["nodes"]] == [("a", False), ("b", False)]  # the members remain
 
 
-def test_status_command_prints_the_table_or_json(etcd: EtcdServer, client: EtcdClient,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_command_prints_the_table_or_json(
+    etcd: EtcdServer, client: EtcdClient, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_job(client)
     assert status_main([etcd.endpoint], JOB, as_json=False) == 0
     table = capsys.readouterr().out.splitlines()

@@ -25,8 +25,15 @@ STEP8 = "step-000000008"
 def pristine(seaweed, tmp_path_factory):
     """One real run's committed steps 4 and 8, copied afresh for every corruption case."""
     url = seaweed.url("corruption-source")
-    train_job(tmp_path_factory.mktemp("src"), 2, "--train.steps=8", f"--checkpoint.uri={url}",
-              "--checkpoint.interval=4", save_final=False, env=seaweed.env())
+    train_job(
+        tmp_path_factory.mktemp("src"),
+        2,
+        "--train.steps=8",
+        f"--checkpoint.uri={url}",
+        "--checkpoint.interval=4",
+        save_final=False,
+        env=seaweed.env(),
+    )
     return url
 
 
@@ -79,8 +86,10 @@ def _evil_metadata(s: Storage, sentinel: Path, *, forge_manifest: bool) -> str:
     s.write_bytes(f"{STEP8}/.metadata", evil)
     if forge_manifest:  # the attacker also rewrites the digest: only the unpickler stands in the way
         manifest = json.loads(s.read_bytes(f"{STEP8}/manifest.json"))
-        manifest["files"][".metadata"] = {"size_bytes": len(evil),
-                                          "digest": digest_bytes(evil, manifest["digest_algorithm"])}
+        manifest["files"][".metadata"] = {
+            "size_bytes": len(evil),
+            "digest": digest_bytes(evil, manifest["digest_algorithm"]),
+        }
         s.write_bytes(f"{STEP8}/manifest.json", json.dumps(manifest).encode())
     return ".metadata"
 
@@ -108,9 +117,17 @@ def test_corruption_is_named_and_training_falls_back(case, seaweed, pristine, s3
     assert "step-000000004: OK" in verify.stdout
 
     events = tmp_path / "events.jsonl"
-    resumed = train_job(tmp_path / "resume", 1, "--train.steps=9", f"--checkpoint.uri={storage.url}",
-                        "--checkpoint.interval=0", "--checkpoint.final_save=false",
-                        f"--logging.events_path={events}", save_final=False, env=seaweed.env())
+    resumed = train_job(
+        tmp_path / "resume",
+        1,
+        "--train.steps=9",
+        f"--checkpoint.uri={storage.url}",
+        "--checkpoint.interval=0",
+        "--checkpoint.final_save=false",
+        f"--logging.events_path={events}",
+        save_final=False,
+        env=seaweed.env(),
+    )
     assert "resumed from checkpoint step 4" in resumed.output
     assert resumed.metrics[0]["step"] == 5
     corrupt = [e for e in read_events(str(events)) if e["event"] == "ckpt_corrupt"]

@@ -42,8 +42,13 @@ def start_job(workdir: Path, nproc: int, *args: str, env: dict[str, str]) -> tup
     cfg.write_text(TINY_CONFIG)
     m, ev = workdir / "metrics.jsonl", workdir / "events.jsonl"
     cmd = torchrun_cmd(nproc, cfg, f"--logging.metrics_path={m}", f"--logging.events_path={ev}", *args)
-    proc = subprocess.Popen(cmd, env=worker_env(**env), stdout=open(workdir / "out.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=worker_env(**env),
+        stdout=open(workdir / "out.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return proc, m, ev
 
 
@@ -53,14 +58,19 @@ def test_sigkill_during_async_upload_leaves_no_manifest(seaweed, s3_prefix, tmp_
     url = seaweed.url(f"{s3_prefix}/job")
     storage = Storage(url, seaweed.storage_options())
     env = {**seaweed.env(), "FTRAIN_FAULT_STEP_SLEEP_S": "0.25"}
-    proc, m, ev = start_job(tmp_path / "crash", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4",
-                            "--train.steps=12", env=env)
+    proc, m, ev = start_job(
+        tmp_path / "crash", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4", "--train.steps=12", env=env
+    )
     try:
         wait_for(lambda: any(r.get("ckpt_last_committed_step") == 4 for r in metrics(m)), 120, "step 4 committed", proc)
         seaweed.pause()
         try:
-            wait_for(lambda: events(ev, "ckpt_staged") and events(ev, "ckpt_staged")[-1]["step"] == 8, 60,
-                     "step 8 staged", proc)
+            wait_for(
+                lambda: events(ev, "ckpt_staged") and events(ev, "ckpt_staged")[-1]["step"] == 8,
+                60,
+                "step 8 staged",
+                proc,
+            )
             wait_for(lambda: any(r["step"] >= 9 for r in metrics(m)), 60, "training past step 8 while S3 hangs", proc)
             kill_tree(proc)  # SIGKILL: torchrun and both workers, mid-upload
         finally:
@@ -71,8 +81,16 @@ def test_sigkill_during_async_upload_leaves_no_manifest(seaweed, s3_prefix, tmp_
     assert steps.get(4) == "committed"
     assert steps.get(8) in (None, "uncommitted")
 
-    resumed = train_job(tmp_path / "resume", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4",
-                        "--checkpoint.gc_grace_s=0", "--train.steps=12", save_final=False, env=seaweed.env())
+    resumed = train_job(
+        tmp_path / "resume",
+        2,
+        f"--checkpoint.uri={url}",
+        "--checkpoint.interval=4",
+        "--checkpoint.gc_grace_s=0",
+        "--train.steps=12",
+        save_final=False,
+        env=seaweed.env(),
+    )
     assert "resumed from checkpoint step 4" in resumed.output
     final = {s.step: s.state for s in list_steps(storage)}
     assert final.get(8) == "committed" and final.get(12) == "committed"
@@ -86,8 +104,9 @@ def test_s3_down_during_save_is_retried_or_fails_cleanly(seaweed, s3_prefix, tmp
     url = seaweed.url(f"{s3_prefix}/job")
     storage = Storage(url, seaweed.storage_options())
     env = {**seaweed.env(), "FTRAIN_FAULT_STEP_SLEEP_S": "0.25"}
-    proc, m, ev = start_job(tmp_path / "job", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4",
-                            "--train.steps=16", env=env)
+    proc, m, ev = start_job(
+        tmp_path / "job", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4", "--train.steps=16", env=env
+    )
     try:
         wait_for(lambda: any(r["step"] >= 3 for r in metrics(m)), 120, "step 3", proc)
         stopped_at = time.time()

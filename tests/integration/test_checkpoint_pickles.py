@@ -37,8 +37,14 @@ from checkpoint.verify import check_pickled_items, verify_step
 from ftrain.cli.ckpt import add_parsers as add_ckpt_parser
 
 ITEM = "optim.param_groups.0.lr"
-FIELDS = {"round": 0, "world_size": 1, "layout": {"strategy": "single"}, "config_hash": "h", "config": {},
-          "trainer": {"cursor": [0, 0]}}
+FIELDS = {
+    "round": 0,
+    "world_size": 1,
+    "layout": {"strategy": "single"},
+    "config_hash": "h",
+    "config": {},
+    "trainer": {"cursor": [0, 0]},
+}
 
 
 class _Payload:
@@ -95,7 +101,7 @@ def _plant_in_place(storage: Storage, dirname: str, sentinel: Path) -> str:
     evil = pickle.dumps(_Payload(str(sentinel)), protocol=2)
     assert len(evil) <= info.length
     shard = bytearray(storage.read_bytes(f"{dirname}/{info.relative_path}"))
-    shard[info.offset:info.offset + info.length] = evil.ljust(info.length, b" ")
+    shard[info.offset : info.offset + info.length] = evil.ljust(info.length, b" ")
     storage.write_bytes(f"{dirname}/{info.relative_path}", bytes(shard))
     _forge_manifest(storage, dirname, [info.relative_path])
     return info.relative_path
@@ -128,8 +134,9 @@ def run_cli(argv: list[str]) -> int:
 
 def _reader(storage: Storage, dirname: str) -> VerifiedReader:
     manifest = verify_step(storage, dirname).manifest
-    return VerifiedReader(storage.child_url(dirname), options=storage.options, files=manifest.files,
-                          algorithm=manifest.digest_algorithm)
+    return VerifiedReader(
+        storage.child_url(dirname), options=storage.options, files=manifest.files, algorithm=manifest.digest_algorithm
+    )
 
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))

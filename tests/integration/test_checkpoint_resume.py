@@ -36,8 +36,15 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
     golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]))
     url = seaweed.url(f"{s3_prefix}/job")
     # rank 1 SIGKILLs itself after step 9: step 4 is committed, step 8 may be in flight
-    crashed = train_job(tmp_path / "crash", 2, f"--parallel.strategy={strategy}", *ckpt_args(url),
-                        env={**env, "FTRAIN_FAULT_SIGKILL": "9:1"}, check=False, save_final=False)
+    crashed = train_job(
+        tmp_path / "crash",
+        2,
+        f"--parallel.strategy={strategy}",
+        *ckpt_args(url),
+        env={**env, "FTRAIN_FAULT_SIGKILL": "9:1"},
+        check=False,
+        save_final=False,
+    )
     assert crashed.returncode != 0
     assert [m["step"] for m in crashed.metrics][-1] >= 8
     committed = [s.step for s in list_steps(Storage(url, seaweed.storage_options())) if s.state == "committed"]
@@ -63,15 +70,30 @@ def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path, golden):
     env = seaweed.env()
     url = seaweed.url(f"{s3_prefix}/job")
     golden = golden(4, "--parallel.strategy=fsdp")
-    saved = train_job(tmp_path / "fsdp4", 4, "--parallel.strategy=fsdp", "--train.steps=10",
-                      *ckpt_args(url, "--checkpoint.async_mode=off"), env={**env, "FTRAIN_FAULT_SIGKILL": "5:0"},
-                      check=False, save_final=False)
+    saved = train_job(
+        tmp_path / "fsdp4",
+        4,
+        "--parallel.strategy=fsdp",
+        "--train.steps=10",
+        *ckpt_args(url, "--checkpoint.async_mode=off"),
+        env={**env, "FTRAIN_FAULT_SIGKILL": "5:0"},
+        check=False,
+        save_final=False,
+    )
     assert saved.returncode != 0
     for world in (2, 1):
         ledger = tmp_path / f"l{world}"
-        run = train_job(tmp_path / f"ddp{world}", world, "--parallel.strategy=ddp", *ckpt_args(url),
-                        "--checkpoint.load_step=4", "--checkpoint.interval=0", "--checkpoint.final_save=false",
-                        f"--data.ledger_dir={ledger}", env=env)
+        run = train_job(
+            tmp_path / f"ddp{world}",
+            world,
+            "--parallel.strategy=ddp",
+            *ckpt_args(url),
+            "--checkpoint.load_step=4",
+            "--checkpoint.interval=0",
+            "--checkpoint.final_save=false",
+            f"--data.ledger_dir={ledger}",
+            env=env,
+        )
         assert "saved at world size 4" in run.output
         assert run.metrics[0]["step"] == 5 and run.metrics[0]["world_size"] == world
         diff = max_abs_diff(run.final["model"], golden.final["model"])
@@ -99,8 +121,16 @@ def test_deterministic_reshard_is_bitwise(seaweed, s3_prefix, tmp_path, golden):
     url = seaweed.url(f"{s3_prefix}/job")
     ck = [f"--checkpoint.uri={url}", "--checkpoint.interval=2"]
     golden = golden(4, *DETERMINISTIC)
-    saved = train_job(tmp_path / "w4", 4, *DETERMINISTIC, *ck, "--checkpoint.async_mode=off",
-                      env={**env, "FTRAIN_FAULT_SIGKILL": "3:2"}, check=False, save_final=False)
+    saved = train_job(
+        tmp_path / "w4",
+        4,
+        *DETERMINISTIC,
+        *ck,
+        "--checkpoint.async_mode=off",
+        env={**env, "FTRAIN_FAULT_SIGKILL": "3:2"},
+        check=False,
+        save_final=False,
+    )
     assert saved.returncode != 0
     run = train_job(tmp_path / "w2", 2, *DETERMINISTIC, *ck, env=env)
     assert run.metrics[0]["step"] == 3
@@ -112,8 +142,9 @@ def test_export_writes_the_trained_model(seaweed, s3_prefix, tmp_path):
     url = seaweed.url(f"{s3_prefix}/job")
     job = train_job(tmp_path / "job", 2, "--parallel.strategy=fsdp", *ckpt_args(url), env=env)
     out = tmp_path / "model.pt"
-    proc = run([sys.executable, "-m", "ftrain", "ckpt", "export", url, "10", str(out)], timeout_s=120,
-               env=worker_env(**env))
+    proc = run(
+        [sys.executable, "-m", "ftrain", "ckpt", "export", url, "10", str(out)], timeout_s=120, env=worker_env(**env)
+    )
     assert proc.returncode == 0, proc.stdout
     exported = torch.load(out)
     assert exported.keys() == job.final["model"].keys()

@@ -65,8 +65,14 @@ def state(value: float) -> dict[str, Any]:
 
 
 def fields(step: int) -> dict[str, Any]:
-    return {"round": 2, "world_size": 1, "layout": {"strategy": "ddp"}, "config": {"train": {"steps": 8}},
-            "config_hash": "h", "trainer": {"cursor": cursor_state(step)}}
+    return {
+        "round": 2,
+        "world_size": 1,
+        "layout": {"strategy": "ddp"},
+        "config": {"train": {"steps": 8}},
+        "config_hash": "h",
+        "trainer": {"cursor": cursor_state(step)},
+    }
 
 
 def manager(root: Path, job: str = "job-a", **kwargs: Any) -> CheckpointManager:
@@ -137,8 +143,11 @@ def test_retention_does_not_count_another_jobs_step_as_this_jobs_newest(tmp_path
     save(manager(root_b, "job-b", **signed), 100)
     shutil.copytree(root_b / step_dir_name(100), root_a / step_dir_name(100))
     assert manager(root_a, keep_last=3, **signed).collect_garbage() == []
-    assert {s.step for s in list_steps(Storage(str(root_a)), b"key-one", job="job-a")
-            if s.state == "committed"} == {1, 2, 3}
+    assert {s.step for s in list_steps(Storage(str(root_a)), b"key-one", job="job-a") if s.state == "committed"} == {
+        1,
+        2,
+        3,
+    }
 
 
 def test_a_signing_manager_needs_a_job_id(tmp_path, signed):
@@ -267,13 +276,27 @@ def test_a_hostile_manifest_falls_back_to_the_previous_step(case, tmp_path, sign
 def test_the_trainer_refuses_a_manifest_without_a_cursor_and_resumes_the_previous_step(tmp_path):
     """Through a real ``ftrain train`` run: no KeyError in resume, step 8 marked, step 4 resumed."""
     root = tmp_path / "ck"
-    train_job(tmp_path / "first", 1, "--train.steps=8", f"--checkpoint.uri={root}", "--checkpoint.interval=4",
-              "--checkpoint.async_mode=off", save_final=False)
+    train_job(
+        tmp_path / "first",
+        1,
+        "--train.steps=8",
+        f"--checkpoint.uri={root}",
+        "--checkpoint.interval=4",
+        "--checkpoint.async_mode=off",
+        save_final=False,
+    )
     rewrite_manifest(root, STEP8, lambda o: o["trainer"].pop("cursor"))
     events = tmp_path / "events.jsonl"
-    run = train_job(tmp_path / "again", 1, "--train.steps=9", f"--checkpoint.uri={root}",
-                    "--checkpoint.interval=0", "--checkpoint.final_save=false", f"--logging.events_path={events}",
-                    save_final=False)
+    run = train_job(
+        tmp_path / "again",
+        1,
+        "--train.steps=9",
+        f"--checkpoint.uri={root}",
+        "--checkpoint.interval=0",
+        "--checkpoint.final_save=false",
+        f"--logging.events_path={events}",
+        save_final=False,
+    )
     assert "resumed from checkpoint step 4" in run.output
     assert run.metrics[0]["step"] == 5
     corrupt = [e for e in read_events(str(events)) if e["event"] == "ckpt_corrupt"]
@@ -302,11 +325,14 @@ def failing_open(name: str, from_open: int, error: type[OSError]) -> Iterator[di
         fsspec_local.LocalFileSystem._open = real_open
 
 
-@pytest.mark.parametrize(("name", "from_open", "error"), [
-    ("__0_0.distcp", 1, ConnectionResetError),  # the verification pass (transient, retried)
-    ("__0_0.distcp", 2, ConnectionResetError),  # DCP's read, after verification passed
-    (".metadata", 2, PermissionError),  # the allow-list parse of .metadata (a fatal storage error)
-])
+@pytest.mark.parametrize(
+    ("name", "from_open", "error"),
+    [
+        ("__0_0.distcp", 1, ConnectionResetError),  # the verification pass (transient, retried)
+        ("__0_0.distcp", 2, ConnectionResetError),  # DCP's read, after verification passed
+        (".metadata", 2, PermissionError),  # the allow-list parse of .metadata (a fatal storage error)
+    ],
+)
 def test_a_storage_error_during_load_fails_the_attempt_and_marks_nothing(name, from_open, error, tmp_path):
     root = tmp_path / "ck"
     save(manager(root), 4, 8)
@@ -344,8 +370,9 @@ class GatedFence:
 
 def test_consecutive_failures_count_failed_saves_not_skipped_ones(tmp_path):
     fence = GatedFence()
-    mgr = CheckpointManager(url=str(tmp_path / "ck"), job="job-a", async_mode="thread", when_busy="skip",
-                            fence=fence, options=FAST_RETRIES)
+    mgr = CheckpointManager(
+        url=str(tmp_path / "ck"), job="job-a", async_mode="thread", when_busy="skip", fence=fence, options=FAST_RETRIES
+    )
     try:
         fence.stale = True
         assert not mgr.save(1, state(1), fields(1), sync=True)
@@ -370,8 +397,12 @@ def test_a_real_job_refuses_to_start_over_unloadable_steps_unless_told(tmp_path)
     root = tmp_path / "ck"
     one = {KEY_ENV: "key-one", "FTRAIN_JOB": "job-a"}
     two = {KEY_ENV: "key-two", "FTRAIN_JOB": "job-a"}
-    common = (f"--checkpoint.uri={root}", "--checkpoint.interval=4", "--checkpoint.async_mode=off",
-              f"--checkpoint.hmac_key_env={KEY_ENV}")
+    common = (
+        f"--checkpoint.uri={root}",
+        "--checkpoint.interval=4",
+        "--checkpoint.async_mode=off",
+        f"--checkpoint.hmac_key_env={KEY_ENV}",
+    )
     train_job(tmp_path / "first", 1, "--train.steps=8", *common, save_final=False, env=one)
 
     refused = train_job(tmp_path / "rotated", 1, "--train.steps=8", *common, save_final=False, env=two, check=False)
@@ -381,8 +412,16 @@ def test_a_real_job_refuses_to_start_over_unloadable_steps_unless_told(tmp_path)
     assert refused.metrics == []  # not a single step trained over the old checkpoints
 
     events = tmp_path / "events.jsonl"
-    fresh = train_job(tmp_path / "fresh", 1, "--train.steps=8", *common, "--checkpoint.on_no_loadable_step=fresh",
-                      f"--logging.events_path={events}", save_final=False, env=two)
+    fresh = train_job(
+        tmp_path / "fresh",
+        1,
+        "--train.steps=8",
+        *common,
+        "--checkpoint.on_no_loadable_step=fresh",
+        f"--logging.events_path={events}",
+        save_final=False,
+        env=two,
+    )
     assert fresh.metrics[0]["step"] == 1 and fresh.metrics[-1]["ckpt_saves_failed"] == 0
     (start,) = [e for e in read_events(str(events)) if e["event"] == "ckpt_fresh_start"]
     assert len(start["refused"]) == 2
@@ -391,8 +430,15 @@ def test_a_real_job_refuses_to_start_over_unloadable_steps_unless_told(tmp_path)
 
 
 def test_signed_checkpoints_without_a_job_id_are_a_config_error(tmp_path):
-    run = train_job(tmp_path / "job", 1, f"--checkpoint.uri={tmp_path / 'ck'}",
-                    f"--checkpoint.hmac_key_env={KEY_ENV}", save_final=False, env={KEY_ENV: "k"}, check=False)
+    run = train_job(
+        tmp_path / "job",
+        1,
+        f"--checkpoint.uri={tmp_path / 'ck'}",
+        f"--checkpoint.hmac_key_env={KEY_ENV}",
+        save_final=False,
+        env={KEY_ENV: "k"},
+        check=False,
+    )
     assert run.returncode != 0
     assert "config error: checkpoint.hmac_key_env" in run.output and "agent.job=" in run.output
 

@@ -116,8 +116,11 @@ def test_compare_and_swap_on_mod_revision(client):
 
 def test_txn_runs_the_failure_branch_with_reads(client):
     client.put("cfg/a", "1")
-    result = client.txn([Compare("cfg/a", "value", "==", b"2")], [Op.put("cfg/a", "3")],
-                        [Op.get("cfg/", prefix=True), Op.put("cfg/b", "x")])
+    result = client.txn(
+        [Compare("cfg/a", "value", "==", b"2")],
+        [Op.put("cfg/a", "3")],
+        [Op.get("cfg/", prefix=True), Op.put("cfg/b", "x")],
+    )
     assert result.succeeded is False
     assert [kv.value for kv in result.responses[0]] == [b"1"] and result.responses[1] is None
     assert client.get("cfg/b").mod_revision == result.revision
@@ -159,8 +162,11 @@ threading.Event().wait()
 def test_sigkilled_session_holder_loses_its_key_within_the_ttl(etcd, client):
     ttl_s = 2
     watcher = Watcher(client, "nodes/", client.current_revision() + 1, progress_timeout_s=2.0)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, etcd.endpoint, "nodes/n1", str(ttl_s)], cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, etcd.endpoint, "nodes/n1", str(ttl_s)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         put = watcher.get(timeout_s=15)
         assert put is not None and (put.type, put.key, put.value) == ("put", "nodes/n1", b"alive")
@@ -221,8 +227,10 @@ def test_watcher_survives_a_restart_without_losing_or_repeating_events(etcd, cli
         client.put("w/c", "3")
         client.delete("w/a")
         events = next_events(watcher, 3)
-        print(f"\n[watch reconnected {reconnect_s:.2f} s after the etcd restart began (ready after "
-              f"{ready_s:.2f} s); {watcher.reconnects} reconnect attempt(s)]")
+        print(
+            f"\n[watch reconnected {reconnect_s:.2f} s after the etcd restart began (ready after "
+            f"{ready_s:.2f} s); {watcher.reconnects} reconnect attempt(s)]"
+        )
         assert [(e.type, e.key) for e in events] == [("put", "w/b"), ("put", "w/c"), ("delete", "w/a")]
         assert watcher.get(timeout_s=0.5) is None  # nothing repeated
     finally:
@@ -231,8 +239,7 @@ def test_watcher_survives_a_restart_without_losing_or_repeating_events(etcd, cli
 
 def test_watcher_notices_a_hung_etcd_and_resumes_after_it(etcd, client):
     errors: list[Exception] = []
-    watcher = Watcher(client, "p/", client.current_revision() + 1, progress_timeout_s=1.0,
-                      on_error=errors.append)
+    watcher = Watcher(client, "p/", client.current_revision() + 1, progress_timeout_s=1.0, on_error=errors.append)
     try:
         assert watcher.wait_connected(5)
         # idle but healthy: progress notifications (every 0.25 s) keep the stream alive
@@ -319,10 +326,12 @@ def test_cluster_member_loss_fails_over_without_losing_watch_events():
 
 
 def test_auth_token_use_and_refresh(etcd, client):
-    for path, body in [("/v3/auth/role/add", {"name": "root"}),
-                       ("/v3/auth/user/add", {"name": "root", "password": "pw"}),
-                       ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
-                       ("/v3/auth/enable", {})]:
+    for path, body in [
+        ("/v3/auth/role/add", {"name": "root"}),
+        ("/v3/auth/user/add", {"name": "root", "password": "pw"}),
+        ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+        ("/v3/auth/enable", {}),
+    ]:
         client._call(path, body)
     with pytest.raises(EtcdError):
         client.get("a")  # no credentials
@@ -342,19 +351,57 @@ def test_auth_token_use_and_refresh(etcd, client):
 
 def make_certs(directory) -> dict[str, str]:
     """A throwaway CA, a server cert for 127.0.0.1 and a client cert (openssl CLI)."""
+
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=30)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=ftrain-test-ca",
-            "-keyout", "ca.key", "-out", "ca.pem")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=ftrain-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
     for name, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):
         (directory / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                "-out", f"{name}.csr")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
-    return {name: str(directory / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem",
-                                                      "client.key")}
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+        )
+    return {name: str(directory / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 def tls_etcd(tmp_path: Path) -> tuple[EtcdServer, dict[str, str]]:
@@ -364,8 +411,9 @@ def tls_etcd(tmp_path: Path) -> tuple[EtcdServer, dict[str, str]]:
         pytest.skip("openssl CLI not available to make test certificates")
     certs = make_certs(tmp_path)
     tls = {"ca_cert": certs["ca.pem"], "cert": certs["client.pem"], "key": certs["client.key"]}
-    server = EtcdServer(cert_file=certs["server.pem"], key_file=certs["server.key"],
-                        trusted_ca_file=certs["ca.pem"], client_options=tls)
+    server = EtcdServer(
+        cert_file=certs["server.pem"], key_file=certs["server.key"], trusted_ca_file=certs["ca.pem"], client_options=tls
+    )
     try:
         server.start()
         server.wait_ready(20)

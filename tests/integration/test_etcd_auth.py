@@ -29,10 +29,12 @@ KEYS = JobKeys("authjob")
 
 def enable_auth(client: EtcdClient, password: str = PASSWORD) -> None:
     """root user with the root role, then auth on (what `etcdctl user add root; auth enable` does)."""
-    for path, body in [("/v3/auth/role/add", {"name": "root"}),
-                       ("/v3/auth/user/add", {"name": "root", "password": password}),
-                       ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
-                       ("/v3/auth/enable", {})]:
+    for path, body in [
+        ("/v3/auth/role/add", {"name": "root"}),
+        ("/v3/auth/user/add", {"name": "root", "password": password}),
+        ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+        ("/v3/auth/enable", {}),
+    ]:
         client._call(path, body)
 
 
@@ -52,8 +54,9 @@ def client_file(tmp_path, **settings: str) -> str:
 
 
 def test_fence_authenticates_and_fences_by_round(auth_etcd: EtcdServer, tmp_path) -> None:
-    fence = EtcdRoundFence([auth_etcd.endpoint], KEYS.round,
-                           client_file=client_file(tmp_path, username="root", password=PASSWORD))
+    fence = EtcdRoundFence(
+        [auth_etcd.endpoint], KEYS.round, client_file=client_file(tmp_path, username="root", password=PASSWORD)
+    )
     fence.check(2)  # the current round may commit
     with pytest.raises(StaleRoundError, match="no longer current"):
         fence.check(1)
@@ -71,6 +74,7 @@ def test_fence_with_wrong_or_no_credentials_says_authentication(auth_etcd: EtcdS
 
 class CountingFence(EtcdRoundFence):
     """Counts authentications (etcd 3.5.1 may hand out the same token string again after a restart)."""
+
     authentications = 0
 
     def _authenticate(self, endpoint: str) -> str | None:

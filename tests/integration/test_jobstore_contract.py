@@ -60,8 +60,12 @@ def test_a_transaction_applies_all_of_its_branch_or_nothing(store: JobStore) -> 
     round_kv = store.get(P + "round")
     assert round_kv is not None
     guard = [Compare(P + "round", "mod_revision", "==", round_kv.mod_revision)]
-    ops = [Op.put(P + "round", "2"), Op.put(P + "rounds/2", "r2"), Op.delete(P + "rounds/1"),
-           Op.delete(P + "rounds/1/", prefix=True)]
+    ops = [
+        Op.put(P + "round", "2"),
+        Op.put(P + "rounds/2", "r2"),
+        Op.delete(P + "rounds/1"),
+        Op.delete(P + "rounds/1/", prefix=True),
+    ]
     result = store.txn(guard, ops)
     assert result.succeeded
     assert [kv.key for kv in store.list_prefix(P).kvs] == [P + "round", P + "rounds/2"]

@@ -116,7 +116,7 @@ def test_large_object(storage):
     assert storage.read_bytes("big.distcp") == data
     chunks = list(storage.iter_chunks("big.distcp"))
     assert [len(c) for c in chunks] == [8 << 20, 4096] and b"".join(chunks) == data
-    assert storage.read_range("big.distcp", (8 << 20) - 10, 20) == data[(8 << 20) - 10:(8 << 20) + 10]
+    assert storage.read_range("big.distcp", (8 << 20) - 10, 20) == data[(8 << 20) - 10 : (8 << 20) + 10]
 
 
 def test_read_range(storage):
@@ -195,9 +195,13 @@ def test_missing(storage, sleeps):
     assert storage.listdir("no/such/prefix") == []
     assert not storage.exists("no/such/key")
     storage.write_bytes("step-1/manifest.json", b"{}")
-    for op in (lambda: storage.read_bytes("no/such/key"), lambda: storage.size_bytes("no/such/key"),
-               lambda: list(storage.iter_chunks("no/such/key")), lambda: storage.read_range("no/such/key", 0, 1),
-               lambda: storage.read_bytes("step-1/nope")):
+    for op in (
+        lambda: storage.read_bytes("no/such/key"),
+        lambda: storage.size_bytes("no/such/key"),
+        lambda: list(storage.iter_chunks("no/such/key")),
+        lambda: storage.read_range("no/such/key", 0, 1),
+        lambda: storage.read_bytes("step-1/nope"),
+    ):
         with pytest.raises(FileNotFoundError) as info:
             op()
         assert not isinstance(info.value, (TransientStorageError, FatalStorageError))

@@ -44,8 +44,13 @@ class RecordingSleep:
 class EventOnRecord(logging.Handler):
     """Sets ``event`` when a record passing ``match`` is logged on any of ``loggers``."""
 
-    def __init__(self, event: threading.Event, match: Callable[[logging.LogRecord], bool],
-                 *loggers: str, level: int = logging.DEBUG) -> None:
+    def __init__(
+        self,
+        event: threading.Event,
+        match: Callable[[logging.LogRecord], bool],
+        *loggers: str,
+        level: int = logging.DEBUG,
+    ) -> None:
         super().__init__(level)
         self.event, self.match, self.names = event, match, loggers
         self.saved_levels: dict[str, int] = {}
@@ -90,8 +95,7 @@ def test_metadata_is_not_answered_from_a_stale_listing(seaweed, s3_prefix, s3_st
 
 def test_missing_bucket_is_fatal_not_empty(seaweed):
     storage = Storage("s3://no-such-bucket-ftrain/p", seaweed.storage_options())
-    for op in (lambda: storage.listdir(), lambda: storage.read_bytes("k"),
-               lambda: storage.write_bytes("k", b"v")):
+    for op in (lambda: storage.listdir(), lambda: storage.read_bytes("k"), lambda: storage.write_bytes("k", b"v")):
         with pytest.raises(FatalStorageError, match="NoSuchBucket"):
             op()
 
@@ -104,8 +108,12 @@ def test_wrong_credentials_fail_fast_and_fatal(seaweed, s3_prefix, field):
     sleep = RecordingSleep()
     storage = Storage(seaweed.url(s3_prefix), options, sleep=sleep)
     start = time.monotonic()
-    for op in (lambda: storage.write_bytes("k", b"v"), lambda: storage.read_bytes("k"),
-               lambda: storage.exists("k"), lambda: storage.listdir()):
+    for op in (
+        lambda: storage.write_bytes("k", b"v"),
+        lambda: storage.read_bytes("k"),
+        lambda: storage.exists("k"),
+        lambda: storage.listdir(),
+    ):
         with pytest.raises(FatalStorageError):
             op()
     assert sleep.calls == []  # never retried
@@ -129,8 +137,13 @@ def test_credentials_never_appear_in_repr_or_logs(seaweed, s3_prefix, caplog):
             bad.read_bytes("k")
         texts.append(str(fatal.value))
         # a retried failure (nobody listens on the endpoint): the retry warnings are logged
-        dead = StorageOptions(endpoint_url="http://127.0.0.1:9", access_key_id=key_id,
-                              secret_access_key=secret, region="us-east-1", max_attempts=2)
+        dead = StorageOptions(
+            endpoint_url="http://127.0.0.1:9",
+            access_key_id=key_id,
+            secret_access_key=secret,
+            region="us-east-1",
+            max_attempts=2,
+        )
         with pytest.raises(TransientStorageError) as transient:
             Storage(seaweed.url(s3_prefix), dead, sleep=RecordingSleep()).read_bytes("k")
         texts.append(str(transient.value))
@@ -146,11 +159,19 @@ def test_env_points_a_child_process_at_the_server(seaweed, s3_prefix, s3_storage
     s3_storage.write_bytes("hello", b"from the parent")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(seaweed.env(), PYTHONPATH=str(REPO))
-    code = ("import sys\nfrom checkpoint.storage import Storage\n"
-            "sys.stdout.write(Storage(sys.argv[1]).read_bytes('hello').decode())\n")
+    code = (
+        "import sys\nfrom checkpoint.storage import Storage\n"
+        "sys.stdout.write(Storage(sys.argv[1]).read_bytes('hello').decode())\n"
+    )
     # subprocess.run kills the child if it times out
-    proc = subprocess.run([sys.executable, "-c", code, seaweed.url(s3_prefix)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, seaweed.url(s3_prefix)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "from the parent"
 
@@ -199,8 +220,7 @@ def test_write_retried_across_kill_and_restart(seaweed, s3_prefix):
 def test_hung_server_times_out_and_recovers_after_resume(seaweed, s3_prefix):
     """SIGSTOP: connections are accepted but never answered. With a 1 s read timeout the read
     fails as transient; the first timeout resumes the server; the read then succeeds."""
-    storage = Storage(seaweed.url(s3_prefix),
-                      seaweed.storage_options(read_timeout_s=1.0, connect_timeout_s=1.0))
+    storage = Storage(seaweed.url(s3_prefix), seaweed.storage_options(read_timeout_s=1.0, connect_timeout_s=1.0))
     storage.write_bytes("k", b"v")
     timed_out = threading.Event()
 
@@ -232,8 +252,7 @@ def test_clear_multipart_uploads(seaweed, s3_prefix, s3_storage):
 
     def create(key: str) -> str:
         upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-        fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1,
-                   Body=b"x" * 1024)
+        fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"x" * 1024)
         return upload_id
 
     def pending(prefix: str) -> list[str]:

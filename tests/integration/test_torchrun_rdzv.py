@@ -141,8 +141,12 @@ def test_backend_never_hands_torch_a_value_that_is_not_a_rendezvous_state(client
         def __reduce__(self):
             return (open, (str(sentinel), "w"))
 
-    for value, why in [(pickle.dumps(Payload()), "io.open"), (pickle.dumps({"round": 1}), "dict"),
-                       (b"not a pickle", "does not unpickle"), (b"x" * ((1 << 20) + 1), "more than")]:
+    for value, why in [
+        (pickle.dumps(Payload()), "io.open"),
+        (pickle.dumps({"round": 1}), "dict"),
+        (b"not a pickle", "does not unpickle"),
+        (b"x" * ((1 << 20) + 1), "more than"),
+    ]:
         client.put(backend.key, value)
         with pytest.raises(RendezvousStateError, match=why):
             backend.get_state()
@@ -237,11 +241,20 @@ def test_endpoint_parsing_and_config_errors_name_the_key():
 def test_entry_point_handler_runs_a_one_node_rendezvous(etcd, client, monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no TCPStore server in this process
     from importlib.metadata import entry_points
+
     (ep,) = [e for e in entry_points(group="torchrun.handlers") if e.name == "etcd-v3"]
     assert ep.load() is handler, "pip install -e . so that torchrun finds the entry point"
 
-    params = RendezvousParameters("etcd-v3", etcd.endpoint.removeprefix("http://"), "solo", 1, 1,
-                                  local_addr="127.0.0.1", keep_alive_interval=1, last_call_timeout=1)
+    params = RendezvousParameters(
+        "etcd-v3",
+        etcd.endpoint.removeprefix("http://"),
+        "solo",
+        1,
+        1,
+        local_addr="127.0.0.1",
+        keep_alive_interval=1,
+        last_call_timeout=1,
+    )
     rdzv = rendezvous_handler_registry.create_handler(params)
     try:
         assert rdzv.get_backend() == "etcd-v3"
@@ -255,15 +268,35 @@ def test_entry_point_handler_runs_a_one_node_rendezvous(etcd, client, monkeypatc
 
 
 # -- real torchrun ----------------------------------------------------------------------------------
-def start_node(etcd: EtcdServer, run_id: str, out: Path, log: IO[bytes], *, nnodes: str,
-               seconds: float) -> subprocess.Popen:
+def start_node(
+    etcd: EtcdServer, run_id: str, out: Path, log: IO[bytes], *, nnodes: str, seconds: float
+) -> subprocess.Popen:
     out.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
-           "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoint.removeprefix('http://')}",
-           f"--rdzv-id={run_id}", f"--rdzv-conf={FAST_CONF}", "--max-restarts=1", "--monitor-interval=0.1",
-           "--local-addr=127.0.0.1", str(WORKER), str(out), f"--seconds={seconds}"]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env=worker_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd.endpoint.removeprefix('http://')}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={FAST_CONF}",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        "--local-addr=127.0.0.1",
+        str(WORKER),
+        str(out),
+        f"--seconds={seconds}",
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+        env=worker_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+    )
 
 
 def records(out: Path, kind: str) -> list[dict[str, Any]]:
@@ -274,8 +307,9 @@ def logs(paths: list[Path]) -> str:
     return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}" for p in paths)
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, procs: list[subprocess.Popen],
-             log_paths: list[Path]) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout_s: float, what: str, procs: list[subprocess.Popen], log_paths: list[Path]
+) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail early if a node exits first."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
@@ -313,15 +347,24 @@ def test_a_node_sigkilled_mid_run_leaves_the_other_to_finish_alone(etcd, tmp_pat
                 procs.append(start_node(etcd, "elastic", out, log, nnodes="1:2", seconds=120))
         survivor, victim = procs
         # the first round may hold the survivor alone (last call is 1 s); wait for the pair
-        wait_for(lambda: sorted(r["rank"] for r in records(out, "started") if r["world_size"] == 2) == [0, 1],
-                 60, "both workers in a world of 2", procs, log_paths)
+        wait_for(
+            lambda: sorted(r["rank"] for r in records(out, "started") if r["world_size"] == 2) == [0, 1],
+            60,
+            "both workers in a world of 2",
+            procs,
+            log_paths,
+        )
         killed_at = time.time()
         kill_tree(victim)
         print(f"\n[killed node {victim.pid} and its worker at {killed_at:.3f}]")
 
-        alone = wait_for(lambda: [r for r in records(out, "started") if r["world_size"] == 1
-                                  and r["time"] > killed_at], 60, "a restarted worker in a world of 1",
-                         [survivor], log_paths)
+        alone = wait_for(
+            lambda: [r for r in records(out, "started") if r["world_size"] == 1 and r["time"] > killed_at],
+            60,
+            "a restarted worker in a world of 1",
+            [survivor],
+            log_paths,
+        )
         recovery_s = alone[0]["time"] - killed_at
         print(f"[node loss -> first collective of the restarted worker: {recovery_s:.2f} s]")
         (out / "stop").touch()

@@ -13,9 +13,26 @@ from contract.config import ConfigError
 from ftrain.cli import build_parser
 from ftrain.cli.agent import resolve_options
 
-FLAGS = ("--etcd", "--job", "--nnodes", "--nproc-per-node", "--node-id", "--host", "--lease-ttl-s", "--settle-s",
-         "--hang-timeout-s", "--start-timeout-s", "--max-restarts", "--restart-window-s", "--backoff-initial-s",
-         "--backoff-max-s", "--deterministic-failures", "--scale-up", "--metrics-port", "--run-dir")
+FLAGS = (
+    "--etcd",
+    "--job",
+    "--nnodes",
+    "--nproc-per-node",
+    "--node-id",
+    "--host",
+    "--lease-ttl-s",
+    "--settle-s",
+    "--hang-timeout-s",
+    "--start-timeout-s",
+    "--max-restarts",
+    "--restart-window-s",
+    "--backoff-initial-s",
+    "--backoff-max-s",
+    "--deterministic-failures",
+    "--scale-up",
+    "--metrics-port",
+    "--run-dir",
+)
 
 
 def options(tmp_path: Path, *argv: str, agent_section: str = ""):
@@ -36,8 +53,18 @@ def test_every_key_is_an_option_of_its_type_and_every_old_flag_still_works() -> 
 
 
 def test_options_override_the_file_which_overrides_the_defaults(tmp_path: Path) -> None:
-    opts = options(tmp_path, "--etcd", "http://h:1,http://h:2", "--job", "j", "--settle-s", "3", "--nnodes", "1:4",
-                   agent_section='lease_ttl_s = 7\nsettle_s = 9.0\nnode_id = "n7"')
+    opts = options(
+        tmp_path,
+        "--etcd",
+        "http://h:1,http://h:2",
+        "--job",
+        "j",
+        "--settle-s",
+        "3",
+        "--nnodes",
+        "1:4",
+        agent_section='lease_ttl_s = 7\nsettle_s = 9.0\nnode_id = "n7"',
+    )
     cfg = opts.config
     assert (cfg.settle_s, cfg.lease_ttl_s, cfg.node_id) == (3.0, 7, "n7")  # option > file
     assert cfg.start_timeout_s == AgentConfig().start_timeout_s  # untouched: the one default

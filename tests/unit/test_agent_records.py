@@ -89,8 +89,15 @@ def test_job_id_must_be_one_path_segment(job: str) -> None:
 
 @pytest.mark.parametrize("node", ["a/b", "", "node 1", "../x", "n" * 65])
 def test_agent_options_refuse_a_bad_node_id_naming_the_option(node: str) -> None:
-    opts = AgentOptions.of(etcd=["http://127.0.0.1:1"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
-                           worker_args=["c.toml"], node_id=node)
+    opts = AgentOptions.of(
+        etcd=["http://127.0.0.1:1"],
+        job="j",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        worker_args=["c.toml"],
+        node_id=node,
+    )
     with pytest.raises(ValueError, match="--node-id: bad id"):
         opts.validate()
 
@@ -104,12 +111,28 @@ def test_valid_ids(good: str) -> None:
 def test_parse_round_trips_every_record() -> None:
     a = NodeRecord("a", "uid-a", "host-a", 11, 4, 1000.5)
     b = NodeRecord("b", "uid-b", "host-b", 22, 4, 1001.5)
-    record = RoundRecord(round=3, members=[b.member(), a.member()], nproc_per_node=4, reason=WORKER_EXIT,
-                         created_at=1010.0, failure_times=[1005.0, 1009.5],
-                         restarts_by_cause={WORKER_EXIT: 1, NODE_LOST: 1})
+    record = RoundRecord(
+        round=3,
+        members=[b.member(), a.member()],
+        nproc_per_node=4,
+        reason=WORKER_EXIT,
+        created_at=1010.0,
+        failure_times=[1005.0, 1009.5],
+        restarts_by_cause={WORKER_EXIT: 1, NODE_LOST: 1},
+    )
     failed = Report(FAILED, HANG, "no heartbeat from local rank(s) [1]", "uid-b", 1009.5)
-    status = NodeStatus(round=3, state="running", step=40, step_time_s=0.25, heartbeat_age_s=None,
-                        committed_step=30, restarts=2, host="host-a", pid=11, updated_at=1020.0)
+    status = NodeStatus(
+        round=3,
+        state="running",
+        step=40,
+        step_time_s=0.25,
+        heartbeat_age_s=None,
+        committed_step=30,
+        restarts=2,
+        host="host-a",
+        pid=11,
+        updated_at=1020.0,
+    )
     final = FinalStatus(SUCCEEDED, "every node finished training", 3, 1030.0)
     kvs = [
         kv(KEYS.node("a"), a.to_json(), create_revision=7, lease=0xA),
@@ -150,33 +173,38 @@ def test_node_record_json_leaves_out_the_create_revision() -> None:
 
 
 def test_live_members_in_join_order_not_name_order() -> None:
-    kvs = [kv(KEYS.node(n), NodeRecord(n, f"uid-{n}", "h", 1, 1, 0.0).to_json(), create_revision=rev)
-           for n, rev in (("a", 30), ("b", 10), ("c", 20))]
+    kvs = [
+        kv(KEYS.node(n), NodeRecord(n, f"uid-{n}", "h", 1, 1, 0.0).to_json(), create_revision=rev)
+        for n, rev in (("a", 30), ("b", 10), ("c", 20))
+    ]
     state = JobState.parse(KEYS, kvs, revision=30)
     assert state.live_members() == [Member("b", "uid-b"), Member("c", "uid-c"), Member("a", "uid-a")]
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    (KEYS.node("a"), "{not json"),
-    (KEYS.node("a"), json.dumps({"node_id": "a"})),  # fields missing
-    (KEYS.node("a"), json.dumps({**json.loads(NodeRecord("a", "u", "h", 1, 1, 0.0).to_json()), "pid": "11"})),
-    (KEYS.node("a"), NodeRecord("b", "u", "h", 1, 1, 0.0).to_json()),  # another node's record under a's key
-    (KEYS.node("a"), b"\xff\xfe".decode("latin-1")),
-    (KEYS.round_record(3), json.dumps({"round": 3})),
-    (KEYS.round_record(3) + "x", RoundRecord(3, [Member("a", "u")], 1, "start", 0.0).to_json()),
-    (KEYS.round_record(3), RoundRecord(4, [Member("a", "u")], 1, "start", 0.0).to_json()),  # wrong round inside
-    (KEYS.report(3, "b"), json.dumps({"outcome": 7})),
-    (KEYS.status("a"), "[]"),
-    (KEYS.status("a"), json.dumps({"step": True})),  # a bool is not a step
-    (KEYS.status("a"), json.dumps({"step": 1.5})),
-    (KEYS.status("a"), "[" * 100_000),  # deeper than the JSON parser goes
-    (KEYS.final, "null"),
-    (KEYS.final, json.dumps({"status": "maybe", "reason": "", "round": 1, "time": 0})),
-    (KEYS.master(3), "no-port"),
-    (KEYS.master(3), "host:99999"),
-    (KEYS.master(3), "bad host:1234"),
-    (KEYS.leader, "a"),  # no lease: agents always put the leader key on theirs
-])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        (KEYS.node("a"), "{not json"),
+        (KEYS.node("a"), json.dumps({"node_id": "a"})),  # fields missing
+        (KEYS.node("a"), json.dumps({**json.loads(NodeRecord("a", "u", "h", 1, 1, 0.0).to_json()), "pid": "11"})),
+        (KEYS.node("a"), NodeRecord("b", "u", "h", 1, 1, 0.0).to_json()),  # another node's record under a's key
+        (KEYS.node("a"), b"\xff\xfe".decode("latin-1")),
+        (KEYS.round_record(3), json.dumps({"round": 3})),
+        (KEYS.round_record(3) + "x", RoundRecord(3, [Member("a", "u")], 1, "start", 0.0).to_json()),
+        (KEYS.round_record(3), RoundRecord(4, [Member("a", "u")], 1, "start", 0.0).to_json()),  # wrong round inside
+        (KEYS.report(3, "b"), json.dumps({"outcome": 7})),
+        (KEYS.status("a"), "[]"),
+        (KEYS.status("a"), json.dumps({"step": True})),  # a bool is not a step
+        (KEYS.status("a"), json.dumps({"step": 1.5})),
+        (KEYS.status("a"), "[" * 100_000),  # deeper than the JSON parser goes
+        (KEYS.final, "null"),
+        (KEYS.final, json.dumps({"status": "maybe", "reason": "", "round": 1, "time": 0})),
+        (KEYS.master(3), "no-port"),
+        (KEYS.master(3), "host:99999"),
+        (KEYS.master(3), "bad host:1234"),
+        (KEYS.leader, "a"),  # no lease: agents always put the leader key on theirs
+    ],
+)
 def test_an_unreadable_record_is_skipped_and_named_never_fatal(key: str, value: str) -> None:
     good = NodeRecord("z", "uid-z", "h", 1, 1, 0.0)
     state = JobState.parse(KEYS, [kv(key, value, mod_revision=5), kv(KEYS.node("z"), good.to_json())], revision=9)
@@ -197,8 +225,17 @@ def test_records_from_a_newer_version_with_extra_fields_are_read() -> None:
 
 def test_records_of_an_older_version_without_the_new_fields_are_read() -> None:
     old_report = json.dumps({"outcome": "failed", "reason": "worker_exit", "detail": "", "agent_uid": "u", "time": 1})
-    old_round = json.dumps({"round": 2, "members": [{"node_id": "a", "agent_uid": "u"}], "nproc_per_node": 1,
-                            "reason": "start", "created_at": 0, "failure_times": [], "restarts_by_cause": {}})
+    old_round = json.dumps(
+        {
+            "round": 2,
+            "members": [{"node_id": "a", "agent_uid": "u"}],
+            "nproc_per_node": 1,
+            "reason": "start",
+            "created_at": 0,
+            "failure_times": [],
+            "restarts_by_cause": {},
+        }
+    )
     state = JobState.parse(KEYS, [kv(KEYS.report(2, "a"), old_report), kv(KEYS.round_record(2), old_round)], 3)
     assert state.problems == []
     assert (state.reports[2]["a"].step, state.reports[2]["a"].error) == (-1, "")
@@ -207,8 +244,11 @@ def test_records_of_an_older_version_without_the_new_fields_are_read() -> None:
 
 def test_an_unreadable_round_key_is_never_acted_on() -> None:
     record = RoundRecord(4, [Member("a", "u")], 1, START, 0.0)
-    kvs = [kv(KEYS.round, "four", mod_revision=30), kv(KEYS.round_record(4), record.to_json()),
-           kv(KEYS.started(6, "a"), "u")]  # round 6 got as far as a started key: 6 is the highest number in use
+    kvs = [
+        kv(KEYS.round, "four", mod_revision=30),
+        kv(KEYS.round_record(4), record.to_json()),
+        kv(KEYS.started(6, "a"), "u"),
+    ]  # round 6 got as far as a started key: 6 is the highest number in use
     state = JobState.parse(KEYS, kvs, revision=31)
     assert state.round_unreadable and not state.round_known and state.current is None
     assert (state.round, state.round_mod_revision) == (6, 30)  # a repair round is formed above every number used
@@ -225,10 +265,13 @@ def test_an_unreadable_record_of_the_current_round_is_never_acted_on() -> None:
 
 def test_an_unreadable_report_of_a_member_counts_as_a_failure_never_a_success() -> None:
     record = RoundRecord(2, [Member("a", "uid-a"), Member("b", "uid-b")], 1, START, 0.0)
-    kvs = [kv(KEYS.round, "2"), kv(KEYS.round_record(2), record.to_json()),
-           kv(KEYS.report(2, "a"), Report(SUCCEEDED, agent_uid="uid-a").to_json()),
-           kv(KEYS.report(2, "b"), '{"outcome": "succeeded", "agent_uid": 5}'),
-           kv(KEYS.report(2, "c"), "junk")]  # not a member: ignored
+    kvs = [
+        kv(KEYS.round, "2"),
+        kv(KEYS.round_record(2), record.to_json()),
+        kv(KEYS.report(2, "a"), Report(SUCCEEDED, agent_uid="uid-a").to_json()),
+        kv(KEYS.report(2, "b"), '{"outcome": "succeeded", "agent_uid": 5}'),
+        kv(KEYS.report(2, "c"), "junk"),
+    ]  # not a member: ignored
     reports = JobState.parse(KEYS, kvs, revision=5).member_reports(2)
     assert set(reports) == {"a", "b"}
     assert reports["b"].outcome == FAILED and "unreadable report" in reports["b"].detail
@@ -299,13 +342,18 @@ _rounds = itertools.count(100)
 class Channel:
     """The agent's server, reset to a round of this test's own (so a late datagram of another
     test belongs to another round), and the workers' senders."""
+
     server: HeartbeatServer
     round: int
     senders: list[Heartbeat] = field(default_factory=list)
 
     def worker(self, local_rank: int, *, round_: int | None = None) -> Heartbeat:
-        hb = Heartbeat(self.server.path, round_=self.round if round_ is None else round_, rank=10 + local_rank,
-                       local_rank=local_rank)
+        hb = Heartbeat(
+            self.server.path,
+            round_=self.round if round_ is None else round_,
+            rank=10 + local_rank,
+            local_rank=local_rank,
+        )
         self.senders.append(hb)
         return hb
 
@@ -333,7 +381,14 @@ def test_beat_reaches_the_server(channel: Channel) -> None:
     assert channel.received(1)
     beat = channel.server.beats()[1]
     assert (beat.local_rank, beat.rank, beat.pid, beat.step, beat.step_time_s, beat.committed_step, beat.phase) == (
-        1, 11, os.getpid(), 17, 0.5, 10, "saving")
+        1,
+        11,
+        os.getpid(),
+        17,
+        0.5,
+        10,
+        "saving",
+    )
     assert beat.finished is None
     assert beat.received_at <= time.monotonic()
 
@@ -368,8 +423,19 @@ def test_exit_message_sets_finished_and_it_sticks(channel: Channel) -> None:
     assert channel.server.beats()[0].finished is True
 
 
-@pytest.mark.parametrize("garbage", [b"not json", b"\xc3\x28", b"\xff\xfe", b"[1, 2]", b"7", b'{"round": 100}',
-                                     b'{"round": "five", "local_rank": 0}', b'{"local_rank": 0}'])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"not json",
+        b"\xc3\x28",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b"7",
+        b'{"round": 100}',
+        b'{"round": "five", "local_rank": 0}',
+        b'{"local_rank": 0}',
+    ],
+)
 def test_malformed_datagram_is_ignored(channel: Channel, garbage: bytes) -> None:
     channel.send_raw(garbage)
     channel.worker(1).beat(3)
@@ -417,8 +483,11 @@ def test_process_gone() -> None:
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_served_on_a_free_port() -> None:
@@ -442,18 +511,53 @@ def test_metrics_served_on_a_free_port() -> None:
 
 # -- ftrain status -----------------------------------------------------------------------------
 def _node(node: str, **fields: object) -> dict[str, object]:
-    return {"node": node, "live": True, "member": True, "node_rank": 0, "leader": False, "host": f"host-{node}",
-            "agent_pid": 10, "state": "running", "worker_round": 3, "step": 40, "heartbeat_age_s": 0.3,
-            "status_age_s": 0.5, "restarts_seen": 2} | fields
+    return {
+        "node": node,
+        "live": True,
+        "member": True,
+        "node_rank": 0,
+        "leader": False,
+        "host": f"host-{node}",
+        "agent_pid": 10,
+        "state": "running",
+        "worker_round": 3,
+        "step": 40,
+        "heartbeat_age_s": 0.3,
+        "status_age_s": 0.5,
+        "restarts_seen": 2,
+    } | fields
 
 
 def _status(**fields: object) -> dict[str, object]:
-    return {"job": "job-7", "revision": 50, "leader": "a", "round": 3, "round_reason": HANG, "world_size": 8,
-            "members": ["a", "b"], "restarts_by_cause": {HANG: 1, NODE_LOST: 1}, "restarts": 2,
-            "last_committed_step": 30, "final": None,
-            "nodes": [_node("a", leader=True), _node("b", node_rank=1, heartbeat_age_s=None),
-                      _node("c", live=False, member=False, node_rank=None, host="host-c", state="", worker_round=None,
-                            step=None, heartbeat_age_s=None, status_age_s=None)]} | fields
+    return {
+        "job": "job-7",
+        "revision": 50,
+        "leader": "a",
+        "round": 3,
+        "round_reason": HANG,
+        "world_size": 8,
+        "members": ["a", "b"],
+        "restarts_by_cause": {HANG: 1, NODE_LOST: 1},
+        "restarts": 2,
+        "last_committed_step": 30,
+        "final": None,
+        "nodes": [
+            _node("a", leader=True),
+            _node("b", node_rank=1, heartbeat_age_s=None),
+            _node(
+                "c",
+                live=False,
+                member=False,
+                node_rank=None,
+                host="host-c",
+                state="",
+                worker_round=None,
+                step=None,
+                heartbeat_age_s=None,
+                status_age_s=None,
+            ),
+        ],
+    } | fields
 
 
 def test_format_status_renders_a_row_per_node() -> None:
@@ -462,8 +566,22 @@ def test_format_status_renders_a_row_per_node() -> None:
     assert lines[1] == "leader a; members a, b; last committed step 30; restarts 2 (hang 1, node_lost 1)"
     assert lines[2] == ""
     table = [line.split() for line in lines[3:]]
-    assert table[0] == ["node", "live", "rank", "leader", "host", "state", "round", "step", "hb", "age", "s",
-                        "status", "age", "s"]
+    assert table[0] == [
+        "node",
+        "live",
+        "rank",
+        "leader",
+        "host",
+        "state",
+        "round",
+        "step",
+        "hb",
+        "age",
+        "s",
+        "status",
+        "age",
+        "s",
+    ]
     assert table[1:] == [
         ["a", "yes", "0", "yes", "host-a", "running", "3", "40", "0.3", "0.5"],
         ["b", "yes", "1", "no", "host-b", "running", "3", "40", "-", "0.5"],
@@ -476,21 +594,28 @@ def test_format_status_renders_a_row_per_node() -> None:
 def test_format_status_of_a_finished_job_and_of_one_with_no_round() -> None:
     final = {"status": "failed", "reason": "restart budget exhausted", "round": 9, "time": 1.0}
     assert format_status(_status(final=final)).splitlines()[0] == (
-        "job job-7: FAILED (restart budget exhausted) at round 9")
-    empty = format_status(_status(round=0, leader=None, members=[], restarts_by_cause={}, restarts=0,
-                                  last_committed_step=None, nodes=[])).splitlines()
+        "job job-7: FAILED (restart budget exhausted) at round 9"
+    )
+    empty = format_status(
+        _status(round=0, leader=None, members=[], restarts_by_cause={}, restarts=0, last_committed_step=None, nodes=[])
+    ).splitlines()
     assert empty[0] == "job job-7: no round yet"
     assert empty[1] == "leader -; members -; last committed step -; restarts 0 (none)"
     assert len(empty) == 4  # the header row only
 
 
 def test_format_status_calls_out_failing_checkpoints_and_unreadable_records() -> None:
-    s = _status(nodes=[_node("a", ckpt_failures=3, ckpt_failures_total=5, ckpt_error="StaleRoundError: etcd said no"),
-                       _node("b")],
-                problems=["unreadable job record /ftrain/jobs/job-7/status/x (revision 4): JSONDecodeError: x"])
+    s = _status(
+        nodes=[
+            _node("a", ckpt_failures=3, ckpt_failures_total=5, ckpt_error="StaleRoundError: etcd said no"),
+            _node("b"),
+        ],
+        problems=["unreadable job record /ftrain/jobs/job-7/status/x (revision 4): JSONDecodeError: x"],
+    )
     text = format_status(s)
-    assert ("CHECKPOINTS FAILING on a: 3 commit(s) in a row failed (5 in all); last error: StaleRoundError: etcd "
-            "said no") in text
+    assert (
+        "CHECKPOINTS FAILING on a: 3 commit(s) in a row failed (5 in all); last error: StaleRoundError: etcd said no"
+    ) in text
     assert "on b" not in text
     assert "warning: unreadable job record /ftrain/jobs/job-7/status/x (revision 4)" in text
 
@@ -508,11 +633,30 @@ def test_beats_carry_checkpoint_failures_and_the_exit_error(channel: Channel) ->
     assert (beat.step, beat.error, beat.fatal) == (6, "CheckpointFailuresError: 3 in a row", True)
 
 
-@pytest.mark.parametrize("bad", [{"pid": -1}, {"pid": 0}, {"pid": 1}, {"pid": 2**40}, {"pid": "123"}, {"pid": True},
-                                 {"step": "7"}, {"step": 7.5}, {"step": -5}, {"step": None}, {"local_rank": -1},
-                                 {"local_rank": 10**9}, {"step_time_s": float("nan")}, {"step_time_s": -1.0},
-                                 {"phase": "x" * 50}, {"kind": "explode"}, {"fatal": "yes"}, {"error": 5},
-                                 {"ckpt_failures": -2}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"pid": -1},
+        {"pid": 0},
+        {"pid": 1},
+        {"pid": 2**40},
+        {"pid": "123"},
+        {"pid": True},
+        {"step": "7"},
+        {"step": 7.5},
+        {"step": -5},
+        {"step": None},
+        {"local_rank": -1},
+        {"local_rank": 10**9},
+        {"step_time_s": float("nan")},
+        {"step_time_s": -1.0},
+        {"phase": "x" * 50},
+        {"kind": "explode"},
+        {"fatal": "yes"},
+        {"error": 5},
+        {"ckpt_failures": -2},
+    ],
+)
 def test_a_beat_with_one_bad_field_is_dropped_whole(channel: Channel, bad: dict) -> None:
     good = {"kind": "beat", "round": channel.round, "local_rank": 0, "rank": 0, "pid": os.getpid(), "step": 3}
     channel.send_raw(json.dumps({**good, **bad}).encode())
@@ -539,9 +683,17 @@ def test_checkpoint_failure_metrics_count_each_failure_once() -> None:
 
 # -- PIDs are signalled only while they are this torchrun's workers ---------------------------------
 def test_pid_tracker_ignores_a_pid_that_is_not_a_descendant() -> None:
-    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-                             "print(c.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    root = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(c.pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     child = None
     try:

@@ -66,8 +66,15 @@ class MemoryHeartbeats:
 class FakeWorkers:
     """One round's workers (one per local rank) as the test makes them behave."""
 
-    def __init__(self, launch: Launch, env: dict[str, str], log_path: str, clock: FakeClock,
-                 heartbeats: MemoryHeartbeats, pid: int):
+    def __init__(
+        self,
+        launch: Launch,
+        env: dict[str, str],
+        log_path: str,
+        clock: FakeClock,
+        heartbeats: MemoryHeartbeats,
+        pid: int,
+    ):
         self.launch, self.env, self.log_path = launch, env, log_path
         self.clock, self.heartbeats = clock, heartbeats
         self.started_at = clock.monotonic()
@@ -113,9 +120,20 @@ class FakeWorkers:
         """Every local rank finished ``step`` (and knows ``committed_step`` is committed)."""
         for r in range(self.launch.nproc_per_node):
             now = self.clock.monotonic()
-            self.heartbeats.receive(self.round, Beat(local_rank=r, rank=r, pid=self.worker_pid(r), step=step,
-                                                     step_time_s=0.1, committed_step=committed_step, received_at=now,
-                                                     alive_at=now, **fields))  # type: ignore[arg-type]
+            self.heartbeats.receive(
+                self.round,
+                Beat(
+                    local_rank=r,
+                    rank=r,
+                    pid=self.worker_pid(r),
+                    step=step,
+                    step_time_s=0.1,
+                    committed_step=committed_step,
+                    received_at=now,
+                    alive_at=now,
+                    **fields,
+                ),
+            )  # type: ignore[arg-type]
 
     def fail(self, error: str, *, step: int) -> None:
         """Local rank 0 raises ``error`` at ``step``: its exit message, then torchrun exits 1."""
@@ -140,8 +158,15 @@ class FakeWorkers:
 class Node:
     """One node: its agent and the parts a test reaches into."""
 
-    def __init__(self, node_id: str, store: MemoryJobStore, clock: FakeClock, tmp_path: Path, pids: Iterator[int],
-                 **settings: object):
+    def __init__(
+        self,
+        node_id: str,
+        store: MemoryJobStore,
+        clock: FakeClock,
+        tmp_path: Path,
+        pids: Iterator[int],
+        **settings: object,
+    ):
         run_dir = tmp_path / node_id
         run_dir.mkdir()
         self.node_id = node_id
@@ -153,12 +178,23 @@ class Node:
             self.started.append(workers)
             return workers
 
-        opts = AgentOptions.of(etcd=["http://etcd.invalid:2379"], job=JOB, node_id=node_id, worker_args=["cfg.toml"],
-                               **{**FAST_AGENT_SETTINGS, **settings})  # lease_ttl_s 2, settle_s 1, hang_timeout_s 5
-        self.agent = Agent(opts, store=store, clock=clock, heartbeats=self.heartbeats,
-                           metrics=AgentMetrics(JOB, node_id, clock=clock.monotonic),
-                           events=EventLog(str(tmp_path / "events.jsonl"), rank=-1), launcher=launch,
-                           run_dir=str(run_dir))
+        opts = AgentOptions.of(
+            etcd=["http://etcd.invalid:2379"],
+            job=JOB,
+            node_id=node_id,
+            worker_args=["cfg.toml"],
+            **{**FAST_AGENT_SETTINGS, **settings},
+        )  # lease_ttl_s 2, settle_s 1, hang_timeout_s 5
+        self.agent = Agent(
+            opts,
+            store=store,
+            clock=clock,
+            heartbeats=self.heartbeats,
+            metrics=AgentMetrics(JOB, node_id, clock=clock.monotonic),
+            events=EventLog(str(tmp_path / "events.jsonl"), rank=-1),
+            launcher=launch,
+            run_dir=str(run_dir),
+        )
         self.agent.start()
         self.alive = True
         self.closed = False
@@ -221,12 +257,17 @@ class Job:
 
     def running(self, round_: int, *node_ids: str) -> bool:
         """Each of ``node_ids`` runs workers of ``round_``."""
-        return all(self.nodes[n].started and self.nodes[n].workers.round == round_
-                   and self.nodes[n].workers.rc is None for n in node_ids)
+        return all(
+            self.nodes[n].started and self.nodes[n].workers.round == round_ and self.nodes[n].workers.rc is None
+            for n in node_ids
+        )
 
     def events(self, name: str, **match: object) -> list[dict]:
-        return [e for e in read_jsonl(self.tmp_path / "events.jsonl")
-                if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+        return [
+            e
+            for e in read_jsonl(self.tmp_path / "events.jsonl")
+            if e["event"] == name and all(e.get(k) == v for k, v in match.items())
+        ]
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -323,8 +364,10 @@ def test_a_node_that_joins_enters_at_the_next_committed_checkpoint(job: Job) -> 
     start_round_1(job, "a", nnodes="1:2")
     job.nodes["a"].workers.beat(12, committed_step=10)
     job.join("c", nnodes="1:2")
-    job.run_until(lambda: (s := job.state().status.get("a")) and s.updated_at >= job.state().nodes["c"].registered_at,
-                  "a's status written after c joined")
+    job.run_until(
+        lambda: (s := job.state().status.get("a")) and s.updated_at >= job.state().nodes["c"].registered_at,
+        "a's status written after c joined",
+    )
     for _ in range(int(30 / TICK_S)):  # no new checkpoint: c waits, however long
         job.tick()
         job.nodes["a"].workers.beat(12, committed_step=10)

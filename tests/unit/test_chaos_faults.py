@@ -22,11 +22,19 @@ SCENARIOS = REPO / "chaos" / "scenarios"
 #: What each kind owed before the registry (``faults.RESTARTING`` and the names special-cased in
 #: ``invariants.py`` and ``runner.py``); the registry keeps it.
 OWED_BEFORE = {
-    "worker_kill": Outcome.NEW_ROUND, "agent_kill": Outcome.NEW_ROUND, "worker_hang": Outcome.NEW_ROUND,
-    "ckpt_corrupt": Outcome.NEW_ROUND, "kill_during_save": Outcome.NEW_ROUND, "kill_during_load": Outcome.NEW_ROUND,
-    "worker_slow": Outcome.RIDDEN_OUT, "etcd_pause": Outcome.RIDDEN_OUT, "etcd_restart": Outcome.RIDDEN_OUT,
-    "s3_outage": Outcome.RIDDEN_OUT, "s3_faults": Outcome.RIDDEN_OUT,
-    "duplicate_node": Outcome.REFUSED, "zombie_commit": Outcome.REFUSED,
+    "worker_kill": Outcome.NEW_ROUND,
+    "agent_kill": Outcome.NEW_ROUND,
+    "worker_hang": Outcome.NEW_ROUND,
+    "ckpt_corrupt": Outcome.NEW_ROUND,
+    "kill_during_save": Outcome.NEW_ROUND,
+    "kill_during_load": Outcome.NEW_ROUND,
+    "worker_slow": Outcome.RIDDEN_OUT,
+    "etcd_pause": Outcome.RIDDEN_OUT,
+    "etcd_restart": Outcome.RIDDEN_OUT,
+    "s3_outage": Outcome.RIDDEN_OUT,
+    "s3_faults": Outcome.RIDDEN_OUT,
+    "duplicate_node": Outcome.REFUSED,
+    "zombie_commit": Outcome.REFUSED,
 }
 
 

@@ -41,8 +41,10 @@ def test_a_load_of_a_commit_nobody_saw_fails():
 
 
 def test_a_commit_seen_only_in_the_workers_events_counts():
-    events = [_ev("ckpt_committed", 140.5, step=300, round=3),
-              _ev("ckpt_loaded", 150.0, step=300, round=4, created_time=140.0),
-              _ev("ckpt_loaded", 150.1, step=300, round=4, created_time=140.0, rank=1)]
+    events = [
+        _ev("ckpt_committed", 140.5, step=300, round=3),
+        _ev("ckpt_loaded", 150.0, step=300, round=4, created_time=140.0),
+        _ev("ckpt_loaded", 150.1, step=300, round=4, created_time=140.0, rank=1),
+    ]
     check = loads_were_committed(events, {})
     assert check.ok and "1 load(s)" in check.detail

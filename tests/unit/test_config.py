@@ -24,8 +24,9 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
 
 
 def test_override_values_are_typed(tmp_path):
-    cfg = load_config(None, ["--optim.lr=1e-3", "--parallel.deterministic=true", "--data.source=synthetic",
-                             "--optim.warmup_steps=0"])
+    cfg = load_config(
+        None, ["--optim.lr=1e-3", "--parallel.deterministic=true", "--data.source=synthetic", "--optim.warmup_steps=0"]
+    )
     assert cfg.optim.lr == 1e-3 and cfg.parallel.deterministic is True
     assert cfg.parallel.strategy == "ddp" and cfg.optim.warmup_steps == 0
 
@@ -35,13 +36,13 @@ def test_override_values_are_typed(tmp_path):
     [
         ("[train]\nstpes = 3\n", [], "train.stpes", "did you mean 'steps'"),
         ("[trian]\nsteps = 3\n", [], "trian", "unknown section"),
-        ("[train]\nsteps = \"ten\"\n", [], "train.steps", "expected int"),
+        ('[train]\nsteps = "ten"\n', [], "train.steps", "expected int"),
         ("", ["--train.steps=1.5"], "train.steps", "expected int"),
         ("", ["--parallel.deterministic=maybe"], "parallel.deterministic", "expected bool"),
         ("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n", [], "train.global_batch_size", "multiple"),
-        ("[data]\nsource = \"/nonexistent/tokens.bin\"\n", [], "data.source", "/nonexistent/tokens.bin"),
-        ("[parallel]\nstrategy = \"zero4\"\n", [], "parallel.strategy", "not one of"),
-        ("[parallel]\nstrategy = \"fsdp\"\ndeterministic = true\n", [], "parallel.deterministic", "ddp only"),
+        ('[data]\nsource = "/nonexistent/tokens.bin"\n', [], "data.source", "/nonexistent/tokens.bin"),
+        ('[parallel]\nstrategy = "zero4"\n', [], "parallel.strategy", "not one of"),
+        ('[parallel]\nstrategy = "fsdp"\ndeterministic = true\n', [], "parallel.deterministic", "ddp only"),
         ("[model]\nd_model = 30\nn_head = 4\n", [], "model.d_model", "multiple"),
         ("", ["--train.steps"], "", "--section.key=value"),
     ],
@@ -65,8 +66,14 @@ def test_digest_changes_with_any_value():
 
 def test_reference_lists_every_key():
     ref = reference_markdown()
-    for key in ("train.steps", "model.factory", "data.source", "optim.lr_scaling", "parallel.deterministic",
-                "logging.metrics_path"):
+    for key in (
+        "train.steps",
+        "model.factory",
+        "data.source",
+        "optim.lr_scaling",
+        "parallel.deterministic",
+        "logging.metrics_path",
+    ):
         assert f"`{key}`" in ref
 
 
@@ -76,8 +83,9 @@ def _float_keys() -> list[str]:
 
     from ftrain.cli.config import schema as sections
 
-    return [f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)
-            if f.type == "float"]
+    return [
+        f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls) if f.type == "float"
+    ]
 
 
 @pytest.mark.parametrize("key", _float_keys())
@@ -99,26 +107,29 @@ def test_nan_from_a_file_or_built_in_code_is_refused_too(tmp_path):
         CheckpointConfig(gc_grace_s=float("nan"))
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("--checkpoint.gc_grace_s=-1", "checkpoint.gc_grace_s"),
-    ("--checkpoint.load_step=-2", "checkpoint.load_step"),
-    ("--checkpoint.max_failed_commits=-1", "checkpoint.max_failed_commits"),
-    ("--checkpoint.on_no_loadable_step=ignore", "checkpoint.on_no_loadable_step"),
-    ("--train.grad_clip=-0.5", "train.grad_clip"),
-    ("--optim.weight_decay=-0.1", "optim.weight_decay"),
-    ("--optim.beta1=1.0", "optim.beta1"),
-    ("--optim.beta2=-0.1", "optim.beta2"),
-    ("--optim.eps=0", "optim.eps"),
-    ("--data.seed=-1", "data.seed"),
-    ("--agent.settle_s=-1", "agent.settle_s"),
-    ("--agent.hang_timeout_s=0", "agent.hang_timeout_s"),
-    ("--agent.start_timeout_s=-5", "agent.start_timeout_s"),
-    ("--agent.restart_window_s=0", "agent.restart_window_s"),
-    ("--agent.max_restarts=-1", "agent.max_restarts"),
-    ("--agent.backoff_initial_s=-1", "agent.backoff_initial_s"),
-    ("--agent.backoff_max_s=0.5", "agent.backoff_max_s"),
-    ("--agent.metrics_port=70000", "agent.metrics_port"),
-])
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("--checkpoint.gc_grace_s=-1", "checkpoint.gc_grace_s"),
+        ("--checkpoint.load_step=-2", "checkpoint.load_step"),
+        ("--checkpoint.max_failed_commits=-1", "checkpoint.max_failed_commits"),
+        ("--checkpoint.on_no_loadable_step=ignore", "checkpoint.on_no_loadable_step"),
+        ("--train.grad_clip=-0.5", "train.grad_clip"),
+        ("--optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("--optim.beta1=1.0", "optim.beta1"),
+        ("--optim.beta2=-0.1", "optim.beta2"),
+        ("--optim.eps=0", "optim.eps"),
+        ("--data.seed=-1", "data.seed"),
+        ("--agent.settle_s=-1", "agent.settle_s"),
+        ("--agent.hang_timeout_s=0", "agent.hang_timeout_s"),
+        ("--agent.start_timeout_s=-5", "agent.start_timeout_s"),
+        ("--agent.restart_window_s=0", "agent.restart_window_s"),
+        ("--agent.max_restarts=-1", "agent.max_restarts"),
+        ("--agent.backoff_initial_s=-1", "agent.backoff_initial_s"),
+        ("--agent.backoff_max_s=0.5", "agent.backoff_max_s"),
+        ("--agent.metrics_port=70000", "agent.metrics_port"),
+    ],
+)
 def test_numeric_ranges_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
@@ -131,8 +142,7 @@ def test_new_checkpoint_keys_defaults_and_reference():
     assert load_config(None, ["--checkpoint.on_no_loadable_step=fresh"]).checkpoint.on_no_loadable_step == "fresh"
     ref = reference_markdown()
     assert "`checkpoint.on_no_loadable_step`" in ref
-    assert ("Consecutive failed checkpoint commits after which training stops instead of running unprotected."
-            in ref)
+    assert "Consecutive failed checkpoint commits after which training stops instead of running unprotected." in ref
     assert "directly under it" in ref  # checkpoint.uri is the job's own root
 
 
@@ -147,12 +157,22 @@ def test_checkpoint_defaults_equal_the_checkpoint_service_defaults():
 
     cfg = CheckpointConfig()
     manager = {f.name: f.default for f in dataclasses.fields(CheckpointManager)}
-    assert (cfg.keep_last, cfg.keep_every, cfg.gc_grace_s) == (Retention.keep_last, Retention.keep_every,
-                                                              Retention.grace_s)
-    assert (manager["keep_last"], manager["keep_every"], manager["gc_grace_s"]) == (cfg.keep_last, cfg.keep_every,
-                                                                                    cfg.gc_grace_s)
+    assert (cfg.keep_last, cfg.keep_every, cfg.gc_grace_s) == (
+        Retention.keep_last,
+        Retention.keep_every,
+        Retention.grace_s,
+    )
+    assert (manager["keep_last"], manager["keep_every"], manager["gc_grace_s"]) == (
+        cfg.keep_last,
+        cfg.keep_every,
+        cfg.gc_grace_s,
+    )
     assert (manager["digest"], manager["async_mode"], manager["when_busy"], manager["on_no_loadable_step"]) == (
-        cfg.digest, cfg.async_mode, cfg.when_busy, cfg.on_no_loadable_step)
+        cfg.digest,
+        cfg.async_mode,
+        cfg.when_busy,
+        cfg.on_no_loadable_step,
+    )
 
 
 # -- the worker's job id ---------------------------------------------------------------------

@@ -38,8 +38,16 @@ def _runs(draw: st.DrawFn) -> dict[str, int]:
     steps = draw(st.integers(1, 30))
     stop = draw(st.integers(0, steps))
     seed = draw(st.integers(0, 2**32))
-    return dict(micro=micro, world1=world1, world2=world2, batch=batch, num_samples=num_samples,
-                steps=steps, stop=stop, seed=seed)
+    return dict(
+        micro=micro,
+        world1=world1,
+        world2=world2,
+        batch=batch,
+        num_samples=num_samples,
+        steps=steps,
+        stop=stop,
+        seed=seed,
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -96,7 +104,11 @@ def test_epoch_tail_is_dropped() -> None:
     cursor = DataCursor(num_samples=10, global_batch_size=4, seed=0)
     batches = [cursor.next_global_batch() for _ in range(5)]
     assert [(b.step, b.epoch, b.start) for b in batches] == [
-        (0, 0, 0), (1, 0, 4), (2, 1, 0), (3, 1, 4), (4, 2, 0),
+        (0, 0, 0),
+        (1, 0, 4),
+        (2, 1, 0),
+        (3, 1, 4),
+        (4, 2, 0),
     ]
     np.testing.assert_array_equal(batches[2].sample_ids, epoch_permutation(10, 0, 1)[:4])
 
@@ -122,7 +134,12 @@ def test_state_dict_is_plain_json() -> None:
         cursor.next_global_batch()
     state = cursor.state_dict()
     assert state == {
-        "epoch": 0, "next_index": 24, "step": 3, "num_samples": 100, "seed": 5, "global_batch_size": 8,
+        "epoch": 0,
+        "next_index": 24,
+        "step": 3,
+        "num_samples": 100,
+        "seed": 5,
+        "global_batch_size": 8,
     }
     assert all(type(v) is int for v in state.values())
     assert json.loads(json.dumps(state)) == state

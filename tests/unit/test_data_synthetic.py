@@ -143,8 +143,12 @@ def test_empty_id_list_gives_empty_batch() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"branching": 17}, {"branching": 0}, {"concentration": 0.0},
-        {"seed": -1}, {"num_samples": 0}, {"seq_len": 0},
+        {"branching": 17},
+        {"branching": 0},
+        {"concentration": 0.0},
+        {"seed": -1},
+        {"num_samples": 0},
+        {"seq_len": 0},
     ],
 )
 def test_bad_construction_raises(kwargs: dict) -> None:
@@ -172,7 +176,12 @@ def test_build_source_synthetic() -> None:
     src = build_source(data, model)
     assert isinstance(src, MarkovSource)
     assert (src.vocab_size, src.seq_len, src.seed, src.num_samples, src.branching, src.concentration) == (
-        32, 16, 4, 1000, 3, 0.7,
+        32,
+        16,
+        4,
+        1000,
+        3,
+        0.7,
     )
 
 

@@ -12,9 +12,7 @@ from ftrain.config import DataConfig, ModelConfig
 from ftrain.data import DataError, TokenFileSource, build_source, write_token_file
 
 
-@pytest.mark.parametrize(
-    ("dtype", "vocab_size", "high"), [("uint16", 65536, 65536), ("uint32", 100_000, 100_000)]
-)
+@pytest.mark.parametrize(("dtype", "vocab_size", "high"), [("uint16", 65536, 65536), ("uint32", 100_000, 100_000)])
 def test_round_trip(tmp_path: Path, dtype: str, vocab_size: int, high: int) -> None:
     tokens = np.random.default_rng(0).integers(0, high, size=1001)
     tokens[:2] = [0, high - 1]  # the extremes of the type survive

@@ -47,8 +47,11 @@ def test_writer_digests_match_the_bytes_written(saved):
 def test_reader_loads_verified_bytes(saved):
     root, publisher = saved
     target = {"w": torch.zeros(65536), "b": torch.zeros(7)}
-    dcp.load(target, storage_reader=VerifiedReader(str(root), options=StorageOptions(), files=publisher.files,
-                                                   algorithm="xxh3_128"), no_dist=True)
+    dcp.load(
+        target,
+        storage_reader=VerifiedReader(str(root), options=StorageOptions(), files=publisher.files, algorithm="xxh3_128"),
+        no_dist=True,
+    )
     assert torch.equal(target["w"], torch.arange(65536, dtype=torch.float32))
 
 

@@ -68,6 +68,7 @@ class FakeTransport:
 def fail(exc: Exception) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
     def handler(path: str, payload: dict[str, Any]) -> dict[str, Any]:
         raise exc
+
     return handler
 
 
@@ -84,6 +85,7 @@ def scripted(*outcomes: Exception | dict[str, Any]) -> Callable[[str, dict[str, 
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
     return handler
 
 
@@ -109,20 +111,25 @@ def test_every_byte_value_round_trips():
     assert kv.value == value and kv.mod_revision == 9 and kv.create_revision == 0 and kv.lease == 0
 
 
-@pytest.mark.parametrize("prefix, end", [(b"a", b"b"), (b"jobs/", b"jobs0"), (b"a\xff", b"b"),
-                                         (b"\xff\xff", b"\0"), (b"", b"\0")])
+@pytest.mark.parametrize(
+    "prefix, end", [(b"a", b"b"), (b"jobs/", b"jobs0"), (b"a\xff", b"b"), (b"\xff\xff", b"\0"), (b"", b"\0")]
+)
 def test_prefix_range_end(prefix, end):
     assert prefix_range_end(prefix) == end
 
 
 def test_compare_and_op_json():
-    assert Compare.absent("k").to_json() == {"key": b64(b"k"), "target": "CREATE", "result": "EQUAL",
-                                            "create_revision": "0"}
+    assert Compare.absent("k").to_json() == {
+        "key": b64(b"k"),
+        "target": "CREATE",
+        "result": "EQUAL",
+        "create_revision": "0",
+    }
     assert Compare("k", "value", "!=", b"v").to_json()["value"] == b64(b"v")
-    assert Op.put("k", "v", lease=7).to_json() == {"request_put": {"key": b64(b"k"), "value": b64(b"v"),
-                                                                  "lease": "7"}}
+    assert Op.put("k", "v", lease=7).to_json() == {"request_put": {"key": b64(b"k"), "value": b64(b"v"), "lease": "7"}}
     assert Op.delete("p/", prefix=True).to_json() == {
-        "request_delete_range": {"key": b64(b"p/"), "range_end": b64(b"p0")}}
+        "request_delete_range": {"key": b64(b"p/"), "range_end": b64(b"p0")}
+    }
     with pytest.raises(ValueError, match="target"):
         Compare("k", "size", "==", 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bytes"):
@@ -130,22 +137,36 @@ def test_compare_and_op_json():
 
 
 def test_txn_result_parses_each_response_kind():
-    reply = {"header": {"revision": "12"}, "responses": [
-        {"response_put": {"header": {"revision": "12"}}},
-        {"response_delete_range": {"deleted": "2"}},
-        {"response_range": {"kvs": [{"key": b64(b"k"), "value": b64(b"v"), "mod_revision": "5"}]}}]}
+    reply = {
+        "header": {"revision": "12"},
+        "responses": [
+            {"response_put": {"header": {"revision": "12"}}},
+            {"response_delete_range": {"deleted": "2"}},
+            {"response_range": {"kvs": [{"key": b64(b"k"), "value": b64(b"v"), "mod_revision": "5"}]}},
+        ],
+    }
     result = TxnResult.from_json(reply)
     assert result.succeeded is False and result.revision == 12  # proto3 JSON omits false
     assert result.responses[:2] == (None, 2) and result.responses[2][0].value == b"v"
 
 
 def test_watch_response_parsing():
-    line = json.dumps({"result": {"header": {"revision": "9"}, "events": [
-        {"kv": {"key": b64(b"a"), "value": b64(b"1"), "create_revision": "8", "mod_revision": "8"}},
-        {"type": "DELETE", "kv": {"key": b64(b"b"), "mod_revision": "9"}}]}}).encode()
+    line = json.dumps(
+        {
+            "result": {
+                "header": {"revision": "9"},
+                "events": [
+                    {"kv": {"key": b64(b"a"), "value": b64(b"1"), "create_revision": "8", "mod_revision": "8"}},
+                    {"type": "DELETE", "kv": {"key": b64(b"b"), "mod_revision": "9"}},
+                ],
+            }
+        }
+    ).encode()
     r = WatchResponse.from_line(line)
-    assert [(e.type, e.key, e.value, e.mod_revision) for e in r.events] == [("put", "a", b"1", 8),
-                                                                            ("delete", "b", b"", 9)]
+    assert [(e.type, e.key, e.value, e.mod_revision) for e in r.events] == [
+        ("put", "a", b"1", 8),
+        ("delete", "b", b"", 9),
+    ]
     compacted = WatchResponse.from_line(b'{"result":{"canceled":true,"compact_revision":"4"}}')
     assert compacted.canceled and compacted.compact_revision == 4
     progress = WatchResponse.from_line(b'{"result":{"header":{"revision":"9"}}}')
@@ -154,16 +175,19 @@ def test_watch_response_parsing():
         WatchResponse.from_line(b'{"error":{"grpc_code":14,"http_code":503,"message":"transport is closing"}}')
 
 
-@pytest.mark.parametrize("status, body, kind, ambiguous", [
-    (503, '{"code":14,"message":"etcdserver: no leader"}', EtcdUnavailableError, False),
-    (503, '{"code":14,"message":"etcdserver: request timed out"}', EtcdUnavailableError, True),
-    (504, '{"code":4,"message":"context deadline exceeded"}', EtcdUnavailableError, True),
-    (429, '{"code":8,"message":"etcdserver: too many requests"}', EtcdUnavailableError, False),
-    (502, "Bad Gateway", EtcdUnavailableError, True),
-    (404, '{"code":5,"message":"etcdserver: requested lease not found"}', LeaseExpiredError, None),
-    (400, '{"code":3,"message":"etcdserver: key is not provided"}', EtcdError, None),
-    (401, '{"code":16,"message":"etcdserver: invalid auth token"}', EtcdError, None),
-])
+@pytest.mark.parametrize(
+    "status, body, kind, ambiguous",
+    [
+        (503, '{"code":14,"message":"etcdserver: no leader"}', EtcdUnavailableError, False),
+        (503, '{"code":14,"message":"etcdserver: request timed out"}', EtcdUnavailableError, True),
+        (504, '{"code":4,"message":"context deadline exceeded"}', EtcdUnavailableError, True),
+        (429, '{"code":8,"message":"etcdserver: too many requests"}', EtcdUnavailableError, False),
+        (502, "Bad Gateway", EtcdUnavailableError, True),
+        (404, '{"code":5,"message":"etcdserver: requested lease not found"}', LeaseExpiredError, None),
+        (400, '{"code":3,"message":"etcdserver: key is not provided"}', EtcdError, None),
+        (401, '{"code":16,"message":"etcdserver: invalid auth token"}', EtcdError, None),
+    ],
+)
 def test_error_replies_are_classified(status, body, kind, ambiguous):
     error = error_from_reply(status, body, "x")
     assert type(error) is kind
@@ -368,6 +392,7 @@ def lease_transport(keepalive: Callable[[str, dict[str, Any]], dict[str, Any]]) 
         if path == "/v3/lease/keepalive":
             return keepalive(path, payload)
         return {}
+
     return FakeTransport({A: handler})
 
 
@@ -406,8 +431,13 @@ def test_session_lost_only_once_renewals_fail_past_the_ttl():
 def test_session_lost_at_once_when_etcd_says_the_lease_is_gone():
     clock = FakeClock()
     reasons: list[str] = []
-    session = Session(make_client(lease_transport(ok({"result": {"ID": "77"}})), [A], clock), ttl_s=5,
-                      clock=clock, start=False, on_lost=reasons.append)
+    session = Session(
+        make_client(lease_transport(ok({"result": {"ID": "77"}})), [A], clock),
+        ttl_s=5,
+        clock=clock,
+        start=False,
+        on_lost=reasons.append,
+    )
     assert session.keepalive_step() is None
     assert session.done.is_set() and reasons == ["lease expired or was revoked"]
 
@@ -438,8 +468,7 @@ def test_b64_matches_base64():
 
 # -- the watch loop against a scripted gateway ------------------------------------------------
 def _event(key: str, rev: int) -> dict[str, Any]:
-    return {"kv": {"key": b64(key.encode()), "value": b64(b"v"), "create_revision": str(rev),
-                   "mod_revision": str(rev)}}
+    return {"kv": {"key": b64(key.encode()), "value": b64(b"v"), "create_revision": str(rev), "mod_revision": str(rev)}}
 
 
 def test_watcher_resumes_after_the_last_delivered_revision_and_drops_replays():
@@ -520,7 +549,6 @@ def test_http_transport_tells_never_sent_from_maybe_applied():
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)  # the kernel accepts; nobody answers
         with pytest.raises(EtcdUnavailableError) as hung:
-            transport.post(f"http://127.0.0.1:{silent.getsockname()[1]}", "/v3/kv/put", {}, timeout_s=0.2,
-                           token=None)
+            transport.post(f"http://127.0.0.1:{silent.getsockname()[1]}", "/v3/kv/put", {}, timeout_s=0.2, token=None)
     assert hung.value.ambiguous is True
     transport.close()

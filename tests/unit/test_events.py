@@ -24,7 +24,7 @@ def _sample(record_type: type[ev.Record]) -> ev.Record:
         if isinstance(hint, types.UnionType):  # X | None: the X
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
         origin = typing.get_origin(hint)
-        values[f.name] = (["a"] if origin is list else {"k": "v"} if origin is dict else SAMPLES[hint])
+        values[f.name] = ["a"] if origin is list else {"k": "v"} if origin is dict else SAMPLES[hint]
     return record_type(**values)
 
 
@@ -58,9 +58,13 @@ def _emits_of_bare_names() -> list[str]:
     for package in ("contract", "checkpoint", "ftrain", "agents", "chaos"):
         for path in sorted((REPO / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr in ("emit", "on_event") and node.args
-                        and isinstance(node.args[0], ast.Constant)):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("emit", "on_event")
+                    and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                ):
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     return bad
 

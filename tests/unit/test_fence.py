@@ -26,9 +26,19 @@ PASSWORD = "pw-do-not-leak"
 def options(tmp_path, **kw) -> AgentOptions:
     ca = tmp_path / "ca.pem"
     ca.write_text("not really a CA")
-    return AgentOptions.of(etcd=["http://127.0.0.1:2379"], job="j", min_nodes=1, max_nodes=1, nproc_per_node=1,
-                           worker_args=["cfg.toml"], node_id="n1", etcd_username="root", etcd_password=PASSWORD,
-                           etcd_ca_cert=os.path.relpath(ca), **kw)
+    return AgentOptions.of(
+        etcd=["http://127.0.0.1:2379"],
+        job="j",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        worker_args=["cfg.toml"],
+        node_id="n1",
+        etcd_username="root",
+        etcd_password=PASSWORD,
+        etcd_ca_cert=os.path.relpath(ca),
+        **kw,
+    )
 
 
 def test_agent_gives_workers_its_credentials_in_a_0600_file_not_in_argv_or_env(tmp_path, monkeypatch) -> None:
@@ -40,8 +50,9 @@ def test_agent_gives_workers_its_credentials_in_a_0600_file_not_in_argv_or_env(t
     assert settings == {"username": "root", "password": PASSWORD, "ca_cert": str(tmp_path / "ca.pem")}  # absolute
 
     monkeypatch.setenv("FTRAIN_ETCD_PASSWORD", PASSWORD)
-    env = worker_environment(dict(os.environ), {"FTRAIN_ETCD_PASSWORD": PASSWORD, "X": "1"},
-                             {CLIENT_FILE_ENV: path, "FTRAIN_ROUND": "3"})
+    env = worker_environment(
+        dict(os.environ), {"FTRAIN_ETCD_PASSWORD": PASSWORD, "X": "1"}, {CLIENT_FILE_ENV: path, "FTRAIN_ROUND": "3"}
+    )
     assert env[CLIENT_FILE_ENV] == path and env["X"] == "1"
     assert not any(PASSWORD in v for v in env.values()), "a secret reached the workers' environment"
     argv = Launch(3, 1, 0, 1, "127.0.0.1", 29500, tuple(opts.worker_args)).command()
@@ -73,13 +84,16 @@ def write(path, data, mode: int = 0o600) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize(("data", "mode", "match"), [
-    ({"username": "u", "password": "p"}, 0o640, "readable by other users"),
-    ("{not json", 0o600, "cannot read"),
-    ({"username": "u"}, 0o600, "go together"),
-    ({"username": "u", "password": 7}, 0o600, "JSON object of strings"),
-    ({"user": "u"}, 0o600, "JSON object of strings"),
-])
+@pytest.mark.parametrize(
+    ("data", "mode", "match"),
+    [
+        ({"username": "u", "password": "p"}, 0o640, "readable by other users"),
+        ("{not json", 0o600, "cannot read"),
+        ({"username": "u"}, 0o600, "go together"),
+        ({"username": "u", "password": 7}, 0o600, "JSON object of strings"),
+        ({"user": "u"}, 0o600, "JSON object of strings"),
+    ],
+)
 def test_unusable_client_file_is_refused(tmp_path, data, mode, match) -> None:
     path = write(tmp_path / "c.json", data, mode)
     with pytest.raises(FenceConfigError, match=match):

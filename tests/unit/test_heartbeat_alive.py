@@ -32,8 +32,9 @@ def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
         assert proc.stdout.readline().strip() == b"ready"
         first = wait_for(lambda: server.beats().get(0), 10, "the loading beat")
         assert first.phase == "loading" and first.step == -1
-        later = wait_for(lambda: (b := server.beats()[0]).alive_at > first.alive_at + 0.5 and b, 10,
-                         "alive datagrams while loading")
+        later = wait_for(
+            lambda: (b := server.beats()[0]).alive_at > first.alive_at + 0.5 and b, 10, "alive datagrams while loading"
+        )
         assert later.received_at == first.received_at and later.phase == "loading"  # no progress claimed
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(0.2)  # an alive datagram already on its way may still land
@@ -50,15 +51,30 @@ def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
 
 def _hung(beats: dict[int, Beat], *, hang_timeout_s: float = 5.0, start_timeout_s: float = 60.0) -> list[int]:
     now = time.monotonic()
-    return hung_ranks(beats, nproc_per_node=len(beats), started_at=now - 100, now=now, hang_timeout_s=hang_timeout_s,
-                      start_timeout_s=start_timeout_s)
+    return hung_ranks(
+        beats,
+        nproc_per_node=len(beats),
+        started_at=now - 100,
+        now=now,
+        hang_timeout_s=hang_timeout_s,
+        start_timeout_s=start_timeout_s,
+    )
 
 
 def _beat(local_rank: int, phase: str, progress_age_s: float, alive_age_s: float, finished: bool | None = None) -> Beat:
     now = time.monotonic()
-    return Beat(local_rank=local_rank, rank=local_rank, pid=100 + local_rank, step=-1, step_time_s=0.0,
-                committed_step=-1, received_at=now - progress_age_s, phase=phase, alive_at=now - alive_age_s,
-                finished=finished)
+    return Beat(
+        local_rank=local_rank,
+        rank=local_rank,
+        pid=100 + local_rank,
+        step=-1,
+        step_time_s=0.0,
+        committed_step=-1,
+        received_at=now - progress_age_s,
+        phase=phase,
+        alive_at=now - alive_age_s,
+        finished=finished,
+    )
 
 
 def test_hang_rules_progress_by_phase_and_liveness_in_any_phase():

@@ -127,18 +127,21 @@ def test_every_package_is_mapped_to_a_layer():
     on_disk = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "bench", "scripts"}
     assert on_disk == set(PACKAGES)
     purelib = Path(sysconfig.get_paths()["purelib"])
-    assert not any((purelib / p).is_dir() for p in PACKAGES if p != "ftrain"), \
+    assert not any((purelib / p).is_dir() for p in PACKAGES if p != "ftrain"), (
         "a name collides with an installed package"
+    )
 
 
 def test_agents_and_data_import_without_torch():
     """The agent must start fast and outlive worker crashes; the data package is numpy-only."""
-    code = ("import sys, pkgutil, importlib, agents, ftrain.data, contract\n"
-            "for pkg in (agents, contract):\n"
-            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-            "        if m.name != 'agents.torchrun_rdzv':\n"
-            "            importlib.import_module(m.name)\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, pkgutil, importlib, agents, ftrain.data, contract\n"
+        "for pkg in (agents, contract):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if m.name != 'agents.torchrun_rdzv':\n"
+        "            importlib.import_module(m.name)\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
 
@@ -148,11 +151,34 @@ def test_a_worker_loads_no_agent_chaos_or_testbed_code(tmp_path):
     interpreter's import log shows every module it loaded."""
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_CONFIG)
-    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "ftrain", "train", str(cfg), "--train.steps=2",
-                          f"--checkpoint.uri={tmp_path / 'ckpt'}", "--checkpoint.interval=1"],
-                         capture_output=True, text=True, cwd=REPO, env=worker_env(), timeout=240)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "ftrain",
+            "train",
+            str(cfg),
+            "--train.steps=2",
+            f"--checkpoint.uri={tmp_path / 'ckpt'}",
+            "--checkpoint.interval=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=worker_env(),
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = {line.rpartition("|")[2].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
     assert "ftrain.train" in loaded and "checkpoint.manager" in loaded  # the log is the real thing
-    assert sorted(m for m in loaded if layer_of(m) in ("agents", "torchrun plugin", "chaos", "testbed", "cli")
-                  and m not in ("ftrain.cli", "ftrain.cli.train", "ftrain.__main__")) == []
+    assert (
+        sorted(
+            m
+            for m in loaded
+            if layer_of(m) in ("agents", "torchrun plugin", "chaos", "testbed", "cli")
+            and m not in ("ftrain.cli", "ftrain.cli.train", "ftrain.__main__")
+        )
+        == []
+    )

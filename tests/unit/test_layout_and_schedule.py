@@ -12,8 +12,13 @@ from ftrain.strategies import compute_layout
 
 
 def layout(strategy, world, rank=0, local=None, n_head=4, **kw):
-    return compute_layout(ParallelConfig(strategy=strategy, **kw), world_size=world, rank=rank,
-                          local_world_size=local or world, n_head=n_head)
+    return compute_layout(
+        ParallelConfig(strategy=strategy, **kw),
+        world_size=world,
+        rank=rank,
+        local_world_size=local or world,
+        n_head=n_head,
+    )
 
 
 def test_fsdp_tp_grid_assigns_data_ranks_by_row():
@@ -34,9 +39,11 @@ def test_tp_uses_every_rank_and_reads_one_data_stream():
 
 @pytest.mark.parametrize(
     ("strategy", "world", "kw", "key"),
-    [("hsdp", 6, {"shard_size": 4}, "parallel.shard_size"),
-     ("tp", 4, {"tp_size": 2}, "parallel.tp_size"),
-     ("fsdp+tp", 6, {"tp_size": 4}, "parallel.tp_size")],
+    [
+        ("hsdp", 6, {"shard_size": 4}, "parallel.shard_size"),
+        ("tp", 4, {"tp_size": 2}, "parallel.tp_size"),
+        ("fsdp+tp", 6, {"tp_size": 4}, "parallel.tp_size"),
+    ],
 )
 def test_impossible_layouts_name_the_key(strategy, world, kw, key):
     with pytest.raises(ConfigError) as err:

@@ -40,8 +40,18 @@ from agents.records import (
 )
 
 T0 = 10_000.0
-POLICY = Policy.of(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, start_timeout_s=60.0, max_restarts=3,
-                   restart_window_s=600.0, backoff_initial_s=4.0, backoff_max_s=30.0, scale_up="checkpoint")
+POLICY = Policy.of(
+    min_nodes=2,
+    max_nodes=3,
+    nproc_per_node=2,
+    settle_s=5.0,
+    start_timeout_s=60.0,
+    max_restarts=3,
+    restart_window_s=600.0,
+    backoff_initial_s=4.0,
+    backoff_max_s=30.0,
+    scale_up="checkpoint",
+)
 
 
 class FakeJob:
@@ -56,8 +66,14 @@ class FakeJob:
     def put(self, key: str, value: str, lease: int = 0) -> None:
         self.revision += 1
         prev = self.kvs.get(key)
-        self.kvs[key] = KeyValue(key, value.encode(), prev.create_revision if prev else self.revision, self.revision,
-                                 prev.version + 1 if prev else 1, lease)
+        self.kvs[key] = KeyValue(
+            key,
+            value.encode(),
+            prev.create_revision if prev else self.revision,
+            self.revision,
+            prev.version + 1 if prev else 1,
+            lease,
+        )
 
     def delete(self, key: str) -> None:
         self.revision += 1
@@ -127,8 +143,9 @@ def running_job(*node_ids: str, policy: Policy = POLICY) -> tuple[FakeJob, Leade
 
 
 # -- Policy -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("recent_failures", "backoff_s"), [(0, 0.0), (1, 0.0), (2, 4.0), (3, 8.0), (4, 16.0),
-                                                           (5, 30.0), (50, 30.0)])
+@pytest.mark.parametrize(
+    ("recent_failures", "backoff_s"), [(0, 0.0), (1, 0.0), (2, 4.0), (3, 8.0), (4, 16.0), (5, 30.0), (50, 30.0)]
+)
 def test_backoff_is_free_once_then_doubles_up_to_the_cap(recent_failures: int, backoff_s: float) -> None:
     assert POLICY.backoff_s(recent_failures) == backoff_s
 
@@ -175,8 +192,15 @@ def test_first_round_members_in_join_order_capped_at_max_nodes() -> None:
     memory = memory_at(T0)
     _, memory = decide(job.state(), POLICY, memory, T0)
     record, memory = form(job, memory, T0 + POLICY.settle_s)
-    assert record == RoundRecord(round=1, members=joined[:3], nproc_per_node=2, reason=START,
-                                 created_at=T0 + POLICY.settle_s, failure_times=[], restarts_by_cause={})
+    assert record == RoundRecord(
+        round=1,
+        members=joined[:3],
+        nproc_per_node=2,
+        reason=START,
+        created_at=T0 + POLICY.settle_s,
+        failure_times=[],
+        restarts_by_cause={},
+    )
     assert record.world_size == 6
     assert record.node_rank(joined[0]) == 0  # the oldest agent hosts the rendezvous
 
@@ -253,8 +277,9 @@ def test_second_failure_in_window_waits_backoff_initial_s() -> None:
 
 
 def test_restart_budget_exhausted_finishes_failed() -> None:
-    policy = Policy.of(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=2, restart_window_s=600.0,
-                       backoff_initial_s=0.0)
+    policy = Policy.of(
+        min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=2, restart_window_s=600.0, backoff_initial_s=0.0
+    )
     job, memory, _ = running_job("a", policy=policy)
     for g, failed_at in ((1, T0 + 10), (2, T0 + 20)):
         job.report(g, "a", FAILED, WORKER_EXIT, time=failed_at)
@@ -274,8 +299,15 @@ def test_restart_budget_exhausted_finishes_failed() -> None:
 
 
 def test_failures_older_than_the_window_do_not_count() -> None:
-    policy = Policy.of(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1, restart_window_s=100.0,
-                       backoff_initial_s=50.0, backoff_max_s=50.0)
+    policy = Policy.of(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        max_restarts=1,
+        restart_window_s=100.0,
+        backoff_initial_s=50.0,
+        backoff_max_s=50.0,
+    )
     job, memory, _ = running_job("a", policy=policy)
     for g in range(1, 5):
         failed_at = T0 + 101 * g
@@ -320,8 +352,9 @@ def test_new_leader_waits_settle_s_before_acting_on_a_missing_member() -> None:
     job, _, _ = running_job("a", "b", "c")
     job.lose("a")  # the old leader's node, say: its memory goes with it
     elected_at = T0 + 50
-    memory = LeaderMemory(leader_since=elected_at, live=frozenset(job.state().live_members()),
-                          live_changed_at=elected_at)
+    memory = LeaderMemory(
+        leader_since=elected_at, live=frozenset(job.state().live_members()), live_changed_at=elected_at
+    )
     decision, memory = decide(job.state(), POLICY, memory, elected_at + POLICY.settle_s - 0.1)
     assert isinstance(decision, Wait) and decision.why.startswith("settling"), decision
     record, memory = form(job, memory, elected_at + POLICY.settle_s)
@@ -490,13 +523,24 @@ def test_restarts_by_cause_accumulate_over_rounds() -> None:
 
 
 # -- deterministic and fatal failures ----------------------------------------------------------
-LOOSE = Policy.of(min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=10, restart_window_s=600.0,
-                  backoff_initial_s=0.0, deterministic_failures=3)
+LOOSE = Policy.of(
+    min_nodes=1,
+    max_nodes=2,
+    nproc_per_node=1,
+    max_restarts=10,
+    restart_window_s=600.0,
+    backoff_initial_s=0.0,
+    deterministic_failures=3,
+)
 
 
 def fail(job: FakeJob, g: int, node_id: str, *, step: int, error: str, when: float, reason: str = WORKER_EXIT) -> None:
-    job.put(job.keys.report(g, node_id), Report(FAILED, reason, f"torchrun exited with 1; log round-{g}.log",
-                                                job.uid(node_id), when, step=step, error=error).to_json())
+    job.put(
+        job.keys.report(g, node_id),
+        Report(
+            FAILED, reason, f"torchrun exited with 1; log round-{g}.log", job.uid(node_id), when, step=step, error=error
+        ).to_json(),
+    )
 
 
 def fail_rounds(job: FakeJob, memory: LeaderMemory, failures: list[tuple[int, str]], policy: Policy = LOOSE):
@@ -520,11 +564,14 @@ def test_the_same_error_at_the_same_step_three_times_stops_the_job_with_that_err
     assert "ValueError: bad batch shape" in final.reason and "deterministic_failures=3" in final.reason
 
 
-@pytest.mark.parametrize("failures", [
-    [(17, "ValueError: x"), (18, "ValueError: x"), (17, "ValueError: x")],  # not at the same step
-    [(17, "ValueError: x"), (17, "OSError: y"), (17, "ValueError: x")],  # not the same error
-    [(17, ""), (17, ""), (17, "")],  # killed by a signal: no error of the workers' own, budget only
-])
+@pytest.mark.parametrize(
+    "failures",
+    [
+        [(17, "ValueError: x"), (18, "ValueError: x"), (17, "ValueError: x")],  # not at the same step
+        [(17, "ValueError: x"), (17, "OSError: y"), (17, "ValueError: x")],  # not the same error
+        [(17, ""), (17, ""), (17, "")],  # killed by a signal: no error of the workers' own, budget only
+    ],
+)
 def test_failures_that_differ_or_say_nothing_restart(failures: list) -> None:
     job, memory, _ = running_job("a", policy=LOOSE)
     decision = fail_rounds(job, memory, failures)
@@ -536,8 +583,14 @@ def test_a_peer_killed_at_the_same_step_is_not_a_deterministic_failure() -> None
     each time with the same "connection closed by peer": a symptom, not evidence."""
     job, memory, _ = running_job("a", "b", policy=LOOSE)
     for g in (1, 2, 3):
-        fail(job, g, "a", step=17, error="RuntimeError: Connection closed by peer [127.0.0.1]:4123" + str(g),
-             when=T0 + 10 * g)
+        fail(
+            job,
+            g,
+            "a",
+            step=17,
+            error="RuntimeError: Connection closed by peer [127.0.0.1]:4123" + str(g),
+            when=T0 + 10 * g,
+        )
         fail(job, g, "b", step=17, error="", when=T0 + 10 * g)
         decision, memory = decide(job.state(), LOOSE, memory, T0 + 10 * g)
         assert isinstance(decision, FormRound), decision
@@ -572,8 +625,15 @@ def test_a_node_loss_between_identical_failures_does_not_reset_the_count() -> No
 
 def test_a_fatal_report_ends_the_job_at_once_without_spending_the_budget() -> None:
     job, memory, _ = running_job("a", "b")
-    fail(job, 1, "b", step=60, error="CheckpointFailuresError: 3 checkpoint commits in a row failed", when=T0 + 5,
-         reason=FATAL)
+    fail(
+        job,
+        1,
+        "b",
+        step=60,
+        error="CheckpointFailuresError: 3 checkpoint commits in a row failed",
+        when=T0 + 5,
+        reason=FATAL,
+    )
     decision, memory = decide(job.state(), POLICY, memory, T0 + 5)
     assert isinstance(decision, Finish), decision
     assert decision.final.status == FAILED and "fatal error on b at step 60" in decision.final.reason

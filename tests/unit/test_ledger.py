@@ -49,7 +49,12 @@ def test_file_names_and_line_format(tmp_path: Path) -> None:
     line = json.loads((directory / names[1]).read_text().splitlines()[0])
     batch = DataCursor(N, B, SEED).next_global_batch()
     assert line == {
-        "step": 0, "epoch": 0, "start": 0, "round": 5, "dp_rank": 1, "micro": [2, 3],
+        "step": 0,
+        "epoch": 0,
+        "start": 0,
+        "round": 5,
+        "dp_rank": 1,
+        "micro": [2, 3],
         "sample_ids": batch.sample_ids[4:8].tolist(),
     }
 

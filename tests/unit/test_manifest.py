@@ -32,12 +32,20 @@ JOB = "job-a"
 
 def make_manifest(**overrides) -> Manifest:
     fields = dict(
-        step=1200, round=3, world_size=2, layout={"strategy": "fsdp", "mesh": [2]}, config_hash="abc123",
-        config={"train": {"steps": 10, "lr": 0.001}}, trainer={"cursor": {"epoch": 0, "next_index": 19200}},
+        step=1200,
+        round=3,
+        world_size=2,
+        layout={"strategy": "fsdp", "mesh": [2]},
+        config_hash="abc123",
+        config={"train": {"steps": 10, "lr": 0.001}},
+        trainer={"cursor": {"epoch": 0, "next_index": 19200}},
         digest_algorithm="xxh3_128",
-        files={"__0_0.distcp": FileEntry(10, digest_bytes(b"0" * 10, "xxh3_128")),
-               ".metadata": FileEntry(3, digest_bytes(b"abc", "xxh3_128"))},
-        created_time=1700000000.25, job=JOB,
+        files={
+            "__0_0.distcp": FileEntry(10, digest_bytes(b"0" * 10, "xxh3_128")),
+            ".metadata": FileEntry(3, digest_bytes(b"abc", "xxh3_128")),
+        },
+        created_time=1700000000.25,
+        job=JOB,
     )
     fields.update(overrides)
     return Manifest(**fields)
@@ -61,7 +69,7 @@ def test_known_digest_values():
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_stream_equals_whole_and_accepts_memoryview(algorithm):
     data = bytes(range(256)) * 41
-    chunks = [data[i:i + 1000] for i in range(0, len(data), 1000)]
+    chunks = [data[i : i + 1000] for i in range(0, len(data), 1000)]
     assert digest_stream(chunks, algorithm) == (len(data), digest_bytes(data, algorithm))
     assert digest_stream([], algorithm) == (0, digest_bytes(b"", algorithm))
     h = new_hasher(algorithm)
@@ -107,8 +115,9 @@ def test_canonical_json_is_independent_of_dict_order():
 
 
 def test_crc32c_manifest_round_trip():
-    m = make_manifest(digest_algorithm="crc32c",
-                      files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))})
+    m = make_manifest(
+        digest_algorithm="crc32c", files={".metadata": FileEntry(9, digest_bytes(b"123456789", "crc32c"))}
+    )
     assert Manifest.from_json(m.to_json()) == m
 
 
@@ -136,48 +145,84 @@ def test_unknown_format_version():
     refused(encode({**obj, "format": "1"}), "'format'")
 
 
-@pytest.mark.parametrize("name", ["step", "round", "world_size", "layout", "config_hash", "config", "trainer",
-                                  "digest_algorithm", "files", "created_time", "job"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "step",
+        "round",
+        "world_size",
+        "layout",
+        "config_hash",
+        "config",
+        "trainer",
+        "digest_algorithm",
+        "files",
+        "created_time",
+        "job",
+    ],
+)
 def test_missing_field_is_named(name):
     obj = as_obj(make_manifest())
     del obj[name]
     refused(encode(obj), f"'{name}' is missing")
 
 
-@pytest.mark.parametrize("name,value", [("step", "1200"), ("step", True), ("step", 1.5), ("round", None),
-                                        ("world_size", [2]), ("layout", "fsdp"), ("config_hash", 7),
-                                        ("config", []), ("trainer", 3), ("digest_algorithm", 1),
-                                        ("files", []), ("created_time", "now"), ("job", 7)])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("step", "1200"),
+        ("step", True),
+        ("step", 1.5),
+        ("round", None),
+        ("world_size", [2]),
+        ("layout", "fsdp"),
+        ("config_hash", 7),
+        ("config", []),
+        ("trainer", 3),
+        ("digest_algorithm", 1),
+        ("files", []),
+        ("created_time", "now"),
+        ("job", 7),
+    ],
+)
 def test_ill_typed_field_is_named(name, value):
     obj = as_obj(make_manifest())
     obj[name] = value
     refused(encode(obj), f"'{name}'")
 
 
-@pytest.mark.parametrize("name,value,match", [("step", -1, "'step' must be >= 0"),
-                                              ("world_size", 0, "'world_size' must be >= 1"),
-                                              ("digest_algorithm", "md5", "'digest_algorithm' is 'md5'")])
+@pytest.mark.parametrize(
+    "name,value,match",
+    [
+        ("step", -1, "'step' must be >= 0"),
+        ("world_size", 0, "'world_size' must be >= 1"),
+        ("digest_algorithm", "md5", "'digest_algorithm' is 'md5'"),
+    ],
+)
 def test_bad_field_values(name, value, match):
     obj = as_obj(make_manifest())
     obj[name] = value
     refused(encode(obj), match)
 
 
-@pytest.mark.parametrize("name,entry,match", [
-    ("f", {"size_bytes": 1}, "bad file entry 'f'"),
-    ("f", {"size_bytes": 1, "digest": "0" * 32, "x": 1}, "bad file entry 'f'"),
-    ("f", [1, "0" * 32], "bad file entry 'f'"),
-    ("f", {"size_bytes": -1, "digest": "0" * 32}, "bad file entry 'f': size_bytes"),
-    ("f", {"size_bytes": "1", "digest": "0" * 32}, "bad file entry 'f': size_bytes"),
-    ("f", {"size_bytes": 1, "digest": "0" * 8}, "bad file entry 'f': digest must be 32"),
-    ("f", {"size_bytes": 1, "digest": "G" * 32}, "bad file entry 'f': digest"),
-    ("../escape", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry '../escape'"),
-    ("/abs", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry '/abs'"),
-    ("a//b", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry 'a//b'"),
-    ("", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry ''"),
-    (MANIFEST_NAME, {"size_bytes": 1, "digest": "0" * 32}, "reserved"),
-    (CORRUPT_NAME, {"size_bytes": 1, "digest": "0" * 32}, "reserved"),
-])
+@pytest.mark.parametrize(
+    "name,entry,match",
+    [
+        ("f", {"size_bytes": 1}, "bad file entry 'f'"),
+        ("f", {"size_bytes": 1, "digest": "0" * 32, "x": 1}, "bad file entry 'f'"),
+        ("f", [1, "0" * 32], "bad file entry 'f'"),
+        ("f", {"size_bytes": -1, "digest": "0" * 32}, "bad file entry 'f': size_bytes"),
+        ("f", {"size_bytes": "1", "digest": "0" * 32}, "bad file entry 'f': size_bytes"),
+        ("f", {"size_bytes": 1, "digest": "0" * 8}, "bad file entry 'f': digest must be 32"),
+        ("f", {"size_bytes": 1, "digest": "G" * 32}, "bad file entry 'f': digest"),
+        ("../escape", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry '../escape'"),
+        ("/abs", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry '/abs'"),
+        ("a//b", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry 'a//b'"),
+        ("", {"size_bytes": 1, "digest": "0" * 32}, "bad file entry ''"),
+        (MANIFEST_NAME, {"size_bytes": 1, "digest": "0" * 32}, "reserved"),
+        (CORRUPT_NAME, {"size_bytes": 1, "digest": "0" * 32}, "reserved"),
+    ],
+)
 def test_bad_file_entry(name, entry, match):
     obj = as_obj(make_manifest())
     obj["files"][name] = entry
@@ -199,17 +244,20 @@ def test_hmac_wrong_key():
     refused(make_manifest().to_json(KEY), "HMAC mismatch", b"other-key")
 
 
-@pytest.mark.parametrize("edit", [
-    lambda o: o.update(step=1300),
-    lambda o: o["files"]["__0_0.distcp"].update(digest="f" * 32),
-    lambda o: o["trainer"]["cursor"].update(next_index=0),
-    lambda o: o.update(hmac="0" * 64),
-    lambda o: o.update(hmac=5),
-    lambda o: o.update(extra="field"),
-    lambda o: o.update(job="job-b"),
-    lambda o: o.update(round=4),
-    lambda o: o.update(created_time=1700000001.0),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda o: o.update(step=1300),
+        lambda o: o["files"]["__0_0.distcp"].update(digest="f" * 32),
+        lambda o: o["trainer"]["cursor"].update(next_index=0),
+        lambda o: o.update(hmac="0" * 64),
+        lambda o: o.update(hmac=5),
+        lambda o: o.update(extra="field"),
+        lambda o: o.update(job="job-b"),
+        lambda o: o.update(round=4),
+        lambda o: o.update(created_time=1700000001.0),
+    ],
+)
 def test_hmac_detects_edits(edit):
     obj = as_obj(make_manifest(), KEY)
     edit(obj)
@@ -275,8 +323,9 @@ def test_format_1_is_read_without_a_key_and_refused_with_one():
         m.to_json()
 
 
-@pytest.mark.parametrize("job,ok", [("", True), ("a" * 256, True), ("a" * 257, False), ("x\n", False),
-                                    (" x", False), ("j\x00", False)])
+@pytest.mark.parametrize(
+    "job,ok", [("", True), ("a" * 256, True), ("a" * 257, False), ("x\n", False), (" x", False), ("j\x00", False)]
+)
 def test_job_ids(job, ok):
     assert (job_problem(job) is None) == ok
     if not ok:
@@ -293,15 +342,18 @@ def _with_raw(value: bytes) -> bytes:
     return data[:start] + value + data[end:]
 
 
-@pytest.mark.parametrize("raw,match", [
-    (b"[" * 100_000 + b"]" * 100_000, "nests deeper than"),
-    (b'{"a":' * 65 + b"1" + b"}" * 65, "nests deeper than"),
-    (b"1" * 400, "more than 40 digits"),
-    (b"1e999", "not finite"),
-    (b"NaN", "NaN"),
-    (b"-Infinity", "Infinity"),
-    (b'{"a":1,"a":2}', "repeats the key 'a'"),
-])
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nests deeper than"),
+        (b'{"a":' * 65 + b"1" + b"}" * 65, "nests deeper than"),
+        (b"1" * 400, "more than 40 digits"),
+        (b"1e999", "not finite"),
+        (b"NaN", "NaN"),
+        (b"-Infinity", "Infinity"),
+        (b'{"a":1,"a":2}', "repeats the key 'a'"),
+    ],
+)
 def test_hostile_json_is_a_manifest_error(raw, match):
     with pytest.raises(ManifestError, match=match):
         Manifest.from_json(_with_raw(raw), KEY)  # refused before the HMAC is even computed

@@ -52,19 +52,22 @@ def _est(cfg: Config, strategy: str, world: int, target: Target = GPU_BF16, gpus
 # Parameter count and model states.
 
 
-@pytest.mark.parametrize("model", [SMALL, dict(vocab_size=1000, seq_len=33, n_layer=3, n_head=3, d_model=48,
-                                                mlp_ratio=2)])
+@pytest.mark.parametrize(
+    "model", [SMALL, dict(vocab_size=1000, seq_len=33, n_layer=3, n_head=3, d_model=48, mlp_ratio=2)]
+)
 def test_param_count_on_meta_equals_the_real_model(model):
     cfg = ModelConfig(**model)
     assert model_stats(cfg).num_params == count_parameters(build_model(cfg))
 
 
 def test_param_count_works_for_a_user_factory(tmp_path, monkeypatch):
-    (tmp_path / "plan_factory_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "plan_factory_mod.py").write_text(
+        textwrap.dedent("""
         from torch import nn
         def make(cfg):
             return nn.Sequential(nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab_size))
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = ModelConfig(factory="plan_factory_mod:make", vocab_size=100, d_model=16)
     assert model_stats(cfg).num_params == 100 * 16 + 16 * 100 + 100
@@ -187,8 +190,7 @@ def _saved_bytes(model_cfg: ModelConfig, micro: int, autocast: bool) -> int:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(tokens)
     if autocast:  # cast weight copies are a transient of their own, not activations
-        linear = sum(p.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear)
-                     for p in m.parameters())
+        linear = sum(p.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
         return sum(storages.values()) - linear
     return sum(storages.values())
 

@@ -23,8 +23,9 @@ def test_any_divisor_split_reproduces_the_canonical_tree_bitwise(total, data):
     per_rank = total // world
     gen = torch.Generator().manual_seed(total * 100 + world)
     # values of very different magnitudes make association visible in the last bits
-    leaves = [torch.randn(7, generator=gen) * 10.0 ** float(torch.randint(-4, 5, (1,), generator=gen))
-              for _ in range(total)]
+    leaves = [
+        torch.randn(7, generator=gen) * 10.0 ** float(torch.randint(-4, 5, (1,), generator=gen)) for _ in range(total)
+    ]
     nodes = {}
     for rank in range(world):
         lo, hi = rank * per_rank, (rank + 1) * per_rank

@@ -25,8 +25,15 @@ def info(step: int, state: str = "committed") -> StepInfo:
 
 def plan(steps, *, keep_last=3, keep_every=0, in_flight=(), ages=None, grace_s=GRACE) -> GcPlan:
     ages = ages or {}
-    return plan_gc(steps, keep_last=keep_last, keep_every=keep_every, in_flight=set(in_flight), now_s=NOW,
-                   modified_s={step_dir_name(s): NOW - a for s, a in ages.items()}, grace_s=grace_s)
+    return plan_gc(
+        steps,
+        keep_last=keep_last,
+        keep_every=keep_every,
+        in_flight=set(in_flight),
+        now_s=NOW,
+        modified_s={step_dir_name(s): NOW - a for s, a in ages.items()},
+        grace_s=grace_s,
+    )
 
 
 def deleted(p: GcPlan) -> list[int]:
@@ -76,14 +83,19 @@ def test_bad_arguments(kwargs):
 
 
 # -- property --------------------------------------------------------------------------------
-steps_strategy = st.dictionaries(st.integers(0, 60), st.sampled_from(["committed", "uncommitted", "corrupt"]),
-                                 max_size=25)
+steps_strategy = st.dictionaries(
+    st.integers(0, 60), st.sampled_from(["committed", "uncommitted", "corrupt"]), max_size=25
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(states=steps_strategy, keep_last=st.integers(0, 5), keep_every=st.integers(0, 12),
-       in_flight=st.sets(st.integers(0, 60), max_size=4), ages=st.dictionaries(st.integers(0, 60),
-                                                                               st.floats(0, 3 * GRACE)))
+@given(
+    states=steps_strategy,
+    keep_last=st.integers(0, 5),
+    keep_every=st.integers(0, 12),
+    in_flight=st.sets(st.integers(0, 60), max_size=4),
+    ages=st.dictionaries(st.integers(0, 60), st.floats(0, 3 * GRACE)),
+)
 def test_plan_gc_properties(states, keep_last, keep_every, in_flight, ages):
     steps = [info(s, state) for s, state in states.items()]
     p = plan(steps, keep_last=keep_last, keep_every=keep_every, in_flight=in_flight, ages=ages)
@@ -100,14 +112,19 @@ def test_plan_gc_properties(states, keep_last, keep_every, in_flight, ages):
         assert not {s for s in committed if s % keep_every == 0} & gone
     for s, state in states.items():
         age = ages.get(s)
-        if state == "committed" and s not in in_flight and s not in committed[:max(keep_last, 1)] \
-                and not (keep_every and s % keep_every == 0):
+        if (
+            state == "committed"
+            and s not in in_flight
+            and s not in committed[: max(keep_last, 1)]
+            and not (keep_every and s % keep_every == 0)
+        ):
             assert s in gone  # older committed steps outside every keep rule do go
         if state == "uncommitted":
             assert (s in gone) == (s not in in_flight and age is not None and age > GRACE)
         if state == "corrupt":
-            assert (s in gone) == (s not in in_flight and bool(committed) and s < committed[0]
-                                   and age is not None and age > GRACE)
+            assert (s in gone) == (
+                s not in in_flight and bool(committed) and s < committed[0] and age is not None and age > GRACE
+            )
     assert p.delete == sorted(p.delete) and p.keep == sorted(p.keep)  # ascending by step (fixed width)
 
 

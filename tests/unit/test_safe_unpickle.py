@@ -39,8 +39,16 @@ from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import CORRUPTION_KINDS, check_metadata_safe, check_pickled_items, verify_step
 
 DIRNAME = step_dir_name(1)
-OPTIM_VALUES = {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "foreach": None,
-                "params": ["0.weight", "0.bias"], "step_t": torch.tensor(3.0), "nested": {"a": [1, 2.5]}}
+OPTIM_VALUES = {
+    "lr": 0.001,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "amsgrad": False,
+    "foreach": None,
+    "params": ["0.weight", "0.bias"],
+    "step_t": torch.tensor(3.0),
+    "nested": {"a": [1, 2.5]},
+}
 
 
 class _Reduce:
@@ -68,8 +76,18 @@ class _Publisher:
 
 
 def _write_manifest(storage: Storage, files: dict[str, FileEntry]) -> Manifest:
-    manifest = Manifest(step=1, round=0, world_size=1, layout={}, config_hash="h", config={}, trainer={},
-                        digest_algorithm="xxh3_128", files=files, created_time=1.7e9)
+    manifest = Manifest(
+        step=1,
+        round=0,
+        world_size=1,
+        layout={},
+        config_hash="h",
+        config={},
+        trainer={},
+        digest_algorithm="xxh3_128",
+        files=files,
+        created_time=1.7e9,
+    )
     storage.write_bytes(f"{DIRNAME}/{MANIFEST_NAME}", manifest.to_json())
     return manifest
 
@@ -80,15 +98,18 @@ def step(tmp_path) -> tuple[Storage, Manifest]:
     storage = Storage(f"file://{tmp_path}/ckpt")
     publisher = _Publisher()
     state = {"w": torch.arange(1024, dtype=torch.float32), "optim": dict(OPTIM_VALUES)}
-    writer = DigestingWriter(storage.child_url(DIRNAME), options=StorageOptions(), algorithm="xxh3_128",
-                             publisher=publisher)
+    writer = DigestingWriter(
+        storage.child_url(DIRNAME), options=StorageOptions(), algorithm="xxh3_128", publisher=publisher
+    )
     dcp.save(state, storage_writer=writer, no_dist=True)
     return storage, _write_manifest(storage, publisher.files)
 
 
 def _target() -> dict[str, Any]:
-    optim = {k: torch.zeros(()) if torch.is_tensor(v) else {kk: None for kk in v} if isinstance(v, dict) else None
-             for k, v in OPTIM_VALUES.items()}
+    optim = {
+        k: torch.zeros(()) if torch.is_tensor(v) else {kk: None for kk in v} if isinstance(v, dict) else None
+        for k, v in OPTIM_VALUES.items()
+    }
     return {"w": torch.zeros(1024), "optim": optim}
 
 
@@ -111,6 +132,7 @@ def _set_all_paths(path: str):
     def edit(metadata: Metadata) -> None:
         for info in metadata.storage_data.values():
             info.relative_path = path
+
     return edit
 
 
@@ -118,9 +140,11 @@ def _set_all_paths(path: str):
 @pytest.mark.parametrize("payload", ["os.system", "builtins.exec", "builtins.open"])
 def test_load_bytes_item_refuses_code(payload, tmp_path):
     sentinel = tmp_path / "PWNED"
-    obj = {"os.system": _Reduce(os.system, f"touch {sentinel}"),
-           "builtins.exec": _Reduce(exec, f"open({str(sentinel)!r}, 'w')"),
-           "builtins.open": _Reduce(open, str(sentinel), "w")}[payload]
+    obj = {
+        "os.system": _Reduce(os.system, f"touch {sentinel}"),
+        "builtins.exec": _Reduce(exec, f"open({str(sentinel)!r}, 'w')"),
+        "builtins.open": _Reduce(open, str(sentinel), "w"),
+    }[payload]
     for data in (_torch_saved(obj), _torch_saved({"lr": [obj]})):
         with pytest.raises(UnsafePickleError) as err:
             load_bytes_item(data, fqn="optim.param_groups.0.lr", file="__0_0.distcp")
@@ -153,29 +177,35 @@ def test_load_bytes_item_loads_optimizer_values():
 FILES = {"__0_0.distcp": FileEntry(100, "0" * 32), METADATA_NAME: FileEntry(10, "0" * 32)}
 
 
-@pytest.mark.parametrize("info,why", [
-    (_StorageInfo("__0_0.distcp", 0, 100), None),
-    (_StorageInfo("__0_0.distcp", 40, 0), None),
-    (_StorageInfo("../step-000000002/__0_0.distcp", 0, 10), "not a data file listed"),
-    (_StorageInfo("/etc/passwd", 0, 10), "not a data file listed"),
-    (_StorageInfo(METADATA_NAME, 0, 10), "not a data file listed"),
-    (_StorageInfo("__1_0.distcp", 0, 10), "not a data file listed"),
-    (_StorageInfo("__0_0.distcp", -1, 10), "non-negative"),
-    (_StorageInfo("__0_0.distcp", 0, -5), "non-negative"),
-    (_StorageInfo("__0_0.distcp", True, 5), "non-negative"),
-    (_StorageInfo("__0_0.distcp", 0, 1 << 62), "which has 100 bytes"),
-    (_StorageInfo("__0_0.distcp", 99, 2), "which has 100 bytes"),
-    (_StorageInfo("__0_0.distcp", 0, 10, ["zstd/1"]), "stream transforms"),
-    ("__0_0.distcp", "not DCP storage info"),
-])
+@pytest.mark.parametrize(
+    "info,why",
+    [
+        (_StorageInfo("__0_0.distcp", 0, 100), None),
+        (_StorageInfo("__0_0.distcp", 40, 0), None),
+        (_StorageInfo("../step-000000002/__0_0.distcp", 0, 10), "not a data file listed"),
+        (_StorageInfo("/etc/passwd", 0, 10), "not a data file listed"),
+        (_StorageInfo(METADATA_NAME, 0, 10), "not a data file listed"),
+        (_StorageInfo("__1_0.distcp", 0, 10), "not a data file listed"),
+        (_StorageInfo("__0_0.distcp", -1, 10), "non-negative"),
+        (_StorageInfo("__0_0.distcp", 0, -5), "non-negative"),
+        (_StorageInfo("__0_0.distcp", True, 5), "non-negative"),
+        (_StorageInfo("__0_0.distcp", 0, 1 << 62), "which has 100 bytes"),
+        (_StorageInfo("__0_0.distcp", 99, 2), "which has 100 bytes"),
+        (_StorageInfo("__0_0.distcp", 0, 10, ["zstd/1"]), "stream transforms"),
+        ("__0_0.distcp", "not DCP storage info"),
+    ],
+)
 def test_reference_problem(info, why):
     got = reference_problem(MetadataIndex("a.b"), info, FILES)
     assert got is None if why is None else (why in got and "'a.b'" in got), got
 
 
 def test_metadata_problems_bound_what_export_would_allocate():
-    huge = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([1 << 20, 1 << 20]),
-                                 [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1 << 20, 1 << 20]))])
+    huge = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([1 << 20, 1 << 20]),
+        [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1 << 20, 1 << 20]))],
+    )
     md = Metadata(state_dict_metadata={"w": huge, "lr": BytesStorageMetadata()}, storage_data={})
     problems = metadata_problems(md, FILES)
     assert any("tensors declare 4398046511104 bytes" in p for p in problems)
@@ -281,7 +311,9 @@ def test_metadata_changed_since_the_digest_pass_is_a_digest_problem(step):
     storage, manifest = step
     storage.write_bytes(f"{DIRNAME}/{METADATA_NAME}", pickle.dumps(Metadata(state_dict_metadata={})))
     assert [(p.file, p.kind) for p in check_pickled_items(storage, DIRNAME, manifest)] in (
-        [(METADATA_NAME, "size")], [(METADATA_NAME, "digest")])
+        [(METADATA_NAME, "size")],
+        [(METADATA_NAME, "digest")],
+    )
 
 
 # -- the reader: only listed files, only safe bytes items ------------------------------------
@@ -292,8 +324,11 @@ def test_reader_refuses_a_file_the_manifest_does_not_list(step, tmp_path):
     (tmp_path / "ckpt" / DIRNAME / "extra.distcp").write_bytes(b"never listed")
     fs = _reader(storage, manifest.files).fs
     root = storage.child_url(DIRNAME)
-    for path in (f"{root}/extra.distcp", f"{root}/../{DIRNAME}/__0_0.distcp", str(tmp_path / "ckpt" / DIRNAME /
-                                                                                  "__0_0.distcp")):
+    for path in (
+        f"{root}/extra.distcp",
+        f"{root}/../{DIRNAME}/__0_0.distcp",
+        str(tmp_path / "ckpt" / DIRNAME / "__0_0.distcp"),
+    ):
         with pytest.raises(ChecksumMismatchError, match="not listed in the manifest"):
             with fs.create_stream(path, "rb"):
                 pass
@@ -330,12 +365,14 @@ class _FsyncLog:
         def fsync(fd: int) -> None:
             self.events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
             real(fd)
+
         return fsync
 
     def rename(self, real):
         def rename(src, dst, *args, **kwargs):
             self.events.append(("rename", os.fspath(dst)))
             return real(src, dst, *args, **kwargs)
+
         return rename
 
 
@@ -356,33 +393,43 @@ def test_local_uploads_are_fsynced_before_the_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", log.rename(os.replace))
     step_dir = tmp_path / DIRNAME
     publisher = _CommitRecorder(log)
-    writer = DigestingWriter(f"file://{step_dir}", options=StorageOptions(), algorithm="xxh3_128",
-                             publisher=publisher)
+    writer = DigestingWriter(f"file://{step_dir}", options=StorageOptions(), algorithm="xxh3_128", publisher=publisher)
     dcp.save({"w": torch.ones(64), "opt": {"lr": 0.1}}, storage_writer=writer, no_dist=True)
-    before = log.events[:publisher.seen_at_commit]
+    before = log.events[: publisher.seen_at_commit]
     synced = [p for kind, p in before if kind == "fsync"]
     for name in publisher.files:  # every shard and .metadata: its temp file fsynced, then renamed in
-        assert any(Path(p).name.startswith(name + ".") or Path(p).name.startswith(name + ".tmp")
-                   for p in synced), (name, synced)
-    last_metadata_rename = max(i for i, (kind, p) in enumerate(before)
-                               if kind == "rename" and p.endswith(METADATA_NAME))
+        assert any(Path(p).name.startswith(name + ".") or Path(p).name.startswith(name + ".tmp") for p in synced), (
+            name,
+            synced,
+        )
+    last_metadata_rename = max(
+        i for i, (kind, p) in enumerate(before) if kind == "rename" and p.endswith(METADATA_NAME)
+    )
     assert ("fsync", str(step_dir)) in before[last_metadata_rename:], "directory not fsynced after .metadata's rename"
 
 
 def test_uploads_elsewhere_do_not_fsync(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(os, "fsync", calls.append)
-    writer = DigestingWriter(f"memory://ftrain-fsync-{os.getpid()}/{DIRNAME}", options=StorageOptions(),
-                             algorithm="xxh3_128", publisher=_Publisher())
+    writer = DigestingWriter(
+        f"memory://ftrain-fsync-{os.getpid()}/{DIRNAME}",
+        options=StorageOptions(),
+        algorithm="xxh3_128",
+        publisher=_Publisher(),
+    )
     dcp.save({"w": torch.ones(8)}, storage_writer=writer, no_dist=True)
     assert calls == []
 
 
 def test_metadata_problems_bound_the_paths_export_rebuilds():
-    md = Metadata(state_dict_metadata={"a.b": BytesStorageMetadata(), "c": BytesStorageMetadata()},
-                  storage_data={MetadataIndex("a.b"): _StorageInfo("__0_0.distcp", 0, 1),
-                                MetadataIndex("c"): _StorageInfo("__0_0.distcp", 1, 1)},
-                  planner_data={"a.b": ("a", 10 ** 12), "c": "c", "unrelated": 5})
+    md = Metadata(
+        state_dict_metadata={"a.b": BytesStorageMetadata(), "c": BytesStorageMetadata()},
+        storage_data={
+            MetadataIndex("a.b"): _StorageInfo("__0_0.distcp", 0, 1),
+            MetadataIndex("c"): _StorageInfo("__0_0.distcp", 1, 1),
+        },
+        planner_data={"a.b": ("a", 10**12), "c": "c", "unrelated": 5},
+    )
     problems = metadata_problems(md, FILES)
     assert len(problems) == 2, problems
     assert "planner path of 'a.b' holds 1000000000000" in problems[0] and "'c' is str" in problems[1]

@@ -54,31 +54,51 @@ class Flaky:
 
 
 # -- classify -------------------------------------------------------------------------------
-@pytest.mark.parametrize("code,status", [
-    ("SlowDown", 503), ("ServiceUnavailable", 503), ("InternalError", 500), ("RequestTimeout", 400),
-    ("Throttling", 400), ("", 503), ("", 500), ("", 502), ("", 504),
-])
+@pytest.mark.parametrize(
+    "code,status",
+    [
+        ("SlowDown", 503),
+        ("ServiceUnavailable", 503),
+        ("InternalError", 500),
+        ("RequestTimeout", 400),
+        ("Throttling", 400),
+        ("", 503),
+        ("", 500),
+        ("", 502),
+        ("", 504),
+    ],
+)
 def test_client_error_transient(code, status):
     assert isinstance(classify(client_error(code, status)), TransientStorageError)
 
 
-@pytest.mark.parametrize("code,status", [
-    ("AccessDenied", 403), ("InvalidAccessKeyId", 403), ("SignatureDoesNotMatch", 403),
-    ("NoSuchBucket", 404), ("InvalidBucketName", 400), ("", 403),
-])
+@pytest.mark.parametrize(
+    "code,status",
+    [
+        ("AccessDenied", 403),
+        ("InvalidAccessKeyId", 403),
+        ("SignatureDoesNotMatch", 403),
+        ("NoSuchBucket", 404),
+        ("InvalidBucketName", 400),
+        ("", 403),
+    ],
+)
 def test_client_error_fatal(code, status):
     assert isinstance(classify(client_error(code, status)), FatalStorageError)
 
 
-@pytest.mark.parametrize("code,status,expected", [
-    ("SlowDown", 503, TransientStorageError),      # s3fs: OSError(EBUSY), cause = ClientError
-    ("InternalError", 500, TransientStorageError),  # s3fs: OSError(EREMOTEIO)
-    ("RequestTimeout", 400, TransientStorageError),  # s3fs: TimeoutError
-    ("RequestTimeTooSkewed", 403, TransientStorageError),  # s3fs: PermissionError; code wins
-    ("AccessDenied", 403, FatalStorageError),       # s3fs: PermissionError
-    ("InvalidAccessKeyId", 403, FatalStorageError),
-    ("NoSuchBucket", 404, FatalStorageError),        # s3fs: FileNotFoundError; a config error
-])
+@pytest.mark.parametrize(
+    "code,status,expected",
+    [
+        ("SlowDown", 503, TransientStorageError),  # s3fs: OSError(EBUSY), cause = ClientError
+        ("InternalError", 500, TransientStorageError),  # s3fs: OSError(EREMOTEIO)
+        ("RequestTimeout", 400, TransientStorageError),  # s3fs: TimeoutError
+        ("RequestTimeTooSkewed", 403, TransientStorageError),  # s3fs: PermissionError; code wins
+        ("AccessDenied", 403, FatalStorageError),  # s3fs: PermissionError
+        ("InvalidAccessKeyId", 403, FatalStorageError),
+        ("NoSuchBucket", 404, FatalStorageError),  # s3fs: FileNotFoundError; a config error
+    ],
+)
 def test_s3fs_translated_errors(code, status, expected):
     translated = translate_boto_error(client_error(code, status))
     assert isinstance(classify(translated), expected)
@@ -90,14 +110,17 @@ def test_missing_key_stays_file_not_found():
     assert classify(translated) is translated
 
 
-@pytest.mark.parametrize("exc", [
-    ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"),
-    ConnectionResetError(errno.ECONNRESET, "reset"),
-    OSError(errno.ETIMEDOUT, "timed out"),
-    TimeoutError("read timed out"),
-    EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
-    ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"),
+        ConnectionResetError(errno.ECONNRESET, "reset"),
+        OSError(errno.ETIMEDOUT, "timed out"),
+        TimeoutError("read timed out"),
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
+        ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
+    ],
+)
 def test_network_errors_transient(exc):
     assert isinstance(classify(exc), TransientStorageError)
 
@@ -112,8 +135,16 @@ def test_cause_chain_is_followed():
         assert isinstance(classify(outer), TransientStorageError)
 
 
-@pytest.mark.parametrize("exc", [ValueError("bad"), FileNotFoundError("k"), FileExistsError("k"),
-                                 TransientStorageError("t"), FatalStorageError("f")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("bad"),
+        FileNotFoundError("k"),
+        FileExistsError("k"),
+        TransientStorageError("t"),
+        FatalStorageError("f"),
+    ],
+)
 def test_unknown_and_classified_errors_pass_through(exc):
     assert classify(exc) is exc
 
@@ -130,8 +161,9 @@ def make_storage(tmp_path: Path, sleep: FakeSleep, **options: object) -> Storage
 def test_transient_errors_retried_until_success(tmp_path, caplog):
     sleep = FakeSleep()
     storage = make_storage(tmp_path, sleep, max_attempts=5)
-    fn = Flaky(ConnectionRefusedError(errno.ECONNREFUSED, "refused"), client_error("SlowDown", 503),
-               client_error("", 500))
+    fn = Flaky(
+        ConnectionRefusedError(errno.ECONNREFUSED, "refused"), client_error("SlowDown", 503), client_error("", 500)
+    )
     with caplog.at_level(logging.WARNING, logger="checkpoint.storage"):
         assert storage.retry(fn, "op") == "ok"
     assert fn.calls == 4
@@ -163,13 +195,16 @@ def test_backoff_grows(tmp_path):
     assert sleep.calls[0] <= 0.7 and sleep.calls[-1] >= 3.2
 
 
-@pytest.mark.parametrize("exc,expected", [
-    (client_error("AccessDenied", 403), FatalStorageError),
-    (client_error("NoSuchBucket", 404), FatalStorageError),
-    (PermissionError("denied"), FatalStorageError),
-    (FileNotFoundError("missing"), FileNotFoundError),
-    (ValueError("a bug"), ValueError),
-])
+@pytest.mark.parametrize(
+    "exc,expected",
+    [
+        (client_error("AccessDenied", 403), FatalStorageError),
+        (client_error("NoSuchBucket", 404), FatalStorageError),
+        (PermissionError("denied"), FatalStorageError),
+        (FileNotFoundError("missing"), FileNotFoundError),
+        (ValueError("a bug"), ValueError),
+    ],
+)
 def test_fatal_errors_not_retried(tmp_path, exc, expected):
     sleep = FakeSleep()
     storage = make_storage(tmp_path, sleep)
@@ -245,10 +280,17 @@ def test_every_backend_call_is_retried(tmp_path, op):
 S3_OPTIONS = StorageOptions(endpoint_url="http://127.0.0.1:1", access_key_id="K", secret_access_key="S")
 
 
-@pytest.mark.parametrize("url,backend", [
-    ("/plain/path", LocalBackend), ("relative/path", LocalBackend), ("file:///x/y", LocalBackend),
-    ("local:///x/y", LocalBackend), ("s3://bucket/p", S3Backend), ("s3a://bucket/p", S3Backend),
-])
+@pytest.mark.parametrize(
+    "url,backend",
+    [
+        ("/plain/path", LocalBackend),
+        ("relative/path", LocalBackend),
+        ("file:///x/y", LocalBackend),
+        ("local:///x/y", LocalBackend),
+        ("s3://bucket/p", S3Backend),
+        ("s3a://bucket/p", S3Backend),
+    ],
+)
 def test_backend_chosen_by_scheme(url, backend):
     assert type(Storage(url, S3_OPTIONS).backend) is backend
 
@@ -311,8 +353,10 @@ def test_local_write_is_atomic_and_leaves_no_temp_files(tmp_path):
 
 # -- paths ----------------------------------------------------------------------------------
 def test_s3_paths_are_slash_joined():
-    storage = Storage("s3://bucket/runs/exp1/", StorageOptions(endpoint_url="http://127.0.0.1:1",
-                                                             access_key_id="K", secret_access_key="S"))
+    storage = Storage(
+        "s3://bucket/runs/exp1/",
+        StorageOptions(endpoint_url="http://127.0.0.1:1", access_key_id="K", secret_access_key="S"),
+    )
     assert storage.url == "s3://bucket/runs/exp1"
     assert storage.root == "bucket/runs/exp1"
     assert storage.path("step-10/", "/shard-0") == "bucket/runs/exp1/step-10/shard-0"
@@ -334,11 +378,19 @@ BACKEND_MODULES = sorted(str(p.relative_to(REPO)) for p in (REPO / "checkpoint/b
 def test_storage_module_never_uses_os_path(module):
     """Keys must be ``/``-joined on every OS: ``os.path`` is ``ntpath`` on Windows."""
     tree = ast.parse((REPO / module).read_text())
-    uses = [node.lineno for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and node.attr == "path"
-            and isinstance(node.value, ast.Name) and node.value.id == "os"]
-    imports = [node.lineno for node in ast.walk(tree)
-               if isinstance(node, ast.ImportFrom) and node.module in ("os.path", "ntpath")]
+    uses = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "os"
+    ]
+    imports = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in ("os.path", "ntpath")
+    ]
     assert uses == [] and imports == []
 
 
@@ -358,8 +410,9 @@ def test_options_fall_back_to_aws_env(monkeypatch):
     kwargs = StorageOptions().fsspec_kwargs("s3")
     assert kwargs["key"] == "ENVKEY" and kwargs["secret"] == "ENVSECRET"
     assert kwargs["client_kwargs"] == {"endpoint_url": "http://env:9000", "region_name": "eu-west-1"}
-    explicit = StorageOptions(endpoint_url="http://x", access_key_id="K", secret_access_key="S",
-                              read_timeout_s=2.0).fsspec_kwargs("s3")
+    explicit = StorageOptions(
+        endpoint_url="http://x", access_key_id="K", secret_access_key="S", read_timeout_s=2.0
+    ).fsspec_kwargs("s3")
     assert explicit["key"] == "K" and explicit["client_kwargs"]["endpoint_url"] == "http://x"
     assert explicit["config_kwargs"]["read_timeout"] == 2.0
     assert explicit["config_kwargs"]["retries"] == {"max_attempts": 1}  # tenacity retries, not botocore
@@ -376,10 +429,11 @@ class FakeMultipartS3:
 
     def call_s3(self, method: str, **kw: object) -> dict:
         if method == "list_multipart_uploads":
-            live = [u for u in self.uploads if u["Key"].startswith(str(kw["Prefix"]))
-                    and u["UploadId"] not in self.aborted]
+            live = [
+                u for u in self.uploads if u["Key"].startswith(str(kw["Prefix"])) and u["UploadId"] not in self.aborted
+            ]
             start = next((i for i, u in enumerate(live) if u["UploadId"] == kw.get("UploadIdMarker")), -1) + 1
-            page = live[start:start + 2]
+            page = live[start : start + 2]
             truncated = start + 2 < len(live)
             out: dict = {"Uploads": page, "IsTruncated": truncated}
             if truncated:
@@ -391,8 +445,9 @@ class FakeMultipartS3:
 
 
 def test_clear_multipart_uploads_pages_and_respects_prefix_boundary():
-    storage = Storage("s3://bucket/run1", StorageOptions(endpoint_url="http://127.0.0.1:1",
-                                                       access_key_id="K", secret_access_key="S"))
+    storage = Storage(
+        "s3://bucket/run1", StorageOptions(endpoint_url="http://127.0.0.1:1", access_key_id="K", secret_access_key="S")
+    )
     fake = FakeMultipartS3(["run1/a", "run1/b/c", "run1/d", "run10/x", "run1/e", "other/y"])
     storage.fs = fake
     assert storage.clear_multipart_uploads() == 4

@@ -26,8 +26,9 @@ WORLD, LOCAL, N_HEAD = 4, 2, 4
 
 def _layouts(strategy: Strategy) -> list[Layout]:
     parallel = ParallelConfig(strategy=strategy.name)
-    return [compute_layout(parallel, world_size=WORLD, rank=r, local_world_size=LOCAL, n_head=N_HEAD)
-            for r in range(WORLD)]
+    return [
+        compute_layout(parallel, world_size=WORLD, rank=r, local_world_size=LOCAL, n_head=N_HEAD) for r in range(WORLD)
+    ]
 
 
 each_strategy = pytest.mark.parametrize("strategy", strategies.registered(), ids=lambda s: s.name)
@@ -74,8 +75,10 @@ def test_memory_model_is_complete(strategy):
     from ftrain.plan import GiB, Target, estimate, layout_for, model_stats, recommend
 
     assert isinstance(strategy.wrapper, Wrapper)
-    cfg = Config(model=ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=N_HEAD, d_model=64),
-                 parallel=ParallelConfig(strategy=strategy.name))
+    cfg = Config(
+        model=ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=N_HEAD, d_model=64),
+        parallel=ParallelConfig(strategy=strategy.name),
+    )
     stats = model_stats(cfg.model, cfg.optim)
     layout = layout_for(cfg, strategy.name, world_size=WORLD, gpus_per_node=LOCAL)
     assert 1 <= strategy.shard_count(layout) <= WORLD
@@ -104,11 +107,18 @@ def test_builtin_strategies_keep_their_order_and_preference():
     assert preference == ["ddp", "zero1", "zero2", "hsdp", "fsdp", "fsdp+tp", "tp"]
 
 
-@pytest.mark.parametrize(("name", "groups"), [
-    ("ddp", [0, 0, 0, 0]), ("zero1", [0, 0, 0, 0]), ("tp", [0, 0, 0, 0]),
-    ("hsdp", [0, 1, 0, 1]),  # shard groups {0, 1} and {2, 3}: rank r holds the same shard as r + 2
-    ("zero2", [None] * 4), ("fsdp", [None] * 4), ("fsdp+tp", [None] * 4),
-])
+@pytest.mark.parametrize(
+    ("name", "groups"),
+    [
+        ("ddp", [0, 0, 0, 0]),
+        ("zero1", [0, 0, 0, 0]),
+        ("tp", [0, 0, 0, 0]),
+        ("hsdp", [0, 1, 0, 1]),  # shard groups {0, 1} and {2, 3}: rank r holds the same shard as r + 2
+        ("zero2", [None] * 4),
+        ("fsdp", [None] * 4),
+        ("fsdp+tp", [None] * 4),
+    ],
+)
 def test_builtin_replica_groups(name, groups):
     strategy = strategies.get(name)
     assert [strategy.replica_group(lo) for lo in _layouts(strategy)] == groups
@@ -116,8 +126,15 @@ def test_builtin_replica_groups(name, groups):
 
 def test_builtin_memory_traits():
     wrappers = {s.name: s.wrapper for s in strategies.registered() if s.name in BUILTIN}
-    assert wrappers == {"ddp": Wrapper.DDP, "zero1": Wrapper.DDP, "zero2": Wrapper.FSDP, "fsdp": Wrapper.FSDP,
-                        "hsdp": Wrapper.FSDP, "tp": Wrapper.NONE, "fsdp+tp": Wrapper.FSDP}
+    assert wrappers == {
+        "ddp": Wrapper.DDP,
+        "zero1": Wrapper.DDP,
+        "zero2": Wrapper.FSDP,
+        "fsdp": Wrapper.FSDP,
+        "hsdp": Wrapper.FSDP,
+        "tp": Wrapper.NONE,
+        "fsdp+tp": Wrapper.FSDP,
+    }
     assert [s.name for s in strategies.registered() if not s.reshard_after_forward] == ["zero2"]
 
 
@@ -154,9 +171,11 @@ def test_a_strategy_rejects_what_it_cannot_run_with():
 
 
 def test_the_registry_and_the_config_import_no_torch():
-    code = ("import sys, ftrain.config, ftrain.strategies\n"
-            "assert len(ftrain.strategies.registered()) >= 7\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, ftrain.config, ftrain.strategies\n"
+        "assert len(ftrain.strategies.registered()) >= 7\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
 
@@ -224,8 +243,9 @@ def _package(tmp_path, monkeypatch, name: str, modules: dict[str, str]) -> str:
 
 def test_a_new_strategy_module_is_found_and_ordered(tmp_path, monkeypatch):
     first = _NEW_STRATEGY.replace("LocalSGD", "First").replace('"local-sgd"', '"first"').replace("= 10", "= 1")
-    package = _package(tmp_path, monkeypatch, "more_strategies_a",
-                       {"local_sgd": _NEW_STRATEGY, "first": first, "_helpers": "X = 1\n"})
+    package = _package(
+        tmp_path, monkeypatch, "more_strategies_a", {"local_sgd": _NEW_STRATEGY, "first": first, "_helpers": "X = 1\n"}
+    )
     found = strategies.discover(package)
     assert [s.name for s in found] == ["first", "local-sgd"]
     local = found[1]

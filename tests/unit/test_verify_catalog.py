@@ -31,21 +31,40 @@ def dcp_metadata(step: int) -> bytes:
 
 
 def step_files(step: int) -> dict[str, bytes]:
-    return {"__0_0.distcp": bytes([step % 251]) * 300, "__1_0.distcp": b"rank-one" * 20,
-            ".metadata": dcp_metadata(step)}
+    return {
+        "__0_0.distcp": bytes([step % 251]) * 300,
+        "__1_0.distcp": b"rank-one" * 20,
+        ".metadata": dcp_metadata(step),
+    }
 
 
-def write_step(storage: Storage, step: int, *, files: dict[str, bytes] | None = None, commit: bool = True,
-               key: bytes | None = None, algorithm: str = "xxh3_128", created_time: float = 1.7e9) -> Manifest:
+def write_step(
+    storage: Storage,
+    step: int,
+    *,
+    files: dict[str, bytes] | None = None,
+    commit: bool = True,
+    key: bytes | None = None,
+    algorithm: str = "xxh3_128",
+    created_time: float = 1.7e9,
+) -> Manifest:
     """A hand-made step directory: files, then (if ``commit``) the manifest, last."""
     files = step_files(step) if files is None else files
     dirname = step_dir_name(step)
     for name, data in files.items():
         storage.write_bytes(f"{dirname}/{name}", data)
-    manifest = Manifest(step=step, round=1, world_size=2, layout={"strategy": "ddp"}, config_hash="h",
-                        config={}, trainer={"cursor": [0, step * 16]}, digest_algorithm=algorithm,
-                        files={n: FileEntry(len(d), digest_bytes(d, algorithm)) for n, d in files.items()},
-                        created_time=created_time)
+    manifest = Manifest(
+        step=step,
+        round=1,
+        world_size=2,
+        layout={"strategy": "ddp"},
+        config_hash="h",
+        config={},
+        trainer={"cursor": [0, step * 16]},
+        digest_algorithm=algorithm,
+        files={n: FileEntry(len(d), digest_bytes(d, algorithm)) for n, d in files.items()},
+        created_time=created_time,
+    )
     if commit:
         storage.write_bytes(f"{dirname}/{MANIFEST_NAME}", manifest.to_json(key))
     return manifest
@@ -83,8 +102,13 @@ def test_catalog_states(storage):
     storage.write_bytes("step-1/junk", b"not a canonical step dir")
 
     steps = list_steps(storage)
-    assert [(s.step, s.state) for s in steps] == [(100, "committed"), (200, "committed"), (300, "uncommitted"),
-                                                  (400, "corrupt"), (500, "corrupt")]
+    assert [(s.step, s.state) for s in steps] == [
+        (100, "committed"),
+        (200, "committed"),
+        (300, "uncommitted"),
+        (400, "corrupt"),
+        (500, "corrupt"),
+    ]
     by_step = {s.step: s for s in steps}
     assert by_step[100].manifest is not None and by_step[100].error is None
     assert by_step[300].manifest is None and by_step[300].error is None
@@ -110,8 +134,9 @@ def test_catalog_with_hmac_key(mem_storage):
 
 def test_manifest_in_the_wrong_directory_is_corrupt(storage):
     write_step(storage, 5)
-    storage.write_bytes(f"{step_dir_name(6)}/{MANIFEST_NAME}",
-                        storage.read_bytes(f"{step_dir_name(5)}/{MANIFEST_NAME}"))
+    storage.write_bytes(
+        f"{step_dir_name(6)}/{MANIFEST_NAME}", storage.read_bytes(f"{step_dir_name(5)}/{MANIFEST_NAME}")
+    )
     assert {s.step: s.state for s in list_steps(storage)} == {5: "committed", 6: "corrupt"}
     with pytest.raises(ManifestError, match="says step 5"):
         read_manifest(storage, step_dir_name(6))
@@ -215,8 +240,11 @@ def test_mark_corrupt_writes_marker_and_deletes_nothing(storage):
     mark_corrupt(storage, dirname, report.problems, "verification failed before load", now_s=123.0)
     assert storage.listdir(dirname) == sorted([*before, CORRUPT_NAME])
     marker = json.loads(storage.read_bytes(f"{dirname}/{CORRUPT_NAME}"))
-    assert marker == {"time": 123.0, "reason": "verification failed before load",
-                      "problems": [{"file": ".metadata", "kind": "digest", "detail": report.problems[0].detail}]}
+    assert marker == {
+        "time": 123.0,
+        "reason": "verification failed before load",
+        "problems": [{"file": ".metadata", "kind": "digest", "detail": report.problems[0].detail}],
+    }
     (info,) = list_steps(storage)
     assert info.state == "corrupt" and info.marked and "verification failed before load" in info.error
 
@@ -227,9 +255,18 @@ def test_problem_str():
 
 # -- split_files -----------------------------------------------------------------------------
 def _manifest_with_sizes(sizes: list[int]) -> Manifest:
-    return Manifest(step=1, round=0, world_size=1, layout={}, config_hash="", config={}, trainer={},
-                    digest_algorithm="crc32c", files={f"f{i:03d}": FileEntry(s, "0" * 8) for i, s in enumerate(sizes)},
-                    created_time=0.0)
+    return Manifest(
+        step=1,
+        round=0,
+        world_size=1,
+        layout={},
+        config_hash="",
+        config={},
+        trainer={},
+        digest_algorithm="crc32c",
+        files={f"f{i:03d}": FileEntry(s, "0" * 8) for i, s in enumerate(sizes)},
+        created_time=0.0,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -350,8 +387,12 @@ def test_cli_says_when_it_ran_without_an_hmac_key(storage, capsys, monkeypatch):
     for argv in (["ckpt", "ls", storage.url], ["ckpt", "verify", storage.url]):
         assert run_cli(argv) == 0
         err = capsys.readouterr().err
-        assert "no HMAC key: digests prove integrity against accidents, not against someone who can write " \
-               "the bucket; set checkpoint.hmac_key_env" in err and NO_HMAC_KEY_NOTE in err
+        assert (
+            "no HMAC key: digests prove integrity against accidents, not against someone who can write "
+            "the bucket; set checkpoint.hmac_key_env"
+            in err
+            and NO_HMAC_KEY_NOTE in err
+        )
         assert "1 manifest(s) carry an 'hmac' field that was NOT checked (step-000000001)" in err
     assert run_cli(["ckpt", "verify", storage.url, "2"]) == 0
     err = capsys.readouterr().err
@@ -372,8 +413,12 @@ def test_verify_checks_the_pickles_a_load_would_unpickle(storage, tmp_path):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
     files = step_files(13)
-    files[".metadata"] = pickle.dumps(Metadata(state_dict_metadata={"lr": BytesStorageMetadata()}, storage_data={
-        MetadataIndex("lr"): _StorageInfo("../step-000000012/__0_0.distcp", 0, 10)}))
+    files[".metadata"] = pickle.dumps(
+        Metadata(
+            state_dict_metadata={"lr": BytesStorageMetadata()},
+            storage_data={MetadataIndex("lr"): _StorageInfo("../step-000000012/__0_0.distcp", 0, 10)},
+        )
+    )
     write_step(storage, 13, files=files)
     report = verify_step(storage, step_dir_name(13))
     assert [(p.file, p.kind) for p in report.problems] == [(".metadata", "unsafe")] and report.corrupt

@@ -20,8 +20,14 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     mode = spec.params.get("mode") or ctx.rng.choice(MODES)
     info = wait_for(lambda: newest_committed(list_steps(ctx.storage)), 120, "a committed checkpoint")
     damaged = corrupt_step(ctx.storage, info.dirname, mode, ctx.rng)
-    record = ctx.emit(spec.kind, ckpt_step=info.step, ckpt_created_time=info.manifest.created_time, mode=mode,
-                      file=damaged, step=ctx.cluster.step())
+    record = ctx.emit(
+        spec.kind,
+        ckpt_step=info.step,
+        ckpt_created_time=info.manifest.created_time,
+        mode=mode,
+        file=damaged,
+        step=ctx.cluster.step(),
+    )
     if spec.params.get("then_kill", True):  # make a load meet it
         node, pid = pick_worker(ctx, spec.node)
         send_signal(pid, signal.SIGKILL)

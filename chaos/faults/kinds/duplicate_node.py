@@ -15,12 +15,30 @@ from chaos.faults.targets import pick_node
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     node = pick_node(ctx, spec.node)
-    dup = subprocess.run([sys.executable, "-m", "ftrain", "agent", "--etcd", ctx.cluster.etcd, "--job", ctx.cluster.job,
-                          "--nnodes", "1:8", "--node-id", node, "--", *ctx.cluster.worker_args],
-                         capture_output=True, text=True, timeout=60, env=quiet_env(**ctx.cluster.env))
+    dup = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftrain",
+            "agent",
+            "--etcd",
+            ctx.cluster.etcd,
+            "--job",
+            ctx.cluster.job,
+            "--nnodes",
+            "1:8",
+            "--node-id",
+            node,
+            "--",
+            *ctx.cluster.worker_args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=quiet_env(**ctx.cluster.env),
+    )
     refused = dup.returncode == 2 and "already registered" in dup.stderr
-    return ctx.emit(spec.kind, node=node, refused=refused, exit_code=dup.returncode,
-                    stderr=dup.stderr.strip()[-300:])
+    return ctx.emit(spec.kind, node=node, refused=refused, exit_code=dup.returncode, stderr=dup.stderr.strip()[-300:])
 
 
 FAULT = FAULTS.register(Fault(kind="duplicate_node", act=_act, outcome=Outcome.REFUSED))

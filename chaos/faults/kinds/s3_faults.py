@@ -16,9 +16,13 @@ from contract import events as ev
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     duration_s = float(spec.params.get("duration_s", 8.0))
-    rates = FaultRates(error=float(spec.params.get("error", 0.1)), latency=float(spec.params.get("latency", 0.1)),
-                       reset=float(spec.params.get("reset", 0.05)), truncate=float(spec.params.get("truncate", 0.05)),
-                       latency_s=float(spec.params.get("latency_s", 0.3)))
+    rates = FaultRates(
+        error=float(spec.params.get("error", 0.1)),
+        latency=float(spec.params.get("latency", 0.1)),
+        reset=float(spec.params.get("reset", 0.05)),
+        truncate=float(spec.params.get("truncate", 0.05)),
+        latency_s=float(spec.params.get("latency_s", 0.3)),
+    )
     before = dict(ctx.proxy.injected)
     ctx.proxy.set_faults(rates)
     record = ctx.emit(spec.kind, duration_s=duration_s, rates=str(rates), step=ctx.cluster.step())

@@ -10,8 +10,13 @@ from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_worker, send_signal
 
-SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGSEGV": signal.SIGSEGV,
-           "SIGABRT": signal.SIGABRT, "SIGINT": signal.SIGINT}
+SIGNALS = {
+    "SIGKILL": signal.SIGKILL,
+    "SIGTERM": signal.SIGTERM,
+    "SIGSEGV": signal.SIGSEGV,
+    "SIGABRT": signal.SIGABRT,
+    "SIGINT": signal.SIGINT,
+}
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -22,10 +22,14 @@ from contract.worker_env import WorkerEnv
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     g = wait_for(lambda: current_round(ctx) >= 2 and current_round(ctx), 120, "a second round")
     zombie_events = ctx.cluster.workdir / "zombie-events.jsonl"
-    args = [a for a in ctx.cluster.worker_args if not a.startswith(("--logging.", "--data.ledger_dir",
-                                                                    "--train.save_final_path"))]
-    old_round = WorkerEnv(job=ctx.cluster.job, round=g - 1, etcd=(ctx.cluster.etcd,),
-                          fence_key=JobKeys(ctx.cluster.job).round)
+    args = [
+        a
+        for a in ctx.cluster.worker_args
+        if not a.startswith(("--logging.", "--data.ledger_dir", "--train.save_final_path"))
+    ]
+    old_round = WorkerEnv(
+        job=ctx.cluster.job, round=g - 1, etcd=(ctx.cluster.etcd,), fence_key=JobKeys(ctx.cluster.job).round
+    )
     env = quiet_env(**ctx.cluster.env, **old_round.to_env(), FTRAIN_LOG_LEVEL="WARNING")
     out = _run_zombie(args, zombie_events, env)
     return ctx.emit(spec.kind, round=g - 1, current_round=g, **out)
@@ -33,15 +37,31 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
 
 def _run_zombie(args: list[str], events_path: Path, env: dict[str, str]) -> dict[str, Any]:
     """One old-round worker that resumes and tries to save once; then it is stopped."""
-    proc = subprocess.Popen([sys.executable, "-m", "ftrain", "train", *args, f"--logging.events_path={events_path}",
-                             "--checkpoint.interval=1", "--checkpoint.async_mode=off", "--train.steps=100000",
-                             "--logging.progress=off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ftrain",
+            "train",
+            *args,
+            f"--logging.events_path={events_path}",
+            "--checkpoint.interval=1",
+            "--checkpoint.async_mode=off",
+            "--train.steps=100000",
+            "--logging.progress=off",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     try:
+
         def attempted() -> list[dict[str, Any]]:
             if not os.path.exists(events_path):
                 return []
             return [e for e in read_jsonl(events_path) if e["event"] in (Event.CKPT_FAILED, Event.CKPT_COMMITTED)]
+
         try:
             attempts = wait_for(attempted, 90, "the zombie's first save")
         except WaitTimeout:
