@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ftrain-installed
 # One intra-op thread per rank: ranks do not fight over cores, and runs are bitwise reproducible.
 RUN_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo test test-unit test-distributed chaos soak bench plan docs clean
+.PHONY: setup demo test lint format test-unit test-distributed chaos soak bench plan docs clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(RUN_ENV) $(PY) scripts/demo.py
 
-test: setup
+test: setup lint
 	$(RUN_ENV) $(PY) -m pytest -q
+
+# ruff (lint and format) and mypy over the whole tree; `make format` applies ruff's fixes
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -291,11 +291,8 @@ def worker_job_id(cfg: Config, environ: Any = None) -> str:
 
 def sections() -> dict[str, type]:
     """The sections the runtime owns and validates, in file order."""
-    return {
-        f.name: f.default_factory
-        for f in dataclasses.fields(Config)  # type: ignore[misc]
-        if f.name != "others"
-    }
+    defaults = Config()
+    return {f.name: type(getattr(defaults, f.name)) for f in dataclasses.fields(Config) if f.name != "others"}
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Config:
