@@ -159,6 +159,9 @@ class HttpTransport:
             raise EtcdUnavailableError(f"{where}: {type(e).__name__}: {e}", ambiguous=not _never_sent(e)) from e
         except requests.exceptions.Timeout as e:
             raise EtcdUnavailableError(f"{where}: no reply in {timeout_s:.2f} s", ambiguous=True) from e
+        except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError) as e:
+            # the reply broke off mid-body (etcd restarting): the request reached it
+            raise EtcdUnavailableError(f"{where}: reply cut short: {type(e).__name__}: {e}", ambiguous=True) from e
         except requests.exceptions.RequestException as e:
             raise EtcdError(f"{where}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:

@@ -31,6 +31,7 @@ packages.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import ssl
@@ -261,8 +262,8 @@ class EtcdRoundFence:
                     raise FenceConfigError(f"TLS with etcd at {endpoint} failed: {e.reason}; commit refused") from e
                 errors.append(f"{endpoint}: {e}")
                 continue
-            except (_Rejected, OSError, ValueError) as e:
-                errors.append(f"{endpoint}: {e}")
+            except (_Rejected, OSError, ValueError, http.client.HTTPException) as e:  # incl. a reply cut short
+                errors.append(f"{endpoint}: {type(e).__name__}: {e}")
                 continue
             if answer.get("succeeded"):
                 return

@@ -552,3 +552,19 @@ def test_http_transport_tells_never_sent_from_maybe_applied():
             transport.post(f"http://127.0.0.1:{silent.getsockname()[1]}", "/v3/kv/put", {}, timeout_s=0.2, token=None)
     assert hung.value.ambiguous is True
     transport.close()
+
+
+def test_a_reply_cut_short_is_etcd_unavailable_not_a_fatal_error():
+    """etcd restarting mid-reply (seen in a soak: IncompleteRead, the agent exited 1): the request
+    reached etcd, so it is an ambiguous unavailability the caller retries, never fatal."""
+    from agents.etcd_endpoints import HttpTransport
+    from testbed.fake_http import TruncatingServer
+
+    transport = HttpTransport()
+    try:
+        with TruncatingServer() as server:
+            with pytest.raises(EtcdUnavailableError) as cut:
+                transport.post(server.endpoint, "/v3/kv/range", {}, timeout_s=2.0, token=None)
+        assert cut.value.ambiguous is True and "cut short" in str(cut.value)
+    finally:
+        transport.close()

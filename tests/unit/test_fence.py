@@ -114,3 +114,14 @@ def test_client_file_read_lazily_and_never_pickled(tmp_path, monkeypatch) -> Non
 
 def test_fence_without_client_file_uses_no_credentials() -> None:
     assert EtcdRoundFence(["http://127.0.0.1:1"], "k").settings() == ClientSettings()
+
+
+def test_a_reply_cut_short_moves_on_and_refuses_the_commit_naming_it() -> None:
+    """A fence txn whose reply breaks off (etcd restarting) is an unreachable endpoint, not a crash."""
+    from checkpoint.errors import StaleRoundError
+    from testbed.fake_http import TruncatingServer
+
+    with TruncatingServer() as server:
+        f = EtcdRoundFence([server.endpoint], "/ftrain/jobs/j/round")
+        with pytest.raises(StaleRoundError, match="etcd unreachable.*IncompleteRead"):
+            f.check(3)
