@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support import max_abs_diff, optimizer_tensors, train_job  # noqa: E402
+from testbed.jobs import max_abs_diff, optimizer_tensors, train_job
 
 RUNS = [
     ("single", 1, []),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from strategies import MODELS, RANKS, STRATEGIES, config_toml, run_with_retry, summarise, worker_env  # noqa: E402
+from strategies import MODELS, RANKS, STRATEGIES, config_toml, run_with_retry, summarise, worker_env
 
 
 def _mb(n: int) -> str:

@@ -3,7 +3,7 @@
     python bench/recovery.py [--repeats N] [--quick] [--faults worker_kill,node_loss,hang]
                              [--systems ftrain,torchrun_default,torchrun_tuned]
 
-One job everywhere: ``tests.support.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
+One job everywhere: ``testbed.jobs.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
 this host with one worker each, a checkpoint every ``--ckpt-interval`` steps to a local
 directory; every (re)start resumes from the newest committed checkpoint. Each step sleeps
 ``FTRAIN_FAULT_STEP_SLEEP_S`` longer, so the job is still running when the fault comes. The
@@ -59,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,10 +67,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agents.workers import Launch  # noqa: E402  (the floor runs the agent's own launcher command)
-from contract.events import Event  # noqa: E402
-from testbed.etcd import EtcdServer, free_ports  # noqa: E402
-from tests.support import TINY_CONFIG, descendants, kill_tree, worker_env  # noqa: E402
+from agents.workers import (
+    Launch,  # the floor runs the agent's own launcher command
+    descendants,
+)
+from contract.events import Event
+from testbed.etcd import EtcdServer, free_ports
+from testbed.jobs import TINY_CONFIG, worker_env
+from testbed.procs import kill_tree
+from testbed.wait import WaitTimeout, wait_for
 
 FAULTS = ("worker_kill", "node_loss", "hang")
 SYSTEMS = ("ftrain", "torchrun_default", "torchrun_tuned")
@@ -167,24 +172,6 @@ def kill_stray_workers(events: list[dict[str, Any]]) -> None:
             continue
         if b"ftrain" in cmdline and b"train" in cmdline:
             sigkill_now([pid, *descendants(pid)])
-
-
-def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float, alive: Callable[[], bool] | None = None) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail at the deadline or when the
-    processes that could make it true are all gone."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if alive is not None and not alive():
-            value = predicate()  # the last lines may have landed just before the exit
-            if value:
-                return value
-            raise ScenarioError(f"{what}: every launcher exited first")
-        if time.monotonic() > deadline:
-            raise ScenarioError(f"{what}: not within {timeout_s:.0f}s")
-        time.sleep(POLL_S)
 
 
 # -- the analysis: pure functions of what was written -------------------------------------------
@@ -444,7 +431,11 @@ class Job:
             return committed and bool(metrics) and metrics[-1]["world_size"] == 2 and metrics[-1]["step"] >= fault_step
 
         wait_for(
-            f"training at world size 2 past step {fault_step}", ready, self.settings.startup_timeout_s, self.any_alive
+            ready,
+            self.settings.startup_timeout_s,
+            f"training at world size 2 past step {fault_step}",
+            poll_s=POLL_S,
+            alive=self.any_alive,
         )
 
     def worker_pid(self, rank: int) -> int:
@@ -461,7 +452,7 @@ class Job:
         def recovered() -> Any:
             return first_step_after(fault, self.events.poll(), self.metrics.poll())
 
-        wait_for("first step after the resume", recovered, timeout_s, self.any_alive)
+        wait_for(recovered, timeout_s, "first step after the resume", poll_s=POLL_S, alive=self.any_alive)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -536,7 +527,7 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                 out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
             finally:
                 job.close()
-    except ScenarioError as e:
+    except (ScenarioError, WaitTimeout) as e:
         out.error = str(e)
     return out
 
@@ -579,7 +570,7 @@ def run_torchrun(fault: str, workdir: Path, settings: Settings, rdzv_conf: str) 
             out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), job.lines(), agents=False)
         finally:
             job.close()
-    except ScenarioError as e:
+    except (ScenarioError, WaitTimeout) as e:
         out.error = str(e)
     return out
 
@@ -611,7 +602,7 @@ def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
         finally:
             job.close()
     except Exception as e:  # noqa: BLE001 - reported in the table, the scenarios' numbers stand
-        out.error = str(e) if isinstance(e, ScenarioError) else f"{type(e).__name__}: {e}"
+        out.error = str(e) if isinstance(e, (ScenarioError, WaitTimeout)) else f"{type(e).__name__}: {e}"
     return out
 
 

@@ -31,8 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ftrain.strategies import STRATEGIES  # noqa: E402  (the registry's names; torch-free)
-from tests.support import descendants  # noqa: E402  (one process-tree walker for tests and benches)
+from agents.workers import descendants
+from ftrain.strategies import STRATEGIES  # the registry's names; torch-free
 
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise
 CORES_NOTE_THRESHOLD = 4

@@ -8,16 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from agents.config import AgentConfig, option_name
-from agents.workers import descendants, signal_pids
 from contract.events import Event, read_jsonl
-
-REPO = Path(__file__).resolve().parent.parent
+from testbed.procs import REPO, kill_tree, quiet_env
+from testbed.wait import WaitTimeout, wait_for
 
 
 def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
@@ -36,36 +34,6 @@ FAST_AGENT_SETTINGS: dict[str, Any] = {
     "backoff_initial_s": 0.2,
 }
 FAST_AGENT_OPTIONS = agent_flags(FAST_AGENT_SETTINGS)
-
-
-class WaitTimeout(AssertionError):
-    """A condition did not come true in time (an AssertionError so tests report it as a failure)."""
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, *, poll_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise WaitTimeout(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def kill_tree(proc: subprocess.Popen, timeout_s: float = 30) -> None:
-    """SIGKILL a process and everything under it (workers run in their own sessions), and reap it."""
-    signal_pids([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
-    proc.wait(timeout=timeout_s)
-
-
-def quiet_env(**extra: str) -> dict[str, str]:
-    """One intra-op thread per rank (bitwise reproducible, no fighting over cores)."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    )
-    env.update(extra)
-    return env
 
 
 class Cluster:

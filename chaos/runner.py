@@ -18,14 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos import invariants
-from chaos.cluster import (
-    FAST_AGENT_OPTIONS,
-    REPO,
-    Cluster,
-    WaitTimeout,
-    quiet_env,
-    wait_for,
-)
+from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
 from chaos.report import write_report
 from chaos.s3proxy import S3FaultProxy
@@ -34,7 +27,9 @@ from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from contract.events import Event, EventLog
 from ftrain.config import load_config
+from testbed.procs import REPO, quiet_env
 from testbed.stack import LocalStack
+from testbed.wait import WaitTimeout, wait_for
 
 log = logging.getLogger(__name__)
 

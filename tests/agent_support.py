@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chaos.cluster import Cluster, wait_for
-from tests.support import TINY_CONFIG
+from chaos.cluster import Cluster
+from testbed.jobs import TINY_CONFIG
+from testbed.wait import wait_for
 
 __all__ = ["AgentJob", "wait_for"]
 

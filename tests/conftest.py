@@ -15,8 +15,8 @@ import pytest
 from agents.etcd import EtcdClient
 from checkpoint.storage import Storage
 from testbed.etcd import EtcdServer
+from testbed.jobs import RunResult, train_job
 from testbed.seaweed import SeaweedNotInstalledError, SeaweedS3
-from tests.support import RunResult, train_job
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
-from chaos.cluster import WaitTimeout, wait_for
 from chaos.faults.spec import Context, FaultError
 from contract.events import Event
 from ftrain.heartbeat import process_gone
+from testbed.wait import WaitTimeout, wait_for
 
 
 def current_round(ctx: Context) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from chaos.cluster import REPO
+from testbed.procs import REPO
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from contract.events import read_events
-from tests.support import train_job
+from testbed.jobs import train_job
 
 pytestmark = pytest.mark.dist
 

@@ -13,7 +13,8 @@ import pytest
 
 from ftrain.config import load_config
 from ftrain.data import build_source
-from tests.support import REPO, train_job
+from testbed.jobs import train_job
+from testbed.procs import REPO
 
 pytestmark = pytest.mark.dist
 

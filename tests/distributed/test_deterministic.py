@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import optimizer_tensors
+from testbed.jobs import optimizer_tensors
 
 pytestmark = pytest.mark.dist
 

@@ -21,8 +21,9 @@ from agents.records import JobKeys
 from checkpoint.errors import StaleRoundError
 from ftrain.fence import EtcdRoundFence
 from ftrain.heartbeat import process_gone
+from testbed.jobs import TINY_CONFIG, run, torchrun_cmd, worker_env
+from testbed.procs import REPO
 from tests.agent_support import AgentJob, wait_for
-from tests.support import REPO, TINY_CONFIG, run, torchrun_cmd, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 

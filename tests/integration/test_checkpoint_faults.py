@@ -14,7 +14,7 @@ import pytest
 from checkpoint.digest import digest_bytes
 from checkpoint.storage import Storage
 from contract.events import read_events
-from tests.support import run, train_job, worker_env
+from testbed.jobs import run, train_job, worker_env
 
 pytestmark = pytest.mark.dist
 

@@ -12,20 +12,11 @@ from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from contract.events import read_events
 from ftrain.metrics import read_metrics
-from tests.support import TINY_CONFIG, kill_tree, torchrun_cmd, train_job, worker_env
+from testbed.jobs import TINY_CONFIG, torchrun_cmd, train_job, worker_env
+from testbed.procs import kill_tree
+from testbed.wait import wait_for
 
 pytestmark = pytest.mark.dist
-
-
-def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"job exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def metrics(path: Path) -> list[dict]:
@@ -62,16 +53,26 @@ def test_sigkill_during_async_upload_leaves_no_manifest(seaweed, s3_prefix, tmp_
         tmp_path / "crash", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4", "--train.steps=12", env=env
     )
     try:
-        wait_for(lambda: any(r.get("ckpt_last_committed_step") == 4 for r in metrics(m)), 120, "step 4 committed", proc)
+        wait_for(
+            lambda: any(r.get("ckpt_last_committed_step") == 4 for r in metrics(m)),
+            120,
+            "step 4 committed",
+            alive=lambda: proc.poll() is None,
+        )
         seaweed.pause()
         try:
             wait_for(
                 lambda: events(ev, "ckpt_staged") and events(ev, "ckpt_staged")[-1]["step"] == 8,
                 60,
                 "step 8 staged",
-                proc,
+                alive=lambda: proc.poll() is None,
             )
-            wait_for(lambda: any(r["step"] >= 9 for r in metrics(m)), 60, "training past step 8 while S3 hangs", proc)
+            wait_for(
+                lambda: any(r["step"] >= 9 for r in metrics(m)),
+                60,
+                "training past step 8 while S3 hangs",
+                alive=lambda: proc.poll() is None,
+            )
             kill_tree(proc)  # SIGKILL: torchrun and both workers, mid-upload
         finally:
             seaweed.resume()
@@ -108,11 +109,16 @@ def test_s3_down_during_save_is_retried_or_fails_cleanly(seaweed, s3_prefix, tmp
         tmp_path / "job", 2, f"--checkpoint.uri={url}", "--checkpoint.interval=4", "--train.steps=16", env=env
     )
     try:
-        wait_for(lambda: any(r["step"] >= 3 for r in metrics(m)), 120, "step 3", proc)
+        wait_for(lambda: any(r["step"] >= 3 for r in metrics(m)), 120, "step 3", alive=lambda: proc.poll() is None)
         stopped_at = time.time()
         seaweed.stop()
         try:
-            wait_for(lambda: any(r["step"] >= 6 for r in metrics(m)), 60, "training on while S3 is down", proc)
+            wait_for(
+                lambda: any(r["step"] >= 6 for r in metrics(m)),
+                60,
+                "training on while S3 is down",
+                alive=lambda: proc.poll() is None,
+            )
         finally:
             seaweed.restart(timeout_s=60)
         assert proc.wait(timeout=180) == 0, (tmp_path / "job" / "out.log").read_text()[-3000:]

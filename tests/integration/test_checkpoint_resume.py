@@ -11,7 +11,7 @@ import torch
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from ftrain.data import read_ledger
-from tests.support import max_abs_diff, optimizer_tensors, run, train_job, worker_env
+from testbed.jobs import max_abs_diff, optimizer_tensors, run, train_job, worker_env
 
 pytestmark = pytest.mark.dist
 

@@ -36,7 +36,7 @@ from checkpoint.manifest import (
 from checkpoint.storage import Storage, StorageOptions
 from contract.events import Record, read_events
 from ftrain.checkpointing import validate_trainer_state
-from tests.support import train_job
+from testbed.jobs import train_job
 
 KEY_ENV = "FTRAIN_TRUST_TEST_KEY"
 FAST_RETRIES = StorageOptions(max_attempts=2, retry_timeout_s=5.0)

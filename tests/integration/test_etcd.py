@@ -26,19 +26,16 @@ from agents.etcd import Compare, EtcdClient, Op
 from agents.etcd_session import Session
 from agents.etcd_watch import Watcher, WatchEvent
 from testbed.etcd import EtcdCluster, EtcdServer, free_ports
+from testbed.procs import REPO
+from testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
-#: Repository root (not tests.support.REPO: that module imports torch, which these tests never need).
-REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.01) -> float:
-    """Poll ``predicate`` until true; seconds it took. Fails the test at the deadline."""
+    """:func:`testbed.wait.wait_for`, timed: the seconds it took."""
     start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
+    wait_for(predicate, timeout_s, what, poll_s=poll_s)
     return time.monotonic() - start
 
 

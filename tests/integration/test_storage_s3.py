@@ -21,11 +21,10 @@ import pytest
 
 from checkpoint.errors import FatalStorageError, TransientStorageError
 from checkpoint.storage import Storage, StorageOptions
+from testbed.procs import REPO
 from testbed.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.timeout(120)
-
-REPO = Path(__file__).resolve().parents[2]  # not tests.support: it imports torch
 
 
 class RecordingSleep:

@@ -29,7 +29,9 @@ from agents.etcd import EtcdClient
 from agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, EtcdStore, RollingLease, parse_endpoints
 from ftrain.cli.torchrun_plugin import handler
 from testbed.etcd import EtcdServer
-from tests.support import REPO, kill_tree, worker_env
+from testbed.jobs import worker_env
+from testbed.procs import REPO, kill_tree
+from testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 WORKER = Path(__file__).with_name("rdzv_worker.py")
@@ -307,20 +309,6 @@ def logs(paths: list[Path]) -> str:
     return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}" for p in paths)
 
 
-def wait_for(
-    predicate: Callable[[], Any], timeout_s: float, what: str, procs: list[subprocess.Popen], log_paths: list[Path]
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail early if a node exits first."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs(log_paths)}")
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a node exited while waiting for {what}\n{logs(log_paths)}")
-        time.sleep(0.05)
-    return value
-
-
 def test_two_torchrun_nodes_rendezvous_on_etcd_and_run_collectives(etcd, tmp_path):
     out, log_paths, procs = tmp_path / "out", [tmp_path / "node0.log", tmp_path / "node1.log"], []
     try:
@@ -351,8 +339,8 @@ def test_a_node_sigkilled_mid_run_leaves_the_other_to_finish_alone(etcd, tmp_pat
             lambda: sorted(r["rank"] for r in records(out, "started") if r["world_size"] == 2) == [0, 1],
             60,
             "both workers in a world of 2",
-            procs,
-            log_paths,
+            alive=lambda: all(p.poll() is None for p in procs),
+            context=lambda: logs(log_paths),
         )
         killed_at = time.time()
         kill_tree(victim)
@@ -362,8 +350,8 @@ def test_a_node_sigkilled_mid_run_leaves_the_other_to_finish_alone(etcd, tmp_pat
             lambda: [r for r in records(out, "started") if r["world_size"] == 1 and r["time"] > killed_at],
             60,
             "a restarted worker in a world of 1",
-            [survivor],
-            log_paths,
+            alive=lambda: survivor.poll() is None,
+            context=lambda: logs(log_paths),
         )
         recovery_s = alone[0]["time"] - killed_at
         print(f"[node loss -> first collective of the restarted worker: {recovery_s:.2f} s]")

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -49,21 +49,13 @@ from agents.records import (
 from agents.status import format_status
 from agents.workers import PidTracker
 from ftrain.heartbeat import Heartbeat, process_gone
+from testbed.wait import wait_for
 
 KEYS = JobKeys("job-7")
 
 
 def kv(key: str, value: str, *, create_revision: int = 1, mod_revision: int | None = None, lease: int = 0) -> KeyValue:
     return KeyValue(key, value.encode(), create_revision, mod_revision or create_revision, 1, lease)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 # -- JobKeys -----------------------------------------------------------------------------------
@@ -362,7 +354,9 @@ class Channel:
             sock.sendto(data, self.server.path)
 
     def received(self, local_rank: int, timeout_s: float = 5.0) -> bool:
-        return wait_for(lambda: local_rank in self.server.beats(), timeout_s)
+        return bool(
+            wait_for(lambda: local_rank in self.server.beats(), timeout_s, f"a beat of local rank {local_rank}")
+        )
 
 
 @pytest.fixture
@@ -415,11 +409,11 @@ def test_exit_message_sets_finished_and_it_sticks(channel: Channel) -> None:
     hb0, hb1 = channel.worker(0), channel.worker(1)
     hb0.exit(20, finished=True, committed_step=20)
     hb1.exit(12, finished=False)
-    assert wait_for(lambda: len(channel.server.beats()) == 2)
+    assert wait_for(lambda: len(channel.server.beats()) == 2, 5.0, "two beats")
     beats = channel.server.beats()
     assert (beats[0].finished, beats[1].finished, beats[0].committed_step) == (True, False, 20)
     hb0.beat(21)  # a beat after the exit message does not undo it
-    assert wait_for(lambda: channel.server.beats()[0].step == 21)
+    assert wait_for(lambda: channel.server.beats()[0].step == 21, 5.0, "step 21")
     assert channel.server.beats()[0].finished is True
 
 
@@ -624,11 +618,11 @@ def test_format_status_calls_out_failing_checkpoints_and_unreadable_records() ->
 def test_beats_carry_checkpoint_failures_and_the_exit_error(channel: Channel) -> None:
     worker = channel.worker(0)
     worker.beat(5, committed_step=0, ckpt_failures=2, ckpt_failures_total=4, ckpt_error="FenceAuthError: " + "x" * 5000)
-    assert wait_for(lambda: 0 in channel.server.beats() and channel.server.beats()[0].step == 5)
+    assert wait_for(lambda: 0 in channel.server.beats() and channel.server.beats()[0].step == 5, 5.0, "step 5")
     beat = channel.server.beats()[0]
     assert (beat.ckpt_failures, beat.ckpt_failures_total) == (2, 4) and beat.ckpt_error.startswith("FenceAuthError")
     worker.exit(6, finished=False, error="CheckpointFailuresError: 3 in a row", fatal=True)
-    assert wait_for(lambda: channel.server.beats()[0].finished is False)
+    assert wait_for(lambda: channel.server.beats()[0].finished is False, 5.0, "the exit message")
     beat = channel.server.beats()[0]
     assert (beat.step, beat.error, beat.fatal) == (6, "CheckpointFailuresError: 3 in a row", True)
 

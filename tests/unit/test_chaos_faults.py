@@ -15,7 +15,7 @@ import chaos.faults.kinds
 from chaos.faults import FAULTS, KINDS, Fault, FaultRegistry, FaultSpec, Outcome, UnknownFaultKind
 from chaos.invariants import fault_timings, faults_handled
 from chaos.scenario import ScenarioError, load_scenario
-from tests.support import REPO
+from testbed.procs import REPO
 
 SCENARIOS = REPO / "chaos" / "scenarios"
 

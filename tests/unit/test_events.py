@@ -11,7 +11,7 @@ import typing
 import pytest
 
 from contract import events as ev
-from tests.support import REPO
+from testbed.procs import REPO
 
 SAMPLES = {int: 3, float: 1.5, str: "x", bool: True}
 

@@ -11,7 +11,7 @@ import time
 
 from agents.heartbeat import Beat, HeartbeatServer
 from agents.supervision import hung_ranks
-from chaos.cluster import wait_for
+from testbed.wait import wait_for
 
 WORKER = """
 import sys, time

@@ -23,7 +23,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tests.support import REPO, TINY_CONFIG, worker_env
+from testbed.jobs import TINY_CONFIG, worker_env
+from testbed.procs import REPO
 
 PACKAGES = ("contract", "checkpoint", "ftrain", "agents", "testbed", "chaos")
 LAYER_OF = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from tests.support import REPO
+from testbed.procs import REPO
 
 
 def _updater():

@@ -20,8 +20,7 @@ from checkpoint.backends.local import LocalBackend
 from checkpoint.backends.s3 import S3Backend
 from checkpoint.errors import CheckpointError, FatalStorageError, TransientStorageError
 from checkpoint.storage import Storage, StorageOptions, classify
-
-REPO = Path(__file__).resolve().parents[2]  # not tests.support: it imports torch
+from testbed.procs import REPO
 
 
 def client_error(code: str = "", status: int = 400, op: str = "PutObject") -> ClientError:

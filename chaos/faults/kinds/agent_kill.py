@@ -11,11 +11,11 @@ from typing import Any
 
 from agents.etcd import EtcdClient
 from agents.records import JobKeys
-from chaos.cluster import wait_for
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_node, send_signal
 from contract import events as ev
+from testbed.wait import wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

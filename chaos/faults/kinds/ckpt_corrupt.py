@@ -8,12 +8,12 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from chaos.cluster import wait_for
 from chaos.corrupt import MODES, corrupt_step
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_worker, send_signal
 from checkpoint.catalog import list_steps, newest_committed
+from testbed.wait import wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

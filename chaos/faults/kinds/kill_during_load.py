@@ -8,13 +8,13 @@ import signal
 import time
 from typing import Any
 
-from chaos.cluster import wait_for
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_worker, send_signal
 from chaos.faults.windows import with_slow_storage
 from contract import events as ev
 from contract.events import Event
+from testbed.wait import wait_for
 
 
 def _loading(ctx: Context, after: float) -> bool:

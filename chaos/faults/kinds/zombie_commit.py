@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from agents.records import JobKeys
-from chaos.cluster import WaitTimeout, quiet_env, wait_for
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import current_round
 from contract.events import Event, read_jsonl
 from contract.worker_env import WorkerEnv
+from testbed.procs import quiet_env
+from testbed.wait import WaitTimeout, wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -1,8 +1,7 @@
-"""Shared test helpers: run real torchrun jobs of ``ftrain train`` and read what they wrote."""
+"""Real torchrun jobs of ``ftrain train`` on one machine, and what they wrote (tests and benchmarks)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,10 +10,8 @@ from typing import Any
 
 import torch
 
-from agents.workers import descendants  # noqa: F401  (re-exported for the benches)
-from chaos.cluster import kill_tree
-
-REPO = Path(__file__).resolve().parent.parent
+from contract.events import read_jsonl
+from testbed.procs import REPO, kill_tree, quiet_env
 
 #: A model small enough that a 4-rank torchrun job on 2 cores takes seconds.
 TINY_CONFIG = """
@@ -44,16 +41,8 @@ progress = "lines"
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    """One intra-op thread per rank (bitwise reproducible, no fighting over 2 cores)."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        OMP_WAIT_POLICY="PASSIVE",
-        FTRAIN_LOG_LEVEL="WARNING",
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    env.update(extra)
-    return env
+    """:func:`testbed.procs.quiet_env` with warnings-only worker logs."""
+    return quiet_env(**{"FTRAIN_LOG_LEVEL": "WARNING", **extra})
 
 
 def run(
@@ -112,8 +101,6 @@ def train_job(
     env: dict[str, str] | None = None,
 ) -> RunResult:
     """``torchrun --standalone --nproc-per-node N -m ftrain train`` with metrics and final state."""
-    from ftrain.metrics import read_metrics
-
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "config.toml"
     cfg_path.write_text(config)
@@ -126,7 +113,7 @@ def train_job(
     proc = run(cmd, timeout_s=timeout_s, env=worker_env(**(env or {})))
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
-    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
+    metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
     final = torch.load(final_path, weights_only=False) if final_path.exists() else None
     return RunResult(proc.returncode, proc.stdout, metrics, final, workdir)
 
