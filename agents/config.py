@@ -13,7 +13,7 @@ the key), whether it came from a file, from options or from code.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,3 +110,10 @@ class AgentConfig:
     def endpoints(self) -> list[str]:
         """``etcd`` as a list of URLs."""
         return [e for e in self.etcd.split(",") if e]
+
+
+def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
+    """``ftrain agent`` options setting these ``[agent]`` keys; checked against
+    :class:`AgentConfig` here, so a misspelt key or a bad value fails before any agent starts."""
+    AgentConfig(**settings)
+    return tuple(arg for key, value in settings.items() for arg in (option_name(key), str(value)))

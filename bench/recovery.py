@@ -67,6 +67,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from agents.config import agent_flags
 from agents.workers import (
     Launch,  # the floor runs the agent's own launcher command
     descendants,
@@ -82,7 +83,7 @@ SYSTEMS = ("ftrain", "torchrun_default", "torchrun_tuned")
 PHASES = ("detect", "rendezvous", "launcher", "worker_start", "ckpt_load", "first_step")
 #: FACTS.md: a node loss took 42.7 s with c10d defaults and 2.4 s with these.
 TUNED_RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
-AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "4")
+AGENT_OPTIONS = agent_flags({"lease_ttl_s": 2, "settle_s": 1.0, "hang_timeout_s": 4.0})
 AGENT_REACTIONS = (Event.WORKERS_EXITED, Event.HANG, Event.ROUND_FORMED, Event.WORKERS_STOPPED)
 TORCHRUN_REACTION = "will restart worker group"
 TORCHRUN_LAUNCH = "Starting worker group"

@@ -8,22 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.config import AgentConfig, option_name
+from agents.config import agent_flags
 from contract.events import Event, read_jsonl
 from testbed.procs import REPO, kill_tree, quiet_env
 from testbed.wait import WaitTimeout, wait_for
-
-
-def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
-    """``ftrain agent`` options setting these ``[agent]`` keys; checked against
-    :class:`AgentConfig` here, so a misspelt key or a bad value fails before any agent starts."""
-    AgentConfig(**settings)
-    return tuple(arg for key, value in settings.items() for arg in (option_name(key), str(value)))
-
 
 #: Where runs on one machine differ from the defaults (agents/config.py): failures are found fast.
 FAST_AGENT_SETTINGS: dict[str, Any] = {

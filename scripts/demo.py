@@ -28,13 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agents.config import agent_flags
 from contract.events import Event, read_jsonl
 from ftrain.config import load_config
 from ftrain.data import build_source
 from testbed.stack import LocalStack
 
 REPO = Path(__file__).resolve().parent.parent
-AGENT_OPTIONS = ("--lease-ttl-s", "2", "--settle-s", "1", "--hang-timeout-s", "30", "--backoff-initial-s", "0.5")
+AGENT_OPTIONS = agent_flags({"lease_ttl_s": 2, "settle_s": 1.0, "hang_timeout_s": 30.0, "backoff_initial_s": 0.5})
 #: The variable the demo puts its checkpoint signing key in.
 CKPT_KEY_ENV = "FTRAIN_DEMO_CKPT_KEY"
 
