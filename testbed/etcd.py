@@ -36,6 +36,7 @@ from typing import Any
 
 from agents.errors import AgentError, EtcdError, EtcdUnavailableError
 from agents.etcd import EtcdClient
+from testbed.service import Service
 
 HOST = "127.0.0.1"
 #: gRPC codes of an auth rejection (INVALID_ARGUMENT "user name is empty", PERMISSION_DENIED,
@@ -84,7 +85,7 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
             s.close()
 
 
-class EtcdServer:
+class EtcdServer(Service):
     """One etcd member on 127.0.0.1. ``with EtcdServer() as etcd:`` starts it, waits until it
     serves requests, and on exit kills it and deletes the data dir if this object made it.
 
@@ -302,20 +303,8 @@ class EtcdServer:
         if self._owns_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
-    def __enter__(self) -> EtcdServer:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class EtcdCluster:
+class EtcdCluster(Service):
     """``n`` etcd members on 127.0.0.1 sharing one temp dir; ``with EtcdCluster(3) as c:``."""
 
     def __init__(self, n: int = 3, *, etcd_bin: str | None = None, progress_notify_interval_s: float = 0.25):
@@ -357,18 +346,6 @@ class EtcdCluster:
         for member in self.members:
             member.close()
         shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> EtcdCluster:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def main(argv: list[str] | None = None) -> int:

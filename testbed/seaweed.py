@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.storage import StorageOptions
+from testbed.service import Service
 
 #: gRPC port = HTTP port + this, the convention ``weed`` falls back to internally.
 GRPC_PORT_OFFSET = 10000
@@ -96,7 +97,7 @@ def pick_port_pairs(
             s.close()
 
 
-class SeaweedS3:
+class SeaweedS3(Service):
     """One ``weed mini`` process serving S3 on 127.0.0.1, with one bucket.
 
     ``with SeaweedS3() as s3:`` starts it and waits until it serves requests; leaving the block
@@ -357,18 +358,6 @@ class SeaweedS3:
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> SeaweedS3:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def main(argv: list[str] | None = None) -> int:
