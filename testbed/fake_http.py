@@ -33,13 +33,18 @@ class TruncatingServer:
             with conn:
                 conn.settimeout(2.0)
                 try:
-                    conn.recv(65536)  # the request (small)
+                    _read_request(conn)  # all of it: closing with unread bytes would send a reset instead
                     conn.sendall(self._reply)
+                    conn.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
 
     def close(self) -> None:
         self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in the thread
+        except OSError:
+            pass
         self._sock.close()
         self._thread.join(timeout=5)
 
@@ -50,3 +55,25 @@ class TruncatingServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    """One HTTP request: the headers, then as many body bytes as its Content-Length says."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
