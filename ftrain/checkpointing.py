@@ -132,7 +132,7 @@ class Checkpointing:
             on_no_loadable_step=c.on_no_loadable_step,
             on_event=events.emit,
             device_type=par.device.type,
-            fence=fence.from_env() if self.round > 0 else None,
+            fence=fence.from_env(),  # whenever an agent set one up: a round-0 worker there is stale too
         )
         if not c.hmac_key_env and self.manager.storage.protocol not in ("file", "memory") and self.rank == 0:
             self._warn_unsigned()

@@ -195,7 +195,8 @@ def test_a_second_agent_with_a_live_node_id_is_refused(job):
     assert job.agents["a"].poll() is None, "the first agent must be unaffected"
 
 
-def test_a_worker_of_an_old_round_cannot_commit(tmp_path, etcd, client):
+@pytest.mark.parametrize("stale_round", ["1", "0"])  # 0: a round that was never current (chaos's zombie in round 1)
+def test_a_worker_of_an_old_round_cannot_commit(tmp_path, etcd, client, stale_round):
     keys = JobKeys("fenced")
     client.put(keys.round, "2")
     with pytest.raises(StaleRoundError, match="no longer current"):
@@ -214,7 +215,7 @@ def test_a_worker_of_an_old_round_cannot_commit(tmp_path, etcd, client):
             f"--logging.events_path={events}",
         ),
         timeout_s=180,
-        env=worker_env(FTRAIN_ETCD=etcd.endpoint, FTRAIN_FENCE_KEY=keys.round, FTRAIN_ROUND="1"),
+        env=worker_env(FTRAIN_ETCD=etcd.endpoint, FTRAIN_FENCE_KEY=keys.round, FTRAIN_ROUND=stale_round),
     )
     assert out.returncode == 0, out.stdout
     failures = [json.loads(line) for line in events.read_text().splitlines() if '"ckpt_failed"' in line]
