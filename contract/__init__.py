@@ -3,6 +3,7 @@
 - :mod:`contract.config`: the shared config file: sections, typed keys, overrides, errors.
 - :mod:`contract.worker_env`: the environment a node agent gives the workers it starts.
 - :mod:`contract.heartbeat`: the datagrams a worker sends its agent.
+- :mod:`contract.events`: the event catalogue (one typed record per event) and the event log.
 - :mod:`contract.exits`: exit codes of the ``ftrain`` commands.
 
 Every other package (``checkpoint``, ``ftrain``, ``agents``, ``chaos``, the CLI) may import it;
