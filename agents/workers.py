@@ -325,7 +325,7 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
             if _size(files[pid]) > sizes[pid]:
                 pending.discard(pid)
         time.sleep(0.05)
-    time.sleep(0.1)  # let the handlers finish writing
+    _wait_until_written({pid: files[pid] for pid in pids if pid not in pending}, deadline=time.monotonic() + timeout_s)
     stacks = {}
     for pid in pids:
         prefix = f"(process state {states[pid]}: was stopped, continued to dump)\n" if states[pid] == "T" else ""
@@ -336,6 +336,20 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
             fh.seek(sizes[pid])
             stacks[pid] = prefix + fh.read()
     return stacks
+
+
+def _wait_until_written(files: dict[int, str], *, deadline: float, settled_s: float = 0.3) -> None:
+    """Until no file in ``files`` has grown for ``settled_s`` (a handler writes a dump in many
+    small writes, slower still in a process just continued under load), or the deadline."""
+    last: dict[int, int] = {}
+    settled_since = time.monotonic()
+    while time.monotonic() < deadline:
+        sizes = {pid: _size(path) for pid, path in files.items()}
+        if sizes != last:
+            last, settled_since = sizes, time.monotonic()
+        elif time.monotonic() - settled_since >= settled_s:
+            return
+        time.sleep(0.05)
 
 
 def _size(path: str) -> int:
