@@ -57,6 +57,7 @@ from agents.etcd import Compare, Op
 from agents.heartbeat import Beat
 from agents.jobstore import Closable, JobStore, LeaseSession
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
+from agents.live_workers import LiveWorkers
 from agents.metrics import AgentMetrics
 from agents.parts import Clock, EventSink, Heartbeats
 from agents.records import (
@@ -72,6 +73,7 @@ from agents.records import (
     NodeStatus,
     Problem,
     Report,
+    RoundRecord,
     parse_master,
     validate_id,
 )
@@ -510,7 +512,11 @@ class Agent:
             )
             return
         cur = state.current
-        if self.workers is not None and (cur is None or self.workers.round != cur.round):
+        if (
+            self.workers is not None
+            and (cur is None or self.workers.round != cur.round)
+            and not self._keeps_workers(cur)
+        ):
             if cur is not None and cur.reason == HANG:  # a peer hung: show where these workers wait
                 self._dump(self.workers, f"round {cur.round} formed after a hang elsewhere")
             why = f"round {cur.round if cur else '?'} replaced round {self.workers.round}"
@@ -522,7 +528,9 @@ class Agent:
             self.metrics.count_restart(cur.round, cur.reason)
         self.metrics.round.set(cur.round)
         self.metrics.members.set(len(cur.members))
-        if node_rank is None or self.workers is not None or cur.round in self.finished_rounds:
+        if node_rank is None or cur.round in self.finished_rounds:
+            return
+        if self.workers is not None and self.workers.round == cur.round:
             return
         if cur.round in state.bad_masters:  # the leader fails the round (bad_record) and forms a new one
             self._hold(f"round {cur.round}: {state.bad_masters[cur.round]}; not launching")
@@ -547,9 +555,33 @@ class Agent:
             )
         )
 
+    def _keeps_workers(self, cur: RoundRecord | None) -> bool:
+        """Live recovery: this node's workers move to round ``cur`` in-process (no restart)."""
+        return (
+            isinstance(self.workers, LiveWorkers)
+            and cur is not None
+            and cur.node_rank(self.me) is not None
+            and not self.draining
+            and self.workers.poll() is None
+        )
+
     def _launch(self, launch: Launch) -> None:
         self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
+        if isinstance(self.workers, LiveWorkers):
+            self.workers.reassign(launch)
+            self.events.emit(
+                ev.WorkersReassigned(
+                    node=self.cfg.node_id,
+                    worker_round=launch.round,
+                    node_rank=launch.node_rank,
+                    nnodes=launch.nnodes,
+                    kept=self.workers.last_kept,
+                    started=self.workers.last_started,
+                )
+            )
+            self._record_start(launch.round)
+            return
         ours = WorkerEnv(
             job=self.cfg.job,
             round=launch.round,
@@ -577,10 +609,13 @@ class Agent:
                 log=log_path,
             )
         )
+        self._record_start(launch.round)
+
+    def _record_start(self, round_: int) -> None:
         try:
-            self.store.put(self.keys.started(launch.round, self.cfg.node_id), self.uid)
+            self.store.put(self.keys.started(round_, self.cfg.node_id), self.uid)
         except EtcdUnavailableError as e:
-            log.warning("could not record the start of round %d: %s", launch.round, e)
+            log.warning("could not record the start of round %d: %s", round_, e)
 
     def _stop_workers(self, workers: Workers, why: str) -> None:
         self.workers = None
@@ -606,6 +641,9 @@ class Agent:
             self.metrics.heartbeat_age.set(self.clock.monotonic() - min(b.received_at for b in beats.values()))
             self._note_ckpt_failures(workers.round, beats)
         rc = workers.poll()
+        if rc is None and isinstance(workers, LiveWorkers):
+            self._supervise_live(workers, beats)
+            return
         crashed = self._crashed_workers(workers, beats)
         if rc is None and crashed:  # do not wait for torchrun to notice and tear down: seconds
             log.info(
@@ -618,6 +656,8 @@ class Agent:
             rc = 1 if rc in (None, 0) else rc
         if rc is not None:
             self.workers = None
+            if isinstance(workers, LiveWorkers):
+                workers.kill()  # the spares
             self.finished_rounds.add(workers.round)
             report = exit_report(
                 rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid, self.clock.time()
@@ -640,6 +680,55 @@ class Agent:
         )
         if hung:
             self._on_hang(workers, hung)
+
+    def _supervise_live(self, workers: LiveWorkers, beats: dict[int, Beat]) -> None:
+        """Live workers: a dead or hung worker is reported (its siblings keep running and wait
+        for the next round); once reported, the round is over on this node."""
+        if workers.round in self.finished_rounds:
+            return
+        crashed = workers.crashed()
+        if crashed:
+            local_rank, rc = next(iter(crashed.items()))
+            log.info("round %d: worker of local rank %d exited with %d; the others stay", workers.round, local_rank, rc)
+            report = exit_report(
+                rc,
+                {r: b for r, b in beats.items() if r in crashed},
+                len(crashed),
+                workers.log_path,
+                self.uid,
+                self.clock.time(),
+            )
+            self.events.emit(
+                ev.WorkersExited(
+                    node=self.cfg.node_id, worker_round=workers.round, exit_code=rc, outcome=report.outcome
+                )
+            )
+            self.finished_rounds.add(workers.round)
+            self.pending_reports[workers.round] = report
+            self.wake.set()
+            return
+        hung = hung_ranks(
+            beats,
+            nproc_per_node=workers.launch.nproc_per_node,
+            started_at=workers.started_at,
+            now=self.clock.monotonic(),
+            hang_timeout_s=self.cfg.hang_timeout_s,
+            start_timeout_s=self.cfg.start_timeout_s,
+        )
+        if hung:
+            self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
+            killed = workers.kill_ranks(hung)
+            log.error("round %d: killed hung worker(s) %s; the others stay", workers.round, killed)
+            self.finished_rounds.add(workers.round)
+            self.pending_reports[workers.round] = Report(
+                FAILED,
+                HANG,
+                f"no heartbeat from local rank(s) {hung}",
+                self.uid,
+                self.clock.time(),
+                step=max((b.step for b in beats.values()), default=-1),
+            )
+            self.wake.set()
 
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the

@@ -10,6 +10,7 @@ from agents.agent import Agent, AgentOptions, write_client_file
 from agents.etcd import EtcdClient
 from agents.heartbeat import HeartbeatServer
 from agents.jobstore import EtcdJobStore
+from agents.live_workers import LiveWorkers
 from agents.metrics import AgentMetrics
 from agents.parts import SystemClock
 from agents.workers import WorkerGroup
@@ -18,7 +19,8 @@ from contract.events import EventLog
 
 def build_agent(opts: AgentOptions) -> Agent:
     """An agent on the real etcd, clocks, heartbeat socket, Prometheus metrics, event log and
-    torchrun launcher. Raises ValueError for bad options, before anything is created."""
+    worker launcher (torchrun, or live workers under ``recovery = "live"``). Raises ValueError
+    for bad options, before anything is created."""
     opts.validate()
     cfg = opts.config
     clock = SystemClock()
@@ -41,7 +43,7 @@ def build_agent(opts: AgentOptions) -> Agent:
         heartbeats=HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock")),
         metrics=AgentMetrics(cfg.job, cfg.node_id, clock=clock.monotonic),
         events=EventLog(opts.events_path, rank=-1),
-        launcher=WorkerGroup,
+        launcher=LiveWorkers.launcher(cfg.spares) if cfg.recovery == "live" else WorkerGroup,
         run_dir=run_dir,
         client_file=write_client_file(run_dir, opts.etcd_client_settings()),
     )

@@ -58,6 +58,14 @@ class AgentConfig:
     drain_timeout_s: float = opt(
         120.0, "On SIGTERM the workers finish the step and save; after this long they are killed."
     )
+    recovery: str = opt(
+        "restart",
+        "On a failure, restart: every worker restarts (a new torchrun, a load from storage); live: the "
+        "healthy workers keep their processes and move to the new round in-process, dead ones are replaced "
+        "by warm spares and take the state from a live peer.",
+        ("live", "restart"),
+    )
+    spares: int = opt(1, "recovery=live: worker processes kept started ahead of need on this node (torch imported).")
     metrics_port: int = opt(-1, "Prometheus metrics port (0: any free port, -1: off).")
     run_dir: str = opt("", "Worker logs and stack dumps (default: a new temporary directory).")
 
@@ -76,6 +84,7 @@ class AgentConfig:
             positive(f"agent.{name}", getattr(self, name))
         at_least("agent.max_restarts", self.max_restarts, 0)
         at_least("agent.deterministic_failures", self.deterministic_failures, 0)
+        at_least("agent.spares", self.spares, 0)
         at_least("agent.backoff_initial_s", self.backoff_initial_s, 0)
         at_least("agent.backoff_max_s", self.backoff_max_s, self.backoff_initial_s)
         int_range("agent.metrics_port", self.metrics_port, -1, 65535)

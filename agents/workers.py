@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -239,7 +239,7 @@ class WorkerGroup:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.pids = PidTracker(self.proc.pid)
         log.info(

@@ -38,6 +38,8 @@ class Event(StrEnum):
     REPLICA_MISMATCH = "replica_mismatch"
     CKPT_UNSIGNED = "ckpt_unsigned"
     CKPT_FAILURES_EXCEEDED = "ckpt_failures_exceeded"
+    LIVE_ROUND_LEFT = "live_round_left"  #: a live worker left its round (a peer failed, or a newer round)
+    LIVE_RESTORED = "live_restored"  #: a live worker joined a round and has its state (from where, how fast)
     # the checkpoint service (in the workers)
     CKPT_STAGED = "ckpt_staged"
     CKPT_SKIPPED = "ckpt_skipped"
@@ -62,6 +64,7 @@ class Event(StrEnum):
     JOB_FINAL = "job_final"
     WORKERS_STARTED = "workers_started"  #: an agent launched its node's workers (torchrun) for a round
     WORKERS_STOPPED = "workers_stopped"
+    WORKERS_REASSIGNED = "workers_reassigned"  #: an agent moved its live workers to a new round
     WORKERS_EXITED = "workers_exited"
     CHECKPOINT_FAILING = "checkpoint_failing"
     HANG = "hang"
@@ -116,6 +119,29 @@ class Resumed(Record):
     from_world_size: int
     world_size: int
     round: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class LiveRoundLeft(Record):
+    EVENT = Event.LIVE_ROUND_LEFT
+    step: int  #: the last complete step, which this rank keeps
+    why: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class LiveRestored(Record):
+    EVENT = Event.LIVE_RESTORED
+    source: str  #: live_peer | memory | storage | fresh
+    step: int  #: the step training goes on from
+    from_rank: int  #: live_peer: the rank that sent it (-1 otherwise)
+    world_size: int
+    held_step: int  #: what this rank held before (-1: nothing, a new worker)
+    seconds: float  #: assignment read to state restored (the sum of the three phases below)
+    join_s: float  #: the round's process group: store and connections to every peer
+    build_s: float  #: the trainer at the round's layout: model, strategy wrap, optimizer, checkpointing
+    state_s: float  #: agreement on the step, and the state from a peer or storage
 
 
 @_record
@@ -357,6 +383,18 @@ class WorkersStarted(Record):
     nnodes: int
     pid: int  #: torchrun's
     log: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class WorkersReassigned(Record):
+    EVENT = Event.WORKERS_REASSIGNED
+    node: str
+    worker_round: int
+    node_rank: int
+    nnodes: int
+    kept: list[int]  #: PIDs that served the previous round and serve this one
+    started: list[int]  #: PIDs new to the round (spares taken, or processes started now)
 
 
 @_record

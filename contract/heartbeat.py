@@ -3,7 +3,8 @@
 Three kinds share one schema, :class:`Message`:
 
 - ``beat``: one per step (``phase`` is ``training`` between steps, or ``starting``, ``loading``,
-  ``saving`` while a longer pause is expected), with the step, its duration and the checkpoint
+  ``saving`` while a longer pause is expected; ``recovering``: a live worker whose round ended waits
+  for the next one), with the step, its duration and the checkpoint
   health (``ckpt_failures``: commits failed since the last one that succeeded).
 - ``exit``: the last message (``finished``; ``error``: why it failed; ``fatal``: a restart
   cannot help).
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = frozenset({"beat", "exit", "alive"})
-PHASES = frozenset({"training", "starting", "loading", "saving", "exiting"})
+PHASES = frozenset({"training", "starting", "loading", "saving", "recovering", "exiting"})
 MAX_DATAGRAM_BYTES = 4096
 PID_MAX = 2**22  #: the kernel's largest possible pid_max
 MAX_LOCAL_RANK = 4095

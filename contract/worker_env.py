@@ -29,6 +29,7 @@ HEARTBEAT = "FTRAIN_HEARTBEAT"
 AGENT_PID = "FTRAIN_AGENT_PID"
 STACK_DIR = "FTRAIN_STACK_DIR"
 ETCD_CLIENT_FILE = "FTRAIN_ETCD_CLIENT_FILE"
+CONTROL = "FTRAIN_CONTROL"
 
 ETCD_PASSWORD = "FTRAIN_ETCD_PASSWORD"
 """The etcd password of ``ftrain agent``/``status``/torchrun's ``etcd-v3`` (never a command line).
@@ -67,6 +68,7 @@ class WorkerEnv:
     agent_pid: int = 0  #: the worker ends itself once this process is gone (0: no watchdog)
     stack_dir: str = ""  #: where SIGUSR1 makes the worker write its threads' stacks
     etcd_client_file: str = ""  #: 0600 JSON file with the etcd credentials and TLS files
+    control: str = ""  #: a live worker's control file (:mod:`contract.control`); empty under torchrun
 
     def to_env(self) -> dict[str, str]:
         """The variables to export (only those with a value)."""
@@ -80,6 +82,7 @@ class WorkerEnv:
             AGENT_PID: str(self.agent_pid) if self.agent_pid else "",
             STACK_DIR: self.stack_dir,
             ETCD_CLIENT_FILE: self.etcd_client_file,
+            CONTROL: self.control,
         }
         return {k: v for k, v in values.items() if v}
 
@@ -97,6 +100,7 @@ class WorkerEnv:
             agent_pid=_natural(env, AGENT_PID, PID_MAX),
             stack_dir=env.get(STACK_DIR, ""),
             etcd_client_file=env.get(ETCD_CLIENT_FILE, ""),
+            control=env.get(CONTROL, ""),
         )
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -59,3 +61,73 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def abort_distributed(keep_ports: Iterable[int] = ()) -> None:
+    """End every process group of this process at once, without waiting for any peer (some are
+    gone, some may be blocked in a collective with this rank): abort them all, destroy them, then
+    shut down the TCP connections they leave open.
+
+    That last part is what frees the peers. Measured here (torch 2.13, gloo, 4 ranks, one
+    SIGKILLed): the two ranks whose collective failed aborted and destroyed their groups, yet the
+    fourth, blocked on a receive from one of them, stayed blocked until the process-group
+    timeout — gloo keeps its pairs' sockets open. Shutting those sockets down (``SHUT_RDWR``:
+    the peer reads end-of-file) made it fail within 0.2 s. Only established connections are shut
+    down (a listener's accept thread aborts the process on an error), and none whose remote port
+    is in ``keep_ports`` (the checkpoint storage and etcd: their clients pool connections)."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()  # noqa: SLF001 - the one call that aborts every group
+        except (RuntimeError, ValueError, AttributeError) as e:  # already broken: destroying is what matters
+            log.debug("abort of the process groups: %s", e)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    severed = sever_connections(set(keep_ports))
+    log.debug("left the process groups; shut down %d connection(s)", severed)
+
+
+_ESTABLISHED = "01"
+
+
+def _tcp_connections() -> dict[int, tuple[str, int]]:
+    """socket inode -> (state, remote port) of this process's network namespace's TCP sockets."""
+    found: dict[int, tuple[str, int]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{table}") as fh:
+                next(fh)
+                for line in fh:
+                    fields = line.split()
+                    found[int(fields[9])] = (fields[3], int(fields[2].rsplit(":", 1)[1], 16))
+        except (OSError, IndexError, ValueError, StopIteration):
+            continue
+    return found
+
+
+def sever_connections(keep_ports: set[int]) -> int:
+    """Shut down (both ways) every established TCP connection of this process whose remote port
+    is not in ``keep_ports``; how many. The descriptors stay open: their owners close them."""
+    connections = _tcp_connections()
+    severed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not target.startswith("socket:["):
+            continue
+        state, remote_port = connections.get(int(target[8:-1]), ("", 0))
+        if state != _ESTABLISHED or remote_port in keep_ports:
+            continue
+        try:
+            sock = socket.socket(fileno=int(name))
+        except OSError:  # closed meanwhile
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            severed += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return severed

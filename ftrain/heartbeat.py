@@ -64,6 +64,10 @@ class Heartbeat:
         self._dropped = 0
         self._closing = threading.Event()
 
+    def assign(self, round_: int, rank: int, local_rank: int) -> None:
+        """A live worker moved to another round (and maybe rank): its messages say so from now on."""
+        self._sender = dataclasses.replace(self._sender, round=round_, rank=rank, local_rank=local_rank)
+
     def beat(
         self,
         step: int,

@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm is not finite and ``train.on_nonfinite = "halt"``."""
+
+
+class RoundEnded(Exception):  # noqa: N818 - a signal to the live worker loop, not an error
+    """A live worker's agent assigned it a newer round: every rank left at the same step boundary
+    (:meth:`Trainer.run` agreed on it), with the step complete."""
 
 
 class CheckpointFailuresError(CheckpointError):
@@ -94,22 +100,32 @@ def train(cfg: Config) -> TrainResult:
     except BaseException as e:
         # No collective teardown on failure: peers may be stuck in a collective, and a barrier
         # or destroy here would hang; the launcher ends the job.
-        if hb is not None and not isinstance(e, KeyboardInterrupt):
-            hb.exit(
-                trainer.cursor.step if trainer is not None else -1,
-                finished=False,
-                committed_step=trainer.committed_step() if trainer is not None else -1,
-                error=describe_failure(e),
-                fatal=bool(getattr(e, "fatal", False)),
-            )
+        say_goodbye(hb, trainer, e)
         if trainer is not None:
             trainer.close()
         raise
+    finish(trainer, result)
+    return result
+
+
+def say_goodbye(hb: heartbeat.Heartbeat | None, trainer: Trainer | None, e: BaseException) -> None:
+    """Tell the agent why this worker fails (its exit message), before it leaves."""
+    if hb is not None and not isinstance(e, KeyboardInterrupt):
+        hb.exit(
+            trainer.cursor.step if trainer is not None else -1,
+            finished=False,
+            committed_step=trainer.committed_step() if trainer is not None else -1,
+            error=describe_failure(e),
+            fatal=bool(getattr(e, "fatal", False)),
+        )
+
+
+def finish(trainer: Trainer, result: TrainResult) -> None:
+    """After a successful run: close, tear the process group down, say so to the agent."""
     trainer.close()
     shutdown_distributed()
-    if hb is not None:
-        hb.exit(result.steps, finished=not result.stopped_early, committed_step=trainer.committed_step())
-    return result
+    if trainer.hb is not None:
+        trainer.hb.exit(result.steps, finished=not result.stopped_early, committed_step=trainer.committed_step())
 
 
 class Trainer:
@@ -122,9 +138,13 @@ class Trainer:
         world_size: int,
         local_world: int,
         hb: heartbeat.Heartbeat | None = None,
+        round_ended: Callable[[], bool] | None = None,
     ):
         self.cfg = cfg
         self.hb = hb
+        self.round_ended = round_ended  #: live workers: whether the agent assigned a newer round
+        self.update_applied = True  #: the step in progress (if any) got past its optimizer update
+        self.boundary_cursor: dict[str, Any] = {}  #: the cursor at the last step boundary
         self.device = device
         self.rank = rank
         n_head = cfg.model.n_head if not cfg.model.factory else None
@@ -161,12 +181,18 @@ class Trainer:
         self._stop_requested = True
 
     def _stop_agreed(self) -> bool:
-        """All ranks stop at the same step if any of them was asked to."""
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """All ranks stop at the same step if any of them was asked to; all leave for a newer
+        round (:class:`RoundEnded`) at the same step if any of them was assigned one."""
+        ended = self.round_ended is not None and self.round_ended()
+        flags = torch.tensor([float(self._stop_requested), float(ended)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1].item():
+            raise RoundEnded(f"a newer round was assigned: leaving after step {self.cursor.step}")
+        return bool(flags[0].item())
 
-    def run(self) -> TrainResult:
+    def run(self, *, resume: bool = True) -> TrainResult:
+        """Train to ``train.steps`` (or a graceful stop); ``resume=False``: the state is already
+        in place (a live worker restored it from its peers)."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
         cfg, layout = self.cfg, self.layout
         self.events.emit(
@@ -177,7 +203,7 @@ class Trainer:
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             )
         )
-        if self.ckpt is not None and cfg.checkpoint.resume:
+        if resume and self.ckpt is not None and cfg.checkpoint.resume:
             self._resume()
         self.progress.message(
             f"ftrain: {self.num_params / 1e6:.2f}M params, {layout.strategy} on {layout.world_size} rank(s) "
@@ -190,6 +216,8 @@ class Trainer:
         loss = float("nan")
         stopped_early = False
         while self.cursor.step < cfg.train.steps:
+            self.boundary_cursor = self.cursor.state_dict()
+            self.update_applied = False
             loss = self._step()
             done = self.cursor.step
             if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
@@ -310,8 +338,10 @@ class Trainer:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             set_lr(par.optimizer.param_groups, lr)
             par.optimizer.step()
+            self.update_applied = True
             maybe_perturb_replica(step + 1, self.rank, par.model)
         else:
+            self.update_applied = True  # skipped or rolled back: either way no longer half-done
             self._on_nonfinite(step + 1, loss, grad_norm)
         par.optimizer.zero_grad(set_to_none=True)
         if self.ledger is not None:

@@ -1,6 +1,7 @@
 """The ``ftrain`` command line: the top layer, the one place that composes every package.
 
     ftrain train CONFIG.toml [--section.key=value ...]   run training (torchrun runs this per worker)
+    ftrain worker CONFIG.toml [--section.key=value ...]  a live worker (ftrain agent --recovery live starts it)
     ftrain plan CONFIG.toml [--world-size N] [--device-memory-gb G] [--section.key=value ...]
     ftrain config CONFIG.toml [--section.key=value ...]  print the resolved configuration
     ftrain config --reference                           print every key as Markdown
@@ -29,6 +30,7 @@ from contract.config import ConfigError
 #: command -> the module that defines it (``add_parsers(sub)``)
 COMMANDS = {
     "train": "ftrain.cli.train",
+    "worker": "ftrain.cli.train",
     "plan": "ftrain.cli.plan",
     "ckpt": "ftrain.cli.ckpt",
     "agent": "ftrain.cli.agent",

@@ -102,6 +102,9 @@ class Strategy(abc.ABC):
     """Needs the model's ``tp_plan()`` (``ftrain plan`` skips it for models without one)."""
     needs_several_ranks: ClassVar[bool] = False
     """Pointless or impossible on one rank (``ftrain plan`` skips it at world size 1)."""
+    full_replica: ClassVar[bool] = False
+    """Every rank holds the whole model and optimizer state (plain tensors), so after a failure
+    any survivor can hand a joiner everything (``ftrain.live``); otherwise state comes from storage."""
 
     # -- memory model (ftrain plan does the arithmetic from these and the methods below) ---
     wrapper: ClassVar[Wrapper]

@@ -26,6 +26,7 @@ class DDP(Strategy):
     position = 0
     preference = 0
     supports_deterministic = True
+    full_replica = True
     wrapper = Wrapper.DDP
 
     def layout(

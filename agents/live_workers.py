@@ -1,0 +1,260 @@
+"""This node's live workers (``--recovery live``): processes the agent owns and keeps across rounds.
+
+Under ``--recovery restart`` a round's workers are a torchrun (:class:`agents.workers.WorkerGroup`)
+and a new round kills them. Here the agent starts ``python -m ftrain worker`` processes itself,
+``nproc_per_node`` of them serving the round plus ``spares`` started ahead of need (Python, torch
+and ftrain imported, waiting on their control file). For each round every local rank gets an
+:class:`~contract.control.Assignment` (:mod:`contract.control`): the process that served that
+local rank in the previous round keeps it if it is still alive; a dead one's place goes to a
+spare (or, with none left, to a process started now), and the spares are topped up behind it.
+
+A worker that dies takes no sibling with it: :meth:`LiveWorkers.crashed` names it, the agent
+reports the failure, and the survivors wait (``recovering``) for the next round's assignment.
+
+What must stay true: only processes this object started are ever signalled (they are its
+children, tracked by their :class:`subprocess.Popen`, so a PID cannot be mistaken for another
+process's); every process gets a parent-death signal and watches the agent's PID, so none
+outlives a SIGKILLed agent; :meth:`kill` leaves no process behind, spares included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from agents.workers import Launch, die_with_parent, dump_stacks, signal_pids
+from contract.control import Assignment, ControlFile
+from contract.worker_env import CONTROL
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Process:
+    popen: subprocess.Popen[bytes]
+    control: ControlFile
+    started_at: float  #: monotonic
+    rounds: list[int] = field(default_factory=list)  #: rounds it was assigned
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LiveWorkers:
+    """The :class:`agents.workers.Workers` of ``--recovery live``, plus :meth:`reassign`,
+    :meth:`crashed` and :meth:`kill_ranks`. ``log_path`` collects every process's output."""
+
+    def __init__(self, launch: Launch, env: dict[str, str], log_path: str, *, spares: int):
+        self.env = dict(env)
+        self.log_path = log_path
+        self.spares_wanted = spares
+        self.control_dir = os.path.join(os.path.dirname(os.path.abspath(log_path)), "control")
+        os.makedirs(self.control_dir, mode=0o700, exist_ok=True)
+        self._slots = itertools.count()
+        self._spares: list[_Process] = []
+        self._assigned: dict[int, _Process] = {}
+        self._reported: set[int] = set()  #: local ranks whose exit this round was already returned
+        self.launch = launch
+        self.started_at = time.monotonic()
+        self.terminating = False
+        self.last_kept: list[int] = []
+        self.last_started: list[int] = []
+        self._assign(launch)
+
+    @classmethod
+    def launcher(cls, spares: int):  # noqa: ANN206 - an agents.workers.Launcher
+        """A :data:`agents.workers.Launcher` that starts live workers with ``spares`` spares."""
+        return lambda launch, env, log_path: cls(launch, env, log_path, spares=spares)
+
+    # -- rounds -------------------------------------------------------------------------------
+    @property
+    def round(self) -> int:
+        return self.launch.round
+
+    @property
+    def pid(self) -> int:
+        """The first local rank's process (the agent logs one PID per round)."""
+        return self._assigned[min(self._assigned)].pid
+
+    def reassign(self, launch: Launch) -> bool:
+        """Serve ``launch``'s round with the processes that are alive, spares filling the gaps."""
+        self.launch = launch
+        self.started_at = time.monotonic()
+        self.terminating = False
+        self._reported.clear()
+        self._assign(launch)
+        return True
+
+    def _assign(self, launch: Launch) -> None:
+        previous, kept, started = self._assigned, [], []
+        self._assigned = {}
+        for local_rank in range(launch.nproc_per_node):
+            proc = previous.pop(local_rank, None)
+            if proc is not None and proc.alive():
+                kept.append(proc.pid)
+            else:
+                proc = self._take_spare()
+                started.append(proc.pid)
+            self._assigned[local_rank] = proc
+        for proc in previous.values():  # fewer local ranks than before: those left over go
+            self._stop(proc)
+        for local_rank, proc in self._assigned.items():
+            proc.rounds.append(launch.round)
+            proc.control.write(
+                Assignment(
+                    round=launch.round,
+                    rank=launch.node_rank * launch.nproc_per_node + local_rank,
+                    world_size=launch.nnodes * launch.nproc_per_node,
+                    local_rank=local_rank,
+                    local_world_size=launch.nproc_per_node,
+                    node_rank=launch.node_rank,
+                    nnodes=launch.nnodes,
+                    master_addr=launch.master_addr,
+                    master_port=launch.master_port,
+                )
+            )
+        self.last_kept, self.last_started = kept, started
+        self._top_up()
+        log.info(
+            "round %d: local ranks served by pids %s (kept %s, new to the round %s), %d spare(s)",
+            launch.round,
+            [p.pid for _, p in sorted(self._assigned.items())],
+            kept,
+            started,
+            len(self._spares),
+        )
+
+    def _take_spare(self) -> _Process:
+        while self._spares:
+            proc = self._spares.pop(0)  # the oldest: the most likely to be warm
+            if proc.alive():
+                return proc
+        return self._start()
+
+    def _top_up(self) -> None:
+        self._spares = [p for p in self._spares if p.alive()]
+        while len(self._spares) < self.spares_wanted:
+            self._spares.append(self._start())
+
+    def _start(self) -> _Process:
+        slot = next(self._slots)
+        control = ControlFile(os.path.join(self.control_dir, f"worker-{os.getpid()}-{slot}.json"))
+        env = {**self.env, CONTROL: control.path}
+        with open(self.log_path, "ab") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "ftrain", "worker", *self.launch.worker_args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+                start_new_session=True,  # the agent's terminal signals are the agent's to handle
+            )
+        return _Process(popen, control, time.monotonic())
+
+    def _stop(self, proc: _Process) -> None:
+        signal_pids([proc.pid], signal.SIGKILL)
+        proc.popen.wait()
+        _unlink(proc.control.path)
+
+    # -- the Workers protocol ---------------------------------------------------------------------
+    def poll(self) -> int | None:
+        """None while any local rank's process runs; then 0 if every one exited 0, else the first
+        non-zero exit code by local rank."""
+        codes = [p.popen.poll() for _, p in sorted(self._assigned.items())]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c), 0)
+
+    def crashed(self) -> dict[int, int]:
+        """Local ranks whose process died (non-zero exit) while the others run, each returned once
+        per round: local rank -> exit code (negative: the signal)."""
+        out = {}
+        for local_rank, proc in sorted(self._assigned.items()):
+            code = proc.popen.poll()
+            if code and local_rank not in self._reported:
+                self._reported.add(local_rank)
+                out[local_rank] = code
+        return out
+
+    def note_pids(self, pids: Iterable[int]) -> None:
+        """Nothing to learn: these processes are the agent's own children."""
+
+    def gone(self, pid: int) -> bool:
+        proc = next((p for p in self._all() if p.pid == pid), None)
+        return proc is None or not proc.alive()
+
+    def terminate(self) -> None:
+        """Graceful stop: SIGTERM to each serving process (finish the step, save); spares go now."""
+        self.terminating = True
+        for proc in self._spares:
+            self._stop(proc)
+        self._spares = []
+        signal_pids([p.pid for p in self._assigned.values() if p.alive()], signal.SIGTERM)
+
+    def kill_ranks(self, local_ranks: Iterable[int]) -> list[int]:
+        """SIGKILL the processes serving ``local_ranks`` (a hang: their sockets close, so the
+        survivors' collectives fail and they move on); their PIDs."""
+        pids = [self._assigned[r].pid for r in local_ranks if r in self._assigned]
+        signal_pids(pids, signal.SIGCONT)
+        signal_pids(pids, signal.SIGKILL)
+        for r in local_ranks:
+            if r in self._assigned:
+                self._assigned[r].popen.wait()
+        return pids
+
+    def kill(self, timeout_s: float = 5.0) -> int | None:
+        """SIGKILL every process, spares too; the serving processes' combined exit code."""
+        procs = self._all()
+        pids = [p.pid for p in procs if p.alive()]
+        signal_pids(pids, signal.SIGCONT)
+        signal_pids(pids, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not exit after SIGKILL", proc.pid)
+            _unlink(proc.control.path)
+        self._spares = []
+        return self.poll()
+
+    def wait(self, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.poll()
+            if code is not None:
+                return code
+            time.sleep(0.05)
+        return self.poll()
+
+    def dump_stacks(self, stack_dir: str) -> dict[int, str]:
+        return dump_stacks([p.pid for p in self._assigned.values() if p.alive()], stack_dir)
+
+    def pids(self) -> dict[int, int]:
+        """local rank -> PID of the process serving it."""
+        return {r: p.pid for r, p in self._assigned.items()}
+
+    def spare_pids(self) -> list[int]:
+        return [p.pid for p in self._spares if p.alive()]
+
+    def _all(self) -> list[_Process]:
+        return [*self._assigned.values(), *self._spares]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,143 @@
+"""The agent → worker half of the local channel: which round a live worker serves, and as which rank.
+
+Under ``--recovery live`` an agent owns its worker processes directly and keeps them across
+rounds. Each process is started as a spare (``ftrain worker``: Python, torch and ftrain
+imported, nothing else) with ``FTRAIN_CONTROL`` naming its control file; the agent writes an
+:class:`Assignment` there, by rename, whenever the process is to serve a round: its rank, the
+world size and where the round's store is. The worker polls the file (a ``stat`` per step) and
+moves to a newer round at the next step boundary, or at once when its collectives fail.
+
+What must stay true: a worker acts only on an assignment whose round is newer than the one it
+serves (an old or replayed file changes nothing); :meth:`Assignment.decode` checks every field and
+refuses the whole file if one is wrong (:class:`ValueError`); a file is replaced whole
+(write to a temporary name, then ``rename``), so a reader never sees half of one. The worker side
+of the channel is the heartbeat datagrams (:mod:`contract.heartbeat`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from contract.worker_env import MAX_ROUND
+
+MAX_WORLD_SIZE = 1 << 20
+_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,252}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """One process's part in one round (``stop``: leave instead; the other fields are then unused)."""
+
+    round: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    stop: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("round", self.round, 0, MAX_ROUND)
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _check_int("rank", self.rank, 0, self.world_size - 1)
+        _check_int("local_world_size", self.local_world_size, 1, self.world_size)
+        _check_int("local_rank", self.local_rank, 0, self.local_world_size - 1)
+        _check_int("nnodes", self.nnodes, 1, self.world_size)
+        _check_int("node_rank", self.node_rank, 0, self.nnodes - 1)
+        _check_int("master_port", self.master_port, 1, 65535)
+        if not isinstance(self.stop, bool):
+            raise ValueError(f"stop={self.stop!r}: need true or false")
+        if not isinstance(self.master_addr, str) or not _valid_host(self.master_addr):
+            raise ValueError(f"master_addr={self.master_addr!r}: need a host name or IP address")
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Assignment:
+        """The assignment in ``data``; ValueError naming the field if any is missing or wrong."""
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}")
+        missing = sorted(n for n in names - set(raw) if n != "stop")
+        if missing:
+            raise ValueError(f"missing field(s) {missing}")
+        return cls(**raw)
+
+    def env(self) -> dict[str, str]:
+        """torchrun's environment contract for this rank (what ``init_process_group`` and the
+        runtime read), plus the round."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "NODE_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "FTRAIN_ROUND": str(self.round),
+        }
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r}: need an int in [{low}, {high}]")
+
+
+def _valid_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(_HOST.match(host))
+
+
+class ControlFile:
+    """One worker process's control file: the agent :meth:`write`\\ s, the worker :meth:`read`\\ s."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seen: tuple[int, int] | None = None  #: (inode, mtime_ns) of the file last read
+
+    def write(self, assignment: Assignment) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, assignment.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+
+    def read(self) -> Assignment | None:
+        """The assignment in the file, None while there is none; ValueError if it is unusable."""
+        try:
+            with open(self.path, "rb") as fh:
+                data = fh.read(64 * 1024)
+        except FileNotFoundError:
+            return None
+        return Assignment.decode(data)
+
+    def changed(self) -> bool:
+        """Whether the file was replaced since the last call (one ``stat``; cheap enough per step)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        seen = (st.st_ino, st.st_mtime_ns)
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        return True

@@ -1,0 +1,315 @@
+"""A live worker: one process that serves round after round without restarting.
+
+``ftrain worker`` is what an agent under ``--recovery live`` starts, ahead of need (a spare:
+Python, torch and ftrain imported, the config loaded). :func:`serve` then waits for an
+:class:`~contract.control.Assignment` in its control file and, for each round it is given:
+
+1. sets torchrun's environment contract for its rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+   ...) and ``FTRAIN_ROUND``, and joins the round's process group (a store under the round's
+   master port: a new store per round, so a worker of an older round cannot join);
+2. builds the trainer for the round's layout (the strategy re-wrapped at the new world size);
+3. agrees with its peers on the state to go on from (:func:`restore`): the newest step that a
+   rank holds in memory, handed to the ranks that lack it over the process group when the
+   strategy replicates everything (``live_peer``; ``memory`` when every rank already holds
+   it), else the newest verified checkpoint loaded in-process (``storage``);
+4. trains until the job is done — or until a collective fails (a peer died) or the agent assigns
+   a newer round (all ranks leave at the same step boundary). Then it keeps what it holds
+   (:class:`~ftrain.peer_state.HeldState`: the last *complete* step; a half-done step is
+   discarded and its batch handed out again), aborts and destroys the process group, tells its
+   agent it is ``recovering`` and waits for the next assignment.
+
+What must stay true: a worker never trains in a round older than one it has seen, and never
+mixes steps: the ranks go on from one step, and a rank that held an older one takes the newer
+step whole from a peer, checked against the digest its holder announced; replicas that hold the
+same step with different digests make every rank fall back to storage. An error that is not a
+peer's failure (a bug, bad data, a non-finite loss under ``halt``) ends the worker as under
+torchrun, with its exit message. Fencing is the round's: the checkpoint fence and the event log
+read ``FTRAIN_ROUND``, set before the round's trainer is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from contract import events as ev
+from contract.control import Assignment, ControlFile
+from contract.worker_env import WorkerEnv
+from ftrain import heartbeat, strategies
+from ftrain.config import Config
+from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
+from ftrain.model import build_model
+from ftrain.optim import adamw_kwargs
+from ftrain.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.train import RoundEnded, Trainer, describe_failure, finish, say_goodbye
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.01
+#: what strategies import lazily: a spare imports it before it is needed
+WARM_MODULES = ("ftrain.parallel.ddp", "ftrain.parallel.fsdp", "ftrain.parallel.tp", "ftrain.parallel.deterministic")
+#: substrings of the errors a collective raises when a peer is gone (gloo, NCCL, the store)
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket timeout",
+    "timed out",
+    "nccl",
+    "gloo",
+    "process group",
+    "store",
+)
+
+
+class AssignmentTimeout(RuntimeError):
+    """No (newer) assignment arrived in time: the agent gave up on this worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    source: str  #: live_peer | memory | storage | fresh
+    step: int
+    from_rank: int = -1
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` looks like a failed collective (a peer died or left), not a local error."""
+    if isinstance(e, dist.DistError):
+        return True
+    if not isinstance(e, RuntimeError) or isinstance(e, RoundEnded):
+        return False
+    text = str(e).lower()
+    return any(marker in text for marker in PEER_FAILURE_MARKERS)
+
+
+def wait_for_assignment(control: ControlFile, newer_than: int, timeout_s: float | None) -> Assignment:
+    """The first assignment in ``control`` for a round above ``newer_than``; AssignmentTimeout
+    after ``timeout_s`` (None: wait as long as the agent lives; its death ends this process)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if control.changed():
+            try:
+                assignment = control.read()
+            except ValueError as e:  # written by our own agent: log, keep waiting for a good one
+                log.error("unusable assignment in %s: %s", control.path, e)
+                assignment = None
+            if assignment is not None and (assignment.stop or assignment.round > newer_than):
+                return assignment
+        if deadline is not None and time.monotonic() > deadline:
+            raise AssignmentTimeout(f"no assignment for a round after {newer_than} within {timeout_s:.0f}s")
+        time.sleep(POLL_S)
+
+
+def newer_round_assigned(control: ControlFile, current: int) -> Callable[[], bool]:
+    """A cheap check for the train loop (one ``stat`` unless the file changed)."""
+    pending = False
+
+    def check() -> bool:
+        nonlocal pending
+        if not pending and control.changed():
+            try:
+                assignment = control.read()
+            except ValueError:
+                return False
+            pending = assignment is not None and (assignment.stop or assignment.round > current)
+        return pending
+
+    return check
+
+
+def hold(trainer: Trainer) -> HeldState:
+    """What ``trainer`` holds at its last complete step (a half-done step is undone first: its
+    batch goes back to the cursor; its gradients are dropped)."""
+    if not trainer.update_applied:
+        trainer.cursor.load_state_dict(trainer.boundary_cursor)
+        trainer.par.optimizer.zero_grad(set_to_none=True)
+        trainer.update_applied = True
+    committed = trainer.committed_step()
+    if not strategies.get(trainer.layout.strategy).full_replica:
+        return HeldState(step=trainer.cursor.step, committed_step=committed)
+    model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
+    return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict())
+
+
+def restore(trainer: Trainer, held: HeldState | None) -> Restored:
+    """Collective: agree on the step to go on from and put that state into ``trainer``."""
+    full = strategies.get(trainer.layout.strategy).full_replica
+    rows = survey(held, full, trainer.device)
+    newest = max(step for step, _, _, _ in rows)
+    holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
+    digests = {rows[r][2] for r in holders}
+    committed = max(c for _, _, _, c in rows)
+    if holders and len(digests) > 1:
+        log.error("replicas at step %d differ (digests %s): loading from storage", newest, sorted(digests))
+        holders = []  # every rank sees the same rows, so every rank falls back together
+    if not holders:
+        manifest = trainer.ckpt.resume() if trainer.ckpt is not None and trainer.cfg.checkpoint.resume else None
+        return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
+    src = holders[0]
+    everyone_holds = len(holders) == len(rows)
+    state = (
+        held if everyone_holds else broadcast(held if trainer.rank == src else None, src, rows[src][2], trainer.device)
+    )
+    assert state is not None and state.model is not None and state.optim is not None and state.cursor is not None
+    set_state_dict(trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim)
+    trainer.cursor.load_state_dict(state.cursor)
+    if trainer.ckpt is not None:
+        status = trainer.ckpt.manager.status
+        status.last_committed_step = max(status.last_committed_step, committed)
+    return Restored("memory" if everyone_holds else "live_peer", state.step, -1 if everyone_holds else src)
+
+
+def service_ports(cfg: Config, env: WorkerEnv) -> set[int]:
+    """Remote ports whose connections survive a round change: the checkpoint storage's and
+    etcd's (their clients pool connections across rounds), and HTTP(S)."""
+    ports = {80, 443}
+    for url in (cfg.checkpoint.endpoint_url, *env.etcd):
+        port = urllib.parse.urlsplit(url).port if url else None
+        if port:
+            ports.add(port)
+    return ports
+
+
+def wait_for_store(host: str, port: int, timeout_s: float) -> None:
+    """Until the round's store (hosted by rank 0) accepts connections. torch's store client
+    backs off for about a second after a refused connection, and the ranks of a new round read
+    their assignments within milliseconds of each other, so most would otherwise pay it: measured
+    here, joining a round took 1.1 s that way and a few ms after this wait. On timeout it
+    returns and lets the store client report the error."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.005)
+
+
+def warm_up(cfg: Config, device: torch.device) -> float:
+    """Pay, before any assignment, what a process's first trainer would pay on the critical path:
+    the lazy imports (the first optimizer imports ``torch._dynamo``: 3 s here), the parallel
+    wrappers' modules, and the first forward, backward and optimizer step (kernels, allocator; on
+    a GPU the CUDA context). Nothing is kept. Returns the seconds it took."""
+    began = time.monotonic()
+    for module in WARM_MODULES:
+        importlib.import_module(module)
+    model = build_model(cfg.model).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg.optim))
+    tokens = torch.zeros(1, min(8, cfg.model.seq_len) + 1, dtype=torch.long, device=device)
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    return time.monotonic() - began
+
+
+def serve(cfg: Config) -> None:
+    """Serve rounds until the job is done (returns), an assignment says stop (returns), or an
+    error that is not a peer's failure (raised, after the exit message)."""
+    env = WorkerEnv.from_env()
+    if not env.control:
+        raise RuntimeError("ftrain worker needs FTRAIN_CONTROL (it is started by ftrain agent --recovery live)")
+    control = ControlFile(env.control)
+    device = select_device(cfg.train)
+    dtype = select_dtype(cfg.train, device)
+    hb = heartbeat.from_env(-1, 0)
+    keep_ports = service_ports(cfg, env)
+    try:
+        log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
+    except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
+        log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
+    assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
+    held: HeldState | None = None
+    while not assignment.stop:
+        os.environ.update(assignment.env())
+        if hb is not None:
+            hb.assign(assignment.round, assignment.rank, assignment.local_rank)
+            hb.beat(held.step if held else -1, phase="starting")
+        trainer: Trainer | None = None
+        began = time.monotonic()
+        try:
+            if assignment.rank != 0:
+                wait_for_store(assignment.master_addr, assignment.master_port, cfg.parallel.timeout_s)
+            rank, world_size, local_world = init_distributed(cfg.parallel, device)
+            joined = time.monotonic()
+            trainer = Trainer(
+                cfg, device, dtype, rank, world_size, local_world, hb, newer_round_assigned(control, assignment.round)
+            )
+            built = time.monotonic()
+            restored = restore(trainer, held)
+            done = time.monotonic()
+            trainer.events.emit(
+                ev.LiveRestored(
+                    source=restored.source,
+                    step=restored.step,
+                    from_rank=restored.from_rank,
+                    world_size=world_size,
+                    held_step=held.step if held else -1,
+                    seconds=round(done - began, 4),
+                    join_s=round(joined - began, 4),
+                    build_s=round(built - joined, 4),
+                    state_s=round(done - built, 4),
+                )
+            )
+            held = None
+            result = trainer.run(resume=False)
+        except BaseException as e:
+            if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
+                say_goodbye(hb, trainer, e)
+                if trainer is not None:
+                    trainer.close()
+                raise
+            held = _leave_round(trainer, held, assignment, e, hb, keep_ports)
+        else:
+            finish(trainer, result)
+            return
+        trainer = None
+        try:
+            assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=cfg.parallel.timeout_s)
+        except AssignmentTimeout as timeout:
+            say_goodbye(hb, None, timeout)
+            raise
+
+
+def _leave_round(
+    trainer: Trainer | None,
+    held: HeldState | None,
+    assignment: Assignment,
+    why: BaseException,
+    hb: heartbeat.Heartbeat | None,
+    keep_ports: set[int],
+) -> HeldState | None:
+    """Keep what this rank holds, end the round's process groups (aborted first, so that no
+    peer stays blocked on this rank, and an in-flight save fails at once), tell the agent we wait."""
+    if trainer is not None:
+        held = hold(trainer)
+    abort_distributed(keep_ports)
+    if trainer is not None:
+        assert held is not None
+        trainer.events.emit(ev.LiveRoundLeft(step=held.step, why=str(why).splitlines()[0][:300] if str(why) else ""))
+        trainer.close()
+    log.warning(
+        "round %d ended for rank %d (%s: %s); holding step %s",
+        assignment.round,
+        assignment.rank,
+        type(why).__name__,
+        str(why).splitlines()[0][:200] if str(why) else "",
+        held.step if held else "none",
+    )
+    if hb is not None:
+        hb.beat(held.step if held else -1, phase="recovering")
+    return held
+
+
+__all__ = ["serve", "restore", "hold", "is_peer_failure", "wait_for_assignment", "Restored"]
