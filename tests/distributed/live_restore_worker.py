@@ -1,0 +1,79 @@
+"""One rank of tests/distributed/test_live_restore.py (run under torchrun, 3 ranks, gloo).
+
+Trains 2 steps, then makes up what each rank holds after a failure (the scenario) and runs
+:func:`ftrain.live.restore` in a new trainer, as a live worker does in its next round. Writes
+what it got to ``<out>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ftrain.config import load_config
+from ftrain.distributed import init_distributed, select_device
+from ftrain.live import hold, restore
+from ftrain.peer_state import HeldState
+from ftrain.train import Trainer
+
+#: 3 ranks: a global batch they divide
+OVERRIDES = ["--parallel.deterministic=true", "--train.global_batch_size=12"]
+
+
+def _ahead(held: HeldState, by: float) -> HeldState:
+    """``held`` one step further: the cursor past one more batch, every parameter moved by ``by``."""
+    assert held.model is not None and held.cursor is not None
+    cursor = dict(
+        held.cursor,
+        step=held.cursor["step"] + 1,
+        next_index=held.cursor["next_index"] + held.cursor["global_batch_size"],
+    )
+    model = {k: v + by for k, v in held.model.items()}
+    return HeldState(held.step + 1, held.committed_step, model, held.optim, cursor)
+
+
+def main(config: str, scenario: str, out: str) -> None:
+    cfg = load_config(config, ["--train.steps=2", *OVERRIDES])
+    device = select_device(cfg.train)
+    rank, world, local = init_distributed(cfg.parallel, device)
+    first = Trainer(cfg, device, torch.float32, rank, world, local)
+    first.run(resume=False)
+    held: HeldState | None = hold(first)
+    if scenario == "mixed":  # ranks 0 and 2 finished step 3, rank 1 did not
+        held = _ahead(held, 0.5) if rank != 1 else held
+    elif scenario == "replicas_differ":  # ranks 0 and 2 say step 3, with different parameters
+        held = _ahead(held, 0.5 if rank == 0 else 0.25) if rank != 1 else held
+    elif scenario == "joiner":  # rank 2 is a new process: it holds nothing
+        held = None if rank == 2 else held
+    second = Trainer(
+        load_config(config, ["--train.steps=3", *OVERRIDES]),
+        device,
+        torch.float32,
+        rank,
+        world,
+        local,
+    )
+    restored = restore(second, held)
+    params = {k: v.detach().clone() for k, v in second.par.model.state_dict().items()}
+    digest = hold(second).digest()
+    with open(f"{out}/rank{rank}.json", "w") as fh:
+        json.dump(
+            {
+                "source": restored.source,
+                "step": restored.step,
+                "from_rank": restored.from_rank,
+                "cursor_step": second.cursor.step,
+                "digest": digest,
+                "param_sum": float(sum(float(v.double().sum()) for v in params.values())),
+            },
+            fh,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
