@@ -77,7 +77,7 @@ from agents.records import (
     parse_master,
     validate_id,
 )
-from agents.supervision import exit_report, hung_ranks
+from agents.supervision import exit_report, frozen_ranks, hung_ranks
 from agents.workers import Launch, Launcher, Workers
 from contract import events as ev
 from contract import exits
@@ -715,20 +715,30 @@ class Agent:
             hang_timeout_s=self.cfg.hang_timeout_s,
             start_timeout_s=self.cfg.start_timeout_s,
         )
-        if hung:
-            self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
-            killed = workers.kill_ranks(hung)
-            log.error("round %d: killed hung worker(s) %s; the others stay", workers.round, killed)
-            self.finished_rounds.add(workers.round)
-            self.pending_reports[workers.round] = Report(
-                FAILED,
-                HANG,
-                f"no heartbeat from local rank(s) {hung}",
-                self.uid,
-                self.clock.time(),
-                step=max((b.step for b in beats.values()), default=-1),
-            )
-            self.wake.set()
+        if not hung:
+            return
+        # Kill the frozen ranks only: the others are most likely blocked in a collective with a
+        # frozen peer (here or on another node, whose agent kills it) and recover once it is gone.
+        # With nobody frozen for twice the timeout, everything hung goes: a deadlock.
+        now = self.clock.monotonic()
+        frozen = frozen_ranks(beats, hung, now=now)
+        stuck_s = now - min((beats[r].received_at for r in hung if r in beats), default=workers.started_at)
+        if not frozen and stuck_s < 2 * self.cfg.hang_timeout_s:
+            return
+        hung = frozen or hung
+        self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
+        killed = workers.kill_ranks(hung)
+        log.error("round %d: killed hung worker(s) %s; the others stay", workers.round, killed)
+        self.finished_rounds.add(workers.round)
+        self.pending_reports[workers.round] = Report(
+            FAILED,
+            HANG,
+            f"no heartbeat from local rank(s) {hung}",
+            self.uid,
+            self.clock.time(),
+            step=max((b.step for b in beats.values()), default=-1),
+        )
+        self.wake.set()
 
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the

@@ -14,8 +14,11 @@ Rules, in order:
    a member did not start its workers within ``start_timeout_s``, or nodes are waiting to join
    (``scale_up``: at the next committed checkpoint, or at once).
 3. It is formed once at least ``min_nodes`` agents are live and membership has been quiet for
-   ``settle_s`` (skipped when the live agents are exactly the members that all reported: a
-   plain crash restarts at once), and after the backoff owed to recent failures. More failures
+   ``settle_s`` — skipped when the live agents are exactly the members that all reported (a
+   plain crash restarts at once) and when a node was lost and nobody joins (no last call to wait
+   for: a node loss costs the lease TTL, not TTL + settle; a leader elected less than
+   ``settle_s`` ago still waits, it starts careful) — and after the backoff owed to recent
+   failures. More failures
    in ``restart_window_s`` than ``max_restarts`` end the job as failed instead.
 4. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
    rank 0 and hosts the rendezvous, so that role migrates when its host is lost.
@@ -326,8 +329,11 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         and set(cur.members) == set(members)
         and len(state.member_reports(cur.round)) == len(cur.members)
     )
+    lost_only = (  # a node lost and nobody joining: no last call to wait for (a new leader still settles)
+        need.reason == NODE_LOST and cur is not None and set(members) <= set(cur.members)
+    ) and now - memory.leader_since >= policy.settle_s
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
-    if not all_reported and quiet_s < policy.settle_s:
+    if not (all_reported or lost_only) and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
 
     restarts = dict(prev.restarts_by_cause) if prev else {}

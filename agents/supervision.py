@@ -4,6 +4,7 @@ of the beats, the settings and the time (the agent acts on the answers).
 - :func:`exit_report`: how the round ended here, from the launcher's exit code and the workers'
   last messages.
 - :func:`hung_ranks`: the local ranks to treat as hung.
+- :func:`frozen_ranks`: which of them are frozen themselves (a live agent kills only those).
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def hung_ranks(
         if now - since > limit or frozen:
             hung.append(local_rank)
     return hung
+
+
+#: a worker's background thread says "alive" every second (``ftrain.heartbeat``) even while its
+#: main thread waits in a collective; silent this long, the process itself is frozen
+FROZEN_AFTER_S = 3.0
+
+
+def frozen_ranks(beats: dict[int, Beat], local_ranks: list[int], *, now: float) -> list[int]:
+    """Of ``local_ranks`` (hung: no step progress), those whose process stopped saying it is
+    alive: the cause of the hang, not its victims (workers blocked in a collective with a frozen
+    peer still send "alive"). A rank that never sent anything counts as frozen."""
+    return [r for r in local_ranks if r not in beats or now - beats[r].alive_at > FROZEN_AFTER_S]

@@ -98,8 +98,10 @@ def wait_for_assignment(control: ControlFile, newer_than: int, timeout_s: float 
     """The first assignment in ``control`` for a round above ``newer_than``; AssignmentTimeout
     after ``timeout_s`` (None: wait as long as the agent lives; its death ends this process)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first = True  # the file may have changed before this call (the train loop saw it): read it once
     while True:
-        if control.changed():
+        if control.changed() or first:
+            first = False
             try:
                 assignment = control.read()
             except ValueError as e:  # written by our own agent: log, keep waiting for a good one

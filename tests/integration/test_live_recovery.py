@@ -25,6 +25,7 @@ STEPS = 120
 LIVE = ("--recovery", "live", "--spares", "1")
 #: the fixed-order reduction: bitwise equal at any world size, and whatever DDP's bucket layout
 DETERMINISTIC = ("--parallel.deterministic=true",)
+FSDP = ("--parallel.strategy=fsdp",)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,12 @@ def golden(tmp_path_factory):
     return train_job(tmp_path_factory.mktemp("golden"), 4, f"--train.steps={STEPS}", *DETERMINISTIC).final
 
 
-def _cluster(tmp_path, etcd, *overrides: str) -> Cluster:
+@pytest.fixture(scope="module")
+def golden_fsdp(tmp_path_factory):
+    return train_job(tmp_path_factory.mktemp("golden-fsdp"), 4, f"--train.steps={STEPS}", *FSDP).final
+
+
+def _cluster(tmp_path, etcd, *overrides: str, strategy: tuple[str, ...] = DETERMINISTIC) -> Cluster:
     config = tmp_path / "config.toml"
     config.write_text(TINY_CONFIG)
     return Cluster(
@@ -43,7 +49,7 @@ def _cluster(tmp_path, etcd, *overrides: str) -> Cluster:
         steps=STEPS,
         ckpt_interval=20,
         step_sleep_s=0.03,
-        overrides=[f"--train.save_final_path={tmp_path / 'final.pt'}", *DETERMINISTIC, *overrides],
+        overrides=[f"--train.save_final_path={tmp_path / 'final.pt'}", *strategy, *overrides],
     )
 
 
@@ -88,6 +94,92 @@ def test_a_killed_worker_is_replaced_by_a_spare_and_the_survivors_keep_their_pro
         assert not job.events("resume_started", round=2), "the recovery read from storage"
         first_step = min(m["time"] for m in job.metrics() if m["time"] > killed_at)
         print(f"worker kill -> first completed step of round 2: {first_step - killed_at:.2f}s")
+        _assert_bitwise_golden(tmp_path / "final.pt", golden)
+    finally:
+        job.close()
+
+
+def _start(job: Cluster, *nodes: str) -> None:
+    for node in nodes:
+        job.start(node, *LIVE, nnodes="1:2", nproc=2)
+
+
+def test_under_fsdp_the_survivors_load_the_last_checkpoint_in_process(tmp_path, etcd, golden_fsdp):
+    job = _cluster(tmp_path, etcd, strategy=FSDP)
+    try:
+        job.start("a", *LIVE, nnodes="2:2", nproc=2)
+        job.start("b", *LIVE, nnodes="2:2", nproc=2)
+        job.wait_step(45)
+        round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
+        os.kill(round1["a"][0], signal.SIGKILL)
+        restored = wait_for(lambda: job.events("live_restored", round=2), 60, "round 2")
+        assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+        assert _serving(job, "b", 2) == round1["b"] and _serving(job, "a", 2)[1] == round1["a"][1]
+        restored = job.events("live_restored", round=2)
+        assert {e["source"] for e in restored} == {"storage"}, restored  # fsdp keeps no replica
+        assert {e["step"] for e in restored} == {max(s for s in job.committed_steps() if s <= 45)}
+        _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
+    finally:
+        job.close()
+
+
+def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_them(tmp_path, etcd, golden):
+    job = _cluster(tmp_path, etcd)
+    try:
+        _start(job, "a", "b")
+        wait_for(lambda: len(job.events("live_restored", round=1)) == 4, 90, "both nodes in round 1")
+        job.wait_step(30)
+        first = min(job.events("round_formed"), key=lambda e: e["new_round"])
+        survivor, lost = first["members"]  # lose node rank 1 (not the leader's node: that is covered by test_agent)
+        kept = _serving(job, survivor, 1)
+        lost_at = time.time()
+        job.kill_agent(lost)
+        for pid in _serving(job, lost, 1).values():
+            os.kill(pid, signal.SIGKILL)
+        shrunk = wait_for(lambda: job.events("live_restored", round=2), 30, "the smaller round")
+        assert _serving(job, survivor, 2) == kept, "the survivor's workers were restarted"
+        assert {e["source"] for e in job.events("live_restored", round=2)} == {"memory"}
+        assert {e["world_size"] for e in shrunk} == {2}
+        recovered_s = (
+            wait_for(lambda: [m["time"] for m in job.metrics() if m["world_size"] == 2], 30, "a step")[0] - lost_at
+        )
+        print(f"node loss -> first step at world size 2: {recovered_s:.2f}s")
+        assert recovered_s < 2 + 1 + 1, "longer than lease TTL + 1 s (+ slack for a loaded machine)"
+
+        job.restart(lost)  # the node comes back: it joins at the next committed checkpoint
+        grown = wait_for(
+            lambda: len(job.events("live_restored", round=3)) == 4 and job.events("live_restored", round=3),
+            90,
+            "round 3",
+        )
+        assert job.wait_exit(survivor) == 0 and job.wait_exit(lost) == 0, job.log_tail()
+        assert _serving(job, survivor, 3) == kept
+        assert {e["source"] for e in grown} == {"live_peer"} and {e["world_size"] for e in grown} == {4}
+        assert [e["round"] for e in job.events("resume_started")] == [1] * 4, "storage was read after the start"
+        _assert_bitwise_golden(tmp_path / "final.pt", golden)
+    finally:
+        job.close()
+
+
+def test_a_hung_worker_is_dumped_and_killed_and_the_others_recover_in_process(tmp_path, etcd, golden):
+    job = _cluster(tmp_path, etcd)
+    try:
+        job.start("a", *LIVE, nnodes="2:2", nproc=2)
+        job.start("b", *LIVE, nnodes="2:2", nproc=2)
+        job.wait_step(30)
+        round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
+        stopped = round1["b"][0]
+        os.kill(stopped, signal.SIGSTOP)
+        hang = job.wait_event("hang", 30)
+        assert str(stopped) in hang["stacks"] and "was stopped" in hang["stacks"][str(stopped)]
+        wait_for(lambda: len(job.events("live_restored", round=2)) == 4, 60, "round 2")
+        assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+        assert [e["reason"] for e in sorted(job.events("round_formed"), key=lambda e: e["new_round"])] == [
+            "start",
+            "hang",
+        ]
+        assert _serving(job, "a", 2) == round1["a"] and _serving(job, "b", 2)[1] == round1["b"][1]
+        assert stopped not in _serving(job, "b", 2).values()
         _assert_bitwise_golden(tmp_path / "final.pt", golden)
     finally:
         job.close()

@@ -322,9 +322,7 @@ def test_lost_member_gives_a_node_lost_round_without_it() -> None:
     job, memory, first = running_job("a", "b", "c")
     lost_at = T0 + 50
     job.lose("b")
-    decision, memory = decide(job.state(), POLICY, memory, lost_at)
-    assert isinstance(decision, Wait)  # membership just changed
-    record, memory = form(job, memory, lost_at + POLICY.settle_s)
+    record, memory = form(job, memory, lost_at)  # at once: nobody new to wait for
     assert record.reason == NODE_LOST
     assert record.members == [first.members[0], first.members[2]]
     assert record.failure_times == []  # a lost node is not a failure of the job
