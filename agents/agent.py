@@ -562,7 +562,7 @@ class Agent:
             and cur is not None
             and cur.node_rank(self.me) is not None
             and not self.draining
-            and self.workers.poll() is None
+            and not self.workers.terminating
         )
 
     def _launch(self, launch: Launch) -> None:
@@ -641,8 +641,8 @@ class Agent:
             self.metrics.heartbeat_age.set(self.clock.monotonic() - min(b.received_at for b in beats.values()))
             self._note_ckpt_failures(workers.round, beats)
         rc = workers.poll()
-        if rc is None and isinstance(workers, LiveWorkers):
-            self._supervise_live(workers, beats)
+        if isinstance(workers, LiveWorkers) and (rc is None or (rc != 0 and not workers.terminating)):
+            self._supervise_live(workers, beats)  # a failed worker is replaced, even the node's last one
             return
         crashed = self._crashed_workers(workers, beats)
         if rc is None and crashed:  # do not wait for torchrun to notice and tear down: seconds

@@ -136,10 +136,13 @@ class LiveWorkers:
         )
 
     def _take_spare(self) -> _Process:
-        while self._spares:
-            proc = self._spares.pop(0)  # the oldest: the most likely to be warm
-            if proc.alive():
-                return proc
+        """A warm spare if there is one, else the oldest (the nearest to warm), else a new process."""
+        self._spares = [p for p in self._spares if p.alive()]
+        warm = [p for p in self._spares if p.control.is_ready()]
+        if warm or self._spares:
+            proc = (warm or self._spares)[0]
+            self._spares.remove(proc)
+            return proc
         return self._start()
 
     def _top_up(self) -> None:
@@ -167,6 +170,7 @@ class LiveWorkers:
         signal_pids([proc.pid], signal.SIGKILL)
         proc.popen.wait()
         _unlink(proc.control.path)
+        _unlink(proc.control.ready_path)
 
     # -- the Workers protocol ---------------------------------------------------------------------
     def poll(self) -> int | None:
@@ -227,6 +231,7 @@ class LiveWorkers:
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not exit after SIGKILL", proc.pid)
             _unlink(proc.control.path)
+            _unlink(proc.control.ready_path)
         self._spares = []
         return self.poll()
 

@@ -1,7 +1,7 @@
 """Recovery time after a fault: ftrain's agents against plain torchrun (c10d), phase by phase.
 
-    python bench/recovery.py [--repeats N] [--quick] [--faults worker_kill,node_loss,hang]
-                             [--systems ftrain,torchrun_default,torchrun_tuned]
+    python bench/recovery.py [--repeats N] [--quick] [--smoke] [--faults worker_kill,node_loss,hang]
+                             [--systems ftrain_live,ftrain_restart,torchrun_default,torchrun_tuned]
 
 One job everywhere: ``testbed.jobs.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
 this host with one worker each, a checkpoint every ``--ckpt-interval`` steps to a local
@@ -18,7 +18,9 @@ committed:
   (``--hang-timeout-s``); torchrun has no hang detection, so it waits for the gloo collective
   timeout (``--parallel.timeout_s``, the same value for every system).
 
-Systems: ``ftrain`` (an etcd and two ``ftrain agent``), ``torchrun_default`` (two
+Systems: ``ftrain_live`` and ``ftrain_restart`` (an etcd and two ``ftrain agent`` with
+``--recovery live`` or ``restart``; the live rows' phases are explained in ``bench/live_marks.py``),
+``torchrun_default`` (two
 ``torchrun --rdzv-backend=c10d --nnodes=1:2 --max-restarts=3``) and ``torchrun_tuned`` (the same
 with ``--rdzv-conf`` short timeouts). The floor is the bare cost of a start from a checkpoint:
 two static-rendezvous torchruns (the command the ftrain agent launches) started fresh, from a
@@ -72,6 +74,7 @@ from agents.workers import (
     Launch,  # the floor runs the agent's own launcher command
     descendants,
 )
+from bench.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
 from contract.events import Event
 from testbed.etcd import EtcdServer, free_ports
 from testbed.jobs import TINY_CONFIG, worker_env
@@ -79,16 +82,19 @@ from testbed.procs import kill_tree
 from testbed.wait import WaitTimeout, wait_for
 
 FAULTS = ("worker_kill", "node_loss", "hang")
-SYSTEMS = ("ftrain", "torchrun_default", "torchrun_tuned")
+SYSTEMS = ("ftrain_live", "ftrain_restart", "torchrun_default", "torchrun_tuned")
 PHASES = ("detect", "rendezvous", "launcher", "worker_start", "ckpt_load", "first_step")
 #: FACTS.md: a node loss took 42.7 s with c10d defaults and 2.4 s with these.
 TUNED_RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
-AGENT_OPTIONS = agent_flags({"lease_ttl_s": 2, "settle_s": 1.0, "hang_timeout_s": 4.0})
+LEASE_TTL_S, HANG_TIMEOUT_S = 2, 4.0
+AGENT_OPTIONS = agent_flags({"lease_ttl_s": LEASE_TTL_S, "settle_s": 1.0, "hang_timeout_s": HANG_TIMEOUT_S})
 AGENT_REACTIONS = (Event.WORKERS_EXITED, Event.HANG, Event.ROUND_FORMED, Event.WORKERS_STOPPED)
 TORCHRUN_REACTION = "will restart worker group"
 TORCHRUN_LAUNCH = "Starting worker group"
 TARGET_NODE_LOSS_SPEEDUP = 3.0
 TARGET_WORKER_CRASH_OVER_FLOOR = 1.5
+TARGET_LIVE_WORKER_KILL_S = 1.0
+TARGET_STEADY_STATE = 1.01
 POLL_S = 0.05
 
 
@@ -378,6 +384,7 @@ class Outcome:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    steady_step_s: float | None = None  #: median step time before the fault (the sleep excluded)
 
 
 class Job:
@@ -449,9 +456,10 @@ class Job:
             raise ScenarioError(f"no worker_started event for rank {rank}")
         return started[-1]["pid"]
 
-    def wait_recovered(self, fault: float, timeout_s: float) -> None:
+    def wait_recovered(self, fault: float, timeout_s: float, *, live: bool = False) -> None:
         def recovered() -> Any:
-            return first_step_after(fault, self.events.poll(), self.metrics.poll())
+            find = first_live_step_after if live else first_step_after
+            return find(fault, self.events.poll(), self.metrics.poll())
 
         wait_for(recovered, timeout_s, "first step after the resume", poll_s=POLL_S, alive=self.any_alive)
 
@@ -459,6 +467,12 @@ class Job:
         for proc in self.procs:
             proc.kill()
         kill_stray_workers(self.events.poll())
+
+
+def steady_step_s(metrics: list[dict[str, Any]], before: float) -> float | None:
+    """Median ``step_time_s`` at world size 2 before ``before``, the first 10 steps left out (warm-up)."""
+    times = [m["step_time_s"] for m in metrics if m["time"] < before and m["world_size"] == 2 and m["step"] > 10]
+    return round(statistics.median(times), 5) if times else None
 
 
 def inject(job: Job, fault: str, node_of_rank1: Launched) -> tuple[float, str]:
@@ -478,8 +492,8 @@ def inject(job: Job, fault: str, node_of_rank1: Launched) -> tuple[float, str]:
     return t, f"SIGKILL node {node_of_rank1.name}: pids {sorted(pids)}"
 
 
-def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
-    out = Outcome("ftrain", fault)
+def run_ftrain(fault: str, workdir: Path, settings: Settings, *, live: bool) -> Outcome:
+    out = Outcome("ftrain_live" if live else "ftrain_restart", fault)
     job = Job(workdir, settings)
     try:
         with EtcdServer() as etcd:
@@ -503,6 +517,8 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                             "--node-id",
                             f"n{i}",
                             *AGENT_OPTIONS,
+                            "--recovery",
+                            "live" if live else "restart",
                             "--run-dir",
                             str(workdir / f"run-n{i}"),
                             "--events",
@@ -520,12 +536,17 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings) -> Outcome:
                     raise ScenarioError(f"worker {rank1} (rank 1) runs under neither agent")
                 leaders = [e["node"] for e in job.events.poll() if e.get("event") == Event.LEADER_ELECTED]
                 fault_t, what = inject(job, fault, node)
+                out.steady_step_s = steady_step_s(job.metrics.poll(), fault_t)
                 if fault == "node_loss":
                     what += " (the leader)" if leaders and leaders[-1] == node.name else " (not the leader)"
                 out.notes.append(what)
-                job.wait_recovered(fault_t, settings.cap_s)
-                round_logs = read_glog_lines(workdir.glob("run-n*/round-*.log"))
-                out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
+                job.wait_recovered(fault_t, settings.cap_s, live=live)
+                if live:
+                    marks = live_marks(fault_t, job.events.poll(), job.metrics.poll())
+                    out.marks = Marks(**marks) if marks else None
+                else:
+                    round_logs = read_glog_lines(workdir.glob("run-n*/round-*.log"))
+                    out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
             finally:
                 job.close()
     except (ScenarioError, WaitTimeout) as e:
@@ -566,6 +587,7 @@ def run_torchrun(fault: str, workdir: Path, settings: Settings, rdzv_conf: str) 
                 )
             job.wait_training()
             fault_t, what = inject(job, fault, nodes[1])
+            out.steady_step_s = steady_step_s(job.metrics.poll(), fault_t)
             out.notes.append(what)
             job.wait_recovered(fault_t, settings.cap_s)
             out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), job.lines(), agents=False)
@@ -611,8 +633,8 @@ def run_scenario(system: str, fault: str, workdir: Path, settings: Settings) -> 
     """One scenario; an unexpected error is reported as its outcome (its processes are gone by then)."""
     start = time.monotonic()
     try:
-        if system == "ftrain":
-            out = run_ftrain(fault, workdir, settings)
+        if system.startswith("ftrain"):
+            out = run_ftrain(fault, workdir, settings, live=system == "ftrain_live")
         else:
             out = run_torchrun(fault, workdir, settings, TUNED_RDZV_CONF if system == "torchrun_tuned" else "")
     except Exception as e:  # noqa: BLE001 - one broken scenario must not lose the others' numbers
@@ -636,6 +658,8 @@ def aggregate(outcomes: list[Outcome]) -> dict[str, Any]:
         result["total_s"] = None
         return result
     result["total_s"] = round(statistics.median(m.total_s for m in good), 3)
+    steady = [o.steady_step_s for o in outcomes if o.steady_step_s is not None]
+    result["steady_step_s"] = round(statistics.median(steady), 5) if steady else None
     for name in PHASES:
         values = [m.phases()[name] for m in good if m.phases()[name] is not None]
         result[f"{name}_s"] = round(statistics.median(values), 3) if values else None
@@ -748,7 +772,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap-s", type=float, default=150.0, help="give up on a recovery after this long (default 150)")
     p.add_argument("--startup-timeout-s", type=float, default=120.0, help="limit to reach --fault-step (default 120)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events, metrics)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the test suite's run: a worker kill under ftrain_live and ftrain_restart, early, no floor",
+    )
     args = p.parse_args(argv)
+    if args.smoke:
+        args.faults, args.systems, args.repeats = "worker_kill", "ftrain_live,ftrain_restart", 1
+        args.ckpt_interval, args.fault_step = 10, 40
     faults = [f for f in args.faults.split(",") if f]
     systems = [s for s in args.systems.split(",") if s and not (args.quick and s == "torchrun_default")]
     bad = [x for x in faults if x not in FAULTS] + [x for x in systems if x not in SYSTEMS]
@@ -791,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(f"  [{rep}] {fault:11s} {system:16s} {state}  ({out.wall_s:.0f}s wall)", flush=True)
                     ckpt = workdir / f"r{rep}-{fault}-{system}" / "ckpt"
-                    if len(floors) == rep and (ckpt / "latest").exists():
+                    if not args.smoke and len(floors) == rep and (ckpt / "latest").exists():
                         floor = run_floor(ckpt, workdir / f"r{rep}-floor", settings)
                         floors.append(floor)
                         state = f"{floor.marks.total_s:.2f}s" if floor.marks else f"FAILED: {floor.error}"
@@ -826,25 +858,42 @@ def main(argv: list[str] | None = None) -> int:
     def total(fault: str, system: str) -> float | None:
         return results.get(fault, {}).get(system, {}).get("total_s")
 
+    def steady(system: str) -> float | None:
+        values = [r[system]["steady_step_s"] for r in results.values() if r.get(system, {}).get("steady_step_s")]
+        return statistics.median(values) if values else None
+
     summary = {
         "bench": "recovery",
-        "node_loss_speedup_vs_torchrun_default": _ratio(
-            total("node_loss", "torchrun_default"), total("node_loss", "ftrain")
+        "live_worker_kill_s": total("worker_kill", "ftrain_live"),
+        "live_node_loss_s": total("node_loss", "ftrain_live"),
+        "live_hang_s": total("hang", "ftrain_live"),
+        "live_speedup_vs_torchrun_tuned": _ratio(
+            total("worker_kill", "torchrun_tuned"), total("worker_kill", "ftrain_live")
         ),
-        "worker_crash_over_floor": _ratio(total("worker_kill", "ftrain"), floor.get("total_s")),
+        "live_speedup_vs_restart": _ratio(total("worker_kill", "ftrain_restart"), total("worker_kill", "ftrain_live")),
+        "steady_state_vs_torchrun": _ratio(steady("ftrain_live"), steady("torchrun_tuned")),
+        "soak_goodput_live": None,  # a soak, not this bench: ftrain chaos run chaos/scenarios/soak.toml
+        "node_loss_speedup_vs_torchrun_default": _ratio(
+            total("node_loss", "torchrun_default"), total("node_loss", "ftrain_restart")
+        ),
+        "worker_crash_over_floor": _ratio(total("worker_kill", "ftrain_restart"), floor.get("total_s")),
         "node_loss_speedup_vs_torchrun_tuned": _ratio(
-            total("node_loss", "torchrun_tuned"), total("node_loss", "ftrain")
+            total("node_loss", "torchrun_tuned"), total("node_loss", "ftrain_restart")
         ),
         "worker_crash_speedup_vs_torchrun_default": _ratio(
-            total("worker_kill", "torchrun_default"), total("worker_kill", "ftrain")
+            total("worker_kill", "torchrun_default"), total("worker_kill", "ftrain_restart")
         ),
         "worker_crash_speedup_vs_torchrun_tuned": _ratio(
-            total("worker_kill", "torchrun_tuned"), total("worker_kill", "ftrain")
+            total("worker_kill", "torchrun_tuned"), total("worker_kill", "ftrain_restart")
         ),
-        "hang_speedup_vs_torchrun_default": _ratio(total("hang", "torchrun_default"), total("hang", "ftrain")),
-        "hang_speedup_vs_torchrun_tuned": _ratio(total("hang", "torchrun_tuned"), total("hang", "ftrain")),
+        "hang_speedup_vs_torchrun_default": _ratio(total("hang", "torchrun_default"), total("hang", "ftrain_restart")),
+        "hang_speedup_vs_torchrun_tuned": _ratio(total("hang", "torchrun_tuned"), total("hang", "ftrain_restart")),
         "floor_s": floor.get("total_s"),
         "targets": {
+            "live_worker_kill_s": f"<= {TARGET_LIVE_WORKER_KILL_S}",
+            "live_node_loss_s": f"<= lease TTL + 1 = {LEASE_TTL_S + 1}",
+            "live_hang_s": f"<= hang_timeout_s + 1 = {HANG_TIMEOUT_S + 1:g}",
+            "steady_state_vs_torchrun": f"<= {TARGET_STEADY_STATE}",
             "node_loss_speedup_vs_torchrun_default": f">= {TARGET_NODE_LOSS_SPEEDUP}",
             "worker_crash_over_floor": f"<= {TARGET_WORKER_CRASH_OVER_FLOOR}",
         },
@@ -863,7 +912,14 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
     }
     speedup, over_floor = summary["node_loss_speedup_vs_torchrun_default"], summary["worker_crash_over_floor"]
+    limits = {
+        "live_worker_kill_s": TARGET_LIVE_WORKER_KILL_S,
+        "live_node_loss_s": LEASE_TTL_S + 1,
+        "live_hang_s": HANG_TIMEOUT_S + 1,
+        "steady_state_vs_torchrun": TARGET_STEADY_STATE,
+    }
     summary["targets_met"] = {
+        **{k: None if summary[k] is None else summary[k] <= limit for k, limit in limits.items()},
         "node_loss_speedup_vs_torchrun_default": None if speedup is None else speedup >= TARGET_NODE_LOSS_SPEEDUP,
         "worker_crash_over_floor": None if over_floor is None else over_floor <= TARGET_WORKER_CRASH_OVER_FLOOR,
     }

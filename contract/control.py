@@ -130,6 +130,19 @@ class ControlFile:
             return None
         return Assignment.decode(data)
 
+    @property
+    def ready_path(self) -> str:
+        """Created by the worker once it is warm (imports done, first step paid): spares with it
+        are taken first."""
+        return self.path + ".ready"
+
+    def mark_ready(self) -> None:
+        with open(self.ready_path, "w"):
+            pass
+
+    def is_ready(self) -> bool:
+        return os.path.exists(self.ready_path)
+
     def changed(self) -> bool:
         """Whether the file was replaced since the last call (one ``stat``; cheap enough per step)."""
         try:

@@ -231,6 +231,7 @@ def serve(cfg: Config) -> None:
         log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
     except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
         log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
+    control.mark_ready()
     assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
     held: HeldState | None = None
     while not assignment.stop:
