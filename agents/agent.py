@@ -570,6 +570,8 @@ class Agent:
         self._ckpt_failures_seen = 0
         if isinstance(self.workers, LiveWorkers):
             self.workers.reassign(launch)
+            self.metrics.workers_kept.set(len(self.workers.last_kept))
+            self.metrics.workers_new.set(len(self.workers.last_started))
             self.events.emit(
                 ev.WorkersReassigned(
                     node=self.cfg.node_id,
@@ -599,6 +601,8 @@ class Agent:
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
         self.workers = self.launcher(launch, env, log_path)
         self.metrics.launched()
+        self.metrics.workers_kept.set(0)
+        self.metrics.workers_new.set(launch.nproc_per_node)
         self.events.emit(
             ev.WorkersStarted(
                 node=self.cfg.node_id,
@@ -842,6 +846,15 @@ class Agent:
             ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
             ckpt_failures_total=self.metrics.ckpt_failures_total(),
             ckpt_error=self._ckpt_error[:300],
+            recovery=self.cfg.recovery,
+            workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,
+            workers_new=(
+                len(self.workers.last_started)
+                if isinstance(self.workers, LiveWorkers)
+                else self.workers.launch.nproc_per_node
+                if self.workers
+                else 0
+            ),
         )
         try:
             self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())

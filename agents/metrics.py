@@ -32,6 +32,13 @@ class AgentMetrics:
 
         self.round = gauge("ftrain_round", "Current rendezvous round (fencing token) of this node's workers.")
         self.leader = gauge("ftrain_is_leader", "1 while this agent is the job's leader.")
+        self.workers_kept = gauge(
+            "ftrain_round_workers_kept",
+            "Worker processes of the current round that served the previous one (live recovery; 0 on a restart).",
+        )
+        self.workers_new = gauge(
+            "ftrain_round_workers_new", "Worker processes new to the current round (started, or spares taken)."
+        )
         self.members = gauge("ftrain_round_nodes", "Nodes in the current round.")
         self.heartbeat_age = gauge("ftrain_heartbeat_age_seconds", "Age of the oldest newest worker heartbeat.")
         self.step = gauge("ftrain_step", "Last completed training step reported by this node's workers.")

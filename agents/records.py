@@ -289,6 +289,9 @@ class NodeStatus:
     ckpt_failures: int = 0  #: checkpoint commits failed in a row (0 after a commit)
     ckpt_failures_total: int = 0  #: failed commits this agent's workers reported, all rounds
     ckpt_error: str = ""  #: the last failed commit's error
+    recovery: str = ""  #: this agent's recovery mode: live | restart
+    workers_kept: int = 0  #: worker processes of this round that served the previous one (live)
+    workers_new: int = 0  #: worker processes new to this round (started, or spares taken)
 
     def to_json(self) -> str:
         return _dumps(self)

@@ -43,6 +43,9 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "ckpt_failures": status.ckpt_failures if status else 0,
                 "ckpt_failures_total": status.ckpt_failures_total if status else 0,
                 "ckpt_error": status.ckpt_error if status else "",
+                "recovery": status.recovery if status else "",
+                "workers_kept": status.workers_kept if status else 0,
+                "workers_new": status.workers_new if status else 0,
             }
         )
     committed = max(
@@ -83,6 +86,14 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _recovery_text(node: dict[str, Any]) -> str:
+    """How the node's workers entered their round: ``live: 2 kept, 1 new`` or ``restart``."""
+    mode = node.get("recovery") or ""
+    if mode == "live":
+        return f"live: {node.get('workers_kept', 0)} kept, {node.get('workers_new', 0)} new"
+    return mode
+
+
 def format_status(s: dict[str, Any]) -> str:
     if s["final"]:
         head = f"job {s['job']}: {s['final']['status'].upper()} ({s['final']['reason']}) at round {s['final']['round']}"
@@ -106,10 +117,12 @@ def format_status(s: dict[str, Any]) -> str:
         ("state", "state"),
         ("round", "worker_round"),
         ("step", "step"),
+        ("recovery", "recovery_text"),
         ("hb age s", "heartbeat_age_s"),
         ("status age s", "status_age_s"),
     ]
-    rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in s["nodes"]]
+    nodes = [{**n, "recovery_text": _recovery_text(n)} for n in s["nodes"]]
+    rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     failing = [n for n in s["nodes"] if n.get("ckpt_failures")]

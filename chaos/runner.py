@@ -169,7 +169,11 @@ class _Campaign(threading.Thread):
             self.records.append(record)
 
 
-def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Path) -> RunResult:
+def run_scenario(
+    scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Path, recovery: str | None = None
+) -> RunResult:
+    """Run ``scenario`` and check its invariants; ``recovery``: the agents' ``--recovery`` (None:
+    the scenario's agent options, else the agents' default)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     golden = golden_run(scenario, cache_dir)
@@ -197,7 +201,7 @@ def run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pat
                 "--checkpoint.on_no_loadable_step=fresh",
             ],
             env=env,
-            agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options],
+            agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options, *(["--recovery", recovery] if recovery else [])],
         )
         events = EventLog(str(cluster.events_path), rank=-2)
         started_at = time.time()
@@ -319,6 +323,6 @@ def run_main(args: argparse.Namespace) -> int:
         if args.out
         else REPO / "runs" / "chaos" / (f"{scenario.name}-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
-    result = run_scenario(scenario, args.seed, out, cache_dir=Path(args.cache_dir))
+    result = run_scenario(scenario, args.seed, out, cache_dir=Path(args.cache_dir), recovery=args.recovery)
     print_summary(result)
     return 0 if result.ok else 1

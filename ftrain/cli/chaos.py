@@ -21,6 +21,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("FTRAIN_CHAOS_CACHE", str(REPO / "runs" / "chaos-cache")),
         help="where golden runs are kept (keyed by config hash)",
     )
+    r.add_argument(
+        "--recovery",
+        choices=("live", "restart"),
+        default=None,
+        help="the agents' recovery mode (default: the scenario's agent options, else the agents' default)",
+    )
     r.set_defaults(func=_run)
 
 

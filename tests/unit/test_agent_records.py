@@ -536,8 +536,8 @@ def _status(**fields: object) -> dict[str, object]:
         "last_committed_step": 30,
         "final": None,
         "nodes": [
-            _node("a", leader=True),
-            _node("b", node_rank=1, heartbeat_age_s=None),
+            _node("a", leader=True, recovery="live", workers_kept=2, workers_new=1),
+            _node("b", node_rank=1, heartbeat_age_s=None, recovery="restart"),
             _node(
                 "c",
                 live=False,
@@ -569,6 +569,7 @@ def test_format_status_renders_a_row_per_node() -> None:
         "state",
         "round",
         "step",
+        "recovery",
         "hb",
         "age",
         "s",
@@ -577,8 +578,8 @@ def test_format_status_renders_a_row_per_node() -> None:
         "s",
     ]
     assert table[1:] == [
-        ["a", "yes", "0", "yes", "host-a", "running", "3", "40", "0.3", "0.5"],
-        ["b", "yes", "1", "no", "host-b", "running", "3", "40", "-", "0.5"],
+        ["a", "yes", "0", "yes", "host-a", "running", "3", "40", "live:", "2", "kept,", "1", "new", "0.3", "0.5"],
+        ["b", "yes", "1", "no", "host-b", "running", "3", "40", "restart", "-", "0.5"],
         ["c", "no", "-", "no", "host-c", "-", "-", "-", "-"],  # an empty state is a blank cell
     ]
     header, row_a = lines[3], lines[4]
