@@ -48,6 +48,7 @@ import signal
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,9 @@ from contract import exits
 from contract.worker_env import WorkerEnv, worker_environment
 
 log = logging.getLogger(__name__)
+
+#: live recovery: starts this node's worker processes before any round (environment, log path)
+Standby = Callable[[dict[str, str], str], LiveWorkers]
 
 TICK_S = 0.2
 STATUS_INTERVAL_S = 1.0
@@ -187,12 +191,15 @@ class Agent:
         launcher: Launcher,
         run_dir: str,
         client_file: str | None = None,
+        standby: Standby | None = None,
     ):
         opts.validate()
         self.opts = opts
         self.cfg = opts.config
         self.store, self.clock, self.heartbeats = store, clock, heartbeats
         self.metrics, self.events, self.launcher = metrics, events, launcher
+        self.standby = standby
+        self.pool: LiveWorkers | None = None  #: live recovery: this node's worker processes, kept across rounds
         self.run_dir = run_dir
         self.client_file = client_file
         self.uid = uuid.uuid4().hex[:12]
@@ -239,8 +246,10 @@ class Agent:
 
     def start(self) -> None:
         """Register (raising :class:`NodeIdTakenError` if the id is in use), serve the metrics
-        if asked to, and watch the job's keys."""
+        if asked to, watch the job's keys, and (live recovery) start the workers warming up."""
         self._register(first=True)
+        if self.standby is not None:
+            self.pool = self.standby(self._worker_env(0), os.path.join(self.run_dir, "workers.log"))
         if self.cfg.metrics_port >= 0:
             port = self.metrics.serve(self.cfg.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
@@ -265,9 +274,10 @@ class Agent:
 
     def close(self) -> None:
         """Kill any workers, flush reports, give up the lease and close every part."""
-        if self.workers is not None:
-            self.workers.kill()
-            self.workers = None
+        for workers in (self.workers, self.pool):
+            if workers is not None:
+                workers.kill()
+        self.workers = self.pool = None
         if self._watch is not None:
             self._watch.close()
         self._flush_reports()
@@ -568,38 +578,28 @@ class Agent:
     def _launch(self, launch: Launch) -> None:
         self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
-        if isinstance(self.workers, LiveWorkers):
-            self.workers.reassign(launch)
-            self.metrics.workers_kept.set(len(self.workers.last_kept))
-            self.metrics.workers_new.set(len(self.workers.last_started))
+        if self.standby is not None and (self.pool is None or self.pool.terminating):  # stopped: start anew
+            self.pool = self.standby(self._worker_env(0), os.path.join(self.run_dir, "workers.log"))
+        pool = self.pool
+        if pool is not None:
+            self.workers = pool
+            pool.reassign(launch)
+            self.metrics.workers_kept.set(len(pool.last_kept))
+            self.metrics.workers_new.set(len(pool.last_started))
             self.events.emit(
                 ev.WorkersReassigned(
                     node=self.cfg.node_id,
                     worker_round=launch.round,
                     node_rank=launch.node_rank,
                     nnodes=launch.nnodes,
-                    kept=self.workers.last_kept,
-                    started=self.workers.last_started,
+                    kept=pool.last_kept,
+                    started=pool.last_started,
                 )
             )
             self._record_start(launch.round)
             return
-        ours = WorkerEnv(
-            job=self.cfg.job,
-            round=launch.round,
-            node=self.cfg.node_id,
-            etcd=tuple(self.cfg.endpoints),
-            fence_key=self.keys.round,
-            heartbeat=self.heartbeats.path,
-            agent_pid=os.getpid(),
-            stack_dir=self.stack_dir,
-            etcd_client_file=self.client_file or "",
-        )
-        env = worker_environment(
-            os.environ, self.opts.worker_env, {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        )
         log_path = os.path.join(self.run_dir, f"round-{launch.round:04d}.log")
-        self.workers = self.launcher(launch, env, log_path)
+        self.workers = self.launcher(launch, self._worker_env(launch.round), log_path)
         self.metrics.launched()
         self.metrics.workers_kept.set(0)
         self.metrics.workers_new.set(launch.nproc_per_node)
@@ -615,6 +615,23 @@ class Agent:
         )
         self._record_start(launch.round)
 
+    def _worker_env(self, round_: int) -> dict[str, str]:
+        """The workers' whole environment (``round_`` 0: live workers, told their round later)."""
+        ours = WorkerEnv(
+            job=self.cfg.job,
+            round=round_,
+            node=self.cfg.node_id,
+            etcd=tuple(self.cfg.endpoints),
+            fence_key=self.keys.round,
+            heartbeat=self.heartbeats.path,
+            agent_pid=os.getpid(),
+            stack_dir=self.stack_dir,
+            etcd_client_file=self.client_file or "",
+        )
+        return worker_environment(
+            os.environ, self.opts.worker_env, {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        )
+
     def _record_start(self, round_: int) -> None:
         try:
             self.store.put(self.keys.started(round_, self.cfg.node_id), self.uid)
@@ -623,6 +640,8 @@ class Agent:
 
     def _stop_workers(self, workers: Workers, why: str) -> None:
         self.workers = None
+        if workers is self.pool:
+            self.pool = None  # a restart: the next round starts fresh processes (the launcher's)
         rc = workers.kill()
         self.finished_rounds.add(workers.round)
         log.info("stopped the workers of round %d (%s), torchrun exit %s", workers.round, why, rc)
@@ -661,7 +680,8 @@ class Agent:
         if rc is not None:
             self.workers = None
             if isinstance(workers, LiveWorkers):
-                workers.kill()  # the spares
+                workers.kill()  # the spares: this node's part of the job is over
+                self.pool = None
             self.finished_rounds.add(workers.round)
             report = exit_report(
                 rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid, self.clock.time()
@@ -847,6 +867,7 @@ class Agent:
             ckpt_failures_total=self.metrics.ckpt_failures_total(),
             ckpt_error=self._ckpt_error[:300],
             recovery=self.cfg.recovery,
+            workers_ready=self.pool.ready() if self.pool is not None else 0,
             workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,
             workers_new=(
                 len(self.workers.last_started)

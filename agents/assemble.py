@@ -43,7 +43,20 @@ def build_agent(opts: AgentOptions) -> Agent:
         heartbeats=HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock")),
         metrics=AgentMetrics(cfg.job, cfg.node_id, clock=clock.monotonic),
         events=EventLog(opts.events_path, rank=-1),
-        launcher=LiveWorkers.launcher(cfg.spares) if cfg.recovery == "live" else WorkerGroup,
+        launcher=WorkerGroup,
+        standby=(
+            (
+                lambda env, log_path: LiveWorkers(
+                    env,
+                    log_path,
+                    worker_args=tuple(opts.worker_args),
+                    standby=cfg.nproc_per_node + cfg.spares,
+                    spares=cfg.spares,
+                )
+            )
+            if cfg.recovery == "live"
+            else None
+        ),
         run_dir=run_dir,
         client_file=write_client_file(run_dir, opts.etcd_client_settings()),
     )

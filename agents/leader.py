@@ -12,7 +12,8 @@ Rules, in order:
 2. A new round is needed when there is none yet, a member reported a failure or a drain, a
    member's agent is gone (lease expired) or was replaced (new agent process, same node id),
    a member did not start its workers within ``start_timeout_s``, or nodes are waiting to join
-   (``scale_up``: at the next committed checkpoint, or at once).
+   (``scale_up``: at the next committed checkpoint, or at once; under live recovery only once
+   their workers are warm, so that the running members never wait for a cold start).
 3. It is formed once at least ``min_nodes`` agents are live and membership has been quiet for
    ``settle_s`` — skipped when the live agents are exactly the members that all reported (a
    plain crash restarts at once) and when a node was lost and nobody joins (no last call to wait
@@ -84,6 +85,7 @@ class Policy:
     scale_up: str  #: checkpoint | immediate
     #: the same worker error at the same step this many times in a row ends the job (0: never)
     deterministic_failures: int
+    recovery: str  #: live | restart: under live, a joining node enters once its workers are warm
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> Policy:
@@ -171,6 +173,13 @@ def _status_newer_than(state: JobState, members: list[Member], joiners: list[Mem
     return all(m.node_id in state.status and state.status[m.node_id].updated_at >= joined_at for m in members)
 
 
+def _warm(state: JobState, member: Member, policy: Policy) -> bool:
+    """Under live recovery a joiner counts once its status says its workers are warm, so that
+    the running members do not wait for a cold start (interpreter, imports) in the new round."""
+    status = state.status.get(member.node_id)
+    return policy.recovery != "live" or (status is not None and status.workers_ready >= policy.nproc_per_node)
+
+
 def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[_Need | None, LeaderMemory]:
     """Why a new round is needed (None: it is not), and the memory after looking."""
     cur = state.current
@@ -204,7 +213,7 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
         return _Need(
             START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on {', '.join(late)}"
         ), memory
-    joiners = [m for m in live.values() if m not in cur.members]
+    joiners = [m for m in live.values() if m not in cur.members and _warm(state, m, policy)]
     if not joiners or len(cur.members) >= policy.max_nodes:
         return None, dataclasses.replace(memory, grow_baseline_step=None)
     joined = ", ".join(m.node_id for m in joiners)

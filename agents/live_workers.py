@@ -53,11 +53,16 @@ class _Process:
 
 class LiveWorkers:
     """The :class:`agents.workers.Workers` of ``--recovery live``, plus :meth:`reassign`,
-    :meth:`crashed` and :meth:`kill_ranks`. ``log_path`` collects every process's output."""
+    :meth:`crashed` and :meth:`kill_ranks`. ``log_path`` collects every process's output.
 
-    def __init__(self, launch: Launch, env: dict[str, str], log_path: str, *, spares: int):
+    Built at the agent's start, before any round: ``standby`` processes start warming up at once
+    (the node's workers and its spares), so that a node joining a running job is ready when its
+    first round comes (:meth:`ready` is in the agent's status; the leader waits for it)."""
+
+    def __init__(self, env: dict[str, str], log_path: str, *, worker_args: tuple[str, ...], standby: int, spares: int):
         self.env = dict(env)
         self.log_path = log_path
+        self.worker_args = worker_args
         self.spares_wanted = spares
         self.control_dir = os.path.join(os.path.dirname(os.path.abspath(log_path)), "control")
         os.makedirs(self.control_dir, mode=0o700, exist_ok=True)
@@ -65,17 +70,15 @@ class LiveWorkers:
         self._spares: list[_Process] = []
         self._assigned: dict[int, _Process] = {}
         self._reported: set[int] = set()  #: local ranks whose exit this round was already returned
-        self.launch = launch
+        #: the round served; before the first, a placeholder of round -1 (no process serves it)
+        self.launch = Launch(
+            round=-1, nnodes=1, node_rank=0, nproc_per_node=0, master_addr="", master_port=0, worker_args=worker_args
+        )
         self.started_at = time.monotonic()
         self.terminating = False
         self.last_kept: list[int] = []
         self.last_started: list[int] = []
-        self._assign(launch)
-
-    @classmethod
-    def launcher(cls, spares: int):  # noqa: ANN206 - an agents.workers.Launcher
-        """A :data:`agents.workers.Launcher` that starts live workers with ``spares`` spares."""
-        return lambda launch, env, log_path: cls(launch, env, log_path, spares=spares)
+        self._spares = [self._start() for _ in range(standby)]
 
     # -- rounds -------------------------------------------------------------------------------
     @property
@@ -156,7 +159,7 @@ class LiveWorkers:
         env = {**self.env, CONTROL: control.path}
         with open(self.log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "ftrain", "worker", *self.launch.worker_args],
+                [sys.executable, "-m", "ftrain", "worker", *self.worker_args],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -253,6 +256,11 @@ class LiveWorkers:
 
     def spare_pids(self) -> list[int]:
         return [p.pid for p in self._spares if p.alive()]
+
+    def ready(self) -> int:
+        """Processes warm and free to serve a round: warm spares, and the serving ones."""
+        serving = sum(1 for p in self._assigned.values() if p.alive())
+        return serving + sum(1 for p in self._spares if p.alive() and p.control.is_ready())
 
     def _all(self) -> list[_Process]:
         return [*self._assigned.values(), *self._spares]

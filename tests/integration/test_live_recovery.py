@@ -39,7 +39,9 @@ def golden_fsdp(tmp_path_factory):
     return train_job(tmp_path_factory.mktemp("golden-fsdp"), 4, f"--train.steps={STEPS}", *FSDP).final
 
 
-def _cluster(tmp_path, etcd, *overrides: str, strategy: tuple[str, ...] = DETERMINISTIC) -> Cluster:
+def _cluster(
+    tmp_path, etcd, *overrides: str, strategy: tuple[str, ...] = DETERMINISTIC, step_sleep_s: float = 0.03
+) -> Cluster:
     config = tmp_path / "config.toml"
     config.write_text(TINY_CONFIG)
     return Cluster(
@@ -48,7 +50,7 @@ def _cluster(tmp_path, etcd, *overrides: str, strategy: tuple[str, ...] = DETERM
         config,
         steps=STEPS,
         ckpt_interval=20,
-        step_sleep_s=0.03,
+        step_sleep_s=step_sleep_s,
         overrides=[f"--train.save_final_path={tmp_path / 'final.pt'}", *strategy, *overrides],
     )
 
@@ -124,7 +126,8 @@ def test_under_fsdp_the_survivors_load_the_last_checkpoint_in_process(tmp_path, 
 
 
 def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_them(tmp_path, etcd, golden):
-    job = _cluster(tmp_path, etcd)
+    # slower steps: the job must outlast the returning node's warm-up (it joins only once warm)
+    job = _cluster(tmp_path, etcd, step_sleep_s=0.25)
     try:
         _start(job, "a", "b")
         wait_for(lambda: len(job.events("live_restored", round=1)) == 4, 90, "both nodes in round 1")
@@ -136,7 +139,11 @@ def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_the
         job.kill_agent(lost)
         for pid in _serving(job, lost, 1).values():
             os.kill(pid, signal.SIGKILL)
-        shrunk = wait_for(lambda: job.events("live_restored", round=2), 30, "the smaller round")
+        shrunk = wait_for(
+            lambda: len(_serving(job, survivor, 2)) == 2 and job.events("live_restored", round=2),
+            30,
+            "the smaller round",
+        )
         assert _serving(job, survivor, 2) == kept, "the survivor's workers were restarted"
         assert {e["source"] for e in job.events("live_restored", round=2)} == {"memory"}
         assert {e["world_size"] for e in shrunk} == {2}
