@@ -59,7 +59,7 @@ class AgentConfig:
         120.0, "On SIGTERM the workers finish the step and save; after this long they are killed."
     )
     recovery: str = opt(
-        "restart",
+        "live",
         "On a failure, restart: every worker restarts (a new torchrun, a load from storage); live: the "
         "healthy workers keep their processes and move to the new round in-process, dead ones are replaced "
         "by warm spares and take the state from a live peer.",

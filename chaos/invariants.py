@@ -243,8 +243,10 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
         )
         recovery_s = lost = resumed_step = None
         if new_round is not None:
-            resumed = [
-                e for e in _of(events, Event.RESUMED) if e["round"] >= new_round["new_round"] and e.get("rank") == 0
+            resumed = [  # a restart loads a checkpoint (resumed); a live recovery restores (live_restored)
+                e
+                for e in [*_of(events, Event.RESUMED), *_of(events, Event.LIVE_RESTORED)]
+                if e["round"] >= new_round["new_round"] and e.get("rank") == 0
             ]
             if resumed:
                 r = min(resumed, key=lambda e: e["time"])

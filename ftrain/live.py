@@ -42,11 +42,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from checkpoint.storage import Storage, StorageOptions
 from contract import events as ev
 from contract.control import Assignment, ControlFile
 from contract.worker_env import WorkerEnv
 from ftrain import heartbeat, strategies
 from ftrain.config import Config
+from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
 from ftrain.model import build_model
 from ftrain.optim import adamw_kwargs
@@ -202,11 +204,16 @@ def wait_for_store(host: str, port: int, timeout_s: float) -> None:
 def warm_up(cfg: Config, device: torch.device) -> float:
     """Pay, before any assignment, what a process's first trainer would pay on the critical path:
     the lazy imports (the first optimizer imports ``torch._dynamo``: 3 s here), the parallel
-    wrappers' modules, and the first forward, backward and optimizer step (kernels, allocator; on
-    a GPU the CUDA context). Nothing is kept. Returns the seconds it took."""
+    wrappers' modules, the checkpoint storage's client (s3fs), and the first forward, backward and
+    optimizer step (kernels, allocator; on a GPU the CUDA context). Nothing is kept (the data
+    source is built once by :func:`serve`). Returns the seconds it took."""
     began = time.monotonic()
     for module in WARM_MODULES:
         importlib.import_module(module)
+    if cfg.checkpoint.uri:
+        Storage(
+            cfg.checkpoint.uri, StorageOptions(endpoint_url=cfg.checkpoint.endpoint_url, region=cfg.checkpoint.region)
+        )
     model = build_model(cfg.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg.optim))
     tokens = torch.zeros(1, min(8, cfg.model.seq_len) + 1, dtype=torch.long, device=device)
@@ -231,6 +238,7 @@ def serve(cfg: Config) -> None:
         log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
     except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
         log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
+    source = build_source(cfg.data, cfg.model)  # the same for every round: built once, before any
     control.mark_ready()
     assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
     held: HeldState | None = None
@@ -247,7 +255,15 @@ def serve(cfg: Config) -> None:
             rank, world_size, local_world = init_distributed(cfg.parallel, device)
             joined = time.monotonic()
             trainer = Trainer(
-                cfg, device, dtype, rank, world_size, local_world, hb, newer_round_assigned(control, assignment.round)
+                cfg,
+                device,
+                dtype,
+                rank,
+                world_size,
+                local_world,
+                hb,
+                newer_round_assigned(control, assignment.round),
+                source,
             )
             built = time.monotonic()
             restored = restore(trainer, held)

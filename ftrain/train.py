@@ -41,6 +41,8 @@ from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
 from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
+from ftrain.data.synthetic import MarkovSource
+from ftrain.data.tokens import TokenFileSource
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_poison_loss, maybe_slow_down
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
@@ -139,6 +141,7 @@ class Trainer:
         local_world: int,
         hb: heartbeat.Heartbeat | None = None,
         round_ended: Callable[[], bool] | None = None,
+        source: MarkovSource | TokenFileSource | None = None,
     ):
         self.cfg = cfg
         self.hb = hb
@@ -152,7 +155,7 @@ class Trainer:
             cfg.parallel, world_size=world_size, rank=rank, local_world_size=local_world, n_head=n_head
         )
         self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.dp_size)
-        self.source = build_source(cfg.data, cfg.model)
+        self.source = source if source is not None else build_source(cfg.data, cfg.model)
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         self.num_params = count_parameters(model)

@@ -4,15 +4,19 @@ local S3 server, and survive a worker crash, the loss of a node and its return.
 1. A local stack starts: etcd and SeaweedFS S3 on loopback (``ftrain local up`` does the same).
 2. Two agents ("nodes" a and b) join job ``demo``; the leader forms round 1, each node runs
    ``--nproc`` worker(s) under torchrun, and training starts.
-3. After step 60 a worker of node b is SIGKILLed: the agents form round 2 and the workers
-   resume from the newest committed checkpoint on S3.
+3. After step 60 a worker of node b is SIGKILLed: the agents form round 2. Under live recovery
+   (the default) the other workers keep their processes, a warm spare takes the dead one's
+   place and gets the state from a live peer; under ``--recovery restart`` every worker
+   restarts and resumes from the newest committed checkpoint on S3.
 4. After step 120 node a's agent is SIGKILLed (its workers follow it within a second): node b
-   forms a smaller round alone and resumes, resharded to the smaller world.
-5. Node a comes back: it joins at the next committed checkpoint and the job grows again.
+   forms a smaller round alone and goes on (live: from its own memory; restart: resharded
+   from the checkpoint).
+5. Node a comes back: it joins at the next committed checkpoint (live: once its workers are
+   warm) and the job grows again.
 
-Nothing here restarts anything: the agents do. The summary lists the rounds, the time from
-each fault to the first step completed after it, and the final loss against the entropy floor
-of the synthetic data.
+Nothing here restarts anything: the agents do. The summary lists the rounds and, for each
+fault, whether the survivors kept their processes, the time to the first step after it, where
+the state came from and the steps lost, and the final loss against the entropy floor.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class Demo:
             "--events",
             str(self.events_path),
             *AGENT_OPTIONS,
+            *(["--recovery", self.args.recovery] if self.args.recovery else []),
             "--",
             *self.worker_args,
         ]
@@ -126,10 +131,42 @@ class Demo:
             proc.wait()
 
 
-def recovery_s(metrics: list[dict[str, Any]], fault_time: float) -> float | None:
-    """Fault to the first step completed after it by the restarted workers."""
-    after = [m["time"] for m in metrics if m["time"] > fault_time + 0.5]
-    return min(after) - fault_time if after else None
+def restored_rounds(demo: Demo) -> list[int]:
+    """Rounds whose workers have their state (a checkpoint load, or a live restore)."""
+    return [e["round"] for name in (Event.RESUMED, Event.LIVE_RESTORED) for e in demo.events(name)]
+
+
+def describe_recovery(demo: Demo, at: float) -> str:
+    """How the job came back from a fault at ``at``: the round formed after it, whether the
+    survivors kept their processes, where the state came from, the time to the first step after
+    it and the steps lost."""
+    rounds = sorted((e for e in demo.events(Event.ROUND_FORMED) if e["time"] > at), key=lambda e: e["time"])
+    if not rounds:
+        return "no new round"
+    r = rounds[0]["new_round"]
+    kept = sum(len(e["kept"]) for e in demo.events(Event.WORKERS_REASSIGNED) if e["worker_round"] == r)
+    new = sum(len(e["started"]) for e in demo.events(Event.WORKERS_REASSIGNED) if e["worker_round"] == r)
+    if any(e["worker_round"] == r for e in demo.events(Event.WORKERS_STARTED)):
+        processes = "every worker restarted"
+    else:
+        processes = f"{kept} worker(s) kept their process, {new} new (spares)"
+    restored = [e for e in demo.events(Event.LIVE_RESTORED) if e["round"] == r and e["rank"] == 0]
+    resumed = [e for e in demo.events(Event.RESUMED) if e["round"] == r and e["rank"] == 0]
+    if restored:
+        source, step, since = restored[0]["source"], restored[0]["step"], restored[0]["time"]
+        source = {"live_peer": "a live peer", "memory": "their own memory", "storage": "storage (in-process load)"}.get(
+            source, source
+        )
+    elif resumed:
+        source, step, since = "storage (checkpoint load)", resumed[0]["step"], resumed[0]["time"]
+    else:
+        return f"round {r}: {processes}; not resumed"
+    metrics = demo.metrics()
+    after = [m["time"] for m in metrics if m["time"] > since]
+    before = [m["step"] for m in metrics if m["time"] <= at]
+    first = f"first step {min(after) - at:.1f} s after the fault" if after else "no step after it"
+    lost = max(0, max(before, default=0) - step)
+    return f"round {r}: {processes}; state from {source} at step {step}; {first}; {lost} step(s) lost"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-kill-step", type=int, default=60)
     parser.add_argument("--node-kill-step", type=int, default=120)
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--recovery", choices=("live", "restart"), default=None, help="default: the agents' default")
     args = parser.parse_args(argv)
 
     cfg = load_config(args.config)
@@ -166,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             demo.agents["a"].send_signal(signal.SIGKILL)
             demo.agents["a"].wait()
             faults.append(("node lost", time.time()))
-            demo.wait(
-                lambda: len(demo.events(Event.RESUMED)) and max(e["round"] for e in demo.events(Event.RESUMED)) >= 3,
-                args.timeout_s,
-                "the smaller round to resume",
-            )
+            demo.wait(lambda: max(restored_rounds(demo), default=0) >= 3, args.timeout_s, "the smaller round to resume")
             print(f"demo: step {demo.step()}: node a comes back")
             demo.start_agent("a")
             code = demo.agents["b"].wait(timeout=args.timeout_s)
@@ -193,14 +227,7 @@ def summarize(demo: Demo, faults: list[tuple[str, float]], floor: float, steps: 
     restarts = len(demo.events(Event.ROUND_FORMED)) - 1
     print(f"restarts: {restarts}")
     for name, at in faults:
-        rec = recovery_s(metrics, at)
-        print(f"  {name}: first step after it {rec:.1f} s later" if rec is not None else f"  {name}: not recovered")
-    for e in sorted(demo.events(Event.RESUMED), key=lambda e: e["round"]):
-        if e["rank"] == 0:
-            print(
-                f"  round {e['round']} resumed from checkpoint step {e['step']} "
-                f"(saved at world size {e['from_world_size']}, now {e['world_size']})"
-            )
+        print(f"  {name}: {describe_recovery(demo, at)}")
     loss = metrics[-1]["loss"] if metrics else float("nan")
     print(f"final loss {loss:.4f} vs entropy floor {floor:.4f} (+{loss - floor:.4f} nats)")
     ok = bool(final) and final[0]["status"] == "succeeded" and demo.step() == steps and code == 0

@@ -1,11 +1,13 @@
 """The agent tests' job: :class:`chaos.cluster.Cluster` on the tiny config, slowed to ~30 ms a
-step so that faults land mid-run, checkpointing every 20 steps to a local directory."""
+step so that faults land mid-run, checkpointing every 20 steps to a local directory. These
+tests are about the restart path (``--recovery restart``: torchrun per round, loads from
+storage); live recovery has its own (tests/integration/test_live_recovery.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from chaos.cluster import Cluster
+from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from testbed.jobs import TINY_CONFIG
 from testbed.wait import wait_for
 
@@ -17,4 +19,12 @@ class AgentJob(Cluster):
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "config.toml"
         config.write_text(TINY_CONFIG)
-        super().__init__(workdir, etcd_endpoint, config, steps=steps, ckpt_interval=ckpt_interval, step_sleep_s=0.03)
+        super().__init__(
+            workdir,
+            etcd_endpoint,
+            config,
+            steps=steps,
+            ckpt_interval=ckpt_interval,
+            step_sleep_s=0.03,
+            agent_options=[*FAST_AGENT_OPTIONS, "--recovery", "restart"],
+        )
