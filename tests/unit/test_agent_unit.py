@@ -183,8 +183,8 @@ class Node:
             job=JOB,
             node_id=node_id,
             worker_args=["cfg.toml"],
-            **{**FAST_AGENT_SETTINGS, **settings},
-        )  # lease_ttl_s 2, settle_s 1, hang_timeout_s 5
+            **{**FAST_AGENT_SETTINGS, "recovery": "restart", **settings},
+        )  # lease_ttl_s 2, settle_s 1, hang_timeout_s 5; the fake launcher is the restart path's
         self.agent = Agent(
             opts,
             store=store,

@@ -8,6 +8,7 @@ passed to ``decide``: nothing waits.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import replace
 
@@ -51,6 +52,7 @@ POLICY = Policy.of(
     backoff_initial_s=4.0,
     backoff_max_s=30.0,
     scale_up="checkpoint",
+    recovery="restart",  # joiners count at once; the live rule has its own test
 )
 
 
@@ -278,7 +280,13 @@ def test_second_failure_in_window_waits_backoff_initial_s() -> None:
 
 def test_restart_budget_exhausted_finishes_failed() -> None:
     policy = Policy.of(
-        min_nodes=1, max_nodes=2, nproc_per_node=1, max_restarts=2, restart_window_s=600.0, backoff_initial_s=0.0
+        min_nodes=1,
+        max_nodes=2,
+        nproc_per_node=1,
+        max_restarts=2,
+        restart_window_s=600.0,
+        backoff_initial_s=0.0,
+        recovery="restart",
     )
     job, memory, _ = running_job("a", policy=policy)
     for g, failed_at in ((1, T0 + 10), (2, T0 + 20)):
@@ -307,6 +315,7 @@ def test_failures_older_than_the_window_do_not_count() -> None:
         restart_window_s=100.0,
         backoff_initial_s=50.0,
         backoff_max_s=50.0,
+        recovery="restart",
     )
     job, memory, _ = running_job("a", policy=policy)
     for g in range(1, 5):
@@ -360,7 +369,7 @@ def test_new_leader_waits_settle_s_before_acting_on_a_missing_member() -> None:
 
 
 def test_drained_member_that_left_gives_a_node_left_round() -> None:
-    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=0)
+    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=0, recovery="restart")
     job, memory, first = running_job("a", "b", policy=policy)
     job.report(1, "a", STOPPED, time=T0 + 30)
     job.lose("a")
@@ -375,7 +384,7 @@ def test_drained_member_that_left_gives_a_node_left_round() -> None:
 def test_drained_member_still_registered_is_not_in_the_next_round() -> None:
     # A draining agent writes its STOPPED report, then revokes its lease as it exits: the
     # leader, woken by the report, sees the report while the node key is still there.
-    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2)
+    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, recovery="restart")
     job, memory, first = running_job("a", "b", policy=policy)
     job.report(1, "a", STOPPED, time=T0 + 30)
     record, memory = form(job, memory, T0 + 30, policy)
@@ -442,6 +451,26 @@ def test_scale_up_at_checkpoint_waits_for_the_committed_step_to_advance() -> Non
     assert decision == Wait("round healthy")
 
 
+def test_under_live_recovery_a_joiner_enters_only_once_its_workers_are_warm() -> None:
+    policy = dataclasses.replace(POLICY, recovery="live")
+    job, memory, first = running_job("a", "b", policy=policy)
+    c = job.join("c")
+    job.checkpoint("a", 100, at=T0 + 2)
+    job.checkpoint("b", 100, at=T0 + 2)
+    cold = NodeStatus(state="waiting", workers_ready=1, updated_at=T0 + 2)  # 1 of nproc_per_node=2 warm
+    job.put(job.keys.status("c"), cold.to_json(), lease=job.kvs[job.keys.node("c")].lease)
+    decision, memory = decide(job.state(), policy, memory, T0 + 3)
+    job.checkpoint("a", 200, at=T0 + 4)
+    decision, memory = decide(job.state(), policy, memory, T0 + 5)
+    assert decision == Wait("round healthy"), decision  # a new checkpoint, but c is still cold
+    warm = NodeStatus(state="waiting", workers_ready=2, updated_at=T0 + 6)
+    job.put(job.keys.status("c"), warm.to_json(), lease=job.kvs[job.keys.node("c")].lease)
+    decision, memory = decide(job.state(), policy, memory, T0 + 7)  # warm now: the baseline is step 200
+    job.checkpoint("b", 300, at=T0 + 8)
+    record, memory = form(job, memory, T0 + 9, policy)
+    assert record.reason == SCALE_UP and record.members == [*first.members, c]
+
+
 def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
     """A commit made before the node joined, still unseen in a stale status record, is not the
     checkpoint the node waits for."""
@@ -461,7 +490,9 @@ def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
 
 
 def test_scale_up_immediate_forms_once_membership_settles() -> None:
-    policy = Policy.of(min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, scale_up="immediate")
+    policy = Policy.of(
+        min_nodes=2, max_nodes=3, nproc_per_node=2, settle_s=5.0, scale_up="immediate", recovery="restart"
+    )
     job, memory, first = running_job("a", "b", policy=policy)
     joined_at = T0 + 10
     c = job.join("c")
@@ -473,7 +504,7 @@ def test_scale_up_immediate_forms_once_membership_settles() -> None:
 
 
 def test_no_scale_up_beyond_max_nodes() -> None:
-    policy = Policy.of(min_nodes=2, max_nodes=2, nproc_per_node=2, scale_up="immediate")
+    policy = Policy.of(min_nodes=2, max_nodes=2, nproc_per_node=2, scale_up="immediate", recovery="restart")
     job, memory, _ = running_job("a", "b", policy=policy)
     job.join("c")
     decision, memory = decide(job.state(), policy, memory, T0 + 1000)
@@ -501,7 +532,9 @@ def test_finished_job_is_left_alone() -> None:
 
 
 def test_restarts_by_cause_accumulate_over_rounds() -> None:
-    policy = Policy.of(min_nodes=2, max_nodes=3, nproc_per_node=2, max_restarts=10, backoff_initial_s=0.0)
+    policy = Policy.of(
+        min_nodes=2, max_nodes=3, nproc_per_node=2, max_restarts=10, backoff_initial_s=0.0, recovery="restart"
+    )
     job, memory, _ = running_job("a", "b", "c", policy=policy)
     now = T0
     for cause in (WORKER_EXIT, NODE_LOST, HANG, WORKER_EXIT):
@@ -529,6 +562,7 @@ LOOSE = Policy.of(
     restart_window_s=600.0,
     backoff_initial_s=0.0,
     deterministic_failures=3,
+    recovery="restart",
 )
 
 
