@@ -318,6 +318,8 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.cursor.next_global_batch()
         micros = micro_batches(batch, self.layout.dp_rank, self.layout.dp_size, cfg.train.micro_batch_size)
+        if self.ledger is not None:  # before any collective: once this rank's gradients are in a reduction,
+            self.ledger.record(batch, micros)  # its peers may complete the step without it (live recovery)
         losses = []
         for i, micro in enumerate(micros):
             tokens = torch.from_numpy(self.source.sample(micro.sample_ids)).to(self.device, non_blocking=True)
@@ -347,8 +349,6 @@ class Trainer:
             self.update_applied = True  # skipped or rolled back: either way no longer half-done
             self._on_nonfinite(step + 1, loss, grad_norm)
         par.optimizer.zero_grad(set_to_none=True)
-        if self.ledger is not None:
-            self.ledger.record(batch, micros)
         self._report(step + 1, batch, loss, grad_norm, lr, peaks, time.perf_counter() - t0)
         return loss
 
