@@ -248,8 +248,7 @@ class Agent:
         """Register (raising :class:`NodeIdTakenError` if the id is in use), serve the metrics
         if asked to, watch the job's keys, and (live recovery) start the workers warming up."""
         self._register(first=True)
-        if self.standby is not None:
-            self.pool = self.standby(self._worker_env(0), os.path.join(self.run_dir, "workers.log"))
+        self.pool = self._standby()
         if self.cfg.metrics_port >= 0:
             port = self.metrics.serve(self.cfg.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
@@ -578,8 +577,8 @@ class Agent:
     def _launch(self, launch: Launch) -> None:
         self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
-        if self.standby is not None and (self.pool is None or self.pool.terminating):  # stopped: start anew
-            self.pool = self.standby(self._worker_env(0), os.path.join(self.run_dir, "workers.log"))
+        if self.pool is None or self.pool.terminating:  # gone (the job's end, a drain): start anew
+            self.pool = self._standby()
         pool = self.pool
         if pool is not None:
             self.workers = pool
@@ -615,6 +614,12 @@ class Agent:
         )
         self._record_start(launch.round)
 
+    def _standby(self) -> LiveWorkers | None:
+        """Live recovery: this node's worker processes, started now to warm up (None: restart mode)."""
+        if self.standby is None:
+            return None
+        return self.standby(self._worker_env(0), os.path.join(self.run_dir, "workers.log"))
+
     def _worker_env(self, round_: int) -> dict[str, str]:
         """The workers' whole environment (``round_`` 0: live workers, told their round later)."""
         ours = WorkerEnv(
@@ -638,11 +643,11 @@ class Agent:
         except EtcdUnavailableError as e:
             log.warning("could not record the start of round %d: %s", round_, e)
 
-    def _stop_workers(self, workers: Workers, why: str) -> None:
+    def _stop_workers(self, workers: Workers, why: str, *, rewarm: bool = True) -> None:
         self.workers = None
-        if workers is self.pool:
-            self.pool = None  # a restart: the next round starts fresh processes (the launcher's)
         rc = workers.kill()
+        if workers is self.pool:  # warm up new ones now: a node that is not warm is not let back in
+            self.pool = self._standby() if rewarm and not self.draining else None
         self.finished_rounds.add(workers.round)
         log.info("stopped the workers of round %d (%s), torchrun exit %s", workers.round, why, rc)
         self.events.emit(ev.WorkersStopped(node=self.cfg.node_id, worker_round=workers.round, why=why))
@@ -840,7 +845,7 @@ class Agent:
     def _finish(self, state: JobState, final: FinalStatus) -> None:
         if self.workers is not None:
             if self.workers.wait(timeout_s=10.0) is None:
-                self._stop_workers(self.workers, "job finished")
+                self._stop_workers(self.workers, "job finished", rewarm=False)
         self.exit_code = exits.OK if final.status == SUCCEEDED else exits.FAILED
         log.info("job %s %s: %s", self.cfg.job, final.status, final.reason)
         self._publish_status(state, state_name="done", force=True)
