@@ -16,6 +16,7 @@ import torch
 
 from agents.workers import descendants
 from chaos.cluster import Cluster
+from ftrain.heartbeat import process_gone
 from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from testbed.wait import wait_for
 
@@ -188,5 +189,19 @@ def test_a_hung_worker_is_dumped_and_killed_and_the_others_recover_in_process(tm
         assert _serving(job, "a", 2) == round1["a"] and _serving(job, "b", 2)[1] == round1["b"][1]
         assert stopped not in _serving(job, "b", 2).values()
         _assert_bitwise_golden(tmp_path / "final.pt", golden)
+    finally:
+        job.close()
+
+
+def test_no_worker_or_spare_outlives_a_sigkilled_agent(tmp_path, etcd):
+    job = _cluster(tmp_path, etcd)
+    try:
+        job.start("a", *LIVE, nnodes="1:1", nproc=2)
+        job.wait_step(10)
+        processes = descendants(job.agents["a"].pid)
+        assert len(processes) >= 3, processes  # two serving, at least one spare
+        job.kill_agent("a")
+        job.wait_exit("a")
+        wait_for(lambda: all(process_gone(p) for p in processes), 10, f"{processes} to exit after their agent")
     finally:
         job.close()
