@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.01
 #: what strategies import lazily: a spare imports it before it is needed
 WARM_MODULES = ("ftrain.parallel.ddp", "ftrain.parallel.fsdp", "ftrain.parallel.tp", "ftrain.parallel.deterministic")
-#: substrings of the errors a collective raises when a peer is gone (gloo, NCCL, the store)
+#: substrings of the errors a collective raises when a peer is gone (gloo, NCCL, the store);
+#: any other error is the worker's own and ends it (a peer waiting on it then sees it gone)
 PEER_FAILURE_MARKERS = (
     "connection closed by peer",
     "connection reset by peer",
@@ -70,8 +71,6 @@ PEER_FAILURE_MARKERS = (
     "timed out",
     "nccl",
     "gloo",
-    "process group",
-    "store",
 )
 
 
