@@ -1,0 +1,87 @@
+"""The agent -> live worker control file (contract/control.py): every field checked, a file
+replaced whole, a worker acting only on what is newer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contract.control import Assignment, ControlFile
+from ftrain.live import AssignmentTimeout, newer_round_assigned, wait_for_assignment
+
+GOOD = dict(
+    round=3,
+    rank=5,
+    world_size=8,
+    local_rank=1,
+    local_world_size=4,
+    node_rank=1,
+    nnodes=2,
+    master_addr="10.0.0.1",
+    master_port=29500,
+)
+
+
+def test_an_assignment_round_trips_and_sets_torchruns_environment():
+    a = Assignment(**GOOD)
+    assert Assignment.decode(a.encode()) == a
+    env = a.env()
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"], env["FTRAIN_ROUND"]) == (
+        "5",
+        "8",
+        "1",
+        "29500",
+        "3",
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"rank": 8}, "rank"),
+        ({"rank": True}, "rank"),
+        ({"world_size": "8"}, "world_size"),
+        ({"local_rank": 4}, "local_rank"),
+        ({"node_rank": 2}, "node_rank"),
+        ({"master_port": 0}, "master_port"),
+        ({"master_addr": "host; rm -rf /"}, "master_addr"),
+        ({"round": -1}, "round"),
+        ({"stop": "yes"}, "stop"),
+        ({"extra": 1}, "unknown field"),
+    ],
+)
+def test_a_bad_field_refuses_the_whole_assignment_and_is_named(change, named):
+    with pytest.raises(ValueError, match=named):
+        Assignment.decode(json.dumps({**GOOD, **change}).encode())
+
+
+def test_a_missing_field_or_garbage_is_refused():
+    with pytest.raises(ValueError, match="missing"):
+        Assignment.decode(json.dumps({k: v for k, v in GOOD.items() if k != "rank"}).encode())
+    with pytest.raises(ValueError):
+        Assignment.decode(b"\x00not json")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        Assignment.decode(b"[1, 2]")
+
+
+def test_a_worker_takes_only_a_newer_round_even_one_its_train_loop_saw_first(tmp_path):
+    control = ControlFile(str(tmp_path / "w.json"))
+    with pytest.raises(AssignmentTimeout):
+        wait_for_assignment(control, newer_than=-1, timeout_s=0.05)  # nothing yet
+    control.write(Assignment(**GOOD))
+    assert wait_for_assignment(control, newer_than=2, timeout_s=1).round == 3
+    with pytest.raises(AssignmentTimeout):
+        wait_for_assignment(control, newer_than=3, timeout_s=0.05)  # the same round again: not newer
+    ended = newer_round_assigned(control, current=3)
+    assert not ended()
+    control.write(Assignment(**{**GOOD, "round": 4}))
+    assert ended() and ended()  # the train loop saw it (and keeps saying so) ...
+    assert wait_for_assignment(control, newer_than=3, timeout_s=1).round == 4  # ... and the wait still gets it
+
+
+def test_a_spare_marks_itself_ready(tmp_path):
+    control = ControlFile(str(tmp_path / "w.json"))
+    assert not control.is_ready()
+    control.mark_ready()
+    assert control.is_ready()
