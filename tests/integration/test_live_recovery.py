@@ -177,11 +177,15 @@ def test_a_hung_worker_is_dumped_and_killed_and_the_others_recover_in_process(tm
         job.wait_step(30)
         round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
         stopped = round1["b"][0]
+        stopped_at = time.time()
         os.kill(stopped, signal.SIGSTOP)
         hang = job.wait_event("hang", 30)
         assert str(stopped) in hang["stacks"] and "was stopped" in hang["stacks"][str(stopped)]
         wait_for(lambda: len(job.events("live_restored", round=2)) == 4, 60, "round 2")
         assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+        restored_at = max(e["time"] for e in job.events("live_restored", round=2))
+        first_step = min(m["time"] for m in job.metrics() if m["time"] > restored_at)
+        print(f"hang -> first step of round 2: {first_step - stopped_at:.2f}s (hang_timeout_s 5)")
         assert [e["reason"] for e in sorted(job.events("round_formed"), key=lambda e: e["new_round"])] == [
             "start",
             "hang",
