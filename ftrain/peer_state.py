@@ -162,7 +162,7 @@ def survey(held: HeldState | None, full_replica: bool, device: torch.device) -> 
         device=device,
     )
     out = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine)
+    dist.all_gather_single(out, mine)
     return [(a, b, c, d) for a, b, c, d in out.view(-1, 4).cpu().tolist()]
 
 
