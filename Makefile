@@ -47,10 +47,12 @@ test-distributed: setup
 chaos: setup
 	$(RUN_ENV) $(PY) -m pytest -q -s tests/chaos
 
-# A long seeded random campaign (about 30 minutes, >= 100 faults); SEED=N to vary it.
+# A long seeded random campaign (about 30 minutes, >= 100 faults); SEED=N to vary it,
+# RECOVERY=live|restart to override the scenario's recovery mode (restart).
 SEED ?= 1
+RECOVERY ?=
 soak: setup
-	$(RUN_ENV) $(PY) -m ftrain chaos run chaos/scenarios/soak.toml --seed $(SEED)
+	$(RUN_ENV) $(PY) -m ftrain chaos run chaos/scenarios/soak.toml --seed $(SEED) $(if $(RECOVERY),--recovery $(RECOVERY))
 
 bench: setup
 	$(RUN_ENV) $(PY) bench/strategies.py
