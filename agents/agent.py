@@ -726,6 +726,7 @@ class Agent:
                 workers.log_path,
                 self.uid,
                 self.clock.time(),
+                exited=f"the worker of local rank {local_rank}",
             )
             self.events.emit(
                 ev.WorkersExited(

@@ -13,7 +13,9 @@ from agents.heartbeat import Beat
 from agents.records import FAILED, FATAL, STOPPED, SUCCEEDED, WORKER_EXIT, Report
 
 
-def exit_report(rc: int, beats: dict[int, Beat], nproc: int, log_path: str, agent_uid: str, now: float) -> Report:
+def exit_report(
+    rc: int, beats: dict[int, Beat], nproc: int, log_path: str, agent_uid: str, now: float, *, exited: str = "torchrun"
+) -> Report:
     """How a round ended on this node, from torchrun's exit code and the workers' last messages.
 
     Success needs exit code 0 and every local rank's exit message saying it finished. A failure
@@ -30,7 +32,7 @@ def exit_report(rc: int, beats: dict[int, Beat], nproc: int, log_path: str, agen
     fatal = [b for b in errors if b.fatal]
     first = next(iter(fatal or errors), None)
     error = first.error if first else ""
-    detail = f"torchrun exited with {rc}; log {log_path}"
+    detail = f"{exited} exited with {rc}; log {log_path}"
     if first:
         detail += f"; local rank {first.local_rank}: {error}"
     return Report(FAILED, FATAL if fatal else WORKER_EXIT, detail[:1000], agent_uid, now, step=step, error=error)
