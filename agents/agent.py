@@ -699,14 +699,7 @@ class Agent:
             )
             self.pending_reports[workers.round] = report
             return
-        hung = hung_ranks(
-            beats,
-            nproc_per_node=workers.launch.nproc_per_node,
-            started_at=workers.started_at,
-            now=self.clock.monotonic(),
-            hang_timeout_s=self.cfg.hang_timeout_s,
-            start_timeout_s=self.cfg.start_timeout_s,
-        )
+        hung = self._hung(workers, beats)
         if hung:
             self._on_hang(workers, hung)
 
@@ -737,14 +730,7 @@ class Agent:
             self.pending_reports[workers.round] = report
             self.wake.set()
             return
-        hung = hung_ranks(
-            beats,
-            nproc_per_node=workers.launch.nproc_per_node,
-            started_at=workers.started_at,
-            now=self.clock.monotonic(),
-            hang_timeout_s=self.cfg.hang_timeout_s,
-            start_timeout_s=self.cfg.start_timeout_s,
-        )
+        hung = self._hung(workers, beats)
         if not hung:
             return
         # Kill the frozen ranks only: the others are most likely blocked in a collective with a
@@ -759,15 +745,7 @@ class Agent:
         self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
         killed = workers.kill_ranks(hung)
         log.error("round %d: killed hung worker(s) %s; the others stay", workers.round, killed)
-        self.finished_rounds.add(workers.round)
-        self.pending_reports[workers.round] = Report(
-            FAILED,
-            HANG,
-            f"no heartbeat from local rank(s) {hung}",
-            self.uid,
-            self.clock.time(),
-            step=max((b.step for b in beats.values()), default=-1),
-        )
+        self._report_hang(workers.round, hung, beats)
         self.wake.set()
 
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
@@ -782,14 +760,28 @@ class Agent:
         self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
         self.workers = None
         workers.kill()
-        self.finished_rounds.add(workers.round)
-        self.pending_reports[workers.round] = Report(
+        self._report_hang(workers.round, hung, self.heartbeats.beats())
+
+    def _hung(self, workers: Workers, beats: dict[int, Beat]) -> list[int]:
+        return hung_ranks(
+            beats,
+            nproc_per_node=workers.launch.nproc_per_node,
+            started_at=workers.started_at,
+            now=self.clock.monotonic(),
+            hang_timeout_s=self.cfg.hang_timeout_s,
+            start_timeout_s=self.cfg.start_timeout_s,
+        )
+
+    def _report_hang(self, round_: int, hung: list[int], beats: dict[int, Beat]) -> None:
+        """The round ended here on a hang of local ranks ``hung``."""
+        self.finished_rounds.add(round_)
+        self.pending_reports[round_] = Report(
             FAILED,
             HANG,
             f"no heartbeat from local rank(s) {hung}",
             self.uid,
             self.clock.time(),
-            step=max((b.step for b in self.heartbeats.beats().values()), default=-1),
+            step=max((b.step for b in beats.values()), default=-1),
         )
 
     def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
