@@ -64,6 +64,7 @@ from agents.parts import Clock, EventSink, Heartbeats
 from agents.records import (
     FAILED,
     HANG,
+    INTERRUPTING_CAUSES,
     START,
     SUCCEEDED,
     FinalStatus,
@@ -561,6 +562,7 @@ class Agent:
                 master_addr=addr,
                 master_port=port,
                 worker_args=tuple(self.opts.worker_args),
+                interrupt=cur.reason in INTERRUPTING_CAUSES,
             )
         )
 

@@ -125,6 +125,7 @@ class LiveWorkers:
                     nnodes=launch.nnodes,
                     master_addr=launch.master_addr,
                     master_port=launch.master_port,
+                    interrupt=launch.interrupt,
                 )
             )
         self.last_kept, self.last_started = kept, started

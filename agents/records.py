@@ -61,6 +61,9 @@ BAD_RECORD = "bad_record"
 #: the round key or the current round's record was unreadable: the leader formed a new round
 ROUND_REPAIR = "round_repair"
 FAILURE_CAUSES = frozenset({WORKER_EXIT, HANG, START_TIMEOUT, BAD_RECORD})
+#: a round formed for one of these lost a member of the round before it: that round's survivors
+#: leave it at once (live recovery) instead of finishing their step first
+INTERRUPTING_CAUSES = FAILURE_CAUSES | {NODE_LOST, ROUND_REPAIR}
 #: Report reason: the workers stopped on an error a restart cannot fix (e.g. too many failed
 #: checkpoint commits in a row); the leader ends the job at once with the report's detail.
 FATAL = "fatal"

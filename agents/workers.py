@@ -154,6 +154,8 @@ class Launch:
     master_addr: str
     master_port: int
     worker_args: tuple[str, ...]  #: after ``-m ftrain train``: CONFIG.toml and overrides
+    #: the round replaces one that lost a member (live workers leave that one at once)
+    interrupt: bool = False
 
     def command(self) -> list[str]:
         return [

@@ -10,7 +10,9 @@ on faults. Each request then meets, with the seeded probabilities given:
   upload may or may not have been applied — like a real network cut);
 - ``truncate``: the real reply's headers, then half its body, then the connection closes.
 
-Counts of what was injected are kept per kind (:attr:`injected`).
+Counts of what was injected are kept per kind (:attr:`injected`), and the newest requests
+(time, method, path with query) in :attr:`requests_seen`, so a test can tell which objects a job
+read and when.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -72,6 +75,7 @@ class S3FaultProxy:
         self._rates = FaultRates()
         self.injected: dict[str, int] = {"error": 0, "latency": 0, "reset": 0, "truncate": 0}
         self.requests = 0
+        self.requests_seen: deque[tuple[float, str, str]] = deque(maxlen=100_000)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -121,6 +125,7 @@ class S3FaultProxy:
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         length = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(length) if length else b""
+        self.requests_seen.append((time.time(), h.command, h.path))
         kind, rates = self._decide()
         if kind == "error":
             status, code, message = _ERRORS[self.injected["error"] % 2]

@@ -43,6 +43,8 @@ class Assignment:
     master_addr: str
     master_port: int
     stop: bool = False
+    #: the round before this one lost a member: leave it at once, not at the next step boundary
+    interrupt: bool = False
 
     def __post_init__(self) -> None:
         _check_int("round", self.round, 0, MAX_ROUND)
@@ -53,8 +55,9 @@ class Assignment:
         _check_int("nnodes", self.nnodes, 1, self.world_size)
         _check_int("node_rank", self.node_rank, 0, self.nnodes - 1)
         _check_int("master_port", self.master_port, 1, 65535)
-        if not isinstance(self.stop, bool):
-            raise ValueError(f"stop={self.stop!r}: need true or false")
+        for name in ("stop", "interrupt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: need true or false")
         if not isinstance(self.master_addr, str) or not _valid_host(self.master_addr):
             raise ValueError(f"master_addr={self.master_addr!r}: need a host name or IP address")
 
@@ -71,7 +74,7 @@ class Assignment:
         unknown = sorted(set(raw) - names)
         if unknown:
             raise ValueError(f"unknown field(s) {unknown}")
-        missing = sorted(n for n in names - set(raw) if n != "stop")
+        missing = sorted(n for n in names - set(raw) if n not in ("stop", "interrupt"))
         if missing:
             raise ValueError(f"missing field(s) {missing}")
         return cls(**raw)

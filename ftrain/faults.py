@@ -7,7 +7,14 @@ process; unset, every hook is a no-op.
   parameter, silently diverging from its replicas.
 - ``FTRAIN_FAULT_SIGKILL="STEP:RANK"``: after step STEP (and any checkpoint it started), rank
   RANK sends itself SIGKILL — a real crash at a known point.
+- ``FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE="STEP:RANK"``: at step STEP, rank RANK starts the step's
+  last collective before the optimizer update (the all-gather of the losses) and sends itself
+  SIGKILL while it is in flight: its peers may or may not complete that collective, and so may or
+  may not apply the update (live recovery must resolve either without mixing steps).
 - ``FTRAIN_FAULT_NAN="STEP:RANK"``: rank RANK's loss at step STEP becomes NaN.
+
+Each spec may end in ``:ROUND``: the fault then fires only in that round (``FTRAIN_ROUND``), so
+that a replacement process that replays the step in a later round does not replay the fault.
 - ``FTRAIN_FAULT_STEP_SLEEP_S=S``: every step takes S seconds longer (a slow worker), so
   outside observers can act between steps.
 """
@@ -18,6 +25,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,12 +38,15 @@ _fired: set[str] = set()
 
 
 def _armed(name: str) -> tuple[int, int] | None:
-    """(step, rank) of a fault armed by ``name``; each fault fires at most once per process,
-    so a rollback that replays the step does not replay the fault."""
+    """(step, rank) of a fault armed by ``name`` for this round; each fault fires at most once
+    per process, so a rollback that replays the step does not replay the fault."""
     raw = os.environ.get(name, "")
     if not raw or name in _fired:
         return None
-    step, _, rank = raw.partition(":")
+    step, _, rest = raw.partition(":")
+    rank, _, round_ = rest.partition(":")
+    if round_ and round_ != os.environ.get("FTRAIN_ROUND", ""):
+        return None
     return int(step), int(rank or 0)
 
 
@@ -59,6 +70,15 @@ def maybe_crash(step: int, rank: int) -> None:
     if _fire("FTRAIN_FAULT_SIGKILL", step, rank):
         log.warning("fault injected: SIGKILL rank %d after step %d", rank, step)
         logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_crash_inside(step: int, rank: int, start_collective: Callable[[], object]) -> None:
+    """``FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE``: start the collective (asynchronously), then die."""
+    if _fire("FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE", step, rank):
+        log.warning("fault injected: SIGKILL rank %d inside the last collective of step %d", rank, step)
+        logging.shutdown()
+        start_collective()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -53,6 +53,7 @@ from ftrain.distributed import abort_distributed, init_distributed, select_devic
 from ftrain.model import build_model
 from ftrain.optim import adamw_kwargs
 from ftrain.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.round_watchdog import RoundWatchdog
 from ftrain.train import RoundEnded, Trainer, describe_failure, finish, say_goodbye
 
 log = logging.getLogger(__name__)
@@ -248,47 +249,50 @@ def serve(cfg: Config) -> None:
             hb.beat(held.step if held else -1, phase="starting")
         trainer: Trainer | None = None
         began = time.monotonic()
+        step_time_s = lambda: trainer.last_step_time_s if trainer else 0.0  # noqa: B023, E731 - this round's
+        watchdog = RoundWatchdog(env.control, assignment.round, step_time_s, keep_ports)
         try:
-            if assignment.rank != 0:
-                wait_for_store(assignment.master_addr, assignment.master_port, cfg.parallel.timeout_s)
-            rank, world_size, local_world = init_distributed(cfg.parallel, device)
-            joined = time.monotonic()
-            trainer = Trainer(
-                cfg,
-                device,
-                dtype,
-                rank,
-                world_size,
-                local_world,
-                hb,
-                newer_round_assigned(control, assignment.round),
-                source,
-            )
-            built = time.monotonic()
-            restored = restore(trainer, held)
-            done = time.monotonic()
-            trainer.events.emit(
-                ev.LiveRestored(
-                    source=restored.source,
-                    step=restored.step,
-                    from_rank=restored.from_rank,
-                    world_size=world_size,
-                    held_step=held.step if held else -1,
-                    seconds=round(done - began, 4),
-                    join_s=round(joined - began, 4),
-                    build_s=round(built - joined, 4),
-                    state_s=round(done - built, 4),
+            with watchdog:
+                if assignment.rank != 0:
+                    wait_for_store(assignment.master_addr, assignment.master_port, cfg.parallel.timeout_s)
+                rank, world_size, local_world = init_distributed(cfg.parallel, device)
+                joined = time.monotonic()
+                trainer = Trainer(
+                    cfg,
+                    device,
+                    dtype,
+                    rank,
+                    world_size,
+                    local_world,
+                    hb,
+                    newer_round_assigned(control, assignment.round),
+                    source,
                 )
-            )
-            held = None
-            result = trainer.run(resume=False)
+                built = time.monotonic()
+                restored = restore(trainer, held)
+                done = time.monotonic()
+                trainer.events.emit(
+                    ev.LiveRestored(
+                        source=restored.source,
+                        step=restored.step,
+                        from_rank=restored.from_rank,
+                        world_size=world_size,
+                        held_step=held.step if held else -1,
+                        seconds=round(done - began, 4),
+                        join_s=round(joined - began, 4),
+                        build_s=round(built - joined, 4),
+                        state_s=round(done - built, 4),
+                    )
+                )
+                held = None
+                result = trainer.run(resume=False)
         except BaseException as e:
             if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
                 say_goodbye(hb, trainer, e)
                 if trainer is not None:
                     trainer.close()
                 raise
-            held = _leave_round(trainer, held, assignment, e, hb, keep_ports)
+            held = _leave_round(trainer, held, assignment, watchdog.fired or e, hb, keep_ports)
         else:
             finish(trainer, result)
             return
@@ -304,7 +308,7 @@ def _leave_round(
     trainer: Trainer | None,
     held: HeldState | None,
     assignment: Assignment,
-    why: BaseException,
+    why: BaseException | str,
     hb: heartbeat.Heartbeat | None,
     keep_ports: set[int],
 ) -> HeldState | None:
@@ -321,7 +325,7 @@ def _leave_round(
         "round %d ended for rank %d (%s: %s); holding step %s",
         assignment.round,
         assignment.rank,
-        type(why).__name__,
+        "round watchdog" if isinstance(why, str) else type(why).__name__,
         str(why).splitlines()[0][:200] if str(why) else "",
         held.step if held else "none",
     )

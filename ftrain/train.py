@@ -44,7 +44,13 @@ from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, bui
 from ftrain.data.synthetic import MarkovSource
 from ftrain.data.tokens import TokenFileSource
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
-from ftrain.faults import maybe_crash, maybe_perturb_replica, maybe_poison_loss, maybe_slow_down
+from ftrain.faults import (
+    maybe_crash,
+    maybe_crash_inside,
+    maybe_perturb_replica,
+    maybe_poison_loss,
+    maybe_slow_down,
+)
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
@@ -147,6 +153,7 @@ class Trainer:
         self.hb = hb
         self.round_ended = round_ended  #: live workers: whether the agent assigned a newer round
         self.update_applied = True  #: the step in progress (if any) got past its optimizer update
+        self.last_step_time_s = 0.0  #: wall time of the last completed step
         self.boundary_cursor: dict[str, Any] = {}  #: the cursor at the last step boundary
         self.device = device
         self.rank = rank
@@ -332,7 +339,7 @@ class Trainer:
             losses.append(micro_loss.detach())
         par.reduce_gradients()
         grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
-        loss, peaks = self._step_stats(losses)
+        loss, peaks = self._step_stats(step + 1, losses)
         lr = lr_at(
             step,
             peak=self.peak_lr,
@@ -391,7 +398,7 @@ class Trainer:
                 raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks}; no checkpoint.uri to roll back")
             self._rollback(f"replicas differ on ranks {ranks} at step {step}")
 
-    def _step_stats(self, losses: list[torch.Tensor]) -> tuple[float, list[int]]:
+    def _step_stats(self, step: int, losses: list[torch.Tensor]) -> tuple[float, list[int]]:
         """All ranks' micro-batch losses and peak memory in one all-gather.
 
         The loss is summed in float64 in global micro-batch order (ranks of one tensor-parallel
@@ -405,6 +412,7 @@ class Trainer:
             device=self.device,
         )
         gathered = torch.empty(layout.world_size * local.numel(), dtype=torch.float64, device=self.device)
+        maybe_crash_inside(step, self.rank, lambda: dist.all_gather_single(gathered, local, async_op=True))
         dist.all_gather_single(gathered, local)
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
@@ -450,6 +458,7 @@ class Trainer:
             )
         if self.metrics is not None:
             self.metrics.write(record)
+        self.last_step_time_s = step_time_s
         self._beat(step, "training", step_time_s)
         self.progress.update(step, record)
 

@@ -16,6 +16,7 @@ import torch
 
 from agents.workers import descendants
 from chaos.cluster import Cluster
+from chaos.s3proxy import S3FaultProxy
 from ftrain.heartbeat import process_gone
 from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from testbed.wait import wait_for
@@ -41,7 +42,13 @@ def golden_fsdp(tmp_path_factory):
 
 
 def _cluster(
-    tmp_path, etcd, *overrides: str, strategy: tuple[str, ...] = DETERMINISTIC, step_sleep_s: float = 0.03
+    tmp_path,
+    etcd,
+    *overrides: str,
+    strategy: tuple[str, ...] = DETERMINISTIC,
+    step_sleep_s: float = 0.03,
+    ckpt_uri: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Cluster:
     config = tmp_path / "config.toml"
     config.write_text(TINY_CONFIG)
@@ -52,6 +59,8 @@ def _cluster(
         steps=STEPS,
         ckpt_interval=20,
         step_sleep_s=step_sleep_s,
+        ckpt_uri=ckpt_uri,
+        env=env,
         overrides=[f"--train.save_final_path={tmp_path / 'final.pt'}", *strategy, *overrides],
     )
 
@@ -67,39 +76,62 @@ def _assert_bitwise_golden(final_path, golden) -> None:
     assert max_abs_diff(optimizer_tensors(final["optim"]), optimizer_tensors(golden["optim"])) == 0.0
 
 
-def test_a_killed_worker_is_replaced_by_a_spare_and_the_survivors_keep_their_processes(tmp_path, etcd, golden):
-    job = _cluster(tmp_path, etcd)
-    try:
-        job.start("a", *LIVE, nnodes="2:2", nproc=2)
-        job.start("b", *LIVE, nnodes="2:2", nproc=2)
-        job.wait_step(40)
-        round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
-        assert all(len(r) == 2 for r in round1.values()), round1
-        before = set(descendants(job.agents["b"].pid))  # serving workers and the warm spare
-        spares = before - set(round1["b"].values())
-        assert spares, f"no spare process under agent b: {before}"
-        killed_at = time.time()
-        os.kill(round1["b"][1], signal.SIGKILL)
-
-        restored = wait_for(
-            lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
-            60,
-            "4 ranks restored in round 2",
+def test_a_worker_killed_inside_a_collective_is_replaced_by_a_spare_without_reading_s3(
+    tmp_path, etcd, seaweed, s3_prefix, golden
+):
+    """Rank 3 dies inside the last collective of step 40 (the peers may or may not complete it);
+    the survivors keep their processes, agree on one step (replicas checked by digest at every
+    step), a spare started before the fault takes rank 3's place, and nothing is read from S3."""
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        job = _cluster(
+            tmp_path,
+            etcd,
+            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
+            "--consistency.interval=1",
+            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
+            env=seaweed.env(),
         )
-        assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
-        round2 = {n: _serving(job, n, 2) for n in ("a", "b")}
-        assert round2["a"] == round1["a"], "a's workers were restarted"
-        assert round2["b"][0] == round1["b"][0], "b's surviving worker was restarted"
-        assert round2["b"][1] in spares, "the replacement was not a spare started before the fault"
-        assert sorted(e["reason"] for e in job.events("round_formed")) == ["start", "worker_exit"]
-        sources = {e["rank"]: e["source"] for e in restored}
-        assert sources[3] == "live_peer" and all(sources[r] == "live_peer" for r in range(4)), sources
-        assert not job.events("resume_started", round=2), "the recovery read from storage"
-        first_step = min(m["time"] for m in job.metrics() if m["time"] > killed_at)
-        print(f"worker kill -> first completed step of round 2: {first_step - killed_at:.2f}s")
-        _assert_bitwise_golden(tmp_path / "final.pt", golden)
-    finally:
-        job.close()
+        try:
+            fault = {"FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE": "40:3:1"}
+            job.start("a", *LIVE, nnodes="2:2", nproc=2, env=fault)
+            job.start("b", *LIVE, nnodes="2:2", nproc=2, env=fault)
+            wait_for(lambda: len(job.events("live_restored", round=1)) == 4, 90, "round 1")
+            round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
+            node_of_rank3 = next(e["node"] for e in job.events("worker_started", round=1) if e["rank"] == 3)
+            before = set(descendants(job.agents[node_of_rank3].pid))  # serving workers and the warm spare
+            spares = before - set(round1[node_of_rank3].values())
+            assert spares, f"no spare process under agent {node_of_rank3}: {before}"
+
+            restored = wait_for(
+                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
+                90,
+                "4 ranks restored in round 2",
+            )
+            detected_at = job.wait_event("workers_exited", 10)["time"]
+            assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+            round2 = {n: _serving(job, n, 2) for n in ("a", "b")}
+            other = "a" if node_of_rank3 == "b" else "b"
+            assert round2[other] == round1[other], "the other node's workers were restarted"
+            assert round2[node_of_rank3][0] == round1[node_of_rank3][0], "the surviving sibling was restarted"
+            assert round2[node_of_rank3][1] in spares, "the replacement was not a spare started before the fault"
+            assert sorted(e["reason"] for e in job.events("round_formed")) == ["start", "worker_exit"]
+
+            # one step for everyone: 40 if the survivors completed the collective, else 39
+            held = {e["rank"]: e["held_step"] for e in restored}
+            assert {e["step"] for e in restored} == {max(held.values())} and max(held.values()) in (39, 40), held
+            assert {e["source"] for e in restored} == {"live_peer"}, restored
+            assert not job.events("replica_mismatch"), "replicas held different state after the recovery"
+            print(f"held steps after the kill: {held}")
+
+            reads = [(t, p) for t, method, p in proxy.requests_seen if method == "GET" and "list-type" not in p]
+            window = (detected_at, max(e["time"] for e in restored))
+            assert not [r for r in reads if window[0] <= r[0] <= window[1]], "the recovery read from S3"
+            assert not job.events("resume_started", round=2)
+            first_step = min(m["time"] for m in job.metrics() if m["time"] > detected_at)
+            print(f"worker kill detected -> first completed step of round 2: {first_step - detected_at:.2f}s")
+            _assert_bitwise_golden(tmp_path / "final.pt", golden)
+        finally:
+            job.close()
 
 
 def _start(job: Cluster, *nodes: str) -> None:
@@ -164,6 +196,58 @@ def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_the
         assert _serving(job, survivor, 3) == kept
         assert {e["source"] for e in grown} == {"live_peer"} and {e["world_size"] for e in grown} == {4}
         assert [e["round"] for e in job.events("resume_started")] == [1] * 4, "storage was read after the start"
+        _assert_bitwise_golden(tmp_path / "final.pt", golden)
+    finally:
+        job.close()
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_paused_node_is_left_behind_and_its_zombies_neither_rejoin_the_old_round_nor_join_the_new(
+    tmp_path, etcd, golden
+):
+    """A whole node frozen (agent, workers, spare: SIGSTOP) — the survivors are blocked in a
+    collective with it, which gloo never fails. Its lease expires, the survivors' agent assigns a
+    smaller round that interrupts the old one, and the round watchdog frees them at once (not at
+    the process-group timeout); when the node is continued, its workers are
+    zombies of round 1: nothing of round 2 comes from them, no commit of round 1 follows round 2,
+    and the node comes back only through a new round, healed from its peers."""
+    job = _cluster(tmp_path, etcd, step_sleep_s=0.25)
+    try:
+        _start(job, "a", "b")
+        wait_for(lambda: len(job.events("live_restored", round=1)) == 4, 90, "both nodes in round 1")
+        job.wait_step(25)
+        first = min(job.events("round_formed"), key=lambda e: e["new_round"])
+        survivor, paused = first["members"]
+        kept, zombies = _serving(job, survivor, 1), _serving(job, paused, 1)
+        frozen = [job.agents[paused].pid, *descendants(job.agents[paused].pid)]
+        paused_at = time.time()
+        _signal_all(frozen, signal.SIGSTOP)
+        try:
+            wait_for(lambda: [m for m in job.metrics() if m["world_size"] == 2 and m["time"] > paused_at], 40, "a step")
+            recovered_s = min(m["time"] for m in job.metrics() if m["world_size"] == 2) - paused_at
+        finally:
+            _signal_all(frozen, signal.SIGCONT)
+        print(f"node paused -> first step at world size 2: {recovered_s:.2f}s")
+        assert _serving(job, survivor, 2) == kept, "the survivor's workers were restarted"
+        left = job.events("live_round_left", round=1)
+        assert any("newer round was assigned" in e["why"] for e in left if e["pid"] in kept.values()), left
+        assert recovered_s < 2 + 1 + 1, "longer than lease TTL + 1 s (+ slack for a loaded machine)"
+
+        assert job.wait_exit(survivor) == 0 and job.wait_exit(paused) == 0, job.log_tail()
+        round2_formed = next(e["time"] for e in job.events("round_formed") if e["new_round"] == 2)
+        zombie_pids = set(zombies.values())
+        assert not [e for e in job.events() if e.get("pid") in zombie_pids and e.get("round") == 2]
+        late = [e for e in job.events("ckpt_committed") if e["round"] == 1 and e["time"] > round2_formed]
+        assert not late, f"round 1 committed after round 2 formed: {late}"
+        rejoined = [e for e in job.events("live_restored") if e["round"] > 2 and e["world_size"] == 4]
+        assert rejoined and {e["source"] for e in rejoined} == {"live_peer"}, rejoined
         _assert_bitwise_golden(tmp_path / "final.pt", golden)
     finally:
         job.close()

@@ -48,6 +48,7 @@ def test_an_assignment_round_trips_and_sets_torchruns_environment():
         ({"master_addr": "host; rm -rf /"}, "master_addr"),
         ({"round": -1}, "round"),
         ({"stop": "yes"}, "stop"),
+        ({"interrupt": 1}, "interrupt"),
         ({"extra": 1}, "unknown field"),
     ],
 )
