@@ -522,6 +522,9 @@ class Agent:
             )
             return
         cur = state.current
+        if self._left_out(cur):
+            assert isinstance(self.workers, LiveWorkers) and cur is not None
+            self._park(self.workers, f"round {cur.round} goes on without this node until its workers are warm")
         if (
             self.workers is not None
             and (cur is None or self.workers.round != cur.round)
@@ -575,6 +578,26 @@ class Agent:
             and not self.draining
             and not self.workers.terminating
         )
+
+    def _left_out(self, cur: RoundRecord | None) -> bool:
+        """Live recovery: a newer round was formed without this (live) node — a worker failed
+        here with no warm replacement, or this node's lease lapsed. Its surviving workers keep
+        what they hold and wait, warm, for the round that takes the node back."""
+        return (
+            isinstance(self.workers, LiveWorkers)
+            and cur is not None
+            and cur.round > self.workers.round
+            and cur.node_rank(self.me) is None
+            and not self.draining
+            and not self.workers.terminating
+        )
+
+    def _park(self, pool: LiveWorkers, why: str) -> None:
+        self.workers = None
+        self.finished_rounds.add(pool.round)
+        pool.refill(self.cfg.nproc_per_node)
+        log.info("round %d: %s; %d warm of %d needed", pool.round, why, pool.ready(), self.cfg.nproc_per_node)
+        self.events.emit(ev.WorkersStopped(node=self.cfg.node_id, worker_round=pool.round, why=f"{why} (kept)"))
 
     def _launch(self, launch: Launch) -> None:
         self.heartbeats.reset(launch.round)
@@ -658,6 +681,8 @@ class Agent:
     def _supervise(self) -> None:
         workers = self.workers
         if workers is None:
+            if self.pool is not None and not self.pool.terminating:  # between rounds: stay ready
+                self.pool.refill(self.cfg.nproc_per_node)
             return
         beats = self.heartbeats.beats()
         workers.note_pids(b.pid for b in beats.values())
@@ -729,7 +754,7 @@ class Agent:
                 )
             )
             self.finished_rounds.add(workers.round)
-            self.pending_reports[workers.round] = report
+            self.pending_reports[workers.round] = dataclasses.replace(report, workers_ready=workers.ready())
             self.wake.set()
             return
         hung = self._hung(workers, beats)
@@ -747,7 +772,7 @@ class Agent:
         self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
         killed = workers.kill_ranks(hung)
         log.error("round %d: killed hung worker(s) %s; the others stay", workers.round, killed)
-        self._report_hang(workers.round, hung, beats)
+        self._report_hang(workers.round, hung, beats, workers_ready=workers.ready())
         self.wake.set()
 
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
@@ -774,7 +799,7 @@ class Agent:
             start_timeout_s=self.cfg.start_timeout_s,
         )
 
-    def _report_hang(self, round_: int, hung: list[int], beats: dict[int, Beat]) -> None:
+    def _report_hang(self, round_: int, hung: list[int], beats: dict[int, Beat], *, workers_ready: int = -1) -> None:
         """The round ended here on a hang of local ranks ``hung``."""
         self.finished_rounds.add(round_)
         self.pending_reports[round_] = Report(
@@ -784,6 +809,7 @@ class Agent:
             self.uid,
             self.clock.time(),
             step=max((b.step for b in beats.values()), default=-1),
+            workers_ready=workers_ready,
         )
 
     def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:

@@ -22,7 +22,10 @@ Rules, in order:
    failures. More failures
    in ``restart_window_s`` than ``max_restarts`` end the job as failed instead.
 4. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
-   rank 0 and hosts the rendezvous, so that role migrates when its host is lost.
+   rank 0 and hosts the rendezvous, so that role migrates when its host is lost. Under live
+   recovery, after a worker failure, a node with no warm replacement for it is left out while
+   at least ``min_nodes`` remain: the others go on at the smaller world size and it joins again
+   once warm (rule 2), instead of everyone waiting for a cold process start.
 5. The job fails at once, without spending the restart budget, when a member reports a
    ``fatal`` error (the workers said a restart cannot help, e.g. too many failed checkpoint
    commits), or on a **deterministic failure**: the workers failed with the same error message
@@ -49,6 +52,7 @@ from agents.records import (
     FAILED,
     FAILURE_CAUSES,
     FATAL,
+    HANG,
     NODE_LEFT,
     NODE_LOST,
     ROUND_REPAIR,
@@ -178,6 +182,23 @@ def _warm(state: JobState, member: Member, policy: Policy) -> bool:
     the running members do not wait for a cold start (interpreter, imports) in the new round."""
     status = state.status.get(member.node_id)
     return policy.recovery != "live" or (status is not None and status.workers_ready >= policy.nproc_per_node)
+
+
+def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Member]) -> list[Member]:
+    """Live recovery: the survivors need not wait for a cold start. A node whose failed worker
+    has no warm replacement (its report counts fewer warm processes than ``nproc_per_node``) is
+    left out of the next round while the others go on at the smaller world size — if at least
+    ``min_nodes`` remain; it joins again once it is warm (:func:`_warm`), at a step boundary.
+    Otherwise (restart mode, a fixed node count, a node with a warm spare) the round keeps it."""
+    cur = state.current
+    if policy.recovery != "live" or need.reason not in (WORKER_EXIT, HANG) or cur is None:
+        return members
+    reports = state.member_reports(cur.round)
+    cold = {n for n, r in reports.items() if r.outcome == FAILED and 0 <= r.workers_ready < policy.nproc_per_node}
+    kept = [m for m in members if m.node_id not in cold]
+    if not cold or len(kept) < policy.min_nodes:
+        return members
+    return kept
 
 
 def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[_Need | None, LeaderMemory]:
@@ -345,6 +366,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if not (all_reported or lost_only) and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
 
+    members = _without_cold(state, need, policy, members)
     restarts = dict(prev.restarts_by_cause) if prev else {}
     if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1

@@ -139,6 +139,14 @@ class LiveWorkers:
             len(self._spares),
         )
 
+    def refill(self, nproc: int) -> None:
+        """Between rounds: forget processes that died and start new ones, so that ``nproc`` of
+        them (survivors first) can serve the next round with the spares on top."""
+        self._assigned = {r: p for r, p in self._assigned.items() if p.alive()}
+        self._spares = [p for p in self._spares if p.alive()]
+        while len(self._assigned) + len(self._spares) < nproc + self.spares_wanted:
+            self._spares.append(self._start())
+
     def _take_spare(self) -> _Process:
         """A warm spare if there is one, else the oldest (the nearest to warm), else a new process."""
         self._spares = [p for p in self._spares if p.alive()]

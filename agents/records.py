@@ -272,6 +272,9 @@ class Report:
     time: float = 0.0
     step: int = -1  #: the newest step the workers reported before the round ended here (-1: none)
     error: str = ""  #: the workers' own error message, or a stand-in ("torchrun exit code 1")
+    #: live recovery: warm processes this node could serve the next round with, counted after the
+    #: failure (its survivors and warm spares); -1: not known (restart mode, older agents)
+    workers_ready: int = -1
 
     def to_json(self) -> str:
         return _dumps(self)

@@ -201,6 +201,47 @@ def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_the
         job.close()
 
 
+def test_without_a_warm_replacement_the_others_go_on_and_the_node_rejoins_once_warm(tmp_path, etcd, golden):
+    """No spares: a killed worker's replacement is a cold process (seconds of imports). The other
+    node does not wait for it: it trains on at world size 2; the node whose worker died keeps its
+    survivor and rejoins, healed from its peers, once the new process is warm."""
+    job = _cluster(tmp_path, etcd, step_sleep_s=0.25)  # the job must outlast the cold start
+    try:
+        for node in ("a", "b"):
+            job.start(node, "--recovery", "live", "--spares", "0", nnodes="1:2", nproc=2)
+        wait_for(lambda: len(job.events("live_restored", round=1)) == 4, 90, "both nodes in round 1")
+        job.wait_step(20)
+        other, failing = min(job.events("round_formed"), key=lambda e: e["new_round"])["members"]
+        kept, before = _serving(job, other, 1), _serving(job, failing, 1)
+        killed_at = time.time()
+        os.kill(before[1], signal.SIGKILL)
+        went_on = wait_for(
+            lambda: len(job.events("live_restored", round=2)) == 2 and job.events("live_restored", round=2),
+            30,
+            "round 2",
+        )
+        assert {e["world_size"] for e in went_on} == {2} and {e["source"] for e in went_on} == {"memory"}, went_on
+        assert _serving(job, other, 2) == kept and not _serving(job, failing, 2)
+        first_step = wait_for(
+            lambda: [m["time"] for m in job.metrics() if m["time"] > killed_at and m["world_size"] == 2], 30, "a step"
+        )[0]
+        print(f"worker kill without a spare -> first step of the others at world size 2: {first_step - killed_at:.2f}s")
+
+        back = wait_for(
+            lambda: len(job.events("live_restored", round=3)) == 4 and job.events("live_restored", round=3),
+            90,
+            "round 3",
+        )
+        assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+        assert {e["world_size"] for e in back} == {4} and {e["source"] for e in back} == {"live_peer"}, back
+        assert _serving(job, other, 3) == kept
+        assert _serving(job, failing, 3)[0] == before[0], "the failing node's survivor was restarted"
+        assert [e["round"] for e in job.events("resume_started")] == [1] * 4, "storage was read after the start"
+        _assert_bitwise_golden(tmp_path / "final.pt", golden)
+    finally:
+        job.close()
+
+
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:

@@ -106,8 +106,12 @@ class FakeJob:
         for node_id in node_ids:
             self.put(self.keys.started(g, node_id), self.uid(node_id))
 
-    def report(self, g: int, node_id: str, outcome: str, reason: str = "", *, time: float) -> None:
-        report = Report(outcome, reason, f"{outcome} on {node_id}", self.uid(node_id), time)
+    def report(
+        self, g: int, node_id: str, outcome: str, reason: str = "", *, time: float, workers_ready: int = -1
+    ) -> None:
+        report = Report(
+            outcome, reason, f"{outcome} on {node_id}", self.uid(node_id), time, workers_ready=workers_ready
+        )
         self.put(self.keys.report(g, node_id), report.to_json())
 
     def checkpoint(self, node_id: str, committed_step: int, *, at: float = T0 + 1) -> None:
@@ -469,6 +473,28 @@ def test_under_live_recovery_a_joiner_enters_only_once_its_workers_are_warm() ->
     job.checkpoint("b", 300, at=T0 + 8)
     record, memory = form(job, memory, T0 + 9, policy)
     assert record.reason == SCALE_UP and record.members == [*first.members, c]
+
+
+@pytest.mark.parametrize(
+    ("recovery", "min_nodes", "workers_ready", "left_out"),
+    [
+        ("live", 1, 1, True),  # no warm replacement: a goes on alone, b rejoins when warm
+        ("live", 1, 2, False),  # a warm spare replaces the worker: nobody waits, b stays
+        ("live", 1, -1, False),  # not known (an older agent): keep b
+        ("live", 2, 1, False),  # a fixed node count: the round waits for b's cold start
+        ("restart", 1, 1, False),  # restart mode restarts everyone anyway
+    ],
+)
+@pytest.mark.parametrize("reason", [WORKER_EXIT, HANG])
+def test_under_live_recovery_a_node_without_a_warm_replacement_is_left_out_while_enough_remain(
+    reason: str, recovery: str, min_nodes: int, workers_ready: int, left_out: bool
+) -> None:
+    policy = dataclasses.replace(POLICY, recovery=recovery, min_nodes=min_nodes)
+    job, memory, first = running_job("a", "b", policy=policy)
+    job.report(1, "b", FAILED, reason, time=T0 + 30, workers_ready=workers_ready)
+    record, memory = form(job, memory, T0 + 30.2, policy)
+    assert record.reason == reason
+    assert record.members == (first.members[:1] if left_out else first.members)
 
 
 def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
