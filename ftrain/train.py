@@ -40,7 +40,7 @@ from ftrain import heartbeat
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
-from ftrain.data import DataCursor, GlobalBatch, Ledger, accumulation_steps, build_source, micro_batches
+from ftrain.data import DataCursor, GlobalBatch, Ledger, build_source, micro_batches, micro_block, micro_steps
 from ftrain.data.synthetic import MarkovSource
 from ftrain.data.tokens import TokenFileSource
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
@@ -161,12 +161,17 @@ class Trainer:
         self.layout = compute_layout(
             cfg.parallel, world_size=world_size, rank=rank, local_world_size=local_world, n_head=n_head
         )
-        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.dp_size)
+        self.uneven = cfg.parallel.deterministic  #: blocks of micro-batches may differ by one between ranks
+        self.micro_per_step = micro_steps(
+            cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.dp_size, uneven=self.uneven
+        )
+        lo, hi = micro_block(self.micro_per_step, self.layout.dp_rank, self.layout.dp_size)
+        self.accum = hi - lo  #: this rank's micro-batches per step
         self.source = source if source is not None else build_source(cfg.data, cfg.model)
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         self.num_params = count_parameters(model)
-        self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.accum)
+        self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=current_round())
         self.ledger = (
@@ -324,7 +329,9 @@ class Trainer:
         step = self.cursor.step
         t0 = time.perf_counter()
         batch = self.cursor.next_global_batch()
-        micros = micro_batches(batch, self.layout.dp_rank, self.layout.dp_size, cfg.train.micro_batch_size)
+        micros = micro_batches(
+            batch, self.layout.dp_rank, self.layout.dp_size, cfg.train.micro_batch_size, uneven=self.uneven
+        )
         if self.ledger is not None:  # before any collective: once this rank's gradients are in a reduction,
             self.ledger.record(batch, micros)  # its peers may complete the step without it (live recovery)
         losses = []
@@ -406,8 +413,10 @@ class Trainer:
         micro-batches were spread over ranks.
         """
         layout = self.layout
+        width = -(-self.micro_per_step // layout.dp_size)  # the largest block (blocks may differ by one)
+        padding = [0.0] * (width - len(losses))
         local = torch.tensor(
-            [float(x) for x in losses] + [float(peak_memory_bytes(self.device))],
+            [float(x) for x in losses] + padding + [float(peak_memory_bytes(self.device))],
             dtype=torch.float64,
             device=self.device,
         )
@@ -417,7 +426,8 @@ class Trainer:
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
         for rank in range(0, layout.world_size, layout.tp_size):
-            for value in rows[rank, :-1].tolist():
+            lo, hi = micro_block(self.micro_per_step, rank // layout.tp_size, layout.dp_size)
+            for value in rows[rank, : hi - lo].tolist():
                 total += value
                 count += 1
         return total / count, [int(v) for v in rows[:, -1].tolist()]

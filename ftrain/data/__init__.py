@@ -59,6 +59,8 @@ from ftrain.data.cursor import (  # noqa: E402
     MicroBatch,
     accumulation_steps,
     micro_batches,
+    micro_block,
+    micro_steps,
 )
 from ftrain.data.ledger import Ledger, LedgerReport, check_exactly_once, read_ledger  # noqa: E402
 from ftrain.data.synthetic import CHAIN_STREAM, SAMPLE_STREAM, MarkovSource  # noqa: E402
@@ -115,6 +117,8 @@ __all__ = [
     "build_source",
     "check_exactly_once",
     "micro_batches",
+    "micro_block",
+    "micro_steps",
     "read_ledger",
     "write_token_file",
 ]

@@ -209,17 +209,51 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: i
     )
 
 
-def micro_batches(batch: GlobalBatch, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[MicroBatch]:
-    """Rank ``dp_rank``'s micro-batches: the contiguous global block ``[r*A, (r+1)*A)``."""
-    accum = accumulation_steps(len(batch.sample_ids), micro_batch_size, dp_size)
+def micro_steps(global_batch_size: int, micro_batch_size: int, dp_size: int, *, uneven: bool = False) -> int:
+    """Micro-batches per optimizer step over all data-parallel ranks, ``M = B / b``.
+
+    Each rank takes an equal share ``A = M / dp`` (:func:`accumulation_steps`: ConfigError when dp
+    does not divide M) — unless ``uneven``: the fixed-order reduction (``parallel.deterministic``)
+    sums every micro-batch alike, whichever rank holds it, so it takes blocks that differ by one
+    (:func:`micro_block`) and runs at any data-parallel size up to M."""
+    if not uneven:
+        return accumulation_steps(global_batch_size, micro_batch_size, dp_size) * dp_size
+    _require_int("global_batch_size", global_batch_size, minimum=1)
+    _require_int("micro_batch_size", micro_batch_size, minimum=1)
+    _require_int("dp_size", dp_size, minimum=1)
+    if global_batch_size % micro_batch_size:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{global_batch_size} is not a multiple of train.micro_batch_size={micro_batch_size}",
+        )
+    total = global_batch_size // micro_batch_size
+    if dp_size > total:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{global_batch_size} sequences in micro-batches of {micro_batch_size} give {total} micro-batches "
+            f"per step, fewer than the {dp_size} data-parallel ranks (each needs one): use at most {total} "
+            "ranks, a larger train.global_batch_size or a smaller train.micro_batch_size",
+        )
+    return total
+
+
+def micro_block(total_micro: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """Rank ``dp_rank``'s contiguous block ``[lo, hi)`` of a step's ``total_micro`` micro-batches:
+    ``[r*M//dp, (r+1)*M//dp)`` — ``A = M/dp`` each when dp divides M, else sizes differing by one."""
     _require_int("dp_rank", dp_rank, minimum=0)
     if dp_rank >= dp_size:
         raise DataError(f"dp_rank={dp_rank} is out of range for data-parallel size {dp_size}")
+    return dp_rank * total_micro // dp_size, (dp_rank + 1) * total_micro // dp_size
+
+
+def micro_batches(
+    batch: GlobalBatch, dp_rank: int, dp_size: int, micro_batch_size: int, *, uneven: bool = False
+) -> list[MicroBatch]:
+    """Rank ``dp_rank``'s micro-batches: its contiguous global block (:func:`micro_block`)."""
+    total = micro_steps(len(batch.sample_ids), micro_batch_size, dp_size, uneven=uneven)
+    lo, hi = micro_block(total, dp_rank, dp_size)
     b = micro_batch_size
-    return [
-        MicroBatch(index=m, sample_ids=batch.sample_ids[m * b : (m + 1) * b])
-        for m in range(dp_rank * accum, (dp_rank + 1) * accum)
-    ]
+    return [MicroBatch(index=m, sample_ids=batch.sample_ids[m * b : (m + 1) * b]) for m in range(lo, hi)]
 
 
 def _require_int(name: str, value: Any, *, minimum: int) -> None:

@@ -35,7 +35,7 @@ def _checkpoint_blocks(model: nn.Module) -> None:
 
 
 def parallelize(
-    model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, accum_steps: int
+    model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, micro_per_step: int
 ) -> Parallel:
     strategy = strategies.get(layout.strategy)
     model = model.to(device)
@@ -48,4 +48,4 @@ def parallelize(
         _checkpoint_blocks(model)
     model = strategy.apply_data_parallel(model, cfg.parallel, layout, mesh, device, compute_dtype)
     optimizer = strategy.make_optimizer(param_groups(model, cfg.optim), cfg.optim)
-    return strategy.make_parallel(model, optimizer, layout, device, compute_dtype, accum_steps)
+    return strategy.make_parallel(model, optimizer, layout, device, compute_dtype, micro_per_step)

@@ -6,7 +6,10 @@ not the world: a step's M micro-batches are the leaves of one canonical binary t
 ``[0, M)`` (each node ``[l, r)`` splits at ``l + 2**floor(log2(r - l - 1))``, so left children
 are perfect). A rank that holds micro-batches ``[a, b)`` sums them into the tree nodes that
 exactly cover its block (a segment-tree decomposition, usually one node), the nodes of all
-ranks are all-gathered, and every rank completes the same tree in the same order.
+ranks are all-gathered, and every rank completes the same tree in the same order. The blocks
+need not be equal: when the data-parallel size does not divide M they differ in size by one
+(:func:`ftrain.data.cursor.micro_block`), some ranks cover theirs with a few more nodes, and the
+result is still the same bits — so a job can shrink or grow to any world size up to M.
 
 Cost: the gather holds ``world_size x nodes_per_rank`` flattened gradients (nodes_per_rank is 1
 when the per-rank micro-batch count is a power of two that divides M), plus O(log A) partial
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ftrain.data.cursor import micro_block
 from ftrain.parallel.base import Parallel
 
 
@@ -74,16 +78,15 @@ def tree_sum(nodes: dict[tuple[int, int], torch.Tensor], lo: int, hi: int) -> to
 class DeterministicParallel(Parallel):
     """Replicated model; gradients reduced in a world-size-independent order."""
 
-    def __init__(self, *args, accum_steps: int, **kwargs):
+    def __init__(self, *args, micro_per_step: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.accum_steps = accum_steps
-        self.total_micro = accum_steps * self.layout.dp_size
-        block_lo = self.layout.dp_rank * accum_steps
-        self.my_nodes = cover(0, self.total_micro, block_lo, block_lo + accum_steps)
-        self.max_nodes = max(
-            len(cover(0, self.total_micro, r * accum_steps, (r + 1) * accum_steps)) for r in range(self.layout.dp_size)
-        )
+        self.total_micro = micro_per_step
+        dp = self.layout.dp_size
+        #: every rank's nodes: the cover of its block (blocks may differ in size by one)
+        self.nodes_of = [cover(0, micro_per_step, *micro_block(micro_per_step, r, dp)) for r in range(dp)]
+        self.my_nodes = self.nodes_of[self.layout.dp_rank]
+        self.max_nodes = max(len(nodes) for nodes in self.nodes_of)
         self._node_sums: list[torch.Tensor] = []
         self._partial = StreamingTreeSum()
         self._micro_seen = 0
@@ -108,9 +111,8 @@ class DeterministicParallel(Parallel):
         gathered = torch.empty(self.layout.dp_size * self.max_nodes, numel, dtype=local.dtype, device=local.device)
         dist.all_gather_single(gathered, local)
         nodes: dict[tuple[int, int], torch.Tensor] = {}
-        for r in range(self.layout.dp_size):
-            block_lo = r * self.accum_steps
-            for i, node in enumerate(cover(0, self.total_micro, block_lo, block_lo + self.accum_steps)):
+        for r, rank_nodes in enumerate(self.nodes_of):
+            for i, node in enumerate(rank_nodes):
                 nodes[node] = gathered[r * self.max_nodes + i]
         total = tree_sum(nodes, 0, self.total_micro) / self.total_micro
         offset = 0

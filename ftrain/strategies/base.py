@@ -162,7 +162,7 @@ class Strategy(abc.ABC):
         layout: Layout,
         device: torch.device,
         compute_dtype: torch.dtype,
-        accum_steps: int,
+        micro_per_step: int,
     ) -> Parallel:
         """The train loop's handle on model and optimizer (default: no gradient sync to do)."""
         from ftrain.parallel.base import Parallel

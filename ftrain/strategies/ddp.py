@@ -56,12 +56,12 @@ class DDP(Strategy):
         layout: Layout,
         device: torch.device,
         compute_dtype: torch.dtype,
-        accum_steps: int,
+        micro_per_step: int,
     ) -> Parallel:
         if layout.deterministic:
             from ftrain.parallel.deterministic import DeterministicParallel
 
-            return DeterministicParallel(model, optimizer, layout, device, compute_dtype, accum_steps=accum_steps)
+            return DeterministicParallel(model, optimizer, layout, device, compute_dtype, micro_per_step=micro_per_step)
         from ftrain.parallel.ddp import DDPParallel
 
         return DDPParallel(model, optimizer, layout, device, compute_dtype)

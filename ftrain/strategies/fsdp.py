@@ -60,7 +60,7 @@ class FSDP(Strategy):
         layout: Layout,
         device: torch.device,
         compute_dtype: torch.dtype,
-        accum_steps: int,
+        micro_per_step: int,
     ) -> Parallel:
         from ftrain.parallel.fsdp import FSDPParallel
 

@@ -64,7 +64,7 @@ class Zero1(DDP):
         layout: Layout,
         device: torch.device,
         compute_dtype: torch.dtype,
-        accum_steps: int,
+        micro_per_step: int,
     ) -> Parallel:
         from ftrain.parallel.ddp import Zero1Parallel
 

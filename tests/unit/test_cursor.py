@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftrain.config import ConfigError
-from ftrain.data import DataCursor, DataError, GlobalBatch, accumulation_steps, micro_batches
+from ftrain.data import DataCursor, DataError, GlobalBatch, accumulation_steps, micro_batches, micro_steps
 from ftrain.data.cursor import epoch_permutation
 
 
@@ -232,6 +232,20 @@ def test_micro_batches_validate_rank_and_divisibility() -> None:
         micro_batches(batch, -1, 3, 2)
     with pytest.raises(ConfigError):
         micro_batches(batch, 0, 5, 2)
+
+
+def test_uneven_blocks_cover_every_micro_batch_once_and_differ_by_at_most_one() -> None:
+    """The fixed-order reduction's blocks at a size that does not divide the step (24 / 2 = 12
+    micro-batches over 5 ranks), and the refusal when there are more ranks than micro-batches."""
+    batch = DataCursor(num_samples=100, global_batch_size=24, seed=2).next_global_batch()
+    per_rank = [[m.index for m in micro_batches(batch, r, 5, 2, uneven=True)] for r in range(5)]
+    assert sum(per_rank, []) == list(range(12))
+    assert sorted(len(block) for block in per_rank) == [2, 2, 2, 3, 3]
+    assert micro_steps(24, 2, 5, uneven=True) == 12 and micro_steps(24, 2, 4) == 12
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        micro_steps(24, 2, 5)  # an equal share is impossible without uneven blocks
+    with pytest.raises(ConfigError, match="at most 12 ranks"):
+        micro_steps(24, 2, 13, uneven=True)
 
 
 # -- state read from a checkpoint is validated before use (issue #8) --------------------------
