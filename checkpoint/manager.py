@@ -351,6 +351,12 @@ class CheckpointManager:
         self._async_group = None
         self._stager = None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.async_mode != "off" and dist.is_initialized():
+            # The async saves' own group (their collectives run beside training's), formed now,
+            # while every rank builds its manager, not at the first save: a rendezvous in the
+            # middle of a round is one that a peer's death leaves retrying it until the
+            # process-group timeout, out of reach of the round watchdog.
+            self._group()
 
     # -- saving --------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], fields: dict[str, Any], *, sync: bool = False) -> bool:

@@ -8,3 +8,7 @@ USAGE = 2
 CHECKPOINT = 3
 """A worker stopped on a checkpoint error: no committed step can be loaded, or commits keep failing
 (the message says which and why)."""
+STUCK = 4
+"""A live worker that its round watchdog could not free from a round its agent had left (blocked
+where no socket shutdown reaches, e.g. a rendezvous retrying a dead peer) ended itself; its agent
+replaces it like any failed worker."""

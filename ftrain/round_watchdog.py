@@ -15,6 +15,11 @@ assignment (or a stop) appeared, it ends the round's communication from the side
   ``abort()`` from another thread does not unblock a gloo collective; the shutdown does.
 
 The train loop then sees a failed collective and leaves the round as after any peer's failure.
+Some waits no shutdown reaches: a rendezvous (a new process group) retrying to connect to a peer
+that died has no connection to shut down, and gloo retries until the process-group timeout. If
+the loop has still not left the round :data:`GIVE_UP_S` after the interruption, the watchdog
+writes every thread's stack to stderr and ends the process (exit :data:`contract.exits.STUCK`):
+its agent replaces it like any failed worker, which costs one process, not a timeout.
 How long it waits first depends on why the round changed. When the new round replaces one that
 lost a member (``Assignment.interrupt``: a worker died or hung, a node's lease expired), that
 round cannot finish its step anyway: the watchdog acts at once. Otherwise (a node joins, one
@@ -25,19 +30,24 @@ and leaves in agreement, losing no work.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from contract import exits
 from contract.control import Assignment, ControlFile
 from ftrain.distributed import sever_connections
 
 log = logging.getLogger(__name__)
 
 MIN_GRACE_S = 1.0
+GIVE_UP_S = 10.0
 POLL_S = 0.05
 
 
@@ -64,8 +74,10 @@ class RoundWatchdog:
         current_round: int,
         step_time_s: Callable[[], float],
         keep_ports: set[int],
+        give_up_s: float = GIVE_UP_S,
     ):
         self._control = ControlFile(control_path)
+        self._give_up_s = give_up_s
         self._round = current_round
         self._step_time_s = step_time_s
         self._keep_ports = keep_ports
@@ -111,7 +123,23 @@ class RoundWatchdog:
                 f"because {why}: {done}"
             )
             log.warning("round watchdog: %s", self.fired)
+            if not self._stop.wait(self._give_up_s):
+                self._give_up()
             return
 
+    def _give_up(self) -> None:
+        log.error(
+            "round watchdog: still in round %d %.0fs after interrupting it; ending this worker (exit %d) "
+            "so that its agent replaces it. Every thread's stack:",
+            self._round,
+            self._give_up_s,
+            exits.STUCK,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(exits.STUCK)  # the main thread is blocked: no orderly exit can run
 
-__all__ = ["RoundWatchdog", "grace_for", "interrupt_collectives", "MIN_GRACE_S"]
+
+__all__ = ["RoundWatchdog", "grace_for", "interrupt_collectives", "MIN_GRACE_S", "GIVE_UP_S"]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from contract import exits
 from ftrain.round_watchdog import MIN_GRACE_S
 from testbed.jobs import run, worker_env
 
@@ -33,3 +34,31 @@ def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alon
         # freed after the grace (at once for an interrupting round), not at the process-group
         # timeout (torchrun's default: 30 minutes)
         assert freed_within_s[0] <= got["freed_s"] < freed_within_s[1], got
+
+
+STUCK_WORKER = """
+import sys, time
+from contract.control import Assignment, ControlFile
+from ftrain.round_watchdog import RoundWatchdog
+
+control = ControlFile(sys.argv[1])
+def assign(round_):
+    control.write(Assignment(round=round_, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                             nnodes=1, master_addr="127.0.0.1", master_port=29500, interrupt=True))
+assign(1)
+with RoundWatchdog(control.path, 1, lambda: 0.01, set(), give_up_s=0.5):
+    assign(2)
+    time.sleep(60)  # blocked where no socket shutdown reaches
+print("left the round")
+"""
+
+
+def test_a_rank_that_cannot_be_freed_ends_itself_with_its_stacks(tmp_path):
+    """What no shutdown reaches (here: a sleep; in a job, a rendezvous retrying a dead peer) is
+    ended by the process's exit, so that its agent replaces it instead of waiting for a timeout."""
+    proc = run([sys.executable, "-c", STUCK_WORKER, str(tmp_path / "control")], timeout_s=30, env=worker_env())
+    assert proc.returncode == exits.STUCK, proc.stdout[-4000:]
+    assert "left the round" not in proc.stdout
+    assert "ending this worker" in proc.stdout
+    blocked_line = next(n for n, line in enumerate(STUCK_WORKER.splitlines(), 1) if "time.sleep(60)" in line)
+    assert f'File "<string>", line {blocked_line}' in proc.stdout, proc.stdout[-4000:]  # the main thread's stack

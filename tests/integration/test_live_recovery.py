@@ -219,6 +219,7 @@ def test_without_a_warm_replacement_the_others_go_on_and_the_node_rejoins_once_w
             lambda: len(job.events("live_restored", round=2)) == 2 and job.events("live_restored", round=2),
             30,
             "round 2",
+            context=lambda: job.log_tail(6000),
         )
         assert {e["world_size"] for e in went_on} == {2} and {e["source"] for e in went_on} == {"memory"}, went_on
         assert _serving(job, other, 2) == kept and not _serving(job, failing, 2)
