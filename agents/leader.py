@@ -359,9 +359,8 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         and set(cur.members) == set(members)
         and len(state.member_reports(cur.round)) == len(cur.members)
     )
-    lost_only = (  # a node lost and nobody joining: no last call to wait for (a new leader still settles)
-        need.reason == NODE_LOST and cur is not None and set(members) <= set(cur.members)
-    ) and now - memory.leader_since >= policy.settle_s
+    # a node lost and nobody joining: no last call to wait for
+    lost_only = need.reason == NODE_LOST and cur is not None and set(members) <= set(cur.members)
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
     if not (all_reported or lost_only) and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory

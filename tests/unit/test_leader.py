@@ -359,9 +359,25 @@ def test_replaced_agent_is_a_lost_member_and_rejoins_last() -> None:
     assert record.members == [first.members[1], first.members[2], new_a]  # b now hosts the rendezvous
 
 
-def test_new_leader_waits_settle_s_before_acting_on_a_missing_member() -> None:
+def test_new_leader_forms_a_node_lost_round_at_once() -> None:
+    # The old leader's node is lost, its memory with it: the new leader acts on etcd's records
+    # alone, which say that a member is gone and nobody joins, so there is no last call to wait for.
+    job, _, first = running_job("a", "b", "c")
+    job.lose("a")
+    elected_at = T0 + 50
+    memory = LeaderMemory(
+        leader_since=elected_at, live=frozenset(job.state().live_members()), live_changed_at=elected_at
+    )
+    record, memory = form(job, memory, elected_at)
+    assert record.reason == NODE_LOST
+    assert record.members == first.members[1:]
+
+
+def test_new_leader_waits_settle_s_when_a_lost_node_was_replaced() -> None:
+    # A member is gone and a node not in the round is live: a joiner, so the last call applies.
     job, _, _ = running_job("a", "b", "c")
-    job.lose("a")  # the old leader's node, say: its memory goes with it
+    job.lose("a")
+    job.join("d")
     elected_at = T0 + 50
     memory = LeaderMemory(
         leader_since=elected_at, live=frozenset(job.state().live_members()), live_changed_at=elected_at
