@@ -74,6 +74,7 @@ from agents.workers import (
     Launch,  # the floor runs the agent's own launcher command
     descendants,
 )
+from bench import steady_state
 from bench.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
 from contract.events import Event
 from testbed.etcd import EtcdServer, free_ports
@@ -94,7 +95,6 @@ TORCHRUN_LAUNCH = "Starting worker group"
 TARGET_NODE_LOSS_SPEEDUP = 3.0
 TARGET_WORKER_CRASH_OVER_FLOOR = 1.5
 TARGET_LIVE_WORKER_KILL_S = 1.0
-TARGET_STEADY_STATE = 1.01
 POLL_S = 0.05
 
 
@@ -773,14 +773,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout-s", type=float, default=120.0, help="limit to reach --fault-step (default 120)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events, metrics)")
     p.add_argument(
+        "--steady-repeats",
+        type=int,
+        default=3,
+        help="pairs of fault-free runs for steady_state_vs_torchrun (bench/steady_state.py; 0: skip; default 3)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
-        help="the test suite's run: a worker kill under ftrain_live and ftrain_restart, early, no floor",
+        help="the test suite's run: a worker kill, ftrain_live and ftrain_restart, early, no floor or steady state",
     )
     args = p.parse_args(argv)
     if args.smoke:
         args.faults, args.systems, args.repeats = "worker_kill", "ftrain_live,ftrain_restart", 1
-        args.ckpt_interval, args.fault_step = 10, 40
+        args.ckpt_interval, args.fault_step, args.steady_repeats = 10, 40, 0
     faults = [f for f in args.faults.split(",") if f]
     systems = [s for s in args.systems.split(",") if s and not (args.quick and s == "torchrun_default")]
     bad = [x for x in faults if x not in FAULTS] + [x for x in systems if x not in SYSTEMS]
@@ -828,6 +834,16 @@ def main(argv: list[str] | None = None) -> int:
                         floors.append(floor)
                         state = f"{floor.marks.total_s:.2f}s" if floor.marks else f"FAILED: {floor.error}"
                         print(f"  [{rep}] floor (static torchrun x2 from a checkpoint): {state}", flush=True)
+        steady_summary = (
+            steady_state.measure(
+                steady_state.DEFAULT_CONFIG, repeats=args.steady_repeats, steps=300, warmup=30, recovery="live"
+            )
+            if args.steady_repeats > 0
+            else None
+        )
+    except steady_state.RunFailed as e:
+        print(f"steady state not measured: {e}", flush=True)
+        steady_summary = None
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -858,10 +874,6 @@ def main(argv: list[str] | None = None) -> int:
     def total(fault: str, system: str) -> float | None:
         return results.get(fault, {}).get(system, {}).get("total_s")
 
-    def steady(system: str) -> float | None:
-        values = [r[system]["steady_step_s"] for r in results.values() if r.get(system, {}).get("steady_step_s")]
-        return statistics.median(values) if values else None
-
     summary = {
         "bench": "recovery",
         "live_worker_kill_s": total("worker_kill", "ftrain_live"),
@@ -871,7 +883,8 @@ def main(argv: list[str] | None = None) -> int:
             total("worker_kill", "torchrun_tuned"), total("worker_kill", "ftrain_live")
         ),
         "live_speedup_vs_restart": _ratio(total("worker_kill", "ftrain_restart"), total("worker_kill", "ftrain_live")),
-        "steady_state_vs_torchrun": _ratio(steady("ftrain_live"), steady("torchrun_tuned")),
+        # fault-free runs side by side with torchrun --standalone (bench/steady_state.py)
+        "steady_state_vs_torchrun": steady_summary["steady_state_vs_torchrun"] if steady_summary else None,
         "soak_goodput_live": None,  # a soak, not this bench: ftrain chaos run chaos/scenarios/soak.toml
         "node_loss_speedup_vs_torchrun_default": _ratio(
             total("node_loss", "torchrun_default"), total("node_loss", "ftrain_restart")
@@ -893,12 +906,13 @@ def main(argv: list[str] | None = None) -> int:
             "live_worker_kill_s": f"<= {TARGET_LIVE_WORKER_KILL_S}",
             "live_node_loss_s": f"<= lease TTL + 1 = {LEASE_TTL_S + 1}",
             "live_hang_s": f"<= hang_timeout_s + 1 = {HANG_TIMEOUT_S + 1:g}",
-            "steady_state_vs_torchrun": f"<= {TARGET_STEADY_STATE}",
+            "steady_state_vs_torchrun": f"<= {steady_state.TARGET_RATIO}",
             "node_loss_speedup_vs_torchrun_default": f">= {TARGET_NODE_LOSS_SPEEDUP}",
             "worker_crash_over_floor": f"<= {TARGET_WORKER_CRASH_OVER_FLOOR}",
         },
         "results": results,
         "floor": floor,
+        "steady_state": steady_summary,
         "settings": {
             **asdict(settings),
             "repeats": args.repeats,
@@ -916,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
         "live_worker_kill_s": TARGET_LIVE_WORKER_KILL_S,
         "live_node_loss_s": LEASE_TTL_S + 1,
         "live_hang_s": HANG_TIMEOUT_S + 1,
-        "steady_state_vs_torchrun": TARGET_STEADY_STATE,
+        "steady_state_vs_torchrun": steady_state.TARGET_RATIO,
     }
     summary["targets_met"] = {
         **{k: None if summary[k] is None else summary[k] <= limit for k, limit in limits.items()},
