@@ -179,6 +179,32 @@ def loads_were_committed(events: list[dict[str, Any]], observed_commits: dict[Co
     return Check("loads_were_committed_and_intact", not bad, detail)
 
 
+def resumed_from_the_newest_commit(events: list[dict[str, Any]], observed_commits: dict[CommitId, float]) -> Check:
+    """No round went back past a checkpoint: each round's state (rank 0's ``live_restored``, or its
+    ``resumed`` under restart recovery) is at least the newest step committed before that round
+    was formed — from storage or from a live peer alike. Excluded: commits chaos damaged, and steps
+    a load refused. A job that quietly started over, or took an old replica over a newer
+    checkpoint, fails this even though its final state may still match the golden run."""
+    damaged = damaged_commits(events)
+    refused = {e["step"] for e in _of(events, Event.CKPT_CORRUPT)}
+    formed = {e["new_round"]: e["time"] for e in _of(events, Event.ROUND_FORMED)}
+    restores: dict[int, dict[str, Any]] = {}
+    for name in (Event.RESUMED, Event.LIVE_RESTORED):  # live_restored, where there is one, wins
+        restores.update({e["round"]: e for e in _of(events, name) if e.get("rank") == 0})
+    bad = []
+    for round_, e in sorted(restores.items()):
+        at = formed.get(round_, e["time"])
+        newer = [
+            commit[0]
+            for commit, seen in observed_commits.items()
+            if seen < at and commit[0] > e["step"] and commit not in damaged and commit[0] not in refused
+        ]
+        if newer:
+            bad.append(f"round {round_} went on from step {e['step']} although step {max(newer)} was committed")
+    detail = "; ".join(bad) if bad else f"{len(restores)} round(s), each from the newest commit or later"
+    return Check("resumed_from_the_newest_commit", not bad, detail)
+
+
 def _committed_by_event(events: list[dict[str, Any]], commit: CommitId, before: float) -> bool:
     """A worker logged the commit of that step between the manifest's creation and ``before``."""
     return any(e["step"] == commit[0] and commit[1] <= e["time"] <= before for e in _of(events, Event.CKPT_COMMITTED))

@@ -256,6 +256,7 @@ def run_scenario(
             invariants.final_state_matches(golden, final_path, job.tolerance if not job.deterministic else 0.0),
             invariants.committed_checkpoints_verify(storage, all_events),
             invariants.loads_were_committed(all_events, watcher.commits),
+            invariants.resumed_from_the_newest_commit(all_events, watcher.commits),
             invariants.exactly_once(ledger_dir, cfg, job.steps),
             invariants.faults_handled(all_events),
         ]

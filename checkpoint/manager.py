@@ -421,6 +421,11 @@ class CheckpointManager:
         self.on_event(ev.CkptStaged(step=step, staging_s=time.monotonic() - started))
         return True
 
+    @property
+    def uploading(self) -> bool:
+        """A background save has not been seen to finish (the next save would wait for it, or skip)."""
+        return self._in_flight is not None
+
     def _group(self):
         if self._async_group is None and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")

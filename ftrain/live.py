@@ -248,6 +248,7 @@ def serve(cfg: Config) -> None:
             hb.assign(assignment.round, assignment.rank, assignment.local_rank)
             hb.beat(held.step if held else -1, phase="starting")
         trainer: Trainer | None = None
+        restored_now = False  #: this round's trainer holds the agreed state (restore completed)
         began = time.monotonic()
         step_time_s = lambda: trainer.last_step_time_s if trainer else 0.0  # noqa: B023, E731 - this round's
         watchdog = RoundWatchdog(env.control, assignment.round, step_time_s, keep_ports)
@@ -284,7 +285,7 @@ def serve(cfg: Config) -> None:
                         state_s=round(done - built, 4),
                     )
                 )
-                held = None
+                held, restored_now = None, True
                 result = trainer.run(resume=False)
         except BaseException as e:
             if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
@@ -292,7 +293,7 @@ def serve(cfg: Config) -> None:
                 if trainer is not None:
                     trainer.close()
                 raise
-            held = _leave_round(trainer, held, assignment, watchdog.fired or e, hb, keep_ports)
+            held = _leave_round(trainer, restored_now, held, assignment, watchdog.fired or e, hb, keep_ports)
         else:
             finish(trainer, result)
             return
@@ -306,6 +307,7 @@ def serve(cfg: Config) -> None:
 
 def _leave_round(
     trainer: Trainer | None,
+    restored: bool,
     held: HeldState | None,
     assignment: Assignment,
     why: BaseException | str,
@@ -313,13 +315,17 @@ def _leave_round(
     keep_ports: set[int],
 ) -> HeldState | None:
     """Keep what this rank holds, end the round's process groups (aborted first, so that no
-    peer stays blocked on this rank, and an in-flight save fails at once), tell the agent we wait."""
-    if trainer is not None:
+    peer stays blocked on this rank, and an in-flight save fails at once), tell the agent we wait.
+    What this rank holds is its trainer's last complete step only if that trainer's restore
+    completed (``restored``): one that failed during it holds a fresh or half-loaded model, and
+    what the rank held before the round (``held``) is still the truth."""
+    if trainer is not None and restored:
         held = hold(trainer)
     abort_distributed(keep_ports)
     if trainer is not None:
-        assert held is not None
-        trainer.events.emit(ev.LiveRoundLeft(step=held.step, why=str(why).splitlines()[0][:300] if str(why) else ""))
+        trainer.events.emit(
+            ev.LiveRoundLeft(step=held.step if held else -1, why=str(why).splitlines()[0][:300] if str(why) else "")
+        )
         trainer.close()
     log.warning(
         "round %d ended for rank %d (%s: %s); holding step %s",

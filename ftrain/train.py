@@ -236,10 +236,12 @@ class Trainer:
             loss = self._step()
             done = self.cursor.step
             if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
-                blocking = cfg.checkpoint.async_mode == "off"
-                if blocking:  # a whole save may take longer than the hang timeout
+                # A blocking save, or one that first waits for the previous upload (when_busy =
+                # wait), may take longer than the hang timeout: the agent applies the start
+                # timeout meanwhile. Otherwise the save blocks only for staging.
+                if cfg.checkpoint.async_mode == "off" or self.ckpt.manager.uploading:
                     self._beat(done, "saving")
-                self.ckpt.save(done)  # async modes block only for staging: the step's timeout applies
+                self.ckpt.save(done)
                 self._check_commit_failures()
             maybe_crash(done, self.rank)
             maybe_slow_down()

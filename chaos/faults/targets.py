@@ -46,6 +46,12 @@ def pick_worker(ctx: Context, node: str) -> tuple[str, int]:
         raise FaultError("no live worker to act on within 120 s") from None
 
 
+def round_workers(ctx: Context) -> list[int]:
+    """Every live worker of the current round, on every node."""
+    g = current_round(ctx)
+    return sorted(p for n in ctx.cluster.live_nodes() for p in ctx.cluster.worker_pids(n, g) if not process_gone(p))
+
+
 def send_signal(pid: int, sig: int) -> None:
     """Signal ``pid``; a process already gone is not an error."""
     try:

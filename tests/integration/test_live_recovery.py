@@ -16,7 +16,7 @@ import torch
 
 from agents.workers import descendants
 from chaos.cluster import Cluster
-from chaos.s3proxy import S3FaultProxy
+from chaos.s3proxy import FaultRates, S3FaultProxy
 from ftrain.heartbeat import process_gone
 from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from testbed.wait import wait_for
@@ -156,6 +156,32 @@ def test_under_fsdp_the_survivors_load_the_last_checkpoint_in_process(tmp_path, 
         _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
     finally:
         job.close()
+
+
+def test_a_save_waiting_for_a_slow_upload_is_not_taken_for_a_hang(tmp_path, etcd, seaweed, s3_prefix):
+    """Every S3 request 0.6 s late: an upload outlasts the checkpoint interval and the next save
+    waits for it (when_busy = wait) far longer than the 2 s hang timeout. The worker says it is
+    saving, so its agent waits (start timeout) instead of killing it: one round, nothing lost."""
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        proxy.set_faults(FaultRates(latency=1.0, latency_s=0.6))
+        job = _cluster(
+            tmp_path,
+            etcd,
+            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
+            "--train.steps=50",
+            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
+            env=seaweed.env(),
+        )
+        try:
+            job.start("a", *LIVE, "--hang-timeout-s", "2", nnodes="1", nproc=1)
+            assert job.wait_exit("a", timeout_s=240) == 0, job.log_tail()
+        finally:
+            job.close()
+    times = {m["step"]: m["time"] for m in job.metrics()}
+    longest_s = max(times[s] - times[s - 1] for s in times if s - 1 in times)
+    assert longest_s > 2, f"no save waited longer than the hang timeout (longest gap {longest_s:.2f}s)"
+    assert not job.events("hang"), "a save in progress was taken for a hang"
+    assert [e["reason"] for e in job.events("round_formed")] == ["start"]
 
 
 def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_them(tmp_path, etcd, golden):

@@ -1,8 +1,9 @@
-"""The chaos invariant on loads judges each load against the commit it actually read."""
+"""The chaos invariants on loads: each load is judged against the commit it actually read, and no
+round goes on from a step older than the newest commit before it."""
 
 from __future__ import annotations
 
-from chaos.invariants import loads_were_committed
+from chaos.invariants import loads_were_committed, resumed_from_the_newest_commit
 
 
 def _ev(event: str, t: float, **fields):
@@ -48,3 +49,41 @@ def test_a_commit_seen_only_in_the_workers_events_counts():
     ]
     check = loads_were_committed(events, {})
     assert check.ok and "1 load(s)" in check.detail
+
+
+def test_a_round_that_went_on_from_before_the_newest_commit_fails():
+    # a rank whose restore failed once claimed its fresh trainer as step 0: the next round
+    # would have trained from scratch with step 300 on storage
+    events = [
+        _ev("round_formed", 200.0, new_round=5),
+        _ev("live_restored", 200.2, round=5, step=0, source="live_peer"),
+        _ev("live_restored", 200.2, round=5, step=0, source="live_peer", rank=1),
+    ]
+    check = resumed_from_the_newest_commit(events, {(300, 150.0): 150.5})
+    assert not check.ok and "round 5 went on from step 0 although step 300 was committed" in check.detail
+
+
+def test_rounds_from_the_newest_commit_or_a_newer_replica_pass():
+    events = [
+        _ev("round_formed", 100.0, new_round=1),
+        _ev("live_restored", 100.5, round=1, step=0, source="fresh"),
+        _ev("round_formed", 200.0, new_round=2),
+        _ev("resumed", 200.4, round=2, step=300),  # a storage load inside a live restore
+        _ev("live_restored", 200.5, round=2, step=300, source="storage"),
+        _ev("round_formed", 300.0, new_round=3),
+        _ev("live_restored", 300.1, round=3, step=341, source="live_peer"),  # ahead of the commit
+    ]
+    check = resumed_from_the_newest_commit(events, {(300, 150.0): 150.5, (400, 305.0): 305.5})
+    assert check.ok and "3 round(s)" in check.detail, check.detail
+
+
+def test_going_back_past_a_damaged_or_refused_commit_passes():
+    events = [
+        _ev("chaos_fault", 160.0, kind="ckpt_corrupt", ckpt_step=300, ckpt_created_time=150.0),
+        _ev("ckpt_corrupt", 170.0, step=250),
+        _ev("round_formed", 200.0, new_round=4),
+        _ev("resumed", 200.5, round=4, step=200),
+    ]
+    commits = {(200, 100.0): 100.5, (250, 120.0): 120.5, (300, 150.0): 150.5}
+    check = resumed_from_the_newest_commit(events, commits)
+    assert check.ok, check.detail

@@ -1,6 +1,7 @@
 """``ckpt_corrupt``: the newest committed checkpoint is damaged (``mode``: bit flip, truncation,
-deleted file or edited manifest; default a seeded choice), then, unless ``then_kill = false``, a
-worker is killed so that a load meets it. The record names the damaged commit (``ckpt_step``,
+deleted file or edited manifest; default a seeded choice), then, unless ``then_kill = false``,
+every worker of the round is killed so that a load meets it (under live recovery a single
+replacement would heal from a live peer and never read storage). The record names the damaged commit (``ckpt_step``,
 ``ckpt_created_time``): that commit is not verified at the end and must never be loaded after."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from chaos.corrupt import MODES, corrupt_step
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, send_signal
+from chaos.faults.targets import pick_worker, round_workers, send_signal
 from checkpoint.catalog import list_steps, newest_committed
 from testbed.wait import wait_for
 
@@ -30,8 +31,10 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     )
     if spec.params.get("then_kill", True):  # make a load meet it
         node, pid = pick_worker(ctx, spec.node)
-        send_signal(pid, signal.SIGKILL)
-        record.update(node=node, pid=pid)
+        everyone = round_workers(ctx)
+        for victim in everyone:
+            send_signal(victim, signal.SIGKILL)
+        record.update(node=node, pid=pid, pids=everyone)
     return record
 
 

@@ -1,6 +1,8 @@
-"""``kill_during_load``: with S3 slowed by ``latency_s`` (default 0.3 s), a kill forces a restart
-(the fault starts there); the restarted workers are killed while they load, recorded as a
-``chaos_fault_step`` of the same fault. The job restarts its workers again."""
+"""``kill_during_load``: with S3 slowed by ``latency_s`` (default 0.3 s), every worker of the
+current round is SIGKILLed (the fault starts there): nobody holds the state any more, so under
+either recovery mode the next round loads it from storage; one of the loading workers is killed
+while it loads, recorded as a ``chaos_fault_step`` of the same fault. The job recovers again.
+(Killing one worker would not do: under live recovery its replacement heals from a live peer.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, send_signal
+from chaos.faults.targets import pick_worker, round_workers, send_signal
 from chaos.faults.windows import with_slow_storage
 from contract import events as ev
 from contract.events import Event
@@ -27,9 +29,11 @@ def _loading(ctx: Context, after: float) -> bool:
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     def act() -> dict[str, Any]:
         node, pid = pick_worker(ctx, spec.node)
+        everyone = round_workers(ctx)
         t0 = time.time()
-        send_signal(pid, signal.SIGKILL)
-        record = ctx.emit(spec.kind, node=node, pid=pid, step=ctx.cluster.step())
+        for victim in everyone:
+            send_signal(victim, signal.SIGKILL)
+        record = ctx.emit(spec.kind, node=node, pid=pid, pids=everyone, step=ctx.cluster.step())
         wait_for(lambda: _loading(ctx, t0), 120, "a checkpoint load", poll_s=0.01)
         victim_node, victim = pick_worker(ctx, spec.node)
         send_signal(victim, signal.SIGKILL)
