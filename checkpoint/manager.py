@@ -30,6 +30,7 @@ What must stay true on load:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -198,9 +199,11 @@ def collect_garbage(
     hmac_key: bytes | None,
     on_event: EventSink = _no_event,
     job: str | None = None,
+    stop: threading.Event | None = None,
 ) -> list[str]:
     """Apply retention: never touches the newest committed step or an in-flight one. With
-    ``job``, another job's steps are not committed here (they never count as this job's newest)."""
+    ``job``, another job's steps are not committed here (they never count as this job's newest).
+    A set ``stop`` ends it between two directories. Returns the directories deleted."""
     steps = list_steps(storage, hmac_key, job=job)
     plan = plan_gc(
         steps,
@@ -211,11 +214,11 @@ def collect_garbage(
         modified_s=modified_times(storage, [s.dirname for s in steps if s.state != "committed"]),
         grace_s=retention.grace_s,
     )
-    if plan.delete:
-        apply_gc(storage, plan)
-        log.info("retention removed %s", ", ".join(plan.delete))
-        on_event(ev.CkptGc(deleted=plan.delete))
-    return plan.delete
+    deleted = apply_gc(storage, plan, stop=stop) if plan.delete else []
+    if deleted:
+        log.info("retention removed %s", ", ".join(deleted))
+        on_event(ev.CkptGc(deleted=deleted))
+    return deleted
 
 
 def _other_job(storage: Storage, dirname: str, job: str) -> str | None:
@@ -237,8 +240,8 @@ class StepPublisher:
     the current round may be uploading), then refuses a step that is committed under the
     current key and job, and clears any other directory of the same step (torn, marked corrupt,
     or with a manifest that this key/job does not accept: e.g. the old steps after a fresh start)
-    before any rank writes; ``commit`` checks the fence again, writes the manifest (the commit
-    point), then applies retention. ``fields["job"]`` is the writer's job id.
+    before any rank writes; ``commit`` checks the fence again and writes the manifest (the commit
+    point). ``fields["job"]`` is the writer's job id. Retention is the manager's, after the commit.
     """
 
     url: str
@@ -247,7 +250,6 @@ class StepPublisher:
     fields: dict[str, Any]
     hmac_key_env: str = ""
     fence: Fence | None = None
-    retention: Retention | None = None
 
     def prepare(self) -> None:
         if self.fence is not None:
@@ -286,11 +288,6 @@ class StepPublisher:
         hmac_key = hmac_key_from_env(self.hmac_key_env)
         storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", manifest.to_json(hmac_key))
         storage.write_bytes("latest", str(manifest.step).encode())
-        if self.retention is not None:
-            try:
-                collect_garbage(storage, self.retention, in_flight=set(), hmac_key=hmac_key, job=self.fields["job"])
-            except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
-                log.warning("retention after committing %s failed: %s", self.dirname, e)
 
 
 @dataclass
@@ -350,6 +347,7 @@ class CheckpointManager:
         self._in_flight: _InFlight | None = None
         self._async_group = None
         self._stager = None
+        self._gc: tuple[threading.Thread, threading.Event] | None = None  #: retention running beside training
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.async_mode != "off" and dist.is_initialized():
             # The async saves' own group (their collectives run beside training's), formed now,
@@ -373,7 +371,8 @@ class CheckpointManager:
                 self.on_event(ev.CkptSkipped(step=step, in_flight=self._in_flight.step))
                 return False
             log.info("checkpoint of step %d waits for step %d to finish uploading", step, self._in_flight.step)
-            self.wait()
+            self._wait_upload()
+        self._stop_gc()
         dirname = step_dir_name(step)
         publisher = StepPublisher(
             self.url,
@@ -382,7 +381,6 @@ class CheckpointManager:
             {**fields, "step": step, "digest_algorithm": self.digest, "job": self.job},
             self.hmac_key_env,
             self.fence,
-            Retention(self.keep_last, self.keep_every, self.gc_grace_s),
         )
         writer = DigestingWriter(
             self.storage.child_url(dirname), options=self.options, algorithm=self.digest, publisher=publisher
@@ -454,7 +452,14 @@ class CheckpointManager:
         return self.status
 
     def wait(self) -> SaveStatus:
-        """Block until the in-flight save (if any) is committed or failed."""
+        """Block until the in-flight save (if any) is committed or failed, and the retention
+        after it has run."""
+        self._wait_upload()
+        if self._gc is not None:
+            self._gc[0].join()
+        return self.status
+
+    def _wait_upload(self) -> None:
         flight = self._in_flight
         if flight is not None:
             try:
@@ -462,7 +467,6 @@ class CheckpointManager:
             except BaseException:  # noqa: BLE001 - reported by _finish_in_flight
                 pass
             self._finish_in_flight(flight)
-        return self.status
 
     def _finish_in_flight(self, flight: _InFlight) -> None:
         """Record how ``flight``, the in-flight save, ended (its future is done)."""
@@ -481,6 +485,7 @@ class CheckpointManager:
         self.status.consecutive_failures = 0
         log.info("checkpoint step %d committed in %.2fs", step, duration_s)
         self.on_event(ev.CkptCommitted(step=step, duration_s=duration_s))
+        self._collect_garbage_later()
 
     def _record_failure(self, step: int, err: BaseException) -> None:
         self.status.saves_failed += 1
@@ -519,6 +524,7 @@ class CheckpointManager:
         it makes the step corrupt (marked, fall back). ``build_state_dict`` must not judge the
         manifest: what it raises propagates.
         """
+        self._stop_gc()  # it must not delete a step that this load falls back to
         candidates, refusals = self._agree_or_raise(lambda: self._survey(load_step))
         for info in candidates:
             manifest, refusal = self._try_load(info, build_state_dict, validate)
@@ -694,8 +700,8 @@ class CheckpointManager:
             dist.barrier()
 
     # -- retention -----------------------------------------------------------------------
-    def collect_garbage(self) -> list[str]:
-        """Apply retention now (rank 0; saves also apply it after each commit)."""
+    def collect_garbage(self, stop: threading.Event | None = None) -> list[str]:
+        """Apply retention now (rank 0; after each commit it also runs in the background)."""
         if self.rank != 0:
             return []
         in_flight = {self._in_flight.step} if self._in_flight is not None else set()
@@ -706,7 +712,36 @@ class CheckpointManager:
             hmac_key=self._hmac_key(),
             on_event=self.on_event,
             job=self.job,
+            stop=stop,
         )
+
+    def _collect_garbage_later(self) -> None:
+        """Retention after a commit, beside training (rank 0), so that it never lengthens a save
+        (in a soak on a slow S3 it made saves outlast the checkpoint interval, and the loop waited).
+        The next save or load stops it between two directories first (:meth:`_stop_gc`): it
+        delays them by one directory's deletion at most, and never runs beside them (a save's
+        ``prepare`` could re-create a directory it is deleting); the next commit runs it again."""
+        if self.rank != 0:
+            return
+        self._stop_gc()
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                self.collect_garbage(stop)
+            except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
+                log.warning("retention after a commit failed: %s", e)
+
+        thread = threading.Thread(target=run, name="ckpt-retention", daemon=True)
+        self._gc = (thread, stop)
+        thread.start()
+
+    def _stop_gc(self) -> None:
+        if self._gc is not None:
+            thread, stop = self._gc
+            stop.set()
+            thread.join()
+            self._gc = None
 
     def close(self) -> None:
         self.wait()

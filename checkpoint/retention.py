@@ -12,14 +12,16 @@
   grace restarts when it is marked) is older than ``grace_s``. Then deleted, like any step the
   run has moved past.
 
-:func:`apply_gc` removes each directory's ``manifest.json`` first, so a deletion that dies half
-way leaves an uncommitted directory (removed by a later GC), never a committed one with holes.
+:func:`apply_gc` removes each directory's ``manifest.json`` first, so a deletion that dies (or
+is stopped) half way leaves an uncommitted directory (removed by a later GC), never a committed
+one with holes.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,12 +114,18 @@ def plan_gc(
     return plan
 
 
-def apply_gc(storage: Storage, plan: GcPlan, clear_multipart: bool = True) -> None:
-    """Delete every directory in ``plan.delete``: manifest first, then the rest, recursively.
-
-    With ``clear_multipart`` also abort unfinished multipart uploads under each deleted directory.
-    """
+def apply_gc(
+    storage: Storage, plan: GcPlan, clear_multipart: bool = True, stop: threading.Event | None = None
+) -> list[str]:
+    """Delete every directory in ``plan.delete``: manifest first, then the rest, recursively;
+    returns the directories deleted. With ``clear_multipart`` also abort unfinished multipart
+    uploads under each deleted directory. A set ``stop`` ends it before the next directory (the
+    rest waits for a later GC)."""
+    deleted: list[str] = []
     for dirname in plan.delete:
+        if stop is not None and stop.is_set():
+            log.info("gc: stopped before %s (%d of %d deleted)", dirname, len(deleted), len(plan.delete))
+            break
         if clear_multipart:
             aborted = storage.clear_multipart_uploads(dirname)
             if aborted:
@@ -125,6 +133,8 @@ def apply_gc(storage: Storage, plan: GcPlan, clear_multipart: bool = True) -> No
         storage.remove(f"{dirname}/{MANIFEST_NAME}")
         storage.remove(dirname, recursive=True)
         log.info("gc: deleted %s (%s)", dirname, plan.reasons.get(dirname, ""))
+        deleted.append(dirname)
+    return deleted
 
 
 def _entry_time(info: dict[str, Any]) -> float | None:

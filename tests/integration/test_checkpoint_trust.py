@@ -150,6 +150,31 @@ def test_retention_does_not_count_another_jobs_step_as_this_jobs_newest(tmp_path
     }
 
 
+def test_retention_runs_after_each_commit_beside_training_and_a_save_stops_it(tmp_path, monkeypatch):
+    """A commit's retention runs in the background: the save returns first, the next save stops
+    it between two directories (it never runs beside a save), and wait() lets it finish."""
+    import checkpoint.manager as manager_module
+
+    real_apply_gc, entered = manager_module.apply_gc, threading.Event()
+
+    def stalled_apply_gc(storage, plan, clear_multipart=True, stop=None):
+        entered.set()
+        assert stop is not None and stop.wait(60), "the next save did not stop the retention"
+        return real_apply_gc(storage, plan, clear_multipart, stop=stop)
+
+    root = tmp_path / "ck"
+    mgr = manager(root, keep_last=1)
+    monkeypatch.setattr(manager_module, "apply_gc", stalled_apply_gc)
+    save(mgr, 1, 2)  # the commit of step 2 starts a retention that would delete step 1
+    assert entered.wait(30), "no retention ran after the commit"
+    save(mgr, 3)  # stops it before any directory is deleted
+    assert {s.step for s in list_steps(Storage(str(root)))} == {1, 2, 3}
+    monkeypatch.setattr(manager_module, "apply_gc", real_apply_gc)
+    save(mgr, 4)
+    mgr.wait()
+    assert {s.step for s in list_steps(Storage(str(root)))} == {4}
+
+
 def test_a_signing_manager_needs_a_job_id(tmp_path, signed):
     with pytest.raises(CheckpointError, match="bound to a job id"):
         manager(tmp_path, job="", **signed)

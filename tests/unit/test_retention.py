@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -142,6 +143,24 @@ def test_apply_gc_deletes_only_planned_dirs(storage):
     assert storage.listdir("") == [step_dir_name(2), step_dir_name(3)]
     assert MANIFEST_NAME in storage.listdir(step_dir_name(2))
     apply_gc(storage, GcPlan(delete=[step_dir_name(1)]))  # already gone: no error
+
+
+def test_apply_gc_stops_between_directories(storage):
+    for s in (1, 2, 3, 4):
+        write_step(storage, s)
+    stop = threading.Event()
+    real_remove = storage.remove
+
+    def remove_then_stop(path: str, recursive: bool = False) -> None:
+        real_remove(path, recursive=recursive)
+        if recursive:
+            stop.set()  # a save wants the storage: it asked the GC to stop
+
+    storage.remove = remove_then_stop  # type: ignore[method-assign]
+    done = apply_gc(storage, GcPlan(delete=[step_dir_name(1), step_dir_name(2), step_dir_name(3)]), stop=stop)
+    assert done == [step_dir_name(1)]
+    assert storage.listdir("") == [step_dir_name(s) for s in (2, 3, 4)]
+    assert MANIFEST_NAME in storage.listdir(step_dir_name(2))  # not touched at all
 
 
 def test_modified_times(storage, tmp_path):
