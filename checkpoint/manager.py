@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.state_dict_saver import (
 
 from checkpoint.catalog import StepInfo, inspect_step, list_steps, read_manifest
 from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
-from checkpoint.dcp_io import METADATA_NAME, DigestingWriter, VerifiedReader
+from checkpoint.dcp_read import METADATA_NAME, VerifiedReader
+from checkpoint.dcp_write import DigestingWriter
 from checkpoint.errors import (
     CheckpointError,
     ChecksumMismatchError,

@@ -13,7 +13,7 @@ What must stay true:
 
 - no byte of a bytes item reaches an unrestricted unpickler: :class:`SafeLoadPlanner`,
   :class:`SafeEmptyStateDictLoadPlanner`, the planner guard of
-  :class:`checkpoint.dcp_io.VerifiedReader` and :func:`checkpoint.verify.check_pickled_items`
+  :class:`checkpoint.dcp_read.VerifiedReader` and :func:`checkpoint.verify.check_pickled_items`
   all load through :func:`load_bytes_item`;
 - the check and the load agree: :func:`metadata_problems` admits only references into files the
   manifest lists, inside their recorded size, with no stream transform, so the verification pass

@@ -235,7 +235,7 @@ def _parse_metadata(storage: Storage, dirname: str, manifest: Manifest | None = 
     when given: the very bytes parsed are the ones digested) parsed with the allow-list
     unpickler, never plain pickle. Only the bytes decide: the read happens outside the parse's
     ``try``, so a storage error propagates instead of becoming a corruption kind."""
-    from checkpoint.dcp_io import load_metadata  # torch: only when it is needed
+    from checkpoint.dcp_read import load_metadata  # torch: only when it is needed
 
     try:
         data = _read_metadata(storage, dirname, manifest)

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoint.dcp_io import VerifiedReader, load_metadata
+from checkpoint.dcp_read import VerifiedReader, load_metadata
 from checkpoint.digest import digest_bytes
 from checkpoint.errors import UnsafePickleError
 from checkpoint.export import export_step

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.dcp_io import METADATA_NAME, DigestingWriter, VerifiedReader, load_metadata
+from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata
+from checkpoint.dcp_write import DigestingWriter
 from checkpoint.digest import digest_bytes
 from checkpoint.errors import (
     ChecksumMismatchError,

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint.dcp_io import METADATA_NAME, DigestingWriter, VerifiedReader
+from checkpoint.dcp_read import METADATA_NAME, VerifiedReader
+from checkpoint.dcp_write import DigestingWriter
 from checkpoint.digest import digest_bytes
 from checkpoint.errors import ChecksumMismatchError
 from checkpoint.manifest import FileEntry
