@@ -1,7 +1,7 @@
 """Checkpoint cost on a real S3 server: training pause, save and load throughput against raw
 s3fs PUT/GET of the same bytes, and how much an upload in flight slows training steps.
 
-    python bench/checkpoint.py [--state-mb 300] [--repeats 3] [--no-process] [--timeout-s 420]
+    python bench/checkpoint.py [--state-mb 300] [--repeats 3] [--no-process] [--timeout-s 420] [--smoke]
 
 One SeaweedFS (``testbed.seaweed.SeaweedS3``, loopback) serves the whole run; every
 measurement writes under a key prefix of its own. One ``torchrun --standalone
@@ -29,13 +29,13 @@ exists, and then, side by side in the same processes:
 
 Every figure is the slowest rank's (ranks leave each measurement through a collective), each
 measurement is repeated ``--repeats`` times in interleaved order, and medians are reported.
-Prints a table with absolute figures and ratios, then one final JSON line.
+Prints a table with absolute figures and ratios, then one final JSON line. ``--smoke`` (the
+test suite's run) is the same run with a few MB of state and one repeat.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -53,19 +53,11 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 # Run as a script, this file's directory comes first on sys.path, and this file (bench/checkpoint.py)
 # would shadow the ``checkpoint`` package: drop the directory, put the repository first.
+# The other benches are then ``bench.<name>`` (a namespace package under the repository).
 sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() not in (BENCH, REPO)]
 
-
-def _load_strategies():
-    spec = importlib.util.spec_from_file_location("bench_strategies", BENCH / "strategies.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-_strategies = _load_strategies()
-_descendants, config_toml = _strategies._descendants, _strategies.config_toml
+from agents.workers import PidTracker, signal_pids
+from bench.strategies import config_toml
 
 #: Lines a worker prints for the driver to pass through; everything else is kept for errors.
 MARK = "[bench] "
@@ -77,21 +69,25 @@ MAX_INFLIGHT_STEPS = 80
 #: Piece size of the multi-stream raw GET (s3fs fetches a file's pieces concurrently).
 RANGE_BYTES = 16 << 20
 TARGETS = {"blocked_ratio": ("<=", 0.01), "save_vs_raw": (">=", 0.9), "load_vs_raw": (">=", 0.8)}
+#: --smoke: a few MB of state (4 blocks of width 64, vocabulary 1024), one repeat, both async modes.
+SMOKE_STATE_MB, SMOKE_REPEATS, SMOKE_TIMEOUT_S = 4.0, 1, 180.0
 
 
 # -- the model: ~--state-mb of fp32 params + AdamW m and v ---------------------------------
 def model_shape(state_mb: float) -> dict[str, int]:
     """A GPT whose params + AdamW state (12 bytes/param) come near ``state_mb`` MB: the first
-    width (preferring 512) that gives 2-16 blocks."""
-    vocab, seq = 4096, 64
+    width (preferring 512) that gives 2-16 blocks, with a vocabulary of 4096 (smaller ones only
+    for states under ~17 MB, which 4096 cannot reach)."""
+    seq = 64
     target = state_mb * 1e6 / 12
-    for d in (512, 384, 256, 768, 1024, 128):
-        block = 12 * d * d + 13 * d
-        embed = 2 * vocab * d + seq * d + 2 * d
-        n = round((target - embed) / block)
-        if 2 <= n <= 16:
-            return dict(vocab_size=vocab, seq_len=seq, n_layer=n, n_head=d // 64 or 1, d_model=d)
-    raise SystemExit(f"--state-mb {state_mb}: no GPT shape here gives that (try 40-1500)")
+    for vocab, widths in ((4096, (512, 384, 256, 768, 1024, 128)), (1024, (128, 64)), (256, (64,))):
+        for d in widths:
+            block = 12 * d * d + 13 * d
+            embed = 2 * vocab * d + seq * d + 2 * d
+            n = round((target - embed) / block)
+            if 2 <= n <= 16:
+                return dict(vocab_size=vocab, seq_len=seq, n_layer=n, n_head=d // 64 or 1, d_model=d)
+    raise SystemExit(f"--state-mb {state_mb}: no GPT shape here gives that (try 2-1500)")
 
 
 def num_params(shape: dict[str, int]) -> int:
@@ -479,6 +475,7 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
     out["headline_mode"] = head
     out["blocked_ratio"] = out["modes"][head]["blocked_ratio"] if head else None
     out["step_slowdown"] = out["modes"][head]["step_slowdown"] if head else None
+    out["step_slowdown_during_upload"] = out["step_slowdown"]  # (d), under the name the docs use
     out["spread_s"] = {
         "sync_save": _spread([x["blocked_s"] for x in sync]),
         "raw_put": _spread(res["raw_put_s"]),
@@ -657,15 +654,6 @@ notes:
   would show far less."""
 
 
-def _start_time(pid: int) -> str:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks); "" if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
 def run_job(args: argparse.Namespace, workdir: Path, s3: Any) -> tuple[int, str, Path]:
     out_path = workdir / "results.json"
     url = s3.url(f"bench-{int(time.time())}")
@@ -713,12 +701,11 @@ def run_job(args: argparse.Namespace, workdir: Path, s3: Any) -> tuple[int, str,
     reader.start()
     # Workers (own sessions) and DCP's checkpoint daemon are re-parented if torchrun dies first,
     # so remember every descendant seen while the job runs, with its start time (PID reuse).
-    seen: dict[int, str] = {}
+    seen = PidTracker(proc.pid)
     deadline = time.monotonic() + args.timeout_s
     try:
         while proc.poll() is None:
-            for pid in _descendants(proc.pid):
-                seen.setdefault(pid, _start_time(pid))
+            seen.refresh()
             if time.monotonic() > deadline:
                 kept.append(f"timed out after {args.timeout_s:.0f}s\n")
                 break
@@ -727,12 +714,10 @@ def run_job(args: argparse.Namespace, workdir: Path, s3: Any) -> tuple[int, str,
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        for pid, started in [*seen.items(), (proc.pid, "")]:
-            if pid == proc.pid or (started and _start_time(pid) == started):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        seen.refresh()
+        signal_pids(seen.live(), signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
         reader.join(timeout=5)
     return proc.returncode, "".join(kept), out_path
@@ -744,11 +729,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="repeats of each measurement (default 3)")
     p.add_argument("--no-process", action="store_true", help="skip async_mode=process")
     p.add_argument("--timeout-s", type=float, default=420, help="limit for the torchrun job (default 420)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the test suite's run: --state-mb {SMOKE_STATE_MB:g} --repeats {SMOKE_REPEATS}",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke and not args.worker:
+        args.state_mb, args.repeats = SMOKE_STATE_MB, SMOKE_REPEATS
+        args.timeout_s = min(args.timeout_s, SMOKE_TIMEOUT_S)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.worker:
@@ -784,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         num_params=params,
         shape=shape,
         repeats=args.repeats,
+        smoke=args.smoke,
         cores=os.cpu_count(),
         seaweed_rss_bytes=s3_rss,
         wall_s=round(time.perf_counter() - started, 1),

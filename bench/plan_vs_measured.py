@@ -1,12 +1,14 @@
 """Check ``ftrain plan``'s per-rank estimate against the peak RSS of real training runs.
 
     python bench/plan_vs_measured.py [--steps 3] [--strategies ddp,fsdp] [--micro-batch 4]
-                                     [--no-malloc-tuning]
+                                     [--model-size medium] [--no-malloc-tuning] [--smoke]
 
-Trains a ~34M-parameter GPT (vocab 8192, seq 256, d_model 512, 8 layers; fp32 on CPU) with
-``torchrun --standalone --nproc-per-node 2 -m ftrain train`` for a few steps per strategy, reads
-``peak_mem_bytes`` (each rank's peak RSS) from the metrics file, and prints the estimate's parts
-beside the measured peak and the relative error. Same environment as bench/strategies.py.
+Trains a ~34M-parameter GPT (``--model-size medium``: vocab 8192, seq 256, d_model 512, 8
+layers; fp32 on CPU) with ``torchrun --standalone --nproc-per-node 2 -m ftrain train`` for a few
+steps per strategy, reads ``peak_mem_bytes`` (each rank's peak RSS) from the metrics file, and
+prints the estimate's parts beside the measured peak and the relative error. Same environment as
+bench/strategies.py. ``--smoke`` (the test suite's run) does the same with bench/strategies.py's
+tiny model (0.14M parameters: the estimate is mostly the per-process baseline) for 2 steps.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from strategies import MODELS, RANKS, STRATEGIES, config_toml, run_with_retry, summarise, worker_env
+
+SMOKE_MODEL, SMOKE_STEPS, SMOKE_TIMEOUT_S = "tiny", 2, 120.0
 
 
 def _mb(n: int) -> str:
@@ -40,15 +44,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--retries", type=int, default=1, help="re-run a failed job this many times (default 1)")
     p.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")
+    p.add_argument(
+        "--model-size",
+        choices=sorted(MODELS),
+        default="medium",
+        help="bench/strategies.py's model sizes (default medium: 33.7M params)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the test suite's run: the {SMOKE_MODEL} model, {SMOKE_STEPS} steps",
+    )
     args = p.parse_args(argv)
+    if args.smoke:
+        args.model_size, args.steps = SMOKE_MODEL, SMOKE_STEPS
+        args.timeout_s = min(args.timeout_s, SMOKE_TIMEOUT_S)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if any(s not in STRATEGIES for s in strategies):
+    if not strategies or any(s not in STRATEGIES for s in strategies):
         p.error(f"strategies must be among {', '.join(STRATEGIES)}")
 
     from ftrain.config import load_config
     from ftrain.plan import Target, estimate, layout_for, model_stats
 
-    model = MODELS["medium"]["model"]
+    model = MODELS[args.model_size]["model"]
     train = {"global_batch_size": 2 * args.micro_batch, "micro_batch_size": args.micro_batch}
     env = worker_env(malloc_tuning=not args.no_malloc_tuning)
     rows = []
@@ -143,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "bench": "plan_vs_measured",
+                "smoke": args.smoke,
+                "model_size": args.model_size,
+                "steps": args.steps,
                 "num_params": stats.num_params,
                 "micro_batch": args.micro_batch,
                 "activation_checkpointing": args.activation_checkpointing,

@@ -1,7 +1,7 @@
 """Throughput and peak memory of every parallel strategy on the same model and global batch.
 
-    python bench/strategies.py [--steps 12] [--warmup 3] [--model-size tiny|small|medium]
-                               [--strategies ddp,zero1,...] [--no-malloc-tuning]
+    python bench/strategies.py [--steps 10] [--warmup 3] [--model-size tiny|small|medium]
+                               [--strategies ddp,zero1,...] [--no-malloc-tuning] [--smoke]
 
 Each strategy is a real ``torchrun --standalone -m ftrain train`` job on CPU/gloo (2 ranks;
 hsdp and fsdp+tp need 4). Every job gets the same environment: OMP_NUM_THREADS=1,
@@ -10,7 +10,9 @@ MALLOC_TRIM_THRESHOLD_=0 (glibc returns freed tensors, so peak RSS is live memor
 fragmentation). The first --warmup steps are dropped; tokens/s is the median of the rest,
 peak RSS the largest rank's. ``plan`` is ``ftrain plan``'s estimate for the same job.
 
-Prints a table, ratios to DDP, and one final JSON line with every number.
+Prints a table, ratios to DDP, and one final JSON line with every number. ``--smoke`` (the
+test suite's run) is the same path on the tiny model for a few steps: ddp, fsdp and the 4-rank
+hsdp unless ``--strategies`` says otherwise.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from ftrain.strategies import STRATEGIES  # the registry's names; torch-free
 
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise
 CORES_NOTE_THRESHOLD = 4
+#: --smoke: the tiny model, a few steps, a 2-rank replicated, a 2-rank sharded and a 4-rank job.
+SMOKE_STRATEGIES = ("ddp", "fsdp", "hsdp")
+SMOKE_STEPS, SMOKE_WARMUP, SMOKE_TIMEOUT_S = 4, 1, 120.0
 
 #: Model sizes. n_head is a multiple of 4 so tp (2 ranks) and fsdp+tp (tp=2) both split it.
 MODELS: dict[str, dict[str, Any]] = {
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per strategy (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="leading steps left out of the median (default 3)")
     p.add_argument("--model-size", choices=sorted(MODELS), default="small")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
+    p.add_argument("--strategies", help=f"comma-separated (default: all; with --smoke: {','.join(SMOKE_STRATEGIES)})")
     p.add_argument("--timeout-s", type=float, default=600, help="per job (default 600)")
     p.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")
     p.add_argument(
@@ -256,11 +261,21 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="re-run a failed job this many times (default 1; every failure is reported)",
     )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the test suite's run: tiny model, {SMOKE_STEPS} steps ({SMOKE_WARMUP} warm-up), "
+        f"{','.join(SMOKE_STRATEGIES)} unless --strategies",
+    )
     args = p.parse_args(argv)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.smoke:
+        args.model_size, args.steps, args.warmup = "tiny", SMOKE_STEPS, SMOKE_WARMUP
+        args.timeout_s = min(args.timeout_s, SMOKE_TIMEOUT_S)
+    default = SMOKE_STRATEGIES if args.smoke else STRATEGIES
+    strategies = [s.strip() for s in (args.strategies or ",".join(default)).split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        p.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    if unknown or not strategies:
+        p.error(f"unknown or no strategies {unknown}; choose from {', '.join(STRATEGIES)}")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
@@ -325,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "bench": "strategies",
+                "smoke": args.smoke,
                 "model_size": args.model_size,
                 "num_params": num_params,
                 "steps": args.steps,

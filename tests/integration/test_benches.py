@@ -33,3 +33,71 @@ def test_the_steady_state_bench_smoke_run_compares_the_agent_with_torchrun():
     ratio = summary["agent_step_s"] / summary["torchrun_step_s"]
     assert summary["steady_state_vs_torchrun"] == pytest.approx(ratio, abs=1e-3)
     assert isinstance(summary["target_met"], bool)
+
+
+def _smoke(script: str, *, timeout_s: float) -> dict:
+    """Run ``bench/<script> --smoke``; it exits 0 and its last line of output is its JSON summary."""
+    proc = run([sys.executable, f"bench/{script}", "--smoke"], timeout_s=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(360)
+def test_the_strategies_bench_smoke_run_measures_each_strategy_and_its_plan():
+    summary = _smoke("strategies.py", timeout_s=340)
+    assert summary["bench"] == "strategies" and summary["smoke"] and summary["model_size"] == "tiny"
+    results = {r["strategy"]: r for r in summary["results"]}
+    assert list(results) == ["ddp", "fsdp", "hsdp"]
+    for name, r in results.items():
+        assert r["ok"] and r["ranks"] == (4 if name == "hsdp" else 2), r
+        assert r["steps_measured"] == summary["steps"] - summary["warmup"] > 0
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and 0 < r["final_loss"] < 10
+        assert len(r["peak_rss_per_rank"]) == r["ranks"] and r["peak_rss_bytes"] == max(r["peak_rss_per_rank"])
+        # every rank pays ftrain.plan.CPU_BASELINE_BYTES (335 MB) before the model: both sides include it
+        assert r["peak_rss_bytes"] > 100e6 and r["plan_bytes"] > 100e6
+        assert abs(r["plan_bytes"] - r["peak_rss_bytes"]) < 0.2 * r["peak_rss_bytes"], r
+
+
+@pytest.mark.timeout(300)
+def test_the_plan_vs_measured_bench_smoke_run_compares_the_estimate_with_the_peak():
+    summary = _smoke("plan_vs_measured.py", timeout_s=280)
+    assert summary["bench"] == "plan_vs_measured" and summary["model_size"] == "tiny" and summary["num_params"] > 0
+    rows = {r["strategy"]: r for r in summary["results"]}
+    assert list(rows) == ["ddp", "fsdp"]
+    for row in rows.values():
+        assert row["ok"] and row["failed_attempts"] == [], row
+        parts = ("model_state_bytes", "activation_bytes", "transient_bytes", "init_bytes", "overhead_bytes")
+        assert all(row[k] >= 0 for k in parts) and row["estimate_bytes"] > row["model_state_bytes"] > 0
+        assert row["measured_bytes"] == max(row["measured_per_rank"]) > 0
+        assert row["relative_error"] == pytest.approx(
+            (row["estimate_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
+        )
+        assert abs(row["relative_error"]) < 0.2, row
+    # fsdp shards the model states across the 2 ranks: the plan gives it less than ddp
+    assert rows["fsdp"]["model_state_bytes"] < rows["ddp"]["model_state_bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_the_equivalence_bench_smoke_run_lands_each_strategy_where_one_process_does():
+    summary = _smoke("equivalence.py", timeout_s=280)
+    assert summary["bench"] == "equivalence" and summary["steps_run"] == summary["steps"] > 0
+    rows = {r["strategy"]: r for r in summary["vs_single_process"]}
+    assert list(rows) == ["ddp", "fsdp"] and rows["ddp"]["ranks"] == rows["fsdp"]["ranks"] == 2
+    for row in rows.values():
+        # within tests/distributed/test_strategies.py's tolerances (2e-4 parameters, 1e-4 loss)
+        assert 0 <= row["param"] < 2e-4 and 0 <= row["optim"] < 2e-4 and 0 <= row["loss"] < 1e-4, row
+
+
+@pytest.mark.timeout(360)
+def test_the_checkpoint_bench_smoke_run_saves_and_loads_on_s3_and_times_training_beside_it():
+    summary = _smoke("checkpoint.py", timeout_s=340)
+    assert summary["bench"] == "checkpoint" and summary["smoke"] and summary["repeats"] == 1
+    assert summary["errors"] == {} and set(summary["modes"]) == {"thread", "process"}
+    assert summary["bytes"] > 1e6 and len(summary["state_bytes_per_rank"]) == 2  # FSDP: each rank's half
+    for key in ("sync_save_s", "raw_put_s", "load_s", "raw_get_s", "blocked_ratio", "save_vs_raw", "load_vs_raw"):
+        assert summary[key] > 0, key
+    assert summary["blocked_ratio"] == summary["modes"]["thread"]["blocked_ratio"]
+    assert summary["save_vs_raw"] == pytest.approx(summary["raw_put_s"] / summary["sync_save_s"])
+    assert summary["step_slowdown_during_upload"] == summary["modes"]["thread"]["step_slowdown"] > 0
+    for mode in summary["modes"].values():
+        assert mode["steps_idle"] > 0 and mode["steps_inflight"] > 0 and mode["upload_s"] > 0
