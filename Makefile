@@ -48,7 +48,7 @@ chaos: setup
 	$(RUN_ENV) $(PY) -m pytest -q -s tests/chaos
 
 # A long seeded random campaign (about 30 minutes, >= 100 faults); SEED=N to vary it,
-# RECOVERY=live|restart to override the scenario's recovery mode (restart).
+# RECOVERY=live|restart to override the agents' default recovery mode (live).
 SEED ?= 1
 RECOVERY ?=
 soak: setup

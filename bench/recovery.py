@@ -77,6 +77,7 @@ from agents.workers import (
 from bench import steady_state
 from bench.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
 from contract.events import Event
+from contract.worker_env import JOB as WORKER_JOB
 from testbed.etcd import EtcdServer, free_ports
 from testbed.jobs import TINY_CONFIG, worker_env
 from testbed.procs import kill_tree
@@ -96,6 +97,9 @@ TARGET_NODE_LOSS_SPEEDUP = 3.0
 TARGET_WORKER_CRASH_OVER_FLOOR = 1.5
 TARGET_LIVE_WORKER_KILL_S = 1.0
 POLL_S = 0.05
+#: the agents' job id: their workers' manifests carry it, so the floor's workers (started from a
+#: copy of an ftrain run's checkpoint, as an agent would) must have it too
+JOB_ID = "recovery"
 
 
 class ScenarioError(RuntimeError):
@@ -509,7 +513,7 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings, *, live: bool) -> 
                             "--etcd",
                             etcd.endpoint,
                             "--job",
-                            "recovery",
+                            JOB_ID,
                             "--nnodes",
                             "1:2",
                             "--nproc-per-node",
@@ -602,6 +606,7 @@ def run_floor(ckpt_source: Path, workdir: Path, settings: Settings) -> Outcome:
     """Two static-rendezvous torchruns (the agent's launcher command), fresh, from a checkpoint copy."""
     out = Outcome("floor", "none")
     job = Job(workdir, settings)
+    job.env[WORKER_JOB] = JOB_ID  # the agent's launch environment: its manifests name the job
     try:
         shutil.copytree(ckpt_source, job.ckpt)
         port = free_ports(1)[0]
@@ -754,6 +759,17 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 2) if num is not None and den else None
 
 
+def soak_goodputs(specs: list[str]) -> dict[str, float]:
+    """``MODE=PATH`` -> {mode: the goodput in that soak's report.json}."""
+    out = {}
+    for spec in specs:
+        mode, sep, path = spec.partition("=")
+        if not sep or mode not in ("live", "restart"):
+            raise ValueError(f"{spec!r}: expected live=PATH or restart=PATH")
+        out[mode] = float(json.loads(Path(path).read_text())["goodput"]["goodput"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=1, help="runs per scenario; medians when > 1 (default 1)")
@@ -779,11 +795,23 @@ def main(argv: list[str] | None = None) -> int:
         help="pairs of fault-free runs for steady_state_vs_torchrun (bench/steady_state.py; 0: skip; default 3)",
     )
     p.add_argument(
+        "--soak-report",
+        action="append",
+        default=[],
+        metavar="MODE=PATH",
+        help="report.json of a soak (ftrain chaos run chaos/scenarios/soak.toml --recovery MODE) whose goodput "
+        "goes into the JSON line as soak_goodput_MODE (live or restart); repeatable",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="the test suite's run: a worker kill, ftrain_live and ftrain_restart, early, no floor or steady state",
     )
     args = p.parse_args(argv)
+    try:
+        soaks = soak_goodputs(args.soak_report)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(f"--soak-report: {e}")
     if args.smoke:
         args.faults, args.systems, args.repeats = "worker_kill", "ftrain_live,ftrain_restart", 1
         args.ckpt_interval, args.fault_step, args.steady_repeats = 10, 40, 0
@@ -829,7 +857,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(f"  [{rep}] {fault:11s} {system:16s} {state}  ({out.wall_s:.0f}s wall)", flush=True)
                     ckpt = workdir / f"r{rep}-{fault}-{system}" / "ckpt"
-                    if not args.smoke and len(floors) == rep and (ckpt / "latest").exists():
+                    ours = system.startswith("ftrain")  # its manifests are of job JOB_ID
+                    if not args.smoke and ours and len(floors) == rep and (ckpt / "latest").exists():
                         floor = run_floor(ckpt, workdir / f"r{rep}-floor", settings)
                         floors.append(floor)
                         state = f"{floor.marks.total_s:.2f}s" if floor.marks else f"FAILED: {floor.error}"
@@ -885,7 +914,9 @@ def main(argv: list[str] | None = None) -> int:
         "live_speedup_vs_restart": _ratio(total("worker_kill", "ftrain_restart"), total("worker_kill", "ftrain_live")),
         # fault-free runs side by side with torchrun --standalone (bench/steady_state.py)
         "steady_state_vs_torchrun": steady_summary["steady_state_vs_torchrun"] if steady_summary else None,
-        "soak_goodput_live": None,  # a soak, not this bench: ftrain chaos run chaos/scenarios/soak.toml
+        # a soak, not this bench (ftrain chaos run chaos/scenarios/soak.toml): given by --soak-report
+        "soak_goodput_live": soaks.get("live"),
+        "soak_goodput_restart": soaks.get("restart"),
         "node_loss_speedup_vs_torchrun_default": _ratio(
             total("node_loss", "torchrun_default"), total("node_loss", "ftrain_restart")
         ),
