@@ -1,7 +1,12 @@
 """DCP storage glue, writing: a writer that digests every file as it streams out.
 
 The writer wraps the filesystem's ``create_stream`` so each file's bytes pass through a hasher
-on their way to storage (no second read). Each rank's digests ride back to the coordinator on
+on their way to storage (no second read) and stream straight into a
+:meth:`checkpoint.storage.Storage.open_upload`: on S3, parts upload in the background while DCP
+serialises the next bytes (a file of at most one part, ``.metadata`` among them, is one PUT from
+memory); on local disk the bytes go straight into the temp file that is renamed into place. No
+file is staged locally first. A failure while writing (in DCP or in storage) aborts that file's
+upload, so no object appears. Each rank's digests ride back to the coordinator on
 DCP's own gather of write results; the coordinator's ``finish`` writes ``.metadata`` (also
 digested) and then hands the complete file table to a committer, which writes the manifest.
 If any rank fails, DCP's gather fails first and no manifest is written.
@@ -11,8 +16,9 @@ is never set (``reset()`` would drop them); ``sync_files=False`` (S3 files have 
 the fallback is a host-wide ``os.sync()``). A step is never overwritten: DCP's own check looks
 only for ``.metadata``, so the publisher's ``prepare`` refuses a committed step and clears a
 torn one before any rank writes (DCP runs with ``overwrite=True`` so it does not re-check).
-On a local filesystem every uploaded file is fsynced and renamed into place, and its directory
-fsynced (also after DCP renames ``.metadata.tmp``), before the manifest can commit the step.
+On a local filesystem every written file is fsynced and renamed into place, and its directory
+fsynced, before the manifest can commit the step. DCP's ``.metadata.tmp`` is never stored: it
+is held in memory (digested) until DCP renames it, and the rename writes ``.metadata`` whole.
 Reading is :mod:`checkpoint.dcp_read`.
 """
 
@@ -22,8 +28,6 @@ import contextlib
 import dataclasses
 import io
 import posixpath
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -38,7 +42,7 @@ from checkpoint.digest import new_hasher
 from checkpoint.errors import ChecksumMismatchError
 from checkpoint.manifest import FileEntry
 from checkpoint.safe_pickle import METADATA_NAME
-from checkpoint.storage import Storage, StorageOptions, fsync_dir
+from checkpoint.storage import Storage, StorageOptions
 
 
 class _HashingStream(io.RawIOBase):
@@ -49,6 +53,9 @@ class _HashingStream(io.RawIOBase):
         self._inner = inner
         self._hasher = new_hasher(algorithm)
         self.size_bytes = 0
+        self.error: BaseException | None = None
+        """What the last failed write raised (torch.save's C++ writer reports it as its own
+        RuntimeError, "unexpected pos", losing the storage error)."""
 
     def writable(self) -> bool:
         return True
@@ -56,7 +63,11 @@ class _HashingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._hasher.update(view)
-        self._inner.write(view)
+        try:
+            self._inner.write(view)
+        except BaseException as e:
+            self.error = e
+            raise
         self.size_bytes += view.nbytes
         return view.nbytes
 
@@ -73,18 +84,37 @@ class _HashingStream(io.RawIOBase):
         return self._hasher.hexdigest()
 
 
+#: How DCP names the ``.metadata`` it is writing (``__<rank>.metadata.tmp`` without collectives).
+_METADATA_TMP_SUFFIX = METADATA_NAME + ".tmp"
+
+
+class _MemoryFile:
+    """Where a ``.metadata.tmp`` goes: kept in memory until DCP renames it (it is small)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        self.data += data
+
+
 class _DigestingFileSystem:
     """Delegates to torch's fsspec FileSystem, except that each written file is digested while
-    it is produced, staged locally (memory, or a temp file past ``spool_bytes``), and uploaded
-    whole with retries: a storage hiccup retries one file, not the whole checkpoint, and a
-    failed upload never leaves a half-written object behind."""
+    it is produced and streamed to storage through :meth:`Storage.open_upload`: a storage hiccup
+    retries one part (S3) or one file, not the whole checkpoint, and a failed write never
+    leaves an object behind (nor a half-written one).
 
-    def __init__(self, inner: Any, algorithm: str, storage: Storage, spool_bytes: int = 64 << 20):
+    DCP writes ``.metadata`` as ``.metadata.tmp`` and renames it; the temp file is never stored
+    (it is held in memory, digested) and the rename writes ``.metadata`` whole, once
+    (:meth:`Storage.write_bytes`: one PUT; on local disk fsynced, renamed into place, directory
+    fsynced). The other calls DCP makes here (``mkdir``, ``exists``, ``rm_file``) are retried."""
+
+    def __init__(self, inner: Any, algorithm: str, storage: Storage):
         self._inner = inner
         self._algorithm = algorithm
         self._storage = storage
-        self._spool_bytes = spool_bytes
         self._lock = threading.Lock()
+        self._held: dict[str, tuple[bytes, FileEntry]] = {}
         self.files: dict[str, FileEntry] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -101,41 +131,54 @@ class _DigestingFileSystem:
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
             return
-        name = posixpath.basename(str(path))
-        with tempfile.SpooledTemporaryFile(max_size=self._spool_bytes) as spool:
-            stream = _HashingStream(spool, self._algorithm)
+        rel = self._relative(path)
+        if rel.endswith(_METADATA_TMP_SUFFIX):
+            held = _MemoryFile()
+            stream = _HashingStream(held, self._algorithm)
             yield stream
-            self._upload(str(path), spool, stream.size_bytes)
+            entry = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
             with self._lock:
-                self.files[name] = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
-
-    def _upload(self, path: str, spool: Any, size_bytes: int) -> None:
-        """Upload one staged file whole. On a local filesystem the file is fsynced, renamed into
-        place and its directory fsynced before this returns (the manifest, written after every
-        upload, must never commit a shard a power loss could tear); elsewhere one PUT."""
-        name = posixpath.basename(path)
-        if self._storage.local_path(path) is not None:
-            self._storage.upload_local_durable(path, spool)
+                self._held[rel] = (bytes(held.data), entry)
             return
-        fs = self._inner.fs
-        if size_bytes <= self._spool_bytes:
-            spool.seek(0)
-            data = spool.read()
-            self._storage.retry(lambda: fs.pipe_file(path, data), f"upload {name}")
-            return
-        spool.seek(0)
-        with tempfile.NamedTemporaryFile() as local:
-            shutil.copyfileobj(spool, local, 8 << 20)
-            local.flush()
-            self._storage.retry(lambda: fs.put_file(local.name, path), f"upload {name}")
+        with self._storage.open_upload(rel) as upload:
+            stream = _HashingStream(upload, self._algorithm)
+            try:
+                yield stream
+            except BaseException as e:
+                if stream.error is not None and stream.error is not e:
+                    raise stream.error from e  # the storage error, not torch's "unexpected pos"
+                raise
+        with self._lock:  # stored (committed) by now
+            self.files[posixpath.basename(rel)] = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
 
     def rename(self, path: Any, new_path: Any) -> None:
-        """DCP renames ``.metadata.tmp`` to ``.metadata``; on a local filesystem the directory is
-        fsynced afterwards, so the new name is durable before the manifest commits it."""
-        self._inner.rename(path, new_path)
-        local = self._storage.local_path(str(new_path))
-        if local is not None:
-            fsync_dir(posixpath.dirname(local) or ".")
+        """DCP renames ``.metadata.tmp`` to ``.metadata``: the held bytes are written under the
+        new name, durably on a local filesystem, before the manifest can commit them."""
+        rel, new_rel = self._relative(path), self._relative(new_path)
+        with self._lock:
+            held = self._held.pop(rel, None)
+        if held is None:
+            raise ValueError(f"DCP renamed {rel}, which this writer did not write")
+        data, entry = held
+        self._storage.write_bytes(new_rel, data)
+        with self._lock:
+            self.files[posixpath.basename(new_rel)] = entry
+
+    def mkdir(self, path: Any) -> None:
+        self._storage.retry(lambda: self._inner.mkdir(path), "mkdir")
+
+    def exists(self, path: Any) -> bool:
+        return self._storage.exists(self._relative(path))
+
+    def rm_file(self, path: Any) -> None:
+        self._storage.remove(self._relative(path))
+
+    def _relative(self, path: Any) -> str:
+        """``path`` (DCP joins the writer's URL and a file name) relative to the storage root."""
+        path, root = str(path), self._storage.url
+        if not path.startswith(root + "/"):
+            raise ValueError(f"DCP wrote {path!r}, outside the checkpoint directory {root!r}")
+        return path[len(root) + 1 :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +249,7 @@ class DigestingWriter(FsspecWriter):
         for rank_results in results:
             for r in rank_results:
                 files.update(getattr(r, "file_entries", {}))
-        files_written = self._digesting_fs.files
-        meta = files_written.get(METADATA_NAME + ".tmp") or files_written.get(METADATA_NAME)
+        meta = self._digesting_fs.files.get(METADATA_NAME)
         if meta is None:
             raise ChecksumMismatchError("the .metadata file was written without a digest")
         files[METADATA_NAME] = meta

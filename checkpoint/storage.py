@@ -9,9 +9,12 @@ once when it is not (:class:`FatalStorageError`, ``FileNotFoundError``).
 
 What must stay true: :meth:`Storage.write_bytes` is all-or-nothing on every backend (one S3
 PUT or a multipart upload aborted on failure; on local disk a fsynced temp file renamed into
-place, parents created, directory fsynced), so a reader never sees a torn object; DCP files
-uploaded to a local filesystem are durable the same way (:meth:`Storage.upload_local_durable`)
-before the manifest that commits them is written; metadata calls (``exists``,
+place, parents created, directory fsynced), so a reader never sees a torn object; so is a
+streamed write (:meth:`Storage.open_upload`, how DCP files are written): nothing is visible
+until the ``with`` block ends without an error, and then the whole object is (on S3 a multipart
+upload whose parts go up while the caller writes, each part retried on its own, aborted on any
+error; on local disk durable as above before it returns, so before the manifest that commits
+it is written); metadata calls (``exists``,
 ``size_bytes``, ``listdir``) never answer from a stale listing cache; a missing object is a
 ``FileNotFoundError``, never a storage error (so never retried, and never taken for damage by
 a caller that reads a storage error as "unknown"); keys are joined with ``/``, never
@@ -20,12 +23,13 @@ a caller that reads a storage error as "unknown"); keys are joined with ``/``, n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 from tenacity import (
@@ -38,8 +42,8 @@ from tenacity import (
     wait_random,
 )
 
-from checkpoint.backends import StorageBackend, backend_for, registered_backends
-from checkpoint.backends.local import fsync_dir, write_local_atomic
+from checkpoint.backends import StorageBackend, Upload, UploadSettings, backend_for, registered_backends
+from checkpoint.backends.local import fsync_dir
 from checkpoint.errors import FatalStorageError, TransientStorageError
 
 __all__ = ["Storage", "StorageOptions", "classify", "fsync_dir"]
@@ -75,6 +79,20 @@ class StorageOptions:
     """S3 only: seconds to wait for a TCP connection (s3fs's default)."""
     read_timeout_s: float = 15.0
     """S3 only: seconds to wait on a silent socket before the attempt fails (s3fs's default)."""
+    upload_part_size_bytes: int = 32 << 20
+    """Streamed writes (:meth:`Storage.open_upload`): bytes per multipart part (S3: 5 MiB to
+    5 GiB); a file of at most this size is one PUT. Elsewhere: bytes kept in memory before a
+    local temp file takes over (backends that store whole objects)."""
+    upload_parts_in_flight: int = 2
+    """Streamed writes to S3: full parts uploading in the background at most, per file (the
+    writer waits for one to finish before handing over the next; memory per file: this many
+    parts plus the one being filled)."""
+
+    def __post_init__(self) -> None:
+        if self.upload_part_size_bytes < 1:
+            raise ValueError(f"upload_part_size_bytes must be >= 1, got {self.upload_part_size_bytes}")
+        if self.upload_parts_in_flight < 1:
+            raise ValueError(f"upload_parts_in_flight must be >= 1, got {self.upload_parts_in_flight}")
 
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         """fsspec filesystem arguments for ``protocol``, as its backend builds them."""
@@ -207,13 +225,31 @@ class Storage:
         on any other backend."""
         return self.backend.local_path(path)
 
-    def upload_local_durable(self, path: str, data: bytes | BinaryIO) -> None:
-        """Local filesystem only: write ``path`` (a URL or local path) atomically and durably
-        (fsynced file, renamed into place, fsynced directory), retried on transient errors."""
-        local = self.local_path(path)
-        if local is None:
-            raise ValueError(f"upload_local_durable: {self.url} is not a local filesystem")
-        self.retry(lambda: write_local_atomic(local, data), f"write {posixpath.basename(local)}")
+    @contextlib.contextmanager
+    def open_upload(self, rel: str) -> Iterator[Upload]:
+        """Write ``rel`` as a stream: ``with storage.open_upload(rel) as up: up.write(...)``.
+
+        The object appears, whole, only when the block ends without an error (all or nothing,
+        see the module docstring); an error in the block, or one storing it, aborts the upload
+        and leaves no object. On S3 the bytes go up in parts of
+        :attr:`StorageOptions.upload_part_size_bytes` while the block goes on writing (at most
+        :attr:`StorageOptions.upload_parts_in_flight` at a time; ``write`` blocks beyond that),
+        each part retried on transient errors; a file of at most one part is one PUT."""
+        settings = UploadSettings(
+            part_size_bytes=self.options.upload_part_size_bytes,
+            parts_in_flight=self.options.upload_parts_in_flight,
+            retry=self.retry,
+        )
+        path = self.path(rel)
+        upload = self.backend.open_upload(path, settings)
+        committed = False
+        try:
+            yield upload
+            upload.commit()
+            committed = True
+        finally:
+            if not committed:
+                upload.abort()
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole object, all or nothing (see the module docstring)."""

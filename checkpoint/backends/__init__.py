@@ -10,7 +10,11 @@ so adding a backend is one new module here (plus its root in
 What must stay true: each scheme belongs to one backend; exactly one backend claims
 :data:`ANY_SCHEME` and serves every fsspec scheme no other backend claims; a backend's
 operations never retry and never map errors (``Storage`` does, once, asking every backend's
-``classify_error``) and never answer metadata calls from a stale listing cache.
+``classify_error``) and never answer metadata calls from a stale listing cache, except that an
+:class:`Upload` retries each of its requests (a part, not the whole object) through the
+:class:`Retry` that ``Storage`` hands it; an upload's object is invisible until
+:meth:`Upload.commit` returns, and a failed or aborted upload leaves no object (at most an
+invisible pending S3 multipart upload, which ``clear_multipart_uploads`` removes).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol, TypeVar
 
 from checkpoint.errors import CheckpointError
 
@@ -29,6 +34,51 @@ if TYPE_CHECKING:
 
 #: The scheme of the fallback backend: any fsspec scheme no other backend claims.
 ANY_SCHEME = "*"
+
+T = TypeVar("T")
+
+
+class Retry(Protocol):
+    """``Storage.retry``: call ``fn`` until it succeeds or fails with an error that is not
+    transient (classified), backing off in between; ``what`` names the operation in logs."""
+
+    def __call__(self, fn: Callable[[], T], what: str) -> T: ...
+
+
+@dataclass(frozen=True, slots=True)
+class UploadSettings:
+    """How :meth:`StorageBackend.open_upload` streams one object (from ``StorageOptions``)."""
+
+    part_size_bytes: int
+    """Bytes per multipart part; an object of at most this many bytes goes up as one PUT."""
+    parts_in_flight: int
+    """Full parts handed to the background uploader and not yet stored, at most: the writer
+    blocks on the next full part until one is stored (memory stays within
+    ``(parts_in_flight + 1) * part_size_bytes`` per object)."""
+    retry: Retry
+    """Retries one request of the upload (a part, the completion, a whole small PUT)."""
+
+
+class Upload(Protocol):
+    """One object being written front to back, invisible to readers until :meth:`commit`.
+
+    ``write`` may block (a bounded number of parts are uploading) and raises as soon as a part
+    has failed for good; the caller then calls :meth:`abort`, never :meth:`commit`."""
+
+    def write(self, data: memoryview) -> None:
+        """Append ``data`` (copied before this returns: the caller may reuse its buffer)."""
+        ...
+
+    def commit(self) -> None:
+        """Store what was written as the whole object, all or nothing; raises if it could not
+        (the caller then calls :meth:`abort`)."""
+        ...
+
+    def abort(self) -> None:
+        """Discard the upload, leaving no object; idempotent, and never raises (what it cannot
+        remove is an invisible pending upload, logged, which ``clear_multipart_uploads``
+        removes)."""
+        ...
 
 
 class StorageBackend(Protocol):
@@ -90,6 +140,12 @@ class StorageBackend(Protocol):
     def remove(self, path: str, recursive: bool) -> None:
         """Delete an object, or with ``recursive`` everything under ``path`` (so that a listing
         no longer shows it); missing is not an error."""
+        ...
+
+    def open_upload(self, path: str, settings: UploadSettings) -> Upload:
+        """Start writing the object at ``path`` as a stream (nothing is visible until
+        :meth:`Upload.commit`): S3 streams multipart parts while the caller writes; other
+        backends write a local temp file (durable rename on local disk) or upload whole."""
         ...
 
     def clear_multipart_uploads(self, path: str) -> int:
