@@ -8,7 +8,12 @@ on faults. Each request then meets, with the seeded probabilities given:
 - ``latency``: ``latency_s`` extra seconds before it is forwarded;
 - ``reset``: the connection is closed without a reply (after the request was read, so an
   upload may or may not have been applied — like a real network cut);
-- ``truncate``: the real reply's headers, then half its body, then the connection closes.
+- ``truncate``: the real reply's headers, then half its body, then the connection closes;
+- ``flip``: the real reply of an object read (a GET of a key, no query, answered 200 or 206) with one bit of its
+  body flipped, its length intact: damage in flight that only a digest can see (other requests
+  it meets pass unchanged). With ``flip_first`` the first read of each object is flipped,
+  every later one passes: damage that a second read does not see. ``flip_keys`` (a suffix,
+  e.g. ``.distcp``) limits both to the keys that end with it.
 
 Counts of what was injected are kept per kind (:attr:`injected`), and the newest requests
 (time, method, path with query) in :attr:`requests_seen`, so a test can tell which objects a job
@@ -52,11 +57,14 @@ class FaultRates:
     latency: float = 0.0
     reset: float = 0.0
     truncate: float = 0.0
+    flip: float = 0.0
+    flip_first: bool = False
+    flip_keys: str = ""
     latency_s: float = 0.5
 
     def draw(self, rng: random.Random) -> str | None:
         x = rng.random()
-        for kind in ("error", "latency", "reset", "truncate"):
+        for kind in ("error", "latency", "reset", "truncate", "flip"):
             p = getattr(self, kind)
             if x < p:
                 return kind
@@ -73,8 +81,9 @@ class S3FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._rates = FaultRates()
-        self.injected: dict[str, int] = {"error": 0, "latency": 0, "reset": 0, "truncate": 0}
+        self.injected: dict[str, int] = {"error": 0, "latency": 0, "reset": 0, "truncate": 0, "flip": 0}
         self.requests = 0
+        self._read_keys: set[str] = set()  #: object paths read so far (``flip_first``)
         self.requests_seen: deque[tuple[float, str, str]] = deque(maxlen=100_000)
         proxy = self
 
@@ -118,7 +127,7 @@ class S3FaultProxy:
         with self._lock:
             self.requests += 1
             kind = self._rates.draw(self._rng)
-            if kind:
+            if kind and kind != "flip":  # a flip is counted where it applies (an object read)
                 self.injected[kind] += 1
             return kind, self._rates
 
@@ -167,6 +176,16 @@ class S3FaultProxy:
         h.end_headers()
         if head:
             return
+        flippable = h.command == "GET" and "?" not in h.path and h.path.endswith(rates.flip_keys)
+        if flippable and reply.status in (200, 206) and data:
+            with self._lock:
+                first = h.path not in self._read_keys
+                self._read_keys.add(h.path)
+                flip = kind == "flip" or (rates.flip_first and first)
+                if flip:
+                    self.injected["flip"] += 1
+            if flip:
+                data = bytes([data[0] ^ 1]) + data[1:]
         if kind == "truncate" and len(data) > 1:
             h.wfile.write(data[: len(data) // 2])
             h.wfile.flush()

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pickle
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,10 +29,13 @@ from checkpoint.manifest import FileEntry
 from checkpoint.safe_pickle import (
     METADATA_NAME,
     SafeBytesLoadMixin,
+    SafeLoadPlanner,
     metadata_problems,
     safe_load_bytes,
 )
 from checkpoint.storage import Storage, StorageOptions
+
+log = logging.getLogger(__name__)
 
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -92,6 +96,7 @@ class _VerifyingReadFileSystem:
         storage: Storage,
         root: str,
         spool_bytes: int = 256 << 20,
+        prefetched: Mapping[str, bytes] | None = None,
     ):
         self._inner = inner
         self._files = files
@@ -99,6 +104,7 @@ class _VerifyingReadFileSystem:
         self._storage = storage
         self._root = root.rstrip("/")
         self._spool_bytes = spool_bytes
+        self._prefetched = dict(prefetched or {})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -120,6 +126,9 @@ class _VerifyingReadFileSystem:
         if "r" not in mode or any(ch in mode for ch in "wa+x"):
             raise ChecksumMismatchError(f"{path}: VerifiedReader opens files read-only, not with mode {mode!r}")
         name = self._listed_name(path)
+        if name in self._prefetched:  # fetched and verified whole before the load began
+            yield io.BytesIO(self._prefetched[name])
+            return
         if name == METADATA_NAME:
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
@@ -203,7 +212,18 @@ class VerifiedReader(FsspecReader):
     file is digested as it is fetched, before DCP reads from it, and every non-tensor item is
     unpickled with torch's weights-only allow-list whatever planner DCP was given."""
 
-    def __init__(self, url: str, *, options: StorageOptions, files: dict[str, FileEntry], algorithm: str):
+    def __init__(
+        self,
+        url: str,
+        *,
+        options: StorageOptions,
+        files: dict[str, FileEntry],
+        algorithm: str,
+        prefetched: Mapping[str, bytes] | None = None,
+    ):
+        """``prefetched``: files already fetched and verified (name -> bytes, see
+        :func:`checkpoint.fetch.fetch_files`), served from memory; any other file is fetched
+        and digested when DCP opens it."""
         storage = Storage(url, options)
         super().__init__(url, **storage.storage_kwargs)
         self._files = files
@@ -211,7 +231,9 @@ class VerifiedReader(FsspecReader):
         self._algorithm = algorithm
         # torch infers ``fs`` as its concrete FileSystem class; DCP calls only the FileSystemBase
         # methods on it, which the wrapper provides or delegates.
-        self.fs = _VerifyingReadFileSystem(self.fs, files, algorithm, storage, str(url))  # type: ignore[assignment]
+        self.fs = _VerifyingReadFileSystem(  # type: ignore[assignment]
+            self.fs, files, algorithm, storage, str(url), prefetched=prefetched
+        )
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -239,3 +261,22 @@ class VerifiedReader(FsspecReader):
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         return super().read_data(plan, _SafeBytesPlanner(planner))
+
+
+def needed_files(
+    state_dict: dict[str, Any], metadata_bytes: bytes, files: Mapping[str, FileEntry], is_coordinator: bool
+) -> list[str]:
+    """The data files a DCP load of ``state_dict`` on this rank reads (the planner run ahead of
+    the load, on ``.metadata``'s bytes parsed with the allow-list unpickler). Empty when the
+    metadata is unusable or points outside ``files`` (whoever checks the step reports why)."""
+    try:
+        metadata = load_metadata(metadata_bytes)
+        if metadata_problems(metadata, files):
+            return []
+        planner = SafeLoadPlanner()
+        planner.set_up_planner(state_dict, metadata, is_coordinator)
+        plan = planner.create_local_plan()
+    except Exception as e:  # noqa: BLE001 - the load itself reports it (or whoever verifies the step)
+        log.warning("could not plan the load ahead: %s", e)
+        return []
+    return sorted({metadata.storage_data[item.storage_index].relative_path for item in plan.items})

@@ -6,10 +6,13 @@ then the coordinator writes ``manifest.json`` — the commit point — unless th
 writer's round is stale. At most one save is in flight; the next one waits or is skipped
 (``when_busy``). A failed background save is reported by :meth:`poll` on the next step.
 
-Load: the newest committed step (or a pinned one) is verified — manifest (and HMAC), then every
-file's digest, the work split across ranks and one verdict for all — and only then read by DCP,
-whose ``.metadata`` is checked against the manifest and unpickled with an allow-list. A bad step
-gets a ``corrupt.json`` marker (nothing is deleted) and the previous committed step is tried.
+Load: the newest committed step (or a pinned one) is verified before any tensor of it is used —
+manifest (and HMAC); then each rank fetches the files its own DCP load plan needs, once each, by
+concurrent ranged GETs (:mod:`checkpoint.fetch`), and checks their digests; the files no rank
+needs are verified by a pass split across ranks; one verdict for all — and only then DCP copies
+tensors out of the verified bytes in memory (``.metadata`` is checked against the manifest and
+unpickled with an allow-list). One read per byte. A bad step gets a ``corrupt.json`` marker
+(nothing is deleted) and the previous committed step is tried.
 
 What must stay true on load:
 
@@ -47,7 +50,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 
 from checkpoint.catalog import StepInfo, inspect_step, list_steps, read_manifest
 from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
-from checkpoint.dcp_read import METADATA_NAME, VerifiedReader
+from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
 from checkpoint.dcp_write import DigestingWriter
 from checkpoint.errors import (
     CheckpointError,
@@ -58,6 +61,7 @@ from checkpoint.errors import (
     TransientStorageError,
     UnsafePickleError,
 )
+from checkpoint.fetch import fetch_files
 from checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -75,7 +79,6 @@ from checkpoint.verify import (
     check_pickled_items,
     mark_corrupt,
     split_files,
-    verify_files,
 )
 from contract import events as ev
 
@@ -291,6 +294,18 @@ class StepPublisher:
         storage.write_bytes("latest", str(manifest.step).encode())
 
 
+def new_stager(device_type: str) -> DefaultStager:
+    """DCP's stager for state on ``device_type``: its defaults on CUDA (pinned memory,
+    non-blocking copies), plain copies on a CPU (the defaults need an accelerator)."""
+    if device_type == "cuda":
+        return DefaultStager()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
+
+
 @dataclass
 class SaveStatus:
     """What :meth:`CheckpointManager.poll` reports into each step's metrics."""
@@ -432,17 +447,7 @@ class CheckpointManager:
 
     def _get_stager(self):
         if self._stager is None:
-            if self.device_type == "cuda":
-                self._stager = DefaultStager()
-            else:  # the default pinned/non-blocking copies need an accelerator
-                self._stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=False,
-                        use_shared_memory=False,
-                        use_async_staging=False,
-                        use_non_blocking_copy=False,
-                    )
-                )
+            self._stager = new_stager(self.device_type)
         return self._stager
 
     def poll(self) -> SaveStatus:
@@ -562,7 +567,8 @@ class CheckpointManager:
         manifest = info.manifest
         if manifest is None:  # _survey hands over committed steps only, and their manifests parsed
             raise CheckpointError(f"{info.dirname} has no parsed manifest; only a committed step can be loaded")
-        problems = self._verify_everywhere(info, manifest, validate)
+        state_dict = build_state_dict(manifest)
+        problems, fetched = self._fetch_everywhere(info, manifest, validate, state_dict)
         if any(p.kind in CORRUPTION_KINDS for p in problems):
             self._reject(info, problems)
             return None, Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
@@ -571,12 +577,12 @@ class CheckpointManager:
                 f"{info.dirname} cannot be read (a storage problem, not corruption; nothing was "
                 "marked): " + "; ".join(map(str, problems[:5]))
             )
-        state_dict = build_state_dict(manifest)
         reader = VerifiedReader(
             self.storage.child_url(info.dirname),
             options=self.options,
             files=manifest.files,
             algorithm=manifest.digest_algorithm,
+            prefetched=fetched,
         )
         try:
             dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner())
@@ -652,31 +658,67 @@ class CheckpointManager:
             raise CheckpointError(f"rank 0 could not list the checkpoints under {self.url}: {message}")
         return value
 
-    def _verify_everywhere(
-        self, info: StepInfo, manifest: Manifest, validate: Callable[[Manifest], None] | None
-    ) -> list[Problem]:
-        """Every rank's problems with ``info`` (whose parsed manifest is ``manifest``), gathered:
-        all ranks return the same list."""
+    def _fetch_everywhere(
+        self,
+        info: StepInfo,
+        manifest: Manifest,
+        validate: Callable[[Manifest], None] | None,
+        state_dict: dict[str, Any],
+    ) -> tuple[list[Problem], dict[str, bytes]]:
+        """Fetch and verify ``info`` (whose parsed manifest is ``manifest``) before any byte of it
+        is loaded: every rank reads the files its own load plan needs, once each (concurrent
+        ranged GETs), keeps their verified bytes for DCP, and verifies its share of the files
+        no rank needs. Returns every rank's problems, gathered (the same list on every rank),
+        and this rank's verified files. Only rank 0 judges the manifest (``validate``) and what
+        ``.metadata`` would unpickle (:func:`check_pickled_items`)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         mine = self._validation_problems(manifest, validate) if self.rank == 0 else []
-        names = split_files(manifest, self.rank, world)
+        data: dict[str, bytes] = {}
+        needed: list[str] = []
         try:
-            mine += verify_files(self.storage, info.dirname, manifest, names)
-            if METADATA_NAME in names and not any(p.file == METADATA_NAME for p in mine):
+            meta = fetch_files(self.storage, info.dirname, manifest, [METADATA_NAME], keep={METADATA_NAME})
+            if self.rank == 0:
+                mine += meta.problems
+            data.update(meta.data)
+            if METADATA_NAME in meta.data:
+                needed = needed_files(state_dict, meta.data[METADATA_NAME], manifest.files, self.rank == 0)
+        except _STORAGE_TYPES as e:
+            mine.append(Problem(METADATA_NAME, "unreadable", f"storage error, not corruption: {type(e).__name__}: {e}"))
+        if world > 1:
+            everyone: list[list[str]] = [[] for _ in range(world)]
+            dist.all_gather_object(everyone, needed)
+        else:
+            everyone = [needed]
+        read_by_someone = {name for names in everyone for name in names} | {METADATA_NAME}
+        share = split_files(manifest, self.rank, world, names=set(manifest.files) - read_by_someone)
+        try:
+            got = fetch_files(self.storage, info.dirname, manifest, [*needed, *share], keep=set(needed))
+            mine += got.problems
+            data.update(got.data)
+            log.info(
+                "step %d: fetched %d file(s) for this rank's load and verified %d more: %.1f MB in %.2fs",
+                info.step,
+                len(needed),
+                len(share),
+                got.bytes_read / 1e6,
+                got.seconds,
+            )
+            if self.rank == 0 and not any(p.file == METADATA_NAME for p in mine):
                 mine += check_pickled_items(self.storage, info.dirname, manifest)
         except _STORAGE_TYPES as e:
+            names = [*needed, *share]
             mine.append(
                 Problem(
-                    MANIFEST_NAME if not names else names[0],
+                    names[0] if names else MANIFEST_NAME,
                     "unreadable",
                     f"storage error, not corruption: {type(e).__name__}: {e}"[:500],
                 )
             )
         if world == 1:
-            return mine
+            return mine, data
         gathered: list[list[Problem]] = [[] for _ in range(world)]
         dist.all_gather_object(gathered, mine)
-        return [p for problems in gathered for p in problems]
+        return [p for problems in gathered for p in problems], data
 
     @staticmethod
     def _validation_problems(manifest: Manifest, validate: Callable[[Manifest], None] | None) -> list[Problem]:

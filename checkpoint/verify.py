@@ -146,17 +146,20 @@ def verify_files(
     return _verify(storage, dirname, manifest, names, chunk_bytes).problems
 
 
-def split_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` of ``world_size`` verifies: every file goes to exactly one rank.
+def split_files(manifest: Manifest, rank: int, world_size: int, names: Iterable[str] | None = None) -> list[str]:
+    """The files ``rank`` of ``world_size`` verifies: every file (of ``names``, default all the
+    manifest's) goes to exactly one rank.
 
     Deterministic greedy balancing by size: files largest first (ties by name), each to the rank
     with the fewest bytes so far (ties to the lowest rank). Returned sorted by name.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"split_files: need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+    wanted = set(manifest.files) if names is None else set(names)
     loads = [0] * world_size
     mine: list[str] = []
-    for name, entry in sorted(manifest.files.items(), key=lambda kv: (-kv[1].size_bytes, kv[0])):
+    chosen = ((n, e) for n, e in manifest.files.items() if n in wanted)
+    for name, entry in sorted(chosen, key=lambda kv: (-kv[1].size_bytes, kv[0])):
         # +1 per file so zero-byte files spread out too
         target = min(range(world_size), key=lambda r: (loads[r], r))
         loads[target] += entry.size_bytes + 1

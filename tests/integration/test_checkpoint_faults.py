@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from chaos.s3proxy import FaultRates, S3FaultProxy
 from checkpoint.digest import digest_bytes
 from checkpoint.storage import Storage
 from contract.events import read_events
-from testbed.jobs import run, train_job, worker_env
+from testbed.jobs import max_abs_diff, run, train_job, worker_env
 
 pytestmark = pytest.mark.dist
 
@@ -136,3 +137,44 @@ def test_corruption_is_named_and_training_falls_back(case, seaweed, pristine, s3
     assert storage.exists(f"{STEP8}/manifest.json")
     assert not sentinel.exists(), "the malicious pickle ran"
     assert not os.path.exists(sentinel)
+
+
+# -- damage in flight: the S3 fault proxy flips a bit of a shard's bytes on their way ---------
+def _resume(seaweed, storage: Storage, workdir: Path, endpoint_url: str, *, check: bool = True):
+    return train_job(
+        workdir,
+        1,
+        "--train.steps=9",
+        f"--checkpoint.uri={storage.url}",
+        f"--checkpoint.endpoint_url={endpoint_url}",
+        "--checkpoint.interval=0",
+        "--checkpoint.final_save=false",
+        f"--logging.events_path={workdir / 'events.jsonl'}",
+        env=seaweed.env(),
+        check=check,
+    )
+
+
+def test_a_shard_damaged_in_flight_is_read_again_and_loaded_intact(seaweed, pristine, s3_prefix, tmp_path):
+    storage = _copy(seaweed, pristine, s3_prefix)
+    clean = _resume(seaweed, storage, tmp_path / "clean", seaweed.endpoint_url)
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        proxy.set_faults(FaultRates(flip_first=True, flip_keys=".distcp"))
+        damaged = _resume(seaweed, storage, tmp_path / "damaged", proxy.endpoint_url)
+    assert proxy.injected["flip"] >= 2, "the proxy damaged fewer than the step's two shards"
+    assert "resumed from checkpoint step 8" in damaged.output
+    assert not [e for e in read_events(str(tmp_path / "damaged" / "events.jsonl")) if e["event"] == "ckpt_corrupt"]
+    assert not storage.exists(f"{STEP8}/corrupt.json")
+    assert clean.final is not None and damaged.final is not None
+    assert max_abs_diff(damaged.final["model"], clean.final["model"]) == 0.0
+
+
+def test_shards_damaged_on_every_read_are_refused_and_never_loaded(seaweed, pristine, s3_prefix, tmp_path):
+    storage = _copy(seaweed, pristine, s3_prefix)
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        proxy.set_faults(FaultRates(flip=1.0, flip_keys=".distcp"))
+        result = _resume(seaweed, storage, tmp_path / "job", proxy.endpoint_url, check=False)
+    assert result.returncode != 0 and "resumed from" not in result.output
+    refused = [e["step"] for e in read_events(str(tmp_path / "job" / "events.jsonl")) if e["event"] == "ckpt_corrupt"]
+    assert refused == [8, 4], refused
+    assert "cannot resume" in result.output and "digest" in result.output

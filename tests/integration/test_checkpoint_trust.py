@@ -353,9 +353,9 @@ def failing_open(name: str, from_open: int, error: type[OSError]) -> Iterator[di
 @pytest.mark.parametrize(
     ("name", "from_open", "error"),
     [
-        ("__0_0.distcp", 1, ConnectionResetError),  # the verification pass (transient, retried)
-        ("__0_0.distcp", 2, ConnectionResetError),  # DCP's read, after verification passed
-        (".metadata", 2, PermissionError),  # the allow-list parse of .metadata (a fatal storage error)
+        ("__0_0.distcp", 1, ConnectionResetError),  # the fetch before the load (transient, retried)
+        ("__0_0.distcp", 1, PermissionError),  # the same, a fatal storage error
+        (".metadata", 2, PermissionError),  # rank 0's allow-list check of .metadata (its second read)
     ],
 )
 def test_a_storage_error_during_load_fails_the_attempt_and_marks_nothing(name, from_open, error, tmp_path):
@@ -371,6 +371,16 @@ def test_a_storage_error_during_load_fails_the_attempt_and_marks_nothing(name, f
     assert events.named("ckpt_corrupt") == [] and events.named("ckpt_loaded") == []  # no silent fallback
     manifest, target = load(manager(root))  # storage back: the newest step loads
     assert manifest.step == 8 and loaded_step(target) == 8.0
+
+
+def test_a_load_reads_every_byte_once(tmp_path):
+    """Fetched once, verified, then served to DCP from memory: no second read of a data file."""
+    root = tmp_path / "ck"
+    save(manager(root), 4, 8)
+    with failing_open("__0_0.distcp", 10**9, OSError) as counts:
+        manifest, target = load(manager(root))
+    assert manifest.step == 8 and loaded_step(target) == 8.0
+    assert counts["opens"] == 1
 
 
 # -- save status ----------------------------------------------------------------------------
