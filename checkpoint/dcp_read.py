@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from checkpoint.digest import new_hasher
 from checkpoint.errors import ChecksumMismatchError, UnsafeMetadataError, UnsafePickleError
+from checkpoint.fetch import SparseFile
 from checkpoint.manifest import FileEntry
 from checkpoint.safe_pickle import (
     METADATA_NAME,
@@ -96,7 +97,7 @@ class _VerifyingReadFileSystem:
         storage: Storage,
         root: str,
         spool_bytes: int = 256 << 20,
-        prefetched: Mapping[str, bytes] | None = None,
+        prefetched: Mapping[str, SparseFile | bytes] | None = None,
     ):
         self._inner = inner
         self._files = files
@@ -126,8 +127,9 @@ class _VerifyingReadFileSystem:
         if "r" not in mode or any(ch in mode for ch in "wa+x"):
             raise ChecksumMismatchError(f"{path}: VerifiedReader opens files read-only, not with mode {mode!r}")
         name = self._listed_name(path)
-        if name in self._prefetched:  # fetched and verified whole before the load began
-            yield io.BytesIO(self._prefetched[name])
+        if name in self._prefetched:  # fetched and verified before the load began
+            held = self._prefetched[name]
+            yield held.open() if isinstance(held, SparseFile) else io.BytesIO(held)
             return
         if name == METADATA_NAME:
             with self._inner.create_stream(path, mode) as stream:
@@ -219,16 +221,19 @@ class VerifiedReader(FsspecReader):
         options: StorageOptions,
         files: dict[str, FileEntry],
         algorithm: str,
-        prefetched: Mapping[str, bytes] | None = None,
+        prefetched: Mapping[str, SparseFile | bytes] | None = None,
+        metadata: Metadata | None = None,
     ):
-        """``prefetched``: files already fetched and verified (name -> bytes, see
-        :func:`checkpoint.fetch.fetch_files`), served from memory; any other file is fetched
-        and digested when DCP opens it."""
+        """``prefetched``: files (or the parts of them the load reads) already fetched and
+        verified (:func:`checkpoint.fetch.fetch_files`), served from memory; any other file is
+        fetched and digested whole when DCP opens it. ``metadata``: ``.metadata`` already parsed
+        (by :func:`load_metadata`) from the verified bytes in ``prefetched``: not parsed again."""
         storage = Storage(url, options)
         super().__init__(url, **storage.storage_kwargs)
         self._files = files
         self._expected = files[METADATA_NAME]
         self._algorithm = algorithm
+        self._parsed = metadata if metadata is not None and prefetched and METADATA_NAME in prefetched else None
         # torch infers ``fs`` as its concrete FileSystem class; DCP calls only the FileSystemBase
         # methods on it, which the wrapper provides or delegates.
         self.fs = _VerifyingReadFileSystem(  # type: ignore[assignment]
@@ -236,6 +241,8 @@ class VerifiedReader(FsspecReader):
         )
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._parsed is not None:
+            return self._with_load_id(self._parsed)
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as fh:
             data = fh.read(self._expected.size_bytes + 1)  # a grown file is refused, not read whole
@@ -245,7 +252,9 @@ class VerifiedReader(FsspecReader):
             raise ChecksumMismatchError(
                 f"{path}: does not match the manifest (size {len(data)}, expected {self._expected.size_bytes})"
             )
-        metadata = load_metadata(data)
+        return self._with_load_id(load_metadata(data))
+
+    def _with_load_id(self, metadata: Metadata) -> Metadata:
         storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
@@ -263,20 +272,33 @@ class VerifiedReader(FsspecReader):
         return super().read_data(plan, _SafeBytesPlanner(planner))
 
 
-def needed_files(
-    state_dict: dict[str, Any], metadata_bytes: bytes, files: Mapping[str, FileEntry], is_coordinator: bool
-) -> list[str]:
-    """The data files a DCP load of ``state_dict`` on this rank reads (the planner run ahead of
-    the load, on ``.metadata``'s bytes parsed with the allow-list unpickler). Empty when the
-    metadata is unusable or points outside ``files`` (whoever checks the step reports why)."""
+def needed_ranges(
+    state_dict: dict[str, Any], metadata: bytes | Metadata, files: Mapping[str, FileEntry], is_coordinator: bool
+) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges of each data file that a DCP load of ``state_dict`` on this rank reads
+    (the planner run ahead of the load, on ``.metadata``: its bytes, parsed here with the
+    allow-list unpickler, or what :func:`load_metadata` made of them). Empty when the metadata
+    is unusable or points outside ``files`` (whoever checks the step reports why)."""
     try:
-        metadata = load_metadata(metadata_bytes)
+        if isinstance(metadata, bytes):
+            metadata = load_metadata(metadata)
         if metadata_problems(metadata, files):
-            return []
+            return {}
         planner = SafeLoadPlanner()
         planner.set_up_planner(state_dict, metadata, is_coordinator)
         plan = planner.create_local_plan()
     except Exception as e:  # noqa: BLE001 - the load itself reports it (or whoever verifies the step)
         log.warning("could not plan the load ahead: %s", e)
-        return []
-    return sorted({metadata.storage_data[item.storage_index].relative_path for item in plan.items})
+        return {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for item in plan.items:
+        info = metadata.storage_data[item.storage_index]
+        ranges.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+    return ranges
+
+
+def needed_files(
+    state_dict: dict[str, Any], metadata: bytes | Metadata, files: Mapping[str, FileEntry], is_coordinator: bool
+) -> list[str]:
+    """The data files a DCP load of ``state_dict`` on this rank reads (see :func:`needed_ranges`)."""
+    return sorted(needed_ranges(state_dict, metadata, files, is_coordinator))

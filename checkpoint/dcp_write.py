@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import posixpath
 import threading
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint.digest import new_hasher
+from checkpoint.digest import BLOCKS_SUFFIX, BlockHasher, digest_bytes
 from checkpoint.errors import ChecksumMismatchError
 from checkpoint.manifest import FileEntry
 from checkpoint.safe_pickle import METADATA_NAME
@@ -51,7 +52,7 @@ class _HashingStream(io.RawIOBase):
     def __init__(self, inner: Any, algorithm: str):
         super().__init__()
         self._inner = inner
-        self._hasher = new_hasher(algorithm)
+        self._hasher = BlockHasher(algorithm)
         self.size_bytes = 0
         self.error: BaseException | None = None
         """What the last failed write raised (torch.save's C++ writer reports it as its own
@@ -82,6 +83,17 @@ class _HashingStream(io.RawIOBase):
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
+
+    def entry(self) -> FileEntry:
+        """The manifest's entry for what went through (no block digests)."""
+        return FileEntry(self.size_bytes, self.hexdigest())
+
+    def block_digests(self) -> list[str]:
+        return self._hasher.block_digests()
+
+    @property
+    def block_bytes(self) -> int:
+        return self._hasher.block_bytes
 
 
 #: How DCP names the ``.metadata`` it is writing (``__<rank>.metadata.tmp`` without collectives).
@@ -136,9 +148,8 @@ class _DigestingFileSystem:
             held = _MemoryFile()
             stream = _HashingStream(held, self._algorithm)
             yield stream
-            entry = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
             with self._lock:
-                self._held[rel] = (bytes(held.data), entry)
+                self._held[rel] = (bytes(held.data), stream.entry())
             return
         with self._storage.open_upload(rel) as upload:
             stream = _HashingStream(upload, self._algorithm)
@@ -148,8 +159,19 @@ class _DigestingFileSystem:
                 if stream.error is not None and stream.error is not e:
                     raise stream.error from e  # the storage error, not torch's "unexpected pos"
                 raise
+        name, entries = posixpath.basename(rel), {}
+        blocks = stream.block_digests()
+        if len(blocks) > 1:  # beside it, what lets a reader verify just the blocks it reads
+            listing = json.dumps(blocks).encode()
+            self._storage.write_bytes(rel + BLOCKS_SUFFIX, listing)
+            entries[name + BLOCKS_SUFFIX] = FileEntry(len(listing), digest_bytes(listing, self._algorithm))
+            entries[name] = dataclasses.replace(
+                stream.entry(), block_bytes=stream.block_bytes, blocks_file=name + BLOCKS_SUFFIX
+            )
+        else:
+            entries[name] = stream.entry()
         with self._lock:  # stored (committed) by now
-            self.files[posixpath.basename(rel)] = FileEntry(size_bytes=stream.size_bytes, digest=stream.hexdigest())
+            self.files.update(entries)
 
     def rename(self, path: Any, new_path: Any) -> None:
         """DCP renames ``.metadata.tmp`` to ``.metadata``: the held bytes are written under the
@@ -233,7 +255,9 @@ class DigestingWriter(FsspecWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
-        entries = {k: v for k, v in self._digesting_fs.files.items() if k.endswith(".distcp")}
+        entries = {
+            k: v for k, v in self._digesting_fs.files.items() if k.endswith((".distcp", ".distcp" + BLOCKS_SUFFIX))
+        }
         out: Future[list[WriteResult]] = Future()
         if results:
             first = results[0]

@@ -13,6 +13,13 @@ import xxhash
 
 ALGORITHMS = ("xxh3_128", "crc32c")
 DEFAULT_ALGORITHM = "xxh3_128"
+#: Files are also digested in blocks of this many bytes (listed in a file beside each: see
+#: :class:`checkpoint.manifest.FileEntry`), so that a reader can verify the part of a file it
+#: needs without reading all of it: a rank of a sharded job reads a few small items of its
+#: peers' files (replicated scalars written once), scattered through them.
+BLOCK_BYTES = 64 << 10
+#: the name of a file's block digests beside it: ``<name>.blocks``
+BLOCKS_SUFFIX = ".blocks"
 
 
 class Hasher(Protocol):
@@ -71,3 +78,38 @@ def digest_stream(chunks: Iterable[bytes], algorithm: str) -> tuple[int, str]:
         hasher.update(chunk)
         size_bytes += len(chunk)
     return size_bytes, hasher.hexdigest()
+
+
+class BlockHasher:
+    """A file's digest and the digests of its consecutive ``block_bytes`` blocks, fed once."""
+
+    def __init__(self, algorithm: str, block_bytes: int = BLOCK_BYTES):
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        self._algorithm = algorithm
+        self.block_bytes = block_bytes
+        self._whole = new_hasher(algorithm)
+        self._block = new_hasher(algorithm)
+        self._in_block = 0
+        self.size_bytes = 0
+        self._blocks: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None:
+        view = memoryview(data).cast("B")
+        self._whole.update(view)
+        self.size_bytes += view.nbytes
+        while view.nbytes:
+            take = min(view.nbytes, self.block_bytes - self._in_block)
+            self._block.update(view[:take])
+            self._in_block += take
+            view = view[take:]
+            if self._in_block == self.block_bytes:
+                self._blocks.append(self._block.hexdigest())
+                self._block, self._in_block = new_hasher(self._algorithm), 0
+
+    def hexdigest(self) -> str:
+        return self._whole.hexdigest()
+
+    def block_digests(self) -> list[str]:
+        """Every block's digest, the last (partial) one included; none for an empty file."""
+        return self._blocks + ([self._block.hexdigest()] if self._in_block else [])

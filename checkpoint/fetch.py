@@ -1,67 +1,292 @@
-"""One read per byte: the files of a step that a rank needs, fetched once each, by concurrent
-ranged GETs, and verified whole against the manifest before any byte of them is used.
+"""One read per byte: the parts of a step's files that a rank needs, fetched once each, by
+concurrent ranged GETs, and verified against the manifest before any byte of them is used.
 
-:func:`fetch_files` asks the storage for each file's size (a missing or resized file is a
-problem, nothing is read of it), splits every file into pieces of :data:`RANGE_BYTES`, fetches
-them in batches of at most :data:`BATCH_BYTES` (one ``cat_ranges`` call each: fsspec runs up to
+A manifest lists, for every file, its digest, and for a large one the file beside it that lists
+the digest of each of its blocks (:data:`checkpoint.digest.BLOCK_BYTES`). A rank asks for byte
+ranges (what its DCP load plan reads); :func:`fetch_files` reads the block listings it needs
+(verified whole), then the blocks that cover the ranges — whole files where a manifest lists no
+blocks — adjacent blocks coalesced into GETs of up to :data:`RANGE_BYTES`, in batches of at most
+:data:`BATCH_BYTES` (one ``cat_ranges`` call each: fsspec runs up to
 :data:`MAX_CONCURRENT_RANGES` of them at once; a batch that fails on a transient error is read
-again, not the whole step), hashes each file's pieces in order, and compares size and digest with
-the manifest; a file that does not match is read once more (bytes damaged in flight are not
-the storage's), and only a second mismatch is a problem. It returns the verified bytes of the
-files it was asked to keep, and the problems
-(:class:`~checkpoint.verify.Problem`, the same kinds :mod:`checkpoint.verify` reports): a caller
+again, not the whole step), and checks every block. A block that does
+not match is read once more (bytes damaged in flight are not the storage's); only a second
+mismatch is a problem. Before anything is read, each file's size is checked (a missing or
+resized file is a problem, and nothing is read of it).
+
+It returns the problems (:class:`~checkpoint.verify.Problem`, the kinds :mod:`checkpoint.verify`
+reports), and for the files asked to be kept a :class:`SparseFile`: the verified blocks, read
+like a file (DCP reads from it; touching a byte of a block that was not fetched raises). A caller
 knows that a step is corrupt before it copies a single tensor out of it.
 
-What must stay true: bytes are handed out only for a file whose size and digest both matched;
-a storage error that outlives the retries is raised (or, for a fatal one, a problem of kind
+What must stay true: bytes are handed out only from blocks whose digest matched, in files whose
+size matched; a storage error that outlives the retries is raised (a fatal one: a problem of kind
 ``unreadable``), never a problem that would mark the step corrupt.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from fsspec.asyn import AsyncFileSystem
 
 from checkpoint.digest import new_hasher
-from checkpoint.errors import FatalStorageError
-from checkpoint.manifest import Manifest
+from checkpoint.errors import ChecksumMismatchError, FatalStorageError, ManifestError
+from checkpoint.manifest import FileEntry, Manifest, parse_json_bounded
 from checkpoint.storage import Storage
 from checkpoint.verify import Problem
 
 log = logging.getLogger(__name__)
 
-#: bytes per ranged GET
+#: bytes asked for by one ranged GET at most (adjacent blocks are coalesced up to this)
 RANGE_BYTES = 16 << 20
-#: bytes asked for by one batch of ranged GETs (what a retry re-reads; bounds the pieces in flight)
+#: bytes asked for by one batch of ranged GETs (what a retry re-reads; bounds the bytes in flight)
 BATCH_BYTES = 256 << 20
 #: ranged GETs in flight at once within a batch
 MAX_CONCURRENT_RANGES = 8
+
+#: what a rank wants of one file: byte ranges ``(start, end)``, or None for all of it
+Wanted = list[tuple[int, int]] | None
+
+
+def blocks_of(entry: FileEntry) -> int:
+    """How many verifiable pieces ``entry`` has: its blocks, or one (the whole file)."""
+    if entry.block_bytes:
+        return -(-entry.size_bytes // entry.block_bytes)
+    return 1 if entry.size_bytes else 0
+
+
+def piece_span(entry: FileEntry, index: int) -> tuple[int, int]:
+    """Byte range of verifiable piece ``index`` of ``entry`` (a block, or the whole file)."""
+    return entry.block_span(index) if entry.block_bytes else (0, entry.size_bytes)
+
+
+def pieces_for(entry: FileEntry, wanted: Wanted) -> list[int]:
+    """The pieces of ``entry`` that cover ``wanted``, ascending."""
+    count = blocks_of(entry)
+    if wanted is None or not entry.block_bytes:
+        return list(range(count)) if wanted is None or any(e > s for s, e in wanted) else []
+    out: set[int] = set()
+    for start, end in wanted:
+        if end > start:
+            out.update(range(start // entry.block_bytes, min(count, -(-end // entry.block_bytes))))
+    return sorted(out)
+
+
+class SparseFile:
+    """The verified pieces of one file, read like a (read-only, seekable) file."""
+
+    def __init__(self, name: str, entry: FileEntry, pieces: dict[int, bytes | memoryview]):
+        self.name = name
+        self.entry = entry
+        self.pieces = pieces
+
+    def open(self) -> io.RawIOBase:
+        return _SparseReader(self)
+
+    def whole(self) -> bytes:
+        """All of it (every piece must be present)."""
+        with self.open() as fh:
+            return fh.read()
+
+
+class _SparseReader(io.RawIOBase):
+    def __init__(self, sparse: SparseFile):
+        super().__init__()
+        self._f = sparse
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._f.entry.size_bytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        out = memoryview(buffer).cast("B")
+        entry, done = self._f.entry, 0
+        while done < out.nbytes and self._pos < entry.size_bytes:
+            index = self._pos // entry.block_bytes if entry.block_bytes else 0
+            piece = self._f.pieces.get(index)
+            if piece is None:
+                raise ChecksumMismatchError(
+                    f"{self._f.name}: bytes at {self._pos} were not fetched and verified (block {index}); refusing them"
+                )
+            start, _ = piece_span(entry, index)
+            at = self._pos - start
+            take = min(out.nbytes - done, len(piece) - at)
+            out[done : done + take] = memoryview(piece)[at : at + take]
+            done += take
+            self._pos += take
+        return done
 
 
 @dataclass(slots=True)
 class Fetched:
     """What :func:`fetch_files` found."""
 
-    data: dict[str, bytes] = field(default_factory=dict)
-    """Verified contents of the files asked to be kept, by name."""
+    data: dict[str, SparseFile] = field(default_factory=dict)
+    """The verified parts of the files asked to be kept, by name."""
     problems: list[Problem] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Piece:
+    """One ranged GET: consecutive pieces ``first .. first+count-1`` of file ``name``."""
+
     name: str
+    first: int
+    count: int
     start: int
     end: int
 
 
-def _pieces(name: str, size_bytes: int) -> list[_Piece]:
-    return [_Piece(name, start, min(size_bytes, start + RANGE_BYTES)) for start in range(0, size_bytes, RANGE_BYTES)]
+def _ranges(name: str, entry: FileEntry, indices: list[int]) -> list[_Piece]:
+    """``indices`` of ``entry`` as GETs: runs of adjacent pieces, each at most RANGE_BYTES."""
+    out: list[_Piece] = []
+    for i in indices:
+        start, end = piece_span(entry, i)
+        last = out[-1] if out else None
+        if last is not None and last.first + last.count == i and end - last.start <= RANGE_BYTES:
+            out[-1] = _Piece(name, last.first, last.count + 1, last.start, end)
+        else:
+            out.append(_Piece(name, i, 1, start, end))
+    return out
+
+
+def fetch_files(
+    storage: Storage, dirname: str, manifest: Manifest, wanted: Mapping[str, Wanted], *, keep: Iterable[str] = ()
+) -> Fetched:
+    """Fetch and verify what ``wanted`` names of step directory ``dirname`` (every byte once);
+    keep the verified parts of the files in ``keep`` (the others are only verified)."""
+    began = time.monotonic()
+    keep = set(keep)
+    out = Fetched()
+    sound = [name for name in sorted(wanted) if _size_ok(storage, dirname, manifest, name, out)]
+    listings = _block_listings(storage, dirname, manifest, sound, out)
+    indices: dict[str, list[int]] = {}
+    for name in sound:
+        entry = manifest.files[name]
+        if entry.block_bytes and name not in listings:
+            continue  # its listing is missing or bad: a problem already
+        if name in keep:
+            out.data[name] = SparseFile(name, entry, {})
+        indices[name] = pieces_for(entry, wanted[name])
+    bad = _fetch_and_check(storage, dirname, manifest, listings, indices, out)
+    if bad:  # damaged in flight or in storage? A second read tells: only a repeat is a problem
+        log.warning("%s: %d block(s) did not match the manifest; reading them once more", dirname, len(bad))
+        again: dict[str, list[int]] = {}
+        for name, i in bad:
+            again.setdefault(name, []).append(i)
+        for (name, _), problem in _fetch_and_check(storage, dirname, manifest, listings, again, out).items():
+            out.problems.append(problem)
+            out.data.pop(name, None)
+    out.seconds = time.monotonic() - began
+    return out
+
+
+def _size_ok(storage: Storage, dirname: str, manifest: Manifest, name: str, out: Fetched) -> bool:
+    """Whether ``name`` is listed and has its listed size in storage (else a problem in ``out``)."""
+    entry = manifest.files.get(name)
+    if entry is None:
+        out.problems.append(Problem(name, "manifest", "not listed in the manifest"))
+        return False
+    try:
+        size = storage.size_bytes(f"{dirname}/{name}")
+    except FileNotFoundError:
+        out.problems.append(
+            Problem(name, "missing", f"listed in the manifest ({entry.size_bytes} bytes) but not in storage")
+        )
+        return False
+    except (FatalStorageError, IsADirectoryError, PermissionError) as e:
+        out.problems.append(Problem(name, "unreadable", str(e)))
+        return False
+    if size != entry.size_bytes:
+        more = "more" if size > entry.size_bytes else str(size)
+        out.problems.append(Problem(name, "size", f"expected {entry.size_bytes} bytes, found {more}"))
+        return False
+    return True
+
+
+def _block_listings(
+    storage: Storage, dirname: str, manifest: Manifest, names: list[str], out: Fetched
+) -> dict[str, list[str]]:
+    """The block digests of each of ``names`` that has them (its listing fetched and verified
+    whole, then parsed with bounds); a listing that is missing, damaged or malformed is a problem."""
+    files = {manifest.files[n].blocks_file: n for n in names if manifest.files[n].block_bytes}
+    if not files:
+        return {}
+    listed = fetch_files(storage, dirname, manifest, dict.fromkeys(files), keep=files)
+    out.problems += listed.problems
+    out.bytes_read += listed.bytes_read
+    listings = {}
+    for listing_name, data_name in files.items():
+        if listing_name not in listed.data:
+            continue
+        entry = manifest.files[data_name]
+        try:
+            digests = parse_json_bounded(listed.data[listing_name].whole(), listing_name)
+        except ManifestError as e:
+            out.problems.append(Problem(listing_name, "manifest", str(e)))
+            continue
+        if (
+            not isinstance(digests, list)
+            or len(digests) != blocks_of(entry)
+            or not all(isinstance(d, str) for d in digests)
+        ):
+            detail = f"does not list {blocks_of(entry)} block digests for {data_name}"
+            out.problems.append(Problem(listing_name, "manifest", detail))
+            continue
+        listings[data_name] = digests
+    return listings
+
+
+def _fetch_and_check(
+    storage: Storage,
+    dirname: str,
+    manifest: Manifest,
+    listings: dict[str, list[str]],
+    indices: dict[str, list[int]],
+    out: Fetched,
+) -> dict[tuple[str, int], Problem]:
+    """Fetch the pieces ``indices`` names, check each against its digest, keep the good ones of
+    kept files in ``out``; returns each piece that did not match, with its problem."""
+    bad: dict[tuple[str, int], Problem] = {}
+    gets = [g for name in sorted(indices) for g in _ranges(name, manifest.files[name], indices[name])]
+    for batch in _batches(gets):
+        for get, data in zip(batch, _read_batch(storage, dirname, batch), strict=True):
+            out.bytes_read += len(data)
+            entry = manifest.files[get.name]
+            view = memoryview(data)
+            for i in range(get.first, get.first + get.count):
+                start, end = piece_span(entry, i)
+                chunk = view[start - get.start : end - get.start]
+                expected = listings[get.name][i] if entry.block_bytes else entry.digest
+                hasher = new_hasher(manifest.digest_algorithm)
+                hasher.update(chunk)
+                digest = hasher.hexdigest()
+                where = f"block {i} (bytes {start}..{end})" if entry.block_bytes else "the file"
+                if len(chunk) != end - start:  # it shrank between the size query and the read
+                    bad[(get.name, i)] = Problem(get.name, "size", f"{where}: read {len(chunk)} bytes")
+                elif digest != expected:
+                    detail = f"{where}: {manifest.digest_algorithm} expected {expected}, computed {digest}"
+                    bad[(get.name, i)] = Problem(get.name, "digest", detail)
+                elif get.name in out.data:
+                    out.data[get.name].pieces[i] = chunk
+    return bad
 
 
 def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
@@ -77,81 +302,12 @@ def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
         yield batch
 
 
-def fetch_files(storage: Storage, dirname: str, manifest: Manifest, names: Iterable[str], *, keep: set[str]) -> Fetched:
-    """Fetch and verify ``names`` of step directory ``dirname`` (every byte once); keep the
-    verified contents of those in ``keep`` (the others are only verified)."""
-    began = time.monotonic()
-    out = Fetched()
-    sizes: dict[str, int] = {}
-    for name in sorted(set(names)):
-        entry = manifest.files.get(name)
-        if entry is None:
-            out.problems.append(Problem(name, "manifest", "not listed in the manifest"))
-            continue
-        try:
-            size = storage.size_bytes(f"{dirname}/{name}")
-        except FileNotFoundError:
-            out.problems.append(
-                Problem(name, "missing", f"listed in the manifest ({entry.size_bytes} bytes) but not in storage")
-            )
-            continue
-        except (FatalStorageError, IsADirectoryError, PermissionError) as e:
-            out.problems.append(Problem(name, "unreadable", str(e)))
-            continue
-        if size != entry.size_bytes:
-            more = "more" if size > entry.size_bytes else str(size)
-            out.problems.append(Problem(name, "size", f"expected {entry.size_bytes} bytes, found {more}"))
-            continue
-        sizes[name] = size
-
-    again = _fetch_and_check(storage, dirname, manifest, sizes, keep, out)
-    if again:  # damaged in flight or in storage? A second read tells: only a repeat is a problem
-        log.warning("%s: %s did not match the manifest; reading them once more", dirname, ", ".join(sorted(again)))
-        retried = _fetch_and_check(storage, dirname, manifest, {n: sizes[n] for n in again}, keep, out)
-        out.problems.extend(retried.values())
-    out.seconds = time.monotonic() - began
-    return out
-
-
-def _fetch_and_check(
-    storage: Storage, dirname: str, manifest: Manifest, sizes: dict[str, int], keep: set[str], out: Fetched
-) -> dict[str, Problem]:
-    """Fetch the files ``sizes`` names, check each against the manifest, keep the good ones of
-    ``keep`` in ``out``; returns the problem of each file that did not match. Pieces arrive in
-    file order and are hashed as they come: a file that is only verified is never held whole."""
-    hashers = {name: new_hasher(manifest.digest_algorithm) for name in sizes}
-    read = dict.fromkeys(sizes, 0)
-    kept: dict[str, list[bytes]] = {name: [] for name in sizes if name in keep}
-    pieces = [piece for name in sorted(sizes) for piece in _pieces(name, sizes[name])]
-    for batch in _batches(pieces):
-        for piece, chunk in zip(batch, _read_batch(storage, dirname, batch), strict=True):
-            hashers[piece.name].update(chunk)
-            read[piece.name] += len(chunk)
-            out.bytes_read += len(chunk)
-            if piece.name in kept:
-                kept[piece.name].append(chunk)
-    bad: dict[str, Problem] = {}
-    for name in sizes:
-        entry, digest = manifest.files[name], hashers[name].hexdigest()
-        chunks = kept.pop(name, [])
-        if read[name] != entry.size_bytes:  # it shrank between the size query and the read
-            bad[name] = Problem(name, "size", f"expected {entry.size_bytes} bytes, read {read[name]}")
-        elif digest != entry.digest:
-            bad[name] = Problem(
-                name, "digest", f"{manifest.digest_algorithm} expected {entry.digest}, computed {digest}"
-            )
-        elif name in keep:
-            out.data[name] = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return bad
-
-
 def _read_batch(storage: Storage, dirname: str, batch: list[_Piece]) -> list[bytes]:
     """The bytes of every piece in ``batch``, fetched concurrently; the batch is read again on a
     transient error. A piece that comes back short is returned short (the size check names it)."""
     paths = [storage.path(dirname, piece.name) for piece in batch]
     starts = [piece.start for piece in batch]
     ends = [piece.end for piece in batch]
-
     fs = storage.fs
     # an async filesystem (s3fs) runs up to batch_size requests at once; the others read in turn
     concurrency = {"batch_size": MAX_CONCURRENT_RANGES} if isinstance(fs, AsyncFileSystem) else {}
@@ -163,4 +319,15 @@ def _read_batch(storage: Storage, dirname: str, batch: list[_Piece]) -> list[byt
     return storage.retry(read, f"read {len(batch)} range(s) of {dirname} ({first.name}..{last.name})")
 
 
-__all__ = ["fetch_files", "Fetched", "RANGE_BYTES", "BATCH_BYTES", "MAX_CONCURRENT_RANGES"]
+__all__ = [
+    "fetch_files",
+    "Fetched",
+    "SparseFile",
+    "Wanted",
+    "blocks_of",
+    "piece_span",
+    "pieces_for",
+    "RANGE_BYTES",
+    "BATCH_BYTES",
+    "MAX_CONCURRENT_RANGES",
+]

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 
 from checkpoint.catalog import StepInfo, inspect_step, list_steps, read_manifest
 from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
-from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
+from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata, needed_ranges
 from checkpoint.dcp_write import DigestingWriter
 from checkpoint.errors import (
     CheckpointError,
@@ -61,7 +62,7 @@ from checkpoint.errors import (
     TransientStorageError,
     UnsafePickleError,
 )
-from checkpoint.fetch import fetch_files
+from checkpoint.fetch import SparseFile, blocks_of, fetch_files, piece_span, pieces_for
 from checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -78,7 +79,6 @@ from checkpoint.verify import (
     Problem,
     check_pickled_items,
     mark_corrupt,
-    split_files,
 )
 from contract import events as ev
 
@@ -189,6 +189,50 @@ class NoLoadableStepError(CheckpointError):
                 "to start from step 0 (the new run replaces those step directories as it saves)."
             )
         super().__init__(message)
+
+
+def _share(
+    manifest: Manifest,
+    everyone: list[dict[str, list[int]]],
+    rank: int,
+    world: int,
+    merge: dict[str, list[tuple[int, int]]],
+) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges ``rank`` verifies of the blocks that no rank's load reads (``everyone``:
+    by rank, the blocks each reads), merged with the ranges it reads itself (``merge``): every
+    block of every data file is then verified by some rank, the unread ones split by size
+    (largest first, each to the rank with the fewest bytes so far). A file's block listing is
+    verified by whoever reads a block of it."""
+    read = {(name, i) for pieces in everyone for name, indices in pieces.items() for i in indices}
+    listings = {e.blocks_file for e in manifest.files.values() if e.block_bytes}  # read with their file's blocks
+    unread = [
+        (name, i)
+        for name, entry in manifest.files.items()
+        if name != METADATA_NAME and name not in listings
+        for i in range(blocks_of(entry))
+        if (name, i) not in read
+    ]
+    loads = [0] * world
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, i in sorted(unread, key=lambda p: (-_span_bytes(manifest, p), p)):
+        target = min(range(world), key=lambda r: (loads[r], r))
+        loads[target] += _span_bytes(manifest, (name, i)) + 1
+        if target == rank:
+            out.setdefault(name, list(merge.get(name, []))).append(piece_span(manifest.files[name], i))
+    return out
+
+
+def _parse_quietly(data: bytes) -> Metadata | None:
+    """``.metadata`` parsed with the allow-list unpickler, or None (rank 0's check says why)."""
+    try:
+        return load_metadata(data)
+    except Exception:  # noqa: BLE001 - judged by check_pickled_items, not here
+        return None
+
+
+def _span_bytes(manifest: Manifest, piece: tuple[str, int]) -> int:
+    start, end = piece_span(manifest.files[piece[0]], piece[1])
+    return end - start
 
 
 def _no_event(record: ev.Record) -> None:
@@ -568,7 +612,7 @@ class CheckpointManager:
         if manifest is None:  # _survey hands over committed steps only, and their manifests parsed
             raise CheckpointError(f"{info.dirname} has no parsed manifest; only a committed step can be loaded")
         state_dict = build_state_dict(manifest)
-        problems, fetched = self._fetch_everywhere(info, manifest, validate, state_dict)
+        problems, fetched, metadata = self._fetch_everywhere(info, manifest, validate, state_dict)
         if any(p.kind in CORRUPTION_KINDS for p in problems):
             self._reject(info, problems)
             return None, Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
@@ -583,6 +627,7 @@ class CheckpointManager:
             files=manifest.files,
             algorithm=manifest.digest_algorithm,
             prefetched=fetched,
+            metadata=metadata,
         )
         try:
             dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner())
@@ -664,61 +709,60 @@ class CheckpointManager:
         manifest: Manifest,
         validate: Callable[[Manifest], None] | None,
         state_dict: dict[str, Any],
-    ) -> tuple[list[Problem], dict[str, bytes]]:
+    ) -> tuple[list[Problem], dict[str, SparseFile], Metadata | None]:
         """Fetch and verify ``info`` (whose parsed manifest is ``manifest``) before any byte of it
-        is loaded: every rank reads the files its own load plan needs, once each (concurrent
-        ranged GETs), keeps their verified bytes for DCP, and verifies its share of the files
-        no rank needs. Returns every rank's problems, gathered (the same list on every rank),
-        and this rank's verified files. Only rank 0 judges the manifest (``validate``) and what
+        is loaded: every rank reads the blocks its own DCP load plan needs, once each (concurrent
+        ranged GETs), keeps them verified for DCP, and verifies its share of the blocks no rank
+        needs. Returns every rank's problems, gathered (the same list on every rank), and this
+        rank's verified files. Only rank 0 judges the manifest (``validate``) and what
         ``.metadata`` would unpickle (:func:`check_pickled_items`)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         mine = self._validation_problems(manifest, validate) if self.rank == 0 else []
-        data: dict[str, bytes] = {}
-        needed: list[str] = []
+        data: dict[str, SparseFile] = {}
+        needed: dict[str, list[tuple[int, int]]] = {}
+        parsed: Metadata | None = None
         try:
-            meta = fetch_files(self.storage, info.dirname, manifest, [METADATA_NAME], keep={METADATA_NAME})
+            meta = fetch_files(self.storage, info.dirname, manifest, {METADATA_NAME: None}, keep={METADATA_NAME})
             if self.rank == 0:
                 mine += meta.problems
             data.update(meta.data)
             if METADATA_NAME in meta.data:
-                needed = needed_files(state_dict, meta.data[METADATA_NAME], manifest.files, self.rank == 0)
+                parsed = _parse_quietly(meta.data[METADATA_NAME].whole())
+                needed = needed_ranges(state_dict, parsed, manifest.files, self.rank == 0) if parsed else {}
         except _STORAGE_TYPES as e:
             mine.append(Problem(METADATA_NAME, "unreadable", f"storage error, not corruption: {type(e).__name__}: {e}"))
+        mine_pieces = {n: pieces_for(manifest.files[n], r) for n, r in needed.items() if n in manifest.files}
         if world > 1:
-            everyone: list[list[str]] = [[] for _ in range(world)]
-            dist.all_gather_object(everyone, needed)
+            everyone: list[dict[str, list[int]]] = [{} for _ in range(world)]
+            dist.all_gather_object(everyone, mine_pieces)
         else:
-            everyone = [needed]
-        read_by_someone = {name for names in everyone for name in names} | {METADATA_NAME}
-        share = split_files(manifest, self.rank, world, names=set(manifest.files) - read_by_someone)
+            everyone = [mine_pieces]
+        wanted = {**needed, **_share(manifest, everyone, self.rank, world, merge=needed)}
         try:
-            got = fetch_files(self.storage, info.dirname, manifest, [*needed, *share], keep=set(needed))
+            got = fetch_files(self.storage, info.dirname, manifest, wanted, keep=needed)
             mine += got.problems
             data.update(got.data)
             log.info(
-                "step %d: fetched %d file(s) for this rank's load and verified %d more: %.1f MB in %.2fs",
+                "step %d: fetched %.1f MB for this rank's load (and its share of the verification) in %.2fs",
                 info.step,
-                len(needed),
-                len(share),
                 got.bytes_read / 1e6,
                 got.seconds,
             )
             if self.rank == 0 and not any(p.file == METADATA_NAME for p in mine):
-                mine += check_pickled_items(self.storage, info.dirname, manifest)
+                mine += check_pickled_items(self.storage, info.dirname, manifest, metadata=parsed)
         except _STORAGE_TYPES as e:
-            names = [*needed, *share]
             mine.append(
                 Problem(
-                    names[0] if names else MANIFEST_NAME,
+                    next(iter(wanted), MANIFEST_NAME),
                     "unreadable",
                     f"storage error, not corruption: {type(e).__name__}: {e}"[:500],
                 )
             )
         if world == 1:
-            return mine, data
+            return mine, data, parsed
         gathered: list[list[Problem]] = [[] for _ in range(world)]
         dist.all_gather_object(gathered, mine)
-        return [p for problems in gathered for p in problems], data
+        return [p for problems in gathered for p in problems], data, parsed
 
     @staticmethod
     def _validation_problems(manifest: Manifest, validate: Callable[[Manifest], None] | None) -> list[Problem]:

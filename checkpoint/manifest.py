@@ -223,6 +223,17 @@ class FileEntry:
     """Exact length in bytes."""
     digest: str
     """Lower-case hex digest under the manifest's ``digest_algorithm``."""
+    block_bytes: int = 0
+    """The file is also digested in blocks of this many bytes (0: not; manifests written before
+    block digests), so that a reader can verify just the blocks it reads."""
+    blocks_file: str = ""
+    """The file of the same step that lists those block digests, in order (the last block may be
+    shorter): a JSON list of hex strings, itself listed in the manifest (without blocks)."""
+
+    def block_span(self, index: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of block ``index``."""
+        start = index * self.block_bytes
+        return start, min(self.size_bytes, start + self.block_bytes)
 
 
 @dataclass(slots=True)
@@ -296,6 +307,9 @@ class Manifest:
                     f"bad file entry {name!r}: digest must be {hex_len} lower-case hex digits "
                     f"for {self.digest_algorithm}, got {entry.digest!r}"
                 )
+            why = _blocks_problem(entry, self.files)
+            if why is not None:
+                return f"bad file entry {name!r}: {why}"
         return None
 
     @property
@@ -303,8 +317,13 @@ class Manifest:
         return sum(e.size_bytes for e in self.files.values())
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of every field (no HMAC)."""
-        return asdict(self)
+        """Plain JSON-able dict of every field (no HMAC); a file without block digests is
+        written as before they existed."""
+        obj = asdict(self)
+        for entry in obj["files"].values():
+            if not entry["block_bytes"]:
+                del entry["block_bytes"], entry["blocks_file"]
+        return obj
 
     def to_json(self, hmac_key: bytes | None = None) -> bytes:
         """Canonical format-2 JSON bytes; with ``hmac_key``, plus ``"hmac"`` (:func:`manifest_hmac`).
@@ -385,17 +404,41 @@ def _check_hmac(obj: dict[str, Any], given: Any, hmac_key: bytes, fmt: int) -> N
         raise ManifestError("manifest HMAC mismatch: edited, or written with another key")
 
 
+_WITH_BLOCKS = {"size_bytes", "digest", "block_bytes", "blocks_file"}
+
+
+def _blocks_problem(entry: FileEntry, files: dict[str, FileEntry]) -> str | None:
+    """Why ``entry``'s block digests are unusable (None if they are fine or absent)."""
+    b = entry.block_bytes
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        return f"block_bytes must be a non-negative int, got {b!r}"
+    if not isinstance(entry.blocks_file, str):
+        return "blocks_file must be a string"
+    if b == 0:
+        return None if not entry.blocks_file else "blocks_file given without block_bytes"
+    listed = files.get(entry.blocks_file)
+    if listed is None:
+        return f"its block digests file {entry.blocks_file!r} is not listed"
+    if listed.block_bytes:
+        return f"its block digests file {entry.blocks_file!r} has block digests of its own"
+    return None
+
+
 def _files_from(raw_files: dict[str, Any]) -> dict[str, FileEntry]:
     """The file table of a manifest read from storage; it must list ``.metadata``."""
     files: dict[str, FileEntry] = {}
     for name, entry in raw_files.items():
-        if not isinstance(entry, dict) or set(entry) != {"size_bytes", "digest"}:
+        if not isinstance(entry, dict) or set(entry) not in ({"size_bytes", "digest"}, _WITH_BLOCKS):
             raise ManifestError(
-                f"bad file entry {name!r}: expected an object with exactly 'size_bytes' and 'digest', got {entry!r}"[
-                    :300
-                ]
+                f"bad file entry {name!r}: expected an object with 'size_bytes' and 'digest' (and optionally "
+                f"'block_bytes' and 'blocks_file'), got {entry!r}"[:300]
             )
-        files[name] = FileEntry(size_bytes=entry["size_bytes"], digest=entry["digest"])
+        files[name] = FileEntry(
+            size_bytes=entry["size_bytes"],
+            digest=entry["digest"],
+            block_bytes=entry.get("block_bytes", 0),
+            blocks_file=entry.get("blocks_file", ""),
+        )
     if METADATA_FILE not in files:
         raise ManifestError(f"manifest lists no {METADATA_FILE} file: not a DCP checkpoint step")
     return files

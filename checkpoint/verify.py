@@ -303,7 +303,7 @@ def _check_items_in_file(
 
 
 def check_pickled_items(
-    storage: Storage, dirname: str, manifest: Manifest, *, span_limit_bytes: int = 64 << 20
+    storage: Storage, dirname: str, manifest: Manifest, *, span_limit_bytes: int = 64 << 20, metadata: Any = None
 ) -> list[Problem]:
     """Everything a full DCP load of ``dirname`` would unpickle, unpickled the safe way.
 
@@ -316,14 +316,18 @@ def check_pickled_items(
     propagate (transient) or are ``unreadable`` (fatal, permissions): never corruption.
 
     One call covers the load path's check of ``.metadata`` (it replaces
-    :func:`check_metadata_safe`). Tensor items are not unpickled here: DCP itself loads them
-    with ``weights_only=True``, and their bytes are covered by the digests.
+    :func:`check_metadata_safe`); ``metadata``: already parsed by the allow-list unpickler from
+    bytes the caller checked against the manifest (not read again). Tensor items are not
+    unpickled here: DCP itself loads them with ``weights_only=True``, and their bytes are
+    covered by the digests.
     """
     from checkpoint.safe_pickle import bytes_items, metadata_problems
 
-    metadata, problems = _parse_metadata(storage, dirname, manifest)
-    if metadata is None:
-        return problems
+    problems: list[Problem] = []
+    if metadata is None:  # else: parsed by the caller from bytes it checked against the manifest
+        metadata, problems = _parse_metadata(storage, dirname, manifest)
+        if metadata is None:
+            return problems
     wrong = metadata_problems(metadata, manifest.files)
     if wrong:
         return [Problem(METADATA_NAME, "unsafe", why) for why in wrong]

@@ -355,7 +355,7 @@ def failing_open(name: str, from_open: int, error: type[OSError]) -> Iterator[di
     [
         ("__0_0.distcp", 1, ConnectionResetError),  # the fetch before the load (transient, retried)
         ("__0_0.distcp", 1, PermissionError),  # the same, a fatal storage error
-        (".metadata", 2, PermissionError),  # rank 0's allow-list check of .metadata (its second read)
+        (".metadata", 1, PermissionError),  # the fetch of .metadata, read once and parsed once
     ],
 )
 def test_a_storage_error_during_load_fails_the_attempt_and_marks_nothing(name, from_open, error, tmp_path):
@@ -377,10 +377,11 @@ def test_a_load_reads_every_byte_once(tmp_path):
     """Fetched once, verified, then served to DCP from memory: no second read of a data file."""
     root = tmp_path / "ck"
     save(manager(root), 4, 8)
-    with failing_open("__0_0.distcp", 10**9, OSError) as counts:
-        manifest, target = load(manager(root))
-    assert manifest.step == 8 and loaded_step(target) == 8.0
-    assert counts["opens"] == 1
+    for name in ("__0_0.distcp", ".metadata"):
+        with failing_open(name, 10**9, OSError) as counts:
+            manifest, target = load(manager(root))
+        assert manifest.step == 8 and loaded_step(target) == 8.0
+        assert counts["opens"] == 1, name
 
 
 # -- save status ----------------------------------------------------------------------------

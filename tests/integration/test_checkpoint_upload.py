@@ -126,7 +126,7 @@ def test_a_large_file_uploads_in_parts_while_dcp_is_still_writing(seaweed, s3_pr
     files = save(url, options(seaweed), state)
 
     storage = Storage(url, seaweed.storage_options())
-    assert sorted(files) == [METADATA_NAME, "__0_0.distcp"]
+    assert sorted(files) == [METADATA_NAME, "__0_0.distcp", "__0_0.distcp.blocks"]  # its block digests beside it
     assert files["__0_0.distcp"].size_bytes > 6 * PART_BYTES
     assert_stored_as_digested(storage, files)
     shard = next(u for u in uploads if u["name"] == "__0_0.distcp")
@@ -268,7 +268,7 @@ def test_a_save_through_random_server_errors_commits_with_correct_digests(seawee
         files = save(url, options(seaweed, endpoint_url=proxy.endpoint_url, max_attempts=12), big_state())
         proxy.set_faults(None)
         assert proxy.injected["error"] > 0
-    assert sorted(files) == [METADATA_NAME, "__0_0.distcp"]
+    assert sorted(files) == [METADATA_NAME, "__0_0.distcp", "__0_0.distcp.blocks"]  # its block digests beside it
     assert_stored_as_digested(Storage(url, seaweed.storage_options()), files)
     assert pending(seaweed, s3_prefix) == []
 

@@ -3,13 +3,15 @@ the bytes on disk, and a file changed after verification is refused when DCP rea
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader
 from checkpoint.dcp_write import DigestingWriter
-from checkpoint.digest import digest_bytes
+from checkpoint.digest import BLOCK_BYTES, digest_bytes
 from checkpoint.errors import ChecksumMismatchError
 from checkpoint.manifest import FileEntry
 from checkpoint.storage import StorageOptions
@@ -43,6 +45,18 @@ def test_writer_digests_match_the_bytes_written(saved):
     for name, entry in publisher.files.items():
         data = (root / name).read_bytes()
         assert entry.size_bytes == len(data) and entry.digest == digest_bytes(data, "xxh3_128"), name
+
+
+def test_a_file_larger_than_a_block_has_its_block_digests_listed_beside_it(saved):
+    root, publisher = saved
+    shard = next(n for n in publisher.files if n.endswith(".distcp"))  # 256 KiB of "w": 4+ blocks
+    entry = publisher.files[shard]
+    assert entry.block_bytes == BLOCK_BYTES and entry.blocks_file == shard + ".blocks"
+    data = (root / shard).read_bytes()
+    listed = json.loads((root / entry.blocks_file).read_bytes())
+    spans = [data[i : i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES)]
+    assert listed == [digest_bytes(b, "xxh3_128") for b in spans] and len(spans) > 1
+    assert publisher.files[METADATA_NAME].block_bytes == 0  # one block: the file's digest is enough
 
 
 def test_reader_loads_verified_bytes(saved):
