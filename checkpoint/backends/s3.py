@@ -68,6 +68,7 @@ _TRANSIENT_TYPE_NAMES = {
     "ConnectionClosedError",
     "ResponseStreamingError",
     "IncompleteReadError",
+    "FlexibleChecksumError",  # a body that fails its S3 checksum: damaged in flight, read it again
 }
 
 
@@ -83,7 +84,8 @@ class S3Backend(FsspecBackend):
         kwargs: dict[str, Any] = {
             "client_kwargs": {},
             "config_kwargs": {
-                "retries": {"max_attempts": 1},
+                # one attempt in all ("max_attempts" counts retries in botocore's legacy mode)
+                "retries": {"total_max_attempts": 1},
                 "connect_timeout": options.connect_timeout_s,
                 "read_timeout": options.read_timeout_s,
             },

@@ -233,13 +233,13 @@ class FirstTriesFailingProxy(S3FaultProxy):
 
 
 #: Attempts botocore makes itself before an error reaches ``Storage.retry``: s3.py configures
-#: ``retries={"max_attempts": 1}``, which in botocore's legacy mode is one retry.
-BOTOCORE_ATTEMPTS = 2
+#: ``retries={"total_max_attempts": 1}`` (one attempt; the retries are ours).
+BOTOCORE_ATTEMPTS = 1
 
 
 def test_each_part_is_retried_on_its_own(seaweed, s3_prefix, caplog):
-    """Every part fails its first attempts (botocore's own two, then one of ours): each part is
-    retried by itself (never the whole file), and the save commits the digested bytes."""
+    """Every part fails its first attempt (botocore's only one): each part is retried by itself,
+    by us (never the whole file), and the save commits the digested bytes."""
     url = seaweed.url(f"{s3_prefix}/step-000000001")
     with FirstTriesFailingProxy(seaweed.endpoint_url, failures=BOTOCORE_ATTEMPTS) as proxy:
         with caplog.at_level(logging.WARNING, logger="checkpoint.storage"):

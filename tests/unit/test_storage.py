@@ -414,7 +414,7 @@ def test_options_fall_back_to_aws_env(monkeypatch):
     ).fsspec_kwargs("s3")
     assert explicit["key"] == "K" and explicit["client_kwargs"]["endpoint_url"] == "http://x"
     assert explicit["config_kwargs"]["read_timeout"] == 2.0
-    assert explicit["config_kwargs"]["retries"] == {"max_attempts": 1}  # tenacity retries, not botocore
+    assert explicit["config_kwargs"]["retries"] == {"total_max_attempts": 1}  # tenacity retries, not botocore
     assert StorageOptions().fsspec_kwargs("file") == {}
 
 
