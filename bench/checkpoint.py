@@ -179,10 +179,10 @@ class Bench:
     def sync_save(self) -> dict[str, Any]:
         mgr = self.manager("off")
         step, self.next_step = self.next_step, self.next_step + 1
-        fields = self.ckpt._fields()
+        fields = self.ckpt.fields()
         self.dist.barrier()
         t0 = time.perf_counter()
-        sd = self.ckpt._state_dict()
+        sd = self.ckpt.state()
         t1 = time.perf_counter()
         mgr.save(step, sd, fields)
         t2 = time.perf_counter()
@@ -246,7 +246,7 @@ class Bench:
         holder: dict[str, Any] = {}
 
         def build(manifest: Any) -> dict[str, Any]:
-            holder["sd"] = self.ckpt._state_dict()
+            holder["sd"] = self.ckpt.state()
             return holder["sd"]
 
         manifest, seconds = self.timed(lambda: self.manager(mode).load(build, load_step=step))
@@ -278,10 +278,10 @@ class Bench:
         steps that poll the manager until no rank has the upload in flight."""
         mgr = self.manager(mode)
         step, self.next_step = self.next_step, self.next_step + 1
-        fields = self.ckpt._fields()
+        fields = self.ckpt.fields()
         self.dist.barrier()
         t0 = time.perf_counter()
-        mgr.save(step, self.ckpt._state_dict(), fields)
+        mgr.save(step, self.ckpt.state(), fields)
         blocked = time.perf_counter() - t0
         times, done_at = [], None
         for _ in range(MAX_INFLIGHT_STEPS):
@@ -309,7 +309,7 @@ class Bench:
     def run(self) -> dict[str, Any]:
         args = self.args
         self.steps_baseline(WARMUP_STEPS)
-        sd_bytes = sum(t.numel() * t.element_size() for t in _tensors(self.ckpt._state_dict()))
+        sd_bytes = sum(t.numel() * t.element_size() for t in _tensors(self.ckpt.state()))
         self.results["state_bytes_per_rank"] = self.gather(sd_bytes)
         # Idle training: blocking saves against raw PUT, verified loads against raw GET.
         sync: list[dict[str, Any]] = []
@@ -361,10 +361,54 @@ class Bench:
                     f"{statistics.median(base):.3f}s idle, {statistics.median(busy or [float('nan')]):.3f}s "
                     f"over {len(busy)} steps in flight"
                 )
+        try:
+            self.results["memory_tier"] = self.memory_tier(args.repeats)
+        except Exception as e:  # noqa: BLE001 - reported; the other figures stand
+            self.results["errors"]["memory_tier"] = f"{type(e).__name__}: {e}"[:400]
+            self.say(f"memory tier FAILED: {e}")
         for s in sync:
             s.pop("files", None)
         self.results.update(sync=sync, raw_put_s=raw_put, load_s=loads, raw_get_s=raw_get, runs=runs)
         return self.results
+
+    # -- (e) the memory tier -----------------------------------------------------------------
+    def memory_tier(self, repeats: int) -> dict[str, Any]:
+        """Snapshots into the memory tier (each rank its own shards and its buddy's: the ranks
+        stand for 2 nodes of 1), then a recovery: rank 1 comes back as a new process (its memory
+        empty) and every rank restores from the tier, rank 1's shards from rank 0's copy."""
+        from ftrain.config import load_config
+        from ftrain.memory_tier import MemoryTier
+
+        cfg = load_config(self.args.config, ["--checkpoint.memory_interval=1"])
+        tier = MemoryTier(cfg)
+        tier.join_round(self.rank, self.world, 1, "cpu")
+        blocked, seconds = [], []
+        for _ in range(repeats + 1):  # the first is a warm-up (stager buffers, DCP caches)
+            step, self.next_step = self.next_step, self.next_step + 1
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            tier.maybe_snapshot(step, self.trainer, checkpointed=True)
+            b = time.perf_counter() - t0
+            tier.wait()
+            blocked.append(max(self.gather(b)))
+            seconds.append(max(self.gather(time.perf_counter() - t0)))
+        restores = []
+        for _ in range(repeats):
+            held = [s.step for s in tier.snapshots]
+            fresh = MemoryTier(cfg) if self.rank == 1 else tier
+            fresh.join_round(self.rank, self.world, 1, "cpu")  # a new round: its group, on both ranks
+            step, restore_s = self.timed(lambda t=fresh: t.restore(self.trainer, committed_step=-1))
+            if step is None or step != max(held or [-1]):
+                raise RuntimeError(f"memory-tier restore gave step {step}, the newest snapshot is {held}")
+            restores.append(restore_s)
+            if fresh is not tier:
+                fresh.close()
+        tier.close()
+        self.say(
+            f"memory tier: snapshot blocked {statistics.median(blocked[1:]):.3f}s, complete in "
+            f"{statistics.median(seconds[1:]):.2f}s; restore with rank 1 empty {statistics.median(restores):.2f}s"
+        )
+        return {"blocked_s": blocked[1:], "seconds": seconds[1:], "restore_s": restores, "warmup_s": seconds[0]}
 
     def _drop_mode(self, mode: str, err: BaseException, async_modes: list[str]) -> None:
         from checkpoint.manager import describe_error
@@ -476,6 +520,20 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
     out["blocked_ratio"] = out["modes"][head]["blocked_ratio"] if head else None
     out["step_slowdown"] = out["modes"][head]["step_slowdown"] if head else None
     out["step_slowdown_during_upload"] = out["step_slowdown"]  # (d), under the name the docs use
+    tier = res.get("memory_tier")
+    if tier:
+        restore = _median(tier["restore_s"])
+        out["memory_tier"] = {
+            "snapshot_blocked_s": _median(tier["blocked_s"]),
+            "snapshot_s": _median(tier["seconds"]),
+            "restore_s": restore,
+            "snapshot_blocked_vs_step": _median(tier["blocked_s"]) / out["modes"][head]["step_idle_s"]
+            if head
+            else None,
+        }
+        out["memory_tier_load_speedup_vs_s3"] = load / restore
+    else:
+        out["memory_tier"], out["memory_tier_load_speedup_vs_s3"] = None, None
     out["spread_s"] = {
         "sync_save": _spread([x["blocked_s"] for x in sync]),
         "raw_put": _spread(res["raw_put_s"]),
@@ -628,8 +686,17 @@ def report(s: dict[str, Any]) -> str:
     )
     if s["step_slowdown"] is not None:
         out.append(f"(d) step_slowdown ({hm})   = {s['step_slowdown']:.2f}x")
+    t = s.get("memory_tier")
+    if t:
+        share = f" ({t['snapshot_blocked_vs_step']:.1%} of an idle step)" if t["snapshot_blocked_vs_step"] else ""
+        out.append(
+            f"(e) memory tier: a snapshot blocks {t['snapshot_blocked_s'] * 1e3:.0f} ms{share}, is complete "
+            f"(buddy copy checked) in {t['snapshot_s']:.2f} s; a restore with one rank's memory empty takes "
+            f"{t['restore_s']:.2f} s against {s['load_s']:.2f} s from S3: "
+            f"memory_tier_load_speedup_vs_s3 = {s['memory_tier_load_speedup_vs_s3']:.1f}x"
+        )
     for mode, err in s["errors"].items():
-        out.append(f"async_mode={mode} FAILED: {err}")
+        out.append(f"{mode if mode == 'memory_tier' else 'async_mode=' + mode} FAILED: {err}")
     return "\n".join(out)
 
 

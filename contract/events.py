@@ -40,6 +40,8 @@ class Event(StrEnum):
     CKPT_FAILURES_EXCEEDED = "ckpt_failures_exceeded"
     LIVE_ROUND_LEFT = "live_round_left"  #: a live worker left its round (a peer failed, or a newer round)
     LIVE_RESTORED = "live_restored"  #: a live worker joined a round and has its state (from where, how fast)
+    MEMORY_SNAPSHOT = "memory_snapshot"  #: a rank's shards (and its buddy's) are in the memory tier
+    MEMORY_REFUSED = "memory_refused"  #: the memory tier could not give a round its state: storage instead
     # the checkpoint service (in the workers)
     CKPT_STAGED = "ckpt_staged"
     CKPT_SKIPPED = "ckpt_skipped"
@@ -133,7 +135,7 @@ class LiveRoundLeft(Record):
 @dataclass(frozen=True, slots=True)
 class LiveRestored(Record):
     EVENT = Event.LIVE_RESTORED
-    source: str  #: live_peer | memory | storage | fresh
+    source: str  #: live_peer | memory | memory_tier | storage | fresh
     step: int  #: the step training goes on from
     from_rank: int  #: live_peer: the rank that sent it (-1 otherwise)
     world_size: int
@@ -142,6 +144,26 @@ class LiveRestored(Record):
     join_s: float  #: the round's process group: store and connections to every peer
     build_s: float  #: the trainer at the round's layout: model, strategy wrap, optimizer, checkpointing
     state_s: float  #: agreement on the step, and the state from a peer or storage
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot(Record):
+    EVENT = Event.MEMORY_SNAPSHOT
+    step: int
+    blocked_s: float  #: the training thread's share: staging the state into host memory
+    seconds: float  #: staging to a complete exchange with the buddy (in the background after staging)
+    size_bytes: int  #: this rank's own shard files
+    buddy: int  #: the rank whose shards this rank keeps a copy of (-1: none)
+    interval: int  #: steps between snapshots, as chosen (checkpoint.memory_interval, or measured)
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class MemoryRefused(Record):
+    EVENT = Event.MEMORY_REFUSED
+    step: int  #: the snapshot that could not be used (-1: none was complete)
+    why: str
 
 
 @_record

@@ -106,6 +106,45 @@ def _restore_rng(t: torch.Tensor, step: int) -> None:
         ) from e
 
 
+def training_state(par: Parallel, rank: int) -> dict[str, Any]:
+    """What a checkpoint (or a memory-tier snapshot) of this rank holds: model, optimizer
+    (``get_state_dict``: DTensor shards for FSDP/TP) and this rank's RNG states."""
+    model_sd, optim_sd = get_state_dict(par.model, par.optimizer)
+    return {"model": model_sd, "optim": optim_sd, f"rng.rank{rank}": _rng_tensor()}
+
+
+def load_target(par: Parallel, rank: int, manifest: Manifest) -> dict[str, Any]:
+    """The state dict a load of ``manifest``'s step fills (no RNG entry for a rank that did not
+    exist when the step was saved)."""
+    sd = training_state(par, rank)
+    if rank >= manifest.world_size:
+        del sd[f"rng.rank{rank}"]
+    return sd
+
+
+def manifest_fields(cfg: Config, par: Parallel, cursor: DataCursor, round_: int) -> dict[str, Any]:
+    """The manifest fields of a save besides its files (see :class:`checkpoint.manifest.Manifest`)."""
+    layout = par.layout
+    return {
+        "round": round_,
+        "world_size": layout.world_size,
+        "layout": layout.describe(),
+        "config": cfg.to_dict(),
+        "config_hash": cfg.digest(),
+        "trainer": {"cursor": cursor.state_dict()},
+    }
+
+
+def apply_loaded(par: Parallel, cursor: DataCursor, rank: int, manifest: Manifest, sd: dict[str, Any]) -> None:
+    """Put a loaded state dict (:func:`load_target`, filled) into the model, optimizer, cursor
+    and RNG: after a load from storage or from the memory tier alike."""
+    set_state_dict(par.model, par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    cursor.load_state_dict(manifest.trainer["cursor"])
+    rng = sd.get(f"rng.rank{rank}")
+    if rng is not None:
+        _restore_rng(rng, manifest.step)
+
+
 class Checkpointing:
     """Connects a running job (model, optimizer, cursor) to the checkpoint service."""
 
@@ -149,27 +188,21 @@ class Checkpointing:
         self.events.emit(ev.CkptUnsigned(uri=self.cfg.checkpoint.uri))
 
     # -- save ---------------------------------------------------------------------------
-    def _state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.par.model, self.par.optimizer)
-        return {"model": model_sd, "optim": optim_sd, f"rng.rank{self.rank}": _rng_tensor()}
 
-    def _fields(self) -> dict[str, Any]:
-        layout = self.par.layout
-        return {
-            "round": self.round,
-            "world_size": layout.world_size,
-            "layout": layout.describe(),
-            "config": self.cfg.to_dict(),
-            "config_hash": self.cfg.digest(),
-            "trainer": {"cursor": self.cursor.state_dict()},
-        }
+    def state(self) -> dict[str, Any]:
+        """This rank's state dict, as a save writes it (:func:`training_state`)."""
+        return training_state(self.par, self.rank)
+
+    def fields(self) -> dict[str, Any]:
+        """The manifest fields of a save now (:func:`manifest_fields`)."""
+        return manifest_fields(self.cfg, self.par, self.cursor, self.round)
 
     def due(self, steps_done: int) -> bool:
         interval = self.cfg.checkpoint.interval
         return interval > 0 and steps_done % interval == 0
 
     def save(self, steps_done: int, *, sync: bool = False) -> bool:
-        return self.manager.save(steps_done, self._state_dict(), self._fields(), sync=sync)
+        return self.manager.save(steps_done, self.state(), self.fields(), sync=sync)
 
     def poll(self) -> SaveStatus:
         return self.manager.poll()
@@ -189,11 +222,8 @@ class Checkpointing:
         self.events.emit(ev.ResumeStarted())
 
         def build(manifest: Manifest) -> dict[str, Any]:
-            sd = self._state_dict()
-            if self.rank >= manifest.world_size:  # this rank did not exist when the step was saved
-                del sd[f"rng.rank{self.rank}"]
-            holder["sd"] = sd
-            return sd
+            holder["sd"] = load_target(self.par, self.rank, manifest)
+            return holder["sd"]
 
         try:
             manifest = self.manager.load(
@@ -205,12 +235,7 @@ class Checkpointing:
             raise
         if manifest is None:
             return None
-        sd = holder["sd"]
-        set_state_dict(self.par.model, self.par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        self.cursor.load_state_dict(manifest.trainer["cursor"])
-        rng = sd.get(f"rng.rank{self.rank}")
-        if rng is not None:
-            _restore_rng(rng, manifest.step)
+        apply_loaded(self.par, self.cursor, self.rank, manifest, holder["sd"])
         if manifest.config_hash != self.cfg.digest():
             log.info(
                 "resuming step %d saved with a different config (hash %s, now %s)",

@@ -17,6 +17,9 @@ Each spec may end in ``:ROUND``: the fault then fires only in that round (``FTRA
 that a replacement process that replays the step in a later round does not replay the fault.
 - ``FTRAIN_FAULT_STEP_SLEEP_S=S``: every step takes S seconds longer (a slow worker), so
   outside observers can act between steps.
+- ``FTRAIN_FAULT_DAMAGE_MEMORY_COPY=RANK``: rank RANK flips one bit of every buddy copy it keeps
+  in the memory tier, after it was checked on arrival (memory that rots): a restore from it must
+  refuse it and load from storage.
 """
 
 from __future__ import annotations
@@ -86,6 +89,20 @@ def maybe_slow_down() -> None:
     delay_s = float(os.environ.get("FTRAIN_FAULT_STEP_SLEEP_S", "0") or 0)
     if delay_s > 0:
         time.sleep(delay_s)
+
+
+def maybe_damage_memory_copy(rank: int, files: dict[str, bytes], names: list[str]) -> dict[str, bytes]:
+    """``files`` with one bit of each of ``names`` flipped, if this rank is armed to (see above)."""
+    armed = os.environ.get("FTRAIN_FAULT_DAMAGE_MEMORY_COPY", "")
+    if not armed or int(armed) != rank:
+        return files
+    damaged = dict(files)
+    for name in names:
+        if damaged.get(name):
+            data = damaged[name]
+            damaged[name] = data[:-1] + bytes([data[-1] ^ 1])
+            log.warning("fault injected: rank %d flipped a bit of its memory-tier copy of %s", rank, name)
+    return damaged
 
 
 def maybe_poison_loss(step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:

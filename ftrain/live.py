@@ -50,6 +50,7 @@ from ftrain import heartbeat, strategies
 from ftrain.config import Config
 from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
+from ftrain.memory_tier import MemoryTier
 from ftrain.model import build_model
 from ftrain.optim import adamw_kwargs
 from ftrain.peer_state import HeldState, PeerStateError, broadcast, survey
@@ -159,6 +160,12 @@ def restore(trainer: Trainer, held: HeldState | None) -> Restored:
         log.error("replicas at step %d differ (digests %s): loading from storage", newest, sorted(digests))
         holders = []  # every rank sees the same rows, so every rank falls back together
     if not holders:
+        tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
+        if tier_step is not None:
+            if trainer.ckpt is not None:
+                status = trainer.ckpt.manager.status
+                status.last_committed_step = max(status.last_committed_step, committed)
+            return Restored("memory_tier", tier_step)
         manifest = trainer.ckpt.resume() if trainer.ckpt is not None and trainer.cfg.checkpoint.resume else None
         return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
     src = holders[0]
@@ -239,6 +246,7 @@ def serve(cfg: Config) -> None:
     except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
         log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
     source = build_source(cfg.data, cfg.model)  # the same for every round: built once, before any
+    tier = MemoryTier(cfg)  # serves every round of this process (Trainer uses it where it helps)
     control.mark_ready()
     assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
     held: HeldState | None = None
@@ -268,6 +276,7 @@ def serve(cfg: Config) -> None:
                     hb,
                     newer_round_assigned(control, assignment.round),
                     source,
+                    tier,
                 )
                 built = time.monotonic()
                 restored = restore(trainer, held)
@@ -296,6 +305,7 @@ def serve(cfg: Config) -> None:
             held = _leave_round(trainer, restored_now, held, assignment, watchdog.fired or e, hb, keep_ports)
         else:
             finish(trainer, result)
+            tier.close()
             return
         trainer = None
         try:

@@ -680,6 +680,30 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
+#: host copies of a rank's checkpointed state the memory tier keeps: its staging buffers, its
+#: own snapshot and its buddy's; while an exchange replaces a snapshot, the previous pair too
+MEMORY_TIER_COPIES, MEMORY_TIER_PEAK_COPIES = 3, 5
+
+
+def memory_tier_notes(cfg: Config, estimates: Sequence[MemoryEstimate]) -> list[str]:
+    """What the memory tier (``checkpoint.memory_interval``, live recovery of strategies with no
+    full replica) costs in host memory per rank, for each such strategy estimated."""
+    if getattr(cfg, "checkpoint", None) is None or cfg.checkpoint.memory_interval == 0:
+        return []
+    out = []
+    for e in estimates:
+        if strategies.get(e.strategy).full_replica:
+            continue
+        state = e.params_bytes + e.optimizer_bytes
+        out.append(
+            f"  - {e.strategy}: memory tier (live recovery) in host memory: {_gib(MEMORY_TIER_COPIES * state)} "
+            f"per rank ({MEMORY_TIER_COPIES} x its {_gib(state)} of params + optimizer state: staging, its "
+            f"snapshot, its buddy's), up to {_gib(MEMORY_TIER_PEAK_COPIES * state)} during an exchange; "
+            "checkpoint.memory_interval=0 turns it off"
+        )
+    return out
+
+
 def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8) -> str:
     """The table ``ftrain plan`` prints: every feasible strategy's per-rank memory, and a pick."""
     if world_size < 1:
@@ -783,6 +807,7 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
             "  - not included: checkpoint staging (an async save copies this rank's params and optimizer "
             "state to host memory first)"
         )
+    lines += memory_tier_notes(cfg, estimates)
     if target.device == "cuda":
         lines.append(
             f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {_gib(CUDA_RUNTIME_BYTES)} "

@@ -26,7 +26,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from checkpoint.errors import CheckpointError
 from contract import events as ev
 from contract.events import EventLog
 from contract.worker_env import WorkerEnv
-from ftrain import heartbeat
+from ftrain import heartbeat, strategies
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
@@ -57,6 +57,9 @@ from ftrain.optim import lr_at, peak_lr, set_lr
 from ftrain.parallel import Parallel, parallelize
 from ftrain.progress import Progress
 from ftrain.strategies import compute_layout
+
+if TYPE_CHECKING:
+    from ftrain.memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,7 @@ class Trainer:
         hb: heartbeat.Heartbeat | None = None,
         round_ended: Callable[[], bool] | None = None,
         source: MarkovSource | TokenFileSource | None = None,
+        tier: MemoryTier | None = None,
     ):
         self.cfg = cfg
         self.hb = hb
@@ -182,6 +186,14 @@ class Trainer:
         self.metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
         self.progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
         self.ckpt = Checkpointing(cfg, self.par, self.cursor, self.events) if cfg.checkpoint.uri else None
+        #: a live worker's memory tier, for strategies that keep no full replica (ddp heals from a peer)
+        self.tier = (
+            tier
+            if tier is not None and tier.enabled and not strategies.get(self.layout.strategy).full_replica
+            else None
+        )
+        if self.tier is not None:
+            self.tier.join_round(rank, world_size, local_world, device.type)
         self.peak_lr = peak_lr(cfg.optim, self.layout.dp_size)
         self.floor = getattr(self.source, "entropy_floor_nats", None)
         self.skipped_steps = 0
@@ -235,7 +247,8 @@ class Trainer:
             self.update_applied = False
             loss = self._step()
             done = self.cursor.step
-            if self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps:
+            checkpointed = self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps
+            if checkpointed and self.ckpt is not None:
                 # A blocking save, or one that first waits for the previous upload (when_busy =
                 # wait), may take longer than the hang timeout: the agent applies the start
                 # timeout meanwhile. Otherwise the save blocks only for staging.
@@ -243,6 +256,8 @@ class Trainer:
                     self._beat(done, "saving")
                 self.ckpt.save(done)
                 self._check_commit_failures()
+            if self.tier is not None:
+                self.tier.maybe_snapshot(done, self, checkpointed=checkpointed)
             maybe_crash(done, self.rank)
             maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:
@@ -321,6 +336,8 @@ class Trainer:
             self._check_consistency(self.cursor.step)
 
     def close(self) -> None:
+        if self.tier is not None:  # its exchange ends with the round (the caller aborted a broken one)
+            self.tier.leave_round()
         for part in (self.ckpt, self.metrics, self.ledger, self.events):
             if part is not None:
                 part.close()

@@ -154,9 +154,12 @@ def describe_recovery(demo: Demo, at: float) -> str:
     resumed = [e for e in demo.events(Event.RESUMED) if e["round"] == r and e["rank"] == 0]
     if restored:
         source, step, since = restored[0]["source"], restored[0]["step"], restored[0]["time"]
-        source = {"live_peer": "a live peer", "memory": "their own memory", "storage": "storage (in-process load)"}.get(
-            source, source
-        )
+        source = {
+            "live_peer": "a live peer",
+            "memory": "their own memory",
+            "memory_tier": "the memory tier (a buddy's copy)",
+            "storage": "storage (in-process load)",
+        }.get(source, source)
     elif resumed:
         source, step, since = "storage (checkpoint load)", resumed[0]["step"], resumed[0]["time"]
     else:

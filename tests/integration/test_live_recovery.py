@@ -139,23 +139,126 @@ def _start(job: Cluster, *nodes: str) -> None:
         job.start(node, *LIVE, nnodes="1:2", nproc=2)
 
 
-def test_under_fsdp_the_survivors_load_the_last_checkpoint_in_process(tmp_path, etcd, golden_fsdp):
-    job = _cluster(tmp_path, etcd, strategy=FSDP)
-    try:
-        job.start("a", *LIVE, nnodes="2:2", nproc=2)
-        job.start("b", *LIVE, nnodes="2:2", nproc=2)
-        job.wait_step(45)
-        round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
-        os.kill(round1["a"][0], signal.SIGKILL)
-        restored = wait_for(lambda: job.events("live_restored", round=2), 60, "round 2")
-        assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
-        assert _serving(job, "b", 2) == round1["b"] and _serving(job, "a", 2)[1] == round1["a"][1]
-        restored = job.events("live_restored", round=2)
-        assert {e["source"] for e in restored} == {"storage"}, restored  # fsdp keeps no replica
-        assert {e["step"] for e in restored} == {max(s for s in job.committed_steps() if s <= 45)}
-        _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
-    finally:
-        job.close()
+def _node_of(job: Cluster, rank: int, worker_round: int) -> tuple[str, int]:
+    """(node, pid) of the worker that served global ``rank`` in ``worker_round``."""
+    e = next(e for e in job.events("worker_started", round=worker_round) if e["rank"] == rank)
+    return e["node"], e["pid"]
+
+
+def _distcp_reads(proxy: S3FaultProxy, since: float, until: float) -> list[str]:
+    return [p for t, method, p in proxy.requests_seen if method == "GET" and ".distcp" in p and since <= t <= until]
+
+
+def _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy: S3FaultProxy) -> Cluster:
+    return _cluster(
+        tmp_path,
+        etcd,
+        f"--checkpoint.endpoint_url={proxy.endpoint_url}",
+        strategy=FSDP,
+        ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
+        env=seaweed.env(),
+    )
+
+
+def test_under_fsdp_a_killed_worker_heals_from_its_buddys_memory_without_storage(
+    tmp_path, etcd, seaweed, s3_prefix, golden_fsdp
+):
+    """fsdp keeps no replica: the spare that replaces rank 0 gets its shards from the copy its
+    buddy on the other node keeps in memory (the memory tier), every survivor goes back to that
+    snapshot in memory, nothing is read from S3, and the job ends bitwise equal to golden."""
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        try:
+            job.start("a", *LIVE, nnodes="2:2", nproc=2)
+            job.start("b", *LIVE, nnodes="2:2", nproc=2)
+            job.wait_step(45)
+            node, pid = _node_of(job, 0, 1)
+            survivors = {n: _serving(job, n, 1) for n in ("a", "b")}
+            killed_at = time.time()
+            os.kill(pid, signal.SIGKILL)
+            restored = wait_for(
+                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
+                60,
+                "round 2",
+            )
+            assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+            assert {e["source"] for e in restored} == {"memory_tier"}, restored
+            other = "b" if node == "a" else "a"
+            assert _serving(job, other, 2) == survivors[other], "the other node's workers were restarted"
+            assert not _distcp_reads(proxy, killed_at, max(e["time"] for e in restored)), "the recovery read S3"
+            assert job.events("memory_snapshot") and not job.events("memory_refused")
+            _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
+        finally:
+            job.close()
+
+
+def test_under_fsdp_a_damaged_memory_copy_is_refused_and_storage_is_used_in_process(
+    tmp_path, etcd, seaweed, s3_prefix, golden_fsdp
+):
+    """The copy of rank 0's shards that rank 2 keeps rots in memory (a fault hook flips a bit of
+    it): the restore refuses it, every rank loads the newest checkpoint in-process instead."""
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        damage = {"FTRAIN_FAULT_DAMAGE_MEMORY_COPY": "2"}
+        try:
+            job.start("a", *LIVE, nnodes="2:2", nproc=2, env=damage)
+            job.start("b", *LIVE, nnodes="2:2", nproc=2, env=damage)
+            job.wait_step(45)
+            os.kill(_node_of(job, 0, 1)[1], signal.SIGKILL)
+            restored = wait_for(
+                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
+                60,
+                "round 2",
+            )
+            assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+            assert {e["source"] for e in restored} == {"storage"}, restored
+            refused = job.events("memory_refused", round=2)
+            assert refused and all("does not match" in e["why"] for e in refused), refused
+            assert {e["step"] for e in restored} == {max(s for s in job.committed_steps() if s <= 45)}
+            _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
+        finally:
+            job.close()
+
+
+def test_under_fsdp_a_lost_node_comes_back_healed_from_the_memory_tier(tmp_path, etcd, seaweed, s3_prefix, golden_fsdp):
+    """Node b (agent and workers) SIGKILLed and restarted; the job needs both nodes (2:2), so it
+    waits, then node b's new workers take their shards from the copies node a keeps in memory:
+    no S3 read, bitwise equal to golden."""
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        try:
+            job.start("a", *LIVE, nnodes="2:2", nproc=2)
+            job.start("b", *LIVE, nnodes="2:2", nproc=2)
+            wait_for(lambda: len(job.events("live_restored", round=1)) == 4, 90, "round 1")
+            job.wait_step(40)
+            first = min(job.events("round_formed"), key=lambda e: e["new_round"])
+            survivor, lost = first["members"]
+            kept = _serving(job, survivor, 1)
+            lost_at = time.time()
+            job.kill_agent(lost)
+            for pid in _serving(job, lost, 1).values():
+                os.kill(pid, signal.SIGKILL)
+            job.restart(lost)
+
+            def registered_again() -> bool:
+                if job.agents[lost].poll() == 2:  # refused: the dead agent's lease has not expired yet
+                    job.restart(lost)
+                    return False
+                return len(job.events("agent_registered", node=lost)) > 1
+
+            wait_for(registered_again, 30, f"node {lost}'s agent to register again")
+            restored = wait_for(
+                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
+                120,
+                "round 2",
+            )
+            assert job.wait_exit(survivor) == 0 and job.wait_exit(lost) == 0, job.log_tail()
+            assert _serving(job, survivor, 2) == kept, "the survivor's workers were restarted"
+            assert {e["source"] for e in restored} == {"memory_tier"}, restored
+            assert not _distcp_reads(proxy, lost_at, max(e["time"] for e in restored)), "the recovery read S3"
+            _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
+        finally:
+            job.close()
 
 
 def test_a_save_waiting_for_a_slow_upload_is_not_taken_for_a_hang(tmp_path, etcd, seaweed, s3_prefix):

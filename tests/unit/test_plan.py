@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import textwrap
@@ -244,6 +245,20 @@ def test_report_has_every_strategy_row_and_a_recommendation():
     assert rows[0] == "strategy"
     assert rows[1:] == ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp"]
     assert "recommended: ddp" in report
+
+
+def test_report_states_the_memory_tiers_host_memory_for_strategies_without_a_replica():
+    cfg = _cfg()
+    report = plan_report(cfg, world_size=4, device_memory_bytes=80 * GiB, gpus_per_node=2)
+    tier = {line.split(":")[0].strip(" -"): line for line in report.splitlines() if "memory tier" in line}
+    assert set(tier) == {"zero2", "fsdp", "hsdp", "tp", "fsdp+tp"}  # ddp and zero1 heal from a replica
+    _, fsdp = _est(cfg, "fsdp", 4, gpus_per_node=2)
+    state = fsdp.params_bytes + fsdp.optimizer_bytes
+    assert (
+        f"{3 * state / GiB:.1f} GiB per rank" in tier["fsdp"] or f"{3 * state / 2**20:.1f} MiB per rank" in tier["fsdp"]
+    )
+    off = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, memory_interval=0))
+    assert "memory tier" not in plan_report(off, world_size=4, device_memory_bytes=80 * GiB, gpus_per_node=2)
 
 
 def test_report_skips_what_cannot_run_with_the_reason():
