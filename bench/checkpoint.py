@@ -279,6 +279,14 @@ class Bench:
         mgr = self.manager(mode)
         step, self.next_step = self.next_step, self.next_step + 1
         fields = self.ckpt.fields()
+        waited: list[float] = []
+
+        def wait_staged() -> None:  # as the train loop does, before the next update; it blocks too
+            w = time.perf_counter()
+            mgr.wait_staged()
+            waited.append(time.perf_counter() - w)
+
+        self.trainer.staging_waits[:] = [wait_staged]
         self.dist.barrier()
         t0 = time.perf_counter()
         mgr.save(step, self.ckpt.state(), fields)
@@ -293,6 +301,8 @@ class Bench:
                 break
             times.append(dt)
         mgr.wait()
+        self.trainer.staging_waits[:] = []
+        blocked += sum(waited)  # the save's call, and the wait for its copy before the next update
         upload_s = (done_at or time.perf_counter()) - t0
         ok = all(self.gather(mgr.status.last_committed_step == step))
         files = self.step_files(mode, step) if ok else {}
@@ -385,10 +395,15 @@ class Bench:
         blocked, seconds = [], []
         for _ in range(repeats + 1):  # the first is a warm-up (stager buffers, DCP caches)
             step, self.next_step = self.next_step, self.next_step + 1
+            waited: list[float] = []
+            self.trainer.staging_waits[:] = [lambda w=waited: w.append(tier.wait_staged())]
             self.dist.barrier()
             t0 = time.perf_counter()
             tier.maybe_snapshot(step, self.trainer, checkpointed=True)
             b = time.perf_counter() - t0
+            self._step(False)  # the next step runs beside the copy; its update waits for it
+            b += sum(waited)
+            self.trainer.staging_waits[:] = []
             tier.wait()
             blocked.append(max(self.gather(b)))
             seconds.append(max(self.gather(time.perf_counter() - t0)))
@@ -705,17 +720,20 @@ notes:
 - One host, 2 shared cores: 2 training ranks, upload threads/processes and SeaweedFS all compete
   for them, and the "network" is loopback. Sync saves, loads and raw PUT/GET all run with
   training idle, so those ratios compare like with like; the MB/s are not a real network's.
-- blocked = the training thread's time in state_dict() + CheckpointManager.save(). Async: staging
-  (a CPU copy of the rank's state) + DCP setup; sync: also plan, serialize, digest, upload, commit.
+- blocked = the training thread's time in state_dict() + CheckpointManager.save(), plus, async,
+  its wait for the background copy of the state before the next optimizer update (the copy runs
+  beside the next forward and backward); sync: also plan, serialize, digest, upload, commit.
   Async saves are measured as the train loop runs them: between steps, with steps continuing
   while they upload; the upload end is seen at the next poll() (so "<=", one step of slack), and
   it competes with training for the cores, so its MB/s is not the save path's idle speed.
-- A save's bytes are its step's files (shards + .metadata + manifest.json); a sync save ends
-  when the manifest is committed (and retention ran); raw PUT ends when both ranks' PUTs did.
-- manager.load reads every byte twice (verification streams every file, then DCP reads the
-  shards again, one small torch.load per tensor) while raw GET reads it once: load_vs_raw
-  cannot pass 0.5 as the load is built. A single cat_file of a large object is itself ~2x
-  slower here than ranged reads, so the ratio is taken against the faster raw read.
+- A save's bytes are its step's files (shards, their block listings, .metadata, manifest.json);
+  a sync save ends when the manifest is committed (retention runs beside training after it);
+  raw PUT ends when both ranks' PUTs did.
+- manager.load reads every byte once: each rank fetches the 64 KiB blocks its DCP load plan
+  needs (ranged GETs of up to 16 MiB), checks each block's digest, and DCP copies the tensors
+  out of those bytes in memory (one small torch.load per tensor: DCP's own cost). A single
+  cat_file of a large object is itself slower here than ranged reads, so the ratio is taken
+  against the faster raw read.
 - Step times are the slowest rank's. With an upload in flight, the uploader and SeaweedFS take
   CPU from the two training ranks (and, with threads, the GIL): a GPU host with spare cores
   would show far less."""

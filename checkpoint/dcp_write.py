@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import posixpath
 import threading
 from collections.abc import Iterator
@@ -44,6 +45,24 @@ from checkpoint.errors import ChecksumMismatchError
 from checkpoint.manifest import FileEntry
 from checkpoint.safe_pickle import METADATA_NAME
 from checkpoint.storage import Storage, StorageOptions
+
+#: the niceness a background save runs at: under CPU contention the training steps go first
+BACKGROUND_NICE = 10
+
+
+def yield_to_training() -> None:
+    """Run the calling thread at a lower CPU priority, if it is a background one (an async save's
+    thread: serialising, hashing and uploading): a save must not slow the steps beside it more
+    than the cores allow. The training (main) thread is never touched; nor is a thread already
+    lowered (niceness is per thread on Linux; elsewhere this does nothing)."""
+    if threading.current_thread() is threading.main_thread() or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+    except OSError:  # not permitted here: the save just runs at the training's priority
+        pass
 
 
 class _HashingStream(io.RawIOBase):
@@ -254,6 +273,7 @@ class DigestingWriter(FsspecWriter):
         self._wrap_fs()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        yield_to_training()
         results = super().write_data(plan, planner).wait()
         entries = {
             k: v for k, v in self._digesting_fs.files.items() if k.endswith((".distcp", ".distcp" + BLOCKS_SUFFIX))

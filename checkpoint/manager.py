@@ -73,6 +73,7 @@ from checkpoint.manifest import (
 )
 from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
 from checkpoint.safe_pickle import SafeLoadPlanner
+from checkpoint.save_process import SaveProcess
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import (
     CORRUPTION_KINDS,
@@ -338,14 +339,17 @@ class StepPublisher:
         storage.write_bytes("latest", str(manifest.step).encode())
 
 
-def new_stager(device_type: str) -> DefaultStager:
-    """DCP's stager for state on ``device_type``: its defaults on CUDA (pinned memory,
-    non-blocking copies), plain copies on a CPU (the defaults need an accelerator)."""
-    if device_type == "cuda":
-        return DefaultStager()
+def new_stager(device_type: str, *, asynchronous: bool = True, shared: bool = False) -> DefaultStager:
+    """DCP's stager for state on ``device_type``. It keeps the buffers of its first copy and
+    copies into them again (a pool, not a fresh deep copy per save: reuse it, and never stage
+    again before the previous copy was uploaded). ``asynchronous``: the copy runs in the
+    background (wait for it before the state changes); ``shared``: into shared memory (for the
+    checkpoint process). On CUDA: pinned buffers and non-blocking copies; on a CPU plain copies
+    (those need an accelerator)."""
+    cuda = device_type == "cuda"
     return DefaultStager(
         StagingOptions(
-            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            use_pinned_memory=cuda, use_shared_memory=shared, use_async_staging=asynchronous, use_non_blocking_copy=cuda
         )
     )
 
@@ -407,14 +411,19 @@ class CheckpointManager:
         self._in_flight: _InFlight | None = None
         self._async_group = None
         self._stager = None
+        self._staging: Future | None = None  #: the in-flight save's copy of the state, if not done
         self._gc: tuple[threading.Thread, threading.Event] | None = None  #: retention running beside training
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._save_process: SaveProcess | None = None
         if self.async_mode != "off" and dist.is_initialized():
             # The async saves' own group (their collectives run beside training's), formed now,
             # while every rank builds its manager, not at the first save: a rendezvous in the
             # middle of a round is one that a peer's death leaves retrying it until the
-            # process-group timeout, out of reach of the round watchdog.
-            self._group()
+            # process-group timeout, out of reach of the round watchdog. So is, in process mode,
+            # the checkpoint process, started in the background from now.
+            group = self._group()
+            if self.async_mode == "process":
+                self._save_process = SaveProcess(group)
 
     # -- saving --------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], fields: dict[str, Any], *, sync: bool = False) -> bool:
@@ -456,6 +465,8 @@ class CheckpointManager:
                 return False
             self._record_commit(step, time.monotonic() - started)
             return True
+        if self._save_process is not None:
+            self._save_process.ready()  # started with the manager: this waits only if it is not up yet
         try:
             response = dcp.async_save(
                 state_dict,
@@ -466,8 +477,8 @@ class CheckpointManager:
                 else AsyncCheckpointerType.THREAD,
                 async_stager=self._get_stager(),
             )
-            if isinstance(response, AsyncSaveResponse):
-                response.staging_completion.result()
+            if isinstance(response, AsyncSaveResponse):  # the copy runs on: see wait_staged()
+                self._staging = response.staging_completion
         except BaseException as e:  # staging failed: report it like a failed upload; training goes on
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -478,6 +489,19 @@ class CheckpointManager:
         self.status.in_flight_step = step
         self.on_event(ev.CkptStaged(step=step, staging_s=time.monotonic() - started))
         return True
+
+    def wait_staged(self) -> None:
+        """Until the in-flight save's copy of the state is complete: call it before anything
+        changes the state that was saved (the next optimizer update). Training goes on beside
+        the copy until then; a copy that failed is reported with the upload (:meth:`poll`)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            try:
+                staging.result()
+            except BaseException as e:  # noqa: BLE001 - the upload future carries it too
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                log.debug("checkpoint staging failed (reported with its upload): %s", e)
 
     @property
     def uploading(self) -> bool:
@@ -491,7 +515,7 @@ class CheckpointManager:
 
     def _get_stager(self):
         if self._stager is None:
-            self._stager = new_stager(self.device_type)
+            self._stager = new_stager(self.device_type, shared=self.async_mode == "process")
         return self._stager
 
     def poll(self) -> SaveStatus:
@@ -832,5 +856,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self._save_process is not None:
+            self._save_process.close()
+            self._save_process = None
         if self._stager is not None:
             self._stager.close()

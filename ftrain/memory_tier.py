@@ -136,6 +136,8 @@ class MemoryTier:
         self._root = f"memory://ftrain-tier-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.rank = self.world = self.local_world = 0
         self._next_step = self.interval  #: the step of the next snapshot (the same on every rank)
+        self._staged = threading.Event()  #: the snapshot in the background has copied the state
+        self._staged.set()
 
     @property
     def enabled(self) -> bool:
@@ -149,8 +151,8 @@ class MemoryTier:
         timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
         self._group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
         self._next_step = 0  # a new round: a snapshot at its first step boundary
-        if self._stager is None:
-            self._stager = new_stager(device_type)
+        if self._stager is None:  # the snapshot thread copies: a synchronous stager, there
+            self._stager = new_stager(device_type, asynchronous=False)
 
     def leave_round(self) -> None:
         """After the round's process groups were aborted (a blocked exchange fails then)."""
@@ -197,22 +199,32 @@ class MemoryTier:
             self._thread.join()  # ends by agreeing on the interval
             self._thread = None
         began = time.monotonic()
-        staged = self._stager.stage(training_state(trainer.par, trainer.rank))
+        state = training_state(trainer.par, trainer.rank)  # views of the live tensors: the thread copies them
         fields = manifest_fields(self.cfg, trainer.par, trainer.cursor, current_round())
         blocked_s = time.monotonic() - began
         self._next_step = step + self.interval  # the interval the ranks agreed on last
+        self._staged = threading.Event()
         self._thread = threading.Thread(
             target=self._snapshot,
-            args=(step, staged, fields, began, blocked_s, trainer.events, trainer.last_step_time_s),
+            args=(step, state, fields, began, blocked_s, trainer.events, trainer.last_step_time_s),
             name=f"memory-tier-{step}",
             daemon=True,
         )
         self._thread.start()
 
+    def wait_staged(self) -> float:
+        """Until the snapshot in the background has copied the state (call it before anything
+        changes it: the next optimizer update); the seconds waited."""
+        if self._staged.is_set():
+            return 0.0
+        began = time.monotonic()
+        self._staged.wait()
+        return time.monotonic() - began
+
     def _snapshot(
         self,
         step: int,
-        staged: dict[str, Any],
+        state: dict[str, Any],
         fields: dict[str, Any],
         began: float,
         blocked_s: float,
@@ -220,6 +232,14 @@ class MemoryTier:
         step_time_s: float,
     ) -> None:
         group = self._group
+        try:
+            staged = self._stager.stage(state)  # into the stager's buffers, reused from the last
+        except Exception as e:  # noqa: BLE001 - no snapshot this time; training goes on
+            log.warning("memory-tier snapshot of step %d could not copy the state: %s", step, e)
+            return
+        finally:
+            del state
+            self._staged.set()
         url = f"{self._root}/step-{step:09d}"
         publisher = _Publisher(
             {**fields, "step": step, "digest_algorithm": self.algorithm, "job": self.job}, self.hmac_key

@@ -194,6 +194,11 @@ class Trainer:
         )
         if self.tier is not None:
             self.tier.join_round(rank, world_size, local_world, device.type)
+        #: what copies the state in the background between a step boundary and the next update
+        self.staging_waits: list[Callable[[], object]] = [
+            *([self.ckpt.manager.wait_staged] if self.ckpt is not None else []),
+            *([self.tier.wait_staged] if self.tier is not None else []),
+        ]
         self.peak_lr = peak_lr(cfg.optim, self.layout.dp_size)
         self.floor = getattr(self.source, "entropy_floor_nats", None)
         self.skipped_steps = 0
@@ -335,6 +340,12 @@ class Trainer:
             )
             self._check_consistency(self.cursor.step)
 
+    def _wait_staged(self) -> None:
+        """Before the update changes the parameters and optimizer state: the background copies
+        of them that a save or a memory-tier snapshot started at the last step boundary, done."""
+        for wait in self.staging_waits:
+            wait()
+
     def close(self) -> None:
         if self.tier is not None:  # its exchange ends with the round (the caller aborted a broken one)
             self.tier.leave_round()
@@ -373,6 +384,7 @@ class Trainer:
             total_steps=cfg.train.steps,
             min_lr_ratio=cfg.optim.min_lr_ratio,
         )
+        self._wait_staged()
         if math.isfinite(loss) and math.isfinite(grad_norm):
             set_lr(par.optimizer.param_groups, lr)
             par.optimizer.step()
