@@ -71,7 +71,7 @@ from checkpoint.manifest import (
     job_problem,
     step_dir_name,
 )
-from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
+from checkpoint.retention import GcStop, Retention, apply_gc, modified_times, plan_gc
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.save_process import SaveProcess
 from checkpoint.storage import Storage, StorageOptions
@@ -248,11 +248,11 @@ def collect_garbage(
     hmac_key: bytes | None,
     on_event: EventSink = _no_event,
     job: str | None = None,
-    stop: threading.Event | None = None,
+    stop: GcStop | None = None,
 ) -> list[str]:
     """Apply retention: never touches the newest committed step or an in-flight one. With
     ``job``, another job's steps are not committed here (they never count as this job's newest).
-    A set ``stop`` ends it between two directories. Returns the directories deleted."""
+    A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
     steps = list_steps(storage, hmac_key, job=job)
     plan = plan_gc(
         steps,
@@ -412,7 +412,7 @@ class CheckpointManager:
         self._async_group = None
         self._stager = None
         self._staging: Future | None = None  #: the in-flight save's copy of the state, if not done
-        self._gc: tuple[threading.Thread, threading.Event] | None = None  #: retention running beside training
+        self._gc: tuple[threading.Thread, GcStop] | None = None  #: retention running beside training
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._save_process: SaveProcess | None = None
         if self.async_mode != "off" and dist.is_initialized():
@@ -441,8 +441,8 @@ class CheckpointManager:
                 return False
             log.info("checkpoint of step %d waits for step %d to finish uploading", step, self._in_flight.step)
             self._wait_upload()
-        self._stop_gc()
         dirname = step_dir_name(step)
+        self._stop_gc(writing=dirname)
         publisher = StepPublisher(
             self.url,
             self.options,
@@ -811,7 +811,7 @@ class CheckpointManager:
             dist.barrier()
 
     # -- retention -----------------------------------------------------------------------
-    def collect_garbage(self, stop: threading.Event | None = None) -> list[str]:
+    def collect_garbage(self, stop: GcStop | None = None) -> list[str]:
         """Apply retention now (rank 0; after each commit it also runs in the background)."""
         if self.rank != 0:
             return []
@@ -829,13 +829,14 @@ class CheckpointManager:
     def _collect_garbage_later(self) -> None:
         """Retention after a commit, beside training (rank 0), so that it never lengthens a save
         (in a soak on a slow S3 it made saves outlast the checkpoint interval, and the loop waited).
-        The next save or load stops it between two directories first (:meth:`_stop_gc`): it
-        delays them by one directory's deletion at most, and never runs beside them (a save's
-        ``prepare`` could re-create a directory it is deleting); the next commit runs it again."""
+        The next save or load stops it before its next directory (:meth:`_stop_gc`); a load waits
+        for it to end, a save only while it deletes the directory the save writes (a torn step
+        written again): a retention stuck on a storage that hangs never holds up training. The
+        next commit runs it again."""
         if self.rank != 0:
             return
         self._stop_gc()
-        stop = threading.Event()
+        stop = GcStop()
 
         def run() -> None:
             try:
@@ -847,11 +848,14 @@ class CheckpointManager:
         self._gc = (thread, stop)
         thread.start()
 
-    def _stop_gc(self) -> None:
+    def _stop_gc(self, writing: str | None = None) -> None:
+        """Stop the retention running beside training; wait for it to end, or with ``writing``
+        (a save's directory) only while it deletes that directory."""
         if self._gc is not None:
             thread, stop = self._gc
-            stop.set()
-            thread.join()
+            stop.stop(writing)
+            if writing is None:
+                thread.join()
             self._gc = None
 
     def close(self) -> None:

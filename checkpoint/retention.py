@@ -43,6 +43,39 @@ class Retention:
     grace_s: float = DEFAULTS.gc_grace_s
 
 
+class GcStop:
+    """How a save stops a retention that runs beside training without waiting on a storage
+    call that may hang (a paused S3 would otherwise stall the loop at the next save): the save
+    asks it to stop, which it does before its next directory, and waits only while the
+    directory being deleted is the one that save is about to write (a torn step written again)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._changed = threading.Condition()
+        self._deleting: str | None = None
+
+    def stop(self, writing: str | None = None) -> None:
+        """Ask the retention to stop; with ``writing``, also wait until it is not deleting that
+        directory."""
+        with self._changed:
+            self.requested.set()
+            while writing is not None and self._deleting == writing:
+                self._changed.wait()
+
+    def begin(self, dirname: str) -> bool:
+        """The retention is about to delete ``dirname``: False once it was asked to stop."""
+        with self._changed:
+            if self.requested.is_set():
+                return False
+            self._deleting = dirname
+            return True
+
+    def end(self) -> None:
+        with self._changed:
+            self._deleting = None
+            self._changed.notify_all()
+
+
 @dataclass(slots=True)
 class GcPlan:
     """What :func:`apply_gc` will do: directory names, ascending by step, and why."""
@@ -114,24 +147,26 @@ def plan_gc(
     return plan
 
 
-def apply_gc(
-    storage: Storage, plan: GcPlan, clear_multipart: bool = True, stop: threading.Event | None = None
-) -> list[str]:
+def apply_gc(storage: Storage, plan: GcPlan, clear_multipart: bool = True, stop: GcStop | None = None) -> list[str]:
     """Delete every directory in ``plan.delete``: manifest first, then the rest, recursively;
     returns the directories deleted. With ``clear_multipart`` also abort unfinished multipart
-    uploads under each deleted directory. A set ``stop`` ends it before the next directory (the
-    rest waits for a later GC)."""
+    uploads under each deleted directory. A stopped ``stop`` ends it before the next directory
+    (the rest waits for a later GC)."""
     deleted: list[str] = []
     for dirname in plan.delete:
-        if stop is not None and stop.is_set():
+        if stop is not None and not stop.begin(dirname):
             log.info("gc: stopped before %s (%d of %d deleted)", dirname, len(deleted), len(plan.delete))
             break
-        if clear_multipart:
-            aborted = storage.clear_multipart_uploads(dirname)
-            if aborted:
-                log.info("gc: aborted %d multipart uploads under %s", aborted, dirname)
-        storage.remove(f"{dirname}/{MANIFEST_NAME}")
-        storage.remove(dirname, recursive=True)
+        try:
+            if clear_multipart:
+                aborted = storage.clear_multipart_uploads(dirname)
+                if aborted:
+                    log.info("gc: aborted %d multipart uploads under %s", aborted, dirname)
+            storage.remove(f"{dirname}/{MANIFEST_NAME}")
+            storage.remove(dirname, recursive=True)
+        finally:
+            if stop is not None:
+                stop.end()
         log.info("gc: deleted %s (%s)", dirname, plan.reasons.get(dirname, ""))
         deleted.append(dirname)
     return deleted

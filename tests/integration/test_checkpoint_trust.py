@@ -151,24 +151,32 @@ def test_retention_does_not_count_another_jobs_step_as_this_jobs_newest(tmp_path
 
 
 def test_retention_runs_after_each_commit_beside_training_and_a_save_stops_it(tmp_path, monkeypatch):
-    """A commit's retention runs in the background: the save returns first, the next save stops
-    it between two directories (it never runs beside a save), and wait() lets it finish."""
+    """A commit's retention runs in the background: the save returns first; the next save stops
+    it between two directories without waiting for it (a retention stuck on a storage that hangs
+    must not stall training), and wait() lets it finish."""
     import checkpoint.manager as manager_module
 
-    real_apply_gc, entered = manager_module.apply_gc, threading.Event()
+    real_apply_gc, entered, hung, returned = manager_module.apply_gc, *(threading.Event() for _ in range(3))
 
     def stalled_apply_gc(storage, plan, clear_multipart=True, stop=None):
         entered.set()
-        assert stop is not None and stop.wait(60), "the next save did not stop the retention"
-        return real_apply_gc(storage, plan, clear_multipart, stop=stop)
+        assert stop is not None and stop.requested.wait(60), "the next save did not stop the retention"
+        hung.wait(60)  # a storage call that does not return until the test lets it
+        try:
+            return real_apply_gc(storage, plan, clear_multipart, stop=stop)
+        finally:
+            returned.set()
 
     root = tmp_path / "ck"
     mgr = manager(root, keep_last=1)
     monkeypatch.setattr(manager_module, "apply_gc", stalled_apply_gc)
     save(mgr, 1, 2)  # the commit of step 2 starts a retention that would delete step 1
     assert entered.wait(30), "no retention ran after the commit"
-    save(mgr, 3)  # stops it before any directory is deleted
-    assert {s.step for s in list_steps(Storage(str(root)))} == {1, 2, 3}
+    save(mgr, 3)  # asks it to stop and goes on while it hangs
+    assert not returned.is_set(), "the save waited for a retention stuck on storage"
+    hung.set()
+    assert returned.wait(30)
+    assert {s.step for s in list_steps(Storage(str(root)))} == {1, 2, 3}  # stopped before any deletion
     monkeypatch.setattr(manager_module, "apply_gc", real_apply_gc)
     save(mgr, 4)
     mgr.wait()

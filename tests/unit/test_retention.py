@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from checkpoint.catalog import StepInfo, list_steps
 from checkpoint.manifest import MANIFEST_NAME, step_dir_name
-from checkpoint.retention import GcPlan, _entry_time, apply_gc, modified_times, plan_gc
+from checkpoint.retention import GcPlan, GcStop, _entry_time, apply_gc, modified_times, plan_gc
 from checkpoint.storage import Storage
 from tests.unit.test_verify_catalog import run_cli, write_step
 
@@ -148,19 +148,53 @@ def test_apply_gc_deletes_only_planned_dirs(storage):
 def test_apply_gc_stops_between_directories(storage):
     for s in (1, 2, 3, 4):
         write_step(storage, s)
-    stop = threading.Event()
+    stop = GcStop()
     real_remove = storage.remove
 
     def remove_then_stop(path: str, recursive: bool = False) -> None:
         real_remove(path, recursive=recursive)
         if recursive:
-            stop.set()  # a save wants the storage: it asked the GC to stop
+            stop.stop()  # a save wants the storage: it asked the GC to stop
 
     storage.remove = remove_then_stop  # type: ignore[method-assign]
     done = apply_gc(storage, GcPlan(delete=[step_dir_name(1), step_dir_name(2), step_dir_name(3)]), stop=stop)
     assert done == [step_dir_name(1)]
     assert storage.listdir("") == [step_dir_name(s) for s in (2, 3, 4)]
     assert MANIFEST_NAME in storage.listdir(step_dir_name(2))  # not touched at all
+
+
+def test_a_save_waits_for_the_gc_only_while_it_deletes_the_directory_the_save_writes(storage):
+    """A save asks a running GC to stop without waiting, unless the GC is deleting the very
+    directory the save is about to write (a torn step saved again)."""
+    for s in (1, 2):
+        write_step(storage, s)
+    stop, deleting, release = GcStop(), threading.Event(), threading.Event()
+    real_remove = storage.remove
+
+    def remove_slowly(path: str, recursive: bool = False) -> None:
+        deleting.set()
+        assert release.wait(30)
+        real_remove(path, recursive=recursive)
+
+    storage.remove = remove_slowly  # type: ignore[method-assign]
+    gc = threading.Thread(target=apply_gc, args=(storage, GcPlan(delete=[step_dir_name(1), step_dir_name(2)])),
+                          kwargs={"stop": stop})  # fmt: skip
+    gc.start()
+    try:
+        assert deleting.wait(30)
+        stop.stop(writing=step_dir_name(7))  # another directory: returns at once
+        assert stop.requested.is_set() and gc.is_alive()
+        saver = threading.Thread(target=stop.stop, kwargs={"writing": step_dir_name(1)})
+        saver.start()
+        saver.join(0.2)
+        assert saver.is_alive(), "the save did not wait for the deletion of its own directory"
+        release.set()
+        saver.join(30)
+        assert not saver.is_alive()
+    finally:
+        release.set()
+        gc.join(30)
+    assert storage.listdir("") == [step_dir_name(2)]  # stopped before the next directory
 
 
 def test_modified_times(storage, tmp_path):
