@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -118,6 +119,7 @@ class Bench:
         ckpt_cfg = load_config(args.config, [f"--checkpoint.uri={args.url}/unused"])
         self.ckpt = Checkpointing(ckpt_cfg, self.trainer.par, self.trainer.cursor, self.trainer.events)
         self.managers: dict[str, Any] = {}
+        self.cache_dir = ""  #: this rank's local cache (the ``cached`` manager's), removed at close
         self.next_step = 1000
         self.results: dict[str, Any] = {"errors": {}}
 
@@ -139,11 +141,22 @@ class Bench:
         return result, max(self.gather(time.perf_counter() - t0))
 
     def manager(self, mode: str):
+        """The manager of ``mode``: an async mode, ``off`` (sync saves), or ``cached`` (sync saves
+        that also fill a local cache: a directory of this rank's own, as on a node of its own)."""
         from checkpoint.manager import CheckpointManager
 
         if mode not in self.managers:
+            cache = ""
+            if mode == "cached":
+                self.cache_dir = tempfile.mkdtemp(prefix=f"ftrain-bench-cache-rank{self.rank}-")
+                cache = self.cache_dir
             self.managers[mode] = CheckpointManager(
-                url=f"{self.args.url}/save-{mode}", async_mode=mode, keep_last=1000, gc_grace_s=1e9, device_type="cpu"
+                url=f"{self.args.url}/save-{mode}",
+                async_mode="off" if mode == "cached" else mode,
+                keep_last=1000,
+                gc_grace_s=1e9,
+                device_type="cpu",
+                local_cache_dir=cache,
             )
         return self.managers[mode]
 
@@ -176,8 +189,8 @@ class Bench:
         return sorted(n for n, r in owners.items() if r == self.rank)
 
     # -- (a) + (b): a blocking save ---------------------------------------------------------
-    def sync_save(self) -> dict[str, Any]:
-        mgr = self.manager("off")
+    def sync_save(self, mode: str = "off") -> dict[str, Any]:
+        mgr = self.manager(mode)
         step, self.next_step = self.next_step, self.next_step + 1
         fields = self.ckpt.fields()
         self.dist.barrier()
@@ -187,7 +200,7 @@ class Bench:
         mgr.save(step, sd, fields)
         t2 = time.perf_counter()
         rows = self.gather((t1 - t0, t2 - t0))
-        files = self.step_files("off", step)
+        files = self.step_files(mode, step)
         return {
             "step": step,
             "state_dict_s": max(r[0] for r in rows),
@@ -371,6 +384,17 @@ class Bench:
                     f"{statistics.median(base):.3f}s idle, {statistics.median(busy or [float('nan')]):.3f}s "
                     f"over {len(busy)} steps in flight"
                 )
+        # The local cache: sync saves that also write it, and loads that read it first.
+        cached_saves, cached_loads, from_cache = [], [], []
+        for _ in range(args.repeats):
+            c = self.sync_save("cached")
+            cached_saves.append(c["blocked_s"])
+            cached_loads.append(self.verified_load("cached", c["step"]))
+            read, cached = map(sum, zip(*self.gather(self.manager("cached").load_reads), strict=True))
+            from_cache.append(cached / read)
+        self.results.update(cached_save_s=cached_saves, cached_load_s=cached_loads, cached_share=from_cache)
+        save_s, load_s = statistics.median(cached_saves), statistics.median(cached_loads)
+        self.say(f"local cache: sync save {save_s:.2f}s, load {load_s:.2f}s")
         try:
             self.results["memory_tier"] = self.memory_tier(args.repeats)
         except Exception as e:  # noqa: BLE001 - reported; the other figures stand
@@ -436,6 +460,8 @@ class Bench:
     def close(self) -> None:
         for mgr in self.managers.values():
             mgr.close()
+        if self.cache_dir:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
         self.trainer.close()
 
 
@@ -535,6 +561,14 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
     out["blocked_ratio"] = out["modes"][head]["blocked_ratio"] if head else None
     out["step_slowdown"] = out["modes"][head]["step_slowdown"] if head else None
     out["step_slowdown_during_upload"] = out["step_slowdown"]  # (d), under the name the docs use
+    cached_load = _median(res["cached_load_s"])
+    out["local_cache"] = {
+        "save_s": _median(res["cached_save_s"]),
+        "load_s": cached_load,
+        "save_vs_without": sync_s / _median(res["cached_save_s"]),
+        "share_read_from_cache": _median(res["cached_share"]),
+    }
+    out["local_cache_load_speedup_vs_s3"] = load / cached_load
     tier = res.get("memory_tier")
     if tier:
         restore = _median(tier["restore_s"])
@@ -710,6 +744,13 @@ def report(s: dict[str, Any]) -> str:
             f"{t['restore_s']:.2f} s against {s['load_s']:.2f} s from S3: "
             f"memory_tier_load_speedup_vs_s3 = {s['memory_tier_load_speedup_vs_s3']:.1f}x"
         )
+    c = s["local_cache"]
+    out.append(
+        f"(f) local cache: a sync save that also writes it takes {c['save_s']:.2f} s "
+        f"({c['save_vs_without']:.2f}x the speed without); a load reading it first "
+        f"({c['share_read_from_cache']:.0%} of its bytes from it) takes {c['load_s']:.2f} s against "
+        f"{s['load_s']:.2f} s from S3: local_cache_load_speedup_vs_s3 = {s['local_cache_load_speedup_vs_s3']:.1f}x"
+    )
     for mode, err in s["errors"].items():
         out.append(f"{mode if mode == 'memory_tier' else 'async_mode=' + mode} FAILED: {err}")
     return "\n".join(out)

@@ -65,6 +65,12 @@ class CheckpointConfig:
         "heals from a peer's memory instead of storage. -1: as often as a snapshot blocks training for at most "
         "2% of the step time (measured); 0: off.",
     )
+    local_cache_dir: str = opt(
+        "",
+        "A node-local directory where each node keeps a copy of the files it wrote of the newest committed step; "
+        "a load (a restart, an in-process fallback) reads them from there before storage, each block checked "
+        "against the manifest in storage. Empty: off.",
+    )
     endpoint_url: str = opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL); credentials come from AWS_*.")
     region: str = opt("", "S3 region (default: AWS_REGION).")
 

@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from checkpoint.digest import BLOCKS_SUFFIX, BlockHasher, digest_bytes
 from checkpoint.errors import ChecksumMismatchError
+from checkpoint.local_cache import CacheFile, StepCache
 from checkpoint.manifest import FileEntry
 from checkpoint.safe_pickle import METADATA_NAME
 from checkpoint.storage import Storage, StorageOptions
@@ -129,6 +130,18 @@ class _MemoryFile:
         self.data += data
 
 
+class _Tee:
+    """Writes to storage, and the same bytes to the local cache."""
+
+    def __init__(self, upload: Any, copy: CacheFile):
+        self._upload = upload
+        self._copy = copy
+
+    def write(self, data: memoryview) -> None:
+        self._upload.write(data)
+        self._copy.write(data)
+
+
 class _DigestingFileSystem:
     """Delegates to torch's fsspec FileSystem, except that each written file is digested while
     it is produced and streamed to storage through :meth:`Storage.open_upload`: a storage hiccup
@@ -138,12 +151,15 @@ class _DigestingFileSystem:
     DCP writes ``.metadata`` as ``.metadata.tmp`` and renames it; the temp file is never stored
     (it is held in memory, digested) and the rename writes ``.metadata`` whole, once
     (:meth:`Storage.write_bytes`: one PUT; on local disk fsynced, renamed into place, directory
-    fsynced). The other calls DCP makes here (``mkdir``, ``exists``, ``rm_file``) are retried."""
+    fsynced). The other calls DCP makes here (``mkdir``, ``exists``, ``rm_file``) are retried.
+    With a ``cache`` (:mod:`checkpoint.local_cache`), every stored file is also written there,
+    from the same bytes as they stream out."""
 
-    def __init__(self, inner: Any, algorithm: str, storage: Storage):
+    def __init__(self, inner: Any, algorithm: str, storage: Storage, cache: StepCache | None = None):
         self._inner = inner
         self._algorithm = algorithm
         self._storage = storage
+        self._cache = cache
         self._lock = threading.Lock()
         self._held: dict[str, tuple[bytes, FileEntry]] = {}
         self.files: dict[str, FileEntry] = {}
@@ -170,19 +186,19 @@ class _DigestingFileSystem:
             with self._lock:
                 self._held[rel] = (bytes(held.data), stream.entry())
             return
-        with self._storage.open_upload(rel) as upload:
-            stream = _HashingStream(upload, self._algorithm)
+        name, entries = posixpath.basename(rel), {}
+        with self._caching(name) as copy, self._storage.open_upload(rel) as upload:
+            stream = _HashingStream(upload if copy is None else _Tee(upload, copy), self._algorithm)
             try:
                 yield stream
             except BaseException as e:
                 if stream.error is not None and stream.error is not e:
                     raise stream.error from e  # the storage error, not torch's "unexpected pos"
                 raise
-        name, entries = posixpath.basename(rel), {}
         blocks = stream.block_digests()
         if len(blocks) > 1:  # beside it, what lets a reader verify just the blocks it reads
             listing = json.dumps(blocks).encode()
-            self._storage.write_bytes(rel + BLOCKS_SUFFIX, listing)
+            self._write_whole(rel + BLOCKS_SUFFIX, listing)
             entries[name + BLOCKS_SUFFIX] = FileEntry(len(listing), digest_bytes(listing, self._algorithm))
             entries[name] = dataclasses.replace(
                 stream.entry(), block_bytes=stream.block_bytes, blocks_file=name + BLOCKS_SUFFIX
@@ -201,9 +217,19 @@ class _DigestingFileSystem:
         if held is None:
             raise ValueError(f"DCP renamed {rel}, which this writer did not write")
         data, entry = held
-        self._storage.write_bytes(new_rel, data)
+        self._write_whole(new_rel, data)
         with self._lock:
             self.files[posixpath.basename(new_rel)] = entry
+
+    def _caching(self, name: str) -> contextlib.AbstractContextManager[CacheFile | None]:
+        """Where the local cache copy of ``name`` goes (None without a cache); it is kept once
+        the upload inside it has completed."""
+        return contextlib.nullcontext() if self._cache is None else self._cache.writing(name)
+
+    def _write_whole(self, rel: str, data: bytes) -> None:
+        self._storage.write_bytes(rel, data)
+        if self._cache is not None:
+            self._cache.write_bytes(posixpath.basename(rel), data)
 
     def mkdir(self, path: Any) -> None:
         self._storage.retry(lambda: self._inner.mkdir(path), "mkdir")
@@ -239,11 +265,19 @@ class DigestingWriter(FsspecWriter):
     """FsspecWriter that digests every file; its coordinator calls ``publisher.prepare()``
     before any rank writes and ``publisher.commit(files)`` after ``.metadata``.
 
-    The publisher must be picklable for process-based async saves.
+    The publisher (and the ``cache``, where this step's files are also kept on local disk) must
+    be picklable for process-based async saves.
     """
 
     def __init__(
-        self, url: str, *, options: StorageOptions, algorithm: str, publisher: Publisher, thread_count: int = 1
+        self,
+        url: str,
+        *,
+        options: StorageOptions,
+        algorithm: str,
+        publisher: Publisher,
+        thread_count: int = 1,
+        cache: StepCache | None = None,
     ):
         self._storage = Storage(url, options)
         super().__init__(
@@ -251,10 +285,11 @@ class DigestingWriter(FsspecWriter):
         )
         self._algorithm = algorithm
         self._publisher = publisher
+        self._cache = cache
         self._wrap_fs()
 
     def _wrap_fs(self) -> None:
-        self._digesting_fs = _DigestingFileSystem(self.fs, self._algorithm, self._storage)
+        self._digesting_fs = _DigestingFileSystem(self.fs, self._algorithm, self._storage, self._cache)
         # torch infers ``fs`` as its concrete FileSystem class; DCP calls only the FileSystemBase
         # methods on it, which the wrapper provides or delegates.
         self.fs = self._digesting_fs  # type: ignore[assignment]

@@ -18,6 +18,11 @@ reports), and for the files asked to be kept a :class:`SparseFile`: the verified
 like a file (DCP reads from it; touching a byte of a block that was not fetched raises). A caller
 knows that a step is corrupt before it copies a single tensor out of it.
 
+With a local cache (:mod:`checkpoint.local_cache`), a file cached at its listed size is read
+from there instead, block by block, checked the same way; a cached block that does not match
+drops the cached file and is read from storage (a cache mismatch is never a problem of the
+step). Storage is not asked about a file the cache serves.
+
 What must stay true: bytes are handed out only from blocks whose digest matched, in files whose
 size matched; a storage error that outlives the retries is raised (a fatal one: a problem of kind
 ``unreadable``), never a problem that would mark the step corrupt.
@@ -35,6 +40,7 @@ from fsspec.asyn import AsyncFileSystem
 
 from checkpoint.digest import new_hasher
 from checkpoint.errors import ChecksumMismatchError, FatalStorageError, ManifestError
+from checkpoint.local_cache import StepCache
 from checkpoint.manifest import FileEntry, Manifest, parse_json_bounded
 from checkpoint.storage import Storage
 from checkpoint.verify import Problem
@@ -140,6 +146,9 @@ class Fetched:
     """The verified parts of the files asked to be kept, by name."""
     problems: list[Problem] = field(default_factory=list)
     bytes_read: int = 0
+    """From storage and the local cache together."""
+    bytes_cached: int = 0
+    """Of ``bytes_read``, those read from the local cache."""
     seconds: float = 0.0
 
 
@@ -168,15 +177,23 @@ def _ranges(name: str, entry: FileEntry, indices: list[int]) -> list[_Piece]:
 
 
 def fetch_files(
-    storage: Storage, dirname: str, manifest: Manifest, wanted: Mapping[str, Wanted], *, keep: Iterable[str] = ()
+    storage: Storage,
+    dirname: str,
+    manifest: Manifest,
+    wanted: Mapping[str, Wanted],
+    *,
+    keep: Iterable[str] = (),
+    cache: StepCache | None = None,
 ) -> Fetched:
     """Fetch and verify what ``wanted`` names of step directory ``dirname`` (every byte once);
-    keep the verified parts of the files in ``keep`` (the others are only verified)."""
+    keep the verified parts of the files in ``keep`` (the others are only verified). ``cache``:
+    this step's local cache, read first."""
     began = time.monotonic()
     keep = set(keep)
     out = Fetched()
-    sound = [name for name in sorted(wanted) if _size_ok(storage, dirname, manifest, name, out)]
-    listings = _block_listings(storage, dirname, manifest, sound, out)
+    cached = _cached(cache, manifest, wanted)
+    sound = [name for name in sorted(wanted) if name in cached or _size_ok(storage, dirname, manifest, name, out)]
+    listings = _block_listings(storage, dirname, manifest, sound, out, cache)
     indices: dict[str, list[int]] = {}
     for name in sound:
         entry = manifest.files[name]
@@ -185,17 +202,48 @@ def fetch_files(
         if name in keep:
             out.data[name] = SparseFile(name, entry, {})
         indices[name] = pieces_for(entry, wanted[name])
-    bad = _fetch_and_check(storage, dirname, manifest, listings, indices, out)
+    source = _Source(storage, dirname, cache, cached)
+    bad = _fetch_and_check(source, manifest, listings, indices, out)
+    from_cache = {name for name, _ in bad if name in cached}
+    if from_cache and cache is not None:  # the cache's copy is wrong: storage has the say
+        log.warning("%s: the local cache's copy of %s did not match; reading storage", dirname, sorted(from_cache))
+        for name in from_cache:
+            cache.discard(name)
+        source = _Source(storage, dirname, None, set())
+        again = _pieces_by_file(k for k in bad if k[0] in from_cache)
+        bad = {k: p for k, p in bad.items() if k[0] not in from_cache}
+        bad.update(_fetch_and_check(source, manifest, listings, again, out))
     if bad:  # damaged in flight or in storage? A second read tells: only a repeat is a problem
         log.warning("%s: %d block(s) did not match the manifest; reading them once more", dirname, len(bad))
-        again: dict[str, list[int]] = {}
-        for name, i in bad:
-            again.setdefault(name, []).append(i)
-        for (name, _), problem in _fetch_and_check(storage, dirname, manifest, listings, again, out).items():
+        for (name, _), problem in _fetch_and_check(source, manifest, listings, _pieces_by_file(bad), out).items():
             out.problems.append(problem)
             out.data.pop(name, None)
     out.seconds = time.monotonic() - began
     return out
+
+
+def _pieces_by_file(keys: Iterable[tuple[str, int]]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for name, i in keys:
+        out.setdefault(name, []).append(i)
+    return out
+
+
+def _cached(cache: StepCache | None, manifest: Manifest, wanted: Iterable[str]) -> set[str]:
+    """The files of ``wanted`` that ``cache`` holds at their listed sizes."""
+    if cache is None:
+        return set()
+    return {n for n in wanted if n in manifest.files and cache.size_bytes(n) == manifest.files[n].size_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where pieces are read from: the cached files from the cache, the rest from storage."""
+
+    storage: Storage
+    dirname: str
+    cache: StepCache | None
+    cached: set[str]
 
 
 def _size_ok(storage: Storage, dirname: str, manifest: Manifest, name: str, out: Fetched) -> bool:
@@ -222,16 +270,17 @@ def _size_ok(storage: Storage, dirname: str, manifest: Manifest, name: str, out:
 
 
 def _block_listings(
-    storage: Storage, dirname: str, manifest: Manifest, names: list[str], out: Fetched
+    storage: Storage, dirname: str, manifest: Manifest, names: list[str], out: Fetched, cache: StepCache | None
 ) -> dict[str, list[str]]:
     """The block digests of each of ``names`` that has them (its listing fetched and verified
     whole, then parsed with bounds); a listing that is missing, damaged or malformed is a problem."""
     files = {manifest.files[n].blocks_file: n for n in names if manifest.files[n].block_bytes}
     if not files:
         return {}
-    listed = fetch_files(storage, dirname, manifest, dict.fromkeys(files), keep=files)
+    listed = fetch_files(storage, dirname, manifest, dict.fromkeys(files), keep=files, cache=cache)
     out.problems += listed.problems
     out.bytes_read += listed.bytes_read
+    out.bytes_cached += listed.bytes_cached
     listings = {}
     for listing_name, data_name in files.items():
         if listing_name not in listed.data:
@@ -255,8 +304,7 @@ def _block_listings(
 
 
 def _fetch_and_check(
-    storage: Storage,
-    dirname: str,
+    source: _Source,
     manifest: Manifest,
     listings: dict[str, list[str]],
     indices: dict[str, list[int]],
@@ -267,8 +315,10 @@ def _fetch_and_check(
     bad: dict[tuple[str, int], Problem] = {}
     gets = [g for name in sorted(indices) for g in _ranges(name, manifest.files[name], indices[name])]
     for batch in _batches(gets):
-        for get, data in zip(batch, _read_batch(storage, dirname, batch), strict=True):
+        for get, data in zip(batch, _read_batch(source, batch), strict=True):
             out.bytes_read += len(data)
+            if get.name in source.cached:
+                out.bytes_cached += len(data)
             entry = manifest.files[get.name]
             view = memoryview(data)
             for i in range(get.first, get.first + get.count):
@@ -302,9 +352,26 @@ def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
         yield batch
 
 
-def _read_batch(storage: Storage, dirname: str, batch: list[_Piece]) -> list[bytes]:
-    """The bytes of every piece in ``batch``, fetched concurrently; the batch is read again on a
-    transient error. A piece that comes back short is returned short (the size check names it)."""
+def _read_batch(source: _Source, batch: list[_Piece]) -> list[bytes]:
+    """The bytes of every piece in ``batch``: the cached ones from the cache, the others
+    fetched concurrently from storage (the batch is read again on a transient error). A piece
+    that comes back short is returned short (the size check names it)."""
+    got: dict[int, bytes] = {}
+    remote = [(i, piece) for i, piece in enumerate(batch) if piece.name not in source.cached]
+    for i, piece in enumerate(batch):
+        if piece.name in source.cached and source.cache is not None:
+            try:
+                got[i] = source.cache.read_range(piece.name, piece.start, piece.end)
+            except OSError:  # gone since it was found: read storage instead
+                remote.append((i, piece))
+    if remote:
+        for (i, _), data in zip(remote, _read_remote(source, [p for _, p in remote]), strict=True):
+            got[i] = data
+    return [got[i] for i in range(len(batch))]
+
+
+def _read_remote(source: _Source, batch: list[_Piece]) -> list[bytes]:
+    storage, dirname = source.storage, source.dirname
     paths = [storage.path(dirname, piece.name) for piece in batch]
     starts = [piece.start for piece in batch]
     ends = [piece.end for piece in batch]

@@ -63,6 +63,7 @@ from checkpoint.errors import (
     UnsafePickleError,
 )
 from checkpoint.fetch import SparseFile, blocks_of, fetch_files, piece_span, pieces_for
+from checkpoint.local_cache import LocalCache, StepCache
 from checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -393,6 +394,8 @@ class CheckpointManager:
     on_no_loadable_step: str = DEFAULTS.on_no_loadable_step  # fail | fresh (see the module doc)
     on_event: EventSink = _no_event
     device_type: str = "cpu"
+    local_cache_dir: str = DEFAULTS.local_cache_dir
+    """Where this node keeps its copy of the newest committed step (:mod:`checkpoint.local_cache`); empty: off."""
 
     def __post_init__(self) -> None:
         why = job_problem(self.job)
@@ -407,6 +410,7 @@ class CheckpointManager:
                 f"on_no_loadable_step must be one of {ON_NO_LOADABLE_STEP}, got {self.on_no_loadable_step!r}"
             )
         self.storage = Storage(self.url, self.options)
+        self.cache = LocalCache.open(self.local_cache_dir, self.url) if self.local_cache_dir else None
         self.status = SaveStatus()
         self._in_flight: _InFlight | None = None
         self._async_group = None
@@ -415,6 +419,8 @@ class CheckpointManager:
         self._gc: tuple[threading.Thread, GcStop] | None = None  #: retention running beside training
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._save_process: SaveProcess | None = None
+        self.load_reads = (0, 0)
+        """Bytes this rank read in the last load attempt: all of them, and those from the local cache."""
         if self.async_mode != "off" and dist.is_initialized():
             # The async saves' own group (their collectives run beside training's), formed now,
             # while every rank builds its manager, not at the first save: a rendezvous in the
@@ -452,7 +458,11 @@ class CheckpointManager:
             self.fence,
         )
         writer = DigestingWriter(
-            self.storage.child_url(dirname), options=self.options, algorithm=self.digest, publisher=publisher
+            self.storage.child_url(dirname),
+            options=self.options,
+            algorithm=self.digest,
+            publisher=publisher,
+            cache=self._step_cache(dirname),
         )
         started = time.monotonic()
         if sync or self.async_mode == "off":
@@ -552,7 +562,12 @@ class CheckpointManager:
         else:
             self._record_commit(flight.step, time.monotonic() - flight.started)
 
+    def _step_cache(self, dirname: str) -> StepCache | None:
+        return self.cache.step(dirname) if self.cache is not None else None
+
     def _record_commit(self, step: int, duration_s: float) -> None:
+        if self.cache is not None:
+            self.cache.keep_only(step_dir_name(step))
         self.status.last_committed_step = step
         self.status.last_save_duration_s = duration_s
         self.status.last_error = ""
@@ -669,6 +684,8 @@ class CheckpointManager:
         return manifest, None
 
     def _loaded(self, info: StepInfo, manifest: Manifest, refusals: list[Refusal]) -> None:
+        if self.cache is not None:
+            self.cache.keep_only(info.dirname)
         newer = [str(r) for r in refusals if r.step > info.step]
         if newer:
             log.warning(
@@ -682,6 +699,8 @@ class CheckpointManager:
                 created_time=manifest.created_time,
                 job=manifest.job,
                 refused_newer=newer,
+                bytes_read=self.load_reads[0],
+                bytes_from_cache=self.load_reads[1],
             )
         )
         log.info("loaded checkpoint step %d (saved at world size %d)", info.step, manifest.world_size)
@@ -745,8 +764,12 @@ class CheckpointManager:
         data: dict[str, SparseFile] = {}
         needed: dict[str, list[tuple[int, int]]] = {}
         parsed: Metadata | None = None
+        cache = self._step_cache(info.dirname)
+        self.load_reads = (0, 0)
         try:
-            meta = fetch_files(self.storage, info.dirname, manifest, {METADATA_NAME: None}, keep={METADATA_NAME})
+            meta = fetch_files(
+                self.storage, info.dirname, manifest, {METADATA_NAME: None}, keep={METADATA_NAME}, cache=cache
+            )
             if self.rank == 0:
                 mine += meta.problems
             data.update(meta.data)
@@ -763,14 +786,16 @@ class CheckpointManager:
             everyone = [mine_pieces]
         wanted = {**needed, **_share(manifest, everyone, self.rank, world, merge=needed)}
         try:
-            got = fetch_files(self.storage, info.dirname, manifest, wanted, keep=needed)
+            got = fetch_files(self.storage, info.dirname, manifest, wanted, keep=needed, cache=cache)
             mine += got.problems
             data.update(got.data)
+            self.load_reads = (meta.bytes_read + got.bytes_read, meta.bytes_cached + got.bytes_cached)
             log.info(
-                "step %d: fetched %.1f MB for this rank's load (and its share of the verification) in %.2fs",
+                "step %d: fetched %.1f MB for this rank's load (and its share of the verification) in %.2fs%s",
                 info.step,
                 got.bytes_read / 1e6,
                 got.seconds,
+                f", {got.bytes_cached / 1e6:.1f} MB of it from the local cache" if cache is not None else "",
             )
             if self.rank == 0 and not any(p.file == METADATA_NAME for p in mine):
                 mine += check_pickled_items(self.storage, info.dirname, manifest, metadata=parsed)

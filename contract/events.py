@@ -268,6 +268,8 @@ class CkptLoaded(Record):
     created_time: float  #: with ``step``, names the commit that was read
     job: str
     refused_newer: list[str]  #: newer steps that were refused, and why
+    bytes_read: int = 0  #: what this rank read for the load (and its share of the verification)
+    bytes_from_cache: int = 0  #: of it, from this node's local cache (checkpoint.local_cache_dir)
 
 
 @_record

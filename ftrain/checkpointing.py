@@ -171,6 +171,7 @@ class Checkpointing:
             on_no_loadable_step=c.on_no_loadable_step,
             on_event=events.emit,
             device_type=par.device.type,
+            local_cache_dir=c.local_cache_dir,
             fence=fence.from_env(),  # whenever an agent set one up: a round-0 worker there is stale too
         )
         if not c.hmac_key_env and self.manager.storage.protocol not in ("file", "memory") and self.rank == 0:

@@ -101,3 +101,7 @@ def test_the_checkpoint_bench_smoke_run_saves_and_loads_on_s3_and_times_training
     assert summary["step_slowdown_during_upload"] == summary["modes"]["thread"]["step_slowdown"] > 0
     for mode in summary["modes"].values():
         assert mode["steps_idle"] > 0 and mode["steps_inflight"] > 0 and mode["upload_s"] > 0
+    cache = summary["local_cache"]  # each rank reads its own shard from its cache, its share of the rest from S3
+    assert cache["save_s"] > 0 and cache["load_s"] > 0 and 0.3 < cache["share_read_from_cache"] <= 1, cache
+    assert summary["local_cache_load_speedup_vs_s3"] == pytest.approx(summary["load_s"] / cache["load_s"])
+    assert summary["memory_tier"]["restore_s"] > 0 and summary["memory_tier_load_speedup_vs_s3"] > 0

@@ -10,6 +10,7 @@ import torch
 
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
+from contract.events import read_events
 from ftrain.data import read_ledger
 from testbed.jobs import max_abs_diff, optimizer_tensors, run, train_job, worker_env
 
@@ -35,12 +36,14 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
     env = seaweed.env()
     golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]))
     url = seaweed.url(f"{s3_prefix}/job")
+    # fsdp keeps the node's files on local disk too: its resume reads them there (ddp: from S3)
+    cache = [f"--checkpoint.local_cache_dir={tmp_path / 'cache'}"] if strategy == "fsdp" else []
     # rank 1 SIGKILLs itself after step 9: step 4 is committed, step 8 may be in flight
     crashed = train_job(
         tmp_path / "crash",
         2,
         f"--parallel.strategy={strategy}",
-        *ckpt_args(url),
+        *ckpt_args(url, *cache),
         env={**env, "FTRAIN_FAULT_SIGKILL": "9:1"},
         check=False,
         save_final=False,
@@ -49,10 +52,22 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
     assert [m["step"] for m in crashed.metrics][-1] >= 8
     committed = [s.step for s in list_steps(Storage(url, seaweed.storage_options())) if s.state == "committed"]
     assert 4 in committed and 10 not in committed
-    resumed = train_job(tmp_path / "resume", 2, f"--parallel.strategy={strategy}", *ckpt_args(url), env=env)
+    events = tmp_path / "resume-events.jsonl"
+    resumed = train_job(
+        tmp_path / "resume",
+        2,
+        f"--parallel.strategy={strategy}",
+        f"--logging.events_path={events}",
+        *ckpt_args(url, *cache),
+        env=env,
+    )
     first = resumed.metrics[0]["step"]
     assert first - 1 in (4, 8) and first - 1 == max(committed), resumed.output[-2000:]
     assert "resumed from checkpoint step" in resumed.output
+    loads = [e for e in read_events(str(events)) if e["event"] == "ckpt_loaded"]
+    assert len(loads) == 2 and all(e["bytes_read"] > 0 for e in loads), loads
+    # every rank read all it needed from this node's cache, or (no cache) nothing from one
+    assert all(e["bytes_from_cache"] == (e["bytes_read"] if cache else 0) for e in loads), loads
     assert_bitwise(resumed.final, golden.final)
     # the resumed run's losses are the golden run's, step for step
     golden_losses = {m["step"]: m["loss"] for m in golden.metrics}
