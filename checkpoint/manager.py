@@ -72,7 +72,7 @@ from checkpoint.manifest import (
     job_problem,
     step_dir_name,
 )
-from checkpoint.retention import GcStop, Retention, apply_gc, modified_times, plan_gc
+from checkpoint.retention import GcStop, Retention, apply_gc, gc_survey, plan_gc
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.save_process import SaveProcess
 from checkpoint.storage import Storage, StorageOptions
@@ -254,14 +254,14 @@ def collect_garbage(
     """Apply retention: never touches the newest committed step or an in-flight one. With
     ``job``, another job's steps are not committed here (they never count as this job's newest).
     A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
-    steps = list_steps(storage, hmac_key, job=job)
+    steps, ages = gc_survey(storage, list_steps(storage, hmac_key, job=job))
     plan = plan_gc(
         steps,
         keep_last=retention.keep_last,
         keep_every=retention.keep_every,
         in_flight=in_flight,
         now_s=time.time(),
-        modified_s=modified_times(storage, [s.dirname for s in steps if s.state != "committed"]),
+        modified_s=ages,
         grace_s=retention.grace_s,
     )
     deleted = apply_gc(storage, plan, stop=stop) if plan.delete else []
@@ -770,6 +770,7 @@ class CheckpointManager:
             meta = fetch_files(
                 self.storage, info.dirname, manifest, {METADATA_NAME: None}, keep={METADATA_NAME}, cache=cache
             )
+            self.load_reads = (meta.bytes_read, meta.bytes_cached)
             if self.rank == 0:
                 mine += meta.problems
             data.update(meta.data)
@@ -789,7 +790,7 @@ class CheckpointManager:
             got = fetch_files(self.storage, info.dirname, manifest, wanted, keep=needed, cache=cache)
             mine += got.problems
             data.update(got.data)
-            self.load_reads = (meta.bytes_read + got.bytes_read, meta.bytes_cached + got.bytes_cached)
+            self.load_reads = (self.load_reads[0] + got.bytes_read, self.load_reads[1] + got.bytes_cached)
             log.info(
                 "step %d: fetched %.1f MB for this rank's load (and its share of the verification) in %.2fs%s",
                 info.step,

@@ -28,7 +28,7 @@ from typing import Any
 
 from checkpoint.catalog import StepInfo
 from checkpoint.config import DEFAULTS
-from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.manifest import MANIFEST_NAME, parse_step_dir
 from checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,23 @@ def _entry_time(info: dict[str, Any]) -> float | None:
                 value = value.replace(tzinfo=_dt.UTC)
             return value.timestamp()
     return None
+
+
+def gc_survey(storage: Storage, steps: list[StepInfo]) -> tuple[list[StepInfo], dict[str, float]]:
+    """What :func:`plan_gc` needs beyond the listed ``steps``: the step directories that hold
+    nothing but unfinished multipart uploads (a save killed in its first upload leaves one; no
+    listing shows it) added as uncommitted steps, dated by their newest upload's start, and the
+    age of every step that is not committed."""
+    listed = {s.dirname for s in steps}
+    hidden: dict[str, float] = {}
+    for key, started_s in storage.pending_uploads().items():
+        dirname = key.partition("/")[0]
+        step = parse_step_dir(dirname)
+        if step is not None and dirname not in listed:
+            hidden[dirname] = max(hidden.get(dirname, started_s), started_s)
+    found = [StepInfo(parse_step_dir(d) or 0, d, "uncommitted", None, None) for d in sorted(hidden)]
+    ages = modified_times(storage, [s.dirname for s in steps if s.state != "committed"])
+    return sorted(steps + found, key=lambda s: s.step), {**ages, **hidden}
 
 
 def modified_times(storage: Storage, dirnames: Iterable[str]) -> dict[str, float]:

@@ -289,6 +289,12 @@ class Storage:
             while chunk := _classified(lambda: fh.read(chunk_bytes)):
                 yield chunk
 
+    def pending_uploads(self, rel: str = "") -> dict[str, float]:
+        """Unfinished multipart uploads under the directory ``rel`` (S3 only): each key, relative
+        to ``rel``, with when the newest upload to it was started (Unix seconds). Invisible to
+        listings: a step directory holding nothing else is found only here."""
+        return self.retry(lambda: self.backend.pending_uploads(self.path(rel)), f"list pending uploads under {rel}")
+
     def clear_multipart_uploads(self, rel: str = "") -> int:
         """Abort unfinished multipart uploads under the directory ``rel`` (S3 only: a sibling
         sharing the string prefix, ``step-10`` for ``step-1``, is not touched); how many."""

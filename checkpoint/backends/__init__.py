@@ -152,6 +152,11 @@ class StorageBackend(Protocol):
         """Abort unfinished multipart uploads under the directory ``path``; how many."""
         ...
 
+    def pending_uploads(self, path: str) -> dict[str, float]:
+        """Unfinished multipart uploads under the directory ``path``: each key, relative to
+        ``path``, with the newest time (Unix seconds) an upload to it was started."""
+        ...
+
     def local_path(self, path: str) -> str | None:
         """The local filesystem path of ``path`` (a URL or backend path); None if not local."""
         ...

@@ -76,6 +76,9 @@ class FsspecBackend:
     def clear_multipart_uploads(self, path: str) -> int:
         return 0  # no multipart uploads outside S3
 
+    def pending_uploads(self, path: str) -> dict[str, float]:
+        return {}
+
     def local_path(self, path: str) -> str | None:
         return None
 

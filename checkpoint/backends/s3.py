@@ -19,7 +19,9 @@ import logging
 import os
 import posixpath
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from checkpoint.backends import Upload, UploadSettings
@@ -163,27 +165,41 @@ class S3Backend(FsspecBackend):
             )
 
     def clear_multipart_uploads(self, path: str) -> int:
+        bucket = path.partition("/")[0]
+        aborted = 0
+        for key, upload_id, _ in self._uploads_under(path):
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except FileNotFoundError:  # NoSuchUpload: gone already (e.g. a retried call)
+                continue
+            aborted += 1
+        return aborted
+
+    def pending_uploads(self, path: str) -> dict[str, float]:
+        prefix = path.partition("/")[2].strip("/")
+        out: dict[str, float] = {}
+        for key, _, started_s in self._uploads_under(path):
+            rel = key[len(prefix) :].lstrip("/") if prefix else key
+            out[rel] = max(out.get(rel, started_s), started_s)
+        return out
+
+    def _uploads_under(self, path: str) -> Iterator[tuple[str, str, float]]:
+        """``(key, upload id, started at, Unix s)`` of every unfinished upload under ``path``."""
         bucket, _, key = path.partition("/")
         key = key.strip("/")
-        fs = self.fs
 
         def under(upload_key: str) -> bool:  # "run1" must not match "run10/..."
             return not key or upload_key == key or upload_key.startswith(key + "/")
 
-        aborted = 0
         page_kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
         while True:
-            page = fs.call_s3("list_multipart_uploads", **page_kwargs)
+            page = self.fs.call_s3("list_multipart_uploads", **page_kwargs)
             for up in page.get("Uploads", []):
-                if not under(up["Key"]):
-                    continue
-                try:
-                    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-                except FileNotFoundError:  # NoSuchUpload: gone already (e.g. a retried call)
-                    continue
-                aborted += 1
+                if under(up["Key"]):
+                    started = up.get("Initiated")
+                    yield up["Key"], up["UploadId"], started.timestamp() if isinstance(started, datetime) else 0.0
             if not page.get("IsTruncated"):
-                return aborted
+                return
             page_kwargs.update(
                 KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", "")
             )

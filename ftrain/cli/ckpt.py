@@ -29,7 +29,7 @@ from typing import Any
 from checkpoint.catalog import StepInfo, inspect_step, list_steps
 from checkpoint.errors import CheckpointError, ChecksumMismatchError, UnsafePickleError
 from checkpoint.manifest import MANIFEST_NAME, hmac_key_from_env, parse_step_dir, step_dir_name
-from checkpoint.retention import Retention, apply_gc, modified_times, plan_gc
+from checkpoint.retention import Retention, apply_gc, gc_survey, plan_gc
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import verify_step
 from contract import exits
@@ -243,8 +243,7 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
     """Delete step directories the retention rules no longer keep."""
     storage = _storage(args)
-    steps = list_steps(storage, _hmac_key(args), job=args.job)
-    ages = modified_times(storage, [s.dirname for s in steps if s.state != "committed"])
+    steps, ages = gc_survey(storage, list_steps(storage, _hmac_key(args), job=args.job))
     plan = plan_gc(
         steps,
         keep_last=args.keep_last,

@@ -279,7 +279,8 @@ import os, sys
 from checkpoint.storage import Storage, StorageOptions
 
 storage = Storage(sys.argv[1], StorageOptions(upload_part_size_bytes=5 << 20))  # AWS_* from the env
-storage.write_bytes("step-000000007/__1_0.distcp", b"another rank's finished file")
+if sys.argv[2] == "sibling":
+    storage.write_bytes("step-000000007/__1_0.distcp", b"another rank's finished file")
 chunk = memoryview(os.urandom(1 << 20))
 with storage.open_upload("step-000000007/__0_0.distcp") as upload:
     while True:  # a file larger than any test waits for: killed while its parts go up
@@ -287,12 +288,14 @@ with storage.open_upload("step-000000007/__0_0.distcp") as upload:
 """
 
 
-def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(seaweed, s3_prefix):
+@pytest.mark.parametrize("sibling", ["sibling", "alone"])
+def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(seaweed, s3_prefix, sibling):
+    """Also when the step directory holds nothing else (no listing shows it then)."""
     key = f"{s3_prefix}/step-000000007/__0_0.distcp"
     storage = Storage(seaweed.url(s3_prefix), seaweed.storage_options())
     env = quiet_env(**seaweed.env())
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, seaweed.url(s3_prefix)],
+        [sys.executable, "-c", CHILD, seaweed.url(s3_prefix), sibling],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -311,7 +314,10 @@ def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(s
             proc.stdout.close()
     assert proc.returncode == -9, output[-3000:]
     assert not storage.exists("step-000000007/__0_0.distcp")
-    assert storage.listdir("step-000000007") == ["__1_0.distcp"]
+    if sibling == "sibling":
+        assert storage.listdir("step-000000007") == ["__1_0.distcp"]
+    else:
+        assert storage.listdir("") == []  # the step directory itself is invisible
     assert [k for k, _ in pending(seaweed, s3_prefix)] == [key]  # invisible, but there
 
     gc = subprocess.run(
