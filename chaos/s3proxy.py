@@ -72,6 +72,18 @@ class FaultRates:
         return None
 
 
+def send_s3_error(h: BaseHTTPRequestHandler, status: int, code: str, message: str = "") -> None:
+    """Answer the request as S3 answers an error: ``status`` with an XML ``<Error>`` body."""
+    payload = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'
+    ).encode()
+    h.send_response(status)
+    h.send_header("Content-Type", "application/xml")
+    h.send_header("Content-Length", str(len(payload)))
+    h.end_headers()
+    h.wfile.write(payload)
+
+
 class S3FaultProxy:
     def __init__(self, upstream_url: str, *, seed: int = 0, host: str = "127.0.0.1"):
         parts = urlsplit(upstream_url)
@@ -137,15 +149,7 @@ class S3FaultProxy:
         self.requests_seen.append((time.time(), h.command, h.path))
         kind, rates = self._decide()
         if kind == "error":
-            status, code, message = _ERRORS[self.injected["error"] % 2]
-            payload = (
-                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'
-            ).encode()
-            h.send_response(status)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(payload)))
-            h.end_headers()
-            h.wfile.write(payload)
+            send_s3_error(h, *_ERRORS[self.injected["error"] % 2])
             return
         if kind == "reset":
             self._reset(h)

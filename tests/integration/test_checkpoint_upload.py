@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from chaos.s3proxy import FaultRates, S3FaultProxy
+from chaos.s3proxy import FaultRates, S3FaultProxy, send_s3_error
 from checkpoint.backends import registered_backends
 from checkpoint.backends.s3 import S3Upload
 from checkpoint.dcp_read import VerifiedReader
@@ -183,12 +183,7 @@ class PartRefusingProxy(S3FaultProxy):
         if h.command == "PUT" and self.part_query in h.path.split("?", 1)[-1].split("&"):
             h.rfile.read(int(h.headers.get("Content-Length") or 0))
             self.refused += 1
-            body = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code></Error>'
-            h.send_response(403)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(body)))
-            h.end_headers()
-            h.wfile.write(body)
+            send_s3_error(h, 403, "AccessDenied")
             return
         super()._serve(h)
 
@@ -222,12 +217,7 @@ class FirstTriesFailingProxy(S3FaultProxy):
                 self.part_puts[number] = seen = self.part_puts.get(number, 0) + 1
             if seen <= self.failures:
                 h.rfile.read(int(h.headers.get("Content-Length") or 0))
-                body = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code></Error>'
-                h.send_response(500)
-                h.send_header("Content-Type", "application/xml")
-                h.send_header("Content-Length", str(len(body)))
-                h.end_headers()
-                h.wfile.write(body)
+                send_s3_error(h, 500, "InternalError")
                 return
         super()._serve(h)
 
