@@ -74,9 +74,8 @@ class FaultRates:
 
 def send_s3_error(h: BaseHTTPRequestHandler, status: int, code: str, message: str = "") -> None:
     """Answer the request as S3 answers an error: ``status`` with an XML ``<Error>`` body."""
-    payload = (
-        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'
-    ).encode()
+    text = f"<Message>{message}</Message>" if message else ""  # none: clients name the error by its code
+    payload = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>{text}</Error>'.encode()
     h.send_response(status)
     h.send_header("Content-Type", "application/xml")
     h.send_header("Content-Length", str(len(payload)))
