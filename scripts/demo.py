@@ -55,6 +55,9 @@ class Demo:
         self.worker_args = [
             args.config,
             f"--checkpoint.uri={stack.s3.url('demo')}",
+            # a commit every 25 steps: node a, back after step 120 and warm a few seconds later,
+            # joins at a commit well before the end (every 50, its first chance was step 200)
+            f"--checkpoint.interval={args.checkpoint_interval}",
             f"--checkpoint.hmac_key_env={CKPT_KEY_ENV}",
             f"--logging.metrics_path={self.metrics_path}",
             f"--logging.events_path={self.events_path}",
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="workers per node (default 1)")
     parser.add_argument("--worker-kill-step", type=int, default=60)
     parser.add_argument("--node-kill-step", type=int, default=120)
+    parser.add_argument("--checkpoint-interval", type=int, default=25, help="steps between commits (default 25)")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--recovery", choices=("live", "restart"), default=None, help="default: the agents' default")
     args = parser.parse_args(argv)
@@ -227,8 +231,7 @@ def summarize(demo: Demo, faults: list[tuple[str, float]], floor: float, steps: 
             f"  round {r['new_round']}: {r['reason']:<12} members {', '.join(r['members'])} "
             f"(world size {r['world_size']})"
         )
-    restarts = len(demo.events(Event.ROUND_FORMED)) - 1
-    print(f"restarts: {restarts}")
+    print(f"new rounds after the first: {len(demo.events(Event.ROUND_FORMED)) - 1}")
     for name, at in faults:
         print(f"  {name}: {describe_recovery(demo, at)}")
     loss = metrics[-1]["loss"] if metrics else float("nan")
