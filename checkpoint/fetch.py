@@ -222,6 +222,44 @@ def fetch_files(
     return out
 
 
+def verification_share(
+    manifest: Manifest,
+    everyone: list[dict[str, list[int]]],
+    rank: int,
+    world: int,
+    merge: dict[str, list[tuple[int, int]]],
+    skip: Iterable[str] = (),
+) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges ``rank`` verifies of the blocks that no rank's load reads (``everyone``:
+    by rank, the blocks each reads), merged with the ranges it reads itself (``merge``): every
+    block of every data file is then verified by some rank, the unread ones split by size
+    (largest first, each to the rank with the fewest bytes so far). A file's block listing is
+    verified by whoever reads a block of it; the files in ``skip`` are read apart."""
+    skip = set(skip)
+    read = {(name, i) for pieces in everyone for name, indices in pieces.items() for i in indices}
+    listings = {e.blocks_file for e in manifest.files.values() if e.block_bytes}  # read with their file's blocks
+    unread = [
+        (name, i)
+        for name, entry in manifest.files.items()
+        if name not in skip and name not in listings
+        for i in range(blocks_of(entry))
+        if (name, i) not in read
+    ]
+    loads = [0] * world
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, i in sorted(unread, key=lambda p: (-_span_bytes(manifest, p), p)):
+        target = min(range(world), key=lambda r: (loads[r], r))
+        loads[target] += _span_bytes(manifest, (name, i)) + 1
+        if target == rank:
+            out.setdefault(name, list(merge.get(name, []))).append(piece_span(manifest.files[name], i))
+    return out
+
+
+def _span_bytes(manifest: Manifest, piece: tuple[str, int]) -> int:
+    start, end = piece_span(manifest.files[piece[0]], piece[1])
+    return end - start
+
+
 def _pieces_by_file(keys: Iterable[tuple[str, int]]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for name, i in keys:
@@ -388,6 +426,7 @@ def _read_remote(source: _Source, batch: list[_Piece]) -> list[bytes]:
 
 __all__ = [
     "fetch_files",
+    "verification_share",
     "Fetched",
     "SparseFile",
     "Wanted",

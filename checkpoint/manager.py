@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-from checkpoint.catalog import StepInfo, inspect_step, list_steps, read_manifest
+from checkpoint.catalog import StepInfo, list_steps
 from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata, needed_ranges
 from checkpoint.dcp_write import DigestingWriter
@@ -62,17 +62,17 @@ from checkpoint.errors import (
     TransientStorageError,
     UnsafePickleError,
 )
-from checkpoint.fetch import SparseFile, blocks_of, fetch_files, piece_span, pieces_for
+from checkpoint.fetch import SparseFile, fetch_files, pieces_for, verification_share
 from checkpoint.local_cache import LocalCache, StepCache
 from checkpoint.manifest import (
     MANIFEST_NAME,
-    FileEntry,
     Manifest,
     hmac_key_from_env,
     job_problem,
     step_dir_name,
 )
-from checkpoint.retention import GcStop, Retention, apply_gc, gc_survey, plan_gc
+from checkpoint.publish import Fence, StepPublisher
+from checkpoint.retention import GcStop, Retention, collect_garbage
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.save_process import SaveProcess
 from checkpoint.storage import Storage, StorageOptions
@@ -87,12 +87,6 @@ from contract import events as ev
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[ev.Record], Any]
-
-
-class Fence(Protocol):
-    """Raises StaleRoundError when ``round_`` is no longer the job's current round."""
-
-    def check(self, round_: int) -> None: ...
 
 
 def describe_error(err: BaseException) -> str:
@@ -193,37 +187,6 @@ class NoLoadableStepError(CheckpointError):
         super().__init__(message)
 
 
-def _share(
-    manifest: Manifest,
-    everyone: list[dict[str, list[int]]],
-    rank: int,
-    world: int,
-    merge: dict[str, list[tuple[int, int]]],
-) -> dict[str, list[tuple[int, int]]]:
-    """The byte ranges ``rank`` verifies of the blocks that no rank's load reads (``everyone``:
-    by rank, the blocks each reads), merged with the ranges it reads itself (``merge``): every
-    block of every data file is then verified by some rank, the unread ones split by size
-    (largest first, each to the rank with the fewest bytes so far). A file's block listing is
-    verified by whoever reads a block of it."""
-    read = {(name, i) for pieces in everyone for name, indices in pieces.items() for i in indices}
-    listings = {e.blocks_file for e in manifest.files.values() if e.block_bytes}  # read with their file's blocks
-    unread = [
-        (name, i)
-        for name, entry in manifest.files.items()
-        if name != METADATA_NAME and name not in listings
-        for i in range(blocks_of(entry))
-        if (name, i) not in read
-    ]
-    loads = [0] * world
-    out: dict[str, list[tuple[int, int]]] = {}
-    for name, i in sorted(unread, key=lambda p: (-_span_bytes(manifest, p), p)):
-        target = min(range(world), key=lambda r: (loads[r], r))
-        loads[target] += _span_bytes(manifest, (name, i)) + 1
-        if target == rank:
-            out.setdefault(name, list(merge.get(name, []))).append(piece_span(manifest.files[name], i))
-    return out
-
-
 def _parse_quietly(data: bytes) -> Metadata | None:
     """``.metadata`` parsed with the allow-list unpickler, or None (rank 0's check says why)."""
     try:
@@ -232,112 +195,8 @@ def _parse_quietly(data: bytes) -> Metadata | None:
         return None
 
 
-def _span_bytes(manifest: Manifest, piece: tuple[str, int]) -> int:
-    start, end = piece_span(manifest.files[piece[0]], piece[1])
-    return end - start
-
-
 def _no_event(record: ev.Record) -> None:
     return None
-
-
-def collect_garbage(
-    storage: Storage,
-    retention: Retention,
-    *,
-    in_flight: set[int],
-    hmac_key: bytes | None,
-    on_event: EventSink = _no_event,
-    job: str | None = None,
-    stop: GcStop | None = None,
-) -> list[str]:
-    """Apply retention: never touches the newest committed step or an in-flight one. With
-    ``job``, another job's steps are not committed here (they never count as this job's newest).
-    A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
-    steps, ages = gc_survey(storage, list_steps(storage, hmac_key, job=job))
-    plan = plan_gc(
-        steps,
-        keep_last=retention.keep_last,
-        keep_every=retention.keep_every,
-        in_flight=in_flight,
-        now_s=time.time(),
-        modified_s=ages,
-        grace_s=retention.grace_s,
-    )
-    deleted = apply_gc(storage, plan, stop=stop) if plan.delete else []
-    if deleted:
-        log.info("retention removed %s", ", ".join(deleted))
-        on_event(ev.CkptGc(deleted=deleted))
-    return deleted
-
-
-def _other_job(storage: Storage, dirname: str, job: str) -> str | None:
-    """The job named by ``dirname``'s manifest (read without a key) when it is another job's;
-    None when there is no readable manifest or it is this job's."""
-    try:
-        manifest = read_manifest(storage, dirname)
-    except (FileNotFoundError, ManifestError):
-        return None
-    return manifest.job if manifest.job and manifest.job != job else None
-
-
-@dataclass
-class StepPublisher:
-    """The coordinator's storage work for one step (picklable, so it runs wherever DCP's
-    coordinator runs: the training thread, a background thread or a background process).
-
-    ``prepare`` checks the fence (a zombie of an old round must not even clear or write files
-    the current round may be uploading), then refuses a step that is committed under the
-    current key and job, and clears any other directory of the same step (torn, marked corrupt,
-    or with a manifest that this key/job does not accept: e.g. the old steps after a fresh start)
-    before any rank writes; ``commit`` checks the fence again and writes the manifest (the commit
-    point). ``fields["job"]`` is the writer's job id. Retention is the manager's, after the commit.
-    """
-
-    url: str
-    options: StorageOptions
-    dirname: str
-    fields: dict[str, Any]
-    hmac_key_env: str = ""
-    fence: Fence | None = None
-
-    def prepare(self) -> None:
-        if self.fence is not None:
-            self.fence.check(self.fields["round"])
-        storage = Storage(self.url, self.options)
-        if not storage.listdir(self.dirname):
-            return
-        info = inspect_step(storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"])
-        if info.state == "committed":
-            raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
-        other = _other_job(storage, self.dirname, self.fields["job"])
-        if other is not None:
-            raise CheckpointError(
-                f"{self.dirname} holds a step of job {other!r}, not of this job "
-                f"({self.fields['job']!r}): two jobs share {self.url}; give each job its own "
-                "checkpoint.uri (nothing was deleted)"
-            )
-        if info.state == "corrupt":
-            log.warning(
-                "clearing %s before saving it again: not a committed step under the current HMAC key and job %r (%s)",
-                self.dirname,
-                self.fields["job"],
-                info.error,
-            )
-        else:
-            log.warning("clearing %s (a torn earlier save) before saving it again", self.dirname)
-        storage.remove(self.dirname, recursive=True)
-        storage.clear_multipart_uploads(self.dirname)
-        storage.retry(lambda: storage.fs.makedirs(storage.path(self.dirname), exist_ok=True), "mkdir")
-
-    def commit(self, files: dict[str, FileEntry]) -> None:
-        if self.fence is not None:
-            self.fence.check(self.fields["round"])
-        manifest = Manifest(files=files, created_time=time.time(), **self.fields)
-        storage = Storage(self.url, self.options)
-        hmac_key = hmac_key_from_env(self.hmac_key_env)
-        storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", manifest.to_json(hmac_key))
-        storage.write_bytes("latest", str(manifest.step).encode())
 
 
 def new_stager(device_type: str, *, asynchronous: bool = True, shared: bool = False) -> DefaultStager:
@@ -785,7 +644,10 @@ class CheckpointManager:
             dist.all_gather_object(everyone, mine_pieces)
         else:
             everyone = [mine_pieces]
-        wanted = {**needed, **_share(manifest, everyone, self.rank, world, merge=needed)}
+        wanted = {
+            **needed,
+            **verification_share(manifest, everyone, self.rank, world, merge=needed, skip={METADATA_NAME}),
+        }
         try:
             got = fetch_files(self.storage, info.dirname, manifest, wanted, keep=needed, cache=cache)
             mine += got.problems

@@ -22,14 +22,16 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.catalog import StepInfo
+from checkpoint.catalog import StepInfo, list_steps
 from checkpoint.config import DEFAULTS
 from checkpoint.manifest import MANIFEST_NAME, parse_step_dir
 from checkpoint.storage import Storage
+from contract import events as ev
 
 log = logging.getLogger(__name__)
 
@@ -239,3 +241,34 @@ def modified_times(storage: Storage, dirnames: Iterable[str]) -> dict[str, float
         if times:
             out[dirname] = max(times)
     return out
+
+
+def collect_garbage(
+    storage: Storage,
+    retention: Retention,
+    *,
+    in_flight: set[int],
+    hmac_key: bytes | None,
+    on_event: Callable[[ev.Record], Any] | None = None,
+    job: str | None = None,
+    stop: GcStop | None = None,
+) -> list[str]:
+    """Apply retention: never touches the newest committed step or an in-flight one. With
+    ``job``, another job's steps are not committed here (they never count as this job's newest).
+    A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
+    steps, ages = gc_survey(storage, list_steps(storage, hmac_key, job=job))
+    plan = plan_gc(
+        steps,
+        keep_last=retention.keep_last,
+        keep_every=retention.keep_every,
+        in_flight=in_flight,
+        now_s=time.time(),
+        modified_s=ages,
+        grace_s=retention.grace_s,
+    )
+    deleted = apply_gc(storage, plan, stop=stop) if plan.delete else []
+    if deleted:
+        log.info("retention removed %s", ", ".join(deleted))
+        if on_event is not None:
+            on_event(ev.CkptGc(deleted=deleted))
+    return deleted

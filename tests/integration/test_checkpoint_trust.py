@@ -154,9 +154,9 @@ def test_retention_runs_after_each_commit_beside_training_and_a_save_stops_it(tm
     """A commit's retention runs in the background: the save returns first; the next save stops
     it between two directories without waiting for it (a retention stuck on a storage that hangs
     must not stall training), and wait() lets it finish."""
-    import checkpoint.manager as manager_module
+    import checkpoint.retention as retention_module
 
-    real_apply_gc, entered, hung, returned = manager_module.apply_gc, *(threading.Event() for _ in range(3))
+    real_apply_gc, entered, hung, returned = retention_module.apply_gc, *(threading.Event() for _ in range(3))
 
     def stalled_apply_gc(storage, plan, clear_multipart=True, stop=None):
         entered.set()
@@ -169,7 +169,7 @@ def test_retention_runs_after_each_commit_beside_training_and_a_save_stops_it(tm
 
     root = tmp_path / "ck"
     mgr = manager(root, keep_last=1)
-    monkeypatch.setattr(manager_module, "apply_gc", stalled_apply_gc)
+    monkeypatch.setattr(retention_module, "apply_gc", stalled_apply_gc)
     save(mgr, 1, 2)  # the commit of step 2 starts a retention that would delete step 1
     assert entered.wait(30), "no retention ran after the commit"
     save(mgr, 3)  # asks it to stop and goes on while it hangs
@@ -177,7 +177,7 @@ def test_retention_runs_after_each_commit_beside_training_and_a_save_stops_it(tm
     hung.set()
     assert returned.wait(30)
     assert {s.step for s in list_steps(Storage(str(root)))} == {1, 2, 3}  # stopped before any deletion
-    monkeypatch.setattr(manager_module, "apply_gc", real_apply_gc)
+    monkeypatch.setattr(retention_module, "apply_gc", real_apply_gc)
     save(mgr, 4)
     mgr.wait()
     assert {s.step for s in list_steps(Storage(str(root)))} == {4}

@@ -1,0 +1,100 @@
+"""The commit protocol's storage side for one step: before any rank writes, the step
+directory is made safe to write (fence checked, a committed step refused, a torn or foreign
+one cleared); after every file is stored, the manifest is written: the commit point.
+
+Runs wherever DCP's coordinator runs (the training thread, a background thread, a background
+process), so :class:`StepPublisher` is picklable. Used by :class:`checkpoint.manager.CheckpointManager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from checkpoint.catalog import inspect_step, read_manifest
+from checkpoint.errors import CheckpointError, ManifestError
+from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env
+from checkpoint.storage import Storage, StorageOptions
+
+log = logging.getLogger(__name__)
+
+
+class Fence(Protocol):
+    """Raises StaleRoundError when ``round_`` is no longer the job's current round."""
+
+    def check(self, round_: int) -> None: ...
+
+
+def _other_job(storage: Storage, dirname: str, job: str) -> str | None:
+    """The job named by ``dirname``'s manifest (read without a key) when it is another job's;
+    None when there is no readable manifest or it is this job's."""
+    try:
+        manifest = read_manifest(storage, dirname)
+    except (FileNotFoundError, ManifestError):
+        return None
+    return manifest.job if manifest.job and manifest.job != job else None
+
+
+@dataclass
+class StepPublisher:
+    """The coordinator's storage work for one step (picklable, so it runs wherever DCP's
+    coordinator runs: the training thread, a background thread or a background process).
+
+    ``prepare`` checks the fence (a zombie of an old round must not even clear or write files
+    the current round may be uploading), then refuses a step that is committed under the
+    current key and job, and clears any other directory of the same step (torn, marked corrupt,
+    or with a manifest that this key/job does not accept: e.g. the old steps after a fresh start)
+    before any rank writes; ``commit`` checks the fence again and writes the manifest (the commit
+    point). ``fields["job"]`` is the writer's job id. Retention is the manager's, after the commit.
+    """
+
+    url: str
+    options: StorageOptions
+    dirname: str
+    fields: dict[str, Any]
+    hmac_key_env: str = ""
+    fence: Fence | None = None
+
+    def prepare(self) -> None:
+        if self.fence is not None:
+            self.fence.check(self.fields["round"])
+        storage = Storage(self.url, self.options)
+        if not storage.listdir(self.dirname):
+            storage.clear_multipart_uploads(self.dirname)  # what a save killed in its first upload left
+            return
+        info = inspect_step(storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"])
+        if info.state == "committed":
+            raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
+        other = _other_job(storage, self.dirname, self.fields["job"])
+        if other is not None:
+            raise CheckpointError(
+                f"{self.dirname} holds a step of job {other!r}, not of this job "
+                f"({self.fields['job']!r}): two jobs share {self.url}; give each job its own "
+                "checkpoint.uri (nothing was deleted)"
+            )
+        if info.state == "corrupt":
+            log.warning(
+                "clearing %s before saving it again: not a committed step under the current HMAC key and job %r (%s)",
+                self.dirname,
+                self.fields["job"],
+                info.error,
+            )
+        else:
+            log.warning("clearing %s (a torn earlier save) before saving it again", self.dirname)
+        storage.remove(self.dirname, recursive=True)
+        storage.clear_multipart_uploads(self.dirname)
+        storage.retry(lambda: storage.fs.makedirs(storage.path(self.dirname), exist_ok=True), "mkdir")
+
+    def commit(self, files: dict[str, FileEntry]) -> None:
+        if self.fence is not None:
+            self.fence.check(self.fields["round"])
+        manifest = Manifest(files=files, created_time=time.time(), **self.fields)
+        storage = Storage(self.url, self.options)
+        hmac_key = hmac_key_from_env(self.hmac_key_env)
+        storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", manifest.to_json(hmac_key))
+        storage.write_bytes("latest", str(manifest.step).encode())
+
+
+__all__ = ["Fence", "StepPublisher"]
