@@ -353,10 +353,9 @@ def _fetch_and_check(
     bad: dict[tuple[str, int], Problem] = {}
     gets = [g for name in sorted(indices) for g in _ranges(name, manifest.files[name], indices[name])]
     for batch in _batches(gets):
-        for get, data in zip(batch, _read_batch(source, batch), strict=True):
+        for get, (data, from_cache) in zip(batch, _read_batch(source, batch), strict=True):
             out.bytes_read += len(data)
-            if get.name in source.cached:
-                out.bytes_cached += len(data)
+            out.bytes_cached += len(data) if from_cache else 0
             entry = manifest.files[get.name]
             view = memoryview(data)
             for i in range(get.first, get.first + get.count):
@@ -390,21 +389,21 @@ def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
         yield batch
 
 
-def _read_batch(source: _Source, batch: list[_Piece]) -> list[bytes]:
-    """The bytes of every piece in ``batch``: the cached ones from the cache, the others
-    fetched concurrently from storage (the batch is read again on a transient error). A piece
-    that comes back short is returned short (the size check names it)."""
-    got: dict[int, bytes] = {}
+def _read_batch(source: _Source, batch: list[_Piece]) -> list[tuple[bytes, bool]]:
+    """The bytes of every piece in ``batch``, and whether they came from the cache: the cached
+    ones from there, the others fetched concurrently from storage (the batch is read again on a
+    transient error). A piece that comes back short is returned short (the size check names it)."""
+    got: dict[int, tuple[bytes, bool]] = {}
     remote = [(i, piece) for i, piece in enumerate(batch) if piece.name not in source.cached]
     for i, piece in enumerate(batch):
         if piece.name in source.cached and source.cache is not None:
             try:
-                got[i] = source.cache.read_range(piece.name, piece.start, piece.end)
+                got[i] = source.cache.read_range(piece.name, piece.start, piece.end), True
             except OSError:  # gone since it was found: read storage instead
                 remote.append((i, piece))
     if remote:
         for (i, _), data in zip(remote, _read_remote(source, [p for _, p in remote]), strict=True):
-            got[i] = data
+            got[i] = data, False
     return [got[i] for i in range(len(batch))]
 
 
