@@ -30,6 +30,7 @@ from checkpoint.dcp_read import VerifiedReader
 from checkpoint.dcp_write import DigestingWriter
 from checkpoint.digest import digest_bytes
 from checkpoint.manifest import FileEntry
+from checkpoint.publish import StepPublisher
 from checkpoint.safe_pickle import METADATA_NAME
 from checkpoint.storage import Storage, StorageOptions
 from testbed.procs import kill_tree, quiet_env
@@ -278,18 +279,18 @@ with storage.open_upload("step-000000007/__0_0.distcp") as upload:
 """
 
 
-@pytest.mark.parametrize("sibling", ["sibling", "alone"])
-def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(seaweed, s3_prefix, sibling):
-    """Also when the step directory holds nothing else (no listing shows it then)."""
+def _killed_mid_upload(seaweed: SeaweedS3, s3_prefix: str, sibling: str) -> Storage:
+    """A child process SIGKILLed while the parts of ``step-000000007/__0_0.distcp`` go up
+    (beside another rank's finished file, or ``alone`` in its directory)."""
     key = f"{s3_prefix}/step-000000007/__0_0.distcp"
     storage = Storage(seaweed.url(s3_prefix), seaweed.storage_options())
-    env = quiet_env(**seaweed.env())
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, seaweed.url(s3_prefix), sibling],
-        env=env,
+        env=quiet_env(**seaweed.env()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    output = ""
     try:
         wait_for(
             lambda: parts_stored(seaweed, key) >= 2,
@@ -309,10 +310,16 @@ def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(s
     else:
         assert storage.listdir("") == []  # the step directory itself is invisible
     assert [k for k, _ in pending(seaweed, s3_prefix)] == [key]  # invisible, but there
+    return storage
 
+
+@pytest.mark.parametrize("sibling", ["sibling", "alone"])
+def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(seaweed, s3_prefix, sibling):
+    """Also when the step directory holds nothing else (no listing shows it then)."""
+    storage = _killed_mid_upload(seaweed, s3_prefix, sibling)
     gc = subprocess.run(
         [sys.executable, "-m", "ftrain", "ckpt", "gc", seaweed.url(s3_prefix), "--grace-s", "0"],
-        env=env,
+        env=quiet_env(**seaweed.env()),
         capture_output=True,
         text=True,
         timeout=120,
@@ -321,6 +328,13 @@ def test_a_process_killed_mid_upload_leaves_no_object_and_gc_clears_its_upload(s
     assert "step-000000007" in gc.stdout
     assert pending(seaweed, s3_prefix) == []
     assert "step-000000007" not in storage.listdir()
+
+
+def test_saving_a_step_again_first_clears_the_uploads_a_killed_save_left(seaweed, s3_prefix):
+    _killed_mid_upload(seaweed, s3_prefix, "alone")
+    fields = {"job": "j", "round": 0}
+    StepPublisher(seaweed.url(s3_prefix), seaweed.storage_options(), "step-000000007", fields).prepare()
+    assert pending(seaweed, s3_prefix) == []
 
 
 # -- every backend ------------------------------------------------------------------------------
