@@ -204,12 +204,15 @@ def gc_survey(storage: Storage, steps: list[StepInfo]) -> tuple[list[StepInfo], 
     age of every step that is not committed."""
     listed = {s.dirname for s in steps}
     hidden: dict[str, float] = {}
+    found: list[StepInfo] = []
     for key, started_s in storage.pending_uploads().items():
         dirname = key.partition("/")[0]
         step = parse_step_dir(dirname)
-        if step is not None and dirname not in listed:
-            hidden[dirname] = max(hidden.get(dirname, started_s), started_s)
-    found = [StepInfo(parse_step_dir(d) or 0, d, "uncommitted", None, None) for d in sorted(hidden)]
+        if step is None or dirname in listed:
+            continue
+        if dirname not in hidden:
+            found.append(StepInfo(step, dirname, "uncommitted", None, None))
+        hidden[dirname] = max(hidden.get(dirname, started_s), started_s)
     ages = modified_times(storage, [s.dirname for s in steps if s.state != "committed"])
     return sorted(steps + found, key=lambda s: s.step), {**ages, **hidden}
 
