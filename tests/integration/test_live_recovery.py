@@ -76,6 +76,16 @@ def _assert_bitwise_golden(final_path, golden) -> None:
     assert max_abs_diff(optimizer_tensors(final["optim"]), optimizer_tensors(golden["optim"])) == 0.0
 
 
+def _restored_in_round_2(job, ranks: int, timeout_s: float = 60, **kwargs) -> list[dict]:
+    """The ``live_restored`` events of round 2, once each of its ``ranks`` ranks emitted one."""
+    return wait_for(
+        lambda: len(job.events("live_restored", round=2)) == ranks and job.events("live_restored", round=2),
+        timeout_s,
+        "round 2",
+        **kwargs,
+    )
+
+
 def test_a_worker_killed_inside_a_collective_is_replaced_by_a_spare_without_reading_s3(
     tmp_path, etcd, seaweed, s3_prefix, golden
 ):
@@ -102,11 +112,7 @@ def test_a_worker_killed_inside_a_collective_is_replaced_by_a_spare_without_read
             spares = before - set(round1[node_of_rank3].values())
             assert spares, f"no spare process under agent {node_of_rank3}: {before}"
 
-            restored = wait_for(
-                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
-                90,
-                "4 ranks restored in round 2",
-            )
+            restored = _restored_in_round_2(job, 4, 90)
             detected_at = job.wait_event("workers_exited", 10)["time"]
             assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
             round2 = {n: _serving(job, n, 2) for n in ("a", "b")}
@@ -176,11 +182,7 @@ def test_under_fsdp_a_killed_worker_heals_from_its_buddys_memory_without_storage
             survivors = {n: _serving(job, n, 1) for n in ("a", "b")}
             killed_at = time.time()
             os.kill(pid, signal.SIGKILL)
-            restored = wait_for(
-                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
-                60,
-                "round 2",
-            )
+            restored = _restored_in_round_2(job, 4)
             assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
             assert {e["source"] for e in restored} == {"memory_tier"}, restored
             other = "b" if node == "a" else "a"
@@ -205,11 +207,7 @@ def test_under_fsdp_a_damaged_memory_copy_is_refused_and_storage_is_used_in_proc
             job.start("b", *LIVE, nnodes="2:2", nproc=2, env=damage)
             job.wait_step(45)
             os.kill(_node_of(job, 0, 1)[1], signal.SIGKILL)
-            restored = wait_for(
-                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
-                60,
-                "round 2",
-            )
+            restored = _restored_in_round_2(job, 4)
             assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
             assert {e["source"] for e in restored} == {"storage"}, restored
             refused = job.events("memory_refused", round=2)
@@ -247,11 +245,7 @@ def test_under_fsdp_a_lost_node_comes_back_healed_from_the_memory_tier(tmp_path,
                 return len(job.events("agent_registered", node=lost)) > 1
 
             wait_for(registered_again, 30, f"node {lost}'s agent to register again")
-            restored = wait_for(
-                lambda: len(job.events("live_restored", round=2)) == 4 and job.events("live_restored", round=2),
-                120,
-                "round 2",
-            )
+            restored = _restored_in_round_2(job, 4, 120)
             assert job.wait_exit(survivor) == 0 and job.wait_exit(lost) == 0, job.log_tail()
             assert _serving(job, survivor, 2) == kept, "the survivor's workers were restarted"
             assert {e["source"] for e in restored} == {"memory_tier"}, restored
@@ -344,12 +338,7 @@ def test_without_a_warm_replacement_the_others_go_on_and_the_node_rejoins_once_w
         kept, before = _serving(job, other, 1), _serving(job, failing, 1)
         killed_at = time.time()
         os.kill(before[1], signal.SIGKILL)
-        went_on = wait_for(
-            lambda: len(job.events("live_restored", round=2)) == 2 and job.events("live_restored", round=2),
-            30,
-            "round 2",
-            context=lambda: job.log_tail(6000),
-        )
+        went_on = _restored_in_round_2(job, 2, 30, context=lambda: job.log_tail(6000))
         assert {e["world_size"] for e in went_on} == {2} and {e["source"] for e in went_on} == {"memory"}, went_on
         assert _serving(job, other, 2) == kept and not _serving(job, failing, 2)
         first_step = wait_for(
