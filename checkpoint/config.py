@@ -65,6 +65,14 @@ class CheckpointConfig:
         "heals from a peer's memory instead of storage. -1: as often as a snapshot blocks training for at most "
         "2% of the step time (measured); 0: off.",
     )
+    memory_dir: str = opt(
+        "",
+        "A node-local directory in host memory (a tmpfs such as /dev/shm) where the memory tier "
+        "(checkpoint.memory_interval) keeps its snapshots, so that they outlive the worker processes: with restart "
+        "recovery (agent.recovery=restart) the restarted workers load the newest snapshot their nodes and their "
+        "buddies kept before they read storage. Empty: snapshots live in the worker processes (live recovery only; "
+        "live workers always keep them there).",
+    )
     local_cache_dir: str = opt(
         "",
         "A node-local directory where each node keeps a copy of the files it wrote of the newest committed step; "

@@ -456,6 +456,11 @@ class CheckpointManager:
         steps = list_steps(self.storage, self._hmac_key(), job=self.job)
         return [s for s in steps if s.state == "committed"]
 
+    def newest_committed_step(self) -> int:
+        """Collective: the newest committed step under ``url`` as rank 0 lists it (-1: none), on
+        every rank (a listing error raises on every rank)."""
+        return self._agree_or_raise(lambda: max((s.step for s in self.committed_steps()), default=-1))
+
     def load(
         self,
         build_state_dict: Callable[[Manifest], dict[str, Any]],

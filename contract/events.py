@@ -42,6 +42,7 @@ class Event(StrEnum):
     LIVE_RESTORED = "live_restored"  #: a live worker joined a round and has its state (from where, how fast)
     MEMORY_SNAPSHOT = "memory_snapshot"  #: a rank's shards (and its buddy's) are in the memory tier
     MEMORY_REFUSED = "memory_refused"  #: the memory tier could not give a round its state: storage instead
+    MEMORY_RESTORED = "memory_restored"  #: restarted workers resumed from the memory tier kept in checkpoint.memory_dir
     # the checkpoint service (in the workers)
     CKPT_STAGED = "ckpt_staged"
     CKPT_SKIPPED = "ckpt_skipped"
@@ -156,6 +157,19 @@ class MemorySnapshot(Record):
     size_bytes: int  #: this rank's own shard files
     buddy: int  #: the rank whose shards this rank keeps a copy of (-1: none)
     interval: int  #: steps between snapshots, as chosen (checkpoint.memory_interval, or measured)
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class MemoryRestored(Record):
+    """A started job (``ftrain train``: its workers restarted) resumed from the memory tier kept
+    in ``checkpoint.memory_dir``, not from storage (live workers say ``live_restored``)."""
+
+    EVENT = Event.MEMORY_RESTORED
+    step: int
+    committed_step: int  #: the newest committed checkpoint then (-1: none)
+    world_size: int
+    seconds: float  #: deciding, receiving the missing files from peers, checking and loading
 
 
 @_record

@@ -305,7 +305,7 @@ def serve(cfg: Config) -> None:
             held = _leave_round(trainer, restored_now, held, assignment, watchdog.fired or e, hb, keep_ports)
         else:
             finish(trainer, result)
-            tier.close()
+            tier.close(job_done=not result.stopped_early)
             return
         trainer = None
         try:

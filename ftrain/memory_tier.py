@@ -23,11 +23,17 @@ then DCP copies tensors out of the verified bytes (``.metadata`` through the all
 unpickler, as for storage). Anything missing, damaged or disagreeing gives every rank ``None``
 (and a ``memory_refused`` event): the caller loads from storage. Object storage stays the durable
 tier: a rank lost together with its buddy, or every worker, takes the memory copies with it.
+
+**Across restarts** (``checkpoint.memory_dir``, a tmpfs such as ``/dev/shm``; restart recovery,
+``ftrain train``): every complete snapshot is kept in that node-local directory rather than in
+the process (:mod:`ftrain.tier_store`), so it outlives the worker. A restarted worker offers what
+its node's directory holds to its first restore, which checks it exactly as above, before
+anything is loaded from storage (:meth:`ftrain.train.Trainer.run`). Live workers keep their
+snapshots in their processes (they survive a round change there).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -43,6 +49,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
 from checkpoint.dcp_write import DigestingWriter
@@ -53,9 +60,11 @@ from checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.storage import StorageOptions
 from contract import events as ev
+from contract.worker_env import WorkerEnv
 from ftrain.checkpointing import apply_loaded, current_round, load_target, manifest_fields, training_state
 from ftrain.config import Config, worker_job_id
 from ftrain.faults import maybe_damage_memory_copy
+from ftrain.tier_store import Snapshot, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -63,25 +72,6 @@ log = logging.getLogger(__name__)
 AUTO_BLOCKED_SHARE = 0.02
 #: snapshots a rank keeps (the newest, and the one before while the newest may be incomplete)
 KEPT = 2
-
-
-@dataclass(slots=True)
-class Snapshot:
-    """One step in this rank's memory: the manifest (parsed, and its bytes), and the files this
-    rank holds of it (``.metadata``, its own shards, its buddy's), each matching the manifest."""
-
-    step: int
-    manifest: Manifest
-    manifest_bytes: bytes
-    files: dict[str, bytes]
-
-    @property
-    def key(self) -> str:
-        """The manifest's identity: ranks agree on a snapshot only if they hold the same one."""
-        return hashlib.sha256(self.manifest_bytes).hexdigest()[:32]
-
-    def holdings(self) -> dict[str, Any]:
-        return {"step": self.step, "key": self.key, "files": sorted(self.files), "all": sorted(self.manifest.files)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +111,11 @@ def choose(holdings: list[list[dict[str, Any]]], committed_step: int) -> Choice 
 class MemoryTier:
     """One live worker's memory tier, across the rounds it serves (:mod:`ftrain.live` owns it)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, memory_dir: str = ""):
+        """``memory_dir``: keep complete snapshots there, and offer what the node kept there to the
+        first restore (``checkpoint.memory_dir``, for restarted workers); empty: in this process."""
         self.cfg = cfg
+        self.memory_dir = memory_dir
         self.setting = cfg.checkpoint.memory_interval
         self.interval = max(1, self.setting)
         self.algorithm = cfg.checkpoint.digest
@@ -134,6 +127,7 @@ class MemoryTier:
         self._group: Any = None
         self._stager: Any = None
         self._root = f"memory://ftrain-tier-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._store: TierStore | None = None  #: checkpoint.memory_dir: snapshots kept there
         self.rank = self.world = self.local_world = 0
         self._next_step = self.interval  #: the step of the next snapshot (the same on every rank)
         self._staged = threading.Event()  #: the snapshot in the background has copied the state
@@ -147,6 +141,17 @@ class MemoryTier:
     def join_round(self, rank: int, world: int, local_world: int, device_type: str) -> None:
         """Collective (every rank, while building its trainer): the round's own gloo group."""
         self.rank, self.world, self.local_world = rank, world, local_world
+        if self.memory_dir and self._store is None:
+            node, local_rank = WorkerEnv.from_env().node, int(os.environ.get("LOCAL_RANK", "0"))
+            self._store = TierStore(self.memory_dir, self.job, node, local_rank)
+            if not self.snapshots:  # a new process: offer what the node kept to this round's restore
+                self.snapshots = self._store.discover(self.hmac_key, self.job)[-KEPT:]
+                if self.snapshots:
+                    log.info(
+                        "memory tier: %s holds snapshot(s) of step(s) %s",
+                        self._store.node_dir,
+                        [s.step for s in self.snapshots],
+                    )
         # its own gloo group (its collectives run beside training's), bounded like training's
         timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
         self._group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
@@ -168,11 +173,15 @@ class MemoryTier:
             self._thread.join()
             self._thread = None
 
-    def close(self) -> None:
+    def close(self, *, job_done: bool = False) -> None:
+        """``job_done``: the job ended normally; the snapshots this worker kept in
+        ``checkpoint.memory_dir`` are deleted (otherwise they stay for a restarted worker)."""
         self.leave_round()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if job_done and self._store is not None:
+            self._store.discard()
 
     def buddy(self) -> int:
         """The rank whose memory keeps a copy of this rank's shards: on the next node."""
@@ -254,7 +263,7 @@ class MemoryTier:
             metadata = _broadcast_bytes(metadata, 0, group)
             theirs = _verified(self._swap_with_buddy(own, manifest, group), manifest)
             files = maybe_damage_memory_copy(self.rank, {METADATA_NAME: metadata, **own, **theirs}, sorted(theirs))
-            snap = Snapshot(step, manifest, manifest_bytes, files)
+            snap = self._kept(Snapshot(step, manifest, manifest_bytes, files))
             with self._lock:
                 self.snapshots = [*self.snapshots, snap][-KEPT:]
             seconds = time.monotonic() - began
@@ -263,7 +272,9 @@ class MemoryTier:
             agreed = _max_over(group, [blocked_s, seconds, step_time_s])
             with self._lock:
                 self.snapshots = [s for s in self.snapshots if s.step >= step]
-        except Exception as e:  # noqa: BLE001 - a failed snapshot keeps the previous one; training goes on
+                if self._store is not None:
+                    self._store.keep(self.snapshots)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the previous one stays; training goes on
             log.warning("memory-tier snapshot of step %d failed (the previous one stays): %s", step, e)
             return
         size = sum(len(v) for v in own.values())
@@ -278,6 +289,17 @@ class MemoryTier:
                 interval=self.interval,
             )
         )
+
+    def _kept(self, snap: Snapshot) -> Snapshot:
+        """``snap`` written to ``checkpoint.memory_dir`` (its bytes then live there only), or as
+        it is, in this process, without one or when writing fails."""
+        if self._store is None:
+            return snap
+        try:
+            return self._store.persist(snap)
+        except (OSError, CheckpointError) as e:
+            log.warning("memory tier: could not keep step %d in %s (kept in memory): %s", snap.step, self._store.own_dir, e)
+            return snap
 
     def _adapt(self, blocked_s: float, seconds: float, step_time_s: float) -> None:
         """``memory_interval = -1``: as often as blocking stays within AUTO_BLOCKED_SHARE of the
@@ -367,7 +389,7 @@ class MemoryTier:
         lowest rank that holds each; returns the files (checked against the manifest) and this
         rank's problem ("" if none)."""
         wants = _all_gather_json(needed, group)
-        held = dict(snap.files) if snap is not None else {}
+        held = snap.files if snap is not None else {}
         holds = [next((set(s["files"]) for s in h if s["key"] == choice.key), set()) for h in holdings]
         ops, incoming = [], {}
         for dst, names in enumerate(wants):

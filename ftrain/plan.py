@@ -696,8 +696,13 @@ def memory_tier_notes(cfg: Config, estimates: Sequence[MemoryEstimate]) -> list[
         if strategies.get(e.strategy).full_replica:
             continue
         state = e.params_bytes + e.optimizer_bytes
+        where = (
+            f"the snapshots in {cfg.checkpoint.memory_dir} (tmpfs: host memory), kept across restarts"
+            if cfg.checkpoint.memory_dir
+            else "live recovery"
+        )
         out.append(
-            f"  - {e.strategy}: memory tier (live recovery) in host memory: {_gib(MEMORY_TIER_COPIES * state)} "
+            f"  - {e.strategy}: memory tier ({where}) in host memory: {_gib(MEMORY_TIER_COPIES * state)} "
             f"per rank ({MEMORY_TIER_COPIES} x its {_gib(state)} of params + optimizer state: staging, its "
             f"snapshot, its buddy's), up to {_gib(MEMORY_TIER_PEAK_COPIES * state)} during an exchange; "
             "checkpoint.memory_interval=0 turns it off"

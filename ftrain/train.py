@@ -105,8 +105,13 @@ def train(cfg: Config) -> TrainResult:
         hb.beat(-1, phase="starting")
     rank, world_size, local_world = init_distributed(cfg.parallel, device)
     trainer = None
+    tier = None
+    if cfg.checkpoint.memory_dir and cfg.checkpoint.memory_interval != 0:
+        from ftrain.memory_tier import MemoryTier
+
+        tier = MemoryTier(cfg, cfg.checkpoint.memory_dir)  # its snapshots there outlive this process
     try:
-        trainer = Trainer(cfg, device, dtype, rank, world_size, local_world, hb)
+        trainer = Trainer(cfg, device, dtype, rank, world_size, local_world, hb, tier=tier)
         result = trainer.run()
     except BaseException as e:
         # No collective teardown on failure: peers may be stuck in a collective, and a barrier
@@ -116,6 +121,8 @@ def train(cfg: Config) -> TrainResult:
             trainer.close()
         raise
     finish(trainer, result)
+    if tier is not None:
+        tier.close(job_done=not result.stopped_early)
     return result
 
 
@@ -235,7 +242,7 @@ class Trainer:
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             )
         )
-        if resume and self.ckpt is not None and cfg.checkpoint.resume:
+        if resume and (self.ckpt is not None or self.tier is not None) and cfg.checkpoint.resume:
             self._resume()
         self.progress.message(
             f"ftrain: {self.num_params / 1e6:.2f}M params, {layout.strategy} on {layout.world_size} rank(s) "
@@ -329,9 +336,11 @@ class Trainer:
         )
 
     def _resume(self) -> None:
+        self._beat(-1, "loading")
+        if self.tier is not None and self.cfg.checkpoint.load_step < 0 and self._resume_from_tier():
+            return
         if self.ckpt is None:
             return
-        self._beat(-1, "loading")
         manifest = self.ckpt.resume()
         if manifest is not None:
             self.progress.message(
@@ -339,6 +348,28 @@ class Trainer:
                 f"(saved at world size {manifest.world_size}, round {manifest.round})"
             )
             self._check_consistency(self.cursor.step)
+
+    def _resume_from_tier(self) -> bool:
+        """Collective: the newest snapshot the memory tier holds (``checkpoint.memory_dir``: what
+        this node and the buddies kept before a restart), if it is not older than the newest
+        committed checkpoint; False (every rank alike) when storage must be read instead."""
+        assert self.tier is not None
+        began = time.monotonic()
+        committed = self.ckpt.manager.newest_committed_step() if self.ckpt is not None else -1
+        step = self.tier.restore(self, committed)
+        if step is None:
+            return False
+        if self.ckpt is not None:
+            status = self.ckpt.manager.status
+            status.last_committed_step = max(status.last_committed_step, committed)
+        self.events.emit(
+            ev.MemoryRestored(
+                step=step, committed_step=committed, world_size=self.layout.world_size, seconds=round(time.monotonic() - began, 4)
+            )
+        )
+        self.progress.message(f"resumed from the memory tier at step {step} (newest committed checkpoint: {committed})")
+        self._check_consistency(self.cursor.step)
+        return True
 
     def _wait_staged(self) -> None:
         """Before the update changes the parameters and optimizer state: the background copies

@@ -259,6 +259,9 @@ def test_report_states_the_memory_tiers_host_memory_for_strategies_without_a_rep
     )
     off = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, memory_interval=0))
     assert "memory tier" not in plan_report(off, world_size=4, device_memory_bytes=80 * GiB, gpus_per_node=2)
+    kept = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, memory_dir="/dev/shm"))
+    report = plan_report(kept, world_size=4, device_memory_bytes=80 * GiB, gpus_per_node=2)
+    assert "snapshots in /dev/shm (tmpfs: host memory), kept across restarts" in report
 
 
 def test_report_skips_what_cannot_run_with_the_reason():
