@@ -298,7 +298,9 @@ class MemoryTier:
         try:
             return self._store.persist(snap)
         except (OSError, CheckpointError) as e:
-            log.warning("memory tier: could not keep step %d in %s (kept in memory): %s", snap.step, self._store.own_dir, e)
+            log.warning(
+                "memory tier: could not keep step %d in %s (kept in memory): %s", snap.step, self._store.own_dir, e
+            )
             return snap
 
     def _adapt(self, blocked_s: float, seconds: float, step_time_s: float) -> None:

@@ -102,7 +102,9 @@ class TierStore:
     """One worker's view of its node's tier directory (see the module doc)."""
 
     def __init__(self, memory_dir: str, job: str, node: str, local_rank: int):
-        self.node_dir = Path(memory_dir) / f"ftrain-tier-{_safe(job, 'nojob')}" / _safe(node or socket.gethostname(), "node")
+        self.node_dir = (
+            Path(memory_dir) / f"ftrain-tier-{_safe(job, 'nojob')}" / _safe(node or socket.gethostname(), "node")
+        )
         self.own_dir = self.node_dir / f"local{local_rank}"
         self._written: dict[str, Path] = {}  #: key -> a step directory of this worker's to delete when superseded
 

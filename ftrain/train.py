@@ -364,7 +364,10 @@ class Trainer:
             status.last_committed_step = max(status.last_committed_step, committed)
         self.events.emit(
             ev.MemoryRestored(
-                step=step, committed_step=committed, world_size=self.layout.world_size, seconds=round(time.monotonic() - began, 4)
+                step=step,
+                committed_step=committed,
+                world_size=self.layout.world_size,
+                seconds=round(time.monotonic() - began, 4),
             )
         )
         self.progress.message(f"resumed from the memory tier at step {step} (newest committed checkpoint: {committed})")

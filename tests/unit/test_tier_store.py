@@ -13,7 +13,9 @@ JOB = "job-a"
 KEY = b"tier-key"
 
 
-def _snapshot(step: int, files: dict[str, bytes], *, job: str = JOB, listed: dict[str, bytes] | None = None) -> Snapshot:
+def _snapshot(
+    step: int, files: dict[str, bytes], *, job: str = JOB, listed: dict[str, bytes] | None = None
+) -> Snapshot:
     entries = {n: FileEntry(len(b), digest_bytes(b, "xxh3_128")) for n, b in (listed or files).items()}
     manifest = Manifest(
         step=step,
@@ -37,7 +39,9 @@ SHARDS = {".metadata": b"meta", "__0_0.distcp": b"rank0-shard", "__1_0.distcp": 
 
 def test_a_persisted_snapshot_is_read_from_the_directory_and_found_by_a_restarted_worker(tmp_path):
     store = TierStore(str(tmp_path), JOB, "node-a", 0)
-    kept = store.persist(_snapshot(40, {".metadata": SHARDS[".metadata"], "__0_0.distcp": SHARDS["__0_0.distcp"]}, listed=SHARDS))
+    kept = store.persist(
+        _snapshot(40, {".metadata": SHARDS[".metadata"], "__0_0.distcp": SHARDS["__0_0.distcp"]}, listed=SHARDS)
+    )
     assert isinstance(kept.files, DirFiles) and kept.files["__0_0.distcp"] == b"rank0-shard"
     assert sorted(kept.files) == [".metadata", "__0_0.distcp"]  # what it holds, not what the manifest lists
     assert not list(store.own_dir.glob(".tmp-*"))
