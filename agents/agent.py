@@ -653,6 +653,7 @@ class Agent:
             node=self.cfg.node_id,
             etcd=tuple(self.cfg.endpoints),
             fence_key=self.keys.round,
+            commits_key=self.keys.commits,
             heartbeat=self.heartbeats.path,
             agent_pid=os.getpid(),
             stack_dir=self.stack_dir,

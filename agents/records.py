@@ -106,6 +106,12 @@ class JobKeys:
     def round(self) -> str:
         return f"{self.prefix}round"
 
+    @property
+    def commits(self) -> str:
+        """Prefix of the checkpoint commit records (one per committed step, written by the
+        workers' fence: the commit point)."""
+        return f"{self.prefix}commits/"
+
     def round_record(self, g: int) -> str:
         return f"{self.prefix}rounds/{g}"
 

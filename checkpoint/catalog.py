@@ -8,6 +8,12 @@ The listing plus each step's manifest are the truth (never the advisory ``latest
 - ``corrupt``: a manifest exists but fails any of that, or a ``corrupt.json`` marker is present;
 - ``uncommitted``: no manifest (a save in flight, or one that died); readers ignore it.
 
+Where commits are recorded in etcd (an agent's job: :mod:`ftrain.fence`), the reader passes the
+records (``recorded``: step -> SHA-256 of the manifest's bytes): the record is then the commit
+point, and a step whose stored manifest is not the recorded one is ``uncommitted`` too (a save
+that was fenced out after it stored its manifest, or one still committing). Without records
+(plain ``ftrain train``, ``ftrain ckpt``) the manifest is the commit point.
+
 A job's readers pass ``job``: a manifest of another job (a step copied between roots, or a root
 shared by mistake) is then not committed for them, and the error names both jobs. ``job=None``
 (inspection tools that know no job) accepts any job. Format-1 manifests record no job; they are
@@ -23,6 +29,7 @@ evidence that a checkpoint is corrupt.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +39,7 @@ from checkpoint.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
+    manifest_digest,
     parse_json_bounded,
     parse_step_dir,
 )
@@ -84,6 +92,11 @@ def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None,
 
     Raises :class:`ManifestError` for a bad manifest, ``FileNotFoundError`` if there is none.
     """
+    return _read_manifest(storage, dirname, hmac_key, job=job)[0]
+
+
+def _read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None, *, job: str | None) -> tuple[Manifest, str]:
+    """:func:`read_manifest`, and the digest of the manifest's bytes (:func:`manifest_digest`)."""
     data = read_bounded(storage, f"{dirname}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
     manifest = Manifest.from_json(data, hmac_key)
     step = parse_step_dir(dirname)
@@ -94,7 +107,7 @@ def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None,
             f"manifest of {dirname} belongs to job {manifest.job!r}, not to this job {job!r}: "
             "copied from another job's root, or two jobs share checkpoint.uri"
         )
-    return manifest
+    return manifest, manifest_digest(data)
 
 
 def _marker_reason(storage: Storage, dirname: str) -> str:
@@ -106,8 +119,15 @@ def _marker_reason(storage: Storage, dirname: str) -> str:
     return f"marked corrupt: {str(reason)[:500]}" if reason else "marked corrupt"
 
 
-def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, *, job: str | None = None) -> StepInfo:
-    """The state of one step directory (see the module doc)."""
+def inspect_step(
+    storage: Storage,
+    dirname: str,
+    hmac_key: bytes | None = None,
+    *,
+    job: str | None = None,
+    recorded: Mapping[int, str] | None = None,
+) -> StepInfo:
+    """The state of one step directory (see the module doc; ``recorded``: the commit records)."""
     step = parse_step_dir(dirname)
     if step is None:
         raise ValueError(f"{dirname!r} is not a step directory name")
@@ -115,9 +135,10 @@ def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, 
     marked = CORRUPT_NAME in names
     manifest: Manifest | None = None
     error: str | None = None
+    digest = ""
     if MANIFEST_NAME in names:
         try:
-            manifest = read_manifest(storage, dirname, hmac_key, job=job)
+            manifest, digest = _read_manifest(storage, dirname, hmac_key, job=job)
         except ManifestError as e:
             error = str(e)
         except FileNotFoundError:  # removed since the listing (GC removes the manifest first)
@@ -129,14 +150,22 @@ def inspect_step(storage: Storage, dirname: str, hmac_key: bytes | None = None, 
         return StepInfo(step, dirname, "corrupt", None, error)
     if manifest is None:
         return StepInfo(step, dirname, "uncommitted", None, None)
+    if recorded is not None and recorded.get(step) != digest:
+        return StepInfo(step, dirname, "uncommitted", None, None)  # fenced out after its PUT, or committing
     return StepInfo(step, dirname, "committed", manifest, None)
 
 
-def list_steps(storage: Storage, hmac_key: bytes | None = None, *, job: str | None = None) -> list[StepInfo]:
+def list_steps(
+    storage: Storage,
+    hmac_key: bytes | None = None,
+    *,
+    job: str | None = None,
+    recorded: Mapping[int, str] | None = None,
+) -> list[StepInfo]:
     """Every step directory directly under the root, ascending by step; other names ignored.
-    ``job``: see the module doc."""
+    ``job``, ``recorded``: see the module doc."""
     dirnames = [name for name in storage.listdir("") if parse_step_dir(name) is not None]
-    infos = [inspect_step(storage, name, hmac_key, job=job) for name in dirnames]
+    infos = [inspect_step(storage, name, hmac_key, job=job, recorded=recorded) for name in dirnames]
     return sorted(infos, key=lambda info: info.step)
 
 

@@ -247,6 +247,10 @@ class CheckpointManager:
     """Job id written into every manifest and required of every manifest loaded (see
     :mod:`checkpoint.catalog`); must be non-empty when ``hmac_key_env`` is set."""
     fence: Fence | None = None
+    """The round fence of commits; where it records commits (an agent's job), its records are
+    the commit point for every reader here too (:mod:`checkpoint.catalog`)."""
+    after_fence: Callable[[int], None] | None = None
+    """A fault hook: :attr:`checkpoint.publish.StepPublisher.after_fence`."""
     keep_last: int = DEFAULTS.keep_last
     keep_every: int = DEFAULTS.keep_every
     gc_grace_s: float = DEFAULTS.gc_grace_s
@@ -315,6 +319,7 @@ class CheckpointManager:
             {**fields, "step": step, "digest_algorithm": self.digest, "job": self.job},
             self.hmac_key_env,
             self.fence,
+            self.after_fence,
         )
         writer = DigestingWriter(
             self.storage.child_url(dirname),
@@ -452,8 +457,12 @@ class CheckpointManager:
     def _hmac_key(self) -> bytes | None:
         return hmac_key_from_env(self.hmac_key_env)
 
+    def _recorded(self) -> dict[int, str] | None:
+        """The fence's commit records (None: it keeps none, the manifests are the commit point)."""
+        return self.fence.recorded() if self.fence is not None else None
+
     def committed_steps(self) -> list[StepInfo]:
-        steps = list_steps(self.storage, self._hmac_key(), job=self.job)
+        steps = list_steps(self.storage, self._hmac_key(), job=self.job, recorded=self._recorded())
         return [s for s in steps if s.state == "committed"]
 
     def newest_committed_step(self) -> int:
@@ -501,7 +510,8 @@ class CheckpointManager:
 
     def _steps_with_manifests(self) -> list[StepInfo]:
         """Every step directory that has a manifest (committed or corrupt), ascending by step."""
-        return [s for s in list_steps(self.storage, self._hmac_key(), job=self.job) if s.state != "uncommitted"]
+        steps = list_steps(self.storage, self._hmac_key(), job=self.job, recorded=self._recorded())
+        return [s for s in steps if s.state != "uncommitted"]
 
     def _try_load(
         self,
@@ -717,6 +727,7 @@ class CheckpointManager:
             on_event=self.on_event,
             job=self.job,
             stop=stop,
+            fence=self.fence,
         )
 
     def _collect_garbage_later(self) -> None:

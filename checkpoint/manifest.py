@@ -101,6 +101,12 @@ def canonical_json(obj: Any) -> bytes:
         raise ManifestError(f"manifest is not JSON-serialisable: {e}") from e
 
 
+def manifest_digest(data: bytes) -> str:
+    """What a commit record holds of a manifest (see :func:`checkpoint.catalog.inspect_step`):
+    the SHA-256 of its stored bytes, hex."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def _hmac_hex(key: bytes, payload: bytes) -> str:
     return hmac.new(key, payload, hashlib.sha256).hexdigest()
 

@@ -1,6 +1,8 @@
 """The commit protocol's storage side for one step: before any rank writes, the step
 directory is made safe to write (fence checked, a committed step refused, a torn or foreign
-one cleared); after every file is stored, the manifest is written: the commit point.
+one cleared); after every file is stored, the manifest is written, and then the fence records
+the commit — atomically with its round check, where it keeps records (an agent's job:
+:mod:`ftrain.fence`); that record is then the commit point, else the manifest is.
 
 Runs wherever DCP's coordinator runs (the training thread, a background thread, a background
 process), so :class:`StepPublisher` is picklable. Used by :class:`checkpoint.manager.CheckpointManager`.
@@ -10,21 +12,34 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from checkpoint.catalog import inspect_step, read_manifest
 from checkpoint.errors import CheckpointError, ManifestError
-from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env
+from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, manifest_digest
 from checkpoint.storage import Storage, StorageOptions
 
 log = logging.getLogger(__name__)
 
 
 class Fence(Protocol):
-    """Raises StaleRoundError when ``round_`` is no longer the job's current round."""
+    """The round fence of a job's commits (:class:`ftrain.fence.EtcdRoundFence`)."""
 
-    def check(self, round_: int) -> None: ...
+    def check(self, round_: int) -> None:
+        """StaleRoundError when ``round_`` is no longer the job's current round."""
+
+    def record(self, round_: int, step: int, manifest_digest: str) -> None:
+        """Record ``step`` as committed with this manifest digest, atomically with the check of
+        ``check`` (StaleRoundError, nothing recorded, when the round moved on)."""
+
+    def recorded(self) -> dict[int, str] | None:
+        """Every recorded commit, ``{step: manifest digest}``; None if this fence keeps no
+        records (the manifests are then the commit point)."""
+
+    def forget(self, steps: list[int]) -> None:
+        """Drop the records of steps retention deleted."""
 
 
 def _other_job(storage: Storage, dirname: str, job: str) -> str | None:
@@ -56,6 +71,9 @@ class StepPublisher:
     fields: dict[str, Any]
     hmac_key_env: str = ""
     fence: Fence | None = None
+    #: called with the step after the commit's fence check, before the manifest is written (a
+    #: fault hook: :func:`ftrain.faults.maybe_pause_after_fence`); picklable, or None
+    after_fence: Callable[[int], None] | None = None
 
     def prepare(self) -> None:
         if self.fence is not None:
@@ -64,7 +82,10 @@ class StepPublisher:
         if not storage.listdir(self.dirname):
             storage.clear_multipart_uploads(self.dirname)  # what a save killed in its first upload left
             return
-        info = inspect_step(storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"])
+        recorded = self.fence.recorded() if self.fence is not None else None
+        info = inspect_step(
+            storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"], recorded=recorded
+        )
         if info.state == "committed":
             raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
         other = _other_job(storage, self.dirname, self.fields["job"])
@@ -88,12 +109,19 @@ class StepPublisher:
         storage.retry(lambda: storage.fs.makedirs(storage.path(self.dirname), exist_ok=True), "mkdir")
 
     def commit(self, files: dict[str, FileEntry]) -> None:
+        round_ = self.fields["round"]
         if self.fence is not None:
-            self.fence.check(self.fields["round"])
+            self.fence.check(round_)  # a fenced-out worker stops here, most of the time
+        if self.after_fence is not None:
+            self.after_fence(self.fields["step"])
         manifest = Manifest(files=files, created_time=time.time(), **self.fields)
         storage = Storage(self.url, self.options)
-        hmac_key = hmac_key_from_env(self.hmac_key_env)
-        storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", manifest.to_json(hmac_key))
+        data = manifest.to_json(hmac_key_from_env(self.hmac_key_env))
+        storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", data)
+        if self.fence is not None:
+            # the commit point where the fence keeps records: one etcd transaction with the round
+            # check, so a worker paused since the check above cannot commit for an old round
+            self.fence.record(round_, manifest.step, manifest_digest(data))
         storage.write_bytes("latest", str(manifest.step).encode())
 
 

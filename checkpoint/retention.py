@@ -30,6 +30,7 @@ from typing import Any
 from checkpoint.catalog import StepInfo, list_steps
 from checkpoint.config import DEFAULTS
 from checkpoint.manifest import MANIFEST_NAME, parse_step_dir
+from checkpoint.publish import Fence
 from checkpoint.storage import Storage
 from contract import events as ev
 
@@ -255,11 +256,15 @@ def collect_garbage(
     on_event: Callable[[ev.Record], Any] | None = None,
     job: str | None = None,
     stop: GcStop | None = None,
+    fence: Fence | None = None,
 ) -> list[str]:
     """Apply retention: never touches the newest committed step or an in-flight one. With
     ``job``, another job's steps are not committed here (they never count as this job's newest).
-    A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
-    steps, ages = gc_survey(storage, list_steps(storage, hmac_key, job=job))
+    With a ``fence`` that records commits, only recorded steps are committed (a manifest stored
+    by a fenced-out save is a torn save's), and the records of steps no longer stored are
+    dropped. A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
+    recorded = fence.recorded() if fence is not None else None
+    steps, ages = gc_survey(storage, list_steps(storage, hmac_key, job=job, recorded=recorded))
     plan = plan_gc(
         steps,
         keep_last=retention.keep_last,
@@ -270,6 +275,11 @@ def collect_garbage(
         grace_s=retention.grace_s,
     )
     deleted = apply_gc(storage, plan, stop=stop) if plan.delete else []
+    if fence is not None and recorded:
+        stored = {s.step for s in steps} - {parse_step_dir(d) for d in deleted}
+        gone = sorted(step for step in recorded if step not in stored)
+        if gone:
+            fence.forget(gone)
     if deleted:
         log.info("retention removed %s", ", ".join(deleted))
         if on_event is not None:

@@ -25,6 +25,7 @@ ROUND = "FTRAIN_ROUND"
 NODE = "FTRAIN_NODE"
 ETCD = "FTRAIN_ETCD"
 FENCE_KEY = "FTRAIN_FENCE_KEY"
+COMMITS_KEY = "FTRAIN_COMMITS_KEY"
 HEARTBEAT = "FTRAIN_HEARTBEAT"
 AGENT_PID = "FTRAIN_AGENT_PID"
 STACK_DIR = "FTRAIN_STACK_DIR"
@@ -64,6 +65,7 @@ class WorkerEnv:
     node: str = ""  #: the node id of the agent
     etcd: tuple[str, ...] = ()  #: etcd client URLs, for the commit fence
     fence_key: str = ""  #: the job's round key in etcd, compared before every commit
+    commits_key: str = ""  #: the etcd prefix where each commit is recorded, atomically with that compare
     heartbeat: str = ""  #: the agent's Unix datagram socket (:mod:`contract.heartbeat`)
     agent_pid: int = 0  #: the worker ends itself once this process is gone (0: no watchdog)
     stack_dir: str = ""  #: where SIGUSR1 makes the worker write its threads' stacks
@@ -78,6 +80,7 @@ class WorkerEnv:
             NODE: self.node,
             ETCD: ",".join(self.etcd),
             FENCE_KEY: self.fence_key,
+            COMMITS_KEY: self.commits_key,
             HEARTBEAT: self.heartbeat,
             AGENT_PID: str(self.agent_pid) if self.agent_pid else "",
             STACK_DIR: self.stack_dir,
@@ -96,6 +99,7 @@ class WorkerEnv:
             node=env.get(NODE, ""),
             etcd=tuple(e for e in env.get(ETCD, "").split(",") if e),
             fence_key=env.get(FENCE_KEY, ""),
+            commits_key=env.get(COMMITS_KEY, ""),
             heartbeat=env.get(HEARTBEAT, ""),
             agent_pid=_natural(env, AGENT_PID, PID_MAX),
             stack_dir=env.get(STACK_DIR, ""),

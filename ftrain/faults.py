@@ -17,6 +17,10 @@ Each spec may end in ``:ROUND``: the fault then fires only in that round (``FTRA
 that a replacement process that replays the step in a later round does not replay the fault.
 - ``FTRAIN_FAULT_STEP_SLEEP_S=S``: every step takes S seconds longer (a slow worker), so
   outside observers can act between steps.
+- ``FTRAIN_FAULT_PAUSE_AFTER_FENCE="STEP:RANK"``: the save of step STEP, on rank RANK (the
+  coordinator: 0), stops its process with SIGSTOP right after the commit's fence check, before
+  the manifest is written (a worker frozen at the worst moment); whoever continues it (SIGCONT)
+  decides when, e.g. after a newer round formed.
 - ``FTRAIN_FAULT_DAMAGE_MEMORY_COPY=RANK``: rank RANK flips one bit of every buddy copy it keeps
   in the memory tier, after it was checked on arrival (memory that rots): a restore from it must
   refuse it and load from storage.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -89,6 +94,16 @@ def maybe_slow_down() -> None:
     delay_s = float(os.environ.get("FTRAIN_FAULT_STEP_SLEEP_S", "0") or 0)
     if delay_s > 0:
         time.sleep(delay_s)
+
+
+def maybe_pause_after_fence(step: int) -> None:
+    """See ``FTRAIN_FAULT_PAUSE_AFTER_FENCE`` (runs wherever the save's coordinator runs)."""
+    if _fire("FTRAIN_FAULT_PAUSE_AFTER_FENCE", step, int(os.environ.get("RANK", "0"))):
+        log.warning("fault injected: stopping (SIGSTOP) between the fence check and the commit of step %d", step)
+        # directed at this thread, so that it stops here (a process-directed SIGSTOP lets the
+        # calling thread run on until the whole group has stopped)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        log.warning("continued after the pause at the commit of step %d", step)
 
 
 def maybe_damage_memory_copy(rank: int, files: dict[str, bytes], names: list[str]) -> dict[str, bytes]:

@@ -23,9 +23,22 @@ What must stay true:
 - The fence is picklable (it may run in DCP's background process): the password, token and
   ssl context are loaded lazily and never pickled; the client file is read again there.
 
+**The commit point is an etcd transaction.** A check alone leaves a window: a worker paused
+(SIGSTOP, a frozen host, a long GC) between its check and its manifest PUT would publish its
+step after a newer round formed. So with ``FTRAIN_COMMITS_KEY`` set (the agent sets it),
+:meth:`EtcdRoundFence.record` runs, after the manifest is stored, one transaction that writes
+``<commits key><step>`` = ``{"digest": sha256 of the manifest's bytes, "round": r}`` only if the
+round key still holds ``r``: the round check and the commit are one atomic step in etcd. Readers
+(:meth:`EtcdRoundFence.recorded`, passed to :func:`checkpoint.catalog.list_steps`) count a step
+as committed only when the stored manifest's digest is the one recorded: a manifest that a
+fenced-out worker stored late is, for them, a torn save. The worst a worker paused that long can
+do is overwrite a newer round's manifest of the same step (storage has no conditional PUT
+everywhere), which then no longer matches its record: that step is lost (readers fall back to
+the one before), never replaced.
+
 This speaks the etcd v3 JSON gateway with the standard library alone (``urllib``, ``ssl``): one
-request per commit (two when a token is fetched), and the worker stays free of the agent's
-packages.
+request per check and one per commit record (two when a token is fetched), and the worker stays
+free of the agent's packages.
 """
 
 from __future__ import annotations
@@ -33,7 +46,9 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import os
+import re
 import ssl
 import stat
 import urllib.error
@@ -44,7 +59,12 @@ from typing import Any
 from checkpoint.errors import CheckpointError, StaleRoundError
 from contract.worker_env import ETCD_CLIENT_FILE, WorkerEnv
 
+log = logging.getLogger(__name__)
+
 TIMEOUT_S = 3.0
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+#: commit records read at most (a job keeps a few steps; retention forgets the others' records)
+MAX_RECORDS = 100_000
 _UNAUTHENTICATED, _INVALID_ARGUMENT, _PERMISSION_DENIED = 16, 3, 7
 _TOKEN_REJECTED = ("invalid auth token", "auth store is old", "user name is empty", "token")
 
@@ -138,6 +158,7 @@ class EtcdRoundFence:
         endpoints: list[str],
         key: str,
         *,
+        commits_key: str = "",
         timeout_s: float = TIMEOUT_S,
         settings: ClientSettings | None = None,
         client_file: str | None = None,
@@ -146,6 +167,7 @@ class EtcdRoundFence:
             raise ValueError("EtcdRoundFence needs at least one etcd endpoint")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.key = key
+        self.commits_key = commits_key  #: the prefix of the commit records ("": manifests are the truth)
         self.timeout_s = timeout_s
         self.client_file = client_file
         self._settings = settings
@@ -220,11 +242,11 @@ class EtcdRoundFence:
             raise FenceAuthError(f"etcd authentication at {endpoint} gave no token: commit refused")
         return token
 
-    def _txn(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self._token is None:
             self._token = self._authenticate(endpoint)
         try:
-            return self._post(endpoint, "/v3/kv/txn", body, self._token)
+            return self._post(endpoint, path, body, self._token)
         except _Rejected as e:
             if not e.auth:
                 raise
@@ -236,7 +258,7 @@ class EtcdRoundFence:
                 ) from e
         self._token = self._authenticate(endpoint)  # expired or invalid: once more with a fresh token
         try:
-            return self._post(endpoint, "/v3/kv/txn", body, self._token)
+            return self._post(endpoint, path, body, self._token)
         except _Rejected as e:
             if e.auth:
                 raise FenceAuthError(
@@ -245,39 +267,106 @@ class EtcdRoundFence:
                 ) from e
             raise
 
-    def check(self, round_: int) -> None:
-        body = {
-            "compare": [{"key": _b64(self.key), "target": "VALUE", "result": "EQUAL", "value": _b64(str(round_))}],
-            "success": [],
-            "failure": [],
-        }
+    def _request(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+        """The first answer of any endpoint, or None and why each failed; TLS and credential
+        failures raise (FenceConfigError, FenceAuthError): another endpoint would not fix them."""
         errors = []
         for endpoint in self.endpoints:
             try:
-                answer = self._txn(endpoint, body)
+                return self._call(endpoint, path, body), errors
             except ssl.SSLError as e:
                 raise FenceConfigError(f"TLS with etcd at {endpoint} failed: {e}; commit refused") from e
             except urllib.error.URLError as e:
                 if isinstance(e.reason, ssl.SSLError):
                     raise FenceConfigError(f"TLS with etcd at {endpoint} failed: {e.reason}; commit refused") from e
                 errors.append(f"{endpoint}: {e}")
-                continue
             except (_Rejected, OSError, ValueError, http.client.HTTPException) as e:  # incl. a reply cut short
                 errors.append(f"{endpoint}: {type(e).__name__}: {e}")
-                continue
-            if answer.get("succeeded"):
-                return
+        return None, errors
+
+    def _if_current(self, round_: int, then: list[dict[str, Any]], doing: str) -> None:
+        """One transaction: ``then`` (etcd request ops) only if the round key holds ``round_``;
+        StaleRoundError if it does not, or if no endpoint answered."""
+        body = {
+            "compare": [{"key": _b64(self.key), "target": "VALUE", "result": "EQUAL", "value": _b64(str(round_))}],
+            "success": then,
+            "failure": [],
+        }
+        answer, errors = self._request("/v3/kv/txn", body)
+        if answer is None:
             raise StaleRoundError(
-                f"round {round_} is no longer current ({self.key} moved on): "
-                "this worker belongs to an old round and may not commit"
+                f"cannot confirm round {round_} is current, etcd unreachable ({'; '.join(errors)}): {doing} refused"
             )
-        raise StaleRoundError(
-            f"cannot confirm round {round_} is current, etcd unreachable ({'; '.join(errors)}): commit refused"
-        )
+        if not answer.get("succeeded"):
+            why = f"round {round_} is no longer current ({self.key} moved on): this worker belongs to an old round"
+            log.warning("%s; %s refused", why, doing)  # said here too: a blocked training thread may never report it
+            raise StaleRoundError(f"{why}; {doing} refused")
+
+    def check(self, round_: int) -> None:
+        self._if_current(round_, [], "commit")
+
+    def record(self, round_: int, step: int, manifest_digest: str) -> None:
+        """The commit point: record ``step``'s manifest digest, atomically with the round check
+        (StaleRoundError when the round moved on or etcd cannot say). Without a commits key:
+        the check alone (the manifest, already stored, is then the commit point)."""
+        if not self.commits_key:
+            self.check(round_)
+            return
+        value = json.dumps({"digest": manifest_digest, "round": round_})
+        put = {"request_put": {"key": _b64(self._record_key(step)), "value": _b64(value)}}
+        self._if_current(round_, [put], f"the commit of step {step}")
+
+    def recorded(self) -> dict[int, str] | None:
+        """``{step: manifest digest}`` of every recorded commit (None without a commits key:
+        manifests are the truth). Raises CheckpointError when etcd cannot be read: without the
+        records nothing can be judged committed. A record that does not parse is skipped."""
+        if not self.commits_key:
+            return None
+        prefix = self.commits_key.encode()
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        body = {"key": _b64(self.commits_key), "range_end": base64.b64encode(end).decode(), "limit": MAX_RECORDS}
+        answer, errors = self._request("/v3/kv/range", body)
+        if answer is None:
+            raise CheckpointError(f"cannot read the commit records under {self.commits_key}: {'; '.join(errors)}")
+        out: dict[int, str] = {}
+        for kv in answer.get("kvs") or []:
+            parsed = _parse_record(self.commits_key, kv)
+            if parsed is not None:
+                out[parsed[0]] = parsed[1]
+        return out
+
+    def forget(self, steps: list[int]) -> None:
+        """Delete the commit records of ``steps`` (retention removed them); best effort."""
+        if not self.commits_key:
+            return
+        for step in steps:
+            answer, errors = self._request("/v3/kv/deleterange", {"key": _b64(self._record_key(step))})
+            if answer is None:
+                log.warning("could not delete the commit record of step %d: %s", step, "; ".join(errors))
+
+    def _record_key(self, step: int) -> str:
+        return f"{self.commits_key}{step:012d}"
+
+
+def _parse_record(prefix: str, kv: Any) -> tuple[int, str] | None:
+    """(step, digest) of one commit record as etcd returned it; None (logged) when malformed."""
+    try:
+        key = base64.b64decode(kv["key"]).decode()
+        value = json.loads(base64.b64decode(kv.get("value", "")))
+        step = int(key[len(prefix) :]) if key.startswith(prefix) and key[len(prefix) :].isdigit() else -1
+        digest = value.get("digest") if isinstance(value, dict) else None
+        if step < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            raise ValueError(f"key {key!r}, value {str(value)[:200]!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("ignoring a malformed commit record: %s", e)
+        return None
+    return step, digest
 
 
 def from_env() -> EtcdRoundFence | None:
     env = WorkerEnv.from_env()
     if not env.etcd or not env.fence_key:
         return None
-    return EtcdRoundFence(list(env.etcd), env.fence_key, client_file=env.etcd_client_file or None)
+    return EtcdRoundFence(
+        list(env.etcd), env.fence_key, commits_key=env.commits_key, client_file=env.etcd_client_file or None
+    )

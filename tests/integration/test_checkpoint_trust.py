@@ -23,6 +23,7 @@ import fsspec.implementations.local as fsspec_local
 import pytest
 import torch
 
+from agents.records import JobKeys
 from checkpoint.catalog import list_steps
 from checkpoint.errors import CheckpointError, StaleRoundError
 from checkpoint.manager import CheckpointManager, NoLoadableStepError
@@ -36,6 +37,7 @@ from checkpoint.manifest import (
 from checkpoint.storage import Storage, StorageOptions
 from contract.events import Record, read_events
 from ftrain.checkpointing import validate_trainer_state
+from ftrain.fence import EtcdRoundFence
 from testbed.jobs import train_job
 
 KEY_ENV = "FTRAIN_TRUST_TEST_KEY"
@@ -64,9 +66,9 @@ def state(value: float) -> dict[str, Any]:
     return {"model": {"w": torch.full((256,), float(value)), "b": torch.arange(7, dtype=torch.float32) * value}}
 
 
-def fields(step: int) -> dict[str, Any]:
+def fields(step: int, round_: int = 2) -> dict[str, Any]:
     return {
-        "round": 2,
+        "round": round_,
         "world_size": 1,
         "layout": {"strategy": "ddp"},
         "config": {"train": {"steps": 8}},
@@ -411,6 +413,15 @@ class GatedFence:
             self.blocked.set()
             assert self.gate.wait(60), "test gate never opened"
 
+    def record(self, round_: int, step: int, manifest_digest: str) -> None:
+        return None  # keeps no records: the manifest is the commit point
+
+    def recorded(self) -> dict[int, str] | None:
+        return None
+
+    def forget(self, steps: list[int]) -> None:
+        return None
+
 
 def test_consecutive_failures_count_failed_saves_not_skipped_ones(tmp_path):
     fence = GatedFence()
@@ -434,6 +445,44 @@ def test_consecutive_failures_count_failed_saves_not_skipped_ones(tmp_path):
     finally:
         fence.gate.set()
         mgr.close()
+
+
+# -- the commit point is the etcd record ------------------------------------------------------
+def test_a_save_fenced_out_after_its_check_stores_a_manifest_that_nothing_counts_as_committed(tmp_path, etcd, client):
+    """The worker is frozen between its fence check and its manifest PUT (``after_fence``) while
+    a newer round forms; it then stores its manifest, but the commit record (one etcd
+    transaction with the round check) is refused: no reader with the records counts the step,
+    a load falls back, the newer round saves the step again over it, and retention drops the
+    records of the steps it deletes. Without the records (a reader that knows no etcd) the
+    zombie's step would look committed: what the record closes."""
+    keys = JobKeys("fencejob")
+    client.put(keys.round, "2")
+    fence = EtcdRoundFence([etcd.endpoint], keys.round, commits_key=keys.commits)
+
+    def frozen_while_round_3_forms(step: int) -> None:
+        if step == 8:
+            client.put(keys.round, "3")
+
+    zombie = manager(tmp_path, fence=fence, after_fence=frozen_while_round_3_forms)
+    save(zombie, 4)
+    zombie.wait()
+    assert not zombie.save(8, state(8), fields(8), sync=True)
+    assert "round 2 is no longer current" in zombie.status.last_error and zombie.status.last_committed_step == 4
+    assert (tmp_path / STEP8 / MANIFEST_NAME).exists(), "the zombie's manifest was not even stored"
+    assert [s.step for s in zombie.committed_steps()] == [4]
+    blind = [s.step for s in list_steps(Storage(str(tmp_path)), job="job-a") if s.state == "committed"]
+    assert blind == [4, 8], blind
+    assert set(fence.recorded() or {}) == {4}
+
+    current = manager(tmp_path, fence=fence, keep_last=1)
+    manifest, target = load(current)
+    assert manifest is not None and manifest.step == 4 and loaded_step(target) == 4.0
+    assert current.save(8, state(80), fields(8, round_=3), sync=True), current.status.last_error
+    current.wait()  # the retention after the commit (keep_last=1) ran
+    assert [(s.step, s.manifest.round) for s in current.committed_steps() if s.manifest] == [(8, 3)]
+    assert set(fence.recorded() or {}) == {8}, "retention left the record of the step it deleted"
+    manifest, target = load(current)
+    assert manifest is not None and manifest.round == 3 and loaded_step(target) == 80.0
 
 
 # -- real jobs: the worker ends with a clear message, or starts fresh when told -------------

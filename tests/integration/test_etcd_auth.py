@@ -63,6 +63,28 @@ def test_fence_authenticates_and_fences_by_round(auth_etcd: EtcdServer, tmp_path
     pickle.loads(pickle.dumps(fence)).check(2)  # as in DCP's background process: reads the file itself
 
 
+def test_commit_records_are_written_with_the_round_check_and_read_back_untrusted(auth_etcd: EtcdServer) -> None:
+    """The commit point under auth: a record is written only while the round is current, read
+    back as {step: manifest digest}; what else sits under the prefix (a malformed value, a key
+    that is not a step) is skipped, and forgetting drops records."""
+    fence = EtcdRoundFence(
+        [auth_etcd.endpoint], KEYS.round, commits_key=KEYS.commits, settings=ClientSettings("root", PASSWORD)
+    )
+    fence.record(2, 40, "a" * 64)
+    fence.record(2, 60, "b" * 64)
+    with pytest.raises(StaleRoundError, match="round 1 is no longer current.*the commit of step 80 refused"):
+        fence.record(1, 80, "c" * 64)
+    with EtcdClient([auth_etcd.endpoint], username="root", password=PASSWORD) as root:
+        root.put(f"{KEYS.commits}000000000090", "not json")
+        root.put(f"{KEYS.commits}000000000100", json.dumps({"digest": "../../etc", "round": 2}))
+        root.put(f"{KEYS.commits}latest", json.dumps({"digest": "d" * 64, "round": 2}))
+    assert fence.recorded() == {40: "a" * 64, 60: "b" * 64}
+    fence.forget([40])
+    assert fence.recorded() == {60: "b" * 64}
+    without_records = EtcdRoundFence([auth_etcd.endpoint], KEYS.round, settings=ClientSettings("root", PASSWORD))
+    assert without_records.recorded() is None
+
+
 def test_fence_with_wrong_or_no_credentials_says_authentication(auth_etcd: EtcdServer, tmp_path) -> None:
     wrong = EtcdRoundFence([auth_etcd.endpoint], KEYS.round, settings=ClientSettings("root", "wrong"))
     with pytest.raises(FenceAuthError, match="authentication") as refused:
