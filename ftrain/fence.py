@@ -270,7 +270,7 @@ class EtcdRoundFence:
     def _request(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
         """The first answer of any endpoint, or None and why each failed; TLS and credential
         failures raise (FenceConfigError, FenceAuthError): another endpoint would not fix them."""
-        errors = []
+        errors: list[str] = []
         for endpoint in self.endpoints:
             try:
                 return self._call(endpoint, path, body), errors
