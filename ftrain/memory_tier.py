@@ -109,7 +109,8 @@ def choose(holdings: list[list[dict[str, Any]]], committed_step: int) -> Choice 
 
 
 class MemoryTier:
-    """One live worker's memory tier, across the rounds it serves (:mod:`ftrain.live` owns it)."""
+    """One worker's memory tier, across the rounds it serves: a live worker's (:mod:`ftrain.live`
+    owns it), or, with ``checkpoint.memory_dir``, a restarted one's (:func:`ftrain.train.train`)."""
 
     def __init__(self, cfg: Config, memory_dir: str = ""):
         """``memory_dir``: keep complete snapshots there, and offer what the node kept there to the
