@@ -1,0 +1,123 @@
+"""The network-namespace cluster (``chaos/netns.py``): hosts with their own addresses that reach
+each other over a bridge, cuts that make TCP hang rather than fail, and a teardown that leaves
+no namespace, link or process behind. Needs root and ``ip`` (CI has both)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from chaos.netns import NetnsCluster, leftovers, unavailable_reason
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}"),
+]
+
+PORT = 7000
+ECHO = (
+    "import socket\n"
+    "s = socket.create_server(('0.0.0.0', 7000))\n"
+    "print('ready', flush=True)\n"
+    "while True:\n"
+    "    c, _ = s.accept()\n"
+    "    c.sendall(c.recv(64))\n"
+    "    c.close()\n"
+)
+CLIENT = (
+    "import socket, sys\n"
+    "try:\n"
+    "    with socket.create_connection((sys.argv[1], 7000), timeout=float(sys.argv[2])) as c:\n"
+    "        c.sendall(b'hello'); print(c.recv(64).decode())\n"
+    "except OSError as e:\n"
+    "    print(type(e).__name__)\n"
+)
+
+
+def _echo_server(cluster: NetnsCluster, host: str) -> subprocess.Popen:
+    proc = cluster.run(host, [sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _talk(cluster: NetnsCluster, src: str, dst: str, timeout_s: float = 5.0) -> str:
+    """What a TCP client in ``src`` got from ``dst``'s echo server: the echo, or the error's name."""
+    out = subprocess.run(
+        cluster.command(src, [sys.executable, "-c", CLIENT, cluster.address(dst), str(timeout_s)]),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s + 30,
+    )
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def test_hosts_reach_each_other_by_their_own_addresses_and_a_cut_hangs_until_healed():
+    with NetnsCluster(["a", "b", "c"]) as cluster:
+        tag = cluster.tag
+        assert [h.address for h in cluster.hosts.values()] == ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
+        assert len(leftovers(tag)) == 3 + 3 + 1  # namespaces, root-side veth ends, the bridge
+        server = _echo_server(cluster, "b")
+        assert _talk(cluster, "a", "b") == "hello" and _talk(cluster, "c", "b") == "hello"
+        with socket.create_connection((cluster.address("b"), PORT), timeout=5) as s:  # the test's own address
+            s.sendall(b"root")
+            assert s.recv(64) == b"root"
+        # nothing listens on a: refused at once, the network itself works
+        assert _talk(cluster, "b", "a") == "ConnectionRefusedError"
+
+        cluster.cut("a", "b")  # silent: a's packets arrive, b's answers are dropped
+        assert cluster.blackholed() == {("b", "198.18.0.1")}
+        assert _talk(cluster, "a", "b", timeout_s=1.0) == "TimeoutError"  # hangs, as across a dead switch
+        assert _talk(cluster, "c", "b") == "hello"  # only that path
+        cluster.heal("a", "b")
+        assert _talk(cluster, "a", "b") == "hello" and not cluster.blackholed()
+
+        cluster.isolate("b")
+        assert _talk(cluster, "a", "b", timeout_s=1.0) == "TimeoutError"
+        assert _talk(cluster, "c", "b", timeout_s=1.0) == "TimeoutError"
+        with pytest.raises(OSError):
+            socket.create_connection((cluster.address("b"), PORT), timeout=1.0)
+        cluster.heal_all()
+        assert _talk(cluster, "a", "b") == "hello" and not cluster.blackholed()
+
+        cluster.cut("a", "b", both=True)  # a loud partition: each side's own connections fail at once
+        assert _talk(cluster, "a", "b", timeout_s=5.0) == "OSError"  # EINVAL from the blackhole, not a hang
+        cluster.heal("a", "b")
+        assert _talk(cluster, "a", "b") == "hello"
+
+        cluster.limit("b", "2mbit")
+        qdisc = subprocess.run(["tc", "qdisc", "show", "dev", cluster.hosts["b"].link], capture_output=True, text=True)
+        assert "tbf" in qdisc.stdout and "2Mbit" in qdisc.stdout, qdisc.stdout
+        assert _talk(cluster, "a", "b") == "hello"  # slower, not cut
+        cluster.unlimit("b")
+        qdisc = subprocess.run(["tc", "qdisc", "show", "dev", cluster.hosts["b"].link], capture_output=True, text=True)
+        assert "tbf" not in qdisc.stdout
+    assert server.poll() is not None, "the server in b outlived its cluster"
+    assert leftovers(tag) == [], leftovers(tag)
+
+
+def test_a_cluster_that_fails_half_way_removes_what_it_made(monkeypatch):
+    import chaos.netns as netns
+
+    made: list[str] = []
+    real = netns.NetnsCluster._add_host
+
+    def third_fails(self, name, address, index):
+        made.append(self.tag)
+        if index == 3:
+            raise RuntimeError("no more hosts")
+        real(self, name, address, index)
+
+    monkeypatch.setattr(netns.NetnsCluster, "_add_host", third_fails)
+    with pytest.raises(RuntimeError, match="no more hosts"):
+        NetnsCluster(["a", "b", "c"])
+    assert made and leftovers(made[0]) == []
+
+
+def test_bad_host_lists_and_subnets_are_refused_before_anything_is_made():
+    with pytest.raises(ValueError, match="unique"):
+        NetnsCluster(["a", "a"])
+    with pytest.raises(ValueError, match="benchmarking range"):
+        NetnsCluster(["a"], subnet="10.0.0.0/24")
