@@ -3,7 +3,9 @@
 What must stay true:
 
 - It listens on 127.0.0.1 only, on client and peer ports picked free by binding port 0, kept
-  across :meth:`EtcdServer.restart` (as is the data dir, so data survives a restart).
+  across :meth:`EtcdServer.restart` (as is the data dir, so data survives a restart) — unless
+  it is given a ``host`` address and a ``launcher`` (a member in a test's own network
+  namespace, :mod:`chaos.netns`: the launcher is ``ip netns exec NS``, the ports etcd's own).
 - Fast test flags: 10 ms heartbeat, 100 ms election timeout (the minimum lease TTL becomes
   1 s), no fsync where the binary accepts it, and watch progress notifications every
   ``progress_notify_interval_s`` so an idle healthy watch is told it is alive.
@@ -110,6 +112,8 @@ class EtcdServer(Service):
         trusted_ca_file: str | None = None,
         client_options: Mapping[str, Any] | None = None,
         extra_args: tuple[str, ...] = (),
+        host: str = HOST,
+        launcher: tuple[str, ...] = (),
     ):
         if (cert_file is None) != (key_file is None) or (trusted_ca_file and not cert_file):
             raise ValueError("TLS needs cert_file and key_file (trusted_ca_file only with them)")
@@ -124,6 +128,8 @@ class EtcdServer(Service):
         self._initial_cluster = initial_cluster
         self._progress_interval_s = progress_notify_interval_s
         self._extra_args = tuple(extra_args)
+        self.host = host
+        self._launcher = tuple(launcher)
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self._started_once = False
@@ -139,13 +145,13 @@ class EtcdServer(Service):
         """``http(s)://127.0.0.1:<client port>``."""
         if self._ports is None:
             raise RuntimeError("EtcdServer has not been started: no ports yet")
-        return f"{'https' if self._tls[0] else 'http'}://{HOST}:{self._ports[0]}"
+        return f"{'https' if self._tls[0] else 'http'}://{self.host}:{self._ports[0]}"
 
     @property
     def peer_url(self) -> str:
         if self._ports is None:
             raise RuntimeError("EtcdServer has not been started: no ports yet")
-        return f"http://{HOST}:{self._ports[1]}"
+        return f"http://{self.host}:{self._ports[1]}"
 
     @property
     def pid(self) -> int | None:
@@ -204,7 +210,7 @@ class EtcdServer(Service):
             client_port, peer_port = free_ports(2)
             self._ports = (client_port, peer_port)
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        command = self.command()
+        command = [*self._launcher, *self.command()]
         with open(self.log_path, "ab") as log:
             self._started_at = time.monotonic()
             self._proc = subprocess.Popen(
@@ -305,15 +311,29 @@ class EtcdServer(Service):
 
 
 class EtcdCluster(Service):
-    """``n`` etcd members on 127.0.0.1 sharing one temp dir; ``with EtcdCluster(3) as c:``."""
+    """``n`` etcd members on 127.0.0.1 sharing one temp dir; ``with EtcdCluster(3) as c:``.
 
-    def __init__(self, n: int = 3, *, etcd_bin: str | None = None, progress_notify_interval_s: float = 0.25):
+    ``hosts``: one ``(address, launcher)`` per member instead, each member on its own host
+    (a network namespace of :class:`chaos.netns.NetnsCluster`: its address, and
+    ``ip netns exec NS``), on etcd's standard ports 2379/2380 there."""
+
+    def __init__(
+        self,
+        n: int = 3,
+        *,
+        etcd_bin: str | None = None,
+        progress_notify_interval_s: float = 0.25,
+        hosts: list[tuple[str, tuple[str, ...]]] | None = None,
+    ):
+        if hosts is not None:
+            n = len(hosts)
         if n < 1:
             raise ValueError("a cluster needs at least one member")
         self.base_dir = Path(tempfile.mkdtemp(prefix="ftrain-etcd-cluster-"))
-        ports = free_ports(2 * n)
+        where = hosts or [(HOST, ())] * n
+        ports = [2379, 2380] * n if hosts is not None else free_ports(2 * n)
         names = [f"n{i}" for i in range(n)]
-        initial = ",".join(f"{name}=http://{HOST}:{ports[2 * i + 1]}" for i, name in enumerate(names))
+        initial = ",".join(f"{name}=http://{where[i][0]}:{ports[2 * i + 1]}" for i, name in enumerate(names))
         self.members = [
             EtcdServer(
                 self.base_dir,
@@ -322,6 +342,8 @@ class EtcdCluster(Service):
                 ports=(ports[2 * i], ports[2 * i + 1]),
                 initial_cluster=initial,
                 progress_notify_interval_s=progress_notify_interval_s,
+                host=where[i][0],
+                launcher=where[i][1],
             )
             for i, name in enumerate(names)
         ]

@@ -1,6 +1,7 @@
 """The network-namespace cluster (``chaos/netns.py``): hosts with their own addresses that reach
-each other over a bridge, cuts that make TCP hang rather than fail, and a teardown that leaves
-no namespace, link or process behind. Needs root and ``ip`` (CI has both)."""
+each other over a bridge, cuts that make TCP hang rather than fail, a teardown that leaves no
+namespace, link or process behind, and a 3-member etcd cluster with one member per namespace
+that keeps its quorum when one member is cut off. Needs root and ``ip`` (CI has both)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import sys
 
 import pytest
 
+from agents.errors import EtcdUnavailableError
+from agents.etcd import EtcdClient
 from chaos.netns import NetnsCluster, leftovers, unavailable_reason
+from testbed.etcd import EtcdCluster
+from testbed.wait import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -121,3 +126,36 @@ def test_bad_host_lists_and_subnets_are_refused_before_anything_is_made():
         NetnsCluster(["a", "a"])
     with pytest.raises(ValueError, match="benchmarking range"):
         NetnsCluster(["a"], subnet="10.0.0.0/24")
+
+
+def test_an_etcd_cluster_across_namespaces_keeps_quorum_when_one_member_is_cut_off():
+    """etcd_minority: member 2 taken off the network. The two others keep the quorum; a client
+    whose first endpoint is the cut member fails over and its writes succeed, a client of that
+    member alone cannot write; once the member is back it serves what was written meanwhile."""
+    with NetnsCluster(["etcd0", "etcd1", "etcd2"]) as net:
+        hosts = [(net.address(n), tuple(net.command(n, []))) for n in ("etcd0", "etcd1", "etcd2")]
+        with EtcdCluster(hosts=hosts) as etcd:
+            assert etcd.endpoints == [f"http://198.18.0.{i}:2379" for i in (1, 2, 3)]
+            cut = etcd.endpoints[2]
+            with EtcdClient([cut, *etcd.endpoints[:2]], timeout_s=1.0, retry_timeout_s=20.0) as client:
+                client.put("/k", "before")
+                net.isolate("etcd2")
+                client.put("/k", "during")  # fails over from the cut member to the majority
+                assert client.get("/k").value == b"during"
+                with (
+                    EtcdClient([cut], timeout_s=0.5, retry_timeout_s=2.0) as alone,
+                    pytest.raises(EtcdUnavailableError),
+                ):
+                    alone.put("/k", "minority")
+                net.rejoin("etcd2")
+                with EtcdClient([cut], timeout_s=1.0, retry_timeout_s=5.0) as alone:
+                    wait_for(lambda: _value(alone) == b"during", 30, "the cut member to catch up")
+    assert leftovers(net.tag) == []
+
+
+def _value(client: EtcdClient) -> bytes | None:
+    try:
+        kv = client.get("/k")
+    except EtcdUnavailableError:
+        return None
+    return kv.value if kv else None
