@@ -60,6 +60,7 @@ from agents.jobstore import Closable, JobStore, LeaseSession
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
 from agents.live_workers import LiveWorkers
 from agents.metrics import AgentMetrics
+from agents.netif import collective_interface
 from agents.parts import Clock, EventSink, Heartbeats
 from agents.records import (
     FAILED,
@@ -659,8 +660,11 @@ class Agent:
             stack_dir=self.stack_dir,
             etcd_client_file=self.client_file or "",
         )
+        interface = collective_interface(self.cfg.host, os.environ, self.opts.worker_env)
         return worker_environment(
-            os.environ, self.opts.worker_env, {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            os.environ,
+            self.opts.worker_env,
+            {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **interface},
         )
 
     def _record_start(self, round_: int) -> None:

@@ -70,14 +70,22 @@ class Cluster:
             self.env["FTRAIN_FAULT_STEP_SLEEP_S"] = str(step_sleep_s)
         self.agent_options = tuple(agent_options)
         self.agents: dict[str, subprocess.Popen] = {}
-        self._launches: dict[str, tuple[tuple[str, ...], str, int, dict[str, str] | None]] = {}
+        self._launches: dict[str, tuple[tuple[str, ...], str, int, dict[str, str] | None, str, tuple[str, ...]]] = {}
         self._retired: list[subprocess.Popen] = []
 
     def start(
-        self, node_id: str, *agent_args: str, nnodes: str = "1:2", nproc: int = 1, env: dict[str, str] | None = None
+        self,
+        node_id: str,
+        *agent_args: str,
+        nnodes: str = "1:2",
+        nproc: int = 1,
+        env: dict[str, str] | None = None,
+        host: str = "",
+        launcher: Sequence[str] = (),
     ) -> subprocess.Popen:
-        """Start (or restart) the agent of ``node_id``."""
-        self._launches[node_id] = (agent_args, nnodes, nproc, env)
+        """Start (or restart) the agent of ``node_id``; ``host``: the address the other nodes reach
+        it at (``--host``), ``launcher``: what runs it there (``ip netns exec NS``, :mod:`chaos.netns`)."""
+        self._launches[node_id] = (agent_args, nnodes, nproc, env, host, tuple(launcher))
         old = self.agents.get(node_id)
         if old is not None:
             self._retired.append(old)
@@ -89,9 +97,11 @@ class Cluster:
                 "nproc_per_node": nproc,
                 "node_id": node_id,
                 "run_dir": str(self.workdir / node_id),
+                **({"host": host} if host else {}),
             }
         )
         cmd = [
+            *launcher,
             sys.executable,
             "-m",
             "ftrain",
@@ -118,8 +128,8 @@ class Cluster:
 
     def restart(self, node_id: str) -> subprocess.Popen:
         """Start ``node_id``'s agent again with the options it was first started with."""
-        agent_args, nnodes, nproc, env = self._launches[node_id]
-        return self.start(node_id, *agent_args, nnodes=nnodes, nproc=nproc, env=env)
+        agent_args, nnodes, nproc, env, host, launcher = self._launches[node_id]
+        return self.start(node_id, *agent_args, nnodes=nnodes, nproc=nproc, env=env, host=host, launcher=launcher)
 
     # -- reading ---------------------------------------------------------------------------
     def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:

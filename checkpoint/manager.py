@@ -762,7 +762,21 @@ class CheckpointManager:
                 thread.join()
             self._gc = None
 
-    def close(self) -> None:
+    def close(self, *, abandon: bool = False) -> None:
+        """Wait for the save in flight and the retention after it, then end the checkpoint
+        process and the stager. ``abandon``: the round ended broken and its process groups were
+        aborted, so a save still in flight is not waited for (it may be blocked in a collective
+        with a peer that is gone until the group's timeout) and counts as failed: it cannot
+        commit anyway (its collectives fail, and its fence refuses an old round). Retention is
+        told to stop, not waited for."""
+        flight = self._in_flight
+        if abandon and flight is not None and not flight.future.done():
+            self._in_flight = None
+            self.status.in_flight_step = -1
+            self._record_failure(flight.step, CheckpointError("abandoned in flight: its round ended"))
+        if abandon and self._gc is not None:
+            self._gc[1].stop(None)
+            self._gc = None
         self.wait()
         if self._save_process is not None:
             self._save_process.close()

@@ -257,5 +257,6 @@ class Checkpointing:
         )
         return manifest
 
-    def close(self) -> None:
-        self.manager.close()
+    def close(self, *, abandon: bool = False) -> None:
+        """``abandon``: see :meth:`checkpoint.manager.CheckpointManager.close`."""
+        self.manager.close(abandon=abandon)

@@ -325,7 +325,9 @@ def _leave_round(
     keep_ports: set[int],
 ) -> HeldState | None:
     """Keep what this rank holds, end the round's process groups (aborted first, so that no
-    peer stays blocked on this rank, and an in-flight save fails at once), tell the agent we wait.
+    peer stays blocked on this rank), abandon a checkpoint save still in flight (one blocked on a
+    pair whose peer is gone, as across a partition, would otherwise hold this rank until the
+    group's timeout; it cannot commit for an old round anyway), tell the agent we wait.
     What this rank holds is its trainer's last complete step only if that trainer's restore
     completed (``restored``): one that failed during it holds a fresh or half-loaded model, and
     what the rank held before the round (``held``) is still the truth."""
@@ -336,7 +338,7 @@ def _leave_round(
         trainer.events.emit(
             ev.LiveRoundLeft(step=held.step if held else -1, why=str(why).splitlines()[0][:300] if str(why) else "")
         )
-        trainer.close()
+        trainer.close(broken=True)
     log.warning(
         "round %d ended for rank %d (%s: %s); holding step %s",
         assignment.round,

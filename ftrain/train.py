@@ -380,10 +380,14 @@ class Trainer:
         for wait in self.staging_waits:
             wait()
 
-    def close(self) -> None:
+    def close(self, *, broken: bool = False) -> None:
+        """``broken``: the round ended with its process groups aborted (a live worker leaving
+        it): a checkpoint save still in flight is abandoned, not waited for."""
         if self.tier is not None:  # its exchange ends with the round (the caller aborted a broken one)
             self.tier.leave_round()
-        for part in (self.ckpt, self.metrics, self.ledger, self.events):
+        if self.ckpt is not None:
+            self.ckpt.close(abandon=broken)
+        for part in (self.metrics, self.ledger, self.events):
             if part is not None:
                 part.close()
 

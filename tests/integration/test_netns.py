@@ -8,13 +8,18 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from agents.errors import EtcdUnavailableError
 from agents.etcd import EtcdClient
+from agents.records import JobKeys
+from chaos.cluster import Cluster
 from chaos.netns import NetnsCluster, leftovers, unavailable_reason
 from testbed.etcd import EtcdCluster
+from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from testbed.wait import wait_for
 
 pytestmark = [
@@ -159,3 +164,71 @@ def _value(client: EtcdClient) -> bytes | None:
     except EtcdUnavailableError:
         return None
     return kv.value if kv else None
+
+
+STEPS = 60
+DETERMINISTIC = "--parallel.deterministic=true"
+
+
+def test_a_job_on_two_node_namespaces_trains_on_their_own_addresses_and_rides_out_a_partition(tmp_path):
+    """Two nodes (an agent and a worker each) in namespaces of their own, a 3-member etcd cluster
+    in three more; every address is a namespace's own (``--host``; gloo on ``eth0``, which the
+    agent tells the workers), nothing is on loopback. Node b is taken off the network at step 20:
+    its lease expires, node a goes on alone; b comes back, rejoins without a human, and the job
+    ends bitwise equal to golden."""
+    golden = train_job(tmp_path / "golden", 2, f"--train.steps={STEPS}", DETERMINISTIC).final
+    config = tmp_path / "config.toml"
+    config.write_text(TINY_CONFIG)
+    with NetnsCluster(["etcd0", "etcd1", "etcd2", "a", "b"]) as net:
+        hosts = [(net.address(n), tuple(net.command(n, []))) for n in ("etcd0", "etcd1", "etcd2")]
+        with EtcdCluster(hosts=hosts) as etcd:
+            job = Cluster(
+                tmp_path,
+                ",".join(etcd.endpoints),
+                config,
+                steps=STEPS,
+                ckpt_interval=10,
+                step_sleep_s=0.05,
+                overrides=[f"--train.save_final_path={tmp_path / 'final.pt'}", DETERMINISTIC],
+            )
+            try:
+                for node in ("a", "b"):
+                    job.start(node, nnodes="1:2", host=net.address(node), launcher=net.command(node, []))
+                job.wait_step(20)
+                first = job.events("round_formed", new_round=1)[0]
+                assert first["world_size"] == 2, first
+                cut_at, cut_step = time.time(), job.step()
+                net.isolate("b")
+                alone = wait_for(
+                    lambda: [e for e in job.events("round_formed") if e["members"] == ["a"]], 60, "a round without b"
+                )[0]
+                job.wait_step(job.step() + 5)
+                healed_at = time.time()
+                net.rejoin("b")
+                back = wait_for(
+                    lambda: [e for e in job.events("round_formed") if e["new_round"] > alone["new_round"]],
+                    90,
+                    "b to rejoin",
+                )[0]
+                assert job.wait_exit("a", timeout_s=180) == 0, job.log_tail()
+                assert job.wait_exit("b", timeout_s=60) == 0, job.log_tail()
+                rounds = [(e["new_round"], e["reason"], sorted(e["members"])) for e in job.events("round_formed")]
+                went_on = job.events("live_restored", round=alone["new_round"])[0]
+                print(
+                    f"partition of b at step {cut_step}: round {alone['new_round']} without it "
+                    f"{alone['time'] - cut_at:.2f}s later, going on from step {went_on['step']} "
+                    f"({went_on['source']}, {max(0, cut_step - went_on['step'])} step(s) lost); b back in "
+                    f"round {back['new_round']} {back['time'] - healed_at:.2f}s after healing"
+                )
+                assert rounds[-1][2] == ["a", "b"], rounds
+                keys = JobKeys(job.job)
+                with EtcdClient(etcd.endpoints) as client:
+                    masters = [client.get(keys.master(g)) for g, _, _ in rounds]
+                addresses = {kv.value.decode().rsplit(":", 1)[0] for kv in masters if kv is not None}
+                assert addresses and addresses <= {net.address("a"), net.address("b")}, addresses
+            finally:
+                job.close()
+    final = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert max_abs_diff(final["model"], golden["model"]) == 0.0
+    assert max_abs_diff(optimizer_tensors(final["optim"]), optimizer_tensors(golden["optim"])) == 0.0
+    assert leftovers(net.tag) == []
