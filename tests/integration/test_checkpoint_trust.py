@@ -447,6 +447,31 @@ def test_consecutive_failures_count_failed_saves_not_skipped_ones(tmp_path):
         mgr.close()
 
 
+def test_closing_after_a_broken_round_abandons_a_save_blocked_in_flight(tmp_path):
+    """A live worker leaving a broken round does not wait for a save blocked in flight (here:
+    its commit's fence check never returns, as a collective with a peer across a partition
+    would not): the save counts as failed at once. (With an agent's fence, what it does later
+    cannot commit: its round is over; this test's fence keeps no records.)"""
+    fence = GatedFence()
+    events = Events()
+    mgr = CheckpointManager(
+        url=str(tmp_path / "ck"), job="job-a", async_mode="thread", fence=fence, options=FAST_RETRIES, on_event=events
+    )
+    try:
+        fence.block_at = 2  # prepare passes, the commit's check blocks
+        assert mgr.save(3, state(3), fields(3))
+        assert fence.blocked.wait(60)
+        blocked = mgr._in_flight
+        mgr.close(abandon=True)  # returns although the save is still blocked
+        assert mgr.status.saves_failed == 1 and mgr.status.last_committed_step == -1
+        assert [e["step"] for e in events.named("ckpt_failed")] == [3]
+        assert "abandoned in flight" in events.named("ckpt_failed")[0]["error"]
+    finally:
+        fence.gate.set()
+    assert blocked is not None
+    blocked.future.result(timeout=60)  # the abandoned save's thread ends (it would fail at the fence in a job)
+
+
 # -- the commit point is the etcd record ------------------------------------------------------
 def test_a_save_fenced_out_after_its_check_stores_a_manifest_that_nothing_counts_as_committed(tmp_path, etcd, client):
     """The worker is frozen between its fence check and its manifest PUT (``after_fence``) while
