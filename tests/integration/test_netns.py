@@ -166,7 +166,7 @@ def _value(client: EtcdClient) -> bytes | None:
     return kv.value if kv else None
 
 
-STEPS = 60
+STEPS = 150  # long enough that b is back before a, alone, could finish
 DETERMINISTIC = "--parallel.deterministic=true"
 
 
