@@ -29,8 +29,8 @@ pytestmark = [
 
 PORT = 7000
 ECHO = (
-    "import socket\n"
-    "s = socket.create_server(('0.0.0.0', 7000))\n"
+    "import socket, sys\n"
+    "s = socket.create_server((sys.argv[1], 7000))\n"
     "print('ready', flush=True)\n"
     "while True:\n"
     "    c, _ = s.accept()\n"
@@ -48,7 +48,7 @@ CLIENT = (
 
 
 def _echo_server(cluster: NetnsCluster, host: str) -> subprocess.Popen:
-    proc = cluster.run(host, [sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
+    proc = cluster.run(host, [sys.executable, "-c", ECHO, cluster.address(host)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
