@@ -37,7 +37,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,9 +234,6 @@ class NetnsCluster:
         left = leftovers(self.tag)
         if left:
             log.error("network namespace cluster %s left %s behind", self.tag, left)
-
-    def processes(self) -> Iterable[subprocess.Popen[Any]]:
-        return list(self._procs)
 
 
 def _end(proc: subprocess.Popen[Any]) -> None:
