@@ -131,6 +131,11 @@ class Cluster:
         agent_args, nnodes, nproc, env, host, launcher = self._launches[node_id]
         return self.start(node_id, *agent_args, nnodes=nnodes, nproc=nproc, env=env, host=host, launcher=launcher)
 
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        """The etcd endpoints the agents were given (``--etcd`` takes them comma-separated)."""
+        return self.etcd.split(",")
+
     # -- reading ---------------------------------------------------------------------------
     def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
         if not self.events_path.exists():

@@ -222,10 +222,25 @@ def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
     return Check("samples_consumed_exactly_once", report.ok, report.summary())
 
 
+def _faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every ``chaos_fault`` event, completed by the ``chaos_fault_done`` of its kind that follows
+    it (a fault that lasts says at its end what it found: ``refused``, ``injected``)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e["event"] == Event.CHAOS_FAULT:
+            out.append(dict(e))
+        elif e["event"] == Event.CHAOS_FAULT_DONE:
+            fault = next((f for f in reversed(out) if f["kind"] == e["kind"]), None)
+            if fault is not None:
+                fault.update({k: v for k, v in e.items() if k not in ("time", "event", "rank", "round", "pid")})
+    return out
+
+
 def faults_handled(events: list[dict[str, Any]]) -> Check:
     """Refusals that must have happened (:attr:`Outcome.REFUSED` kinds: a duplicate node id, a
-    zombie commit), and a new round after every fault that restarts the workers."""
-    faults = _of(events, Event.CHAOS_FAULT)
+    zombie commit, a commit paused past its round's end), and a new round after every fault that
+    restarts the workers."""
+    faults = _faults(events)
     rounds = sorted(e["time"] for e in _of(events, Event.ROUND_FORMED))
     bad = []
     for i, f in enumerate(faults):
@@ -235,6 +250,64 @@ def faults_handled(events: list[dict[str, Any]]) -> Check:
         if fault.restarts and not any(t > f["time"] for t in rounds):
             bad.append(f"{f['kind']} #{i} at step {f.get('step')} was never followed by a new round")
     return Check("faults_handled", not bad, "; ".join(bad) if bad else f"{len(faults)} fault(s) handled")
+
+
+def _first_step_of_each_round(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    first: dict[int, float] = {}
+    for m in metrics:
+        if "round" in m:
+            first[m["round"]] = min(first.get(m["round"], m["time"]), m["time"])
+    return first
+
+
+def one_round_at_a_time(metrics: list[dict[str, Any]]) -> Check:
+    """No step of round g completed after a newer round completed one (each metrics line names
+    the round that completed the step): two sides of a partition never both train."""
+    first = _first_step_of_each_round(metrics)
+    bad = []
+    for m in metrics:
+        newer = [(t, h) for h, t in first.items() if h > m.get("round", h) and t < m["time"]]
+        if newer:
+            t, h = min(newer)
+            bad.append(f"round {m['round']} completed step {m['step']} {m['time'] - t:.2f}s after round {h} trained")
+    detail = "; ".join(bad[:5]) if bad else f"{len(first)} round(s) trained, never two at once"
+    return Check("one_round_trains_at_a_time", not bad, detail)
+
+
+def no_commit_from_a_stale_round(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> Check:
+    """No checkpoint committed by round g after a newer round trained (a fenced-out round, the
+    minority side of a partition, a worker paused between its fence check and its commit)."""
+    first = _first_step_of_each_round(metrics)
+    bad = []
+    for e in _of(events, Event.CKPT_COMMITTED):
+        newer = [h for h, t in first.items() if h > e["round"] and t < e["time"]]
+        if newer:
+            bad.append(f"round {e['round']} committed step {e['step']} after round {min(newer)} trained")
+    commits = len(_of(events, Event.CKPT_COMMITTED))
+    detail = "; ".join(bad) if bad else f"{commits} commit(s), each by the round then training"
+    return Check("no_commit_from_a_stale_round", not bad, detail)
+
+
+def cut_off_nodes_rejoined(events: list[dict[str, Any]]) -> Check:
+    """After every fault that cut a node off (:attr:`Fault.cuts_node`) healed, that node was a
+    member of a round formed later (it came back without a human), unless no round formed since
+    the fault left it out (the job rode the cut out with the node in it)."""
+    bad, checked = [], 0
+    faults = [f for f in _faults(events) if _fault(f).cuts_node]
+    backs = _of(events, Event.CHAOS_NODE_BACK)
+    rounds = _of(events, Event.ROUND_FORMED)
+    for f in faults:
+        node = f.get("node")
+        healed = next((b["time"] for b in backs if b["node"] == node and b["time"] >= f["time"]), None)
+        if healed is None:
+            bad.append(f"{f['kind']} of {node}: never healed")
+            continue
+        checked += 1
+        left = any(r["time"] >= f["time"] and node not in r["members"] for r in rounds)
+        if left and not any(r["time"] >= healed and node in r["members"] for r in rounds):
+            bad.append(f"{f['kind']} of {node}: not in any round formed after the heal")
+    detail = "; ".join(bad) if bad else f"{checked} cut-off node(s), each back in a later round or never out"
+    return Check("cut_off_nodes_rejoined", not bad, detail)
 
 
 def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:

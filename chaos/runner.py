@@ -20,15 +20,14 @@ from typing import Any
 from chaos import invariants
 from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
+from chaos.hosts import open_hosts
 from chaos.report import write_report
-from chaos.s3proxy import S3FaultProxy
 from chaos.scenario import Scenario, ScenarioError, load_scenario
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from contract.events import Event, EventLog
 from ftrain.config import load_config
 from testbed.procs import REPO, quiet_env
-from testbed.stack import LocalStack
 from testbed.wait import WaitTimeout, wait_for
 
 log = logging.getLogger(__name__)
@@ -180,13 +179,13 @@ def run_scenario(
     job = scenario.job
     cfg = load_config(scenario.config_path, worker_overrides(scenario))
     ledger_dir, final_path = out_dir / "ledger", out_dir / "final.pt"
-    with LocalStack(out_dir / "stack") as stack, S3FaultProxy(stack.s3_server().endpoint_url, seed=seed) as proxy:
-        s3 = stack.s3_server()
+    nodes = [f"n{i}" for i in range(job.nodes)]
+    with open_hosts(job.network, out_dir / "stack", nodes, seed) as hosts:
+        s3 = hosts.s3
         ckpt_uri = s3.url(JOB)
-        env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url}
         cluster = Cluster(
             out_dir,
-            stack.etcd_url,
+            hosts.etcd_endpoints,
             scenario.config_path,
             job=JOB,
             ckpt_uri=ckpt_uri,
@@ -200,7 +199,7 @@ def run_scenario(
                 f"--train.save_final_path={final_path}",
                 "--checkpoint.on_no_loadable_step=fresh",
             ],
-            env=env,
+            env={**hosts.env(), **scenario.worker_env()},
             agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options, *(["--recovery", recovery] if recovery else [])],
         )
         events = EventLog(str(cluster.events_path), rank=-2)
@@ -208,9 +207,10 @@ def run_scenario(
         finished = threading.Event()
         ctx = Context(
             cluster=cluster,
-            etcd=stack.etcd,
+            etcd=hosts.etcd,
             s3=s3,
-            proxy=proxy,
+            proxy=hosts.proxy,
+            net=hosts.net,
             storage=Storage(ckpt_uri, s3.storage_options()),
             rng=rng,
             events=events,
@@ -222,12 +222,12 @@ def run_scenario(
         watcher.start()
         timed_out = False
         try:
-            for i in range(job.nodes):
-                cluster.start(f"n{i}", nnodes=job.nnodes, nproc=job.nproc_per_node)
+            for node in nodes:
+                cluster.start(node, nnodes=job.nnodes, nproc=job.nproc_per_node, **hosts.placement(node))
             campaign.start()
             print(
                 f"chaos: {scenario.name} (seed {seed}): {job.nodes} node(s) x {job.nproc_per_node} worker(s), "
-                f"{job.steps} steps; output in {out_dir}",
+                f"{job.steps} steps on {job.network}; output in {out_dir}",
                 flush=True,
             )
             try:
@@ -259,11 +259,15 @@ def run_scenario(
             invariants.resumed_from_the_newest_commit(all_events, watcher.commits),
             invariants.exactly_once(ledger_dir, cfg, job.steps),
             invariants.faults_handled(all_events),
+            invariants.one_round_at_a_time(metrics),
+            invariants.no_commit_from_a_stale_round(all_events, metrics),
+            invariants.cut_off_nodes_rejoined(all_events),
         ]
         if timed_out:
             checks.insert(0, invariants.Check("finished_in_time", False, f"still running after {job.timeout_s:.0f}s"))
         if campaign.errors:
             checks.append(invariants.Check("faults_injected", False, "; ".join(campaign.errors)))
+        proxy = hosts.proxy
     timings = invariants.fault_timings(all_events, metrics)
     report: dict[str, Any] = {
         "scenario": scenario.name,
@@ -276,7 +280,7 @@ def run_scenario(
         "checks": [c.as_dict() for c in checks],
         "faults": timings,
         "goodput": invariants.goodput(all_events, metrics, started_at),
-        "proxy": {"requests": proxy.requests, "injected": proxy.injected},
+        "proxy": {"requests": proxy.requests, "injected": proxy.injected} if proxy is not None else None,
         "events": all_events,
         "metrics": [{k: m[k] for k in ("step", "time", "loss", "world_size")} for m in metrics],
     }

@@ -12,6 +12,7 @@ step_sleep_s = 0.02        # slows each step so that faults land mid-run
 deterministic = true       # bitwise equality with the golden run even across world sizes
 tolerance = 0.0            # max |param - golden| allowed when deterministic = false
 timeout_s = 300
+network = "loopback"       # or "netns": every node, etcd member and S3 on a host (namespace) of its own
 overrides = []             # more --section.key=value for the workers
 agent_options = []         # more options for every agent
 
@@ -37,6 +38,7 @@ from random import Random
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
+from chaos.hosts import NETWORKS
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -60,6 +62,7 @@ class JobSpec:
     deterministic: bool = True
     tolerance: float = 0.0
     timeout_s: float = 300.0
+    network: str = "loopback"  #: one of chaos.hosts.NETWORKS
     overrides: list[str] = field(default_factory=list)
     agent_options: list[str] = field(default_factory=list)
 
@@ -87,6 +90,14 @@ class Scenario:
     @property
     def config_path(self) -> Path:
         return (self.path.parent / self.job.config).resolve()
+
+    def worker_env(self) -> dict[str, str]:
+        """What the scenario's faults arm in every worker from the start (``FTRAIN_FAULT_*``)."""
+        env: dict[str, str] = {}
+        for spec in self.faults:
+            if spec.fault.worker_env is not None:
+                env.update(spec.fault.worker_env(spec))
+        return env
 
     def random_faults(self, rng: Random) -> list[tuple[float, FaultSpec]]:
         """(delay after the previous fault, spec) for the seeded random campaign."""
@@ -120,6 +131,8 @@ def load_scenario(path: str | Path) -> Scenario:
     if unknown:
         raise ScenarioError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     job = _build(JobSpec, data.get("job", {}), f"{path}: job")
+    if job.network not in NETWORKS:
+        raise ScenarioError(f"{path}: job.network: {job.network!r} is not one of {', '.join(NETWORKS)}")
     rand = dict(data.get("random", {}))
     if "interval_s" in rand:
         rand["interval_s"] = tuple(rand["interval_s"])

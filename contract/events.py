@@ -510,9 +510,15 @@ class ChaosFaultStep(Record):
 @_record
 @dataclass(frozen=True, slots=True)
 class ChaosFaultDone(Record):
+    """A fault that lasts is over: what it found at the end (``injected``, ``refused``, ...), flat;
+    it completes the ``chaos_fault`` event of its kind before it."""
+
     EVENT = Event.CHAOS_FAULT_DONE
     kind: str
-    injected: int
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        return {**self.detail, "kind": self.kind}
 
 
 @_record

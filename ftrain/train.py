@@ -184,9 +184,10 @@ class Trainer:
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
-        self.events = EventLog(cfg.logging.events_path, rank=rank, round_=current_round())
+        self.round = current_round()  #: the round this trainer was built for (a live worker builds one per round)
+        self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)
         self.ledger = (
-            Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=current_round())
+            Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=self.round)
             if cfg.data.ledger_dir and self.layout.tp_rank == 0
             else None
         )
@@ -524,6 +525,7 @@ class Trainer:
             "epoch": batch.epoch,
             "peak_mem_bytes": peaks,
             "skipped_steps": self.skipped_steps,
+            "round": self.round,  #: the round that completed the step (the chaos invariants read it)
             "time": time.time(),
         }
         if self.ckpt is not None:

@@ -3,7 +3,9 @@
 Used by integration tests, the demo and benchmarks; never by production code paths. What must
 stay true:
 
-- Everything listens on 127.0.0.1 only, telemetry is off, and every port ``weed mini`` opens is
+- Everything listens on 127.0.0.1 only (or on the ``host`` given: an address in a test's own
+  network namespace, with ``launcher`` = ``ip netns exec NS``, :mod:`chaos.netns`), telemetry
+  is off, and every port ``weed mini`` opens is
   pinned to one picked free here (parallel instances never collide). Each gRPC port is its HTTP
   port + 10000, because parts of ``weed mini`` derive gRPC addresses that way whatever the flags
   say (its admin worker does).
@@ -98,7 +100,7 @@ def pick_port_pairs(
 
 
 class SeaweedS3(Service):
-    """One ``weed mini`` process serving S3 on 127.0.0.1, with one bucket.
+    """One ``weed mini`` process serving S3 on 127.0.0.1 (or ``host``, run by ``launcher``), with one bucket.
 
     ``with SeaweedS3() as s3:`` starts it and waits until it serves requests; leaving the block
     kills it and deletes the data dir if this object created it. Credentials are random unless
@@ -114,6 +116,8 @@ class SeaweedS3(Service):
         secret_access_key: str | None = None,
         weed_bin: str | None = None,
         extra_args: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
     ):
         if not 3 <= len(bucket) <= 63:
             raise ValueError(f"bucket name must be 3-63 characters, got {bucket!r}")
@@ -125,6 +129,8 @@ class SeaweedS3(Service):
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="ftrain-s3-"))
         self.log_path = self.data_dir / "weed.log"
         self._extra_args = tuple(extra_args)
+        self.host = host
+        self._launcher = tuple(launcher)
         self._ports: dict[str, tuple[int, int]] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._created_sockets: list[Path] = []
@@ -142,7 +148,7 @@ class SeaweedS3(Service):
     def endpoint_url(self) -> str:
         if not self._ports:
             raise RuntimeError("SeaweedS3 has not been started: no ports yet")
-        return f"http://127.0.0.1:{self._ports['s3'][0]}"
+        return f"http://{self.host}:{self._ports['s3'][0]}"
 
     @property
     def access_key_id(self) -> str:
@@ -234,8 +240,8 @@ class SeaweedS3(Service):
             self._weed,
             "mini",
             f"-dir={self.data_dir}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
             "-master.telemetry=false",
             "-webdav=false",
             "-admin.ui=false",
@@ -254,7 +260,7 @@ class SeaweedS3(Service):
         """Launch ``weed mini`` (ports picked on the first start, then kept). Does not wait."""
         if self.running:
             raise RuntimeError(f"{self!r} is already running")
-        if not self._ports:
+        if not self._ports:  # picked free on loopback: the /tmp socket names hold them, across namespaces too
             self._ports = dict(zip(COMPONENTS, pick_port_pairs(len(COMPONENTS)), strict=True))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         grpc, local = self._socket_paths()
@@ -266,7 +272,7 @@ class SeaweedS3(Service):
         with open(self.log_path, "ab") as log_fh:
             self._started_at = time.monotonic()
             self._proc = subprocess.Popen(
-                self.command(),
+                [*self._launcher, *self.command()],
                 stdin=subprocess.DEVNULL,
                 stdout=log_fh,
                 stderr=subprocess.STDOUT,

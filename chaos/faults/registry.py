@@ -71,6 +71,12 @@ class Fault:
     kills_agent: bool = False
     #: the events that count as its detection
     detected_by: tuple[str, ...] = DETECTIONS
+    #: ``FTRAIN_FAULT_*`` variables it arms in every worker from the start (a fault that must act
+    #: inside a worker at a known point: see ``ftrain/faults.py``)
+    worker_env: Callable[[FaultSpec], dict[str, str]] | None = None
+    #: it cuts a node off the network for a while: that node must be back in a round formed
+    #: after the record's ``healed_at`` (``chaos.invariants.cut_off_nodes_rejoined``)
+    cuts_node: bool = False
 
     @property
     def restarts(self) -> bool:

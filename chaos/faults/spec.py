@@ -10,6 +10,7 @@ from typing import Any
 
 from chaos.cluster import Cluster
 from chaos.faults.registry import FAULTS, Fault
+from chaos.netns import NetnsCluster
 from chaos.s3proxy import S3FaultProxy
 from checkpoint.storage import Storage
 from contract import events as ev
@@ -52,14 +53,27 @@ class Context:
     """What faults act on."""
 
     cluster: Cluster
-    etcd: Any  #: testbed.etcd.EtcdServer
+    etcd: Any  #: testbed.etcd.EtcdServer (an EtcdCluster on network namespaces)
     s3: Any  #: testbed.seaweed.SeaweedS3
-    proxy: S3FaultProxy
+    proxy: S3FaultProxy | None  #: None where S3 is reached directly (network namespaces)
     storage: Storage  #: the job's checkpoint root
     rng: random.Random
     events: EventLog
     started_at: float
     stop: Callable[[], bool] = lambda: False  #: the run is over: stop waiting for triggers
+    net: NetnsCluster | None = None  #: the hosts' namespaces (None: everything on loopback)
+
+    def need_proxy(self, kind: str) -> S3FaultProxy:
+        """The S3 fault proxy; FaultError where S3 is not behind it."""
+        if self.proxy is None:
+            raise FaultError(f'{kind} needs the S3 fault proxy, which only network = "loopback" has')
+        return self.proxy
+
+    def need_net(self, kind: str) -> NetnsCluster:
+        """The hosts' namespaces; FaultError on loopback, where nothing can be cut."""
+        if self.net is None:
+            raise FaultError(f'{kind} cuts the network between hosts: the scenario needs network = "netns"')
+        return self.net
 
     def emit(self, kind: str, **detail: Any) -> dict[str, Any]:
         """Record the fault as a ``chaos_fault`` event (the time it acted, the kind, details)."""

@@ -4,6 +4,7 @@ and signals to processes that may already be gone."""
 from __future__ import annotations
 
 import os
+import signal
 
 from chaos.faults.spec import Context, FaultError
 from contract.events import Event
@@ -58,3 +59,17 @@ def send_signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP): state T in ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def continue_process(pid: int) -> None:
+    """SIGCONT ``pid`` if it is still there."""
+    send_signal(pid, signal.SIGCONT)

@@ -28,8 +28,9 @@ def outage(
 
 def with_slow_storage(ctx: Context, latency_s: float, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run ``action`` with every S3 request delayed by ``latency_s``; the proxy is clean after."""
-    ctx.proxy.set_faults(FaultRates(latency=1.0, latency_s=latency_s))
+    proxy = ctx.need_proxy("a fault that slows storage down")
+    proxy.set_faults(FaultRates(latency=1.0, latency_s=latency_s))
     try:
         return action()
     finally:
-        ctx.proxy.set_faults(None)
+        proxy.set_faults(None)

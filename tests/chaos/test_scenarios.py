@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from chaos.faults import KINDS
+from chaos.netns import unavailable_reason
 from chaos.runner import print_summary, run_scenario
 from chaos.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "chaos" / "scenarios"
-MATRIX = ("processes.toml", "storage.toml")
+MATRIX = ("processes.toml", "storage.toml", "partitions.toml")
 
 
 def test_the_matrix_covers_every_fault_kind():
@@ -24,6 +25,8 @@ def test_the_matrix_covers_every_fault_kind():
 @pytest.mark.parametrize("name", MATRIX)
 def test_scenario_keeps_every_invariant(name, tmp_path, golden_cache):
     scenario = load_scenario(SCENARIOS / name)
+    if scenario.job.network == "netns" and unavailable_reason() is not None:
+        pytest.skip(f"network namespaces: {unavailable_reason()}")
     result = run_scenario(scenario, seed=1, out_dir=tmp_path / "run", cache_dir=golden_cache)
     print_summary(result)
     assert result.ok, f"invariants failed: {result.failed}; report {result.out_dir / 'report.html'}"
@@ -34,6 +37,9 @@ def test_scenario_keeps_every_invariant(name, tmp_path, golden_cache):
         "loads_were_committed_and_intact",
         "samples_consumed_exactly_once",
         "faults_handled",
+        "one_round_trains_at_a_time",
+        "no_commit_from_a_stale_round",
+        "cut_off_nodes_rejoined",
     }
     kinds = [f["kind"] for f in result.report["faults"]]
     assert sorted(set(kinds)) == sorted({f.kind for f in scenario.faults})

@@ -20,10 +20,10 @@ import torch
 
 from agents.records import JobKeys
 from chaos.cluster import Cluster
+from chaos.faults.targets import continue_process, is_stopped
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from ftrain.fence import EtcdRoundFence
-from ftrain.heartbeat import process_gone
 from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from testbed.wait import wait_for
 
@@ -31,20 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 
 STEPS, PAUSED_STEP = 120, 40
 DETERMINISTIC = "--parallel.deterministic=true"
-
-
-def _stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped (SIGSTOP): state T in /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def _continue(pid: int) -> None:
-    if not process_gone(pid):
-        os.kill(pid, signal.SIGCONT)
 
 
 def test_a_worker_frozen_between_its_fence_check_and_its_put_cannot_commit(tmp_path, etcd):
@@ -67,7 +53,7 @@ def test_a_worker_frozen_between_its_fence_check_and_its_put_cannot_commit(tmp_p
         job.start("b", nnodes="1:2", env=pause)
         wait_for(lambda: len(job.events("worker_started", round=1)) == 2, 90, "round 1")
         zombie = next(e for e in job.events("worker_started", round=1) if e["rank"] == 0)
-        wait_for(lambda: _stopped(zombie["pid"]), 90, f"rank 0 to stop in the commit of step {PAUSED_STEP}")
+        wait_for(lambda: is_stopped(zombie["pid"]), 90, f"rank 0 to stop in the commit of step {PAUSED_STEP}")
         agent = job.agents[zombie["node"]].pid
         os.kill(agent, signal.SIGSTOP)  # the frozen host: nothing there kills the worker
         frozen += [zombie["pid"], agent]
@@ -76,7 +62,7 @@ def test_a_worker_frozen_between_its_fence_check_and_its_put_cannot_commit(tmp_p
         round2 = wait_for(lambda: job.events("round_formed", new_round=2), 30, "round 2 without the frozen node")[0]
         assert round2["members"] == [survivor], round2
         wait_for(lambda: job.events("live_restored", round=2), 30, "round 2's worker to go on")
-        _continue(zombie["pid"])  # the zombie wakes up, past its fence check, and stores its manifest
+        continue_process(zombie["pid"])  # the zombie wakes up, past its fence check, and stores its manifest
         # its fence refuses the commit record (said in its log: its training thread, blocked on
         # the dead round's group, may never report the failed save)
         log = tmp_path / zombie["node"] / "workers.log"
@@ -90,7 +76,7 @@ def test_a_worker_frozen_between_its_fence_check_and_its_put_cannot_commit(tmp_p
         assert PAUSED_STEP not in recorded, recorded
         judged = list_steps(Storage(str(tmp_path / "ckpt")), job=job.job, recorded=recorded)
         assert next(s for s in judged if s.step == PAUSED_STEP).state == "uncommitted"
-        _continue(agent)
+        continue_process(agent)
         frozen.clear()
 
         assert job.wait_exit(survivor, timeout_s=180) == 0, job.log_tail()
@@ -105,5 +91,5 @@ def test_a_worker_frozen_between_its_fence_check_and_its_put_cannot_commit(tmp_p
         assert max_abs_diff(optimizer_tensors(final["optim"]), optimizer_tensors(golden["optim"])) == 0.0
     finally:
         for pid in frozen:
-            _continue(pid)
+            continue_process(pid)
         job.close()

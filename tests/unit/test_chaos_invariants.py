@@ -3,7 +3,14 @@ round goes on from a step older than the newest commit before it."""
 
 from __future__ import annotations
 
-from chaos.invariants import loads_were_committed, resumed_from_the_newest_commit
+from chaos.invariants import (
+    cut_off_nodes_rejoined,
+    faults_handled,
+    loads_were_committed,
+    no_commit_from_a_stale_round,
+    one_round_at_a_time,
+    resumed_from_the_newest_commit,
+)
 
 
 def _ev(event: str, t: float, **fields):
@@ -87,3 +94,39 @@ def test_going_back_past_a_damaged_or_refused_commit_passes():
     commits = {(200, 100.0): 100.5, (250, 120.0): 120.5, (300, 150.0): 150.5}
     check = resumed_from_the_newest_commit(events, commits)
     assert check.ok, check.detail
+
+
+def _step(step: int, t: float, round_: int) -> dict:
+    return {"step": step, "time": t, "round": round_}
+
+
+def test_two_rounds_training_at_once_and_a_stale_commit_are_caught():
+    # round 2 formed without the partitioned node, which went on training (and committing) alone
+    metrics = [_step(10, 1.0, 1), _step(11, 2.0, 2), _step(11, 2.5, 1), _step(12, 3.0, 2)]
+    events = [_ev("ckpt_committed", 1.5, step=10, round=1), _ev("ckpt_committed", 2.6, step=11, round=1)]
+    split = one_round_at_a_time(metrics)
+    assert not split.ok and "round 1 completed step 11" in split.detail
+    stale = no_commit_from_a_stale_round(events, metrics)
+    assert not stale.ok and "round 1 committed step 11 after round 2 trained" in stale.detail
+    healthy = [m for m in metrics if not (m["round"] == 1 and m["step"] == 11)]
+    assert one_round_at_a_time(healthy).ok
+    assert no_commit_from_a_stale_round(events[:1], healthy).ok
+
+
+def test_a_cut_off_node_must_be_back_in_a_later_round_unless_it_never_left():
+    cut = _ev("chaos_fault", 10.0, kind="partition", node="b", rank=-2)
+    back = _ev("chaos_node_back", 16.0, node="b", rank=-2)
+    left = _ev("round_formed", 12.0, new_round=2, members=["a"], rank=-1)
+    rejoined = _ev("round_formed", 18.0, new_round=3, members=["a", "b"], rank=-1)
+    assert cut_off_nodes_rejoined([cut, left, back, rejoined]).ok
+    check = cut_off_nodes_rejoined([cut, left, back])
+    assert not check.ok and "not in any round formed after the heal" in check.detail
+    assert cut_off_nodes_rejoined([cut, back]).ok  # ridden out with the node in: nothing to rejoin
+    assert not cut_off_nodes_rejoined([cut, left]).ok  # never healed
+
+
+def test_a_lasting_fault_says_at_its_end_whether_it_was_refused():
+    started = _ev("chaos_fault", 10.0, kind="pause_between_fence_and_commit", node="a", rank=-2)
+    done = _ev("chaos_fault_done", 20.0, kind="pause_between_fence_and_commit", refused=True, rank=-2)
+    assert faults_handled([started, done]).ok
+    assert not faults_handled([started]).ok

@@ -31,7 +31,7 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     if restart_after_s is not None:
         # the host comes back once the job has seen it gone (its lease expired: a node id whose
         # lease is alive is refused), plus restart_after_s
-        with EtcdClient([ctx.cluster.etcd], timeout_s=2.0, retry_timeout_s=10.0) as client:
+        with EtcdClient(ctx.cluster.etcd_endpoints, timeout_s=2.0, retry_timeout_s=10.0) as client:
             key = JobKeys(ctx.cluster.job).node(node)
             wait_for(lambda: ctx.stop() or client.get(key) is None, 60, f"node {node}'s lease to expire", poll_s=0.1)
         time.sleep(float(restart_after_s))

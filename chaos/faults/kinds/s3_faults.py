@@ -23,15 +23,16 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
         truncate=float(spec.params.get("truncate", 0.05)),
         latency_s=float(spec.params.get("latency_s", 0.3)),
     )
-    before = dict(ctx.proxy.injected)
-    ctx.proxy.set_faults(rates)
+    proxy = ctx.need_proxy(spec.kind)
+    before = dict(proxy.injected)
+    proxy.set_faults(rates)
     record = ctx.emit(spec.kind, duration_s=duration_s, rates=str(rates), step=ctx.cluster.step())
     try:
         time.sleep(duration_s)
     finally:
-        ctx.proxy.set_faults(None)
-    record["injected"] = {k: v - before[k] for k, v in ctx.proxy.injected.items()}
-    ctx.events.emit(ev.ChaosFaultDone(kind=spec.kind, injected=record["injected"]))
+        proxy.set_faults(None)
+    record["injected"] = {k: v - before[k] for k, v in proxy.injected.items()}
+    ctx.events.emit(ev.ChaosFaultDone(kind=spec.kind, detail={"injected": record["injected"]}))
     return record
 
 

@@ -32,7 +32,10 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
         if not a.startswith(("--logging.", "--data.ledger_dir", "--train.save_final_path"))
     ]
     old_round = WorkerEnv(
-        job=ctx.cluster.job, round=g - 1, etcd=(ctx.cluster.etcd,), fence_key=JobKeys(ctx.cluster.job).round
+        job=ctx.cluster.job,
+        round=g - 1,
+        etcd=tuple(ctx.cluster.etcd_endpoints),
+        fence_key=JobKeys(ctx.cluster.job).round,
     )
     env = quiet_env(**ctx.cluster.env, **old_round.to_env(), FTRAIN_LOG_LEVEL="WARNING")
     out = _run_zombie(args, zombie_events, env)

@@ -1,0 +1,54 @@
+"""Network faults that hold for a while and heal on their own: a cut made, held until
+``duration_s`` passed or the job reached ``heal_at_step`` (whichever the spec asks; a step that
+never comes heals at ``max_s``), then undone — healing never needs a human. The heal is recorded
+as ``chaos_node_back`` for the node the cut was about, so the invariants can tell when that node
+had to be back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from chaos.faults.spec import Context, FaultSpec
+from chaos.faults.targets import pick_node
+from contract import events as ev
+from testbed.wait import WaitTimeout, wait_for
+
+
+def held(
+    ctx: Context,
+    spec: FaultSpec,
+    node: str,
+    cut: Callable[[], None],
+    heal: Callable[[], None],
+    *,
+    default_s: float,
+    **detail: Any,
+) -> dict[str, Any]:
+    """Apply ``cut``, record the fault, hold it, then ``heal`` (also if the wait is interrupted)."""
+    heal_at_step = spec.params.get("heal_at_step")
+    duration_s = float(spec.params.get("duration_s", default_s))
+    max_s = float(spec.params.get("max_s", 120.0))
+    cut()
+    began = time.monotonic()
+    record = ctx.emit(spec.kind, node=node, step=ctx.cluster.step(), duration_s=duration_s, **detail)
+    try:
+        if heal_at_step is None:
+            until = lambda: time.monotonic() - began >= duration_s  # noqa: E731
+        else:
+            until = lambda: ctx.cluster.step() >= int(heal_at_step)  # noqa: E731
+        try:
+            wait_for(lambda: ctx.stop() or until(), max_s if heal_at_step is not None else duration_s + 5, "the heal")
+        except WaitTimeout:
+            pass  # heal_at_step never came (the cut may be what stops training): heal now
+    finally:
+        heal()
+        ctx.events.emit(ev.ChaosNodeBack(node=node))
+    record["held_s"] = round(time.monotonic() - began, 3)
+    return record
+
+
+def target(ctx: Context, spec: FaultSpec) -> str:
+    """The node a network fault is about (``node``, or a seeded choice among running nodes)."""
+    return pick_node(ctx, spec.node)
