@@ -5,7 +5,7 @@ then freezes that node's agent too (a frozen host: nothing there kills the worke
 the others formed a newer round without it and completed a step in it, and continues the
 worker: it stores its manifest, and its commit record must be refused (the etcd transaction
 checks the round). The record's ``refused`` says whether it was: the refusal is in the worker's
-log and etcd holds no record of that step from the old round. The agent is continued last, and
+log, the zombie's manifest of that step is on storage, and etcd holds no commit record of it. The agent is continued last, and
 its node rejoins without a human."""
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
         recorded = fence.recorded() or {}
         stored = next((s for s in list_steps(ctx.storage, job=cluster.job) if s.step == save_step), None)
         zombie_manifest = stored is not None and stored.manifest is not None and stored.manifest.round == round_
-        refused = newer is not True and (save_step not in recorded or not zombie_manifest)
+        # the window was hit (the zombie stored its manifest after the newer round trained) and
+        # its commit record was refused: what a reader trusts says the step is not committed
+        refused = newer is not True and zombie_manifest and save_step not in recorded
         why = f"stored manifest of round {round_}: {zombie_manifest}; recorded steps {sorted(recorded)}"
     except WaitTimeout as e:
         why = str(e)
