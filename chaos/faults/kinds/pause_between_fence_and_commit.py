@@ -5,8 +5,8 @@ then freezes that node's agent too (a frozen host: nothing there kills the worke
 the others formed a newer round without it and completed a step in it, and continues the
 worker: it stores its manifest, and its commit record must be refused (the etcd transaction
 checks the round). The record's ``refused`` says whether it was: the refusal is in the worker's
-log, the zombie's manifest of that step is on storage, and etcd holds no commit record of it. The agent is continued last, and
-its node rejoins without a human."""
+log, the zombie's manifest of that step is on storage, and etcd holds no commit record of it.
+The agent is continued last, and its node rejoins without a human."""
 
 from __future__ import annotations
 
