@@ -49,6 +49,22 @@ def held(
     return record
 
 
+def cut_off_from(ctx: Context, spec: FaultSpec, node: str, others: list[str], *, default_s: float) -> dict[str, Any]:
+    """:func:`held` for silent cuts of ``node`` from each of ``others`` (each drops what it
+    would send to ``node``: the node's packets arrive and are never answered)."""
+    net = ctx.need_net(spec.kind)
+
+    def cut() -> None:
+        for other in others:
+            net.cut(node, other)
+
+    def heal() -> None:
+        for other in others:
+            net.heal(node, other)
+
+    return held(ctx, spec, node, cut, heal, default_s=default_s, cut_from=others)
+
+
 def target(ctx: Context, spec: FaultSpec) -> str:
     """The node a network fault is about (``node``, or a seeded choice among running nodes)."""
     return pick_node(ctx, spec.node)

@@ -8,25 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.faults.cuts import held, target
+from chaos.faults.cuts import cut_off_from, target
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.hosts import ETCD_HOSTS
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
-    net = ctx.need_net(spec.kind)
-    node = target(ctx, spec)
-
-    def cut() -> None:
-        for member in ETCD_HOSTS:
-            net.cut(node, member)
-
-    def heal() -> None:
-        for member in ETCD_HOSTS:
-            net.heal(node, member)
-
-    return held(ctx, spec, node, cut, heal, default_s=6.0, cut_from=list(ETCD_HOSTS))
+    ctx.need_net(spec.kind)
+    return cut_off_from(ctx, spec, target(ctx, spec), list(ETCD_HOSTS), default_s=6.0)
 
 
 FAULT = FAULTS.register(Fault(kind="partition_from_etcd", act=_act, outcome=Outcome.NEW_ROUND, cuts_node=True))

@@ -11,25 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.faults.cuts import held, target
+from chaos.faults.cuts import cut_off_from, target
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
-    net = ctx.need_net(spec.kind)
+    ctx.need_net(spec.kind)
     node = target(ctx, spec)
     peers = sorted(n for n in ctx.cluster.agents if n != node)
-
-    def cut() -> None:
-        for peer in peers:
-            net.cut(node, peer)
-
-    def heal() -> None:
-        for peer in peers:
-            net.heal(node, peer)
-
-    return held(ctx, spec, node, cut, heal, default_s=6.0, cut_from=peers)
+    return cut_off_from(ctx, spec, node, peers, default_s=6.0)
 
 
 FAULT = FAULTS.register(Fault(kind="partition_from_peers", act=_act, outcome=Outcome.RIDDEN_OUT, cuts_node=True))
