@@ -537,10 +537,9 @@ def parse(line: dict[str, Any]) -> Record | None:
         cls = RECORDS[Event(str(line.get("event")))]
     except (ValueError, KeyError):
         return None
-    if cls is ChaosFault:
-        return ChaosFault(
-            kind=str(line.get("kind", "")), detail={k: v for k, v in line.items() if k not in (*ENVELOPE, "kind")}
-        )
+    if cls in (ChaosFault, ChaosFaultDone):  # their detail is written flat beside the kind
+        detail = {k: v for k, v in line.items() if k not in (*ENVELOPE, "kind")}
+        return cls(kind=str(line.get("kind", "")), detail=detail)
     names = {f.name for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in line.items() if k in names})
