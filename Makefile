@@ -26,7 +26,7 @@ demo: setup
 	$(RUN_ENV) $(PY) scripts/demo.py
 
 test: setup lint
-	$(RUN_ENV) $(PY) -m pytest -q
+	$(RUN_ENV) $(PY) -m pytest -q --durations=30
 
 # ruff (lint and format) and mypy over the whole tree; `make format` applies ruff's fixes
 lint: setup
@@ -62,6 +62,7 @@ plan: setup
 
 docs: setup
 	$(PY) scripts/update_readme_reference.py README.md
+	$(PY) scripts/render_examples.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.config import agent_flags
+from agents.launch import agent_command
 from contract.events import Event, read_jsonl
 from testbed.procs import REPO, kill_tree, quiet_env
 from testbed.wait import WaitTimeout, wait_for
@@ -89,30 +90,11 @@ class Cluster:
         old = self.agents.get(node_id)
         if old is not None:
             self._retired.append(old)
-        node = agent_flags(
-            {
-                "etcd": self.etcd,
-                "job": self.job,
-                "nnodes": nnodes,
-                "nproc_per_node": nproc,
-                "node_id": node_id,
-                "run_dir": str(self.workdir / node_id),
-                **({"host": host} if host else {}),
-            }
-        )
         cmd = [
             *launcher,
             sys.executable,
             "-m",
-            "ftrain",
-            "agent",
-            *node,
-            "--events",
-            str(self.events_path),
-            *self.agent_options,
-            *agent_args,
-            "--",
-            *self.worker_args,
+            *self.command(node_id, *agent_args, nnodes=nnodes, nproc=nproc, host=host),
         ]
         with open(self.workdir / f"agent-{node_id}.log", "ab") as log:
             proc = subprocess.Popen(
@@ -125,6 +107,22 @@ class Cluster:
             )
         self.agents[node_id] = proc
         return proc
+
+    def command(self, node_id: str, *agent_args: str, nnodes: str = "1:2", nproc: int = 1, host: str = "") -> list[str]:
+        """The ``ftrain agent`` command line of ``node_id`` (:func:`agents.launch.agent_command`):
+        the node's keys, then the events file, :attr:`agent_options` and ``agent_args``."""
+        node = {
+            "etcd": self.etcd,
+            "job": self.job,
+            "nnodes": nnodes,
+            "nproc_per_node": nproc,
+            "node_id": node_id,
+            "run_dir": str(self.workdir / node_id),
+            "host": host or "127.0.0.1",
+        }
+        config, *overrides = self.worker_args
+        options = ["--events", str(self.events_path), *self.agent_options, *agent_args]
+        return agent_command(node, config, options=options, overrides=overrides)
 
     def restart(self, node_id: str) -> subprocess.Popen:
         """Start ``node_id``'s agent again with the options it was first started with."""
