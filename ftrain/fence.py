@@ -62,6 +62,10 @@ from contract.worker_env import ETCD_CLIENT_FILE, WorkerEnv
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 3.0
+#: With more than one endpoint, the first pass gives each this long: a member cut off from the
+#: quorum (or from us) holds a request until it times out, and a healthy one answers in
+#: milliseconds; a second pass with the full timeout follows for a cluster that is just slow.
+FAILOVER_TIMEOUT_S = 1.0
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 #: commit records read at most (a job keeps a few steps; retention forgets the others' records)
 MAX_RECORDS = 100_000
@@ -173,6 +177,7 @@ class EtcdRoundFence:
         self._settings = settings
         self._ssl: ssl.SSLContext | None = None
         self._token: str | None = None
+        self._answering = self.endpoints[0]  #: the endpoint that answered last: asked first
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -202,14 +207,16 @@ class EtcdRoundFence:
         return self._ssl
 
     # -- requests -------------------------------------------------------------------------
-    def _post(self, endpoint: str, path: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
+    def _post(
+        self, endpoint: str, path: str, body: dict[str, Any], token: str | None, timeout_s: float
+    ) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = token
         request = urllib.request.Request(f"{endpoint}{path}", data=json.dumps(body).encode(), headers=headers)
         context = self._context() if endpoint.startswith("https://") else None
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s, context=context) as reply:
+            with urllib.request.urlopen(request, timeout=timeout_s, context=context) as reply:
                 answer = json.load(reply)
         except urllib.error.HTTPError as e:
             raw = e.read()
@@ -226,12 +233,14 @@ class EtcdRoundFence:
             raise _Rejected(int(err.get("http_code") or 500), err.get("grpc_code"), str(err.get("message")))
         return answer
 
-    def _authenticate(self, endpoint: str) -> str | None:
+    def _authenticate(self, endpoint: str, timeout_s: float) -> str | None:
         s = self.settings()
         if s.username is None:
             return None
         try:
-            answer = self._post(endpoint, "/v3/auth/authenticate", {"name": s.username, "password": s.password}, None)
+            answer = self._post(
+                endpoint, "/v3/auth/authenticate", {"name": s.username, "password": s.password}, None, timeout_s
+            )
         except _Rejected as e:
             raise FenceAuthError(
                 f"etcd authentication as {s.username!r} failed at {endpoint} ({e.message}): "
@@ -242,11 +251,11 @@ class EtcdRoundFence:
             raise FenceAuthError(f"etcd authentication at {endpoint} gave no token: commit refused")
         return token
 
-    def _call(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, endpoint: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         if self._token is None:
-            self._token = self._authenticate(endpoint)
+            self._token = self._authenticate(endpoint, timeout_s)
         try:
-            return self._post(endpoint, path, body, self._token)
+            return self._post(endpoint, path, body, self._token, timeout_s)
         except _Rejected as e:
             if not e.auth:
                 raise
@@ -256,9 +265,9 @@ class EtcdRoundFence:
                     f"etcd authentication refused the fence's transaction ({who}) at "
                     f"{endpoint}: {e.message}; commit refused"
                 ) from e
-        self._token = self._authenticate(endpoint)  # expired or invalid: once more with a fresh token
+        self._token = self._authenticate(endpoint, timeout_s)  # expired or invalid: once more, a fresh token
         try:
-            return self._post(endpoint, path, body, self._token)
+            return self._post(endpoint, path, body, self._token, timeout_s)
         except _Rejected as e:
             if e.auth:
                 raise FenceAuthError(
@@ -269,11 +278,17 @@ class EtcdRoundFence:
 
     def _request(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
         """The first answer of any endpoint, or None and why each failed; TLS and credential
-        failures raise (FenceConfigError, FenceAuthError): another endpoint would not fix them."""
+        failures raise (FenceConfigError, FenceAuthError): another endpoint would not fix them.
+        The endpoint that answered last is asked first; with several, a short first pass
+        (:data:`FAILOVER_TIMEOUT_S` each) moves on from a member that holds requests."""
         errors: list[str] = []
-        for endpoint in self.endpoints:
+        order = [self._answering, *(e for e in self.endpoints if e != self._answering)]
+        passes = [min(FAILOVER_TIMEOUT_S, self.timeout_s), self.timeout_s] if len(order) > 1 else [self.timeout_s]
+        for endpoint, timeout_s in ((e, t) for t in passes for e in order):
             try:
-                return self._call(endpoint, path, body), errors
+                answer = self._call(endpoint, path, body, timeout_s)
+                self._answering = endpoint
+                return answer, errors
             except ssl.SSLError as e:
                 raise FenceConfigError(f"TLS with etcd at {endpoint} failed: {e}; commit refused") from e
             except urllib.error.URLError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -193,6 +194,29 @@ def test_a_second_agent_with_a_live_node_id_is_refused(job):
     assert dup.returncode == 2
     assert "node id 'a' is already registered" in dup.stderr
     assert job.agents["a"].poll() is None, "the first agent must be unaffected"
+
+
+def test_the_fence_moves_on_from_a_member_that_holds_requests_and_asks_the_answering_one_first(etcd, client):
+    """A member cut off from the quorum takes requests and never answers: the fence gives it the
+    short failover timeout, not the full one, and the next check goes to the member that answered."""
+    keys = JobKeys("failover")
+    client.put(keys.round, "4")
+    asked: list[str] = []
+
+    class CountingFence(EtcdRoundFence):
+        def _post(self, endpoint, path, body, token, timeout_s):
+            asked.append(endpoint)
+            return super()._post(endpoint, path, body, token, timeout_s)
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts: requests hang
+        holding = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        fence = CountingFence([holding, etcd.endpoint], keys.round, timeout_s=30.0)
+        started = time.monotonic()
+        fence.check(4)
+        assert time.monotonic() - started < 30.0, "the first pass must not wait the full timeout"
+        assert asked == [holding, etcd.endpoint]
+        fence.check(4)
+        assert asked[2:] == [etcd.endpoint]
 
 
 @pytest.mark.parametrize("stale_round", ["1", "0"])  # 0: a round that was never current (chaos's zombie in round 1)

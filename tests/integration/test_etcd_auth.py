@@ -99,9 +99,9 @@ class CountingFence(EtcdRoundFence):
 
     authentications = 0
 
-    def _authenticate(self, endpoint: str) -> str | None:
+    def _authenticate(self, endpoint: str, timeout_s: float) -> str | None:
         self.authentications += 1
-        return super()._authenticate(endpoint)
+        return super()._authenticate(endpoint, timeout_s)
 
 
 def test_fence_gets_a_new_token_once_etcd_rejects_its_token(auth_etcd: EtcdServer) -> None:
