@@ -82,6 +82,11 @@ def abort_distributed(keep_ports: Iterable[int] = ()) -> None:
             log.debug("abort of the process groups: %s", e)
         if dist.is_initialized():
             dist.destroy_process_group()
+    # torch names the default group after a per-process counter that every init_process_group
+    # bumps and only a completed destroy resets: after an init that was interrupted (a round
+    # ended during its rendezvous) it would name the next round's group "1/" while a fresh
+    # spare's is "0/", and their gloo rendezvous would wait on different keys until the timeout.
+    dist.distributed_c10d._world.group_count = 0  # noqa: SLF001 - no group is left to collide with
     severed = sever_connections(set(keep_ports))
     log.debug("left the process groups; shut down %d connection(s)", severed)
 
