@@ -5,7 +5,6 @@ less what only the tests add (the shared events file, fast timeouts, the metrics
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -18,19 +17,13 @@ from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from contract.config import ConfigError
 from testbed.jobs import TINY_CONFIG
 from testbed.procs import REPO
+from tests.script_support import load_script
 
 TEST_ONLY_OPTIONS = {"--events", *FAST_AGENT_OPTIONS[::2]}
 
 
-def _renderer():
-    spec = importlib.util.spec_from_file_location("render_examples", REPO / "scripts" / "render_examples.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_examples_are_the_generated_ones():
-    assert _renderer().main(["--check"]) == 0, "examples are stale: run `make docs`"
+    assert load_script("render_examples").main(["--check"]) == 0, "examples are stale: run `make docs`"
 
 
 def _slurm_command() -> list[str]:

@@ -3,21 +3,13 @@ commands are the ones CI and users run."""
 
 from __future__ import annotations
 
-import importlib.util
-
 from testbed.procs import REPO
-
-
-def _updater():
-    spec = importlib.util.spec_from_file_location("update_readme", REPO / "scripts" / "update_readme_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_support import load_script
 
 
 def test_readme_config_reference_is_current():
     readme = (REPO / "README.md").read_text()
-    assert _updater().render(readme) == readme, "README reference is stale: run `make docs`"
+    assert load_script("update_readme_reference").render(readme) == readme, "README reference is stale: run `make docs`"
 
 
 def test_readme_commands_exist_and_ci_runs_the_test_command():
