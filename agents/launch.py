@@ -1,7 +1,7 @@
 """The command line that starts one node's agent, written once.
 
 The chaos cluster (and with it every test on network namespaces) and the deployment examples
-(``examples/render.py`` writes ``examples/slurm/`` and ``examples/kubernetes/``) all build it
+(``scripts/render_examples.py`` writes ``examples/slurm/`` and ``examples/kubernetes/``) all build it
 here, so that what the tests run is what a cluster runs. A node's command line sets the keys of
 :data:`NODE_KEYS`; every other ``[agent]`` setting comes from the job's config file or from
 ``options`` (the tests' faster timeouts). Standard library only.

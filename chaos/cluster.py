@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.config import agent_flags
+from agents.config import AgentConfig, agent_flags
 from agents.launch import agent_command
 from contract.events import Event, read_jsonl
 from testbed.procs import REPO, kill_tree, quiet_env
@@ -118,7 +118,7 @@ class Cluster:
             "nproc_per_node": nproc,
             "node_id": node_id,
             "run_dir": str(self.workdir / node_id),
-            "host": host or "127.0.0.1",
+            "host": host or AgentConfig().host,  # the agents' default: loopback
         }
         config, *overrides = self.worker_args
         options = ["--events", str(self.events_path), *self.agent_options, *agent_args]
