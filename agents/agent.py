@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents import flight
 from agents.config import AgentConfig
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
 from agents.etcd import Compare, Op
@@ -213,6 +214,7 @@ class Agent:
         self._held_why = ""  #: why the follower last held (logged once per reason)
         self._ckpt_failures_seen = 0  #: failed commits in a row the workers last reported
         self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
+        self.hang_verdict = ""  #: the newest hang's verdict from the flight records (shown by ftrain status)
         self.session: LeaseSession | None = None
         self.workers: Workers | None = None
         self.finished_rounds: set[int] = set()  #: rounds whose workers ran and ended here
@@ -833,8 +835,17 @@ class Agent:
         self._ckpt_error = error if failures else ""
 
     def _dump(self, workers: Workers, why: str, local_ranks: list[int] | None = None) -> None:
-        """Every worker's Python stack into the event log (and this agent's log)."""
-        log.error("round %d: %s: dumping the stacks of the workers", workers.round, why)
+        """Every worker's flight record and Python stack into the event log (and this agent's
+        log), with the verdict the records give. The records first: dumping the stacks
+        continues a stopped worker."""
+        log.error("round %d: %s: dumping the flight records and stacks of the workers", workers.round, why)
+        beats = self.heartbeats.beats()
+        silent = frozen_ranks(beats, list(beats), now=self.clock.monotonic())
+        evidence = flight.hang_evidence(
+            {b.pid: b.rank for b in beats.values() if b.rank >= 0},
+            self.stack_dir,
+            silent=[beats[r].rank for r in silent if r in beats],
+        )
         stacks = workers.dump_stacks(self.stack_dir)
         self.events.emit(
             ev.Hang(
@@ -843,8 +854,14 @@ class Agent:
                 why=why,
                 local_ranks=local_ranks or [],
                 stacks={str(pid): text for pid, text in stacks.items()},
+                flight={str(rank): record.to_dict() for rank, record in evidence.records.items()},
+                missing={str(rank): reason for rank, reason in evidence.missing.items()},
+                frozen=evidence.frozen,
+                verdict=evidence.verdict.line,
             )
         )
+        self.hang_verdict = f"round {workers.round}: {evidence.verdict.line}"
+        log.error("round %d: flight records: %s", workers.round, evidence.verdict.line)
         for pid, text in stacks.items():
             log.error("stack of worker %d:\n%s", pid, text)
 
@@ -897,6 +914,7 @@ class Agent:
             ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
             ckpt_failures_total=self.metrics.ckpt_failures_total(),
             ckpt_error=self._ckpt_error[:300],
+            hang_verdict=self.hang_verdict[:500],
             recovery=self.cfg.recovery,
             workers_ready=self.pool.ready() if self.pool is not None else 0,
             workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,

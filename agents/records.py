@@ -305,6 +305,7 @@ class NodeStatus:
     workers_kept: int = 0  #: worker processes of this round that served the previous one (live)
     workers_new: int = 0  #: worker processes new to this round (started, or spares taken)
     workers_ready: int = 0  #: live recovery: warm worker processes on this node, serving or spare
+    hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
 
     def to_json(self) -> str:
         return _dumps(self)

@@ -46,6 +46,7 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "recovery": status.recovery if status else "",
                 "workers_kept": status.workers_kept if status else 0,
                 "workers_new": status.workers_new if status else 0,
+                "hang_verdict": status.hang_verdict if status else "",
             }
         )
     committed = max(
@@ -133,6 +134,10 @@ def format_status(s: dict[str, Any]) -> str:
             f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
             for n in failing
         ]
+    hangs = [n for n in s["nodes"] if n.get("hang_verdict")]
+    if hangs:
+        lines.append("")
+        lines += [f"last hang seen by {n['node']}, {n['hang_verdict']}" for n in hangs]
     if s.get("problems"):
         lines.append("")
         lines += [f"warning: {p} (skipped)" for p in s["problems"]]

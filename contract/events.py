@@ -43,6 +43,7 @@ class Event(StrEnum):
     MEMORY_SNAPSHOT = "memory_snapshot"  #: a rank's shards (and its buddy's) are in the memory tier
     MEMORY_REFUSED = "memory_refused"  #: the memory tier could not give a round its state: storage instead
     MEMORY_RESTORED = "memory_restored"  #: restarted workers resumed from the memory tier kept in checkpoint.memory_dir
+    FLIGHT_RECORDED = "flight_recorded"  #: a failing worker's own flight record (its last collectives)
     # the checkpoint service (in the workers)
     CKPT_STAGED = "ckpt_staged"
     CKPT_SKIPPED = "ckpt_skipped"
@@ -473,6 +474,21 @@ class Hang(Record):
     why: str
     local_ranks: list[int]
     stacks: dict[str, str]  #: pid -> Python stacks of its threads
+    #: global rank -> its flight record (contract.flight.FlightRecord, newest collectives of each group)
+    flight: dict[str, Any] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)  #: global rank -> why it gave no flight record
+    frozen: list[int] = field(default_factory=list)  #: global ranks stopped or silent (no "alive" datagram)
+    verdict: str = ""  #: who is at fault, in one line (agents.flight_verdict), from this node's records
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class FlightRecorded(Record):
+    """A worker's own flight record, written as it fails (its agent can no longer ask it)."""
+
+    EVENT = Event.FLIGHT_RECORDED
+    record: dict[str, Any]  #: contract.flight.FlightRecord
+    why: str
 
 
 @_record

@@ -227,9 +227,15 @@ class LoggingConfig:
         "JSON lines file of lifecycle events (ckpt_staged, ckpt_committed, ckpt_corrupt, resumed, ...) "
         "appended by every rank (empty: off).",
     )
+    flight_recorder_entries: int = opt(
+        2000,
+        "Collectives each rank keeps in torch's flight recorder (gloo and NCCL), which the agents collect on "
+        "a hang and `ftrain analyze` reads to name the culprit (0: off; TORCH_FR_BUFFER_SIZE, if set, wins).",
+    )
 
     def __post_init__(self) -> None:
         positive("logging.log_every", self.log_every)
+        at_least("logging.flight_recorder_entries", self.flight_recorder_entries, 0)
 
 
 @dataclass(kw_only=True, slots=True)

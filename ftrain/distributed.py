@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ftrain import flight_recorder
 from ftrain.config import ConfigError, ParallelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> tuple[in
     timeout = timedelta(seconds=parallel.timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    flight_recorder.new_world()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

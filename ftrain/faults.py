@@ -11,6 +11,11 @@ process; unset, every hook is a no-op.
   last collective before the optimizer update (the all-gather of the losses) and sends itself
   SIGKILL while it is in flight: its peers may or may not complete that collective, and so may or
   may not apply the update (live recovery must resolve either without mixing steps).
+- ``FTRAIN_FAULT_SIGSTOP_IN_COLLECTIVE="STEP:RANK"``: the same, with SIGSTOP: a rank frozen inside
+  a collective (a hang its flight record and its peers' must pin on it).
+- ``FTRAIN_FAULT_SKIP_COLLECTIVE="STEP:RANK"``: at step STEP, rank RANK skips the all-gather of the
+  losses (taking its own for everyone's): its next collective pairs with the one its peers wait in
+  (a desync; gloo hangs on the mismatched ops).
 - ``FTRAIN_FAULT_NAN="STEP:RANK"``: rank RANK's loss at step STEP becomes NaN.
 
 Each spec may end in ``:ROUND``: the fault then fires only in that round (``FTRAIN_ROUND``), so
@@ -82,12 +87,26 @@ def maybe_crash(step: int, rank: int) -> None:
 
 
 def maybe_crash_inside(step: int, rank: int, start_collective: Callable[[], object]) -> None:
-    """``FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE``: start the collective (asynchronously), then die."""
-    if _fire("FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE", step, rank):
-        log.warning("fault injected: SIGKILL rank %d inside the last collective of step %d", rank, step)
-        logging.shutdown()
-        start_collective()
-        os.kill(os.getpid(), signal.SIGKILL)
+    """``FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE``: start the collective (asynchronously), then die;
+    ``FTRAIN_FAULT_SIGSTOP_IN_COLLECTIVE``: start it, then stop (a process frozen inside it)."""
+    for name, sig in (
+        ("FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE", signal.SIGKILL),
+        ("FTRAIN_FAULT_SIGSTOP_IN_COLLECTIVE", signal.SIGSTOP),
+    ):
+        if _fire(name, step, rank):
+            log.warning("fault injected: %s to rank %d inside the last collective of step %d", sig.name, rank, step)
+            logging.shutdown()
+            start_collective()
+            os.kill(os.getpid(), sig)
+
+
+def maybe_skip_collective(step: int, rank: int) -> bool:
+    """``FTRAIN_FAULT_SKIP_COLLECTIVE``: True once, when rank RANK is to skip the collective of step STEP
+    (a desync: its next collective pairs with the one its peers are in)."""
+    if _fire("FTRAIN_FAULT_SKIP_COLLECTIVE", step, rank):
+        log.warning("fault injected: rank %d skips the all-gather of the losses at step %d", rank, step)
+        return True
+    return False
 
 
 def maybe_slow_down() -> None:

@@ -11,6 +11,8 @@ happens without an agent):
 - ``FTRAIN_STACK_DIR``: SIGUSR1 makes :mod:`faulthandler` write every thread's Python stack to
   ``<dir>/<pid>.txt``. It runs in the C signal handler, so it works while Python is stuck in
   a collective or a lock.
+- the flight recorder (:mod:`ftrain.flight_recorder`): on the agent's request, this rank's last
+  collectives to ``<dir>/<pid>.flight.json``, answered from a thread while the main one waits.
 - ``FTRAIN_AGENT_PID``: a watchdog thread ends this worker (SIGKILL to itself) within about a
   second once the agent is gone, or once its own parent (torchrun) is gone, so no worker of
   an old round outlives its agent, even one killed with SIGKILL.
@@ -35,6 +37,7 @@ from typing import Any, TextIO
 
 from contract.heartbeat import Message
 from contract.worker_env import WorkerEnv
+from ftrain.flight_recorder import FlightServer
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,11 @@ class Heartbeat:
         self._stack_file: TextIO | None = None
         self._dropped = 0
         self._closing = threading.Event()
+        self.flight: FlightServer | None = None  #: answers the agent's requests for this rank's flight record
+
+    @property
+    def rank(self) -> int:
+        return self._sender.rank
 
     def assign(self, round_: int, rank: int, local_rank: int) -> None:
         """A live worker moved to another round (and maybe rank): its messages say so from now on."""
@@ -134,6 +142,8 @@ class Heartbeat:
     def close(self) -> None:
         self._closing.set()
         self._sock.close()
+        if self.flight is not None:
+            self.flight.close()
 
 
 def _watchdog(agent_pid: int, parent_pid: int) -> None:
@@ -152,6 +162,7 @@ def from_env(rank: int, local_rank: int) -> Heartbeat | None:
     hb = Heartbeat(env.heartbeat, round_=env.round, rank=rank, local_rank=local_rank)
     if env.stack_dir:
         hb.enable_stack_dumps(env.stack_dir)
+        hb.flight = FlightServer(env.stack_dir, lambda: hb.rank)
     hb.start_alive()
     if env.agent_pid:
         threading.Thread(

@@ -46,7 +46,7 @@ from checkpoint.storage import Storage, StorageOptions
 from contract import events as ev
 from contract.control import Assignment, ControlFile
 from contract.worker_env import WorkerEnv
-from ftrain import heartbeat, strategies
+from ftrain import flight_recorder, heartbeat, strategies
 from ftrain.config import Config
 from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
@@ -237,6 +237,7 @@ def serve(cfg: Config) -> None:
     if not env.control:
         raise RuntimeError("ftrain worker needs FTRAIN_CONTROL (it is started by ftrain agent --recovery live)")
     control = ControlFile(env.control)
+    flight_recorder.enable(cfg.logging.flight_recorder_entries)
     device = select_device(cfg.train)
     dtype = select_dtype(cfg.train, device)
     hb = heartbeat.from_env(-1, 0)

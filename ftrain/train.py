@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from checkpoint.errors import CheckpointError
 from contract import events as ev
 from contract.events import EventLog
+from contract.flight import EVENT_TAIL
 from contract.worker_env import WorkerEnv
-from ftrain import heartbeat, strategies
+from ftrain import flight_recorder, heartbeat, strategies
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
@@ -49,6 +50,7 @@ from ftrain.faults import (
     maybe_crash_inside,
     maybe_perturb_replica,
     maybe_poison_loss,
+    maybe_skip_collective,
     maybe_slow_down,
 )
 from ftrain.metrics import MetricsWriter, peak_memory_bytes
@@ -98,6 +100,7 @@ class TrainResult:
 
 
 def train(cfg: Config) -> TrainResult:
+    flight_recorder.enable(cfg.logging.flight_recorder_entries)
     device = select_device(cfg.train)
     dtype = select_dtype(cfg.train, device)
     hb = heartbeat.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
@@ -118,6 +121,7 @@ def train(cfg: Config) -> TrainResult:
         # or destroy here would hang; the launcher ends the job.
         say_goodbye(hb, trainer, e)
         if trainer is not None:
+            trainer.record_flight(e)
             trainer.close()
         raise
     finish(trainer, result)
@@ -381,6 +385,15 @@ class Trainer:
         for wait in self.staging_waits:
             wait()
 
+    def record_flight(self, e: BaseException) -> None:
+        """This rank's last collectives into the event log as it fails (its agent cannot ask a
+        process that is gone): where it was when the error came."""
+        if isinstance(e, KeyboardInterrupt):
+            return
+        record = flight_recorder.snapshot(self.rank).tail(EVENT_TAIL)
+        if record.available:
+            self.events.emit(ev.FlightRecorded(record=record.to_dict(), why=describe_failure(e)[:500]))
+
     def close(self, *, broken: bool = False) -> None:
         """``broken``: the round ended with its process groups aborted (a live worker leaving
         it): a checkpoint save still in flight is abandoned, not waited for."""
@@ -492,7 +505,10 @@ class Trainer:
         )
         gathered = torch.empty(layout.world_size * local.numel(), dtype=torch.float64, device=self.device)
         maybe_crash_inside(step, self.rank, lambda: dist.all_gather_single(gathered, local, async_op=True))
-        dist.all_gather_single(gathered, local)
+        if maybe_skip_collective(step, self.rank):  # a desync: this rank's peers wait in it
+            gathered = local.repeat(layout.world_size)
+        else:
+            dist.all_gather_single(gathered, local)
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
         for rank in range(0, layout.world_size, layout.tp_size):

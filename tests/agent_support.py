@@ -5,6 +5,7 @@ storage); live recovery has its own (tests/integration/test_live_recovery.py).""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
@@ -15,7 +16,15 @@ __all__ = ["AgentJob", "wait_for"]
 
 
 class AgentJob(Cluster):
-    def __init__(self, workdir: Path, etcd_endpoint: str, *, steps: int = 120, ckpt_interval: int = 20):
+    def __init__(
+        self,
+        workdir: Path,
+        etcd_endpoint: str,
+        *,
+        steps: int = 120,
+        ckpt_interval: int = 20,
+        overrides: Sequence[str] = (),
+    ):
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "config.toml"
         config.write_text(TINY_CONFIG)
@@ -26,5 +35,6 @@ class AgentJob(Cluster):
             steps=steps,
             ckpt_interval=ckpt_interval,
             step_sleep_s=0.03,
+            overrides=overrides,
             agent_options=[*FAST_AGENT_OPTIONS, "--recovery", "restart"],
         )

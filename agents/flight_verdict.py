@@ -1,0 +1,256 @@
+"""Who is at fault, from the ranks' flight records: a pure function of the records, the ranks
+known to be frozen and the time (the agent puts its answer in the ``hang`` event, ``ftrain
+status`` shows it, ``ftrain analyze`` recomputes it over every node's records).
+
+:func:`analyze` looks for, in this order:
+
+1. **a desync**: two ranks of one group that recorded different collectives (op, sizes or
+   dtypes) under the same sequence number: the program diverged there, and whatever hangs
+   after it is a consequence;
+2. **a culprit**: the collective that ranks have waited in longest; the members of its group
+   that never entered it (or gave no record, or are frozen: a stopped process cannot answer)
+   are at fault, the others are shown waiting in it; when every member entered it, a frozen
+   member is at fault, and with none frozen the verdict says the collective itself is stuck;
+3. with nothing in flight, **the slowest rank**: the one that arrived last at most of the
+   group's recent collectives (by how much, on average).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from contract.events import FlightRecorded, Hang, parse
+from contract.flight import Collective, FlightRecord
+
+DESYNC = "desync"
+CULPRIT = "culprit"
+STUCK = "stuck"  #: every member is inside the collective, none frozen: the backend or network
+SLOWEST = "slowest"
+NONE = "none"
+SLOWEST_WINDOW = 20  #: recent collectives of a group compared for the slowest rank
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: str  #: desync | culprit | stuck | slowest | none
+    line: str  #: the verdict in one line
+    ranks: list[int] = field(default_factory=list)  #: the ranks at fault
+    seq: int = -1  #: the collective's sequence number in its group
+    group: str = ""
+    waiting: list[int] = field(default_factory=list)  #: ranks inside that collective, waiting
+    waited_s: float = 0.0  #: how long the longest waiter has been in it
+
+
+def analyze(
+    records: dict[int, FlightRecord],
+    *,
+    frozen: Iterable[int] = (),
+    missing: Iterable[int] = (),
+    now: float | None = None,
+) -> Verdict:
+    """``records``: global rank -> its record; ``frozen``: ranks known to be stopped;
+    ``missing``: ranks asked that gave no record; ``now``: when waits are measured up to (by
+    default, when the newest record was taken)."""
+    if now is None:
+        now = max((r.taken_at for r in records.values()), default=0.0)
+    frozen_set, missing_set = set(frozen), set(missing) - set(records)
+    usable = {r: rec for r, rec in records.items() if rec.available}
+    if not usable:
+        if frozen_set:
+            line = f"{_ranks(frozen_set)} {'is' if len(frozen_set) == 1 else 'are'} frozen (no flight record here)"
+            return Verdict(CULPRIT, line, sorted(frozen_set))
+        why = "no rank kept a flight record (logging.flight_recorder_entries = 0, or the backend keeps none)"
+        return Verdict(NONE, why)
+    by_group = _by_group(usable)
+    return (
+        _desync(by_group)
+        or _hang(by_group, set(usable), _members(usable), frozen_set, missing_set, now)
+        or _slowest(by_group)
+        or Verdict(NONE, "no collective in flight and too few completed ones to compare", sorted(frozen_set))
+    )
+
+
+def _by_group(records: dict[int, FlightRecord]) -> dict[str, dict[int, dict[int, Collective]]]:
+    """group -> rank -> seq -> collective."""
+    out: dict[str, dict[int, dict[int, Collective]]] = {}
+    for rank, record in records.items():
+        for entry in record.entries:
+            out.setdefault(entry.group, {}).setdefault(rank, {})[entry.seq] = entry
+    return out
+
+
+def _members(records: dict[int, FlightRecord]) -> dict[str, set[int]]:
+    members: dict[str, set[int]] = {}
+    for rank, record in records.items():
+        for name, ranks in record.groups.items():
+            members.setdefault(name, set()).update(ranks)
+        for entry in record.entries:
+            members.setdefault(entry.group, set()).add(rank)
+    return members
+
+
+def _desync(by_group: dict[str, dict[int, dict[int, Collective]]]) -> Verdict | None:
+    found: list[tuple[float, Verdict]] = []
+    for group, ranks in by_group.items():
+        for seq in sorted({s for entries in ranks.values() for s in entries}):
+            seen = {rank: entries[seq] for rank, entries in ranks.items() if seq in entries}
+            kinds: dict[tuple[str, str, str], list[int]] = {}
+            for rank, entry in sorted(seen.items()):
+                kinds.setdefault(entry.signature(), []).append(rank)
+            if len(kinds) < 2:
+                continue
+            parts = sorted(kinds.values(), key=lambda rs: (-len(rs), rs))
+            shown = "; ".join(f"{_ranks(rs)} ran {seen[rs[0]].what()}" for rs in parts)
+            if len(parts[0]) > len(parts[1]):  # the minority diverged
+                odd, note = sorted(r for rs in parts[1:] for r in rs), ""
+            else:  # no majority to tell the diverged ones from the others
+                odd, note = sorted(seen), " (no majority: any of them may have diverged)"
+            shown += note
+            when = min(e.enqueued_s for e in seen.values())
+            found.append(
+                (when, Verdict(DESYNC, f"desync at collective #{seq} on group {group}: {shown}", odd, seq, group))
+            )
+            break
+    return min(found, key=lambda f: f[0])[1] if found else None
+
+
+def _hang(
+    by_group: dict[str, dict[int, dict[int, Collective]]],
+    recorded_ranks: set[int],
+    members: dict[str, set[int]],
+    frozen: set[int],
+    missing: set[int],
+    now: float,
+) -> Verdict | None:
+    """The collective waited in longest, and who keeps its group waiting."""
+    oldest: tuple[float, str, int] | None = None
+    for group, ranks in by_group.items():
+        for entries in ranks.values():
+            for entry in entries.values():
+                if not entry.done and (oldest is None or entry.enqueued_s < oldest[0]):
+                    oldest = (entry.enqueued_s, group, entry.seq)
+    if oldest is None:
+        return None
+    since, group, seq = oldest
+    ranks = by_group[group]
+    waiting = sorted(r for r, entries in ranks.items() if seq in entries and not entries[seq].done)
+    entered = {r for r, entries in ranks.items() if seq in entries}
+    example = ranks[waiting[0]][seq]
+    waited_s = max(0.0, now - since)
+    inside = f"collective {example.describe()}, in which {_ranks(waiting)} wait{'s' if len(waiting) == 1 else ''}"
+    inside += f" for {waited_s:.1f} s"
+    recorded = set(ranks) | {r for r in members.get(group, set()) if r in recorded_ranks}
+    absent = sorted(r for r in recorded if r not in entered)
+    unseen = sorted((members.get(group, set()) | missing) - recorded - entered)
+    if absent:  # their own records say they never got there
+        notes = "; ".join(n for n in (_state(r, frozen, missing) for r in absent + unseen) if n)
+        line = f"{_ranks(absent)} never entered {inside}" + (f" ({notes})" if notes else "")
+        return Verdict(CULPRIT, line, absent, seq, group, waiting, waited_s)
+    stopped = sorted(r for r in entered | set(unseen) if r in frozen)
+    if stopped:
+        where = "inside" if set(stopped) <= entered else "(no record of it here) and not seen in"
+        line = f"{_ranks(stopped)} {'is' if len(stopped) == 1 else 'are'} frozen {where} {inside}"
+        return Verdict(CULPRIT, line, stopped, seq, group, [r for r in waiting if r not in frozen], waited_s)
+    if unseen:  # no record of theirs here: the only members not seen in it
+        notes = "; ".join(n for n in (_state(r, frozen, missing) for r in unseen) if n) or "no record of theirs here"
+        line = f"{_ranks(unseen)} not seen in {inside} ({notes})"
+        return Verdict(CULPRIT, line, unseen, seq, group, waiting, waited_s)
+    line = f"every member of group {group} entered {inside}: the collective itself is stuck (backend or network)"
+    return Verdict(STUCK, line, [], seq, group, waiting, waited_s)
+
+
+def _slowest(by_group: dict[str, dict[int, dict[int, Collective]]]) -> Verdict | None:
+    """The rank that arrived last at most of the newest collectives every recorded rank completed."""
+    found: list[tuple[float, Verdict]] = []
+    for group, ranks in sorted(by_group.items()):
+        if len(ranks) < 2:
+            continue
+        common = sorted(set.intersection(*(set(entries) for entries in ranks.values())))[-SLOWEST_WINDOW:]
+        if not common:
+            continue
+        last: Counter[int] = Counter()
+        late_s: dict[int, float] = {}
+        for seq in common:
+            arrivals = {r: entries[seq].enqueued_s for r, entries in ranks.items()}
+            rank = max(arrivals, key=lambda r: (arrivals[r], -r))
+            last[rank] += 1
+            late_s[rank] = late_s.get(rank, 0.0) + arrivals[rank] - min(arrivals.values())
+        rank, count = last.most_common(1)[0]
+        line = (
+            f"no collective in flight; slowest: rank {rank}, last to arrive at {count} of the {len(common)} newest "
+            f"collectives on group {group}, by {late_s[rank] / count:.3f} s on average"
+        )
+        found.append((count / len(common), Verdict(SLOWEST, line, [rank], common[-1], group)))
+    return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def _state(rank: int, frozen: set[int], missing: set[int]) -> str:
+    if rank in frozen:
+        return f"rank {rank} is frozen" + (": it gave no record" if rank in missing else "")
+    if rank in missing:
+        return f"rank {rank} gave no record"
+    return ""
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+@dataclass(slots=True)
+class RoundEvidence:
+    """Every node's flight records of one round, merged from the event log."""
+
+    round: int
+    records: dict[int, FlightRecord] = field(default_factory=dict)
+    missing: dict[int, str] = field(default_factory=dict)
+    frozen: set[int] = field(default_factory=set)
+    nodes: list[str] = field(default_factory=list)  #: the agents that reported a hang in it
+    whys: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  #: records refused (untrusted input)
+
+    def verdict(self) -> Verdict:
+        return analyze(self.records, frozen=self.frozen, missing=self.missing)
+
+
+def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
+    """The evidence of every round with a ``hang`` or ``flight_recorded`` event, by round: each
+    rank's newest record wins (a node that dumped after another saw the later state)."""
+    rounds: dict[int, RoundEvidence] = {}
+
+    def take(evidence: RoundEvidence, rank: int, raw: Any, where: str) -> None:
+        try:
+            record = FlightRecord.decode(raw)
+        except (ValueError, TypeError) as e:
+            evidence.problems.append(f"{where}: rank {rank}: {e}")
+            return
+        old = evidence.records.get(rank)
+        if old is None or record.taken_at >= old.taken_at:
+            evidence.records[rank] = record
+        evidence.missing.pop(rank, None)
+
+    for e in events:
+        parsed = parse(e)
+        if isinstance(parsed, Hang) and isinstance(parsed.worker_round, int):
+            ev = rounds.setdefault(parsed.worker_round, RoundEvidence(parsed.worker_round))
+            ev.nodes.append(str(parsed.node))
+            ev.whys.append(f"{parsed.node}: {parsed.why}")
+            frozen = parsed.frozen if isinstance(parsed.frozen, list) else []
+            ev.frozen.update(r for r in frozen if isinstance(r, int) and not isinstance(r, bool))
+            flight = parsed.flight if isinstance(parsed.flight, dict) else {}
+            for key, raw in flight.items():
+                if str(key).isdigit():
+                    take(ev, int(key), raw, f"hang event of {parsed.node}")
+            missing = parsed.missing if isinstance(parsed.missing, dict) else {}
+            for key, why in missing.items():
+                if str(key).isdigit() and int(key) not in ev.records:
+                    ev.missing[int(key)] = str(why)[:300]
+        elif isinstance(parsed, FlightRecorded) and isinstance(e.get("round"), int):
+            ev = rounds.setdefault(e["round"], RoundEvidence(e["round"]))
+            rank = e.get("rank")
+            if isinstance(rank, int) and rank >= 0:
+                take(ev, rank, parsed.record, f"flight_recorded event of rank {rank} ({parsed.why})")
+    return [rounds[r] for r in sorted(rounds)]
