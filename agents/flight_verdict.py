@@ -97,7 +97,7 @@ def _desync(by_group: dict[str, dict[int, dict[int, Collective]]]) -> Verdict | 
     for group, ranks in by_group.items():
         for seq in sorted({s for entries in ranks.values() for s in entries}):
             seen = {rank: entries[seq] for rank, entries in ranks.items() if seq in entries}
-            kinds: dict[tuple[str, str, str], list[int]] = {}
+            kinds: dict[tuple[str, ...], list[int]] = {}
             for rank, entry in sorted(seen.items()):
                 kinds.setdefault(entry.signature(), []).append(rank)
             if len(kinds) < 2:
