@@ -52,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import flight
+from agents import flight, flight_verdict
 from agents.config import AgentConfig
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
 from agents.etcd import Compare, Op
@@ -215,6 +215,9 @@ class Agent:
         self._ckpt_failures_seen = 0  #: failed commits in a row the workers last reported
         self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
         self.hang_verdict = ""  #: the newest hang's verdict from the flight records (shown by ftrain status)
+        self.dump_nonce = ""  #: the newest dump request seen (ftrain status --dump)
+        self.dump_verdict = ""  #: what the workers' flight records said when it was answered
+        self.started_at_wall = self.clock.time()
         self.session: LeaseSession | None = None
         self.workers: Workers | None = None
         self.finished_rounds: set[int] = set()  #: rounds whose workers ran and ended here
@@ -311,6 +314,7 @@ class Agent:
                 self._lead(state)
                 self._follow(state)
             self._flush_reports()
+            self._answer_dump(state)
             self._publish_status(state)
         except EtcdUnavailableError as e:  # etcd went away mid-tick: the next tick re-reads
             log.warning("etcd request failed, retrying next tick: %s", e)
@@ -834,10 +838,28 @@ class Agent:
         self._ckpt_failures_seen = failures
         self._ckpt_error = error if failures else ""
 
-    def _dump(self, workers: Workers, why: str, local_ranks: list[int] | None = None) -> None:
+    def _answer_dump(self, state: JobState) -> None:
+        """``ftrain status --dump``: dump once per request (one asked before this agent started
+        is not its to answer), then say so in this node's status at once."""
+        request = state.dump
+        if request is None or request.nonce == self.dump_nonce:
+            return
+        self.dump_nonce = request.nonce
+        if request.time < self.started_at_wall:
+            return
+        if self.workers is None:
+            self.dump_verdict = "no workers running on this node"
+        else:
+            line = self._dump(self.workers, "requested by ftrain status --dump", record=ev.Dumped)
+            self.dump_verdict = f"round {self.workers.round}: {line}"
+        self._publish_status(state, force=True)
+
+    def _dump(
+        self, workers: Workers, why: str, local_ranks: list[int] | None = None, *, record: type[ev.Hang] = ev.Hang
+    ) -> str:
         """Every worker's flight record and Python stack into the event log (and this agent's
-        log), with the verdict the records give. The records first: dumping the stacks
-        continues a stopped worker."""
+        log), with the verdict the records give (returned). The records first: dumping the
+        stacks continues a stopped worker."""
         log.error("round %d: %s: dumping the flight records and stacks of the workers", workers.round, why)
         beats = self.heartbeats.beats()
         silent = frozen_ranks(beats, list(beats), now=self.clock.monotonic())
@@ -845,10 +867,11 @@ class Agent:
             {b.pid: b.rank for b in beats.values() if b.rank >= 0},
             self.stack_dir,
             silent=[beats[r].rank for r in silent if r in beats],
+            min_wait_s=0.0 if record is ev.Hang else flight_verdict.REQUESTED_MIN_WAIT_S,
         )
         stacks = workers.dump_stacks(self.stack_dir)
         self.events.emit(
-            ev.Hang(
+            record(
                 node=self.cfg.node_id,
                 worker_round=workers.round,
                 why=why,
@@ -860,10 +883,12 @@ class Agent:
                 verdict=evidence.verdict.line,
             )
         )
-        self.hang_verdict = f"round {workers.round}: {evidence.verdict.line}"
         log.error("round %d: flight records: %s", workers.round, evidence.verdict.line)
-        for pid, text in stacks.items():
-            log.error("stack of worker %d:\n%s", pid, text)
+        if record is ev.Hang:
+            self.hang_verdict = f"round {workers.round}: {evidence.verdict.line}"
+            for pid, text in stacks.items():
+                log.error("stack of worker %d:\n%s", pid, text)
+        return evidence.verdict.line
 
     def _drain_step(self) -> None:
         if self.workers is None:
@@ -915,6 +940,8 @@ class Agent:
             ckpt_failures_total=self.metrics.ckpt_failures_total(),
             ckpt_error=self._ckpt_error[:300],
             hang_verdict=self.hang_verdict[:500],
+            dump_nonce=self.dump_nonce,
+            dump_verdict=self.dump_verdict[:500],
             recovery=self.cfg.recovery,
             workers_ready=self.pool.ready() if self.pool is not None else 0,
             workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,

@@ -99,13 +99,16 @@ class Evidence:
     verdict: Verdict
 
 
-def hang_evidence(pid_ranks: dict[int, int], stack_dir: str, *, silent: Iterable[int] = ()) -> Evidence:
+def hang_evidence(
+    pid_ranks: dict[int, int], stack_dir: str, *, silent: Iterable[int] = (), min_wait_s: float = 0.0
+) -> Evidence:
     """Collect the records of the workers ``pid_ranks`` (pid -> global rank) and judge them;
-    ``silent``: global ranks the agent already knows stopped talking."""
+    ``silent``: global ranks the agent already knows stopped talking; ``min_wait_s``: see
+    :func:`agents.flight_verdict.analyze`."""
     stopped = {pid for pid in pid_ranks if process_state(pid) == "T"}
     got = collect(pid_ranks, stack_dir, stopped=stopped)
     records = {pid_ranks[pid]: record.tail(EVENT_TAIL) for pid, record in got.records.items()}
     missing = {pid_ranks[pid]: why for pid, why in got.missing.items()}
     frozen = sorted(set(silent) | {pid_ranks[pid] for pid in stopped})
-    verdict = analyze(records, frozen=frozen, missing=missing, now=time.time())
+    verdict = analyze(records, frozen=frozen, missing=missing, now=time.time(), min_wait_s=min_wait_s)
     return Evidence(records, missing, frozen, verdict)

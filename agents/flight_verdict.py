@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.events import FlightRecorded, Hang, parse
+from contract.events import Dumped, FlightRecorded, Hang, parse
 from contract.flight import Collective, FlightRecord
 
 DESYNC = "desync"
@@ -31,6 +31,8 @@ STUCK = "stuck"  #: every member is inside the collective, none frozen: the back
 SLOWEST = "slowest"
 NONE = "none"
 SLOWEST_WINDOW = 20  #: recent collectives of a group compared for the slowest rank
+#: in records taken on request, a collective entered this recently is a running job's, not a hang
+REQUESTED_MIN_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +52,12 @@ def analyze(
     frozen: Iterable[int] = (),
     missing: Iterable[int] = (),
     now: float | None = None,
+    min_wait_s: float = 0.0,
 ) -> Verdict:
     """``records``: global rank -> its record; ``frozen``: ranks known to be stopped;
     ``missing``: ranks asked that gave no record; ``now``: when waits are measured up to (by
-    default, when the newest record was taken)."""
+    default, when the newest record was taken); ``min_wait_s``: shorter waits are a running
+    job's normal collectives, not a hang (records taken on request)."""
     if now is None:
         now = max((r.taken_at for r in records.values()), default=0.0)
     frozen_set, missing_set = set(frozen), set(missing) - set(records)
@@ -67,7 +71,7 @@ def analyze(
     by_group = _by_group(usable)
     return (
         _desync(by_group)
-        or _hang(by_group, set(usable), _members(usable), frozen_set, missing_set, now)
+        or _hang(by_group, set(usable), _members(usable), frozen_set, missing_set, now, now - min_wait_s)
         or _slowest(by_group)
         or Verdict(NONE, "no collective in flight and too few completed ones to compare", sorted(frozen_set))
     )
@@ -124,13 +128,17 @@ def _hang(
     frozen: set[int],
     missing: set[int],
     now: float,
+    waiting_since: float,
 ) -> Verdict | None:
-    """The collective waited in longest, and who keeps its group waiting."""
+    """The collective waited in longest (entered before ``waiting_since``), and who keeps its
+    group waiting."""
     oldest: tuple[float, str, int] | None = None
     for group, ranks in by_group.items():
         for entries in ranks.values():
             for entry in entries.values():
-                if not entry.done and (oldest is None or entry.enqueued_s < oldest[0]):
+                if entry.done or entry.enqueued_s > waiting_since:
+                    continue
+                if oldest is None or entry.enqueued_s < oldest[0]:
                     oldest = (entry.enqueued_s, group, entry.seq)
     if oldest is None:
         return None
@@ -211,9 +219,15 @@ class RoundEvidence:
     nodes: list[str] = field(default_factory=list)  #: the agents that reported a hang in it
     whys: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  #: records refused (untrusted input)
+    hung: bool = False  #: False: only dumps on request, taken while the job ran
 
     def verdict(self) -> Verdict:
-        return analyze(self.records, frozen=self.frozen, missing=self.missing)
+        return analyze(
+            self.records,
+            frozen=self.frozen,
+            missing=self.missing,
+            min_wait_s=0.0 if self.hung else REQUESTED_MIN_WAIT_S,
+        )
 
 
 def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
@@ -237,6 +251,7 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
         if isinstance(parsed, Hang) and isinstance(parsed.worker_round, int):
             ev = rounds.setdefault(parsed.worker_round, RoundEvidence(parsed.worker_round))
             ev.nodes.append(str(parsed.node))
+            ev.hung = ev.hung or not isinstance(parsed, Dumped)
             ev.whys.append(f"{parsed.node}: {parsed.why}")
             frozen = parsed.frozen if isinstance(parsed.frozen, list) else []
             ev.frozen.update(r for r in frozen if isinstance(r, int) and not isinstance(r, bool))

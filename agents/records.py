@@ -131,6 +131,11 @@ class JobKeys:
     def final(self) -> str:
         return f"{self.prefix}final"
 
+    @property
+    def dump(self) -> str:
+        """``ftrain status --dump``: every agent dumps its workers' flight records and stacks."""
+        return f"{self.prefix}dump"
+
 
 def _dumps(obj: Any) -> str:
     return json.dumps(asdict(obj), separators=(",", ":"), sort_keys=True)
@@ -306,6 +311,17 @@ class NodeStatus:
     workers_new: int = 0  #: worker processes new to this round (started, or spares taken)
     workers_ready: int = 0  #: live recovery: warm worker processes on this node, serving or spare
     hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
+    dump_nonce: str = ""  #: the newest ``ftrain status --dump`` request this agent answered
+    dump_verdict: str = ""  #: what its workers' flight records said then
+
+    def to_json(self) -> str:
+        return _dumps(self)
+
+
+@dataclass(slots=True)
+class DumpRequest:
+    nonce: str  #: hex, at most 32 characters
+    time: float  #: when it was asked (wall clock): agents that start later ignore an old one
 
     def to_json(self) -> str:
         return _dumps(self)
@@ -365,6 +381,7 @@ class JobState:
     reports: dict[int, dict[str, Report]] = field(default_factory=dict)
     status: dict[str, NodeStatus] = field(default_factory=dict)
     final: FinalStatus | None = None
+    dump: DumpRequest | None = None  #: the newest ``ftrain status --dump`` request
     final_mod_revision: int = 0  #: of an unreadable ``final`` (0: none): the leader replaces it
     problems: list[Problem] = field(default_factory=list)  #: records skipped, in key order
 
@@ -464,6 +481,11 @@ class JobState:
             self.reports.setdefault(g, {})[parts[3]] = _load(Report, kv.value)
         elif parts[0] == "status" and len(parts) == 2:
             self.status[parts[1]] = _load(NodeStatus, kv.value)
+        elif rel == "dump":
+            request = _load(DumpRequest, kv.value)
+            if not isinstance(request.nonce, str) or not re.fullmatch(r"[0-9a-f]{1,32}", request.nonce):
+                raise ValueError("a dump request's nonce must be 1 to 32 hex digits")
+            self.dump = request
         elif rel == "final":
             self.final_mod_revision = kv.mod_revision
             self.final = _load(FinalStatus, kv.value)

@@ -8,11 +8,12 @@ line of their own (``CHECKPOINTS FAILING``).
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from typing import Any
 
 from agents.etcd import EtcdClient
-from agents.records import JobKeys, JobState
+from agents.records import DumpRequest, JobKeys, JobState
 
 
 def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
@@ -47,6 +48,8 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "workers_kept": status.workers_kept if status else 0,
                 "workers_new": status.workers_new if status else 0,
                 "hang_verdict": status.hang_verdict if status else "",
+                "dump_nonce": status.dump_nonce if status else "",
+                "dump_verdict": status.dump_verdict if status else "",
             }
         )
     committed = max(
@@ -138,17 +141,47 @@ def format_status(s: dict[str, Any]) -> str:
     if hangs:
         lines.append("")
         lines += [f"last hang seen by {n['node']}, {n['hang_verdict']}" for n in hangs]
+    if s.get("dump"):
+        lines.append("")
+        for n in s["nodes"]:
+            if n.get("dump_nonce") == s["dump"]:
+                lines.append(f"dump by {n['node']}, {n['dump_verdict']}")
+            elif n["live"]:
+                lines.append(f"dump by {n['node']}: no answer within {s['dump_timeout_s']:.0f} s")
     if s.get("problems"):
         lines.append("")
         lines += [f"warning: {p} (skipped)" for p in s["problems"]]
     return "\n".join(lines)
 
 
-def status_main(endpoints: list[str], job: str, *, as_json: bool, client_options: dict[str, Any] | None = None) -> int:
+def request_dump(client: EtcdClient, job: str, *, timeout_s: float) -> dict[str, Any]:
+    """``ftrain status --dump``: ask every agent of ``job`` to dump its workers' flight records
+    and stacks into its event log (a ``dumped`` event), wait up to ``timeout_s`` for every live
+    node to say it did, and return the job's status with their verdicts."""
+    nonce = secrets.token_hex(8)
+    client.put(JobKeys(job).dump, DumpRequest(nonce=nonce, time=time.time()).to_json())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = job_status(client, job)
+        pending = [n for n in s["nodes"] if n["live"] and n["dump_nonce"] != nonce]
+        if not pending or time.monotonic() > deadline:
+            return {**s, "dump": nonce, "dump_timeout_s": timeout_s}
+        time.sleep(0.2)  # polling etcd at 5 Hz, bounded by the deadline
+
+
+def status_main(
+    endpoints: list[str],
+    job: str,
+    *,
+    as_json: bool,
+    client_options: dict[str, Any] | None = None,
+    dump_timeout_s: float | None = None,
+) -> int:
+    """``dump_timeout_s``: ask for a dump first (``--dump``) and wait this long for the answers."""
     JobKeys(job)  # a bad job id: ValueError naming --job before any request
     options = {k: v for k, v in (client_options or {}).items() if v is not None}
     with EtcdClient(endpoints, timeout_s=2.0, retry_timeout_s=3.0, **options) as client:
-        s = job_status(client, job)
+        s = job_status(client, job) if dump_timeout_s is None else request_dump(client, job, timeout_s=dump_timeout_s)
     if not s["nodes"] and not s["round"] and s["final"] is None and not s["problems"]:
         print(f"job {job!r}: nothing in etcd at {', '.join(endpoints)} (no agent has joined it)")
         return 1

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def median_step_s(metrics_path: Path, warmup: int) -> float:
     return statistics.median(measured)
 
 
-def train_args(config: Path, workdir: Path, name: str, steps: int) -> tuple[list[str], Path]:
+def train_args(config: Path, workdir: Path, name: str, steps: int, extra: Sequence[str] = ()) -> tuple[list[str], Path]:
     metrics = workdir / f"{name}.metrics.jsonl"
     return [
         str(config),
@@ -84,6 +85,7 @@ def train_args(config: Path, workdir: Path, name: str, steps: int) -> tuple[list
         "--checkpoint.uri=",
         f"--logging.metrics_path={metrics}",
         "--logging.progress=off",
+        *extra,
     ], metrics
 
 
@@ -93,8 +95,18 @@ def run_torchrun(config: Path, workdir: Path, name: str, steps: int, nproc: int,
     return metrics
 
 
-def run_agent(config: Path, workdir: Path, name: str, steps: int, nproc: int, recovery: str, timeout_s: float) -> Path:
-    args, metrics = train_args(config, workdir, name, steps)
+def run_agent(
+    config: Path,
+    workdir: Path,
+    name: str,
+    steps: int,
+    nproc: int,
+    recovery: str,
+    timeout_s: float,
+    extra: Sequence[str] = (),
+) -> Path:
+    """One job under one agent (its own etcd); ``extra``: overrides of the config."""
+    args, metrics = train_args(config, workdir, name, steps, extra)
     with EtcdServer() as etcd:
         cmd = [
             sys.executable,

@@ -72,6 +72,7 @@ class Event(StrEnum):
     WORKERS_EXITED = "workers_exited"
     CHECKPOINT_FAILING = "checkpoint_failing"
     HANG = "hang"
+    DUMPED = "dumped"  #: flight records and stacks dumped on request (``ftrain status --dump``), not a hang
     DRAIN = "drain"
     # chaos (the fault injector)
     CHAOS_FAULT = "chaos_fault"
@@ -479,6 +480,14 @@ class Hang(Record):
     missing: dict[str, str] = field(default_factory=dict)  #: global rank -> why it gave no flight record
     frozen: list[int] = field(default_factory=list)  #: global ranks stopped or silent (no "alive" datagram)
     verdict: str = ""  #: who is at fault, in one line (agents.flight_verdict), from this node's records
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class Dumped(Hang):
+    """What a ``hang`` event holds, taken on request (``ftrain status --dump``) while the job runs."""
+
+    EVENT = Event.DUMPED
 
 
 @_record

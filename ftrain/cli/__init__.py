@@ -7,7 +7,7 @@
     ftrain config --reference                           print every key as Markdown
     ftrain ckpt ls|show|verify|gc|export URI ...        inspect and maintain checkpoints
     ftrain agent [options] -- CONFIG.toml [overrides]   this node's agent (see agents/)
-    ftrain status --etcd URL --job ID [--json]          a job's nodes, round, steps and restarts
+    ftrain status --etcd URL --job ID [--json] [--dump] a job's nodes, round, steps and restarts
     ftrain analyze EVENTS_OR_RUN_DIR [--json]           name the culprit of each hang from the flight records
     ftrain local up                                     local etcd + SeaweedFS S3 for trying it out
     ftrain chaos run SCENARIO.toml [--seed N]           fault injection that proves nothing was lost

@@ -56,6 +56,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd", required=True, help="etcd client URLs, comma-separated")
     p.add_argument("--job", required=True, help="job id")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--dump",
+        action="store_true",
+        help="first ask every agent to dump its workers' flight records and stacks (a 'dumped' event) and show "
+        "what the records say",
+    )
+    p.add_argument("--dump-timeout-s", type=float, default=10.0, help="how long to wait for the agents' dumps")
     p.add_argument("--etcd-user", default=None, help="etcd user (password from FTRAIN_ETCD_PASSWORD)")
     p.add_argument("--etcd-ca-cert", default=None, help="CA bundle for https etcd endpoints")
     p.add_argument("--etcd-cert", default=None, help="client certificate (PEM)")
@@ -138,7 +145,11 @@ def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
     }
     try:
         return status_main(
-            [e for e in args.etcd.split(",") if e], args.job, as_json=args.json, client_options=client_options
+            [e for e in args.etcd.split(",") if e],
+            args.job,
+            as_json=args.json,
+            client_options=client_options,
+            dump_timeout_s=args.dump_timeout_s if args.dump else None,
         )
     except ValueError as e:  # a bad --job or --etcd
         print(f"ftrain status: {e}", file=sys.stderr)

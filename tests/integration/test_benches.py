@@ -105,3 +105,12 @@ def test_the_checkpoint_bench_smoke_run_saves_and_loads_on_s3_and_times_training
     assert cache["save_s"] > 0 and cache["load_s"] > 0 and 0.3 < cache["share_read_from_cache"] <= 1, cache
     assert summary["local_cache_load_speedup_vs_s3"] == pytest.approx(summary["load_s"] / cache["load_s"])
     assert summary["memory_tier"]["restore_s"] > 0 and summary["memory_tier_load_speedup_vs_s3"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_the_flight_recorder_bench_smoke_run_compares_the_recorder_on_and_off():
+    summary = _smoke("flight_recorder.py", timeout_s=180)
+    assert summary["bench"] == "flight_recorder" and summary["settings"]["entries"] == 2000
+    assert summary["on_step_s"] > 0 and summary["off_step_s"] > 0 and len(summary["ratios"]) == 1
+    assert summary["recorder_on_vs_off"] == pytest.approx(summary["on_step_s"] / summary["off_step_s"], abs=1e-3)
+    assert isinstance(summary["target_met"], bool)

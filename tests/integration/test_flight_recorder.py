@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from agents.etcd import EtcdClient
-from agents.flight_verdict import CULPRIT, DESYNC, from_events
-from agents.status import format_status, job_status
+from agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, from_events
+from agents.status import format_status, job_status, request_dump
 from testbed.procs import REPO, quiet_env
 from tests.agent_support import AgentJob, wait_for
 
@@ -84,10 +84,24 @@ def test_a_worker_stopped_inside_a_collective_is_named_with_the_collective_its_p
     assert job.events("round_formed")[1]["reason"] == "hang" and job.step() == 60
 
 
-def test_a_rank_that_skips_a_collective_is_named_as_a_desync_at_that_sequence_number(job):
-    job.start("a", nnodes="1:1", nproc=3, env={"FTRAIN_FAULT_SKIP_COLLECTIVE": "30:1:1"})
+def test_a_rank_that_skips_a_collective_is_named_as_a_desync_at_that_sequence_number(job, etcd):
+    job.start("a", nnodes="1:1", nproc=3, env={"FTRAIN_FAULT_SKIP_COLLECTIVE": "45:1:1"})
+    job.wait_step(3)
+    client = EtcdClient([etcd.endpoint])
+    try:  # first, while it runs healthy: ftrain status --dump
+        s = request_dump(client, job.job, timeout_s=20)
+    finally:
+        client.close()
+    [node] = s["nodes"]
+    assert node["dump_nonce"] == s["dump"] and node["dump_verdict"].startswith("round 1: "), node
+    assert f"dump by a, {node['dump_verdict']}" in format_status(s)
+    dumped = job.events("dumped")[0]
+    assert sorted(dumped["flight"]) == ["0", "1", "2"] and dumped["missing"] == {} and not job.events("hang")
+    [healthy] = from_events([dumped])
+    assert not healthy.hung and healthy.verdict().kind in (SLOWEST, NONE), healthy.verdict()
     assert job.wait_exit("a") == 0, job.log_tail()
     [evidence] = [e for e in from_events(job.events()) if e.round == 1]
+    assert evidence.hung
     verdict = evidence.verdict()
     assert verdict.kind == DESYNC and verdict.ranks == [1], verdict
     records = evidence.records
