@@ -706,6 +706,7 @@ class Agent:
             self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))
             self.metrics.heartbeat_age.set(self.clock.monotonic() - min(b.received_at for b in beats.values()))
             self._note_ckpt_failures(workers.round, beats)
+            self.metrics.ranks_stepped(workers.round, {b.rank: b.phases_s for b in beats.values() if b.rank >= 0})
         rc = workers.poll()
         if isinstance(workers, LiveWorkers) and (rc is None or (rc != 0 and not workers.terminating)):
             self._supervise_live(workers, beats)  # a failed worker is replaced, even the node's last one

@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contract.heartbeat import MAX_DATAGRAM_BYTES, Message
 
@@ -41,6 +41,7 @@ class Beat:
     ckpt_failures: int = 0  #: checkpoint commits failed in a row (0 after a commit)
     ckpt_failures_total: int = 0  #: failed commits of this worker process
     ckpt_error: str = ""  #: the last failed commit's error
+    phases_s: dict[str, float] = field(default_factory=dict)  #: the step's time by phase (contract.heartbeat)
     error: str = ""  #: from the exit message: why the worker failed
     fatal: bool = False  #: from the exit message: a restart cannot help
 
@@ -62,6 +63,7 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
         ckpt_failures=msg.ckpt_failures,
         ckpt_failures_total=msg.ckpt_failures_total,
         ckpt_error=msg.ckpt_error,
+        phases_s=msg.phases_s,
         error=msg.error,
         fatal=msg.fatal,
         finished=msg.finished if msg.kind == "exit" else None,
@@ -128,6 +130,8 @@ class HeartbeatServer:
                 if prev is not None and prev.pid == beat.pid:  # a new object: readers hold the old one
                     self._beats[beat.local_rank] = dataclasses.replace(prev, alive_at=beat.alive_at)
                 return
+            if prev is not None and not beat.phases_s:  # a beat outside training keeps the last breakdown
+                beat.phases_s = prev.phases_s
             if kind != "exit" and prev is not None and prev.finished is not None:
                 beat.finished, beat.error, beat.fatal = prev.finished, prev.error, prev.fatal
             self._beats[beat.local_rank] = beat

@@ -4,6 +4,10 @@ Checkpoint health: ``ftrain_checkpoint_failures_total`` counts failed commits th
 reported (each worker process counts from zero; the agent adds what is new per round), and
 ``ftrain_checkpoint_consecutive_failures`` is the current run of failures (0 after a commit).
 
+``ftrain_step_phase_seconds{rank, phase}``: where each of this node's ranks spent its newest
+step (``ftrain.step_phases``): a straggler has more ``data``/``forward``/``backward``, its
+peers more ``comm_wait``.
+
 Productive time is the step time of steps this node had not completed before (the first time
 step n finishes); everything else since the first launch — detection, rendezvous, process start,
 checkpoint load, and steps recomputed after a rollback to a checkpoint — is lost time.
@@ -60,6 +64,14 @@ class AgentMetrics:
         self._restarts = Counter(
             "ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"], registry=self.registry
         )
+        self._phases = Gauge(
+            "ftrain_step_phase_seconds",
+            "A worker's time between its last two training beats, by phase (data, forward, backward, comm_wait, "
+            "optimizer, ckpt_staging, other), per global rank.",
+            [*names, "rank", "phase"],
+            registry=self.registry,
+        )
+        self._phases_round = -1
         self._labels = labels
         self._counted_rounds: set[int] = set()
         self._best_step = -1
@@ -105,6 +117,15 @@ class AgentMetrics:
                 self._productive_s += step_time_s * (step - self._best_step)
             self._best_step = step
         self.productive.set(self._productive_s)
+
+    def ranks_stepped(self, round_: int, phases: dict[int, dict[str, float]]) -> None:
+        """Each rank's newest step breakdown; a new round drops the ranks of the old one."""
+        if round_ != self._phases_round:
+            self._phases.clear()
+            self._phases_round = round_
+        for rank, by_phase in phases.items():
+            for phase, seconds in by_phase.items():
+                self._phases.labels(**self._labels, rank=str(rank), phase=phase).set(seconds)
 
     def tick(self) -> None:
         if self._first_launch is not None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = frozenset({"beat", "exit", "alive"})
+#: where a step's time goes on a rank (ftrain.step_phases), in the order they are shown
+STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "ckpt_staging", "other")
 PHASES = frozenset({"training", "starting", "loading", "saving", "recovering", "exiting"})
 MAX_DATAGRAM_BYTES = 4096
 PID_MAX = 2**22  #: the kernel's largest possible pid_max
@@ -52,6 +54,8 @@ class Message:
     ckpt_failures: int = 0  #: commits failed in a row (0 after a commit)
     ckpt_failures_total: int = 0  #: failed commits of this worker process
     ckpt_error: str = ""  #: the last failed commit's error
+    #: this rank's time since its previous beat by phase (STEP_PHASES; beats of the training phase)
+    phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
     finished: bool = False  #: exit: the worker completed training
     error: str = ""  #: exit: why the worker failed
     fatal: bool = False  #: exit: a restart cannot help
@@ -89,6 +93,7 @@ class Message:
             ckpt_failures=_int(msg, "ckpt_failures", 0, 0, _BIG),
             ckpt_failures_total=_int(msg, "ckpt_failures_total", 0, 0, _BIG),
             ckpt_error=_text(msg, "ckpt_error"),
+            phases_s=_phases(msg),
             finished=_bool(msg, "finished"),
             error=_text(msg, "error"),
             fatal=_bool(msg, "fatal"),
@@ -114,6 +119,13 @@ def _text(msg: dict[str, Any], name: str, default: str = "") -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name}={value!r}: need a string")
     return value[:MAX_TEXT_CHARS]
+
+
+def _phases(msg: dict[str, Any]) -> dict[str, float]:
+    value = msg.get("phases_s", {})
+    if not isinstance(value, dict) or not set(value) <= set(STEP_PHASES):
+        raise ValueError(f"phases_s={value!r:.200}: need an object with keys among {STEP_PHASES}")
+    return {name: _float(value, name) for name in value}
 
 
 def _bool(msg: dict[str, Any], name: str) -> bool:

@@ -87,6 +87,7 @@ class Heartbeat:
         ckpt_failures: int = 0,
         ckpt_failures_total: int = 0,
         ckpt_error: str = "",
+        phases_s: dict[str, float] | None = None,
     ) -> None:
         """``phase``: ``training`` (the agent expects the next beat within its hang timeout) or
         anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies).
@@ -101,6 +102,7 @@ class Heartbeat:
             ckpt_failures=ckpt_failures,
             ckpt_failures_total=ckpt_failures_total,
             ckpt_error=ckpt_error,
+            phases_s=phases_s or {},
         )
 
     def exit(

@@ -58,6 +58,7 @@ from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
 from ftrain.parallel import Parallel, parallelize
 from ftrain.progress import Progress
+from ftrain.step_phases import StepPhases
 from ftrain.strategies import compute_layout
 
 if TYPE_CHECKING:
@@ -87,6 +88,16 @@ def describe_failure(e: BaseException) -> str:
     channel truncates it)."""
     lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
     return " | ".join(lines) if lines else type(e).__name__
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one all-gather per step tells every rank."""
+
+    loss: float  #: mean over the whole global batch
+    peaks: list[int]  #: per rank: peak memory
+    busy_s: list[float]  #: per rank: data + forward + backward compute so far
+    comm_wait_s: list[float]  #: per rank: blocked on communication so far
 
 
 @dataclass(slots=True)
@@ -187,6 +198,7 @@ class Trainer:
         model = build_model(cfg.model)
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
+        self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.step_phases)
         self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
         self.round = current_round()  #: the round this trainer was built for (a live worker builds one per round)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)
@@ -271,15 +283,19 @@ class Trainer:
                 # timeout meanwhile. Otherwise the save blocks only for staging.
                 if cfg.checkpoint.async_mode == "off" or self.ckpt.manager.uploading:
                     self._beat(done, "saving")
-                self.ckpt.save(done)
+                with self.phases.phase("ckpt_staging"):
+                    self.ckpt.save(done)
                 self._check_commit_failures()
             if self.tier is not None:
-                self.tier.maybe_snapshot(done, self, checkpointed=checkpointed)
+                with self.phases.phase("ckpt_staging"):
+                    self.tier.maybe_snapshot(done, self, checkpointed=checkpointed)
             maybe_crash(done, self.rank)
             maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:
                 self._check_consistency(done)
-            if self._stop_agreed():
+            with self.phases.phase("comm_wait"):
+                stop = self._stop_agreed()
+            if stop:
                 stopped_early = done < cfg.train.steps
                 self.progress.message(f"graceful stop requested: stopping after step {done}")
                 self.events.emit(ev.GracefulStop(step=done))
@@ -296,13 +312,14 @@ class Trainer:
         self.progress.message(f"done: step {self.cursor.step}, loss {loss:.4f}{gap} in {wall:.1f}s")
         return TrainResult(self.cursor.step, loss, self.floor, wall, layout.world_size, stopped_early)
 
-    def _beat(self, step: int, phase: str, step_time_s: float = 0.0) -> None:
+    def _beat(self, step: int, phase: str, step_time_s: float = 0.0, phases: dict[str, float] | None = None) -> None:
         if self.hb is not None:
             status = self.ckpt.manager.status if self.ckpt else None
             self.hb.beat(
                 step,
                 phase=phase,
                 step_time_s=step_time_s,
+                phases_s=phases or {},
                 committed_step=self.committed_step(),
                 ckpt_duration_s=status.last_save_duration_s if status else 0.0,
                 ckpt_failures=self.consecutive_commit_failures(),
@@ -407,28 +424,33 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------
     def _step(self) -> float:
-        cfg, par = self.cfg, self.par
+        cfg, par, phases = self.cfg, self.par, self.phases
         step = self.cursor.step
         t0 = time.perf_counter()
-        batch = self.cursor.next_global_batch()
-        micros = micro_batches(
-            batch, self.layout.dp_rank, self.layout.dp_size, cfg.train.micro_batch_size, uneven=self.uneven
-        )
+        with phases.phase("data"):
+            batch = self.cursor.next_global_batch()
+            micros = micro_batches(
+                batch, self.layout.dp_rank, self.layout.dp_size, cfg.train.micro_batch_size, uneven=self.uneven
+            )
         if self.ledger is not None:  # before any collective: once this rank's gradients are in a reduction,
             self.ledger.record(batch, micros)  # its peers may complete the step without it (live recovery)
         losses = []
         for i, micro in enumerate(micros):
-            tokens = torch.from_numpy(self.source.sample(micro.sample_ids)).to(self.device, non_blocking=True)
+            with phases.phase("data"):
+                tokens = torch.from_numpy(self.source.sample(micro.sample_ids)).to(self.device, non_blocking=True)
             with par.grad_sync(is_last=i == self.accum - 1):
-                with par.autocast():
-                    logits = par.model(tokens[:, :-1])
-                micro_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-                micro_loss = maybe_poison_loss(step + 1, self.rank, micro_loss)
-                par.backward(micro_loss, i, self.accum)
+                with phases.phase("forward"):
+                    with par.autocast():
+                        logits = par.model(tokens[:, :-1])
+                    micro_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                    micro_loss = maybe_poison_loss(step + 1, self.rank, micro_loss)
+                with phases.backward():
+                    par.backward(micro_loss, i, self.accum)
             losses.append(micro_loss.detach())
-        par.reduce_gradients()
-        grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
-        loss, peaks = self._step_stats(step + 1, losses)
+        with phases.phase("comm_wait"):
+            par.reduce_gradients()
+            grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
+            stats = self._step_stats(step + 1, losses)
         lr = lr_at(
             step,
             peak=self.peak_lr,
@@ -436,17 +458,20 @@ class Trainer:
             total_steps=cfg.train.steps,
             min_lr_ratio=cfg.optim.min_lr_ratio,
         )
-        self._wait_staged()
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            set_lr(par.optimizer.param_groups, lr)
-            par.optimizer.step()
-            self.update_applied = True
-            maybe_perturb_replica(step + 1, self.rank, par.model)
-        else:
-            self.update_applied = True  # skipped or rolled back: either way no longer half-done
-            self._on_nonfinite(step + 1, loss, grad_norm)
-        par.optimizer.zero_grad(set_to_none=True)
-        self._report(step + 1, batch, loss, grad_norm, lr, peaks, time.perf_counter() - t0)
+        with phases.phase("ckpt_staging"):
+            self._wait_staged()
+        loss = stats.loss
+        with phases.phase("optimizer"):
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                set_lr(par.optimizer.param_groups, lr)
+                par.optimizer.step()
+                self.update_applied = True
+                maybe_perturb_replica(step + 1, self.rank, par.model)
+            else:
+                self.update_applied = True  # skipped or rolled back: either way no longer half-done
+                self._on_nonfinite(step + 1, loss, grad_norm)
+            par.optimizer.zero_grad(set_to_none=True)
+        self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0)
         return loss
 
     def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
@@ -488,8 +513,9 @@ class Trainer:
                 raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks}; no checkpoint.uri to roll back")
             self._rollback(f"replicas differ on ranks {ranks} at step {step}")
 
-    def _step_stats(self, step: int, losses: list[torch.Tensor]) -> tuple[float, list[int]]:
-        """All ranks' micro-batch losses and peak memory in one all-gather.
+    def _step_stats(self, step: int, losses: list[torch.Tensor]) -> StepStats:
+        """All ranks' micro-batch losses, peak memory and time so far (busy, waiting) in one
+        all-gather.
 
         The loss is summed in float64 in global micro-batch order (ranks of one tensor-parallel
         group hold the same losses; the first of each counts), so it does not depend on how the
@@ -499,7 +525,9 @@ class Trainer:
         width = -(-self.micro_per_step // layout.dp_size)  # the largest block (blocks may differ by one)
         padding = [0.0] * (width - len(losses))
         local = torch.tensor(
-            [float(x) for x in losses] + padding + [float(peak_memory_bytes(self.device))],
+            [float(x) for x in losses]
+            + padding
+            + [float(peak_memory_bytes(self.device)), self.phases.busy_s(), self.phases.so_far("comm_wait")],
             dtype=torch.float64,
             device=self.device,
         )
@@ -516,21 +544,20 @@ class Trainer:
             for value in rows[rank, : hi - lo].tolist():
                 total += value
                 count += 1
-        return total / count, [int(v) for v in rows[:, -1].tolist()]
+        return StepStats(
+            loss=total / count,
+            peaks=[int(v) for v in rows[:, -3].tolist()],
+            busy_s=[round(v, 6) for v in rows[:, -2].tolist()],
+            comm_wait_s=[round(v, 6) for v in rows[:, -1].tolist()],
+        )
 
     def _report(
-        self,
-        step: int,
-        batch: GlobalBatch,
-        loss: float,
-        grad_norm: float,
-        lr: float,
-        peaks: list[int],
-        step_time_s: float,
+        self, step: int, batch: GlobalBatch, grad_norm: float, lr: float, stats: StepStats, step_time_s: float
     ) -> None:
+        phases = {k: round(v, 6) for k, v in self.phases.take().items()}
         record: dict[str, Any] = {
             "step": step,
-            "loss": loss,
+            "loss": stats.loss,
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_s": self.cfg.train.global_batch_size * self.cfg.model.seq_len / step_time_s,
@@ -539,7 +566,11 @@ class Trainer:
             "dp_size": self.layout.dp_size,
             "accum_steps": self.accum,
             "epoch": batch.epoch,
-            "peak_mem_bytes": peaks,
+            "peak_mem_bytes": stats.peaks,
+            "phases_s": phases,  #: this rank's (rank 0's) interval since the last report, by phase
+            "rank_busy_s": stats.busy_s,  #: per rank: data + forward + backward compute of this step
+            "rank_comm_wait_s": stats.comm_wait_s,  #: per rank: waiting on communication before the losses' gather
+            "comm_overlap": self.par.comm_overlap(),
             "skipped_steps": self.skipped_steps,
             "round": self.round,  #: the round that completed the step (the chaos invariants read it)
             "time": time.time(),
@@ -556,7 +587,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(record)
         self.last_step_time_s = step_time_s
-        self._beat(step, "training", step_time_s)
+        self._beat(step, "training", step_time_s, phases)
         self.progress.update(step, record)
 
     def _save_final(self) -> None:

@@ -61,6 +61,11 @@ class Parallel:
     def reduce_gradients(self) -> None:
         """Finish the step's gradient reduction (wrappers that reduce in backward do nothing)."""
 
+    def comm_overlap(self) -> float | None:
+        """The share of gradient communication hidden behind backward's compute, where the
+        wrapper measures it (None elsewhere)."""
+        return None
+
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(self.model.parameters(), max_norm)
 

@@ -13,15 +13,35 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ftrain.parallel.base import Parallel
 
+#: DDP times backward's compute and communication every this many steps (torch's own timers)
+DDP_TIMING_EVERY = 10
+
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, *, bucket_cap_mb: float, static_graph: bool) -> DDP:
-    return DDP(
+    ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         static_graph=static_graph,
         gradient_as_bucket_view=True,
     )
+    try:
+        ddp._set_ddp_runtime_logging_sample_rate(DDP_TIMING_EVERY)  # noqa: SLF001 - torch's timers, sampled
+    except (AttributeError, RuntimeError):  # another torch: no overlap figure
+        pass
+    return ddp
+
+
+def ddp_overlap(model: torch.nn.Module) -> float | None:
+    """torch DDP's running average over its sampled steps: time its gradient all-reduce
+    overlapped backward's compute / the all-reduce's time (None before its first sample)."""
+    try:
+        data = model._get_ddp_logging_data()  # type: ignore[operator]  # noqa: SLF001 - no public reader
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    comm = float(data.get("avg_backward_comm_time", 0) or 0)
+    overlap = float(data.get("avg_backward_compute_comm_overlap_time", 0) or 0)
+    return round(min(1.0, overlap / comm), 4) if comm > 0 else None
 
 
 class DDPParallel(Parallel):
@@ -30,6 +50,9 @@ class DDPParallel(Parallel):
     def grad_sync(self, is_last: bool) -> AbstractContextManager:
         model = cast(DDP, self.model)  # nn.Module's __getattr__ hides the type
         return contextlib.nullcontext() if is_last else model.no_sync()
+
+    def comm_overlap(self) -> float | None:
+        return ddp_overlap(self.model)
 
 
 class Zero1Parallel(DDPParallel):

@@ -20,6 +20,7 @@ import pytest
 
 from agents.records import JobKeys
 from checkpoint.errors import StaleRoundError
+from contract.heartbeat import STEP_PHASES
 from ftrain.fence import EtcdRoundFence
 from ftrain.heartbeat import process_gone
 from testbed.jobs import TINY_CONFIG, run, torchrun_cmd, worker_env
@@ -64,6 +65,12 @@ def test_worker_kill_restarts_from_the_last_checkpoint_and_the_metrics_show_it(j
     assert _metric(text, "ftrain_round") == 1
     assert _metric(text, "ftrain_restarts_total", cause="worker_exit") in (None, 0.0)
     assert _metric(text, "ftrain_last_committed_step") >= 40 and _metric(text, "ftrain_checkpoint_duration_seconds") > 0
+    # each local rank's step breakdown, labelled by global rank: node a's rank only
+    mine = job.events("worker_started", node="a")[0]["rank"]
+    assert (_metric(text, "ftrain_step_phase_seconds", rank=str(mine), phase="forward") or 0) > 0
+    assert _metric(text, "ftrain_step_phase_seconds", rank=str(1 - mine), phase="forward") is None
+    line = job.metrics()[-1]
+    assert set(line["phases_s"]) == set(STEP_PHASES) and len(line["rank_busy_s"]) == len(line["rank_comm_wait_s"]) == 2
     committed = job.committed_steps()
     os.kill(job.worker_pids("b")[0], signal.SIGKILL)
 
