@@ -218,6 +218,9 @@ class Agent:
         self.dump_nonce = ""  #: the newest dump request seen (ftrain status --dump)
         self.dump_verdict = ""  #: what the workers' flight records said when it was answered
         self.started_at_wall = self.clock.time()
+        self.straggler_lines: list[str] = []  #: the leader's view of the stragglers (status)
+        self._stragglers_seen: set[tuple[int, str]] = set()  #: (round, node) already reported
+        self._busy: tuple[int, float] = (-1, 0.0)  #: this node's busiest rank, its busy time per step lately
         self.session: LeaseSession | None = None
         self.workers: Workers | None = None
         self.finished_rounds: set[int] = set()  #: rounds whose workers ran and ended here
@@ -319,6 +322,9 @@ class Agent:
         except EtcdUnavailableError as e:  # etcd went away mid-tick: the next tick re-reads
             log.warning("etcd request failed, retrying next tick: %s", e)
         self.metrics.tick()
+
+    def _leading(self, state: JobState) -> bool:
+        return self.memory is not None and state.leader == self.cfg.node_id
 
     def _registered(self) -> bool:
         return self.session is not None and not self.session.done.is_set()
@@ -471,6 +477,7 @@ class Agent:
         if self.memory is None:
             self.memory = LeaderMemory(leader_since=now, live=frozenset(state.live_members()), live_changed_at=now)
         decision, self.memory = decide(state, self.policy, self.memory, now)
+        self._note_stragglers(state, self.memory, now)
         try:
             if isinstance(decision, FormRound):
                 self._form_round(state, decision)
@@ -484,6 +491,33 @@ class Agent:
                     )
         except EtcdUnavailableError as e:
             log.warning("leader action failed, retrying: %s", e)
+
+    def _note_stragglers(self, state: JobState, memory: LeaderMemory, now: float) -> None:
+        """The leader: an event (and an error log) per new straggler, the metric, and a line each
+        in this agent's status (``ftrain status`` shows them)."""
+        cur = state.current
+        self.straggler_lines = [
+            s.describe(now) + (f"; policy {self.policy.on_straggler}" if self.policy.on_straggler != "warn" else "")
+            for s in memory.stragglers
+        ]
+        self.metrics.stragglers.set(len(memory.stragglers))
+        for s in memory.stragglers:
+            key = (cur.round if cur else 0, s.node)
+            if key in self._stragglers_seen:
+                continue
+            self._stragglers_seen.add(key)
+            log.error("straggler: %s (policy %s)", s.describe(now), self.policy.on_straggler)
+            self.events.emit(
+                ev.StragglerDetected(
+                    node=s.node,
+                    worker_round=key[0],
+                    busy_rank=s.rank,
+                    busy_s=round(s.busy_s, 6),
+                    others_s=round(s.others_s, 6),
+                    slow_for_s=round(now - s.since, 3),
+                    policy=self.policy.on_straggler,
+                )
+            )
 
     def _form_round(self, state: JobState, decision: FormRound) -> None:
         record = decision.record
@@ -925,6 +959,8 @@ class Agent:
             return
         self._last_status_at = now
         beats = self.heartbeats.beats() if self.workers is not None else {}
+        busy = self.heartbeats.take_busy() if self.workers is not None else {}
+        self._busy = max(busy.values(), key=lambda rb: rb[1]) if busy else self._busy if beats else (-1, 0.0)
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
@@ -941,6 +977,9 @@ class Agent:
             ckpt_failures_total=self.metrics.ckpt_failures_total(),
             ckpt_error=self._ckpt_error[:300],
             hang_verdict=self.hang_verdict[:500],
+            busy_s=round(self._busy[1], 6),
+            busy_rank=self._busy[0],
+            stragglers=self.straggler_lines if self._leading(state) else [],
             dump_nonce=self.dump_nonce,
             dump_verdict=self.dump_verdict[:500],
             recovery=self.cfg.recovery,

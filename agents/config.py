@@ -66,6 +66,18 @@ class AgentConfig:
         ("live", "restart"),
     )
     spares: int = opt(1, "recovery=live: worker processes kept started ahead of need on this node (torch imported).")
+    on_straggler: str = opt(
+        "warn",
+        "A node whose slowest rank computes persistently longer per step than the other nodes' (its peers "
+        "wait for it): warn (an event, a metric, a line in ftrain status), evict (also form a round without it; "
+        "it may join again after straggler_rejoin_s) or off.",
+        ("off", "warn", "evict"),
+    )
+    straggler_factor: float = opt(
+        1.5, "A node is slow when its busy time per step (data, forward, backward) is this many times the others'."
+    )
+    straggler_after_s: float = opt(3.0, "Slow for this long without a break: a straggler.")
+    straggler_rejoin_s: float = opt(30.0, "on_straggler=evict: an evicted node may join again after this long.")
     metrics_port: int = opt(-1, "Prometheus metrics port (0: any free port, -1: off).")
     run_dir: str = opt("", "Worker logs and stack dumps (default: a new temporary directory).")
 
@@ -85,6 +97,10 @@ class AgentConfig:
         at_least("agent.max_restarts", self.max_restarts, 0)
         at_least("agent.deterministic_failures", self.deterministic_failures, 0)
         at_least("agent.spares", self.spares, 0)
+        if not self.straggler_factor > 1:
+            raise ConfigError("agent.straggler_factor", f"must be > 1, got {self.straggler_factor}")
+        positive("agent.straggler_after_s", self.straggler_after_s)
+        at_least("agent.straggler_rejoin_s", self.straggler_rejoin_s, 0)
         at_least("agent.backoff_initial_s", self.backoff_initial_s, 0)
         at_least("agent.backoff_max_s", self.backoff_max_s, self.backoff_initial_s)
         int_range("agent.metrics_port", self.metrics_port, -1, 65535)

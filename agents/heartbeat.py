@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from contract.heartbeat import MAX_DATAGRAM_BYTES, Message
+from contract.heartbeat import BUSY_PHASES, MAX_DATAGRAM_BYTES, Message
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class HeartbeatServer:
         self._lock = threading.Lock()
         self._round = -1
         self._beats: dict[int, Beat] = {}
+        self._busy: dict[int, tuple[int, float, int]] = {}  #: local rank -> (rank, busy seconds, beats)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-server", daemon=True)
         self._thread.start()
@@ -91,7 +92,14 @@ class HeartbeatServer:
     def reset(self, round_: int) -> None:
         """Forget the beats of earlier rounds; accept only ``round_`` from now on."""
         with self._lock:
-            self._round, self._beats = round_, {}
+            self._round, self._beats, self._busy = round_, {}, {}
+
+    def take_busy(self) -> dict[int, tuple[int, float]]:
+        """Local rank -> (global rank, mean busy seconds per step) over the training beats since
+        the last call (every beat counts, not only the newest: the straggler signal)."""
+        with self._lock:
+            taken, self._busy = self._busy, {}
+        return {lr: (rank, total / count) for lr, (rank, total, count) in taken.items() if count}
 
     def beats(self) -> dict[int, Beat]:
         with self._lock:
@@ -132,6 +140,10 @@ class HeartbeatServer:
                 return
             if prev is not None and not beat.phases_s:  # a beat outside training keeps the last breakdown
                 beat.phases_s = prev.phases_s
+            elif beat.phases_s and kind == "beat" and beat.phase == "training":
+                _, total, count = self._busy.get(beat.local_rank, (beat.rank, 0.0, 0))
+                busy = sum(beat.phases_s.get(p, 0.0) for p in BUSY_PHASES)
+                self._busy[beat.local_rank] = (beat.rank, total + busy, count + 1)
             if kind != "exit" and prev is not None and prev.finished is not None:
                 beat.finished, beat.error, beat.fatal = prev.finished, prev.error, prev.fatal
             self._beats[beat.local_rank] = beat

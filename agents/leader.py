@@ -21,19 +21,25 @@ Rules, in order:
    ``settle_s`` ago still waits, it starts careful) — and after the backoff owed to recent
    failures. More failures
    in ``restart_window_s`` than ``max_restarts`` end the job as failed instead.
-4. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
+4. **Stragglers** (:func:`watch_stragglers`): a member whose busiest rank computes (data, forward,
+   backward) ``straggler_factor`` times longer per step than the other members' median, for
+   ``straggler_after_s`` without a break, is a straggler; under ``on_straggler = evict`` a round
+   is formed without it (``straggler``, not a failure) while ``min_nodes`` remain, and it is kept
+   out for ``straggler_rejoin_s`` (``RoundRecord.excluded``, carried from round to round), then
+   joins like any node (rule 2); still slow, it is evicted again.
+5. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
    rank 0 and hosts the rendezvous, so that role migrates when its host is lost. Under live
    recovery, after a worker failure, a node with no warm replacement for it is left out while
    at least ``min_nodes`` remain: the others go on at the smaller world size and it joins again
    once warm (rule 2), instead of everyone waiting for a cold process start.
-5. The job fails at once, without spending the restart budget, when a member reports a
+6. The job fails at once, without spending the restart budget, when a member reports a
    ``fatal`` error (the workers said a restart cannot help, e.g. too many failed checkpoint
    commits), or on a **deterministic failure**: the workers failed with the same error message
    at the same step ``deterministic_failures`` times in a row (default 3; 0: off). Only failures
    the workers described themselves (a Python exception in the exit message) count: a signal
    death or a hang says nothing about determinism (chaos kills workers at the same point on
    purpose) and is left to the restart budget. The final reason names the error and the step.
-6. Unreadable records (see :mod:`agents.records`) are never acted on: an unreadable ``round``
+7. Unreadable records (see :mod:`agents.records`) are never acted on: an unreadable ``round``
    key or current round record makes the leader form a new round above every round number in
    etcd (``round_repair``, not a failure); a malformed master address of the current round,
    while some member has not started, fails the round (``bad_record``, a failure).
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +67,7 @@ from agents.records import (
     START,
     START_TIMEOUT,
     STOPPED,
+    STRAGGLER,
     SUCCEEDED,
     WORKER_EXIT,
     FinalStatus,
@@ -90,6 +98,10 @@ class Policy:
     #: the same worker error at the same step this many times in a row ends the job (0: never)
     deterministic_failures: int
     recovery: str  #: live | restart: under live, a joining node enters once its workers are warm
+    on_straggler: str  #: off | warn | evict
+    straggler_factor: float  #: slow: busy per step this many times the other nodes' median
+    straggler_after_s: float  #: slow this long without a break: a straggler
+    straggler_rejoin_s: float  #: evict: how long an evicted node is kept out
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> Policy:
@@ -108,6 +120,23 @@ class Policy:
 
 
 @dataclass(frozen=True, slots=True)
+class Straggler:
+    """A member whose busiest rank computes persistently longer per step than the other nodes'."""
+
+    node: str
+    rank: int
+    busy_s: float  #: its busy time per step (data, forward, backward), lately
+    others_s: float  #: the median of the other members'
+    since: float  #: slow without a break since (wall clock)
+
+    def describe(self, now: float) -> str:
+        return (
+            f"{self.node} (rank {self.rank}): busy {self.busy_s:.3f} s per step vs {self.others_s:.3f} s on the other "
+            f"nodes ({self.busy_s / self.others_s:.2f}x) for {now - self.since:.1f} s"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class LeaderMemory:
     """What one leader remembers between reads; a new leader starts blank (and careful).
     Immutable: :func:`decide` returns the next one."""
@@ -117,6 +146,8 @@ class LeaderMemory:
     live_changed_at: float = 0.0
     #: committed step when nodes were first seen waiting to join; grow once it advances
     grow_baseline_step: int | None = None
+    slow_since: tuple[tuple[str, float], ...] = ()  #: (node, since): members slow without a break
+    stragglers: tuple[Straggler, ...] = ()  #: members slow for straggler_after_s or longer
 
     def observed(self, state: JobState, now: float) -> LeaderMemory:
         """This memory after seeing ``state`` at ``now`` (membership changes restart the quiet time)."""
@@ -151,6 +182,7 @@ class _Need:
     #: every failing member's report: a node that died without an error of its own (a signal)
     #: makes the others' errors symptoms ("connection closed by peer"), not evidence
     reports: list[Report] = field(default_factory=list)
+    evict: list[str] = field(default_factory=list)  #: members to leave out (stragglers)
 
     def signature(self) -> str:
         """Equal for two failures that look deterministic: the same reason, step and worker
@@ -201,6 +233,38 @@ def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Me
     return kept
 
 
+def watch_stragglers(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> LeaderMemory:
+    """The memory with the current round's slow members and stragglers, from their status:
+    each agent publishes its busiest rank's busy time per step (about every second); a member
+    is slow while that is over ``straggler_factor`` times the median of the other members', and
+    a straggler once slow for ``straggler_after_s`` without a break."""
+    cur = state.current
+    if cur is None or policy.on_straggler == "off":
+        return dataclasses.replace(memory, slow_since=(), stragglers=())
+    busy = {}
+    for m in cur.members:
+        status = state.status.get(m.node_id)
+        if status is not None and status.round == cur.round and status.state == "running" and status.busy_s > 0:
+            busy[m.node_id] = status
+    previous = dict(memory.slow_since)
+    slow_since: dict[str, float] = {}
+    stragglers = []
+    for node, status in sorted(busy.items()):
+        others = statistics.median(s.busy_s for n, s in busy.items() if n != node) if len(busy) > 1 else 0.0
+        if others <= 0 or status.busy_s <= policy.straggler_factor * others:
+            continue
+        since = slow_since[node] = previous.get(node, now)
+        if now - since >= policy.straggler_after_s:
+            stragglers.append(Straggler(node, status.busy_rank, status.busy_s, others, since))
+    return dataclasses.replace(memory, slow_since=tuple(sorted(slow_since.items())), stragglers=tuple(stragglers))
+
+
+def _excluded(state: JobState, now: float) -> dict[str, float]:
+    """Nodes the current round keeps out (evicted stragglers), until when."""
+    cur = state.current
+    return {n: t for n, t in (cur.excluded if cur else {}).items() if t > now}
+
+
 def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[_Need | None, LeaderMemory]:
     """Why a new round is needed (None: it is not), and the memory after looking."""
     cur = state.current
@@ -234,7 +298,16 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
         return _Need(
             START_TIMEOUT, f"no workers started within {policy.start_timeout_s:.0f}s on {', '.join(late)}"
         ), memory
-    joiners = [m for m in live.values() if m not in cur.members and _warm(state, m, policy)]
+    if policy.on_straggler == "evict":
+        members = {m.node_id for m in cur.members}
+        evict = [s for s in memory.stragglers if s.node in members]
+        if evict and len(cur.members) - len(evict) >= policy.min_nodes:
+            detail = "; ".join(s.describe(now) for s in evict)
+            return _Need(STRAGGLER, f"evicting straggler(s) {detail}", evict=[s.node for s in evict]), memory
+    excluded = _excluded(state, now)
+    joiners = [
+        m for m in live.values() if m not in cur.members and m.node_id not in excluded and _warm(state, m, policy)
+    ]
     if not joiners or len(cur.members) >= policy.max_nodes:
         return None, dataclasses.replace(memory, grow_baseline_step=None)
     joined = ", ".join(m.node_id for m in joiners)
@@ -306,7 +379,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     never changed: pass the returned one next time)."""
     if state.final is not None:
         return Wait(f"job finished: {state.final.status}"), memory
-    memory = memory.observed(state, now)
+    memory = watch_stragglers(state, policy, memory.observed(state, now), now)
     cur = state.current
     if cur is not None:
         reports = state.member_reports(cur.round)
@@ -351,6 +424,10 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
 
     leaving = {n for n, r in state.member_reports(cur.round).items() if r.outcome == STOPPED} if cur else set()
     live = [m for m in state.live_members() if m.node_id not in leaving]  # drained: its lease goes next
+    excluded = _excluded(state, now) | {node: now + policy.straggler_rejoin_s for node in need.evict}
+    eligible = [m for m in live if m.node_id not in excluded]
+    if len(eligible) >= policy.min_nodes:  # never let an exclusion stop the job
+        live = eligible
     if len(live) < policy.min_nodes:
         return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live"), memory
     members = live[: policy.max_nodes]
@@ -379,5 +456,6 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
             failure_times=failure_times,
             restarts_by_cause=restarts,
             failure_signatures=signatures,
+            excluded=excluded,
         )
     ), memory

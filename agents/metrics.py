@@ -54,6 +54,9 @@ class AgentMetrics:
         )
         self.productive = gauge("ftrain_productive_seconds", "Step time of first-time steps since the first launch.")
         self.lost = gauge("ftrain_lost_seconds", "Wall time since the first launch that was not productive.")
+        self.stragglers = gauge(
+            "ftrain_stragglers", "Members the leader sees as stragglers now (0 on agents that do not lead)."
+        )
         self.ckpt_consecutive_failures = gauge(
             "ftrain_checkpoint_consecutive_failures", "Checkpoint commits failed in a row (0 after a commit)."
         )

@@ -51,6 +51,10 @@ class Heartbeats(Protocol):
         ``alive_at`` on the agent's monotonic clock)."""
         ...
 
+    def take_busy(self) -> dict[int, tuple[int, float]]:
+        """Local rank -> (global rank, mean busy seconds per step) since the last call."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -56,6 +56,8 @@ START, WORKER_EXIT, HANG, START_TIMEOUT, NODE_LOST, NODE_LEFT, SCALE_UP = (
     "node_left",
     "scale_up",
 )
+#: a member's workers were persistently slower than the others' and agent.on_straggler = evict
+STRAGGLER = "straggler"
 #: a record of the current round could not be used (a malformed master address...)
 BAD_RECORD = "bad_record"
 #: the round key or the current round's record was unreadable: the leader formed a new round
@@ -249,6 +251,8 @@ class RoundRecord:
     restarts_by_cause: dict[str, int] = field(default_factory=dict)  #: every round after the first, by reason
     #: recent failures' "reason|step|error" (empty: not comparable), for the deterministic-failure rule
     failure_signatures: list[str] = field(default_factory=list)
+    #: node id -> wall time until which it is kept out (evicted as a straggler); carried to later rounds
+    excluded: dict[str, float] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -311,6 +315,9 @@ class NodeStatus:
     workers_new: int = 0  #: worker processes new to this round (started, or spares taken)
     workers_ready: int = 0  #: live recovery: warm worker processes on this node, serving or spare
     hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
+    busy_s: float = 0.0  #: mean busy time per step (data, forward, backward) of this node's busiest rank lately
+    busy_rank: int = -1  #: that rank
+    stragglers: list[str] = field(default_factory=list)  #: the leader's: one line per straggler it sees
     dump_nonce: str = ""  #: the newest ``ftrain status --dump`` request this agent answered
     dump_verdict: str = ""  #: what its workers' flight records said then
 

@@ -48,6 +48,8 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "workers_kept": status.workers_kept if status else 0,
                 "workers_new": status.workers_new if status else 0,
                 "hang_verdict": status.hang_verdict if status else "",
+                "busy_s": status.busy_s if status else 0.0,
+                "stragglers": status.stragglers if status else [],
                 "dump_nonce": status.dump_nonce if status else "",
                 "dump_verdict": status.dump_verdict if status else "",
             }
@@ -137,6 +139,10 @@ def format_status(s: dict[str, Any]) -> str:
             f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
             for n in failing
         ]
+    stragglers = [line for n in s["nodes"] if n.get("leader") for line in n.get("stragglers", [])]
+    if stragglers:
+        lines.append("")
+        lines += [f"STRAGGLER {line}" for line in stragglers]
     hangs = [n for n in s["nodes"] if n.get("hang_verdict")]
     if hangs:
         lines.append("")

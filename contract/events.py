@@ -74,6 +74,7 @@ class Event(StrEnum):
     HANG = "hang"
     DUMPED = "dumped"  #: flight records and stacks dumped on request (``ftrain status --dump``), not a hang
     DRAIN = "drain"
+    STRAGGLER_DETECTED = "straggler_detected"  #: the leader found a member persistently slower than the others
     # chaos (the fault injector)
     CHAOS_FAULT = "chaos_fault"
     CHAOS_FAULT_STEP = "chaos_fault_step"
@@ -498,6 +499,19 @@ class FlightRecorded(Record):
     EVENT = Event.FLIGHT_RECORDED
     record: dict[str, Any]  #: contract.flight.FlightRecord
     why: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class StragglerDetected(Record):
+    EVENT = Event.STRAGGLER_DETECTED
+    node: str  #: the straggler
+    worker_round: int
+    busy_rank: int  #: its busiest rank (not ``rank``: the envelope's)
+    busy_s: float  #: that rank's busy time per step (data, forward, backward), lately
+    others_s: float  #: the other members' median
+    slow_for_s: float
+    policy: str  #: warn | evict
 
 
 @_record

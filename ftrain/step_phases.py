@@ -29,9 +29,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from contract.heartbeat import BUSY_PHASES as BUSY
 from contract.heartbeat import STEP_PHASES as PHASES
-
-BUSY = ("data", "forward", "backward")
 
 
 class StepPhases:

@@ -34,6 +34,7 @@ from agents.workers import Launch
 from chaos.cluster import FAST_AGENT_SETTINGS
 from contract import exits
 from contract.events import EventLog, read_jsonl
+from contract.heartbeat import BUSY_PHASES
 from tests.memory_jobstore import FakeClock, MemoryJobStore, MemorySession
 
 JOB = "job"
@@ -54,6 +55,13 @@ class MemoryHeartbeats:
 
     def beats(self) -> dict[int, Beat]:
         return dict(self._beats)
+
+    def take_busy(self) -> dict[int, tuple[int, float]]:
+        return {
+            lr: (b.rank, sum(b.phases_s.get(p, 0.0) for p in BUSY_PHASES))
+            for lr, b in self._beats.items()
+            if b.phases_s
+        }
 
     def receive(self, round_: int, beat: Beat) -> None:
         if round_ == self._round:

@@ -760,3 +760,65 @@ def test_a_garbage_node_record_is_not_a_live_member() -> None:
     _, memory = decide(job.state(), POLICY, memory, T0 + 100)
     record, memory = form(job, memory, T0 + 100 + POLICY.settle_s)
     assert record.reason == NODE_LOST and [m.node_id for m in record.members] == ["a", "c"]
+
+
+# -- stragglers ----------------------------------------------------------------------------------
+def _busy(job: FakeJob, g: int, at: float, **busy_s: float) -> None:
+    """Each node's status: its busiest rank's busy time per step, as its agent publishes it."""
+    for node_id, busy in busy_s.items():
+        status = NodeStatus(round=g, state="running", busy_s=busy, busy_rank=ord(node_id[0]) - 97, updated_at=at)
+        job.put(job.keys.status(node_id), status.to_json(), lease=job.kvs[job.keys.node(node_id)].lease)
+
+
+def test_a_member_slow_without_a_break_for_straggler_after_s_is_a_straggler_and_warn_keeps_it() -> None:
+    policy = replace(POLICY, on_straggler="warn", straggler_factor=1.5, straggler_after_s=3.0)
+    job, memory, record = running_job("a", "b", "c", policy=policy)
+    _busy(job, 1, T0 + 1, a=0.030, b=0.031, c=0.050)  # 1.63x the others' median
+    decision, memory = decide(job.state(), policy, memory, T0 + 1)
+    assert decision == Wait("round healthy") and memory.slow_since == (("c", T0 + 1),) and memory.stragglers == ()
+    decision, memory = decide(job.state(), policy, memory, T0 + 4)
+    [slow] = memory.stragglers
+    assert (slow.node, slow.rank, slow.busy_s, slow.others_s) == ("c", 2, 0.050, 0.0305)
+    assert "c (rank 2): busy 0.050 s per step vs 0.030 s on the other nodes (1.64x) for 3.0 s" in slow.describe(T0 + 4)
+    assert decision == Wait("round healthy"), "warn: no new round"
+    _busy(job, 1, T0 + 5, a=0.030, b=0.031, c=0.040)  # 1.31x: a break ends the episode
+    _, memory = decide(job.state(), policy, memory, T0 + 5)
+    assert memory.slow_since == () and memory.stragglers == ()
+
+
+def test_noise_between_members_and_statuses_of_another_round_are_no_stragglers() -> None:
+    policy = replace(POLICY, on_straggler="evict", straggler_after_s=1.0)
+    job, memory, record = running_job("a", "b", policy=policy)
+    _busy(job, 1, T0 + 1, a=0.030, b=0.042)  # 1.4x, under the factor
+    for now in (T0 + 1, T0 + 5):
+        decision, memory = decide(job.state(), policy, memory, now)
+    assert memory.stragglers == () and decision == Wait("round healthy")
+    _busy(job, 0, T0 + 6, a=0.030, b=0.090)  # written for an older round
+    decision, memory = decide(job.state(), policy, memory, T0 + 9)
+    assert memory.stragglers == () and decision == Wait("round healthy")
+
+
+def test_evict_forms_a_round_without_the_straggler_and_lets_it_join_again_after_rejoin_s() -> None:
+    policy = replace(POLICY, on_straggler="evict", straggler_after_s=2.0, straggler_rejoin_s=30.0, scale_up="immediate")
+    job, memory, record = running_job("a", "b", "c", policy=policy)
+    _busy(job, 1, T0 + 1, a=0.030, b=0.090, c=0.031)
+    _, memory = decide(job.state(), policy, memory, T0 + 1)
+    evicted, memory = form(job, memory, T0 + 3, policy)
+    assert evicted.reason == "straggler" and [m.node_id for m in evicted.members] == ["a", "c"]
+    assert evicted.excluded == {"b": T0 + 33} and "failure_times" not in evicted.restarts_by_cause
+    assert evicted.failure_times == [], "an eviction is not a failure: it spends no restart budget"
+    job.start(2, "a", "c")
+    for now in (T0 + 10, T0 + 32.9):  # b is live but kept out
+        decision, memory = decide(job.state(), policy, memory, now)
+        assert decision == Wait("round healthy"), decision
+    back, memory = form(job, memory, T0 + 33.1, policy)
+    assert back.reason == SCALE_UP and [m.node_id for m in back.members] == ["a", "b", "c"] and back.excluded == {}
+
+
+def test_evict_keeps_the_straggler_when_min_nodes_would_not_remain() -> None:
+    policy = replace(POLICY, on_straggler="evict", straggler_after_s=1.0)  # min_nodes = 2
+    job, memory, record = running_job("a", "b", policy=policy)
+    _busy(job, 1, T0 + 1, a=0.030, b=0.090)
+    _, memory = decide(job.state(), policy, memory, T0 + 1)
+    decision, memory = decide(job.state(), policy, memory, T0 + 3)
+    assert [s.node for s in memory.stragglers] == ["b"] and decision == Wait("round healthy")
