@@ -607,6 +607,7 @@ class Agent:
                 master_port=port,
                 worker_args=tuple(self.opts.worker_args),
                 interrupt=cur.reason in INTERRUPTING_CAUSES,
+                committed_step=state.newest_commit,
             )
         )
 
@@ -960,6 +961,9 @@ class Agent:
         self._last_status_at = now
         beats = self.heartbeats.beats() if self.workers is not None else {}
         busy = self.heartbeats.take_busy() if self.workers is not None else {}
+        if self.pool is not None and self.pool.warming():  # a spare's start-up slows this node's workers: no figure
+            busy = {}
+            self._busy = (-1, 0.0)
         self._busy = max(busy.values(), key=lambda rb: rb[1]) if busy else self._busy if beats else (-1, 0.0)
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(

@@ -68,13 +68,14 @@ class AgentConfig:
     spares: int = opt(1, "recovery=live: worker processes kept started ahead of need on this node (torch imported).")
     on_straggler: str = opt(
         "warn",
-        "A node whose slowest rank computes persistently longer per step than the other nodes' (its peers "
+        "A node whose slowest rank is persistently busier per step than the other nodes' (its peers "
         "wait for it): warn (an event, a metric, a line in ftrain status), evict (also form a round without it; "
         "it may join again after straggler_rejoin_s) or off.",
         ("off", "warn", "evict"),
     )
     straggler_factor: float = opt(
-        1.5, "A node is slow when its busy time per step (data, forward, backward) is this many times the others'."
+        1.25,
+        "A node is slow when its busy time per step (not blocked on communication) is this many times the others'.",
     )
     straggler_after_s: float = opt(3.0, "Slow for this long without a break: a straggler.")
     straggler_rejoin_s: float = opt(30.0, "on_straggler=evict: an evicted node may join again after this long.")

@@ -71,6 +71,11 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
     return msg.round, msg.kind, beat
 
 
+#: the first training beats of a rank in a round do not count for its busy time (the first steps
+#: of a round build caches and buckets: slow on every rank, and not what a straggler is)
+WARMUP_BEATS = 5
+
+
 class HeartbeatServer:
     """Receives beats on ``path`` from a daemon thread; :meth:`reset` starts a new round."""
 
@@ -85,6 +90,7 @@ class HeartbeatServer:
         self._round = -1
         self._beats: dict[int, Beat] = {}
         self._busy: dict[int, tuple[int, float, int]] = {}  #: local rank -> (rank, busy seconds, beats)
+        self._training_beats: dict[int, int] = {}  #: local rank -> training beats this round
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-server", daemon=True)
         self._thread.start()
@@ -92,7 +98,7 @@ class HeartbeatServer:
     def reset(self, round_: int) -> None:
         """Forget the beats of earlier rounds; accept only ``round_`` from now on."""
         with self._lock:
-            self._round, self._beats, self._busy = round_, {}, {}
+            self._round, self._beats, self._busy, self._training_beats = round_, {}, {}, {}
 
     def take_busy(self) -> dict[int, tuple[int, float]]:
         """Local rank -> (global rank, mean busy seconds per step) over the training beats since
@@ -141,9 +147,11 @@ class HeartbeatServer:
             if prev is not None and not beat.phases_s:  # a beat outside training keeps the last breakdown
                 beat.phases_s = prev.phases_s
             elif beat.phases_s and kind == "beat" and beat.phase == "training":
-                _, total, count = self._busy.get(beat.local_rank, (beat.rank, 0.0, 0))
-                busy = sum(beat.phases_s.get(p, 0.0) for p in BUSY_PHASES)
-                self._busy[beat.local_rank] = (beat.rank, total + busy, count + 1)
+                seen = self._training_beats[beat.local_rank] = self._training_beats.get(beat.local_rank, 0) + 1
+                if seen > WARMUP_BEATS:
+                    _, total, count = self._busy.get(beat.local_rank, (beat.rank, 0.0, 0))
+                    busy = sum(beat.phases_s.get(p, 0.0) for p in BUSY_PHASES)
+                    self._busy[beat.local_rank] = (beat.rank, total + busy, count + 1)
             if kind != "exit" and prev is not None and prev.finished is not None:
                 beat.finished, beat.error, beat.fatal = prev.finished, prev.error, prev.fatal
             self._beats[beat.local_rank] = beat

@@ -21,8 +21,8 @@ Rules, in order:
    ``settle_s`` ago still waits, it starts careful) — and after the backoff owed to recent
    failures. More failures
    in ``restart_window_s`` than ``max_restarts`` end the job as failed instead.
-4. **Stragglers** (:func:`watch_stragglers`): a member whose busiest rank computes (data, forward,
-   backward) ``straggler_factor`` times longer per step than the other members' median, for
+4. **Stragglers** (:func:`watch_stragglers`): a member whose busiest rank is busy (not blocked on
+   communication) ``straggler_factor`` times longer per step than the other members' median, for
    ``straggler_after_s`` without a break, is a straggler; under ``on_straggler = evict`` a round
    is formed without it (``straggler``, not a failure) while ``min_nodes`` remain, and it is kept
    out for ``straggler_rejoin_s`` (``RoundRecord.excluded``, carried from round to round), then
@@ -125,7 +125,7 @@ class Straggler:
 
     node: str
     rank: int
-    busy_s: float  #: its busy time per step (data, forward, backward), lately
+    busy_s: float  #: its busy time per step (not blocked on communication), lately
     others_s: float  #: the median of the other members'
     since: float  #: slow without a break since (wall clock)
 

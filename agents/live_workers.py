@@ -126,6 +126,7 @@ class LiveWorkers:
                     master_addr=launch.master_addr,
                     master_port=launch.master_port,
                     interrupt=launch.interrupt,
+                    committed_step=launch.committed_step,
                 )
             )
         self.last_kept, self.last_started = kept, started
@@ -265,6 +266,10 @@ class LiveWorkers:
 
     def spare_pids(self) -> list[int]:
         return [p.pid for p in self._spares if p.alive()]
+
+    def warming(self) -> int:
+        """Spares started and not warm yet (their start-up competes with the workers for CPUs)."""
+        return sum(1 for p in self._spares if p.alive() and not p.control.is_ready())
 
     def ready(self) -> int:
         """Processes warm and free to serve a round: warm spares, and the serving ones."""

@@ -315,7 +315,7 @@ class NodeStatus:
     workers_new: int = 0  #: worker processes new to this round (started, or spares taken)
     workers_ready: int = 0  #: live recovery: warm worker processes on this node, serving or spare
     hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
-    busy_s: float = 0.0  #: mean busy time per step (data, forward, backward) of this node's busiest rank lately
+    busy_s: float = 0.0  #: mean busy time per step (not blocked on communication) of this node's busiest rank lately
     busy_rank: int = -1  #: that rank
     stragglers: list[str] = field(default_factory=list)  #: the leader's: one line per straggler it sees
     dump_nonce: str = ""  #: the newest ``ftrain status --dump`` request this agent answered
@@ -389,6 +389,8 @@ class JobState:
     status: dict[str, NodeStatus] = field(default_factory=dict)
     final: FinalStatus | None = None
     dump: DumpRequest | None = None  #: the newest ``ftrain status --dump`` request
+    #: the newest step with a commit record (``commits/<step>``, written at the commit point; -1: none)
+    newest_commit: int = -1
     final_mod_revision: int = 0  #: of an unreadable ``final`` (0: none): the leader replaces it
     problems: list[Problem] = field(default_factory=list)  #: records skipped, in key order
 
@@ -488,6 +490,8 @@ class JobState:
             self.reports.setdefault(g, {})[parts[3]] = _load(Report, kv.value)
         elif parts[0] == "status" and len(parts) == 2:
             self.status[parts[1]] = _load(NodeStatus, kv.value)
+        elif parts[0] == "commits" and len(parts) == 2 and parts[1].isdigit() and len(parts[1]) <= 18:
+            self.newest_commit = max(self.newest_commit, int(parts[1]))
         elif rel == "dump":
             request = _load(DumpRequest, kv.value)
             if not isinstance(request.nonce, str) or not re.fullmatch(r"[0-9a-f]{1,32}", request.nonce):

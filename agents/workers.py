@@ -156,6 +156,9 @@ class Launch:
     worker_args: tuple[str, ...]  #: after ``-m ftrain train``: CONFIG.toml and overrides
     #: the round replaces one that lost a member (live workers leave that one at once)
     interrupt: bool = False
+    #: the newest committed step when the round was launched: live workers holding an older one
+    #: must not go on from it (they were left out of the rounds that trained past it)
+    committed_step: int = -1
 
     def command(self) -> list[str]:
         return [

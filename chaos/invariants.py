@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from agents.records import STRAGGLER
 from chaos.faults import FAULTS, Fault, Outcome
+from chaos.faults.registry import DETECT_GRACE_S
 from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from checkpoint.verify import verify_step
@@ -249,7 +251,30 @@ def faults_handled(events: list[dict[str, Any]]) -> Check:
             bad.append(f"{f['kind']} #{i} was not refused: {f}")
         if fault.restarts and not any(t > f["time"] for t in rounds):
             bad.append(f"{f['kind']} #{i} at step {f.get('step')} was never followed by a new round")
+        if fault.must_be_detected:
+            until = f["time"] + float(f.get("duration_s", 0.0)) + DETECT_GRACE_S
+            if not any(e["event"] in fault.detected_by and f["time"] <= e["time"] <= until for e in events):
+                bad.append(
+                    f"{f['kind']} #{i} at step {f.get('step')} was not detected ({' or '.join(fault.detected_by)}) "
+                    f"within its {f.get('duration_s', 0)} s and {DETECT_GRACE_S:.0f} s more"
+                )
     return Check("faults_handled", not bad, "; ".join(bad) if bad else f"{len(faults)} fault(s) handled")
+
+
+def evicted_nodes_rejoined(events: list[dict[str, Any]]) -> Check:
+    """Every node a ``straggler`` round left out (agent.on_straggler = evict) was a member of a
+    round formed after it: eviction is for a while, not for good."""
+    rounds = sorted(_of(events, Event.ROUND_FORMED), key=lambda r: r["new_round"])
+    bad, evicted = [], 0
+    for prev, r in zip(rounds, rounds[1:], strict=False):
+        if r.get("reason") != STRAGGLER:
+            continue
+        for node in sorted(set(prev["members"]) - set(r["members"])):
+            evicted += 1
+            if not any(later["new_round"] > r["new_round"] and node in later["members"] for later in rounds):
+                bad.append(f"{node}, evicted by round {r['new_round']}, never joined a later round")
+    detail = "; ".join(bad) if bad else f"{evicted} evicted node(s), each back in a later round"
+    return Check("evicted_nodes_rejoined", not bad, detail)
 
 
 def _first_step_of_each_round(metrics: list[dict[str, Any]]) -> dict[int, float]:

@@ -262,6 +262,7 @@ def run_scenario(
             invariants.one_round_at_a_time(metrics),
             invariants.no_commit_from_a_stale_round(all_events, metrics),
             invariants.cut_off_nodes_rejoined(all_events),
+            invariants.evicted_nodes_rejoined(all_events),
         ]
         if timed_out:
             checks.insert(0, invariants.Check("finished_in_time", False, f"still running after {job.timeout_s:.0f}s"))

@@ -45,6 +45,9 @@ class Assignment:
     stop: bool = False
     #: the round before this one lost a member: leave it at once, not at the next step boundary
     interrupt: bool = False
+    #: the newest committed step when the round was launched (-1: none known): state held in
+    #: memory that is older was left behind by the rounds that trained on without this process
+    committed_step: int = -1
 
     def __post_init__(self) -> None:
         _check_int("round", self.round, 0, MAX_ROUND)
@@ -55,6 +58,7 @@ class Assignment:
         _check_int("nnodes", self.nnodes, 1, self.world_size)
         _check_int("node_rank", self.node_rank, 0, self.nnodes - 1)
         _check_int("master_port", self.master_port, 1, 65535)
+        _check_int("committed_step", self.committed_step, -1, 2**62)
         for name in ("stop", "interrupt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: need true or false")

@@ -508,7 +508,7 @@ class StragglerDetected(Record):
     node: str  #: the straggler
     worker_round: int
     busy_rank: int  #: its busiest rank (not ``rank``: the envelope's)
-    busy_s: float  #: that rank's busy time per step (data, forward, backward), lately
+    busy_s: float  #: that rank's busy time per step (not blocked on communication), lately
     others_s: float  #: the other members' median
     slow_for_s: float
     policy: str  #: warn | evict

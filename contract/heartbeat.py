@@ -29,8 +29,9 @@ from typing import Any
 KINDS = frozenset({"beat", "exit", "alive"})
 #: where a step's time goes on a rank (ftrain.step_phases), in the order they are shown
 STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "ckpt_staging", "other")
-#: the phases a straggler has more of (its peers wait for it in comm_wait instead)
-BUSY_PHASES = ("data", "forward", "backward")
+#: a rank's time not spent waiting for its peers: a straggler has more of it (its peers wait for
+#: it in comm_wait instead)
+BUSY_PHASES = tuple(p for p in STEP_PHASES if p != "comm_wait")
 PHASES = frozenset({"training", "starting", "loading", "saving", "recovering", "exiting"})
 MAX_DATAGRAM_BYTES = 4096
 PID_MAX = 2**22  #: the kernel's largest possible pid_max

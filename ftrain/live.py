@@ -148,17 +148,22 @@ def hold(trainer: Trainer) -> HeldState:
     return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict())
 
 
-def restore(trainer: Trainer, held: HeldState | None) -> Restored:
-    """Collective: agree on the step to go on from and put that state into ``trainer``."""
+def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) -> Restored:
+    """Collective: agree on the step to go on from and put that state into ``trainer``;
+    ``committed_step``: the newest commit the round's assignment knows of (the same on every
+    rank): state held in memory that is older is not gone on from."""
     full = strategies.get(trainer.layout.strategy).full_replica
     rows = survey(held, full, trainer.device)
     newest = max(step for step, _, _, _ in rows)
     holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
     digests = {rows[r][2] for r in holders}
-    committed = max(c for _, _, _, c in rows)
+    committed = max(committed_step, *(c for _, _, _, c in rows))
     if holders and len(digests) > 1:
         log.error("replicas at step %d differ (digests %s): loading from storage", newest, sorted(digests))
         holders = []  # every rank sees the same rows, so every rank falls back together
+    if holders and newest < committed:  # held by ranks that sat out the rounds that trained on
+        log.warning("the newest step held in memory (%d) is older than committed step %d: loading", newest, committed)
+        holders = []
     if not holders:
         tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
         if tier_step is not None:
@@ -280,7 +285,7 @@ def serve(cfg: Config) -> None:
                     tier,
                 )
                 built = time.monotonic()
-                restored = restore(trainer, held)
+                restored = restore(trainer, held, assignment.committed_step)
                 done = time.monotonic()
                 trainer.events.emit(
                     ev.LiveRestored(

@@ -17,8 +17,9 @@ Where gradients are not accumulated through autograd (FSDP assigns its sharded g
 hook fires and backward's wait stays in ``backward``. On CUDA the times are the host's: a phase
 ends when its kernels are queued, not run, except where the host waits for them.
 
-``busy_s`` (data + forward + backward) is what a slow rank has more of and its peers do not:
-they wait for it in ``comm_wait`` (the straggler signal).
+``busy_s`` (everything but ``comm_wait``) is what a slow rank has more of and its peers do
+not: they wait for it in ``comm_wait`` (the straggler signal). Wherever a slow rank loses its
+time — compute, a stall reading data, a process stopped and continued — it shows there.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from contract.heartbeat import BUSY_PHASES as BUSY
 from contract.heartbeat import STEP_PHASES as PHASES
 
 
@@ -70,8 +70,8 @@ class StepPhases:
         return self._seconds[name]
 
     def busy_s(self) -> float:
-        """Data, forward and backward compute so far in this interval."""
-        return sum(self._seconds[p] for p in BUSY)
+        """The interval so far, less the time blocked on communication."""
+        return time.perf_counter() - self._since - self._seconds["comm_wait"]
 
     def take(self) -> dict[str, float]:
         """The interval since the last call, by phase (``other``: the rest), and start a new one."""

@@ -96,7 +96,7 @@ class StepStats:
 
     loss: float  #: mean over the whole global batch
     peaks: list[int]  #: per rank: peak memory
-    busy_s: list[float]  #: per rank: data + forward + backward compute so far
+    busy_s: list[float]  #: per rank: time so far not blocked on communication
     comm_wait_s: list[float]  #: per rank: blocked on communication so far
 
 
@@ -568,7 +568,7 @@ class Trainer:
             "epoch": batch.epoch,
             "peak_mem_bytes": stats.peaks,
             "phases_s": phases,  #: this rank's (rank 0's) interval since the last report, by phase
-            "rank_busy_s": stats.busy_s,  #: per rank: data + forward + backward compute of this step
+            "rank_busy_s": stats.busy_s,  #: per rank: time of this step not blocked on communication
             "rank_comm_wait_s": stats.comm_wait_s,  #: per rank: waiting on communication before the losses' gather
             "comm_overlap": self.par.comm_overlap(),
             "skipped_steps": self.skipped_steps,

@@ -23,6 +23,9 @@ Action = Callable[["Context", "FaultSpec"], dict[str, Any]]
 
 #: Events by which agents or workers show they noticed a fault: the first one after a fault (and
 #: before the next) is its detection, unless the event says ``outcome = "succeeded"``.
+#: how long after a fault that must be detected (and its ``duration_s``) its detection may come
+DETECT_GRACE_S = 10.0
+
 DETECTIONS = (
     Event.WORKERS_EXITED,
     Event.HANG,
@@ -71,6 +74,9 @@ class Fault:
     kills_agent: bool = False
     #: the events that count as its detection
     detected_by: tuple[str, ...] = DETECTIONS
+    #: one of ``detected_by`` must follow it, within its ``duration_s`` and DETECT_GRACE_S more
+    #: (a fault training rides out, like a slow worker, that the job must still notice)
+    must_be_detected: bool = False
     #: ``FTRAIN_FAULT_*`` variables it arms in every worker from the start (a fault that must act
     #: inside a worker at a known point: see ``ftrain/faults.py``)
     worker_env: Callable[[FaultSpec], dict[str, str]] | None = None

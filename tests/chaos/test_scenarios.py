@@ -40,6 +40,7 @@ def test_scenario_keeps_every_invariant(name, tmp_path, golden_cache):
         "one_round_trains_at_a_time",
         "no_commit_from_a_stale_round",
         "cut_off_nodes_rejoined",
+        "evicted_nodes_rejoined",
     }
     kinds = [f["kind"] for f in result.report["faults"]]
     assert sorted(set(kinds)) == sorted({f.kind for f in scenario.faults})

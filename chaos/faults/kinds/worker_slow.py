@@ -1,6 +1,7 @@
 """``worker_slow``: a live worker runs on a stop/continue duty cycle (``stop_s`` stopped,
 ``run_s`` running) for ``duration_s``; it is always continued at the end. Slow is not dead: the
-job rides it out."""
+job rides it out, but the leader must flag the node as a straggler (``straggler_detected``;
+under ``agent.on_straggler = evict`` it also leaves it out for a while)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
 from chaos.faults.targets import pick_worker, send_signal
+from contract.events import Event
 from ftrain.heartbeat import process_gone
 
 
@@ -31,4 +33,12 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     return record
 
 
-FAULT = FAULTS.register(Fault(kind="worker_slow", act=_act, outcome=Outcome.RIDDEN_OUT))
+FAULT = FAULTS.register(
+    Fault(
+        kind="worker_slow",
+        act=_act,
+        outcome=Outcome.RIDDEN_OUT,
+        detected_by=(Event.STRAGGLER_DETECTED,),
+        must_be_detected=True,
+    )
+)
