@@ -78,7 +78,7 @@ class Assignment:
         unknown = sorted(set(raw) - names)
         if unknown:
             raise ValueError(f"unknown field(s) {unknown}")
-        missing = sorted(n for n in names - set(raw) if n not in ("stop", "interrupt"))
+        missing = sorted(n for n in names - set(raw) if n not in ("stop", "interrupt", "committed_step"))
         if missing:
             raise ValueError(f"missing field(s) {missing}")
         return cls(**raw)

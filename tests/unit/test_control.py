@@ -49,6 +49,8 @@ def test_an_assignment_round_trips_and_sets_torchruns_environment():
         ({"round": -1}, "round"),
         ({"stop": "yes"}, "stop"),
         ({"interrupt": 1}, "interrupt"),
+        ({"committed_step": -2}, "committed_step"),
+        ({"committed_step": 1.5}, "committed_step"),
         ({"extra": 1}, "unknown field"),
     ],
 )
