@@ -771,7 +771,7 @@ def _busy(job: FakeJob, g: int, at: float, **busy_s: float) -> None:
 
 
 def test_a_member_slow_without_a_break_for_straggler_after_s_is_a_straggler_and_warn_keeps_it() -> None:
-    policy = replace(POLICY, on_straggler="warn", straggler_factor=1.5, straggler_after_s=3.0)
+    policy = replace(POLICY, on_straggler="warn", straggler_factor=1.5, straggler_after_s=3.0)  # not the default
     job, memory, record = running_job("a", "b", "c", policy=policy)
     _busy(job, 1, T0 + 1, a=0.030, b=0.031, c=0.050)  # 1.63x the others' median
     decision, memory = decide(job.state(), policy, memory, T0 + 1)
@@ -789,7 +789,7 @@ def test_a_member_slow_without_a_break_for_straggler_after_s_is_a_straggler_and_
 def test_noise_between_members_and_statuses_of_another_round_are_no_stragglers() -> None:
     policy = replace(POLICY, on_straggler="evict", straggler_after_s=1.0)
     job, memory, record = running_job("a", "b", policy=policy)
-    _busy(job, 1, T0 + 1, a=0.030, b=0.042)  # 1.4x, under the factor
+    _busy(job, 1, T0 + 1, a=0.030, b=0.036)  # 1.2x, under the factor (1.25)
     for now in (T0 + 1, T0 + 5):
         decision, memory = decide(job.state(), policy, memory, now)
     assert memory.stragglers == () and decision == Wait("round healthy")
