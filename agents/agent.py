@@ -112,6 +112,7 @@ class AgentOptions:
     etcd_ca_cert: str | None = None
     etcd_cert: str | None = None  #: client certificate (PEM) for https endpoints that require one
     etcd_key: str | None = None  #: its private key (PEM), if not in the certificate file
+    device_hour_price: float = 0.0  #: accounting.device_hour_price: lost time's cost in the metrics and status
 
     @classmethod
     def of(cls, **kwargs: Any) -> AgentOptions:
@@ -981,6 +982,10 @@ class Agent:
             ckpt_failures_total=self.metrics.ckpt_failures_total(),
             ckpt_error=self._ckpt_error[:300],
             hang_verdict=self.hang_verdict[:500],
+            productive_s=round(self.metrics.productive_s(), 3),
+            lost_s=round(self.metrics.lost_s(), 3),
+            devices=self.cfg.nproc_per_node,
+            device_hour_price=self.opts.device_hour_price,
             busy_s=round(self._busy[1], 6),
             busy_rank=self._busy[0],
             stragglers=self.straggler_lines if self._leading(state) else [],

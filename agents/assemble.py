@@ -41,7 +41,13 @@ def build_agent(opts: AgentOptions) -> Agent:
         store=EtcdJobStore(client),
         clock=clock,
         heartbeats=HeartbeatServer(os.path.join(tempfile.mkdtemp(prefix="ftrain-hb-"), "hb.sock")),
-        metrics=AgentMetrics(cfg.job, cfg.node_id, clock=clock.monotonic),
+        metrics=AgentMetrics(
+            cfg.job,
+            cfg.node_id,
+            clock=clock.monotonic,
+            devices=cfg.nproc_per_node,
+            device_hour_price=opts.device_hour_price,
+        ),
         events=EventLog(opts.events_path, rank=-1),
         launcher=WorkerGroup,
         standby=(

@@ -138,6 +138,22 @@ class AgentConfig:
         return [e for e in self.etcd.split(",") if e]
 
 
+@dataclass(kw_only=True, slots=True)
+class AccountingConfig:
+    """The ``[accounting]`` section: what lost time costs (read by ``ftrain agent`` and ``ftrain
+    report``; workers ignore it)."""
+
+    device_hour_price: float = opt(
+        0.0,
+        "Price of one device (a GPU, or a CPU worker) for one hour: with it the agents' metrics, ftrain status "
+        "and ftrain report show what lost time cost, beside device-hours (0: device-hours only).",
+    )
+
+    def __post_init__(self) -> None:
+        check_floats("accounting", self)
+        at_least("accounting.device_hour_price", self.device_hour_price, 0)
+
+
 def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
     """``ftrain agent`` options setting these ``[agent]`` keys; checked against
     :class:`AgentConfig` here, so a misspelt key or a bad value fails before any agent starts."""

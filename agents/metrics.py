@@ -25,8 +25,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 class AgentMetrics:
     """``clock``: the agent's monotonic clock (lost time is measured on it)."""
 
-    def __init__(self, job: str, node_id: str, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        job: str,
+        node_id: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        devices: int = 1,
+        device_hour_price: float = 0.0,
+    ):
         self._clock = clock
+        self._devices, self._price = devices, device_hour_price
         self.registry = CollectorRegistry()
         labels = {"job": job, "node": node_id}
         names = list(labels)
@@ -54,6 +63,12 @@ class AgentMetrics:
         )
         self.productive = gauge("ftrain_productive_seconds", "Step time of first-time steps since the first launch.")
         self.lost = gauge("ftrain_lost_seconds", "Wall time since the first launch that was not productive.")
+        self.lost_device_hours = gauge(
+            "ftrain_lost_device_hours", "ftrain_lost_seconds times this node's devices (workers), in hours."
+        )
+        self.lost_cost = gauge(
+            "ftrain_lost_cost", "ftrain_lost_device_hours times accounting.device_hour_price (0 when not priced)."
+        )
         self.stragglers = gauge(
             "ftrain_stragglers", "Members the leader sees as stragglers now (0 on agents that do not lead)."
         )
@@ -130,9 +145,21 @@ class AgentMetrics:
             for phase, seconds in by_phase.items():
                 self._phases.labels(**self._labels, rank=str(rank), phase=phase).set(seconds)
 
+    def productive_s(self) -> float:
+        return self._productive_s
+
+    def lost_s(self) -> float:
+        """Wall time since the first launch that was not productive (0 before it)."""
+        if self._first_launch is None:
+            return 0.0
+        return max(0.0, self._clock() - self._first_launch - self._productive_s)
+
     def tick(self) -> None:
         if self._first_launch is not None:
-            self.lost.set(max(0.0, self._clock() - self._first_launch - self._productive_s))
+            lost = self.lost_s()
+            self.lost.set(lost)
+            self.lost_device_hours.set(lost * self._devices / 3600)
+            self.lost_cost.set(lost * self._devices / 3600 * self._price)
 
     def close(self) -> None:
         if self._server is not None:

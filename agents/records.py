@@ -315,6 +315,10 @@ class NodeStatus:
     workers_new: int = 0  #: worker processes new to this round (started, or spares taken)
     workers_ready: int = 0  #: live recovery: warm worker processes on this node, serving or spare
     hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
+    productive_s: float = 0.0  #: step time of first-time steps on this node since its first launch
+    lost_s: float = 0.0  #: wall time since the first launch that was not productive
+    devices: int = 0  #: this node's workers (devices)
+    device_hour_price: float = 0.0  #: accounting.device_hour_price (0: not priced)
     busy_s: float = 0.0  #: mean busy time per step (not blocked on communication) of this node's busiest rank lately
     busy_rank: int = -1  #: that rank
     stragglers: list[str] = field(default_factory=list)  #: the leader's: one line per straggler it sees

@@ -49,6 +49,10 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "workers_new": status.workers_new if status else 0,
                 "hang_verdict": status.hang_verdict if status else "",
                 "busy_s": status.busy_s if status else 0.0,
+                "productive_s": status.productive_s if status else 0.0,
+                "lost_s": status.lost_s if status else 0.0,
+                "devices": status.devices if status else 0,
+                "device_hour_price": status.device_hour_price if status else 0.0,
                 "stragglers": status.stragglers if status else [],
                 "dump_nonce": status.dump_nonce if status else "",
                 "dump_verdict": status.dump_verdict if status else "",
@@ -139,6 +143,17 @@ def format_status(s: dict[str, Any]) -> str:
             f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
             for n in failing
         ]
+    priced = [n for n in s["nodes"] if n.get("devices")]
+    if priced:
+        lost_h = sum(n["lost_s"] * n["devices"] for n in priced) / 3600
+        productive_h = sum(n["productive_s"] * n["devices"] for n in priced) / 3600
+        price = max(n.get("device_hour_price", 0.0) for n in priced)
+        cost = f" (cost {lost_h * price:.2f} at {price:g} per device-hour)" if price else ""
+        lines.append("")
+        lines.append(
+            f"device time: {productive_h:.3f} device-hours productive, {lost_h:.3f} lost{cost}; "
+            "by cause: ftrain report RUN_DIR"
+        )
     stragglers = [line for n in s["nodes"] if n.get("leader") for line in n.get("stragglers", [])]
     if stragglers:
         lines.append("")

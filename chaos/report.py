@@ -1,29 +1,17 @@
 """The chaos report: ``report.json``, a self-contained ``report.html`` (the data is embedded and
 drawn by a small script into an SVG timeline: one lane per node and per rank, plus the faults
 and the step count) and ``report.png``, a screenshot of the page by headless Chromium when one is
-installed."""
+installed (:mod:`ftrain.browser`)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-HEADLESS_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--hide-scrollbars",
-)
+from ftrain.browser import dump_dom, find_browser, screenshot
+
+__all__ = ["dump_dom", "find_browser", "render_html", "screenshot", "write_report"]
 
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>ftrain chaos: __TITLE__</title>
@@ -142,52 +130,9 @@ document.body.setAttribute("data-rendered", lanes.length);
 """
 
 
-def find_browser() -> str | None:
-    for name in BROWSERS:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def render_html(report: dict[str, Any]) -> str:
     data = json.dumps(report, default=str).replace("</", "<\\/")
     return _PAGE.replace("__TITLE__", str(report["scenario"])).replace("__DATA__", data)
-
-
-def screenshot(html_path: Path, png_path: Path, *, width: int = 1200, height: int = 900, timeout_s: float = 60) -> bool:
-    browser = find_browser()
-    if browser is None:
-        return False
-    with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
-        out = subprocess.run(
-            [
-                browser,
-                *HEADLESS_FLAGS,
-                f"--user-data-dir={profile}",
-                f"--screenshot={png_path}",
-                f"--window-size={width},{height}",
-                html_path.resolve().as_uri(),
-            ],
-            capture_output=True,
-            timeout=timeout_s,
-        )
-    return out.returncode == 0 and png_path.exists()
-
-
-def dump_dom(html_path: Path, *, timeout_s: float = 60) -> str:
-    """The page's DOM after its script ran, as headless Chromium sees it."""
-    browser = find_browser()
-    if browser is None:
-        raise FileNotFoundError(f"no headless browser found (tried {', '.join(BROWSERS)})")
-    with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
-        out = subprocess.run(
-            [browser, *HEADLESS_FLAGS, f"--user-data-dir={profile}", "--dump-dom", html_path.resolve().as_uri()],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    return out.stdout
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from ftrain.strategies import check_config as _check_strategy_config
 from ftrain.strategies import check_parallel as _check_strategy_parallel
 
 #: sections of the shared config file that other processes own (the node agent's)
-OTHER_SECTIONS = ("agent",)
+OTHER_SECTIONS = ("agent", "accounting")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,6 +9,7 @@
     ftrain agent [options] -- CONFIG.toml [overrides]   this node's agent (see agents/)
     ftrain status --etcd URL --job ID [--json] [--dump] a job's nodes, round, steps and restarts
     ftrain analyze EVENTS_OR_RUN_DIR [--json]           name the culprit of each hang from the flight records
+    ftrain report RUN_DIR [--out DIR] [--config C]      an HTML report of a job: curves, timeline, lost time
     ftrain local up                                     local etcd + SeaweedFS S3 for trying it out
     ftrain chaos run SCENARIO.toml [--seed N]           fault injection that proves nothing was lost
 
@@ -37,6 +38,7 @@ COMMANDS = {
     "agent": "ftrain.cli.agent",
     "status": "ftrain.cli.agent",
     "analyze": "ftrain.cli.analyze",
+    "report": "ftrain.cli.report",
     "local": "ftrain.cli.local",
     "chaos": "ftrain.cli.chaos",
     "config": "ftrain.cli.config",

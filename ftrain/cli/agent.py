@@ -106,6 +106,7 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
         etcd_ca_cert=args.etcd_ca_cert,
         etcd_cert=args.etcd_cert,
         etcd_key=args.etcd_key,
+        device_hour_price=cfg.accounting.device_hour_price,
     )
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agents.config import AgentConfig
+from agents.config import AccountingConfig, AgentConfig
 from contract import exits
 from contract.config import load_sections
 from contract.config import reference_markdown as _reference
@@ -26,17 +26,19 @@ from ftrain.config import sections as runtime_sections
 @dataclass(kw_only=True, slots=True)
 class JobConfig(Config):
     agent: AgentConfig = field(default_factory=AgentConfig)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
 
 
 def schema() -> dict[str, type]:
     """Every section of the config file, in file order."""
-    return {**runtime_sections(), "agent": AgentConfig}
+    return {**runtime_sections(), "agent": AgentConfig, "accounting": AccountingConfig}
 
 
 def load_job_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> JobConfig:
     """Every section of the file validated (defaults < file < ``--section.key=value``)."""
     typed, _ = load_sections(schema(), path, overrides)
-    return JobConfig(**typed, others={"agent": dataclasses.asdict(typed["agent"])})
+    others = {name: dataclasses.asdict(typed[name]) for name in ("agent", "accounting")}
+    return JobConfig(**typed, others=others)
 
 
 def reference_markdown() -> str:

@@ -1,0 +1,194 @@
+"""What a job's logs say about it, as one report: ``ftrain report RUN_DIR`` (the page is
+:mod:`ftrain.report_page`).
+
+:func:`collect` reads every ``metrics*.jsonl`` and ``events*.jsonl`` under a run directory (each
+node's, when each keeps its own; torn lines skipped) and :func:`build` turns them into plain
+data: the steps (loss, gradient norm, throughput, phases, per-rank busy and waiting time),
+rounds, faults, hangs with their verdicts, commits, stragglers, goodput, and where the
+device time went (:func:`lost_time`).
+
+Device time is counted on the job's largest world size (the devices it holds), from its first
+round to its last step, split into:
+
+- ``productive``: first-time steps (the interval since the previous step's line, where the line
+  has its phases), less their checkpoint staging and their waiting for stragglers;
+- ``recomputation``: steps done again after going back to an older state;
+- ``checkpoint_stalls``: staging state for checkpoints and the memory tier (every rank alike);
+- ``stragglers``: ranks waiting for the slowest rank of a step (each step's waiting beyond its
+  least-waiting rank's, summed over ranks);
+- ``restarts``: the rest: detection, rendezvous, start-up, loads, and devices left idle by a
+  smaller round.
+
+With a price per device-hour (``accounting.device_hour_price``), each cause also has its cost.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from contract.events import Event, read_jsonl
+
+CAUSES = ("productive", "recomputation", "checkpoint_stalls", "stragglers", "restarts")
+MAX_STEPS_SHOWN = 2000  #: steps kept for the curves and the heatmap (evenly thinned beyond)
+
+
+def collect(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Path]]:
+    """(metrics lines, events, the files read) of everything under ``run_dir`` (or one file)."""
+    paths = [run_dir] if run_dir.is_file() else sorted(p for p in run_dir.rglob("*.jsonl") if p.is_file())
+    metrics: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    used = []
+    for path in paths:
+        if path.name.startswith("metrics"):
+            metrics += [m for m in read_jsonl(path) if isinstance(m, dict) and isinstance(m.get("step"), int)]
+        elif path.name.startswith("events"):
+            events += [e for e in read_jsonl(path) if isinstance(e, dict) and isinstance(e.get("event"), str)]
+        else:
+            continue
+        used.append(path)
+    metrics.sort(key=lambda m: _num(m.get("time")))
+    events.sort(key=lambda e: _num(e.get("time")))
+    return metrics, events, used
+
+
+def build(
+    metrics: list[dict[str, Any]], events: list[dict[str, Any]], *, title: str = "", device_hour_price: float = 0.0
+) -> dict[str, Any]:
+    """The report's data (JSON-ready)."""
+    rounds = [
+        {
+            "round": e.get("new_round"),
+            "time": _num(e.get("time")),
+            "reason": str(e.get("reason", "")),
+            "members": e.get("members", []),
+            "world_size": e.get("world_size"),
+        }
+        for e in _of(events, Event.ROUND_FORMED)
+    ]
+    commits: dict[int, dict[str, Any]] = {}
+    for e in _of(events, Event.CKPT_COMMITTED):
+        if isinstance(e.get("step"), int):
+            commits.setdefault(e["step"], {"step": e["step"], "time": _num(e.get("time")), "round": e.get("round")})
+    started = min([r["time"] for r in rounds] + [_num(m.get("time")) for m in metrics[:1]], default=0.0)
+    ended = max([_num(m.get("time")) for m in metrics[-1:]] + [started], default=started)
+    report = {
+        "title": title,
+        "started_at": started,
+        "ended_at": ended,
+        "steps": _thin([_step(m) for m in metrics]),
+        "rounds": rounds,
+        "faults": [
+            {"time": _num(e.get("time")), "kind": str(e.get("kind", "")), "node": str(e.get("node", ""))}
+            for e in _of(events, Event.CHAOS_FAULT)
+        ],
+        "hangs": [
+            {
+                "time": _num(e.get("time")),
+                "node": str(e.get("node", "")),
+                "round": e.get("worker_round"),
+                "verdict": str(e.get("verdict", ""))[:500],
+            }
+            for e in _of(events, Event.HANG)
+        ],
+        "checkpoints": sorted(commits.values(), key=lambda c: c["step"]),
+        "stragglers": [
+            {
+                "time": _num(e.get("time")),
+                "node": str(e.get("node", "")),
+                "rank": e.get("busy_rank"),
+                "busy_s": _num(e.get("busy_s")),
+                "others_s": _num(e.get("others_s")),
+                "policy": str(e.get("policy", "")),
+            }
+            for e in _of(events, Event.STRAGGLER_DETECTED)
+        ],
+        "accounting": lost_time(metrics, started, ended, device_hour_price=device_hour_price),
+    }
+    return report
+
+
+def lost_time(
+    metrics: list[dict[str, Any]], started: float, ended: float, *, device_hour_price: float = 0.0
+) -> dict[str, Any]:
+    """Device-seconds by cause (see the module doc), with device-hours and cost."""
+    devices = max((m["world_size"] for m in metrics if isinstance(m.get("world_size"), int)), default=0)
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    best = -1
+    for m in metrics:
+        world = m["world_size"] if isinstance(m.get("world_size"), int) else devices
+        raw = m.get("phases_s")
+        phases: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        # the whole interval since the previous line (phases add up to it), else the step alone
+        step_s = sum(_num(v) for v in phases.values()) if phases else _num(m.get("step_time_s"))
+        staging = _num(phases.get("ckpt_staging"))
+        seconds["checkpoint_stalls"] += staging * world
+        waits = [_num(w) for w in m.get("rank_comm_wait_s", [])] if isinstance(m.get("rank_comm_wait_s"), list) else []
+        if waits:
+            seconds["stragglers"] += sum(w - min(waits) for w in waits)
+        if m["step"] > best:
+            seconds["productive"] += max(0.0, step_s - staging) * world
+            best = m["step"]
+        else:
+            seconds["recomputation"] += max(0.0, step_s - staging) * world
+    wall_device_s = max(0.0, ended - started) * devices
+    seconds["productive"] = max(0.0, seconds["productive"] - seconds["stragglers"])
+    accounted = sum(v for k, v in seconds.items() if k != "restarts")
+    seconds["restarts"] = max(0.0, wall_device_s - accounted)
+    total = max(wall_device_s, accounted)
+    return {
+        "devices": devices,
+        "wall_s": round(ended - started, 3),
+        "device_hour_price": device_hour_price,
+        "goodput": round(seconds["productive"] / total, 4) if total else 0.0,
+        "causes": [
+            {
+                "cause": cause,
+                "device_hours": round(seconds[cause] / 3600, 6),
+                "share": round(seconds[cause] / total, 4) if total else 0.0,
+                "cost": round(seconds[cause] / 3600 * device_hour_price, 4) if device_hour_price else None,
+            }
+            for cause in CAUSES
+        ],
+    }
+
+
+def _step(m: dict[str, Any]) -> dict[str, Any]:
+    keep = ("step", "time", "loss", "grad_norm", "tokens_per_s", "step_time_s", "round", "world_size")
+    out = {k: m.get(k) for k in keep}
+    for key in ("rank_busy_s", "rank_comm_wait_s"):
+        value = m.get(key)
+        out[key] = [_num(v) for v in value] if isinstance(value, list) else []
+    return out
+
+
+def _thin(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if len(steps) <= MAX_STEPS_SHOWN:
+        return steps
+    every = len(steps) / MAX_STEPS_SHOWN
+    return [steps[int(i * every)] for i in range(MAX_STEPS_SHOWN)] + [steps[-1]]
+
+
+def _of(events: list[dict[str, Any]], event: Event) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == event.value]
+
+
+def _num(value: Any) -> float:
+    """A finite number from a log line, else 0 (logs are untrusted: a wrong type is not fatal)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        return 0.0
+    return float(value)
+
+
+def write(out_dir: Path, report: dict[str, Any]) -> Path:
+    """``report.json``, ``report.html`` and (with Chromium) ``report.png`` in ``out_dir``."""
+    from ftrain.browser import screenshot  # noqa: PLC0415 - only when writing
+    from ftrain.report_page import render
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    html = out_dir / "report.html"
+    html.write_text(render(report))
+    screenshot(html, out_dir / "report.png", height=1400)
+    return html

@@ -1,0 +1,147 @@
+"""``ftrain report`` (ftrain.run_report, ftrain.report_page): the lost time by cause adds up to
+the devices' wall time, logs are read as untrusted input, and the page renders every lane and
+table in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftrain.browser import dump_dom, find_browser
+from ftrain.run_report import CAUSES, build, collect, write
+from testbed.procs import REPO, quiet_env
+
+T0 = 1_000.0
+
+
+def _line(step: int, t: float, *, world: int = 2, waits=(0.0, 0.0), staging: float = 0.0) -> dict:
+    phases = {"data": 0.01, "forward": 0.02, "backward": 0.03, "comm_wait": 0.01, "optimizer": 0.01,
+              "ckpt_staging": staging, "other": 0.02}  # fmt: skip
+    return {
+        "step": step,
+        "time": t,
+        "loss": 4.0 / step,
+        "grad_norm": 1.0,
+        "tokens_per_s": 1000.0,
+        "step_time_s": 0.08,
+        "world_size": world,
+        "round": 1,
+        "phases_s": phases,
+        "rank_busy_s": [0.09, 0.1][:world],
+        "rank_comm_wait_s": list(waits)[:world],
+    }
+
+
+def _job() -> tuple[list[dict], list[dict]]:
+    metrics = [_line(s, T0 + 1 + 0.1 * s, waits=(0.0, 0.05) if s == 3 else (0.0, 0.0)) for s in range(1, 6)]
+    metrics.append(_line(5, T0 + 3.0, staging=0.04))  # step 5 again, after going back
+    events = [
+        {
+            "time": T0,
+            "event": "round_formed",
+            "new_round": 1,
+            "reason": "start",
+            "members": ["a", "b"],
+            "world_size": 2,
+        },
+        {"time": T0 + 2, "event": "chaos_fault", "kind": "worker_kill", "node": "b"},
+        {
+            "time": T0 + 2.5,
+            "event": "round_formed",
+            "new_round": 2,
+            "reason": "worker_exit",
+            "members": ["a", "b"],
+            "world_size": 2,
+        },  # fmt: skip
+        {"time": T0 + 1.3, "event": "ckpt_committed", "step": 3, "round": 1},
+        {
+            "time": T0 + 1.5,
+            "event": "straggler_detected",
+            "node": "b",
+            "busy_rank": 1,
+            "busy_s": 0.1,
+            "others_s": 0.05,
+            "policy": "warn",
+        },  # fmt: skip
+        {"time": T0 + 1.9, "event": "hang", "node": "a", "worker_round": 1, "verdict": "rank 1 never entered #9"},
+    ]
+    return metrics, events
+
+
+def test_the_device_time_by_cause_adds_up_to_the_devices_wall_time_and_is_priced():
+    metrics, events = _job()
+    a = build(metrics, events, device_hour_price=3.0)["accounting"]
+    causes = {c["cause"]: c for c in a["causes"]}
+    assert list(causes) == list(CAUSES) and a["devices"] == 2 and a["wall_s"] == 3.0
+    assert sum(c["device_hours"] for c in causes.values()) == pytest.approx(3.0 * 2 / 3600, abs=1e-6)
+    assert causes["recomputation"]["device_hours"] == pytest.approx(0.10 * 2 / 3600, abs=1e-6)  # step 5 redone
+    assert causes["checkpoint_stalls"]["device_hours"] == pytest.approx(0.04 * 2 / 3600, abs=1e-6)
+    assert causes["stragglers"]["device_hours"] == pytest.approx(0.05 / 3600, abs=1e-6)  # rank 1 waited once
+    productive = (5 * 0.10 * 2 - 0.05) / 3600
+    assert causes["productive"]["device_hours"] == pytest.approx(productive, abs=1e-6)
+    assert a["goodput"] == pytest.approx(productive / (3.0 * 2 / 3600), abs=1e-3)
+    assert all(c["cost"] == pytest.approx(c["device_hours"] * 3.0, abs=1e-4) for c in causes.values())
+    assert all(c["cost"] is None for c in build(metrics, events)["accounting"]["causes"]), "no price, no cost"
+
+
+def test_logs_are_untrusted_input_wrong_types_count_as_nothing(tmp_path):
+    metrics, events = _job()
+    (tmp_path / "n0").mkdir()
+    lines = [json.dumps(m) for m in metrics] + ['{"step": "x"}', "[1]", '{"step": 7, "time": "soon"', "not json"]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "n0" / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + '\n{"event": 5}\n')
+    (tmp_path / "n0" / "other.jsonl").write_text("{}\n")
+    got_metrics, got_events, files = collect(tmp_path)
+    assert len(got_metrics) == len(metrics) and len(got_events) == len(events) and len(files) == 2
+    bad = [*metrics, {"step": 8, "time": "later", "phases_s": {"other": "x"}, "rank_comm_wait_s": ["a"]}]
+    report = build(bad, events)
+    assert report["steps"][-1]["step"] == 8 and report["accounting"]["devices"] == 2
+
+
+def test_the_command_writes_the_report_and_names_a_missing_directory(tmp_path):
+    metrics, events = _job()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+
+    def ftrain(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ftrain", "report", *args],
+            cwd=REPO,
+            env=quiet_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    out = ftrain(str(tmp_path), "--device-hour-price", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "report.html").exists() and json.loads(out.stdout.splitlines()[-1])["device_hour_price"] == 2
+    assert "restarts" in out.stdout and "device-hours" in out.stdout
+    missing = ftrain(str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    negative = ftrain(str(tmp_path), "--device-hour-price", "-1")
+    assert negative.returncode == 2 and "accounting.device_hour_price" in negative.stderr
+
+
+@pytest.mark.skipif(
+    find_browser() is None, reason="no headless Chromium installed (apt-get install chromium; .ci/run installs it)"
+)
+def test_the_report_renders_every_lane_chart_and_table_in_a_real_browser(tmp_path):
+    metrics, events = _job()
+    write(tmp_path, build(metrics, events, title="job-1", device_hour_price=3.0))
+    dom = dump_dom(tmp_path / "report.html")
+    for lane in ("rounds", "faults", "hangs", "checkpoints", "stragglers", "steps"):
+        assert f'data-lane="{lane}"' in dom, lane
+    assert 'data-rendered="6"' in dom and dom.count('class="round"') == 2
+    for chart in ("loss", "grad norm", "tokens/s", "heatmap"):
+        assert f'data-chart="{chart}"' in dom, chart
+    assert dom.count('class="cell"') == 2 * 6  # 2 ranks x 6 step lines
+    for table, text in (("lost", "recomputation"), ("rounds", "worker_exit"), ("stragglers", "warn"),
+                        ("hangs", "rank 1 never entered #9"), ("checkpoints", "<td>3</td>")):  # fmt: skip
+        assert f'id="{table}"' in dom and text in dom, table
+    assert "job-1" in dom and "goodput" in dom
+    png = tmp_path / "report.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
