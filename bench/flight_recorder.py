@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.steady_state import DEFAULT_CONFIG, RunFailed, median_step_s, run_agent  # noqa: E402 - after the path
+from bench.steady_state import DEFAULT_CONFIG, RunFailed, pair_summary, run_agent, run_pairs  # noqa: E402
 
 TARGET_RATIO = 1.02
 SMOKE_STEPS, SMOKE_WARMUP = 40, 10
@@ -45,48 +44,25 @@ def measure(
         f"recorder on ({entries} entries) vs off; first {warmup} steps left out",
         flush=True,
     )
-    pairs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ftrain-flight-") as tmp:
         workdir = Path(tmp)
-        for rep in range(repeats):
-            order = ("on", "off") if rep % 2 == 0 else ("off", "on")
-            pair: dict[str, Any] = {"order": list(order)}
-            for side in order:
-                name = f"r{rep}-{side}"
-                extra = [f"--logging.flight_recorder_entries={entries if side == 'on' else 0}"]
-                metrics = run_agent(config, workdir, name, steps, nproc, "restart", timeout_s, extra)
-                pair[side] = median_step_s(metrics, warmup)
-                print(f"  [{rep}] recorder {side:3s}: median step {1000 * pair[side]:.2f} ms", flush=True)
-            pair["ratio"] = pair["on"] / pair["off"]
-            print(f"  [{rep}] on / off = {pair['ratio']:.4f}", flush=True)
-            pairs.append(pair)
-    ratio = statistics.median(p["ratio"] for p in pairs)
-    summary = {
-        "bench": "flight_recorder",
-        "recorder_on_vs_off": round(ratio, 4),
-        "on_step_s": round(statistics.median(p["on"] for p in pairs), 5),
-        "off_step_s": round(statistics.median(p["off"] for p in pairs), 5),
-        "ratios": [round(p["ratio"], 4) for p in pairs],
-        "target": f"<= {TARGET_RATIO}",
-        "target_met": ratio <= TARGET_RATIO,
-        "settings": {
-            "config": str(config),
-            "steps": steps,
-            "warmup": warmup,
-            "entries": entries,
-            "nproc": nproc,
-            "repeats": repeats,
-        },
-        "cores": os.cpu_count(),
-        "load_avg_1min": [load_start, os.getloadavg()[0]],
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    print(
-        f"flight recorder: on {1000 * summary['on_step_s']:.2f} ms vs off {1000 * summary['off_step_s']:.2f} ms "
-        f"per step: {ratio:.4f}x (target <= {TARGET_RATIO})",
-        flush=True,
+
+        def run(side: str, name: str) -> Path:
+            extra = [f"--logging.flight_recorder_entries={entries if side == 'on' else 0}"]
+            return run_agent(config, workdir, name, steps, nproc, "restart", timeout_s, extra)
+
+        pairs = run_pairs(("on", "off"), run, repeats=repeats, warmup=warmup)
+    settings = {"config": str(config), "steps": steps, "warmup": warmup, "entries": entries, "nproc": nproc}
+    return pair_summary(
+        "flight_recorder",
+        "recorder_on_vs_off",
+        ("on", "off"),
+        pairs,
+        target=TARGET_RATIO,
+        settings={**settings, "repeats": repeats},
+        started=started,
+        load_start=load_start,
     )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,60 @@ def run_agent(
     return metrics
 
 
+def run_pairs(
+    sides: tuple[str, str], run: Callable[[str, str], Path], *, repeats: int, warmup: int
+) -> list[dict[str, Any]]:
+    """``repeats`` pairs of runs, one right after the other, the order alternating from pair to
+    pair (``sides[1]`` first in the first pair); ``run(side, name)`` runs one and returns its
+    metrics file. Each pair: every side's median step time after ``warmup``, ``ratio`` (the
+    first side's over the second's) and the ``order``."""
+    pairs: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        order = sides[::-1] if rep % 2 == 0 else sides
+        pair: dict[str, Any] = {"order": list(order)}
+        for side in order:
+            pair[side] = median_step_s(run(side, f"r{rep}-{side}"), warmup)
+            print(f"  [{rep}] {side:8s} median step {1000 * pair[side]:.2f} ms", flush=True)
+        pair["ratio"] = pair[sides[0]] / pair[sides[1]]
+        print(f"  [{rep}] {sides[0]} / {sides[1]} = {pair['ratio']:.4f}", flush=True)
+        pairs.append(pair)
+    return pairs
+
+
+def pair_summary(
+    bench: str,
+    ratio_key: str,
+    sides: tuple[str, str],
+    pairs: list[dict[str, Any]],
+    *,
+    target: float,
+    settings: dict[str, Any],
+    started: float,
+    load_start: float,
+) -> dict[str, Any]:
+    """The JSON line of a paired benchmark: the median of the pairs' ratios against ``target``."""
+    ratio = statistics.median(p["ratio"] for p in pairs)
+    summary = {
+        "bench": bench,
+        ratio_key: round(ratio, 4),
+        **{f"{side}_step_s": round(statistics.median(p[side] for p in pairs), 5) for side in sides},
+        "ratios": [round(p["ratio"], 4) for p in pairs],
+        "target": f"<= {target}",
+        "target_met": ratio <= target,
+        "settings": settings,
+        "cores": os.cpu_count(),
+        "load_avg_1min": [load_start, os.getloadavg()[0]],
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    a, b = (summary[f"{side}_step_s"] for side in sides)
+    print(
+        f"{bench}: {sides[0]} {1000 * a:.2f} ms vs {sides[1]} {1000 * b:.2f} ms per step: {ratio:.4f}x "
+        f"(target <= {target})",
+        flush=True,
+    )
+    return summary
+
+
 def measure(
     config: Path,
     *,
@@ -146,7 +200,6 @@ def measure(
 ) -> dict[str, Any]:
     """Run ``repeats`` pairs and return the summary (RunFailed if a run fails)."""
     started, load_start = time.monotonic(), os.getloadavg()[0]
-    runs: list[dict[str, Any]] = []
     print(
         f"steady state: {repeats} pair(s) of {steps}-step runs of {config.name}, {nproc} ranks; "
         f"agent --recovery {recovery}; first {warmup} steps left out",
@@ -154,46 +207,31 @@ def measure(
     )
     with tempfile.TemporaryDirectory(prefix="ftrain-steady-") as tmp:
         workdir = Path(tmp)
-        for rep in range(repeats):
-            order = ("torchrun", "agent") if rep % 2 == 0 else ("agent", "torchrun")
-            pair: dict[str, float] = {}
-            for system in order:
-                name = f"r{rep}-{system}"
-                if system == "torchrun":
-                    metrics = run_torchrun(config, workdir, name, steps, nproc, timeout_s)
-                else:
-                    metrics = run_agent(config, workdir, name, steps, nproc, recovery, timeout_s)
-                pair[system] = median_step_s(metrics, warmup)
-                print(f"  [{rep}] {system:8s} median step {1000 * pair[system]:.2f} ms", flush=True)
-            runs.append({**pair, "ratio": pair["agent"] / pair["torchrun"], "order": list(order)})
-            print(f"  [{rep}] agent / torchrun = {runs[-1]['ratio']:.4f}", flush=True)
-    ratio = statistics.median(r["ratio"] for r in runs)
-    summary = {
-        "bench": "steady_state",
-        "steady_state_vs_torchrun": round(ratio, 4),
-        "agent_step_s": round(statistics.median(r["agent"] for r in runs), 5),
-        "torchrun_step_s": round(statistics.median(r["torchrun"] for r in runs), 5),
-        "ratios": [round(r["ratio"], 4) for r in runs],
-        "target": f"<= {TARGET_RATIO}",
-        "target_met": ratio <= TARGET_RATIO,
-        "settings": {
-            "config": str(config),
-            "steps": steps,
-            "warmup": warmup,
-            "nproc": nproc,
-            "recovery": recovery,
-            "repeats": repeats,
-        },
-        "cores": os.cpu_count(),
-        "load_avg_1min": [load_start, os.getloadavg()[0]],
-        "wall_s": round(time.monotonic() - started, 1),
+
+        def run(side: str, name: str) -> Path:
+            if side == "torchrun":
+                return run_torchrun(config, workdir, name, steps, nproc, timeout_s)
+            return run_agent(config, workdir, name, steps, nproc, recovery, timeout_s)
+
+        pairs = run_pairs(("agent", "torchrun"), run, repeats=repeats, warmup=warmup)
+    settings = {
+        "config": str(config),
+        "steps": steps,
+        "warmup": warmup,
+        "nproc": nproc,
+        "recovery": recovery,
+        "repeats": repeats,
     }
-    print(
-        f"steady state: agent {1000 * summary['agent_step_s']:.2f} ms vs torchrun "
-        f"{1000 * summary['torchrun_step_s']:.2f} ms per step: {ratio:.4f}x (target <= {TARGET_RATIO})",
-        flush=True,
+    return pair_summary(
+        "steady_state",
+        "steady_state_vs_torchrun",
+        ("agent", "torchrun"),
+        pairs,
+        target=TARGET_RATIO,
+        settings=settings,
+        started=started,
+        load_start=load_start,
     )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.browser import dump_dom, find_browser, screenshot
+from ftrain.report_page import TIMELINE_JS
 
 __all__ = ["dump_dom", "find_browser", "render_html", "screenshot", "write_report"]
 
@@ -39,15 +40,9 @@ td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
 <script id="data" type="application/json">__DATA__</script>
 <script>
 const R = JSON.parse(document.getElementById("data").textContent);
-const NS = "http://www.w3.org/2000/svg";
+__TIMELINE_JS__
 const COLORS = {fault: "#d32f2f", detect: "#f57c00", round: "#1565c0", staged: "#9e9e9e", committed: "#2e7d32",
                 failed: "#6a1b9a", resumed: "#00838f", worker: "#5d4037", hang: "#ad1457"};
-function el(name, attrs, parent) {
-  const e = document.createElementNS(NS, name);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (parent) parent.appendChild(e);
-  return e;
-}
 document.getElementById("title").textContent = R.scenario + " (seed " + R.seed + ")";
 document.getElementById("summary").innerHTML =
   "<span class='" + (R.ok ? "ok'>ALL INVARIANTS HOLD" : "fail'>INVARIANTS FAILED") + "</span> &middot; " +
@@ -61,23 +56,8 @@ const tEnd = Math.max(...ev.map(e => e.time), ...R.metrics.map(m => m.time), t0 
 const nodes = [...new Set(ev.filter(e => e.rank === -1 && e.node).map(e => e.node))].sort();
 const ranks = [...new Set(ev.filter(e => e.rank >= 0).map(e => e.rank))].sort((a, b) => a - b);
 const lanes = ["faults", "steps", ...nodes.map(n => "node " + n), ...ranks.map(r => "rank " + r)];
-const W = 1100, LEFT = 90, LANE = 26, TOP = 20, H = TOP + lanes.length * LANE + 30;
-const x = t => LEFT + (W - LEFT - 10) * (t - t0) / (tEnd - t0);
-const y = name => TOP + lanes.indexOf(name) * LANE;
-const svg = el("svg", {width: W, height: H, id: "timeline-svg"}, document.getElementById("timeline"));
-lanes.forEach((name, i) => {
-  const g = el("g", {class: "lane", "data-lane": name}, svg);
-  el("rect", {x: LEFT, y: y(name), width: W - LEFT - 10, height: LANE - 4, fill: i % 2 ? "#fafafa" : "#f0f0f0"}, g);
-  el("text", {x: 4, y: y(name) + 15, class: "lane-label"}, g).textContent = name;
-});
-for (let s = 0; s <= 10; s++) {
-  const t = t0 + (tEnd - t0) * s / 10;
-  el("text", {x: x(t) - 8, y: H - 8, class: "lane-label"}, svg).textContent = (t - t0).toFixed(0) + "s";
-}
-function mark(lane, t, color, title, w) {
-  const r = el("rect", {x: x(t), y: y(lane) + 2, width: w || 3, height: LANE - 8, fill: color, class: "mark"}, svg);
-  el("title", {}, r).textContent = title;
-}
+const LANE = 26;
+const {svg, x, y, mark} = timeline(document.getElementById("timeline"), lanes, t0, tEnd, LANE);
 // rounds as spans on every node lane they include
 const rounds = ev.filter(e => e.event === "round_formed").sort((a, b) => a.time - b.time);
 rounds.forEach((r, i) => {
@@ -132,7 +112,8 @@ document.body.setAttribute("data-rendered", lanes.length);
 
 def render_html(report: dict[str, Any]) -> str:
     data = json.dumps(report, default=str).replace("</", "<\\/")
-    return _PAGE.replace("__TITLE__", str(report["scenario"])).replace("__DATA__", data)
+    page = _PAGE.replace("__TITLE__", str(report["scenario"])).replace("__TIMELINE_JS__", TIMELINE_JS)
+    return page.replace("__DATA__", data)
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:

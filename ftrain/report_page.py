@@ -14,6 +14,37 @@ from __future__ import annotations
 import json
 from typing import Any
 
+#: what the pages' scripts share: SVG elements, and a timeline of lanes with marks (the chaos
+#: report draws its own lanes with it)
+TIMELINE_JS = """const NS = "http://www.w3.org/2000/svg";
+function el(name, attrs, parent) {
+  const e = document.createElementNS(NS, name);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (parent) parent.appendChild(e);
+  return e;
+}
+// one SVG timeline over [t0, tEnd]: a labelled lane per name, an axis in seconds, marks
+function timeline(container, lanes, t0, tEnd, LANE) {
+  const W = 1100, LEFT = 90, TOP = 10, H = TOP + lanes.length * LANE + 24;
+  const x = t => LEFT + (W - LEFT - 10) * (t - t0) / (tEnd - t0);
+  const y = name => TOP + lanes.indexOf(name) * LANE;
+  const svg = el("svg", {width: W, height: H, id: "timeline-svg"}, container);
+  lanes.forEach((name, i) => {
+    const g = el("g", {class: "lane", "data-lane": name}, svg);
+    el("rect", {x: LEFT, y: y(name), width: W - LEFT - 10, height: LANE - 3, fill: i % 2 ? "#fafafa" : "#f0f0f0"}, g);
+    el("text", {x: 4, y: y(name) + 15, class: "lane-label"}, g).textContent = name;
+  });
+  for (let s = 0; s <= 10; s++) {
+    const t = t0 + (tEnd - t0) * s / 10;
+    el("text", {x: x(t) - 8, y: H - 6, class: "lane-label"}, svg).textContent = (t - t0).toFixed(0) + "s";
+  }
+  function mark(lane, t, color, title, w) {
+    const r = el("rect", {x: x(t), y: y(lane) + 2, width: w || 3, height: LANE - 7, fill: color, class: "mark"}, svg);
+    el("title", {}, r).textContent = title;
+  }
+  return {svg, x, y, mark};
+}"""
+
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>ftrain run: __TITLE__</title>
 <style>
@@ -47,13 +78,7 @@ td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
 <script id="data" type="application/json">__DATA__</script>
 <script>
 const R = JSON.parse(document.getElementById("data").textContent);
-const NS = "http://www.w3.org/2000/svg";
-function el(name, attrs, parent) {
-  const e = document.createElementNS(NS, name);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (parent) parent.appendChild(e);
-  return e;
-}
+__TIMELINE_JS__
 const t0 = R.started_at, tEnd = Math.max(R.ended_at, t0 + 1), A = R.accounting;
 const last = R.steps.length ? R.steps[R.steps.length - 1] : null;
 document.getElementById("title").textContent = R.title || "";
@@ -67,23 +92,8 @@ document.getElementById("summary").textContent = (last ? "step " + last.step + "
 
 // one timeline
 const lanes = ["rounds", "faults", "hangs", "checkpoints", "stragglers", "steps"];
-const W = 1100, LEFT = 90, LANE = 24, TOP = 10, H = TOP + lanes.length * LANE + 24;
-const x = t => LEFT + (W - LEFT - 10) * (t - t0) / (tEnd - t0);
-const y = name => TOP + lanes.indexOf(name) * LANE;
-const svg = el("svg", {width: W, height: H}, document.getElementById("timeline"));
-lanes.forEach((name, i) => {
-  const g = el("g", {class: "lane", "data-lane": name}, svg);
-  el("rect", {x: LEFT, y: y(name), width: W - LEFT - 10, height: LANE - 3, fill: i % 2 ? "#fafafa" : "#f0f0f0"}, g);
-  el("text", {x: 4, y: y(name) + 15, class: "lane-label"}, g).textContent = name;
-});
-for (let s = 0; s <= 10; s++) {
-  const t = t0 + (tEnd - t0) * s / 10;
-  el("text", {x: x(t) - 8, y: H - 6, class: "axis"}, svg).textContent = (t - t0).toFixed(0) + "s";
-}
-function mark(lane, t, color, title, w) {
-  const r = el("rect", {x: x(t), y: y(lane) + 2, width: w || 3, height: LANE - 7, fill: color, class: "mark"}, svg);
-  el("title", {}, r).textContent = title;
-}
+const LANE = 24;
+const {svg, x, y, mark} = timeline(document.getElementById("timeline"), lanes, t0, tEnd, LANE);
 const REASONS = {start: "#90caf9", scale_up: "#a5d6a7", straggler: "#ffcc80", hang: "#f48fb1"};
 R.rounds.forEach((r, i) => {
   const end = i + 1 < R.rounds.length ? R.rounds[i + 1].time : tEnd;
@@ -169,4 +179,4 @@ def render(report: dict[str, Any]) -> str:
     """The page for ``report`` (:func:`ftrain.run_report.build`)."""
     data = json.dumps(report, default=str).replace("</", "<\\/")
     title = str(report.get("title", "")).replace("&", "&amp;").replace("<", "&lt;")
-    return _PAGE.replace("__TITLE__", title).replace("__DATA__", data)
+    return _PAGE.replace("__TITLE__", title).replace("__TIMELINE_JS__", TIMELINE_JS).replace("__DATA__", data)
