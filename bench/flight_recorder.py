@@ -17,8 +17,6 @@ the result is the median over pairs of on / off (target: <= 1.02). Ends with one
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,10 +27,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.steady_state import DEFAULT_CONFIG, RunFailed, pair_summary, run_agent, run_pairs  # noqa: E402
+from bench.steady_state import (  # noqa: E402 - after the path setup
+    pair_parser,
+    pair_summary,
+    parse_pair_args,
+    report,
+    run_agent,
+    run_pairs,
+)
 
 TARGET_RATIO = 1.02
-SMOKE_STEPS, SMOKE_WARMUP = 40, 10
 
 
 def measure(
@@ -66,22 +70,13 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5, help="pairs of runs (default 5)")
-    p.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
-    p.add_argument("--warmup", type=int, default=30, help="first steps of each run left out (default 30)")
+    p = pair_parser(__doc__.split("\n\n")[0])
     p.add_argument("--entries", type=int, default=2000, help="collectives kept when on (default 2000)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--timeout-s", type=float, default=600.0, help="limit per run (default 600)")
-    p.add_argument("--smoke", action="store_true", help=f"one pair of {SMOKE_STEPS}-step runs (the test suite's)")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.repeats, args.steps, args.warmup = 1, SMOKE_STEPS, SMOKE_WARMUP
-    if args.repeats < 1 or args.warmup >= args.steps or args.entries < 1:
-        p.error("need --repeats >= 1, --warmup < --steps and --entries >= 1")
-    try:
-        summary = measure(
+    args = parse_pair_args(p, argv)
+    if args.entries < 1:
+        p.error("need --entries >= 1")
+    return report(
+        lambda: measure(
             args.config,
             repeats=args.repeats,
             steps=args.steps,
@@ -90,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             nproc=args.nproc,
             timeout_s=args.timeout_s,
         )
-    except RunFailed as e:
-        print(f"FAILED: {e}", flush=True)
-        return 1
-    print(json.dumps(summary))
-    return 0
+    )
 
 
 if __name__ == "__main__":

@@ -234,23 +234,45 @@ def measure(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def pair_parser(description: str) -> argparse.ArgumentParser:
+    """The options every paired benchmark takes (each adds its own)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--repeats", type=int, default=5, help="pairs of runs (default 5)")
     p.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
     p.add_argument("--warmup", type=int, default=30, help="first steps of each run left out (default 30)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--recovery", choices=("live", "restart"), default="live", help="the agent's mode (default live)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit per run (default 600)")
     p.add_argument("--smoke", action="store_true", help=f"one pair of {SMOKE_STEPS}-step runs (the test suite's)")
+    return p
+
+
+def parse_pair_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.repeats, args.steps, args.warmup = 1, SMOKE_STEPS, SMOKE_WARMUP
     if args.repeats < 1 or args.warmup >= args.steps:
         p.error("need --repeats >= 1 and --warmup < --steps")
+    return args
+
+
+def report(run: Callable[[], dict[str, Any]]) -> int:
+    """Print the summary ``run`` returns as the last line (exit 0), or why a run failed (exit 1)."""
     try:
-        summary = measure(
+        summary = run()
+    except RunFailed as e:
+        print(f"FAILED: {e}", flush=True)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = pair_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--recovery", choices=("live", "restart"), default="live", help="the agent's mode (default live)")
+    args = parse_pair_args(p, argv)
+    return report(
+        lambda: measure(
             args.config,
             repeats=args.repeats,
             steps=args.steps,
@@ -259,11 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             recovery=args.recovery,
             timeout_s=args.timeout_s,
         )
-    except RunFailed as e:
-        print(f"FAILED: {e}", flush=True)
-        return 1
-    print(json.dumps(summary))
-    return 0
+    )
 
 
 if __name__ == "__main__":
