@@ -914,7 +914,7 @@ class Agent:
                 why=why,
                 local_ranks=local_ranks or [],
                 stacks={str(pid): text for pid, text in stacks.items()},
-                flight={str(rank): record.to_dict() for rank, record in evidence.records.items()},
+                flight={str(rank): rec.to_dict() for rank, rec in evidence.records.items()},
                 missing={str(rank): reason for rank, reason in evidence.missing.items()},
                 frozen=evidence.frozen,
                 verdict=evidence.verdict.line,
@@ -962,10 +962,10 @@ class Agent:
         self._last_status_at = now
         beats = self.heartbeats.beats() if self.workers is not None else {}
         busy = self.heartbeats.take_busy() if self.workers is not None else {}
-        if self.pool is not None and self.pool.warming():  # a spare's start-up slows this node's workers: no figure
-            busy = {}
-            self._busy = (-1, 0.0)
-        self._busy = max(busy.values(), key=lambda rb: rb[1]) if busy else self._busy if beats else (-1, 0.0)
+        if not beats or (self.pool is not None and self.pool.warming()):  # a spare's start-up slows the workers
+            self._busy = (-1, 0.0)  # no figure
+        elif busy:
+            self._busy = max(busy.values(), key=lambda rank_busy: rank_busy[1])
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),

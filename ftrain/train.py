@@ -450,7 +450,7 @@ class Trainer:
         with phases.phase("comm_wait"):
             par.reduce_gradients()
             grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
-            stats = self._step_stats(step + 1, losses)
+        stats = self._step_stats(step + 1, losses)
         lr = lr_at(
             step,
             peak=self.peak_lr,
@@ -536,7 +536,8 @@ class Trainer:
         if maybe_skip_collective(step, self.rank):  # a desync: this rank's peers wait in it
             gathered = local.repeat(layout.world_size)
         else:
-            dist.all_gather_single(gathered, local)
+            with self.phases.phase("comm_wait"):
+                dist.all_gather_single(gathered, local)
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
         for rank in range(0, layout.world_size, layout.tp_size):
