@@ -736,7 +736,8 @@ class Agent:
         if beats:
             newest = max(beats.values(), key=lambda b: b.step)
             if newest.phase == "training":
-                self.metrics.stepped(newest.step, newest.step_time_s)
+                interval_s = sum(newest.phases_s.values()) if newest.phases_s else None
+                self.metrics.stepped(newest.step, newest.step_time_s, interval_s)
             self.committed_step = max(self.committed_step, *(b.committed_step for b in beats.values()))
             self.metrics.committed_step.set(self.committed_step)
             self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))
@@ -961,11 +962,16 @@ class Agent:
             return
         self._last_status_at = now
         beats = self.heartbeats.beats() if self.workers is not None else {}
-        busy = self.heartbeats.take_busy() if self.workers is not None else {}
+        totals = self.heartbeats.take_totals() if self.workers is not None else {}
+        leader_status = state.status.get(state.leader or "")
+        self.metrics.phases_taken(
+            [t.seconds for t in totals.values()], straggling=bool(leader_status and leader_status.stragglers)
+        )
+        busy = {t.rank: b for t in totals.values() if (b := t.busy_per_step_s()) is not None}
         if not beats or (self.pool is not None and self.pool.warming()):  # a spare's start-up slows the workers
             self._busy = (-1, 0.0)  # no figure
         elif busy:
-            self._busy = max(busy.values(), key=lambda rank_busy: rank_busy[1])
+            self._busy = max(busy.items(), key=lambda rank_busy: rank_busy[1])
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
@@ -984,6 +990,7 @@ class Agent:
             hang_verdict=self.hang_verdict[:500],
             productive_s=round(self.metrics.productive_s(), 3),
             lost_s=round(self.metrics.lost_s(), 3),
+            device_hours={k: round(v / 3600, 6) for k, v in self.metrics.device_seconds().items()},
             devices=self.cfg.nproc_per_node,
             device_hour_price=self.opts.device_hour_price,
             busy_s=round(self._busy[1], 6),

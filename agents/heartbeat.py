@@ -76,6 +76,26 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
 WARMUP_BEATS = 5
 
 
+@dataclass(slots=True)
+class RankTotals:
+    """One local rank's training beats since they were last taken."""
+
+    rank: int
+    seconds: dict[str, float] = field(default_factory=dict)  #: phase -> seconds, every beat
+    judged_beats: int = 0  #: beats past the round's warm-up
+    judged_busy_s: float = 0.0  #: their busy seconds (every phase but comm_wait)
+
+    def add(self, phases_s: dict[str, float], *, judged: bool) -> None:
+        for phase, value in phases_s.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + value
+        if judged:
+            self.judged_beats += 1
+            self.judged_busy_s += sum(phases_s.get(p, 0.0) for p in BUSY_PHASES)
+
+    def busy_per_step_s(self) -> float | None:
+        return self.judged_busy_s / self.judged_beats if self.judged_beats else None
+
+
 class HeartbeatServer:
     """Receives beats on ``path`` from a daemon thread; :meth:`reset` starts a new round."""
 
@@ -89,7 +109,7 @@ class HeartbeatServer:
         self._lock = threading.Lock()
         self._round = -1
         self._beats: dict[int, Beat] = {}
-        self._busy: dict[int, tuple[int, float, int]] = {}  #: local rank -> (rank, busy seconds, beats)
+        self._totals: dict[int, RankTotals] = {}  #: local rank -> since the last take_totals()
         self._training_beats: dict[int, int] = {}  #: local rank -> training beats this round
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-server", daemon=True)
@@ -98,14 +118,14 @@ class HeartbeatServer:
     def reset(self, round_: int) -> None:
         """Forget the beats of earlier rounds; accept only ``round_`` from now on."""
         with self._lock:
-            self._round, self._beats, self._busy, self._training_beats = round_, {}, {}, {}
+            self._round, self._beats, self._totals, self._training_beats = round_, {}, {}, {}
 
-    def take_busy(self) -> dict[int, tuple[int, float]]:
-        """Local rank -> (global rank, mean busy seconds per step) over the training beats since
-        the last call (every beat counts, not only the newest: the straggler signal)."""
+    def take_totals(self) -> dict[int, RankTotals]:
+        """Local rank -> what its training beats since the last call add up to (every beat, not
+        only the newest: the straggler signal and the accounting of lost time)."""
         with self._lock:
-            taken, self._busy = self._busy, {}
-        return {lr: (rank, total / count) for lr, (rank, total, count) in taken.items() if count}
+            taken, self._totals = self._totals, {}
+        return taken
 
     def beats(self) -> dict[int, Beat]:
         with self._lock:
@@ -148,10 +168,8 @@ class HeartbeatServer:
                 beat.phases_s = prev.phases_s
             elif beat.phases_s and kind == "beat" and beat.phase == "training":
                 seen = self._training_beats[beat.local_rank] = self._training_beats.get(beat.local_rank, 0) + 1
-                if seen > WARMUP_BEATS:
-                    _, total, count = self._busy.get(beat.local_rank, (beat.rank, 0.0, 0))
-                    busy = sum(beat.phases_s.get(p, 0.0) for p in BUSY_PHASES)
-                    self._busy[beat.local_rank] = (beat.rank, total + busy, count + 1)
+                totals = self._totals.setdefault(beat.local_rank, RankTotals(beat.rank))
+                totals.add(beat.phases_s, judged=seen > WARMUP_BEATS)
             if kind != "exit" and prev is not None and prev.finished is not None:
                 beat.finished, beat.error, beat.fatal = prev.finished, prev.error, prev.fatal
             self._beats[beat.local_rank] = beat

@@ -79,6 +79,21 @@ class AgentMetrics:
             "ftrain_checkpoint_failures", "Checkpoint commits that failed.", names, registry=self.registry
         ).labels(**labels)
         self._ckpt_failures_by_round: dict[int, int] = {}
+        self._device_hours = Gauge(
+            "ftrain_device_hours",
+            "This node's device time since the first launch by cause: productive, recomputation, "
+            "checkpoint_stalls, stragglers, restarts (see agents/metrics.py).",
+            [*names, "cause"],
+            registry=self.registry,
+        )
+        self._device_cost = Gauge(
+            "ftrain_device_cost",
+            "ftrain_device_hours times accounting.device_hour_price (0 when not priced).",
+            [*names, "cause"],
+            registry=self.registry,
+        )
+        self._measured_s = dict.fromkeys(("recomputation", "checkpoint_stalls", "stragglers"), 0.0)  #: device-s
+        self._last_step = -1
         self._restarts = Counter(
             "ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"], registry=self.registry
         )
@@ -127,14 +142,40 @@ class AgentMetrics:
         if self._first_launch is None:
             self._first_launch = self._clock()
 
-    def stepped(self, step: int, step_time_s: float) -> None:
+    def stepped(self, step: int, step_time_s: float, interval_s: float | None = None) -> None:
+        """The newest step of this node's workers; ``interval_s``: its whole interval since the
+        step before (the phases' sum; the step time when unknown)."""
         self.step.set(step)
         self.step_time.set(step_time_s)
+        per_step_s = interval_s if interval_s is not None else step_time_s
         if step > self._best_step:
             if self._best_step >= 0:
-                self._productive_s += step_time_s * (step - self._best_step)
+                self._productive_s += per_step_s * (step - self._best_step)
             self._best_step = step
+        elif 0 <= self._last_step < step:  # going over steps done before (after going back)
+            self._measured_s["recomputation"] += per_step_s * (step - self._last_step) * self._devices
+        self._last_step = step
         self.productive.set(self._productive_s)
+
+    def phases_taken(self, seconds: list[dict[str, float]], *, straggling: bool) -> None:
+        """The local ranks' phase totals since the last call: checkpoint staging, and the time
+        they waited while the leader saw a straggler, are device time lost to those causes."""
+        self._measured_s["checkpoint_stalls"] += sum(s.get("ckpt_staging", 0.0) for s in seconds)
+        if straggling:
+            self._measured_s["stragglers"] += sum(s.get("comm_wait", 0.0) for s in seconds)
+
+    def device_seconds(self) -> dict[str, float]:
+        """This node's device time since its first launch, by cause (they add up to its devices'
+        wall time): ``productive`` (first-time steps, less their staging and waiting for a
+        straggler), ``recomputation``, ``checkpoint_stalls``, ``stragglers``, and ``restarts``
+        (the rest: detection, rendezvous, start-up, loads, waiting without a round)."""
+        wall = (self._clock() - self._first_launch) * self._devices if self._first_launch is not None else 0.0
+        measured = dict(self._measured_s)
+        productive = max(
+            0.0, self._productive_s * self._devices - measured["checkpoint_stalls"] - measured["stragglers"]
+        )
+        restarts = max(0.0, wall - productive - sum(measured.values()))
+        return {"productive": productive, **measured, "restarts": restarts}
 
     def ranks_stepped(self, round_: int, phases: dict[int, dict[str, float]]) -> None:
         """Each rank's newest step breakdown; a new round drops the ranks of the old one."""
@@ -160,6 +201,9 @@ class AgentMetrics:
             self.lost.set(lost)
             self.lost_device_hours.set(lost * self._devices / 3600)
             self.lost_cost.set(lost * self._devices / 3600 * self._price)
+            for cause, seconds in self.device_seconds().items():
+                self._device_hours.labels(**self._labels, cause=cause).set(seconds / 3600)
+                self._device_cost.labels(**self._labels, cause=cause).set(seconds / 3600 * self._price)
 
     def close(self) -> None:
         if self._server is not None:

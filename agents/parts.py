@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from agents.heartbeat import Beat
+from agents.heartbeat import Beat, RankTotals
 from contract.events import Record
 
 
@@ -51,8 +51,8 @@ class Heartbeats(Protocol):
         ``alive_at`` on the agent's monotonic clock)."""
         ...
 
-    def take_busy(self) -> dict[int, tuple[int, float]]:
-        """Local rank -> (global rank, mean busy seconds per step) since the last call."""
+    def take_totals(self) -> dict[int, RankTotals]:
+        """Local rank -> what its training beats since the last call add up to."""
         ...
 
     def close(self) -> None: ...

@@ -317,6 +317,7 @@ class NodeStatus:
     hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
     productive_s: float = 0.0  #: step time of first-time steps on this node since its first launch
     lost_s: float = 0.0  #: wall time since the first launch that was not productive
+    device_hours: dict[str, float] = field(default_factory=dict)  #: by cause (agents.metrics.device_seconds)
     devices: int = 0  #: this node's workers (devices)
     device_hour_price: float = 0.0  #: accounting.device_hour_price (0: not priced)
     busy_s: float = 0.0  #: mean busy time per step (not blocked on communication) of this node's busiest rank lately

@@ -51,6 +51,7 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "busy_s": status.busy_s if status else 0.0,
                 "productive_s": status.productive_s if status else 0.0,
                 "lost_s": status.lost_s if status else 0.0,
+                "device_hours": status.device_hours if status else {},
                 "devices": status.devices if status else 0,
                 "device_hour_price": status.device_hour_price if status else 0.0,
                 "stragglers": status.stragglers if status else [],
@@ -145,14 +146,18 @@ def format_status(s: dict[str, Any]) -> str:
         ]
     priced = [n for n in s["nodes"] if n.get("devices")]
     if priced:
-        lost_h = sum(n["lost_s"] * n["devices"] for n in priced) / 3600
-        productive_h = sum(n["productive_s"] * n["devices"] for n in priced) / 3600
+        by_cause: dict[str, float] = {}
+        for n in priced:
+            for cause, hours in n.get("device_hours", {}).items():
+                by_cause[cause] = by_cause.get(cause, 0.0) + hours
+        lost_h = sum(h for cause, h in by_cause.items() if cause != "productive")
         price = max(n.get("device_hour_price", 0.0) for n in priced)
         cost = f" (cost {lost_h * price:.2f} at {price:g} per device-hour)" if price else ""
+        causes = ", ".join(f"{c} {h:.4f}" for c, h in by_cause.items() if c != "productive")
         lines.append("")
         lines.append(
-            f"device time: {productive_h:.3f} device-hours productive, {lost_h:.3f} lost{cost}; "
-            "by cause: ftrain report RUN_DIR"
+            f"device time: {by_cause.get('productive', 0.0):.4f} device-hours productive, {lost_h:.4f} lost{cost}"
+            + (f": {causes}" if causes else "")
         )
     stragglers = [line for n in s["nodes"] if n.get("leader") for line in n.get("stragglers", [])]
     if stragglers:

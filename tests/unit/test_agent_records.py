@@ -706,3 +706,32 @@ def test_pid_tracker_ignores_a_pid_that_is_not_a_descendant() -> None:
         for proc in (root, stranger):
             proc.kill()
             proc.wait()
+
+
+def test_device_time_by_cause_adds_up_to_the_nodes_devices_wall_time_and_is_priced() -> None:
+    now = [100.0]
+    metrics = AgentMetrics("job-7", "n1", clock=lambda: now[0], devices=2, device_hour_price=3.0)
+    metrics.launched()
+    now[0] = 110.0  # 10 s to the first step: start-up
+    for step in range(1, 11):
+        metrics.stepped(step, 0.4, interval_s=0.5)  # first-time steps, 0.5 s each
+    metrics.phases_taken([{"ckpt_staging": 0.2, "comm_wait": 0.3}, {"ckpt_staging": 0.2}], straggling=False)
+    metrics.phases_taken([{"comm_wait": 0.5}, {"comm_wait": 0.25}], straggling=True)  # waiting for a straggler
+    for step in (7, 8, 9):  # back to step 6, done again
+        metrics.stepped(step, 0.4, interval_s=0.5)
+    now[0] = 120.0
+    seconds = metrics.device_seconds()
+    assert list(seconds) == ["productive", "recomputation", "checkpoint_stalls", "stragglers", "restarts"]
+    assert seconds["recomputation"] == pytest.approx(2 * 0.5 * 2)  # 7 -> 8 -> 9: the first is not counted
+    assert seconds["checkpoint_stalls"] == pytest.approx(0.4) and seconds["stragglers"] == pytest.approx(0.75)
+    assert seconds["productive"] == pytest.approx(9 * 0.5 * 2 - 0.4 - 0.75)  # steps 2..10 after the first
+    assert sum(seconds.values()) == pytest.approx(20.0 * 2)
+    metrics.tick()
+    port = metrics.serve(0)
+    try:
+        samples = scrape(port)
+    finally:
+        metrics.close()
+    key = frozenset({("job", "job-7"), ("node", "n1"), ("cause", "stragglers")})
+    assert samples[("ftrain_device_hours", key)] == pytest.approx(0.75 / 3600)
+    assert samples[("ftrain_device_cost", key)] == pytest.approx(0.75 / 3600 * 3.0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agents.agent import TICK_S, Agent, AgentOptions
-from agents.heartbeat import Beat
+from agents.heartbeat import Beat, RankTotals
 from agents.metrics import AgentMetrics
 from agents.records import (
     FAILED,
@@ -34,7 +34,6 @@ from agents.workers import Launch
 from chaos.cluster import FAST_AGENT_SETTINGS
 from contract import exits
 from contract.events import EventLog, read_jsonl
-from contract.heartbeat import BUSY_PHASES
 from tests.memory_jobstore import FakeClock, MemoryJobStore, MemorySession
 
 JOB = "job"
@@ -56,12 +55,11 @@ class MemoryHeartbeats:
     def beats(self) -> dict[int, Beat]:
         return dict(self._beats)
 
-    def take_busy(self) -> dict[int, tuple[int, float]]:
-        return {
-            lr: (b.rank, sum(b.phases_s.get(p, 0.0) for p in BUSY_PHASES))
-            for lr, b in self._beats.items()
-            if b.phases_s
-        }
+    def take_totals(self) -> dict[int, RankTotals]:
+        totals = {lr: RankTotals(b.rank) for lr, b in self._beats.items() if b.phases_s}
+        for lr, t in totals.items():
+            t.add(self._beats[lr].phases_s, judged=True)
+        return totals
 
     def receive(self, round_: int, beat: Beat) -> None:
         if round_ == self._round:
