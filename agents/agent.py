@@ -56,7 +56,7 @@ from agents import flight, flight_verdict
 from agents.config import AgentConfig
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
 from agents.etcd import Compare, Op
-from agents.heartbeat import Beat
+from agents.heartbeat import Beat, BusyWindow
 from agents.jobstore import Closable, JobStore, LeaseSession
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
 from agents.live_workers import LiveWorkers
@@ -222,6 +222,8 @@ class Agent:
         self.straggler_lines: list[str] = []  #: the leader's view of the stragglers (status)
         self._stragglers_seen: set[tuple[int, str]] = set()  #: (round, node) already reported
         self._busy: tuple[int, float] = (-1, 0.0)  #: this node's busiest rank, its busy time per step lately
+        self._busy_window = BusyWindow()  #: each local rank's busy time over its last few statuses
+        self._busy_round = -1
         self.session: LeaseSession | None = None
         self.workers: Workers | None = None
         self.finished_rounds: set[int] = set()  #: rounds whose workers ran and ended here
@@ -967,11 +969,13 @@ class Agent:
         self.metrics.phases_taken(
             [t.seconds for t in totals.values()], straggling=bool(leader_status and leader_status.stragglers)
         )
-        busy = {t.rank: b for t in totals.values() if (b := t.busy_per_step_s()) is not None}
-        if not beats or (self.pool is not None and self.pool.warming()):  # a spare's start-up slows the workers
-            self._busy = (-1, 0.0)  # no figure
-        elif busy:
-            self._busy = max(busy.items(), key=lambda rank_busy: rank_busy[1])
+        round_ = self.workers.round if self.workers is not None else -1
+        if not beats or round_ != self._busy_round or (self.pool is not None and self.pool.warming()):
+            self._busy_window.clear()  # a new round, or a spare's start-up slowing the workers: start over
+            self._busy_round = round_
+        else:
+            self._busy_window.add(totals.values())
+        self._busy = self._busy_window.busiest() or (-1, 0.0)
         name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),

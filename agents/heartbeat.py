@@ -12,12 +12,14 @@ zombie of an old round cannot make a new round look alive), and an ``alive`` onl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from contract.heartbeat import BUSY_PHASES, MAX_DATAGRAM_BYTES, Message
@@ -92,8 +94,32 @@ class RankTotals:
             self.judged_beats += 1
             self.judged_busy_s += sum(phases_s.get(p, 0.0) for p in BUSY_PHASES)
 
-    def busy_per_step_s(self) -> float | None:
-        return self.judged_busy_s / self.judged_beats if self.judged_beats else None
+
+class BusyWindow:
+    """Each rank's busy time per step over its last ``intervals`` takes of :class:`RankTotals`
+    (about a second each): one interval is noisy — a slow rank stopped while inside a collective
+    looks like its peers, waiting — a few smooth it."""
+
+    def __init__(self, intervals: int = 2):
+        self._intervals = intervals
+        self._by_rank: dict[int, collections.deque[tuple[float, int]]] = {}
+
+    def add(self, totals: Iterable[RankTotals]) -> None:
+        for t in totals:
+            window = self._by_rank.setdefault(t.rank, collections.deque(maxlen=self._intervals))
+            window.append((t.judged_busy_s, t.judged_beats))
+
+    def clear(self) -> None:
+        self._by_rank.clear()
+
+    def busiest(self) -> tuple[int, float] | None:
+        """(rank, its mean busy seconds per step over the window) of the busiest rank; None: no beats."""
+        means = {}
+        for rank, window in self._by_rank.items():
+            beats = sum(n for _, n in window)
+            if beats:
+                means[rank] = sum(s for s, _ in window) / beats
+        return max(means.items(), key=lambda rank_busy: rank_busy[1]) if means else None
 
 
 class HeartbeatServer:
