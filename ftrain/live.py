@@ -150,14 +150,19 @@ def hold(trainer: Trainer) -> HeldState:
 
 def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) -> Restored:
     """Collective: agree on the step to go on from and put that state into ``trainer``;
-    ``committed_step``: the newest commit the round's assignment knows of (the same on every
-    rank): state held in memory that is older is not gone on from."""
+    ``committed_step``: the newest commit record the round's assignment saw in etcd (the same
+    on every rank): when it is newer than any rank knows of, storage's listing decides, and
+    state held in memory (or in the tier) that is older is not gone on from."""
     full = strategies.get(trainer.layout.strategy).full_replica
     rows = survey(held, full, trainer.device)
     newest = max(step for step, _, _, _ in rows)
     holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
     digests = {rows[r][2] for r in holders}
-    committed = max(committed_step, *(c for _, _, _, c in rows))
+    committed = max(c for _, _, _, c in rows)
+    if committed_step > committed and trainer.ckpt is not None:
+        # etcd records a newer commit than any rank knows of (they sat out the rounds that made
+        # it, or its manifest never landed): what storage lists is the truth (the same on every rank)
+        committed = max(committed, trainer.ckpt.manager.newest_committed_step())
     if holders and len(digests) > 1:
         log.error("replicas at step %d differ (digests %s): loading from storage", newest, sorted(digests))
         holders = []  # every rank sees the same rows, so every rank falls back together
