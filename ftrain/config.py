@@ -22,6 +22,7 @@ from typing import Any
 from checkpoint.config import CheckpointConfig
 from contract import worker_env
 from contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
+from ftrain.pipeline_stages import PP_SCHEDULES, check_pipeline, stage_blocks
 from ftrain.strategies import STRATEGIES
 from ftrain.strategies import check_config as _check_strategy_config
 from ftrain.strategies import check_parallel as _check_strategy_parallel
@@ -177,6 +178,23 @@ class ParallelConfig:
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MB.")
     static_graph: bool = opt(False, "DDP static_graph (same graph every step).")
     activation_checkpointing: bool = opt(False, "Recompute each block's activations in backward.")
+    pp_size: int = opt(
+        1,
+        "Pipeline-parallel degree: the model's blocks split into stages over this many ranks (1: no pipeline); "
+        "the strategy (ddp, fsdp, tp, fsdp+tp) runs inside each stage over the world size / pp_size.",
+    )
+    pp_schedule: str = opt(
+        "1f1b",
+        "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward) or "
+        "interleaved_1f1b (several model chunks per rank: a smaller bubble, more messages).",
+        PP_SCHEDULES,
+    )
+    pp_virtual_stages: int = opt(0, "Model chunks per pipeline rank (0: 2 for interleaved_1f1b, 1 for gpipe and 1f1b).")
+    pp_split: str = opt(
+        "",
+        'The first block of every stage after the first, comma-separated (e.g. "3,6": three stages from '
+        "block 0, 3 and 6); empty: blocks spread evenly. Embeddings go with the first stage, the head with the last.",
+    )
     backend: str = opt(
         "auto", "Process-group backend: auto (nccl on GPU, gloo on CPU), gloo or nccl.", ("auto", "gloo", "nccl")
     )
@@ -189,6 +207,7 @@ class ParallelConfig:
         if self.shard_size < 0:
             raise ConfigError("parallel.shard_size", f"must be >= 0, got {self.shard_size}")
         _check_strategy_parallel(self)  # strategy hook: a registered name; deterministic only where supported
+        check_pipeline(self)
         if self.bucket_cap_mb <= 0:
             raise ConfigError("parallel.bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         if self.timeout_s <= 0:
@@ -254,6 +273,8 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_strategy_config(self)  # strategy hook: e.g. zero1 refuses checkpoint.uri
+        if self.parallel.pp_size > 1:
+            stage_blocks(self.parallel, self.model.n_layer)  # ConfigError naming the key if the blocks do not split
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

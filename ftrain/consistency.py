@@ -37,9 +37,13 @@ class Mismatch:
 def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:
     """(replica group key, tensors that must match within the group), or None if none: the
     strategy's rule (:meth:`ftrain.strategies.Strategy.replica_group`)."""
-    strategy = strategies.get(par.layout.strategy)
-    group = strategy.replica_group(par.layout)
-    return None if group is None else (group, strategy.replicated_tensors(par))
+    layout = par.layout
+    strategy = strategies.get(layout.strategy)
+    group = strategy.replica_group(layout)
+    if group is None:
+        return None
+    # under a pipeline each stage's ranks hold their own part: replicas are within a stage
+    return group * layout.pp_size + layout.pp_rank, strategy.replicated_tensors(par)
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

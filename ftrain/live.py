@@ -142,7 +142,7 @@ def hold(trainer: Trainer) -> HeldState:
         trainer.par.optimizer.zero_grad(set_to_none=True)
         trainer.update_applied = True
     committed = trainer.committed_step()
-    if not strategies.get(trainer.layout.strategy).full_replica:
+    if not strategies.full_replica(trainer.layout):
         return HeldState(step=trainer.cursor.step, committed_step=committed)
     model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
     return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict())
@@ -153,7 +153,7 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
     ``committed_step``: the newest commit record the round's assignment saw in etcd (the same
     on every rank): when it is newer than any rank knows of, storage's listing decides, and
     state held in memory (or in the tier) that is older is not gone on from."""
-    full = strategies.get(trainer.layout.strategy).full_replica
+    full = strategies.full_replica(trainer.layout)
     rows = survey(held, full, trainer.device)
     newest = max(step for step, _, _, _ in rows)
     holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]

@@ -127,18 +127,22 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return model
 
 
-def block_container(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+def block_container(model: nn.Module) -> nn.ModuleList | nn.Sequential | nn.ModuleDict | None:
     """The container of repeated layers (``blocks``, ``layers`` or ``h``), sharded and
-    checkpointed one by one; None if the model has none."""
+    checkpointed one by one (a pipeline stage keeps its blocks in a ModuleDict keyed by their
+    index in the whole model); None if the model has none."""
     for name in ("blocks", "layers", "h"):
         blocks = getattr(model, name, None)
-        if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        if isinstance(blocks, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             return blocks
     return None
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    return list(block_container(model) or [])
+    blocks = block_container(model)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    return list(blocks or [])
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -66,6 +66,10 @@ class StepPhases:
             self._seconds["backward"] += ended - began - wait
             self._seconds["comm_wait"] += wait
 
+    def add(self, name: str, seconds: float) -> None:
+        """Time measured elsewhere (a pipeline schedule's compute and waits)."""
+        self._seconds[name] += seconds
+
     def so_far(self, name: str) -> float:
         return self._seconds[name]
 

@@ -57,6 +57,7 @@ from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
 from ftrain.parallel import Parallel, parallelize
+from ftrain.parallel.pipeline import PipelineParallel
 from ftrain.progress import Progress
 from ftrain.step_phases import StepPhases
 from ftrain.strategies import compute_layout
@@ -98,6 +99,7 @@ class StepStats:
     peaks: list[int]  #: per rank: peak memory
     busy_s: list[float]  #: per rank: time so far not blocked on communication
     comm_wait_s: list[float]  #: per rank: blocked on communication so far
+    pp_bubble: list[float]  #: per rank: the step's pipeline schedule's share of time waiting on neighbours
 
 
 @dataclass(slots=True)
@@ -204,18 +206,14 @@ class Trainer:
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)
         self.ledger = (
             Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=self.round)
-            if cfg.data.ledger_dir and self.layout.tp_rank == 0
+            if cfg.data.ledger_dir and self.layout.reads_data
             else None
         )
         self.metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
         self.progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
         self.ckpt = Checkpointing(cfg, self.par, self.cursor, self.events) if cfg.checkpoint.uri else None
         #: a live worker's memory tier, for strategies that keep no full replica (ddp heals from a peer)
-        self.tier = (
-            tier
-            if tier is not None and tier.enabled and not strategies.get(self.layout.strategy).full_replica
-            else None
-        )
+        self.tier = tier if tier is not None and tier.enabled and not strategies.full_replica(self.layout) else None
         if self.tier is not None:
             self.tier.join_round(rank, world_size, local_world, device.type)
         #: what copies the state in the background between a step boundary and the next update
@@ -263,7 +261,9 @@ class Trainer:
             self._resume()
         self.progress.message(
             f"ftrain: {self.num_params / 1e6:.2f}M params, {layout.strategy} on {layout.world_size} rank(s) "
-            f"(dp={layout.dp_size} tp={layout.tp_size}), accumulation {self.accum} x micro-batch "
+            f"(dp={layout.dp_size} tp={layout.tp_size}"
+            + (f" pp={layout.pp_size} {cfg.parallel.pp_schedule}" if layout.pp_size > 1 else "")
+            + f"), accumulation {self.accum} x micro-batch "
             f"{cfg.train.micro_batch_size} = global batch {cfg.train.global_batch_size}, {self.device.type} "
             f"{str(self.dtype).removeprefix('torch.')}, starting at step {self.cursor.step}"
             + (f", entropy floor {self.floor:.4f} nats" if self.floor is not None else "")
@@ -434,19 +434,18 @@ class Trainer:
             )
         if self.ledger is not None:  # before any collective: once this rank's gradients are in a reduction,
             self.ledger.record(batch, micros)  # its peers may complete the step without it (live recovery)
-        losses = []
-        for i, micro in enumerate(micros):
+
+        def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return maybe_poison_loss(step + 1, self.rank, loss)
+
+        if isinstance(par, PipelineParallel):
             with phases.phase("data"):
-                tokens = torch.from_numpy(self.source.sample(micro.sample_ids)).to(self.device, non_blocking=True)
-            with par.grad_sync(is_last=i == self.accum - 1):
-                with phases.phase("forward"):
-                    with par.autocast():
-                        logits = par.model(tokens[:, :-1])
-                    micro_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-                    micro_loss = maybe_poison_loss(step + 1, self.rank, micro_loss)
-                with phases.backward():
-                    par.backward(micro_loss, i, self.accum)
-            losses.append(micro_loss.detach())
+                ids = [i for micro in micros for i in micro.sample_ids]
+                tokens = torch.from_numpy(self.source.sample(ids)).to(self.device, non_blocking=True)
+            losses = par.run(tokens, loss_of, phases)
+        else:
+            losses = self._forward_backward(micros, loss_of)
         with phases.phase("comm_wait"):
             par.reduce_gradients()
             grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
@@ -473,6 +472,23 @@ class Trainer:
             par.optimizer.zero_grad(set_to_none=True)
         self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0)
         return loss
+
+    def _forward_backward(self, micros: list, loss_of: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's micro-batches one after the other, gradients accumulated; their losses."""
+        par, phases = self.par, self.phases
+        losses = []
+        for i, micro in enumerate(micros):
+            with phases.phase("data"):
+                tokens = torch.from_numpy(self.source.sample(micro.sample_ids)).to(self.device, non_blocking=True)
+            with par.grad_sync(is_last=i == self.accum - 1):
+                with phases.phase("forward"):
+                    with par.autocast():
+                        logits = par.model(tokens[:, :-1])
+                    micro_loss = loss_of(logits, tokens[:, 1:])
+                with phases.backward():
+                    par.backward(micro_loss, i, self.accum)
+            losses.append(micro_loss.detach())
+        return losses
 
     def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         policy = self.cfg.train.on_nonfinite
@@ -518,8 +534,8 @@ class Trainer:
         all-gather.
 
         The loss is summed in float64 in global micro-batch order (ranks of one tensor-parallel
-        group hold the same losses; the first of each counts), so it does not depend on how the
-        micro-batches were spread over ranks.
+        group hold the same losses, the first of each counts; under a pipeline the last stage's
+        ranks hold them), so it does not depend on how the micro-batches were spread over ranks.
         """
         layout = self.layout
         width = -(-self.micro_per_step // layout.dp_size)  # the largest block (blocks may differ by one)
@@ -527,7 +543,12 @@ class Trainer:
         local = torch.tensor(
             [float(x) for x in losses]
             + padding
-            + [float(peak_memory_bytes(self.device)), self.phases.busy_s(), self.phases.so_far("comm_wait")],
+            + [
+                float(peak_memory_bytes(self.device)),
+                self.phases.busy_s(),
+                self.phases.so_far("comm_wait"),
+                self.par.last_bubble if isinstance(self.par, PipelineParallel) else 0.0,
+            ],
             dtype=torch.float64,
             device=self.device,
         )
@@ -540,16 +561,17 @@ class Trainer:
                 dist.all_gather_single(gathered, local)
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
-        for rank in range(0, layout.world_size, layout.tp_size):
-            lo, hi = micro_block(self.micro_per_step, rank // layout.tp_size, layout.dp_size)
+        for rank, dp_rank in layout.loss_ranks():
+            lo, hi = micro_block(self.micro_per_step, dp_rank, layout.dp_size)
             for value in rows[rank, : hi - lo].tolist():
                 total += value
                 count += 1
         return StepStats(
             loss=total / count,
-            peaks=[int(v) for v in rows[:, -3].tolist()],
-            busy_s=[round(v, 6) for v in rows[:, -2].tolist()],
-            comm_wait_s=[round(v, 6) for v in rows[:, -1].tolist()],
+            peaks=[int(v) for v in rows[:, -4].tolist()],
+            busy_s=[round(v, 6) for v in rows[:, -3].tolist()],
+            comm_wait_s=[round(v, 6) for v in rows[:, -2].tolist()],
+            pp_bubble=[round(v, 4) for v in rows[:, -1].tolist()],
         )
 
     def _report(
@@ -573,6 +595,7 @@ class Trainer:
             "rank_comm_wait_s": stats.comm_wait_s,  #: per rank: waiting on communication before the losses' gather
             "comm_overlap": self.par.comm_overlap(),
             "skipped_steps": self.skipped_steps,
+            **({"pp_size": self.layout.pp_size, "rank_pp_bubble": stats.pp_bubble} if self.layout.pp_size > 1 else {}),
             "round": self.round,  #: the round that completed the step (the chaos invariants read it)
             "time": time.time(),
         }

@@ -26,17 +26,23 @@ from ftrain.strategies import Layout
 __all__ = ["Parallel", "parallelize"]
 
 
-def _checkpoint_blocks(model: nn.Module) -> None:
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Recompute each block's activations in its backward (``parallel.activation_checkpointing``)."""
     blocks = block_container(model)
     if blocks is None:
         return
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block)
+    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))
+    for key in keys:
+        blocks[key] = checkpoint_wrapper(blocks[key])  # type: ignore[index]
 
 
 def parallelize(
     model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, micro_per_step: int
 ) -> Parallel:
+    if layout.pp_size > 1:
+        from ftrain.parallel.pipeline import build_pipeline
+
+        return build_pipeline(model, cfg, layout, device, compute_dtype, micro_per_step // layout.dp_size)
     strategy = strategies.get(layout.strategy)
     model = model.to(device)
     mesh = None
@@ -45,7 +51,7 @@ def parallelize(
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     strategy.apply_tensor_parallel(model, mesh)
     if cfg.parallel.activation_checkpointing:
-        _checkpoint_blocks(model)
+        checkpoint_blocks(model)
     model = strategy.apply_data_parallel(model, cfg.parallel, layout, mesh, device, compute_dtype)
     optimizer = strategy.make_optimizer(param_groups(model, cfg.optim), cfg.optim)
     return strategy.make_parallel(model, optimizer, layout, device, compute_dtype, micro_per_step)

@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -32,10 +33,18 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter], max_norm: float, *, across: dist.ProcessGroup | None = None
+) -> float:
+    """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before.
+    ``across``: the group whose ranks hold the model's other parameters (pipeline stages): the
+    norm is over all of theirs."""
     params = list(params)
     norm = total_grad_norm(params)
+    if across is not None:
+        square = (norm.float() ** 2).reshape(1)
+        dist.all_reduce(square, group=across)
+        norm = square.sqrt()[0]
     total = float(norm)
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)

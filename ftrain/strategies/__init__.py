@@ -12,6 +12,7 @@ tests; ``tests/unit/test_strategy_registry.py`` runs its contract against every 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING
@@ -32,8 +33,10 @@ __all__ = [
     "check_parallel",
     "compute_layout",
     "discover",
+    "full_replica",
     "get",
     "registered",
+    "world_multiple",
 ]
 
 
@@ -88,10 +91,36 @@ def compute_layout(
     parallel: ParallelConfig, *, world_size: int, rank: int, local_world_size: int, n_head: int | None
 ) -> Layout:
     """This rank's layout under ``parallel.strategy``; ConfigError naming the key that cannot work
-    at this size. A pure function of the settings and the world (``n_head`` None: not checked)."""
-    return get(parallel.strategy).layout(
-        parallel, world_size=world_size, rank=rank, local_world_size=local_world_size, n_head=n_head
+    at this size. A pure function of the settings and the world (``n_head`` None: not checked).
+
+    With ``parallel.pp_size`` P > 1 the strategy lays out each stage's world_size / P ranks (the
+    ranks of pipeline rank p are ``p * inner .. (p + 1) * inner - 1``)."""
+    pp = parallel.pp_size
+    if world_size % pp:
+        raise ConfigError(
+            "parallel.pp_size",
+            f"{pp} does not divide the world size {world_size}: the job needs a multiple of {pp} ranks",
+        )
+    inner = world_size // pp
+    layout = get(parallel.strategy).layout(
+        parallel, world_size=inner, rank=rank % inner, local_world_size=min(local_world_size, inner), n_head=n_head
     )
+    if pp == 1:
+        return layout
+    return dataclasses.replace(layout, world_size=world_size, rank=rank, pp_size=pp, pp_rank=rank // inner)
+
+
+def full_replica(layout: Layout) -> bool:
+    """Whether every rank of ``layout`` holds the whole model and optimizer state (a survivor can
+    hand a joiner everything): the strategy's say, and no pipeline (a stage holds its part)."""
+    return get(layout.strategy).full_replica and layout.pp_size == 1
+
+
+def world_multiple(parallel: ParallelConfig) -> int:
+    """What every world size of the job must be a multiple of: the pipeline's and the explicit
+    tensor-parallel degrees (rounds are formed with a node count that gives one)."""
+    tp = (parallel.tp_size or 2) if parallel.strategy == "fsdp+tp" else 1  # tp itself takes any world
+    return parallel.pp_size * tp
 
 
 def check_parallel(parallel: ParallelConfig) -> None:

@@ -65,11 +65,27 @@ class Layout:
     shard_size: int = 0  # HSDP: ranks per shard group
     deterministic: bool = False
     mesh_shape: MeshShape | None = None
-    """The device mesh the strategy's wrappers run on, as (shape, dimension names); None: none."""
+    """The device mesh the strategy's wrappers run on, as (shape, dimension names); None: none.
+    With a pipeline: the mesh inside one stage (``dp``/``tp``); the job's mesh adds ``pp`` in front."""
+    pp_size: int = 1
+    """Pipeline stages' ranks: rank = pp_rank x (dp_size x tp_size) + dp_rank x tp_size + tp_rank."""
+    pp_rank: int = 0
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank records its data-parallel rank's samples (the first of its tensor-
+        parallel group, in the first pipeline stage: the others read the same micro-batches)."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+    def loss_ranks(self) -> list[tuple[int, int]]:
+        """(rank, dp_rank) of the ranks whose micro-batch losses count: one per data-parallel
+        rank, the first of its tensor-parallel group in the last pipeline stage."""
+        last_stage = (self.pp_size - 1) * self.dp_size * self.tp_size
+        return [(last_stage + d * self.tp_size, d) for d in range(self.dp_size)]
 
     def describe(self) -> dict[str, object]:
         """What manifests and final saves record about the layout."""
@@ -80,6 +96,7 @@ class Layout:
             "tp_size": self.tp_size,
             "shard_size": self.shard_size,
             "deterministic": self.deterministic,
+            "pp_size": self.pp_size,
         }
 
 

@@ -70,7 +70,7 @@ class FSDP(Strategy):
         return None
 
     def shard_count(self, layout: Layout) -> int:
-        return layout.world_size
+        return layout.dp_size  # the whole world, or one pipeline stage's ranks
 
     def textbook_model_state_bytes(self, num_params: int, *, shard: int, tp_split: int, tp: int) -> int:
         return 16 * num_params // shard

@@ -1,0 +1,284 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the model's blocks in stages over
+``parallel.pp_size`` ranks, the strategy (ddp, fsdp, tp, fsdp+tp) inside each stage.
+
+The job's mesh is ``pp x`` the strategy's own (``dp``, ``tp``), so rank = pp_rank x inner +
+inner_rank. A rank keeps only its stages' parts of the model in one :class:`PipelineModule` (the
+embeddings on stage 0's rank, the norm and head on the last stage's), under the model's own
+parameter names: ``blocks.5.attn.q.weight`` is called that at any ``pp_size`` and without a
+pipeline, so DCP checkpoints (``get_state_dict`` of that module, as for every strategy) load
+across layouts and ``ftrain ckpt export`` gives the whole model. Each stage is a
+:class:`PipelineModule` over the same submodules; with ``interleaved_1f1b`` a rank runs several.
+
+One step: the rank's micro-batches (the accumulation settings) go through the schedule, whose
+loss is the mean per micro-batch and whose gradients are scaled by 1 / micro-batches, as without
+a pipeline. Then the data-parallel reduction: FSDP2 reduce-scatters in the last micro-batch's
+backward (the stage switches its gradient sync); under ddp one flat all-reduce over the stage's
+``dp`` group after the schedule (the stage would drive DDP's reducer through its internals,
+and one reduction per step is what a pipeline needs anyway). Clipping takes the squared norms
+of all stages (an all-reduce over ``pp``), so the norm is the whole model's.
+
+Phases: a stage's forward and backward chunks are timed as ``forward`` and ``backward``; the rest
+of the schedule's time is waiting on the neighbours (``comm_wait``), and its share of the schedule
+is the step's measured bubble (:attr:`PipelineParallel.last_bubble`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from ftrain import strategies
+from ftrain.config import Config, ConfigError
+from ftrain.optim import param_groups
+from ftrain.parallel.base import Parallel
+from ftrain.parallel.grad_norm import clip_grad_norm
+from ftrain.pipeline_stages import local_stages, stage_blocks, virtual_stages
+from ftrain.strategies import Layout, Wrapper
+
+#: what a model needs for a pipeline: the built-in GPT's parts
+PARTS = ("tok_emb", "pos_emb", "blocks", "ln_f", "head")
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineModule(nn.Module):
+    """Some of the GPT's parts, under its names: the embeddings (``first``), the blocks
+    ``block_ids`` (keyed by their index in the whole model) and the final norm and head (``last``)."""
+
+    def __init__(self, source: nn.Module, block_ids: list[int] | range, *, first: bool, last: bool):
+        super().__init__()
+        blocks = source.blocks
+        self.tok_emb = source.tok_emb if first else None
+        self.pos_emb = source.pos_emb if first else None
+        self.blocks = nn.ModuleDict(
+            {str(i): blocks[str(i)] if isinstance(blocks, nn.ModuleDict) else blocks[i] for i in block_ids}
+        )
+        self.ln_f = source.ln_f if last else None
+        self.head = source.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            assert self.pos_emb is not None
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            assert self.ln_f is not None
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def _check_parts(model: nn.Module) -> None:
+    missing = [name for name in PARTS if not hasattr(model, name)]
+    if missing or not isinstance(model.blocks, nn.ModuleList):
+        raise ConfigError(
+            "parallel.pp_size",
+            f"{type(model).__name__} cannot be split into pipeline stages: it needs the built-in GPT's parts "
+            f"({', '.join(PARTS)}; blocks an nn.ModuleList), missing {', '.join(missing) or 'a ModuleList of blocks'}",
+        )
+
+
+def job_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ``pp x`` inner mesh of the job, and the inner (one stage's ``dp``/``tp``) submesh."""
+    shape, names = layout.mesh_shape or ((layout.dp_size,), ("dp",))
+    mesh = init_device_mesh(device.type, (layout.pp_size, *shape), mesh_dim_names=("pp", *names))
+    return mesh, mesh[names if len(names) > 1 else names[0]]
+
+
+def _stage_tp_plan(model: nn.Module, kept: PipelineModule) -> Callable[[], dict[str, str]] | None:
+    plan_fn = getattr(model, "tp_plan", None)
+    if plan_fn is None:
+        return None
+    plan = plan_fn()
+    names = {name for name, _ in kept.named_modules()}
+    return lambda: {fqn: style for fqn, style in plan.items() if fqn in names}
+
+
+def build_pipeline(
+    model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, accum: int
+) -> PipelineParallel:
+    """``model`` (whole, on the CPU) cut to this rank's stages, split, sharded and scheduled."""
+    _check_parts(model)
+    try:  # TEMP until the helper lands it
+        from ftrain.pipeline_schedule import check_micro_batches
+    except ImportError:
+        check_micro_batches = lambda *a: None  # noqa: E731
+
+    parallel = cfg.parallel
+    strategy = strategies.get(layout.strategy)
+    v = virtual_stages(parallel)
+    num_stages = layout.pp_size * v
+    check_micro_batches(parallel.pp_schedule, layout.pp_size, accum, v)
+    blocks_of = stage_blocks(parallel, len(model.blocks))
+    mine = local_stages(layout.pp_rank, layout.pp_size, v)
+    mesh, inner = job_mesh(layout, device)
+    kept = PipelineModule(
+        model, [b for s in mine for b in blocks_of[s]], first=0 in mine, last=num_stages - 1 in mine
+    ).to(device)
+    plan = _stage_tp_plan(model, kept)
+    del model  # what this rank does not run is freed
+    if plan is not None:
+        kept.tp_plan = plan  # type: ignore[assignment]  # the whole model's plan, for the blocks kept
+    strategy.apply_tensor_parallel(kept, inner)
+    if parallel.activation_checkpointing:
+        from ftrain.parallel import checkpoint_blocks
+
+        checkpoint_blocks(kept)
+    chunks: list[nn.Module] = [PipelineModule(kept, blocks_of[s], first=s == 0, last=s == num_stages - 1) for s in mine]
+    if strategy.wrapper is Wrapper.FSDP:
+        chunks = [strategy.apply_data_parallel(c, parallel, layout, inner, device, compute_dtype) for c in chunks]
+    optimizer = strategy.make_optimizer(param_groups(kept, cfg.optim), cfg.optim)
+    pp_group = mesh.get_group("pp")
+    dp_group = inner.get_group("dp") if "dp" in (inner.mesh_dim_names or ()) else None
+    return PipelineParallel(
+        kept,
+        optimizer,
+        layout,
+        device,
+        compute_dtype,
+        stages=[PipelineStage(c, s, num_stages, device, group=pp_group) for c, s in zip(chunks, mine, strict=True)],
+        schedule_name=parallel.pp_schedule,
+        accum=accum,
+        pp_group=pp_group,
+        dp_group=dp_group if strategy.wrapper is Wrapper.DDP and layout.dp_size > 1 else None,
+        fsdp=strategy.wrapper is Wrapper.FSDP,
+    )
+
+
+class PipelineParallel(Parallel):
+    """This rank's stages and their schedule; :meth:`run` is one step's forwards and backwards."""
+
+    def __init__(
+        self,
+        model: PipelineModule,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        *,
+        stages: list[PipelineStage],
+        schedule_name: str,
+        accum: int,
+        pp_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup | None,
+        fsdp: bool,
+    ):
+        super().__init__(model, optimizer, layout, device, compute_dtype)
+        self.uses_autocast = not fsdp  # FSDP's MixedPrecisionPolicy casts
+        self.stages = stages
+        self.first = any(s.is_first for s in stages)
+        self.last = any(s.is_last for s in stages)
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        self._loss_fn: LossFn | None = None
+        if schedule_name == "interleaved_1f1b":
+            self.schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=accum, loss_fn=self._loss)
+        else:
+            cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+            self.schedule = cls(stages[0], n_microbatches=accum, loss_fn=self._loss)
+        self.last_bubble = 0.0  #: the last step: share of the schedule's time spent waiting on neighbours
+        self._timed: list[float] = [0.0]  #: compute seconds of the schedule in progress
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
+    @contextlib.contextmanager
+    def _time_compute(self, phases: Any) -> Iterator[None]:
+        """Time each stage's forward and backward chunks as those phases while the schedule runs."""
+        originals = []
+        for stage in self.stages:
+            originals.append((stage, stage.forward_one_chunk, stage.backward_one_chunk))
+            stage.forward_one_chunk = self._timed_call(stage.forward_one_chunk, phases, "forward")  # type: ignore[method-assign]
+            stage.backward_one_chunk = self._timed_call(stage.backward_one_chunk, phases, "backward")  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for stage, forward, backward in originals:
+                stage.forward_one_chunk = forward  # type: ignore[method-assign]
+                stage.backward_one_chunk = backward  # type: ignore[method-assign]
+
+    def _timed_call(self, fn: Callable[..., Any], phases: Any, phase: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - began
+                self._timed[0] += elapsed
+                phases.add(phase, elapsed)
+
+        return call
+
+    def run(self, tokens: torch.Tensor, loss_fn: LossFn, phases: Any) -> list[torch.Tensor]:
+        """One step's micro-batches (``tokens``: this rank's, concatenated, inputs and targets
+        one apart) through the schedule; the micro-batch losses on the last stage's rank, [] elsewhere."""
+        self._loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        args = (tokens[:, :-1],) if self.first else ()
+        kwargs: dict[str, Any] = {"target": tokens[:, 1:], "losses": losses} if self.last else {}
+        self._timed[0] = 0.0
+        began = time.perf_counter()
+        with self._time_compute(phases), self.autocast():
+            self.schedule.step(*args, **kwargs)
+        wall = time.perf_counter() - began
+        phases.add("comm_wait", max(0.0, wall - self._timed[0]))
+        self.last_bubble = max(0.0, 1.0 - self._timed[0] / wall) if wall > 0 else 0.0
+        return [loss.detach() for loss in losses]
+
+    def grad_sync(self, is_last: bool) -> AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self) -> None:
+        """ddp inside the stage: the mean of the stage's gradients over its data-parallel ranks."""
+        if self.dp_group is None:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.layout.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model.parameters(), max_norm, across=self.pp_group)
+
+    def full_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The whole model's state on rank 0 (every stage's, gathered from the first rank of each)."""
+        options = StateDictOptions(full_state_dict=True)  # every rank of a stage gets its stage whole
+        model_sd = get_model_state_dict(self.model, options=options)
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        mine = None
+        if self.layout.dp_rank == 0 and self.layout.tp_rank == 0:
+            mine = (_to_cpu(model_sd), _to_cpu(optim_sd.get("state", {})))
+        parts: list[Any] = [None] * self.layout.world_size if self.layout.rank == 0 else []
+        dist.gather_object(mine, parts if self.layout.rank == 0 else None, dst=0)
+        if self.layout.rank != 0:
+            return {}, {}
+        model_all: dict[str, Any] = {}
+        state_all: dict[str, Any] = {}
+        for part in parts:
+            if part is not None:
+                model_all.update(part[0])
+                state_all.update(part[1])
+        return model_all, {"state": state_all}
+
+
+def _to_cpu(tree: Any) -> Any:
+    if torch.is_tensor(tree):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    return tree
