@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from checkpoint.errors import CheckpointError, ManifestError
 from checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
@@ -34,7 +34,7 @@ from contract import events as ev
 from contract.events import EventLog
 from contract.worker_env import WorkerEnv
 from ftrain import fence
-from ftrain.config import Config, worker_job_id
+from ftrain.config import Config, ConfigError, worker_job_id
 from ftrain.data import DataCursor, DataError
 from ftrain.faults import maybe_pause_after_fence
 from ftrain.parallel import Parallel
@@ -107,17 +107,41 @@ def _restore_rng(t: torch.Tensor, step: int) -> None:
         ) from e
 
 
-def training_state(par: Parallel, rank: int) -> dict[str, Any]:
+#: How optimizer state is stored: flattened per parameter name, its param-group settings too
+#: (``param_groups.<fqn>.lr``), so that ranks holding different parameters (pipeline stages) write
+#: different keys; one ``param_groups`` list per rank would be one key that DCP keeps once. Steps
+#: saved before it (no such key in the manifest's layout) hold that one list, the same on every
+#: rank then; they still load wherever every rank holds every parameter's group (no pipeline).
+OPTIM_FORMAT_KEY, FLAT = "optimizer_state", "flat"
+_FLAT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state_options(manifest: Manifest | None) -> StateDictOptions | None:
+    """How ``manifest``'s step stores optimizer state (None: a new save's)."""
+    if manifest is None or manifest.layout.get(OPTIM_FORMAT_KEY) == FLAT:
+        return _FLAT_OPTIONS
+    return None
+
+
+def training_state(par: Parallel, rank: int, manifest: Manifest | None = None) -> dict[str, Any]:
     """What a checkpoint (or a memory-tier snapshot) of this rank holds: model, optimizer
-    (``get_state_dict``: DTensor shards for FSDP/TP) and this rank's RNG states."""
-    model_sd, optim_sd = get_state_dict(par.model, par.optimizer)
+    (``get_state_dict``: DTensor shards for FSDP/TP, in :data:`OPTIM_FORMAT_KEY`'s form, or
+    the form ``manifest``'s step was saved in) and this rank's RNG states."""
+    model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=_state_options(manifest))
     return {"model": model_sd, "optim": optim_sd, f"rng.rank{rank}": _rng_tensor()}
 
 
 def load_target(par: Parallel, rank: int, manifest: Manifest) -> dict[str, Any]:
     """The state dict a load of ``manifest``'s step fills (no RNG entry for a rank that did not
-    exist when the step was saved)."""
-    sd = training_state(par, rank)
+    exist when the step was saved); ConfigError if the step's form cannot load at this layout."""
+    if _state_options(manifest) is None and par.layout.pp_size > 1:
+        raise ConfigError(
+            "parallel.pp_size",
+            f"checkpoint step {manifest.step} was saved by an older ftrain, with one optimizer param_groups "
+            "list for all ranks, which pipeline stages cannot share: resume it once with parallel.pp_size=1 "
+            "(its next save is in the new form), then with the pipeline",
+        )
+    sd = training_state(par, rank, manifest)
     if rank >= manifest.world_size:
         del sd[f"rng.rank{rank}"]
     return sd
@@ -129,7 +153,7 @@ def manifest_fields(cfg: Config, par: Parallel, cursor: DataCursor, round_: int)
     return {
         "round": round_,
         "world_size": layout.world_size,
-        "layout": layout.describe(),
+        "layout": {**layout.describe(), OPTIM_FORMAT_KEY: FLAT},
         "config": cfg.to_dict(),
         "config_hash": cfg.digest(),
         "trainer": {"cursor": cursor.state_dict()},
@@ -139,7 +163,13 @@ def manifest_fields(cfg: Config, par: Parallel, cursor: DataCursor, round_: int)
 def apply_loaded(par: Parallel, cursor: DataCursor, rank: int, manifest: Manifest, sd: dict[str, Any]) -> None:
     """Put a loaded state dict (:func:`load_target`, filled) into the model, optimizer, cursor
     and RNG: after a load from storage or from the memory tier alike."""
-    set_state_dict(par.model, par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(
+        par.model,
+        par.optimizer,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optim"],
+        options=_state_options(manifest),
+    )
     cursor.load_state_dict(manifest.trainer["cursor"])
     rng = sd.get(f"rng.rank{rank}")
     if rng is not None:

@@ -1,5 +1,5 @@
 """Checkpoints on a real S3 server (SeaweedFS): bitwise resume after a real SIGKILL, and
-resharding fsdp x4 -> ddp x2 / x1 with an exact data cursor."""
+resharding fsdp x4 -> ddp x2 / x1 and across pipeline layouts with an exact data cursor."""
 
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ def assert_bitwise(a: dict, b: dict) -> None:
         assert torch.equal(oa[k], ob[k]), f"optimizer state {k} differs"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, tmp_path, golden):
+@pytest.mark.parametrize(
+    ("strategy", "layout"), [("ddp", []), ("fsdp", []), ("ddp", ["--parallel.pp_size=2"])], ids=["ddp", "fsdp", "pp2"]
+)
+def test_sigkill_then_resume_is_bitwise_identical(strategy, layout, seaweed, s3_prefix, tmp_path, golden):
     env = seaweed.env()
-    golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]))
+    golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]), *layout)
     url = seaweed.url(f"{s3_prefix}/job")
     # fsdp keeps the node's files on local disk too: its resume reads them there (ddp: from S3)
     cache = [f"--checkpoint.local_cache_dir={tmp_path / 'cache'}"] if strategy == "fsdp" else []
@@ -43,6 +45,7 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
         tmp_path / "crash",
         2,
         f"--parallel.strategy={strategy}",
+        *layout,
         *ckpt_args(url, *cache),
         env={**env, "FTRAIN_FAULT_SIGKILL": "9:1"},
         check=False,
@@ -57,6 +60,7 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, seaweed, s3_prefix, 
         tmp_path / "resume",
         2,
         f"--parallel.strategy={strategy}",
+        *layout,
         f"--logging.events_path={events}",
         *ckpt_args(url, *cache),
         env=env,
@@ -119,6 +123,67 @@ def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path, golden):
         ids = _ids_by_step(ledger)
         assert sorted(ids) == list(range(4, 10))
         assert all(ids[s] == golden_ids[s] for s in ids), f"ddp x{world}: data cursor drifted"
+
+
+def _resume_close_to(golden, run, ledger, what: str) -> None:
+    """``run`` resumed at step 5 from step 4 and ended where ``golden`` did (reordering noise,
+    as in test_reshard_fsdp4_to_ddp2_and_ddp1), reading exactly the golden run's samples."""
+    assert run.metrics[0]["step"] == 5, what
+    diff = max_abs_diff(run.final["model"], golden.final["model"])
+    assert diff < 2e-4, f"{what}: parameters differ by {diff}"
+    odiff = max_abs_diff(optimizer_tensors(run.final["optim"]), optimizer_tensors(golden.final["optim"]))
+    assert odiff < 2e-4, f"{what}: optimizer state differs by {odiff}"
+    ids, golden_ids = _ids_by_step(ledger), _ids_by_step(golden.workdir / "ledger")
+    assert sorted(ids) == list(range(4, 10)), what
+    assert all(ids[s] == golden_ids[s] for s in ids), f"{what}: data cursor drifted"
+
+
+def test_pipeline_checkpoints_load_across_layouts(seaweed, s3_prefix, tmp_path, golden):
+    """Saved at pp=2 x dp=2, resumed at dp=2 without a pipeline and at pp=2 x dp=1; saved
+    without a pipeline, resumed at pp=2; and ``ftrain ckpt export`` of a pipeline's step is the
+    whole model. The checkpoint's parameter names are the model's, whatever the layout."""
+    env = seaweed.env()
+    golden = golden(1, "--model.n_layer=4")
+    once = ["--model.n_layer=4", "--checkpoint.load_step=4", "--checkpoint.interval=0", "--checkpoint.final_save=false"]
+    saves = {
+        "pp2xdp2": (4, ["--parallel.pp_size=2"], [(2, [], "dp2"), (2, ["--parallel.pp_size=2"], "pp2xdp1")]),
+        "dp2": (2, [], [(2, ["--parallel.pp_size=2"], "pp2")]),
+    }
+    for name, (nproc, layout, resumes) in saves.items():
+        url = seaweed.url(f"{s3_prefix}/{name}")
+        saved = train_job(
+            tmp_path / name,
+            nproc,
+            "--model.n_layer=4",
+            *layout,
+            *ckpt_args(url, "--checkpoint.async_mode=off"),
+            env={**env, "FTRAIN_FAULT_SIGKILL": "5:0"},
+            check=False,
+            save_final=False,
+        )
+        assert saved.returncode != 0
+        for world, resume_layout, what in resumes:
+            ledger = tmp_path / f"ledger-{name}-{what}"
+            resumed = train_job(
+                tmp_path / f"{name}-to-{what}",
+                world,
+                *resume_layout,
+                *ckpt_args(url),
+                *once,
+                f"--data.ledger_dir={ledger}",
+                env=env,
+            )
+            assert f"saved at world size {nproc}" in resumed.output
+            _resume_close_to(golden, resumed, ledger, f"{name} -> {what}")
+    url = seaweed.url(f"{s3_prefix}/pp2xdp2")
+    out = tmp_path / "model.pt"
+    proc = run(
+        [sys.executable, "-m", "ftrain", "ckpt", "export", url, "4", str(out)], timeout_s=120, env=worker_env(**env)
+    )
+    assert proc.returncode == 0, proc.stdout
+    exported = torch.load(out)
+    assert exported.keys() == golden.final["model"].keys()  # both stages' parts
+    assert any("blocks.3." in k for k in exported) and "head.weight" in exported and "tok_emb.weight" in exported
 
 
 def _ids_by_step(ledger_dir) -> dict[int, list[int]]:
