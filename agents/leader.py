@@ -27,7 +27,10 @@ Rules, in order:
    is formed without it (``straggler``, not a failure) while ``min_nodes`` remain, and it is kept
    out for ``straggler_rejoin_s`` (``RoundRecord.excluded``, carried from round to round), then
    joins like any node (rule 2); still slow, it is evicted again.
-5. Members: the live agents in join order, at most ``max_nodes``. The oldest live agent is node
+5. Members: the live agents in join order, at most ``max_nodes``, and as many of them as give a
+   world size the job's layout can use (``world_multiple``: a pipeline of ``pp_size`` stages over
+   tensor-parallel groups needs a multiple of ``pp_size x tp_size`` ranks; the newest are left
+   waiting, and joiners that would not make a usable size do not trigger a round). The oldest live agent is node
    rank 0 and hosts the rendezvous, so that role migrates when its host is lost. Under live
    recovery, after a worker failure, a node with no warm replacement for it is left out while
    at least ``min_nodes`` remain: the others go on at the smaller world size and it joins again
@@ -102,15 +105,25 @@ class Policy:
     straggler_factor: float  #: slow: busy per step this many times the other nodes' median
     straggler_after_s: float  #: slow this long without a break: a straggler
     straggler_rejoin_s: float  #: evict: how long an evicted node is kept out
+    #: not an ``[agent]`` key: the training config's say (``ftrain.strategies.world_multiple``)
+    world_multiple: int = 1  #: every world size of the job is a multiple of this many ranks
 
     @classmethod
-    def from_config(cls, config: AgentConfig) -> Policy:
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+    def from_config(cls, config: AgentConfig, *, world_multiple: int = 1) -> Policy:
+        keys = {f.name for f in dataclasses.fields(cls)} - {"world_multiple"}
+        return cls(**{k: getattr(config, k) for k in keys}, world_multiple=world_multiple)
 
     @classmethod
-    def of(cls, **settings: Any) -> Policy:
+    def of(cls, world_multiple: int = 1, **settings: Any) -> Policy:
         """From ``[agent]`` keys as keyword arguments (see :meth:`AgentConfig.of`); the rest default."""
-        return cls.from_config(AgentConfig.of(**settings))
+        return cls.from_config(AgentConfig.of(**settings), world_multiple=world_multiple)
+
+    def usable_nodes(self, count: int) -> int:
+        """The most of ``count`` nodes (at most ``max_nodes``) whose ranks make a usable world size."""
+        count = min(count, self.max_nodes)
+        while count > 0 and (count * self.nproc_per_node) % self.world_multiple:
+            count -= 1
+        return count
 
     def backoff_s(self, recent_failures: int) -> float:
         """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
@@ -308,7 +321,7 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     joiners = [
         m for m in live.values() if m not in cur.members and m.node_id not in excluded and _warm(state, m, policy)
     ]
-    if not joiners or len(cur.members) >= policy.max_nodes:
+    if not joiners or policy.usable_nodes(len(cur.members) + len(joiners)) <= len(cur.members):
         return None, dataclasses.replace(memory, grow_baseline_step=None)
     joined = ", ".join(m.node_id for m in joiners)
     if policy.scale_up == "immediate":
@@ -443,6 +456,12 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
 
     members = _without_cold(state, need, policy, members)
+    members = members[: policy.usable_nodes(len(members))]
+    if len(members) < policy.min_nodes:
+        return Wait(
+            f"{len(live)} nodes live, but the job's layout needs a multiple of {policy.world_multiple} ranks "
+            f"({policy.nproc_per_node} per node) and at least {policy.min_nodes} nodes"
+        ), memory
     restarts = dict(prev.restarts_by_cause) if prev else {}
     if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1

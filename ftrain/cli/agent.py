@@ -15,6 +15,7 @@ from agents.config import AgentConfig, option_name
 from agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenError
 from contract import exits
 from contract.config import ConfigError
+from ftrain import strategies
 from ftrain.cli.config import load_job_config
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
         etcd_cert=args.etcd_cert,
         etcd_key=args.etcd_key,
         device_hour_price=cfg.accounting.device_hour_price,
+        world_multiple=strategies.world_multiple(cfg.parallel),
     )
 
 

@@ -553,6 +553,33 @@ def test_no_scale_up_beyond_max_nodes() -> None:
     assert decision == Wait("round healthy")
 
 
+def test_rounds_take_as_many_nodes_as_make_a_world_size_the_layout_can_use() -> None:
+    """A pipeline of 4 stages on nodes of 2 workers needs an even node count: of three live
+    nodes the newest waits, a lost one leaves one survivor waiting, and a third node that would
+    not make a usable size joins nobody's round."""
+    policy = Policy.of(
+        min_nodes=1, max_nodes=4, nproc_per_node=2, scale_up="immediate", recovery="restart", world_multiple=4
+    )
+    assert [policy.usable_nodes(n) for n in range(6)] == [0, 0, 2, 2, 4, 4]
+    job, memory, first = running_job("a", "b", "c", policy=policy)
+    assert first.members == [m for m in first.members if m.node_id in ("a", "b")] and len(first.members) == 2
+    job.lose("b")
+    _, memory = decide(job.state(), policy, memory, T0 + 50)  # c was waiting: a and c make 4 ranks
+    record, memory = form(job, memory, T0 + 50 + policy.settle_s, policy)
+    assert [m.node_id for m in record.members] == ["a", "c"]
+    job.start(record.round, "a", "c")
+    job.lose("c")
+    decision, memory = decide(job.state(), policy, memory, T0 + 100)
+    assert isinstance(decision, Wait) and "multiple of 4 ranks" in decision.why
+    job.join("d")  # a and d make 4 ranks
+    job.join("e")  # a fifth node would not: it waits
+    _, memory = decide(job.state(), policy, memory, T0 + 101)
+    record, memory = form(job, memory, T0 + 101 + policy.settle_s, policy)
+    assert [m.node_id for m in record.members] == ["a", "d"]
+    job.start(record.round, "a", "d")
+    assert decide(job.state(), policy, memory, T0 + 500)[0] == Wait("round healthy")  # e alone cannot grow it
+
+
 # -- the end -----------------------------------------------------------------------------------
 def test_every_member_succeeded_finishes_the_job() -> None:
     job, memory, _ = running_job("a", "b")
