@@ -42,6 +42,7 @@ from ftrain.config import Config, ConfigError
 from ftrain.optim import param_groups
 from ftrain.parallel.base import Parallel
 from ftrain.parallel.grad_norm import clip_grad_norm
+from ftrain.pipeline_schedule import check_micro_batches
 from ftrain.pipeline_stages import local_stages, stage_blocks, virtual_stages
 from ftrain.strategies import Layout, Wrapper
 
@@ -109,11 +110,6 @@ def build_pipeline(
 ) -> PipelineParallel:
     """``model`` (whole, on the CPU) cut to this rank's stages, split, sharded and scheduled."""
     _check_parts(model)
-    try:  # TEMP until the helper lands it
-        from ftrain.pipeline_schedule import check_micro_batches
-    except ImportError:
-        check_micro_batches = lambda *a: None  # noqa: E731
-
     parallel = cfg.parallel
     strategy = strategies.get(layout.strategy)
     v = virtual_stages(parallel)

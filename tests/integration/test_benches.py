@@ -114,3 +114,17 @@ def test_the_flight_recorder_bench_smoke_run_compares_the_recorder_on_and_off():
     assert summary["on_step_s"] > 0 and summary["off_step_s"] > 0 and len(summary["ratios"]) == 1
     assert summary["recorder_on_vs_off"] == pytest.approx(summary["on_step_s"] / summary["off_step_s"], abs=1e-3)
     assert isinstance(summary["target_met"], bool)
+
+
+@pytest.mark.timeout(200)
+def test_the_pipeline_bench_smoke_run_measures_each_schedule_beside_its_formula_and_plan():
+    summary = _smoke("pipeline.py", timeout_s=180)
+    assert summary["bench"] == "pipeline" and summary["smoke"] and summary["ok"]
+    runs = {(r["pp"], r["schedule"]): r for r in summary["runs"]}
+    assert set(runs) == {(1, "none"), (2, "gpipe"), (2, "1f1b"), (2, "interleaved_1f1b")}
+    for (pp, schedule), r in runs.items():
+        assert r["tokens_per_s"] > 0 and len(r["peak_per_rank"]) == len(r["plan_per_rank"]) == pp
+        if pp > 1:
+            assert 0 < r["bubble"] < 1 and len(r["bubble_per_rank"]) == 2
+            assert r["formula"] == pytest.approx(1 / (8 * (2 if schedule == "interleaved_1f1b" else 1) + 1))
+    assert isinstance(summary["plan_within_10pct"], bool)
