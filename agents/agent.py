@@ -114,6 +114,7 @@ class AgentOptions:
     etcd_key: str | None = None  #: its private key (PEM), if not in the certificate file
     device_hour_price: float = 0.0  #: accounting.device_hour_price: lost time's cost in the metrics and status
     world_multiple: int = 1  #: the training layout's: world sizes are multiples of it (pipeline x tensor-parallel)
+    pipeline_stages: int = 1  #: parallel.pp_size: stragglers are compared within a stage
 
     @classmethod
     def of(cls, **kwargs: Any) -> AgentOptions:
@@ -125,7 +126,7 @@ class AgentOptions:
         return cls(config=AgentConfig.of(**settings), **{k: v for k, v in kwargs.items() if k in own})
 
     def policy(self) -> Policy:
-        return Policy.from_config(self.config, world_multiple=self.world_multiple)
+        return Policy.from_config(self.config, world_multiple=self.world_multiple, pipeline_stages=self.pipeline_stages)
 
     def validate(self) -> None:
         """What :class:`AgentConfig` cannot check alone: the ids as they reach key paths, the

@@ -105,18 +105,29 @@ class Policy:
     straggler_factor: float  #: slow: busy per step this many times the other nodes' median
     straggler_after_s: float  #: slow this long without a break: a straggler
     straggler_rejoin_s: float  #: evict: how long an evicted node is kept out
-    #: not an ``[agent]`` key: the training config's say (``ftrain.strategies.world_multiple``)
+    #: not ``[agent]`` keys: the training config's say (``ftrain.strategies.world_multiple``, ``parallel.pp_size``)
     world_multiple: int = 1  #: every world size of the job is a multiple of this many ranks
+    pipeline_stages: int = 1  #: ranks in different pipeline stages do different work: stragglers are within one
 
     @classmethod
-    def from_config(cls, config: AgentConfig, *, world_multiple: int = 1) -> Policy:
-        keys = {f.name for f in dataclasses.fields(cls)} - {"world_multiple"}
-        return cls(**{k: getattr(config, k) for k in keys}, world_multiple=world_multiple)
+    def from_config(cls, config: AgentConfig, *, world_multiple: int = 1, pipeline_stages: int = 1) -> Policy:
+        keys = {f.name for f in dataclasses.fields(cls)} - {"world_multiple", "pipeline_stages"}
+        return cls(
+            **{k: getattr(config, k) for k in keys}, world_multiple=world_multiple, pipeline_stages=pipeline_stages
+        )
 
     @classmethod
-    def of(cls, world_multiple: int = 1, **settings: Any) -> Policy:
+    def of(cls, world_multiple: int = 1, pipeline_stages: int = 1, **settings: Any) -> Policy:
         """From ``[agent]`` keys as keyword arguments (see :meth:`AgentConfig.of`); the rest default."""
-        return cls.from_config(AgentConfig.of(**settings), world_multiple=world_multiple)
+        return cls.from_config(
+            AgentConfig.of(**settings), world_multiple=world_multiple, pipeline_stages=pipeline_stages
+        )
+
+    def stages_of(self, node_rank: int, nodes: int) -> frozenset[int]:
+        """The pipeline stages node ``node_rank``'s ranks run in a round of ``nodes`` nodes."""
+        per_stage = max(1, nodes * self.nproc_per_node // self.pipeline_stages)
+        ranks = range(node_rank * self.nproc_per_node, (node_rank + 1) * self.nproc_per_node)
+        return frozenset(r // per_stage for r in ranks)
 
     def usable_nodes(self, count: int) -> int:
         """The most of ``count`` nodes (at most ``max_nodes``) whose ranks make a usable world size."""
@@ -250,7 +261,8 @@ def watch_stragglers(state: JobState, policy: Policy, memory: LeaderMemory, now:
     """The memory with the current round's slow members and stragglers, from their status:
     each agent publishes its busiest rank's busy time per step (about every second); a member
     is slow while that is over ``straggler_factor`` times the median of the other members', and
-    a straggler once slow for ``straggler_after_s`` without a break."""
+    a straggler once slow for ``straggler_after_s`` without a break. Under a pipeline a member
+    is compared with the members that run the same stages only (stages differ in cost by design)."""
     cur = state.current
     if cur is None or policy.on_straggler == "off":
         return dataclasses.replace(memory, slow_since=(), stragglers=())
@@ -262,8 +274,10 @@ def watch_stragglers(state: JobState, policy: Policy, memory: LeaderMemory, now:
     previous = dict(memory.slow_since)
     slow_since: dict[str, float] = {}
     stragglers = []
+    stages = {m.node_id: policy.stages_of(k, len(cur.members)) for k, m in enumerate(cur.members)}
     for node, status in sorted(busy.items()):
-        others = statistics.median(s.busy_s for n, s in busy.items() if n != node) if len(busy) > 1 else 0.0
+        peers = [s.busy_s for n, s in busy.items() if n != node and stages[n] == stages[node]]
+        others = statistics.median(peers) if peers else 0.0
         if others <= 0 or status.busy_s <= policy.straggler_factor * others:
             continue
         since = slow_since[node] = previous.get(node, now)

@@ -109,6 +109,7 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
         etcd_key=args.etcd_key,
         device_hour_price=cfg.accounting.device_hour_price,
         world_multiple=strategies.world_multiple(cfg.parallel),
+        pipeline_stages=cfg.parallel.pp_size,
     )
 
 

@@ -813,6 +813,20 @@ def test_a_member_slow_without_a_break_for_straggler_after_s_is_a_straggler_and_
     assert memory.slow_since == () and memory.stragglers == ()
 
 
+def test_under_a_pipeline_members_are_compared_with_those_running_the_same_stages() -> None:
+    """pp=2 on four nodes of two workers: a and b run stage 0, c and d stage 1 (the head: more
+    work by design). Stage 1 being slower than stage 0 is no straggler; d slower than c is."""
+    policy = replace(POLICY, max_nodes=4, on_straggler="warn", straggler_after_s=0.0, pipeline_stages=2)
+    job, memory, record = running_job("a", "b", "c", "d", policy=policy)
+    assert [policy.stages_of(k, 4) for k in range(4)] == [{0}, {0}, {1}, {1}]
+    _busy(job, 1, T0 + 1, a=0.030, b=0.031, c=0.060, d=0.061)
+    _, memory = decide(job.state(), policy, memory, T0 + 1)
+    assert memory.stragglers == ()
+    _busy(job, 1, T0 + 2, a=0.030, b=0.031, c=0.060, d=0.090)
+    _, memory = decide(job.state(), policy, memory, T0 + 2)
+    assert [(s.node, s.others_s) for s in memory.stragglers] == [("d", 0.060)]
+
+
 def test_noise_between_members_and_statuses_of_another_round_are_no_stragglers() -> None:
     policy = replace(POLICY, on_straggler="evict", straggler_after_s=1.0)
     job, memory, record = running_job("a", "b", policy=policy)
