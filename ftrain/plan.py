@@ -10,6 +10,12 @@ built on the meta device (no memory, works for ``model.factory`` models too):
 - :func:`recommend` picks the fitting strategy with the least communication;
 - :func:`plan_report` renders the table ``ftrain plan`` prints.
 
+Under pipeline parallelism (``parallel.pp_size`` > 1) every pipeline rank holds other parameters
+and activations: :func:`estimate` hands such layouts to ``ftrain.plan_pipeline``, which runs
+:func:`estimate_with` on the rank's own parameters and its schedule's activations, and
+:func:`plan_report` shows one row per pipeline rank and the bubble. Without a pipeline nothing
+here depends on it, except that :func:`suggestions` offers the smallest pipeline that fits.
+
 What the numbers model (our implementation, not the textbook; see ``textbook_model_state_bytes``):
 
 - Model states. Parameters are fp32 on every strategy (bf16 is autocast for ddp/zero1/tp and an
@@ -178,6 +184,15 @@ class MemoryEstimate:
     overhead_bytes: int
     textbook_model_state_bytes: int
     notes: tuple[str, ...] = ()
+    pp_size: int = 1
+    """Pipeline ranks (1: no pipeline); the fields above are then pipeline rank ``pp_rank``'s."""
+    pp_rank: int = 0
+    stages: tuple[int, ...] = ()
+    """The pipeline stages this rank runs (empty without a pipeline)."""
+    bubble_fraction: float = 0.0
+    """The schedule's idle fraction of every rank's step (``ftrain.pipeline_schedule.simulate``)."""
+    in_flight: int = 0
+    """(micro-batch, stage) activation sets this rank holds at its schedule's peak."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -295,7 +310,7 @@ def textbook_model_state_bytes(strategy: str, num_params: int, *, shard: int, tp
 # Activations.
 
 
-def _precision_mode(strategy: Strategy, target: Target) -> str:
+def precision_mode(strategy: Strategy, target: Target) -> str:
     if target.dtype == "fp32":
         return "fp32"
     return "mp" if strategy.wrapper is Wrapper.FSDP else "autocast"
@@ -393,8 +408,9 @@ def resolve_target(cfg: Config) -> Target:
     return Target(device, dtype)
 
 
-def layout_for(cfg: Config, strategy: str, *, world_size: int, gpus_per_node: int) -> Layout:
-    """Rank 0's layout for ``strategy``; ConfigError (naming the key) if it cannot run at this size."""
+def layout_for(cfg: Config, strategy: str, *, world_size: int, gpus_per_node: int, rank: int = 0) -> Layout:
+    """Rank ``rank``'s layout for ``strategy`` (rank 0: the first pipeline stage's); ConfigError
+    (naming the key) if it cannot run at this size."""
     parallel = dataclasses.replace(
         cfg.parallel,
         strategy=strategy,
@@ -402,7 +418,7 @@ def layout_for(cfg: Config, strategy: str, *, world_size: int, gpus_per_node: in
     )
     n_head = cfg.model.n_head if not cfg.model.factory else None
     return compute_layout(
-        parallel, world_size=world_size, rank=0, local_world_size=min(gpus_per_node, world_size), n_head=n_head
+        parallel, world_size=world_size, rank=rank, local_world_size=min(gpus_per_node, world_size), n_head=n_head
     )
 
 
@@ -412,15 +428,60 @@ def overhead_bytes(cfg: Config, target: Target) -> int:
     return CPU_BASELINE_BYTES + 8 * cfg.data.num_samples  # + the cursor's int64 epoch permutation
 
 
+@dataclass(frozen=True, slots=True)
+class StageTerms:
+    """What one pipeline rank changes in :func:`estimate_with` (``ftrain.plan_pipeline`` computes it)."""
+
+    model_numel: int
+    """Parameters start-up puts in this memory: the whole model on a CPU (the train loop builds
+    it there), the rank's stages alone on a GPU (only they move to the device)."""
+    buffer_bytes: int
+    """torch's P2P buffers: held from the first step on, through backward and the step."""
+    pp_size: int
+    pp_rank: int
+    stages: tuple[int, ...]
+    bubble_fraction: float
+    in_flight: int
+
+
 def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> MemoryEstimate:
     """Per-rank memory of ``layout.strategy`` for this model, batch and precision, from the
-    strategy's memory model (``Strategy.wrapper``, ``shard_count``, ``optimizer_numel``, ...)."""
+    strategy's memory model (``Strategy.wrapper``, ``shard_count``, ``optimizer_numel``, ...).
+    Under a pipeline (``layout.pp_size`` > 1): pipeline rank ``layout.pp_rank``'s, its stages'
+    parameters and its schedule's activations (``ftrain.plan_pipeline.stage_estimate``)."""
+    if layout.pp_size > 1:
+        from ftrain.plan_pipeline import stage_estimate  # imports this module
+
+        return stage_estimate(stats, cfg, layout, target)
+    acts = activations(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        mode=precision_mode(strategies.get(layout.strategy), target),
+        tp=layout.tp_size,
+        device=target.device,
+        checkpointing=cfg.parallel.activation_checkpointing,
+    )
+    return estimate_with(stats, cfg, layout, target, acts)
+
+
+def estimate_with(
+    stats: ModelStats, cfg: Config, layout: Layout, target: Target, acts: Activations, stage: StageTerms | None = None
+) -> MemoryEstimate:
+    """:func:`estimate` for these parameters (``stats``: a pipeline rank's alone) and activations.
+
+    With ``stage`` (a pipeline rank, as ``ftrain.parallel.pipeline`` builds it): FSDP2 keeps its
+    units and their fp32 gradients unsharded from each micro-batch's backward until the step
+    (torch's ``PipelineStage`` sets ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)`` for every backward), whatever the accumulation; ddp
+    has no DDP wrapper (no buckets: gradients accumulate in ``p.grad``, and one flat copy of them
+    is all-reduced after the schedule); the P2P buffers come on top of backward and step; start-up
+    holds ``stage.model_numel`` parameters plus the first shards or splits."""
     strategy = strategies.get(layout.strategy)
     s, ddp, fsdp = strategy.name, strategy.wrapper is Wrapper.DDP, strategy.wrapper is Wrapper.FSDP
     psi = stats.num_params
     tp = layout.tp_size
     shard = strategy.shard_count(layout)
-    mode = _precision_mode(strategy, target)
+    mode = precision_mode(strategy, target)
     e = 4 if target.dtype == "fp32" else 2  # compute dtype
     accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
     notes: list[str] = []
@@ -438,48 +499,47 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     optimizer = 8 * opt_local
     # DDP's buckets are the gradients and live for the whole run; everywhere else gradients are
     # freed by zero_grad(set_to_none=True) and come back during backward as activations go.
-    grads_in_backward = grads if ddp and not layout.deterministic else 0
-
-    acts = activations(
-        cfg.model,
-        micro_batch=cfg.train.micro_batch_size,
-        mode=mode,
-        tp=tp,
-        device=target.device,
-        checkpointing=cfg.parallel.activation_checkpointing,
-    )
+    buckets = ddp and stage is None  # in a pipeline stage ddp is plain gradients and one flat all-reduce
+    grads_in_backward = grads if buckets and not layout.deterministic else 0
+    pipelined_fsdp = fsdp and stage is not None
 
     # Extras present through forward and backward (A), and at the last block's backward (B).
     extra_a = 0
     if mode == "autocast":
         extra_a += 2 * sum(tp_local(p) for p in stats.params if p.autocast_copy)
     unsharded = sum(tp_local(p) for p in stats.params)
-    if accum > 1:
-        if ddp and not layout.deterministic:
+    if accum > 1 or pipelined_fsdp:
+        if buckets and not layout.deterministic:
             # zero_grad(set_to_none=True) detaches the gradients from DDP's buckets; no_sync
             # micro-batches then accumulate into fresh tensors beside the buckets (measured).
             extra_a += 4 * psi
             notes.append(
                 f"{s}: {accum} accumulation steps: no_sync micro-batches accumulate into fresh "
-                f"gradients beside DDP's buckets, {_gib(4 * psi)} per rank"
+                f"gradients beside DDP's buckets, {gib(4 * psi)} per rank"
             )
         elif fsdp:
             extra_a += 4 * unsharded  # no-sync micro-batches accumulate unsharded fp32 gradients
             notes.append(
-                f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
-                f"micro-batches (set_requires_gradient_sync(False)), {_gib(4 * unsharded)} per rank"
+                f"{s}: in a pipeline stage torch keeps FSDP2 units and their fp32 gradients unsharded from the "
+                "first backward to the step (set_reshard_after_backward(False), set_requires_gradient_sync(False)): "
+                f"{4 + e} bytes per parameter of the rank's stages, in backward extra"
+                if pipelined_fsdp
+                else f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
+                f"micro-batches (set_requires_gradient_sync(False)), {gib(4 * unsharded)} per rank"
             )
         elif layout.deterministic:
             extra_a += 4 * psi * accum.bit_length()  # the streaming tree's partial sums
         else:
             extra_a += 4 * local  # p.grad accumulates
+    buffers = stage.buffer_bytes if stage is not None else 0
+    extra_a += buffers
     extra_b = extra_a
     if fsdp:
         root = sum(tp_local(p) for p in stats.params if p.unit == -1)
         block = max((sum(tp_local(p) for p in stats.params if p.unit == i) for i in range(stats.num_blocks)), default=0)
         grad_work = block * (e + 4)  # a block's unsharded gradient and fp32 reduce-scatter input
-        if not strategy.reshard_after_forward:
-            # ZeRO-2: every unit stays unsharded from its forward on.
+        if not strategy.reshard_after_forward or pipelined_fsdp:
+            # ZeRO-2: every unit stays unsharded from its forward on (a pipeline stage: from its backward on).
             extra_a += e * unsharded
             extra_b = extra_a + e * root + grad_work
         else:
@@ -505,14 +565,19 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
             f"ddp deterministic: the fixed-order reduction gathers {layout.dp_size}x{max_nodes} "
             "flattened fp32 gradients"
         )
-    step += acts.logits_held
+    if stage is not None and ddp and layout.dp_size > 1:
+        step = max(step, 4 * local)  # the stage's gradients flattened for its one all-reduce
+    step += acts.logits_held + buffers
 
     # Start-up: the full fp32 model (plus DDP's buckets, or the first shards/splits).
-    init = 4 * psi + (4 * psi if ddp else 4 * local)
+    if stage is None:
+        init = 4 * psi + (4 * psi if ddp else 4 * local)
+    else:
+        init = 4 * stage.model_numel + (0 if ddp else 4 * local)
 
     tp_split = sum(p.numel for p in stats.params if p.tp_dim is not None)
     textbook = strategy.textbook_model_state_bytes(psi, shard=shard, tp_split=tp_split, tp=tp)
-    return MemoryEstimate(
+    out = MemoryEstimate(
         strategy=s,
         world_size=layout.world_size,
         dp_size=layout.dp_size,
@@ -529,6 +594,16 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
         overhead_bytes=overhead_bytes(cfg, target),
         textbook_model_state_bytes=textbook,
         notes=tuple(notes),
+    )
+    if stage is None:
+        return out
+    return dataclasses.replace(
+        out,
+        pp_size=stage.pp_size,
+        pp_rank=stage.pp_rank,
+        stages=stage.stages,
+        bubble_fraction=stage.bubble_fraction,
+        in_flight=stage.in_flight,
     )
 
 
@@ -585,7 +660,7 @@ def _best(
     return recommend(estimates, memory, include_init=include_init)
 
 
-def _with(cfg: Config, section: str, **changes) -> Config:
+def changed(cfg: Config, section: str, **changes) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
 
 
@@ -599,37 +674,47 @@ def suggestions(
     device_memory_bytes: int,
     max_world_size: int = 65536,
 ) -> list[str]:
-    """What would make some strategy fit, when none does at this configuration."""
+    """What would make some strategy fit, when none does at this configuration; without a
+    pipeline, among them the smallest that fits at this world size
+    (``ftrain.plan_pipeline.pipeline_suggestion``)."""
     out = []
     memory = device_memory_bytes
     overhead = overhead_bytes(cfg, target)
     floor = 4 * stats.num_params + overhead
     if overhead > memory:
-        return [f"nothing can: the per-rank overhead alone ({_gib(overhead)}) exceeds the device memory"]
+        return [f"nothing can: the per-rank overhead alone ({gib(overhead)}) exceeds the device memory"]
     if floor > memory:
         out.append(
-            f"no world size helps: the train loop builds the full fp32 model ({_gib(4 * stats.num_params)}) "
+            f"no world size helps: the train loop builds the full fp32 model ({gib(4 * stats.num_params)}) "
             "on every rank before sharding it; that needs meta-device initialisation, or bigger devices"
         )
         best = _best(stats, cfg, world_size, gpus_per_node, target, memory, include_init=False)
         if best is not None:
             out.append(
                 f"with meta-device initialisation, {best.strategy} would fit at {world_size} ranks "
-                f"({_gib(best.running_bytes)} per rank)"
+                f"({gib(best.running_bytes)} per rank)"
             )
+    if cfg.parallel.pp_size == 1:  # a stage alone goes to a GPU: the full-model floor need not hold
+        from ftrain.plan_pipeline import pipeline_suggestion  # imports this module
+
+        piped = pipeline_suggestion(
+            stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
+        )
+        if piped is not None:
+            out.append(piped)
     if not cfg.parallel.activation_checkpointing:
         best = _best(
-            stats, _with(cfg, "parallel", activation_checkpointing=True), world_size, gpus_per_node, target, memory
+            stats, changed(cfg, "parallel", activation_checkpointing=True), world_size, gpus_per_node, target, memory
         )
         if best is not None:
             out.append(
-                f"--parallel.activation_checkpointing=true: {best.strategy} fits ({_gib(best.total_bytes)} per rank)"
+                f"--parallel.activation_checkpointing=true: {best.strategy} fits ({gib(best.total_bytes)} per rank)"
             )
     b = cfg.train.micro_batch_size
     for micro in sorted((d for d in range(1, b) if cfg.train.global_batch_size % d == 0), reverse=True):
-        best = _best(stats, _with(cfg, "train", micro_batch_size=micro), world_size, gpus_per_node, target, memory)
+        best = _best(stats, changed(cfg, "train", micro_batch_size=micro), world_size, gpus_per_node, target, memory)
         if best is not None:
-            out.append(f"--train.micro_batch_size={micro}: {best.strategy} fits ({_gib(best.total_bytes)} per rank)")
+            out.append(f"--train.micro_batch_size={micro}: {best.strategy} fits ({gib(best.total_bytes)} per rank)")
             break
     if floor <= memory:
         world = world_size * 2
@@ -642,7 +727,7 @@ def suggestions(
                         f"; train.global_batch_size={cfg.train.global_batch_size} must then be a multiple "
                         f"of {cfg.train.micro_batch_size * best.dp_size}"
                     )
-                out.append(f"{world} ranks: {best.strategy} fits ({_gib(best.total_bytes)} per rank){extra}")
+                out.append(f"{world} ranks: {best.strategy} fits ({gib(best.total_bytes)} per rank){extra}")
                 break
             world *= 2
     if not out:
@@ -657,7 +742,7 @@ def suggestions(
 # The report.
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
 
 
@@ -667,7 +752,7 @@ def default_device_memory_bytes(target: Target) -> int:
     return DEFAULT_DEVICE_MEMORY_BYTES
 
 
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+def table_lines(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
@@ -702,9 +787,9 @@ def memory_tier_notes(cfg: Config, estimates: Sequence[MemoryEstimate]) -> list[
             else "live recovery"
         )
         out.append(
-            f"  - {e.strategy}: memory tier ({where}) in host memory: {_gib(MEMORY_TIER_COPIES * state)} "
-            f"per rank ({MEMORY_TIER_COPIES} x its {_gib(state)} of params + optimizer state: staging, its "
-            f"snapshot, its buddy's), up to {_gib(MEMORY_TIER_PEAK_COPIES * state)} during an exchange; "
+            f"  - {e.strategy}: memory tier ({where}) in host memory: {gib(MEMORY_TIER_COPIES * state)} "
+            f"per rank ({MEMORY_TIER_COPIES} x its {gib(state)} of params + optimizer state: staging, its "
+            f"snapshot, its buddy's), up to {gib(MEMORY_TIER_PEAK_COPIES * state)} during an exchange; "
             "checkpoint.memory_interval=0 turns it off"
         )
     return out
@@ -719,7 +804,6 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
     target = resolve_target(cfg)
     memory = device_memory_bytes if device_memory_bytes is not None else default_device_memory_bytes(target)
     stats = model_stats(cfg.model, cfg.optim)
-    estimates, skipped = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
     psi = stats.num_params
     lines = [
         f"ftrain plan: {stats.name} with {psi / 1e6:.2f}M parameters (Ψ, counted on the meta device), "
@@ -730,11 +814,19 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
             if cfg.train.device == "auto"
             else ""
         )
-        + f", {_gib(memory)} per rank",
+        + f", {gib(memory)} per rank",
         f"micro batch {cfg.train.micro_batch_size} x seq {cfg.model.seq_len}, activation checkpointing "
         f"{'on' if cfg.parallel.activation_checkpointing else 'off'}",
         "",
     ]
+    if cfg.parallel.pp_size > 1:
+        from ftrain.plan_pipeline import pipeline_report  # imports this module
+
+        lines += pipeline_report(
+            stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
+        )
+        return "\n".join(lines)
+    estimates, skipped = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
     header = [
         "strategy",
         "layout",
@@ -744,27 +836,27 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         "step extra",
         "overhead",
         "total/rank",
-        f"fits {_gib(memory)}",
+        f"fits {gib(memory)}",
     ]
     rows = [header]
     for e in estimates:
         use = e.total_bytes / memory
         fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
-        total = _gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
+        total = gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
         rows.append(
             [
                 e.strategy,
                 strategies.get(e.strategy).layout_text(e),
-                _gib(e.model_state_bytes),
-                _gib(e.activation_bytes),
-                _gib(e.transient_bytes),
-                _gib(e.step_transient_bytes),
-                _gib(e.overhead_bytes),
+                gib(e.model_state_bytes),
+                gib(e.activation_bytes),
+                gib(e.transient_bytes),
+                gib(e.step_transient_bytes),
+                gib(e.overhead_bytes),
                 total,
                 f"{fit} ({use:.0%})",
             ]
         )
-    lines += _table(rows)
+    lines += table_lines(rows)
     for sk in skipped:
         lines.append(f"skipped {sk.strategy}: {sk.reason}")
     lines.append("")
@@ -773,7 +865,7 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         tight = " (tight: leave room for allocator fragmentation)" if best.total_bytes > TIGHT_FRACTION * memory else ""
         lines.append(f"recommended: {best.strategy} (the least communication of those that fit){tight}")
     else:
-        lines.append("recommended: none: no strategy fits in " + _gib(memory) + " per rank. What would:")
+        lines.append("recommended: none: no strategy fits in " + gib(memory) + " per rank. What would:")
         lines += [
             f"  - {s}"
             for s in suggestions(
@@ -802,8 +894,8 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         if e.model_state_bytes != e.textbook_model_state_bytes:
             why = strategies.get(e.strategy).textbook_difference
             lines.append(
-                f"  - {e.strategy}: model states {_gib(e.model_state_bytes)} here vs "
-                f"{_gib(e.textbook_model_state_bytes)} textbook ({why})"
+                f"  - {e.strategy}: model states {gib(e.model_state_bytes)} here vs "
+                f"{gib(e.textbook_model_state_bytes)} textbook ({why})"
             )
         lines += [f"  - {n}" for n in e.notes]
     if cfg.model.factory:
@@ -816,7 +908,7 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
     lines += memory_tier_notes(cfg, estimates)
     if target.device == "cuda":
         lines.append(
-            f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {_gib(CUDA_RUNTIME_BYTES)} "
+            f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {gib(CUDA_RUNTIME_BYTES)} "
             "(not in torch.cuda.max_memory_allocated)"
         )
     else:

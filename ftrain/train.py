@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -441,7 +442,7 @@ class Trainer:
 
         if isinstance(par, PipelineParallel):
             with phases.phase("data"):
-                ids = [i for micro in micros for i in micro.sample_ids]
+                ids = np.concatenate([micro.sample_ids for micro in micros])
                 tokens = torch.from_numpy(self.source.sample(ids)).to(self.device, non_blocking=True)
             losses = par.run(tokens, loss_of, phases)
         else:

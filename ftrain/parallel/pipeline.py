@@ -11,10 +11,11 @@ across layouts and ``ftrain ckpt export`` gives the whole model. Each stage is a
 
 One step: the rank's micro-batches (the accumulation settings) go through the schedule, whose
 loss is the mean per micro-batch and whose gradients are scaled by 1 / micro-batches, as without
-a pipeline. Then the data-parallel reduction: FSDP2 reduce-scatters in the last micro-batch's
-backward (the stage switches its gradient sync); under ddp one flat all-reduce over the stage's
-``dp`` group after the schedule (the stage would drive DDP's reducer through its internals,
-and one reduction per step is what a pipeline needs anyway). Clipping takes the squared norms
+a pipeline. Then the data-parallel reduction: under FSDP2 the stage turns gradient sync off for
+every backward and reduce-scatters once at the end of the schedule (its units stay gathered
+from the first backward on: ``ftrain plan`` counts it); under ddp one flat all-reduce over the
+stage's ``dp`` group after the schedule (the stage would drive DDP's reducer through its
+internals, and one reduction per step is what a pipeline needs anyway). Clipping takes the squared norms
 of all stages (an all-reduce over ``pp``), so the norm is the whole model's.
 
 Phases: a stage's forward and backward chunks are timed as ``forward`` and ``backward``; the rest
@@ -58,14 +59,12 @@ class PipelineModule(nn.Module):
 
     def __init__(self, source: nn.Module, block_ids: list[int] | range, *, first: bool, last: bool):
         super().__init__()
-        blocks = source.blocks
-        self.tok_emb = source.tok_emb if first else None
-        self.pos_emb = source.pos_emb if first else None
-        self.blocks = nn.ModuleDict(
-            {str(i): blocks[str(i)] if isinstance(blocks, nn.ModuleDict) else blocks[i] for i in block_ids}
-        )
-        self.ln_f = source.ln_f if last else None
-        self.head = source.head if last else None
+        blocks = source.get_submodule("blocks")  # an nn.ModuleList in the whole model, a ModuleDict here
+        self.tok_emb: nn.Module | None = source.get_submodule("tok_emb") if first else None
+        self.pos_emb: nn.Module | None = source.get_submodule("pos_emb") if first else None
+        self.blocks = nn.ModuleDict({str(i): blocks.get_submodule(str(i)) for i in block_ids})
+        self.ln_f: nn.Module | None = source.get_submodule("ln_f") if last else None
+        self.head: nn.Module | None = source.get_submodule("head") if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
@@ -115,7 +114,7 @@ def build_pipeline(
     v = virtual_stages(parallel)
     num_stages = layout.pp_size * v
     check_micro_batches(parallel.pp_schedule, layout.pp_size, accum, v)
-    blocks_of = stage_blocks(parallel, len(model.blocks))
+    blocks_of = stage_blocks(parallel, len(model.get_submodule("blocks")))  # type: ignore[arg-type]  # a ModuleList
     mine = local_stages(layout.pp_rank, layout.pp_size, v)
     mesh, inner = job_mesh(layout, device)
     kept = PipelineModule(
@@ -178,7 +177,7 @@ class PipelineParallel(Parallel):
         self.dp_group = dp_group
         self._loss_fn: LossFn | None = None
         if schedule_name == "interleaved_1f1b":
-            self.schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=accum, loss_fn=self._loss)
+            self.schedule: Any = ScheduleInterleaved1F1B(list(stages), n_microbatches=accum, loss_fn=self._loss)
         else:
             cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
             self.schedule = cls(stages[0], n_microbatches=accum, loss_fn=self._loss)
@@ -226,7 +225,7 @@ class PipelineParallel(Parallel):
         self._timed[0] = 0.0
         began = time.perf_counter()
         with self._time_compute(phases), self.autocast():
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, return_outputs=False, **kwargs)  # the losses are all this loop needs
         wall = time.perf_counter() - began
         phases.add("comm_wait", max(0.0, wall - self._timed[0]))
         self.last_bubble = max(0.0, 1.0 - self._timed[0] / wall) if wall > 0 else 0.0

@@ -1,0 +1,381 @@
+"""Pipeline parallelism in ``ftrain plan``: one memory estimate per pipeline rank, and the bubble.
+
+With ``parallel.pp_size`` P > 1 every pipeline rank holds different parameters and activations,
+so the plan is one :class:`~ftrain.plan.MemoryEstimate` per pipeline rank (for its first
+data-parallel, first tensor-parallel rank: the others of its stage hold the same), built from
+:func:`ftrain.plan.estimate_with` on the rank's own parameters:
+
+- Parameters: the blocks of its stages (:func:`ftrain.pipeline_stages.stage_blocks`,
+  ``local_stages``), the root parameters registered before the first block (the built-in GPT's
+  ``tok_emb``, ``pos_emb``) on the rank of stage 0, those after the blocks (``ln_f``, ``head``)
+  on the rank of the last stage; then sharded, split or replicated over the stage's
+  ``dp_size x tp_size`` ranks as the inner strategy says (``Strategy.shard_count``, ...).
+- Activations: each stage's bytes per micro-batch (its blocks, as :func:`ftrain.plan.activations`
+  counts one block; its output, which the pipeline stage keeps for backward, except on the last
+  stage, which keeps the final norm's and the loss's: the logits and cross-entropy's fp32
+  log-softmax), summed over the micro-batches the rank's schedule has in flight at its worst
+  moment (:func:`ftrain.pipeline_schedule.peak_in_flight` weighted by those bytes), plus the
+  loss's backward on the last stage. The embedding's output is the first block's input, already
+  counted with the block.
+- P2P buffers: torch's ``PipelineStage`` allocates, for all m micro-batches of a step at once
+  and for the whole run, a receive buffer for each non-first stage's input and for each
+  non-last stage's output gradient; autograd adds each input's gradient to its buffer and
+  keeps it until the next step. Counted whole in the backward and step peaks (an upper bound:
+  the input gradients build up through backward).
+- The inner strategy as ``ftrain.parallel.pipeline`` runs it (:func:`ftrain.plan.estimate_with`):
+  ddp is plain gradients and one flat all-reduce (no DDP buckets); FSDP2 units and their fp32
+  gradients stay unsharded from the first backward to the step, as torch's stage sets them.
+- Start-up: on a GPU only the rank's stages move to the device; on a CPU the whole model the
+  train loop builds is in the same memory.
+- The bubble: :func:`ftrain.pipeline_schedule.simulate` of the configured schedule.
+
+What must stay true: the schedule's order, the in-flight rule and the micro-batch count
+(m = ``train.global_batch_size / (train.micro_batch_size x dp_size)``) are the runtime's
+(``ftrain.pipeline_schedule``); the logits stay inside the schedule (``step(...,
+return_outputs=False)``: otherwise the last stage keeps every micro-batch's logits to the end of
+the step and concatenates them), so no rank holds them after backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ftrain import strategies
+from ftrain.config import Config, ConfigError
+from ftrain.pipeline_schedule import bubble_fraction, check_micro_batches, peak_in_flight, simulate
+from ftrain.pipeline_stages import PP_STRATEGIES, local_stages, stage_blocks, virtual_stages
+from ftrain.plan import (
+    PREFERENCE,
+    TIGHT_FRACTION,
+    Activations,
+    MemoryEstimate,
+    ModelStats,
+    StageTerms,
+    Target,
+    activations,
+    changed,
+    estimate,
+    estimate_with,
+    gib,
+    layout_for,
+    model_stats,
+    precision_mode,
+    resolve_target,
+    table_lines,
+)
+from ftrain.strategies import Layout
+
+#: pipeline degrees the recommendation tries when nothing fits without a pipeline, smallest first
+PP_DEGREES = (2, 4, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# One pipeline rank.
+
+
+def micro_batches(cfg: Config, dp_size: int) -> int:
+    """m, the micro-batches one data-parallel rank runs per step (the schedules' ``n_microbatches``)."""
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size))
+
+
+def stage_stats(stats: ModelStats, blocks: list[range], stages: list[int]) -> ModelStats:
+    """The parameters of ``stages`` (of ``len(blocks)``), their blocks renumbered 0.. as FSDP
+    units; the root parameters registered before the first block go with stage 0, the rest
+    with the last stage."""
+    first_block = next((i for i, p in enumerate(stats.params) if p.unit >= 0), len(stats.params))
+    mine = [b for s in stages for b in blocks[s]]
+    unit = {b: i for i, b in enumerate(mine)}
+    holds_first, holds_last = 0 in stages, len(blocks) - 1 in stages
+    params = tuple(
+        dataclasses.replace(p, unit=unit[p.unit]) if p.unit >= 0 else p
+        for i, p in enumerate(stats.params)
+        if (p.unit in unit) or (p.unit < 0 and (holds_first if i < first_block else holds_last))
+    )
+    return ModelStats(params, len(mine), stats.has_tp_plan, stats.name)
+
+
+def boundary_bytes(cfg: Config, mode: str) -> int:
+    """One micro-batch of the residual stream between stages (fp32 but under FSDP2's bf16)."""
+    return cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model * (2 if mode == "mp" else 4)
+
+
+def stage_micro_bytes(cfg: Config, mode: str, tp: int, device: str, blocks: list[range]) -> tuple[list[int], int, int]:
+    """Per stage, the activation bytes one micro-batch leaves on it from its forward to its
+    backward; the last stage's extra during the loss's backward; one block's recompute."""
+    model, b = cfg.model, cfg.train.micro_batch_size
+    one = activations(
+        dataclasses.replace(model, n_layer=1),
+        micro_batch=b,
+        mode=mode,
+        tp=tp,
+        device=device,
+        checkpointing=cfg.parallel.activation_checkpointing,
+    )
+    boundary = boundary_bytes(cfg, mode)
+    log_softmax = 4 * b * model.seq_len * model.vocab_size  # cross-entropy saves it in fp32
+    last = len(blocks) - 1
+    out = [
+        len(r) * one.layers + (one.final_norm + one.logits_held + log_softmax if s == last else boundary)
+        for s, r in enumerate(blocks)
+    ]
+    return out, one.loss_peak - one.logits_held - log_softmax, one.recompute
+
+
+def p2p_buffer_bytes(cfg: Config, mode: str, stages: list[int], num_stages: int, m: int) -> int:
+    """torch's P2P buffers on a rank: per non-first stage m input buffers and their m
+    gradients, per non-last stage m output-gradient buffers (tensor parallelism replicates
+    the residual stream, so they are whole on every rank)."""
+    boundary = boundary_bytes(cfg, mode)
+    per_stage = [2 * (s > 0) + (s < num_stages - 1) for s in stages]
+    return m * boundary * sum(per_stage)
+
+
+@functools.lru_cache(maxsize=256)
+def _bubble(schedule: str, pp: int, m: int, v: int) -> float:
+    return simulate(schedule, pp, m, v)
+
+
+def stage_estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> MemoryEstimate:
+    """Pipeline rank ``layout.pp_rank``'s memory (see the module docstring); ConfigError naming
+    the key when the stages cannot be formed or torch's schedule refuses the micro-batch count."""
+    parallel = cfg.parallel
+    if layout.pp_size != parallel.pp_size:
+        raise ValueError(f"layout has pp_size {layout.pp_size}, the config {parallel.pp_size}")
+    if stats.num_blocks == 0:
+        raise ConfigError("parallel.pp_size", f"{stats.name} has no blocks/layers/h container to split into stages")
+    pp, v, schedule = layout.pp_size, virtual_stages(parallel), parallel.pp_schedule
+    blocks = stage_blocks(parallel, stats.num_blocks)
+    mine = local_stages(layout.pp_rank, pp, v)
+    m = micro_batches(cfg, layout.dp_size)
+    check_micro_batches(schedule, pp, m, v)
+    mode = precision_mode(strategies.get(layout.strategy), target)
+    per_micro, loss_backward, recompute = stage_micro_bytes(cfg, mode, layout.tp_size, target.device, blocks)
+    saved = peak_in_flight(schedule, pp, m, v, layout.pp_rank, blocks_per_stage=per_micro)
+    holds_last = len(blocks) - 1 in mine
+    acts = Activations(
+        layers=saved, final_norm=0, loss_peak=loss_backward if holds_last else 0, logits_held=0, recompute=recompute
+    )
+    sub = stage_stats(stats, blocks, mine)
+    terms = StageTerms(
+        model_numel=stats.num_params if target.device == "cpu" else sub.num_params,
+        buffer_bytes=p2p_buffer_bytes(cfg, mode, mine, len(blocks), m),
+        pp_size=pp,
+        pp_rank=layout.pp_rank,
+        stages=tuple(mine),
+        bubble_fraction=_bubble(schedule, pp, m, v),
+        in_flight=peak_in_flight(schedule, pp, m, v, layout.pp_rank),
+    )
+    return estimate_with(sub, cfg, layout, target, acts, terms)
+
+
+def estimates_for(
+    stats: ModelStats, cfg: Config, strategy: str, *, world_size: int, gpus_per_node: int, target: Target
+) -> list[MemoryEstimate]:
+    """One estimate per pipeline rank of ``strategy`` inside the stages; ConfigError if it cannot run."""
+    inner_cfg = changed(cfg, "parallel", strategy=strategy)
+    inner = world_size // cfg.parallel.pp_size
+    return [
+        estimate(
+            stats,
+            inner_cfg,
+            layout_for(inner_cfg, strategy, world_size=world_size, gpus_per_node=gpus_per_node, rank=r * inner),
+            target,
+        )
+        for r in range(cfg.parallel.pp_size)
+    ]
+
+
+def stage_estimates(
+    cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8
+) -> list[MemoryEstimate]:
+    """One :class:`~ftrain.plan.MemoryEstimate` per pipeline rank of ``cfg`` (its strategy inside
+    each stage), for rank ``pp_rank x dp_size x tp_size`` (dp rank 0, tp rank 0); one estimate
+    at ``parallel.pp_size`` = 1. With ``device_memory_bytes``, a rank that does not fit in it
+    says so in its notes. ConfigError naming the key when the job cannot run so."""
+    target = resolve_target(cfg)
+    stats = model_stats(cfg.model, cfg.optim)
+    out = estimates_for(
+        stats, cfg, cfg.parallel.strategy, world_size=world_size, gpus_per_node=gpus_per_node, target=target
+    )
+    if device_memory_bytes is None:
+        return out
+    return [
+        e
+        if e.fits(device_memory_bytes)
+        else dataclasses.replace(
+            e, notes=(*e.notes, f"needs {gib(e.total_bytes)}, more than the {gib(device_memory_bytes)} given")
+        )
+        for e in out
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions.
+
+
+def fitting_pipeline(
+    stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target, memory: int
+) -> list[MemoryEstimate] | None:
+    """The stage estimates of the first inner strategy (:data:`~ftrain.plan.PREFERENCE` order)
+    whose every pipeline rank fits at ``cfg.parallel.pp_size``, or None."""
+    for s in PREFERENCE:
+        if s not in PP_STRATEGIES or (strategies.get(s).needs_tp_plan and not stats.has_tp_plan):
+            continue
+        try:
+            found = estimates_for(stats, cfg, s, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
+        except ConfigError:
+            continue
+        if all(e.fits(memory) for e in found):
+            return found
+    return None
+
+
+def pipeline_suggestion(
+    stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target, memory: int
+) -> str | None:
+    """The smallest pipeline degree (:data:`PP_DEGREES` that divide the world and leave every
+    stage a block) at which some inner strategy fits, as a suggestion line; None if none does."""
+    if cfg.parallel.deterministic:
+        return None  # the fixed-order reduction does not run under a pipeline
+    v = virtual_stages(cfg.parallel)
+    for pp in PP_DEGREES:
+        if world_size % pp or pp * v > stats.num_blocks:
+            continue
+        try:
+            piped = changed(cfg, "parallel", pp_size=pp, strategy="ddp")
+        except ConfigError:
+            continue
+        found = fitting_pipeline(
+            stats, piped, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
+        )
+        if found is not None:
+            worst = max(found, key=lambda e: e.total_bytes)
+            return (
+                f"set parallel.pp_size={pp} (a {cfg.parallel.pp_schedule} pipeline): {worst.strategy} fits on "
+                f"every stage (at most {gib(worst.total_bytes)} per rank, pipeline rank {worst.pp_rank}; "
+                f"{worst.bubble_fraction:.0%} of each step idle in the bubble)"
+            )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The report.
+
+
+def _stage_text(e: MemoryEstimate, blocks: list[range]) -> str:
+    last = len(blocks) - 1
+    parts = []
+    for s in e.stages:
+        r = blocks[s]
+        text = f"{s}: blocks {r.start}-{r.stop - 1}" if len(r) > 1 else f"{s}: block {r.start}"
+        text += " + embeddings" if s == 0 else ""
+        text += " + head" if s == last else ""
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def stage_rows(estimates: list[MemoryEstimate], blocks: list[range], memory: int) -> list[str]:
+    """The per-pipeline-rank table."""
+    header = [
+        "pp rank",
+        "stages",
+        "layout",
+        "in flight",
+        "params+grads+optim",
+        "activations",
+        "backward extra",
+        "step extra",
+        "overhead",
+        "total/rank",
+        f"fits {gib(memory)}",
+    ]
+    rows = [header]
+    for e in estimates:
+        use = e.total_bytes / memory
+        fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
+        rows.append(
+            [
+                str(e.pp_rank),
+                _stage_text(e, blocks),
+                strategies.get(e.strategy).layout_text(e),
+                str(e.in_flight),
+                gib(e.model_state_bytes),
+                gib(e.activation_bytes),
+                gib(e.transient_bytes),
+                gib(e.step_transient_bytes),
+                gib(e.overhead_bytes),
+                gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})"),
+                f"{fit} ({use:.0%})",
+            ]
+        )
+    return table_lines(rows)
+
+
+def bubble_line(cfg: Config, dp_size: int) -> str:
+    """The configured schedule's bubble: the simulated timeline, and the textbook formula."""
+    parallel = cfg.parallel
+    pp, v, schedule = parallel.pp_size, virtual_stages(parallel), parallel.pp_schedule
+    m = micro_batches(cfg, dp_size)
+    simulated, textbook = _bubble(schedule, pp, m, v), bubble_fraction(schedule, pp, m, v)
+    formula = "(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"
+    if abs(simulated - textbook) < 1e-9:
+        versus = f"the textbook {formula} agrees"
+    else:
+        versus = f"the textbook {formula} says {textbook:.1%}, for at least as many micro-batches as ranks"
+    return (
+        f"bubble: {simulated:.1%} of every rank's step idle ({schedule}, p={pp} ranks, m={m} micro-batch(es) per "
+        f"step, v={v} chunk(s) per rank, in the simulated timeline of uniform stages; {versus})"
+    )
+
+
+def pipeline_report(
+    stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target, memory: int
+) -> list[str]:
+    """The lines of ``ftrain plan`` after its header when ``parallel.pp_size`` > 1: one row per
+    pipeline rank of the configured strategy, the bubble, and whether (or what) fits."""
+    blocks = stage_blocks(cfg.parallel, stats.num_blocks)
+    found = estimates_for(
+        stats, cfg, cfg.parallel.strategy, world_size=world_size, gpus_per_node=gpus_per_node, target=target
+    )
+    e0 = found[0]
+    lines = [
+        f"pipeline: parallel.pp_size={cfg.parallel.pp_size} ranks per pipeline, {len(blocks)} stages "
+        f"({len(e0.stages)} per rank), {cfg.parallel.strategy} over {e0.dp_size * e0.tp_size} rank(s) inside "
+        f"each stage, {micro_batches(cfg, e0.dp_size)} micro-batch(es) per step on each data-parallel rank",
+        "",
+        *stage_rows(found, blocks, memory),
+        "",
+        bubble_line(cfg, e0.dp_size),
+    ]
+    worst = max(found, key=lambda e: e.total_bytes)
+    if worst.fits(memory):
+        lines.append(
+            f"recommended: {cfg.parallel.strategy} in a {cfg.parallel.pp_size}-stage pipeline fits on every stage "
+            f"(the largest: pipeline rank {worst.pp_rank}, {gib(worst.total_bytes)})"
+        )
+    else:
+        other = fitting_pipeline(
+            stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
+        )
+        lines.append(
+            f"recommended: none: pipeline rank {worst.pp_rank} needs {gib(worst.total_bytes)}, more than "
+            f"{gib(memory)}"
+            + (
+                f"; --parallel.strategy={other[0].strategy} fits on every stage"
+                if other is not None
+                else "; no inner strategy fits at this pp_size: try activation checkpointing, a smaller "
+                "micro batch or a larger parallel.pp_size"
+            )
+        )
+    lines += ["", "notes:"]
+    lines += [f"  - {n}" for n in dict.fromkeys(n for e in found for n in e.notes)]
+    lines.append(
+        "  - each row is the first rank of its stage (the stage's other data- and tensor-parallel ranks hold "
+        "the same); in flight: (micro-batch, stage) activation sets the rank holds at its schedule's peak"
+    )
+    lines.append(
+        "  - backward and step extra include the P2P buffers torch's PipelineStage allocates for every "
+        "micro-batch of a step (inputs, their gradients, output gradients)"
+    )
+    return lines
