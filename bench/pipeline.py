@@ -17,6 +17,10 @@ one-process run of the same job (no pipeline) is the baseline of the tokens/s ra
   (ftrain.pipeline_schedule.simulate).
 - ``peak``: each rank's peak RSS at the last step; ``plan``: ``ftrain plan``'s estimate for that
   stage (ftrain.plan_pipeline.stage_estimates); ``err``: (plan - peak) / peak. Target: within 10%.
+  The estimate includes a per-process baseline (``ftrain.plan.CPU_BASELINE_BYTES``: torch, DCP,
+  gloo) measured once, which moves with the installed wheels by up to 60 MB; so the bench also
+  measures this install's (a one-rank run of a 0.1M-parameter model, less its estimate without the
+  baseline) and gives ``err here``: the error with it, the model's part of the estimate alone.
 
 On a machine with fewer cores than P ranks the stages time-slice the cores: their compute slows
 and the bubble measured there is not the schedule's (the table says when). Ends with one JSON
@@ -44,22 +48,30 @@ SMOKE_STEPS, SMOKE_WARMUP, SMOKE_TIMEOUT_S = 4, 1, 120.0
 N_LAYER = 8
 
 
-def _layout_args(pp: int, schedule: str) -> list[str]:
+def _layout_args(pp: int, schedule: str, split: str = "") -> list[str]:
     if pp == 1:
         return []
     args = [f"--parallel.pp_size={pp}", f"--parallel.pp_schedule={schedule}"]
+    args += [f"--parallel.pp_split={split}"] if split else []
     return args + (["--parallel.pp_virtual_stages=2"] if schedule == "interleaved_1f1b" else [])
 
 
 def measure(
-    config_path: Path, workdir: Path, pp: int, schedule: str, *, warmup: int, env: dict[str, str], timeout_s: float
+    config_path: Path,
+    workdir: Path,
+    pp: int,
+    schedule: str,
+    *,
+    warmup: int,
+    env: dict[str, str],
+    timeout_s: float,
+    split: str = "",
 ) -> dict[str, Any]:
     """One job; its tokens/s, bubble and per-rank peaks, or why it failed."""
-    job = torchrun_train(
-        config_path, pp, "ddp", workdir, env=env, timeout_s=timeout_s, overrides=tuple(_layout_args(pp, schedule))
-    )
+    overrides = tuple(_layout_args(pp, schedule, split))
+    job = torchrun_train(config_path, pp, "ddp", workdir, env=env, timeout_s=timeout_s, overrides=overrides)
     measured = [m for m in job.metrics if m["step"] > warmup]
-    row: dict[str, Any] = {"pp": pp, "schedule": schedule if pp > 1 else "none", "ok": bool(measured)}
+    row: dict[str, Any] = {"pp": pp, "schedule": schedule if pp > 1 else "none", "split": split, "ok": bool(measured)}
     if job.returncode != 0 or not measured:
         row.update(ok=False, error=failure_reason(job))
         return row
@@ -76,10 +88,29 @@ def measure(
     return row
 
 
-def add_model(row: dict[str, Any], config_path: Path, micro_batches: int) -> None:
+def install_baseline(workdir: Path, *, env: dict[str, str], timeout_s: float) -> int | None:
+    """This install's per-process baseline: a one-rank run of the tiny model, its peak less what
+    ``ftrain plan`` estimates without its constant baseline; None if that run fails."""
+    from ftrain.config import load_config
+    from ftrain.plan import CPU_BASELINE_BYTES
+    from ftrain.plan_pipeline import stage_estimates
+
+    tiny = workdir / "baseline"
+    tiny.mkdir()
+    config_path = tiny / "config.toml"
+    config_path.write_text(config_toml({**MODELS["tiny"]["model"], "n_layer": 2}, MODELS["tiny"]["train"], steps=2))
+    job = torchrun_train(config_path, 1, "ddp", tiny, env=env, timeout_s=timeout_s)
+    if job.returncode != 0 or not job.metrics:
+        return None
+    [estimate] = stage_estimates(load_config(config_path), world_size=1, gpus_per_node=1)
+    return max(job.metrics[-1]["peak_mem_bytes"]) - (estimate.total_bytes - CPU_BASELINE_BYTES)
+
+
+def add_model(row: dict[str, Any], config_path: Path, micro_batches: int, baseline: int | None) -> None:
     """The formula, the simulation and ``ftrain plan``'s per-stage estimates beside a measured row."""
     from ftrain.config import load_config
     from ftrain.pipeline_schedule import bubble_fraction, simulate
+    from ftrain.plan import CPU_BASELINE_BYTES
     from ftrain.plan_pipeline import stage_estimates
 
     pp, schedule = row["pp"], row["schedule"]
@@ -87,7 +118,7 @@ def add_model(row: dict[str, Any], config_path: Path, micro_batches: int) -> Non
     if pp > 1:
         row["formula"] = bubble_fraction(schedule, pp, micro_batches, v)
         row["sim"] = simulate(schedule, pp, micro_batches, v)
-    cfg = load_config(config_path, _layout_args(pp, schedule))
+    cfg = load_config(config_path, _layout_args(pp, schedule, row["split"]))
     estimates = stage_estimates(cfg, world_size=pp, gpus_per_node=pp)
     row["plan_per_rank"] = [e.total_bytes for e in estimates]
     if row["ok"]:
@@ -95,6 +126,12 @@ def add_model(row: dict[str, Any], config_path: Path, micro_batches: int) -> Non
             round((est - peak) / peak, 4) for est, peak in zip(row["plan_per_rank"], row["peak_per_rank"], strict=True)
         ]
         row["plan_error_max"] = max(abs(e) for e in row["plan_error_per_rank"])
+        if baseline is not None:
+            here = [est - CPU_BASELINE_BYTES + baseline for est in row["plan_per_rank"]]
+            row["plan_error_here_per_rank"] = [
+                round((est - peak) / peak, 4) for est, peak in zip(here, row["peak_per_rank"], strict=True)
+            ]
+            row["plan_error_here_max"] = max(abs(e) for e in row["plan_error_here_per_rank"])
 
 
 def _mb(values: list[int]) -> str:
@@ -103,11 +140,23 @@ def _mb(values: list[int]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["pp"] == 1 and r["ok"]), None)
-    header = ["pp", "schedule", "tokens/s", "vs 1 rank", "bubble", "formula", "sim", "peak MB", "plan MB", "err max"]
+    header = [
+        "pp",
+        "schedule",
+        "tokens/s",
+        "vs 1 rank",
+        "bubble",
+        "formula",
+        "sim",
+        "peak MB",
+        "plan MB",
+        "err",
+        "err here",
+    ]
     lines = [header]
     for r in rows:
         if not r["ok"]:
-            lines.append([str(r["pp"]), r["schedule"], "FAILED", r["error"][:60], "", "", "", "", "", ""])
+            lines.append([str(r["pp"]), r["schedule"], "FAILED", r["error"][:60], "", "", "", "", "", "", ""])
             continue
         lines.append(
             [
@@ -121,6 +170,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 _mb(r["peak_per_rank"]),
                 _mb(r["plan_per_rank"]),
                 f"{r['plan_error_max']:.1%}",
+                f"{r['plan_error_here_max']:.1%}" if "plan_error_here_max" in r else "-",
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -141,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step, m (default 8)")
     p.add_argument("--pp", default="2,4", help="pipeline degrees (default 2,4)")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--pp-split", default="", help="parallel.pp_split for the pipeline runs (one --pp degree)")
     p.add_argument("--model-size", choices=sorted(MODELS), default="small", help="bench/strategies.py's, 8 blocks")
     p.add_argument("--timeout-s", type=float, default=600, help="per job (default 600)")
     p.add_argument("--smoke", action="store_true", help="the test suite's run: tiny model, pp=2, 4 steps")
@@ -169,10 +220,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{cores} cores",
             flush=True,
         )
+        baseline = install_baseline(workdir, env=env, timeout_s=args.timeout_s)
+        print(f"  this install's per-process baseline: {baseline / 1e6:.0f} MB" if baseline else "  baseline: FAILED")
         runs = [(1, "none")] + [(pp, s) for pp in degrees for s in schedules]
         for pp, schedule in runs:
-            row = measure(config_path, workdir, pp, schedule, warmup=args.warmup, env=env, timeout_s=args.timeout_s)
-            add_model(row, config_path, args.micro_batches)
+            split = args.pp_split if pp > 1 else ""
+            row = measure(
+                config_path, workdir, pp, schedule, warmup=args.warmup, env=env, timeout_s=args.timeout_s, split=split
+            )
+            add_model(row, config_path, args.micro_batches, baseline)
             rows.append(row)
             state = f"{row['tokens_per_s']:,.0f} tokens/s" if row["ok"] else f"FAILED: {row['error']}"
             print(f"  pp={pp} {schedule}: {state}", flush=True)
@@ -185,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     ok = all(r["ok"] for r in rows)
     errors = [r["plan_error_max"] for r in rows if "plan_error_max" in r]
+    errors_here = [r["plan_error_here_max"] for r in rows if "plan_error_here_max" in r]
     summary = {
         "bench": "pipeline",
         "smoke": args.smoke,
@@ -192,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         "micro_batches": args.micro_batches,
         "cores": cores,
         "ok": ok,
+        "install_baseline_bytes": baseline,
         "plan_within_10pct": bool(errors) and max(errors) <= 0.10,
+        "plan_within_10pct_here": bool(errors_here) and max(errors_here) <= 0.10,
         "runs": rows,
     }
     print(json.dumps(summary))
