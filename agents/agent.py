@@ -135,6 +135,12 @@ class AgentOptions:
         validate_id(self.config.node_id, "--node-id")
         if not self.worker_args:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
+        if self.policy().usable_nodes(self.config.max_nodes) < self.config.min_nodes:
+            raise ValueError(
+                f"--nnodes {self.config.nnodes} with --nproc-per-node {self.config.nproc_per_node} gives no world size "
+                f"that is a multiple of {self.world_multiple} ranks (the training layout's pipeline x tensor-parallel "
+                "degrees): change --nnodes or --nproc-per-node, or parallel.pp_size / parallel.tp_size"
+            )
         if (self.etcd_username is None) != (self.etcd_password is None):
             raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")
         for option, path in (

@@ -413,3 +413,23 @@ def test_a_drained_node_leaves_and_the_others_continue_without_it(job: Job) -> N
     record = job.state().current
     assert record is not None and record.reason == NODE_LEFT and [m.node_id for m in record.members] == ["a"]
     assert record.failure_times == []  # a drain is no failure
+
+
+@pytest.mark.parametrize(("nnodes", "nproc", "usable"), [("1:1", 1, False), ("1:2", 1, True), ("1:1", 2, True)])
+def test_an_agent_whose_node_counts_give_no_usable_world_size_is_refused_at_start(nnodes, nproc, usable):
+    """A pipeline of 2 stages needs an even rank count: one node of one worker can never run it."""
+    opts = AgentOptions.of(
+        etcd=["http://etcd.invalid:2379"],
+        job=JOB,
+        node_id="a",
+        worker_args=["cfg.toml"],
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        world_multiple=2,
+    )
+    if usable:
+        opts.validate()
+        return
+    with pytest.raises(ValueError, match="multiple of 2 ranks") as e:
+        opts.validate()
+    assert "--nnodes" in str(e.value) and "parallel.pp_size" in str(e.value)
