@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from strategies import MODELS, config_toml, failure_reason, torchrun_train, worker_env
+from strategies import MODELS, aligned, config_toml, failure_reason, torchrun_train, worker_env
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SMOKE_STEPS, SMOKE_WARMUP, SMOKE_TIMEOUT_S = 4, 1, 120.0
@@ -173,15 +173,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{r['plan_error_here_max']:.1%}" if "plan_error_here_max" in r else "-",
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for j, line in enumerate(lines):
-        out.append(
-            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-        )
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return aligned(lines, left=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -237,10 +237,16 @@ def format_table(results: list[dict[str, Any]]) -> str:
                 f"{(est - peak) / peak:+.0%}" if est else "-",
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return aligned(rows)
+
+
+def aligned(rows: list[list[str]], left: int = 1) -> str:
+    """``rows`` (the first is the header) as a text table: the first ``left`` columns left-aligned,
+    the rest right-aligned, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
-        cells = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        cells = (c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
         lines.append("  ".join(cells))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))

@@ -797,6 +797,34 @@ def memory_tier_notes(cfg: Config, estimates: Sequence[MemoryEstimate]) -> list[
     return out
 
 
+def memory_header(memory: int) -> list[str]:
+    """The memory columns of the ``ftrain plan`` tables (:func:`memory_cells`)."""
+    return [
+        "params+grads+optim",
+        "activations",
+        "backward extra",
+        "step extra",
+        "overhead",
+        "total/rank",
+        f"fits {gib(memory)}",
+    ]
+
+
+def memory_cells(e: MemoryEstimate, memory: int) -> list[str]:
+    """One estimate's memory columns, and whether it fits in ``memory``."""
+    use = e.total_bytes / memory
+    fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
+    return [
+        gib(e.model_state_bytes),
+        gib(e.activation_bytes),
+        gib(e.transient_bytes),
+        gib(e.step_transient_bytes),
+        gib(e.overhead_bytes),
+        gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})"),
+        f"{fit} ({use:.0%})",
+    ]
+
+
 def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8) -> str:
     """The table ``ftrain plan`` prints: every feasible strategy's per-rank memory, and a pick."""
     if world_size < 1:
@@ -829,35 +857,8 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         )
         return "\n".join(lines)
     estimates, skipped = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
-    header = [
-        "strategy",
-        "layout",
-        "params+grads+optim",
-        "activations",
-        "backward extra",
-        "step extra",
-        "overhead",
-        "total/rank",
-        f"fits {gib(memory)}",
-    ]
-    rows = [header]
-    for e in estimates:
-        use = e.total_bytes / memory
-        fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
-        total = gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})")
-        rows.append(
-            [
-                e.strategy,
-                strategies.get(e.strategy).layout_text(e),
-                gib(e.model_state_bytes),
-                gib(e.activation_bytes),
-                gib(e.transient_bytes),
-                gib(e.step_transient_bytes),
-                gib(e.overhead_bytes),
-                total,
-                f"{fit} ({use:.0%})",
-            ]
-        )
+    rows = [["strategy", "layout", *memory_header(memory)]]
+    rows += [[e.strategy, strategies.get(e.strategy).layout_text(e), *memory_cells(e, memory)] for e in estimates]
     lines += table_lines(rows)
     for sk in skipped:
         lines.append(f"skipped {sk.strategy}: {sk.reason}")

@@ -47,7 +47,6 @@ from ftrain.pipeline_schedule import bubble_fraction, check_micro_batches, peak_
 from ftrain.pipeline_stages import PP_STRATEGIES, local_stages, stage_blocks, virtual_stages
 from ftrain.plan import (
     PREFERENCE,
-    TIGHT_FRACTION,
     Activations,
     MemoryEstimate,
     ModelStats,
@@ -59,6 +58,8 @@ from ftrain.plan import (
     estimate_with,
     gib,
     layout_for,
+    memory_cells,
+    memory_header,
     model_stats,
     precision_mode,
     resolve_target,
@@ -277,38 +278,17 @@ def _stage_text(e: MemoryEstimate, blocks: list[range]) -> str:
 
 def stage_rows(estimates: list[MemoryEstimate], blocks: list[range], memory: int) -> list[str]:
     """The per-pipeline-rank table."""
-    header = [
-        "pp rank",
-        "stages",
-        "layout",
-        "in flight",
-        "params+grads+optim",
-        "activations",
-        "backward extra",
-        "step extra",
-        "overhead",
-        "total/rank",
-        f"fits {gib(memory)}",
+    rows = [["pp rank", "stages", "layout", "in flight", *memory_header(memory)]]
+    rows += [
+        [
+            str(e.pp_rank),
+            _stage_text(e, blocks),
+            strategies.get(e.strategy).layout_text(e),
+            str(e.in_flight),
+            *memory_cells(e, memory),
+        ]
+        for e in estimates
     ]
-    rows = [header]
-    for e in estimates:
-        use = e.total_bytes / memory
-        fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
-        rows.append(
-            [
-                str(e.pp_rank),
-                _stage_text(e, blocks),
-                strategies.get(e.strategy).layout_text(e),
-                str(e.in_flight),
-                gib(e.model_state_bytes),
-                gib(e.activation_bytes),
-                gib(e.transient_bytes),
-                gib(e.step_transient_bytes),
-                gib(e.overhead_bytes),
-                gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})"),
-                f"{fit} ({use:.0%})",
-            ]
-        )
     return table_lines(rows)
 
 
