@@ -18,9 +18,10 @@ one-process run of the same job (no pipeline) is the baseline of the tokens/s ra
 - ``peak``: each rank's peak RSS at the last step; ``plan``: ``ftrain plan``'s estimate for that
   stage (ftrain.plan_pipeline.stage_estimates); ``err``: (plan - peak) / peak. Target: within 10%.
   The estimate includes a per-process baseline (``ftrain.plan.CPU_BASELINE_BYTES``: torch, DCP,
-  gloo) measured once, which moves with the installed wheels by up to 60 MB; so the bench also
-  measures this install's (a one-rank run of a 0.1M-parameter model, less its estimate without the
-  baseline) and gives ``err here``: the error with it, the model's part of the estimate alone.
+  gloo), a constant, while the resident pages of torch's libraries move with what else maps them
+  (341-428 MB measured); so the bench also measures the machine's own (a one-rank run of a
+  0.1M-parameter model, less its estimate without the baseline) and gives ``err here``: the error
+  with it, the model's part of the estimate alone.
 
 On a machine with fewer cores than P ranks the stages time-slice the cores: their compute slows
 and the bubble measured there is not the schedule's (the table says when). Ends with one JSON

@@ -121,7 +121,7 @@ def build_pipeline(
         model, [b for s in mine for b in blocks_of[s]], first=0 in mine, last=num_stages - 1 in mine
     ).to(device)
     plan = _stage_tp_plan(model, kept)
-    del model  # what this rank does not run is freed
+    del model  # what this rank does not run is freed once the caller drops the model too
     if plan is not None:
         kept.tp_plan = plan  # type: ignore[assignment]  # the whole model's plan, for the blocks kept
     strategy.apply_tensor_parallel(kept, inner)
