@@ -113,8 +113,8 @@ class AgentOptions:
     etcd_cert: str | None = None  #: client certificate (PEM) for https endpoints that require one
     etcd_key: str | None = None  #: its private key (PEM), if not in the certificate file
     device_hour_price: float = 0.0  #: accounting.device_hour_price: lost time's cost in the metrics and status
-    world_multiple: int = 1  #: the training layout's: world sizes are multiples of it (pipeline x tensor-parallel)
-    pipeline_stages: int = 1  #: parallel.pp_size: stragglers are compared within a stage
+    pipeline_degrees: tuple[int, ...] = (1,)  #: the training layout's pipeline degrees (see :class:`Policy`)
+    fixed_tp_size: int = 1  #: and its fixed tensor-parallel degree
 
     @classmethod
     def of(cls, **kwargs: Any) -> AgentOptions:
@@ -126,7 +126,7 @@ class AgentOptions:
         return cls(config=AgentConfig.of(**settings), **{k: v for k, v in kwargs.items() if k in own})
 
     def policy(self) -> Policy:
-        return Policy.from_config(self.config, world_multiple=self.world_multiple, pipeline_stages=self.pipeline_stages)
+        return Policy.from_config(self.config, pipeline_degrees=self.pipeline_degrees, fixed_tp_size=self.fixed_tp_size)
 
     def validate(self) -> None:
         """What :class:`AgentConfig` cannot check alone: the ids as they reach key paths, the
@@ -135,11 +135,12 @@ class AgentOptions:
         validate_id(self.config.node_id, "--node-id")
         if not self.worker_args:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
-        if self.policy().usable_nodes(self.config.max_nodes) < self.config.min_nodes:
+        policy = self.policy()
+        if policy.usable_nodes(self.config.max_nodes) < self.config.min_nodes:
             raise ValueError(
                 f"--nnodes {self.config.nnodes} with --nproc-per-node {self.config.nproc_per_node} gives no world size "
-                f"that is a multiple of {self.world_multiple} ranks (the training layout's pipeline x tensor-parallel "
-                "degrees): change --nnodes or --nproc-per-node, or parallel.pp_size / parallel.tp_size"
+                f"the training layout can use ({policy.layout_needs()}: the pipeline x tensor-parallel degrees): "
+                "change --nnodes or --nproc-per-node, or parallel.pp_size / pp_fallback / tp_size"
             )
         if (self.etcd_username is None) != (self.etcd_password is None):
             raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")

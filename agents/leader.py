@@ -28,9 +28,10 @@ Rules, in order:
    out for ``straggler_rejoin_s`` (``RoundRecord.excluded``, carried from round to round), then
    joins like any node (rule 2); still slow, it is evicted again.
 5. Members: the live agents in join order, at most ``max_nodes``, and as many of them as give a
-   world size the job's layout can use (``world_multiple``: a pipeline of ``pp_size`` stages over
-   tensor-parallel groups needs a multiple of ``pp_size x tp_size`` ranks; the newest are left
-   waiting, and joiners that would not make a usable size do not trigger a round). The oldest live agent is node
+   world size the job's layout can use (a pipeline of ``pp_size`` stages over tensor-parallel
+   groups needs a multiple of ``pp_size x tp_size`` ranks, or of a fallback degree's
+   ``parallel.pp_fallback``; the newest are left waiting, and joiners that would not make a
+   larger usable size do not trigger a round). The oldest live agent is node
    rank 0 and hosts the rendezvous, so that role migrates when its host is lost. Under live
    recovery, after a worker failure, a node with no warm replacement for it is left out while
    at least ``min_nodes`` remain: the others go on at the smaller world size and it joins again
@@ -105,36 +106,50 @@ class Policy:
     straggler_factor: float  #: slow: busy per step this many times the other nodes' median
     straggler_after_s: float  #: slow this long without a break: a straggler
     straggler_rejoin_s: float  #: evict: how long an evicted node is kept out
-    #: not ``[agent]`` keys: the training config's say (``ftrain.strategies.world_multiple``, ``parallel.pp_size``)
-    world_multiple: int = 1  #: every world size of the job is a multiple of this many ranks
-    pipeline_stages: int = 1  #: ranks in different pipeline stages do different work: stragglers are within one
+    #: not ``[agent]`` keys: the training config's say (``ftrain.pipeline_stages.pipeline_degrees``,
+    #: ``ftrain.strategies.fixed_tp_size``): a world size runs at the first pipeline degree whose
+    #: stages of ``fixed_tp_size``-rank groups tile it, and a size none tiles cannot run
+    pipeline_degrees: tuple[int, ...] = (1,)
+    fixed_tp_size: int = 1
 
     @classmethod
-    def from_config(cls, config: AgentConfig, *, world_multiple: int = 1, pipeline_stages: int = 1) -> Policy:
-        keys = {f.name for f in dataclasses.fields(cls)} - {"world_multiple", "pipeline_stages"}
+    def from_config(
+        cls, config: AgentConfig, *, pipeline_degrees: tuple[int, ...] = (1,), fixed_tp_size: int = 1
+    ) -> Policy:
+        keys = {f.name for f in dataclasses.fields(cls)} - {"pipeline_degrees", "fixed_tp_size"}
         return cls(
-            **{k: getattr(config, k) for k in keys}, world_multiple=world_multiple, pipeline_stages=pipeline_stages
+            **{k: getattr(config, k) for k in keys}, pipeline_degrees=pipeline_degrees, fixed_tp_size=fixed_tp_size
         )
 
     @classmethod
-    def of(cls, world_multiple: int = 1, pipeline_stages: int = 1, **settings: Any) -> Policy:
+    def of(cls, pipeline_degrees: tuple[int, ...] = (1,), fixed_tp_size: int = 1, **settings: Any) -> Policy:
         """From ``[agent]`` keys as keyword arguments (see :meth:`AgentConfig.of`); the rest default."""
         return cls.from_config(
-            AgentConfig.of(**settings), world_multiple=world_multiple, pipeline_stages=pipeline_stages
+            AgentConfig.of(**settings), pipeline_degrees=pipeline_degrees, fixed_tp_size=fixed_tp_size
         )
+
+    def pipeline_at(self, nodes: int) -> int | None:
+        """The pipeline degree a round of ``nodes`` nodes runs at; None: it cannot run."""
+        ranks = nodes * self.nproc_per_node
+        return next((pp for pp in self.pipeline_degrees if ranks % (pp * self.fixed_tp_size) == 0), None)
 
     def stages_of(self, node_rank: int, nodes: int) -> frozenset[int]:
         """The pipeline stages node ``node_rank``'s ranks run in a round of ``nodes`` nodes."""
-        per_stage = max(1, nodes * self.nproc_per_node // self.pipeline_stages)
+        per_stage = max(1, nodes * self.nproc_per_node // (self.pipeline_at(nodes) or 1))
         ranks = range(node_rank * self.nproc_per_node, (node_rank + 1) * self.nproc_per_node)
         return frozenset(r // per_stage for r in ranks)
 
     def usable_nodes(self, count: int) -> int:
         """The most of ``count`` nodes (at most ``max_nodes``) whose ranks make a usable world size."""
         count = min(count, self.max_nodes)
-        while count > 0 and (count * self.nproc_per_node) % self.world_multiple:
+        while count > 0 and self.pipeline_at(count) is None:
             count -= 1
         return count
+
+    def layout_needs(self) -> str:
+        """What a usable world size is, in words."""
+        sizes = " or ".join(str(pp * self.fixed_tp_size) for pp in self.pipeline_degrees)
+        return f"a multiple of {sizes} ranks"
 
     def backoff_s(self, recent_failures: int) -> float:
         """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
@@ -473,7 +488,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     members = members[: policy.usable_nodes(len(members))]
     if len(members) < policy.min_nodes:
         return Wait(
-            f"{len(live)} nodes live, but the job's layout needs a multiple of {policy.world_multiple} ranks "
+            f"{len(live)} nodes live, but the job's layout needs {policy.layout_needs()} "
             f"({policy.nproc_per_node} per node) and at least {policy.min_nodes} nodes"
         ), memory
     restarts = dict(prev.restarts_by_cause) if prev else {}

@@ -22,7 +22,7 @@ from typing import Any
 from checkpoint.config import CheckpointConfig
 from contract import worker_env
 from contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
-from ftrain.pipeline_stages import PP_SCHEDULES, check_pipeline, stage_blocks
+from ftrain.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeline_degrees, stage_blocks
 from ftrain.strategies import STRATEGIES
 from ftrain.strategies import check_config as _check_strategy_config
 from ftrain.strategies import check_parallel as _check_strategy_parallel
@@ -190,6 +190,11 @@ class ParallelConfig:
         PP_SCHEDULES,
     )
     pp_virtual_stages: int = opt(0, "Model chunks per pipeline rank (0: 2 for interleaved_1f1b, 1 for gpipe and 1f1b).")
+    pp_fallback: str = opt(
+        "",
+        'Pipeline degrees to fall back on, in order, for a world size parallel.pp_size does not divide (e.g. "1": '
+        "no pipeline, after a node loss leaves one node of two); each must split the blocks. Empty: pp_size only.",
+    )
     pp_split: str = opt(
         "",
         'The first block of every stage after the first, comma-separated (e.g. "3,6": three stages from '
@@ -273,8 +278,9 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_strategy_config(self)  # strategy hook: e.g. zero1 refuses checkpoint.uri
-        if self.parallel.pp_size > 1:
-            stage_blocks(self.parallel, self.model.n_layer)  # ConfigError naming the key if the blocks do not split
+        for pp in pipeline_degrees(self.parallel):  # ConfigError naming the key if the blocks do not split
+            if pp > 1:
+                stage_blocks(dataclasses.replace(self.parallel, pp_size=pp, pp_fallback=""), self.model.n_layer)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

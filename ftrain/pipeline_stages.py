@@ -11,6 +11,7 @@ when S does not divide them) or as ``parallel.pp_split`` says.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from contract.config import ConfigError
@@ -45,6 +46,48 @@ def parse_split(text: str) -> tuple[int, ...]:
     return points
 
 
+def pipeline_degrees(parallel: ParallelConfig) -> tuple[int, ...]:
+    """``parallel.pp_size`` and its fallbacks (``parallel.pp_fallback``), in order of preference."""
+    text = parallel.pp_fallback.strip()
+    if not text:
+        return (parallel.pp_size,)
+    try:
+        fallbacks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError("parallel.pp_fallback", f'expected pipeline degrees like "2,1", got {text!r}') from None
+    if any(f < 1 for f in fallbacks) or len(set(fallbacks)) != len(fallbacks) or parallel.pp_size in fallbacks:
+        raise ConfigError(
+            "parallel.pp_fallback",
+            f"degrees must be >= 1, distinct and other than parallel.pp_size={parallel.pp_size}, got {text!r}",
+        )
+    return (parallel.pp_size, *fallbacks)
+
+
+def pipeline_degree(parallel: ParallelConfig, ranks: int) -> int | None:
+    """The pipeline degree a world of ``ranks`` runs at: the first of :func:`pipeline_degrees` whose
+    stages tile it (pp x the strategy's fixed tensor-parallel degree divides it); None if none does."""
+    from ftrain.strategies import fixed_tp_size  # the registry imports this module's names
+
+    tp = fixed_tp_size(parallel)
+    return next((pp for pp in pipeline_degrees(parallel) if ranks % (pp * tp) == 0), None)
+
+
+def at_world(parallel: ParallelConfig, ranks: int) -> ParallelConfig:
+    """``parallel`` as a world of ``ranks`` runs it: at the pipeline degree :func:`pipeline_degree`
+    picks (``pp_fallback`` resolved away); as it is without fallbacks. ConfigError naming
+    ``parallel.pp_size`` when no degree fits."""
+    if not parallel.pp_fallback.strip():
+        return parallel
+    pp = pipeline_degree(parallel, ranks)
+    if pp is None:
+        raise ConfigError(
+            "parallel.pp_size",
+            f"no pipeline degree of {', '.join(map(str, pipeline_degrees(parallel)))} (parallel.pp_size, "
+            f"parallel.pp_fallback) tiles a world of {ranks} ranks",
+        )
+    return dataclasses.replace(parallel, pp_size=pp, pp_fallback="")
+
+
 def check_pipeline(parallel: ParallelConfig) -> None:
     """The pipeline keys of ``[parallel]`` alone (the block count is checked by :func:`stage_blocks`)."""
     if parallel.pp_size < 1:
@@ -60,7 +103,13 @@ def check_pipeline(parallel: ParallelConfig) -> None:
             f"{parallel.pp_schedule} runs one chunk per rank (got {v}); use parallel.pp_schedule=interleaved_1f1b",
         )
     points = parse_split(parallel.pp_split)
-    if parallel.pp_size == 1:
+    degrees = pipeline_degrees(parallel)
+    if points and len(degrees) > 1:
+        raise ConfigError(
+            "parallel.pp_split",
+            "fits one stage count only: leave it empty with parallel.pp_fallback (blocks spread evenly)",
+        )
+    if parallel.pp_size == 1 and max(degrees) == 1:
         if points:
             raise ConfigError("parallel.pp_split", "has no effect without a pipeline: set parallel.pp_size > 1")
         return

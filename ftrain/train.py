@@ -19,6 +19,7 @@ help at all: ``fatal``) before the worker leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -59,6 +60,7 @@ from ftrain.model import build_model, count_parameters
 from ftrain.optim import lr_at, peak_lr, set_lr
 from ftrain.parallel import Parallel, parallelize
 from ftrain.parallel.pipeline import PipelineParallel
+from ftrain.pipeline_stages import at_world
 from ftrain.progress import Progress
 from ftrain.step_phases import StepPhases
 from ftrain.strategies import compute_layout
@@ -178,6 +180,7 @@ class Trainer:
         source: MarkovSource | TokenFileSource | None = None,
         tier: MemoryTier | None = None,
     ):
+        cfg = dataclasses.replace(cfg, parallel=at_world(cfg.parallel, world_size))  # its pipeline degree here
         self.cfg = cfg
         self.hb = hb
         self.round_ended = round_ended  #: live workers: whether the agent assigned a newer round

@@ -17,6 +17,7 @@ from contract import exits
 from contract.config import ConfigError
 from ftrain import strategies
 from ftrain.cli.config import load_job_config
+from ftrain.pipeline_stages import pipeline_degrees
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
         etcd_cert=args.etcd_cert,
         etcd_key=args.etcd_key,
         device_hour_price=cfg.accounting.device_hour_price,
-        world_multiple=strategies.world_multiple(cfg.parallel),
-        pipeline_stages=cfg.parallel.pp_size,
+        pipeline_degrees=pipeline_degrees(cfg.parallel),
+        fixed_tp_size=strategies.fixed_tp_size(cfg.parallel),
     )
 
 

@@ -35,8 +35,8 @@ __all__ = [
     "discover",
     "full_replica",
     "get",
+    "fixed_tp_size",
     "registered",
-    "world_multiple",
 ]
 
 
@@ -116,11 +116,10 @@ def full_replica(layout: Layout) -> bool:
     return get(layout.strategy).full_replica and layout.pp_size == 1
 
 
-def world_multiple(parallel: ParallelConfig) -> int:
-    """What every world size of the job must be a multiple of: the pipeline's and the explicit
-    tensor-parallel degrees (rounds are formed with a node count that gives one)."""
-    tp = (parallel.tp_size or 2) if parallel.strategy == "fsdp+tp" else 1  # tp itself takes any world
-    return parallel.pp_size * tp
+def fixed_tp_size(parallel: ParallelConfig) -> int:
+    """The tensor-parallel degree whatever the world size (fsdp+tp's groups; tp itself takes any
+    world): with the pipeline degree, what a world size must be a multiple of."""
+    return (parallel.tp_size or 2) if parallel.strategy == "fsdp+tp" else 1
 
 
 def check_parallel(parallel: ParallelConfig) -> None:

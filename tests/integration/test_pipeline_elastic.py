@@ -4,8 +4,10 @@ worker processes and SIGKILL.
 Two agents with two workers each train the tiny config at pp=2 x dp=2 (stage 0 on node rank 0's
 two workers, stage 1 on the other's). Node b goes (agent and workers SIGKILLed): the leader
 forms a round of node a alone, 2 ranks, which the layout runs as pp=2 x dp=1 (stage 0 and 1 on
-a's two workers), resumed from the last commit by a resharding load. The job finishes, and the
-ledger shows every sample of every step consumed exactly once by the attempt that counted.
+a's two workers), resumed from the last commit by a resharding load. With one worker per node and
+``parallel.pp_fallback = "1"`` the survivor's single rank runs the model without a pipeline. The
+job finishes, and the ledger shows every sample of every step consumed exactly once by the
+attempt that counted.
 """
 
 from __future__ import annotations
@@ -27,8 +29,18 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 120
 
 
-@pytest.mark.parametrize("recovery", ["live", "restart"])
-def test_a_node_lost_at_pp2_x_dp2_goes_on_at_pp2_x_dp1_and_consumes_every_sample_once(tmp_path, etcd, recovery):
+@pytest.mark.parametrize(
+    ("recovery", "nproc", "fallback", "after"),
+    [
+        ("live", 2, [], (2, 2, 1)),
+        ("restart", 2, [], (2, 2, 1)),
+        ("restart", 1, ["--parallel.pp_fallback=1"], (1, 1, 1)),
+    ],
+    ids=["live", "restart", "fallback-to-pp1"],
+)
+def test_a_node_lost_from_a_pipeline_goes_on_in_the_next_layout_and_consumes_every_sample_once(
+    tmp_path, etcd, recovery, nproc, fallback, after
+):
     config = tmp_path / "config.toml"
     config.write_text(TINY_CONFIG)
     ledger = tmp_path / "ledger"
@@ -39,12 +51,13 @@ def test_a_node_lost_at_pp2_x_dp2_goes_on_at_pp2_x_dp1_and_consumes_every_sample
         steps=STEPS,
         ckpt_interval=20,
         step_sleep_s=0.03,
-        overrides=["--parallel.pp_size=2", f"--data.ledger_dir={ledger}"],
+        overrides=["--parallel.pp_size=2", *fallback, f"--data.ledger_dir={ledger}"],
     )
     try:
         for node in ("a", "b"):
-            job.start(node, "--recovery", recovery, nnodes="1:2", nproc=2)
-        wait_for(lambda: [m for m in job.metrics() if m["world_size"] == 4 and m["step"] >= 30], 120, "step 30 at 4")
+            job.start(node, "--recovery", recovery, nnodes="1:2", nproc=nproc)
+        world = 2 * nproc
+        wait_for(lambda: [m for m in job.metrics() if m["world_size"] == world and m["step"] >= 30], 120, "step 30")
         first = min(job.events("round_formed"), key=lambda e: e["new_round"])
         survivor, lost = first["members"]
         job.kill_agent(lost)
@@ -53,10 +66,11 @@ def test_a_node_lost_at_pp2_x_dp2_goes_on_at_pp2_x_dp1_and_consumes_every_sample
                 os.kill(pid, signal.SIGKILL)
         assert job.wait_exit(survivor, timeout_s=180) == 0, job.log_tail()
         rounds = sorted(job.events("round_formed"), key=lambda e: e["new_round"])
-        assert rounds[-1]["members"] == [survivor] and rounds[-1]["world_size"] == 2
+        assert rounds[-1]["members"] == [survivor] and rounds[-1]["world_size"] == nproc
         metrics = job.metrics()
-        after = [m for m in metrics if m["world_size"] == 2]
-        assert after and all(m["pp_size"] == 2 and m["dp_size"] == 1 for m in after)
+        assert all(m["pp_size"] == 2 for m in metrics if m["world_size"] == world)
+        smaller = [m for m in metrics if m["world_size"] == nproc]
+        assert smaller and {(m["world_size"], m.get("pp_size", 1), m["dp_size"]) for m in smaller} == {after}
         assert max(m["step"] for m in metrics) == STEPS
         cfg = load_config(config)
         report = check_exactly_once(

@@ -425,11 +425,11 @@ def test_an_agent_whose_node_counts_give_no_usable_world_size_is_refused_at_star
         worker_args=["cfg.toml"],
         nnodes=nnodes,
         nproc_per_node=nproc,
-        world_multiple=2,
+        pipeline_degrees=(2,),
     )
     if usable:
         opts.validate()
         return
-    with pytest.raises(ValueError, match="multiple of 2 ranks") as e:
+    with pytest.raises(ValueError, match="a multiple of 2 ranks") as e:
         opts.validate()
     assert "--nnodes" in str(e.value) and "parallel.pp_size" in str(e.value)

@@ -558,7 +558,7 @@ def test_rounds_take_as_many_nodes_as_make_a_world_size_the_layout_can_use() -> 
     nodes the newest waits, a lost one leaves one survivor waiting, and a third node that would
     not make a usable size joins nobody's round."""
     policy = Policy.of(
-        min_nodes=1, max_nodes=4, nproc_per_node=2, scale_up="immediate", recovery="restart", world_multiple=4
+        min_nodes=1, max_nodes=4, nproc_per_node=2, scale_up="immediate", recovery="restart", pipeline_degrees=(4,)
     )
     assert [policy.usable_nodes(n) for n in range(6)] == [0, 0, 2, 2, 4, 4]
     job, memory, first = running_job("a", "b", "c", policy=policy)
@@ -813,10 +813,18 @@ def test_a_member_slow_without_a_break_for_straggler_after_s_is_a_straggler_and_
     assert memory.slow_since == () and memory.stragglers == ()
 
 
+def test_with_fallback_degrees_a_round_takes_the_nodes_some_degree_can_use_and_runs_the_first_that_fits() -> None:
+    policy = Policy.of(min_nodes=1, max_nodes=4, nproc_per_node=1, recovery="restart", pipeline_degrees=(4, 2))
+    assert [policy.usable_nodes(n) for n in range(1, 6)] == [0, 2, 2, 4, 4]
+    assert [policy.pipeline_at(n) for n in (4, 2, 3)] == [4, 2, None]
+    assert [policy.stages_of(k, 2) for k in range(2)] == [{0}, {1}]  # at 2 nodes: the 2-stage layout
+    assert policy.layout_needs() == "a multiple of 4 or 2 ranks"
+
+
 def test_under_a_pipeline_members_are_compared_with_those_running_the_same_stages() -> None:
     """pp=2 on four nodes of two workers: a and b run stage 0, c and d stage 1 (the head: more
     work by design). Stage 1 being slower than stage 0 is no straggler; d slower than c is."""
-    policy = replace(POLICY, max_nodes=4, on_straggler="warn", straggler_after_s=0.0, pipeline_stages=2)
+    policy = replace(POLICY, max_nodes=4, on_straggler="warn", straggler_after_s=0.0, pipeline_degrees=(2,))
     job, memory, record = running_job("a", "b", "c", "d", policy=policy)
     assert [policy.stages_of(k, 4) for k in range(4)] == [{0}, {0}, {1}, {1}]
     _busy(job, 1, T0 + 1, a=0.030, b=0.031, c=0.060, d=0.061)

@@ -9,8 +9,8 @@ import pytest
 
 from ftrain.checkpointing import load_target
 from ftrain.config import ConfigError, ParallelConfig, load_config
-from ftrain.pipeline_stages import local_stages, stage_blocks
-from ftrain.strategies import compute_layout, full_replica, world_multiple
+from ftrain.pipeline_stages import at_world, local_stages, pipeline_degree, stage_blocks
+from ftrain.strategies import compute_layout, fixed_tp_size, full_replica
 
 
 def blocks(n_layer: int, **kw) -> list[list[int]]:
@@ -65,7 +65,7 @@ def test_the_grid_puts_the_pipeline_outermost_and_the_strategy_inside_each_stage
     assert grid[0].mesh_shape == ((2, 2), ("dp", "tp"))  # one stage's mesh: the job's adds pp
     assert [lo.reads_data for lo in grid] == [True, False, True, False, False, False, False, False]
     assert grid[0].loss_ranks() == [(4, 0), (6, 1)]  # the last stage's first tensor-parallel ranks
-    assert world_multiple(parallel) == 4
+    assert fixed_tp_size(parallel) == 2 and pipeline_degree(parallel, 8) == 2 and pipeline_degree(parallel, 6) is None
     with pytest.raises(ConfigError, match="multiple of 2 ranks") as e:
         compute_layout(ParallelConfig(pp_size=2), world_size=3, rank=0, local_world_size=3, n_head=4)
     assert e.value.key == "parallel.pp_size"
@@ -75,7 +75,25 @@ def test_a_stage_is_no_full_replica_and_replicas_are_per_stage():
     ddp = compute_layout(ParallelConfig(), world_size=2, rank=1, local_world_size=2, n_head=4)
     piped = compute_layout(ParallelConfig(pp_size=2), world_size=4, rank=3, local_world_size=2, n_head=4)
     assert full_replica(ddp) and not full_replica(piped)
-    assert world_multiple(ParallelConfig()) == 1 and world_multiple(ParallelConfig(strategy="fsdp+tp")) == 2
+    assert fixed_tp_size(ParallelConfig()) == 1 and fixed_tp_size(ParallelConfig(strategy="fsdp+tp")) == 2
+
+
+def test_a_world_the_pipeline_does_not_tile_runs_at_the_first_fallback_that_does():
+    parallel = ParallelConfig(pp_size=4, pp_fallback="2,1")
+    assert [pipeline_degree(parallel, n) for n in (8, 4, 6, 2, 3, 1)] == [4, 4, 2, 2, 1, 1]
+    assert at_world(parallel, 6).pp_size == 2 and at_world(parallel, 6).pp_fallback == ""
+    assert at_world(ParallelConfig(pp_size=2), 3) == ParallelConfig(pp_size=2)  # no fallbacks: as it is
+    with pytest.raises(ConfigError, match="tiles a world of 3 ranks") as e:
+        at_world(ParallelConfig(pp_size=4, pp_fallback="2"), 3)
+    assert e.value.key == "parallel.pp_size"
+    for bad, says in (("x", "degrees like"), ("4", "other than"), ("0", ">= 1"), ("2,2", "distinct")):
+        with pytest.raises(ConfigError, match=says) as e:
+            load_config(None, ["--parallel.pp_size=4", f"--parallel.pp_fallback={bad}"])
+        assert e.value.key == "parallel.pp_fallback"
+    with pytest.raises(ConfigError, match="fits one stage count") as e:
+        load_config(None, ["--parallel.pp_size=2", "--parallel.pp_fallback=1", "--parallel.pp_split=1"])
+    with pytest.raises(ConfigError, match="model.n_layer=4") as e:  # every fallback must split the blocks
+        load_config(None, ["--parallel.pp_size=2", "--parallel.pp_fallback=8", "--model.n_layer=4"])
 
 
 def test_a_step_saved_before_flat_optimizer_state_is_refused_at_pp_with_the_fix():
