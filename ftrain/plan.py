@@ -8,13 +8,14 @@ built on the meta device (no memory, works for ``model.factory`` models too):
   root) and the tensor-parallel split of ``tp_plan()`` from a meta-device build;
 - :func:`estimate` gives one strategy's per-rank bytes as a :class:`MemoryEstimate`;
 - :func:`recommend` picks the fitting strategy with the least communication;
-- :func:`plan_report` renders the table ``ftrain plan`` prints.
+- ``ftrain.plan_report.plan_report`` renders the table ``ftrain plan`` prints, and its
+  ``suggestions`` what would make a job fit when nothing does.
 
 Under pipeline parallelism (``parallel.pp_size`` > 1) every pipeline rank holds other parameters
 and activations: :func:`estimate` hands such layouts to ``ftrain.plan_pipeline``, which runs
-:func:`estimate_with` on the rank's own parameters and its schedule's activations, and
-:func:`plan_report` shows one row per pipeline rank and the bubble. Without a pipeline nothing
-here depends on it, except that :func:`suggestions` offers the smallest pipeline that fits.
+:func:`estimate_with` on the rank's own parameters and its schedule's activations, and the
+report shows one row per pipeline rank and the bubble. Without a pipeline nothing here depends
+on it (the report's suggestions offer the smallest pipeline that fits).
 
 What the numbers model (our implementation, not the textbook; see ``textbook_model_state_bytes``):
 
@@ -74,7 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -650,7 +651,7 @@ def recommend(
     return None
 
 
-def _best(
+def best_fitting(
     stats: ModelStats,
     cfg: Config,
     world_size: int,
@@ -667,259 +668,9 @@ def changed(cfg: Config, section: str, **changes) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
 
 
-def suggestions(
-    stats: ModelStats,
-    cfg: Config,
-    *,
-    world_size: int,
-    gpus_per_node: int,
-    target: Target,
-    device_memory_bytes: int,
-    max_world_size: int = 65536,
-) -> list[str]:
-    """What would make some strategy fit, when none does at this configuration; without a
-    pipeline, among them the smallest that fits at this world size
-    (``ftrain.plan_pipeline.pipeline_suggestion``)."""
-    out = []
-    memory = device_memory_bytes
-    overhead = overhead_bytes(cfg, target)
-    floor = 4 * stats.num_params + overhead
-    if overhead > memory:
-        return [f"nothing can: the per-rank overhead alone ({gib(overhead)}) exceeds the device memory"]
-    if floor > memory:
-        out.append(
-            f"no world size helps: the train loop builds the full fp32 model ({gib(4 * stats.num_params)}) "
-            "on every rank before sharding it; that needs meta-device initialisation, or bigger devices"
-        )
-        best = _best(stats, cfg, world_size, gpus_per_node, target, memory, include_init=False)
-        if best is not None:
-            out.append(
-                f"with meta-device initialisation, {best.strategy} would fit at {world_size} ranks "
-                f"({gib(best.running_bytes)} per rank)"
-            )
-    if cfg.parallel.pp_size == 1:  # a stage alone goes to a GPU: the full-model floor need not hold
-        from ftrain.plan_pipeline import pipeline_suggestion  # imports this module
-
-        piped = pipeline_suggestion(
-            stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
-        )
-        if piped is not None:
-            out.append(piped)
-    if not cfg.parallel.activation_checkpointing:
-        best = _best(
-            stats, changed(cfg, "parallel", activation_checkpointing=True), world_size, gpus_per_node, target, memory
-        )
-        if best is not None:
-            out.append(
-                f"--parallel.activation_checkpointing=true: {best.strategy} fits ({gib(best.total_bytes)} per rank)"
-            )
-    b = cfg.train.micro_batch_size
-    for micro in sorted((d for d in range(1, b) if cfg.train.global_batch_size % d == 0), reverse=True):
-        best = _best(stats, changed(cfg, "train", micro_batch_size=micro), world_size, gpus_per_node, target, memory)
-        if best is not None:
-            out.append(f"--train.micro_batch_size={micro}: {best.strategy} fits ({gib(best.total_bytes)} per rank)")
-            break
-    if floor <= memory:
-        world = world_size * 2
-        while world <= max_world_size:
-            best = _best(stats, cfg, world, gpus_per_node, target, memory)
-            if best is not None:
-                extra = ""
-                if cfg.train.global_batch_size % (cfg.train.micro_batch_size * best.dp_size):
-                    extra = (
-                        f"; train.global_batch_size={cfg.train.global_batch_size} must then be a multiple "
-                        f"of {cfg.train.micro_batch_size * best.dp_size}"
-                    )
-                out.append(f"{world} ranks: {best.strategy} fits ({gib(best.total_bytes)} per rank){extra}")
-                break
-            world *= 2
-    if not out:
-        out.append(
-            "nothing tried fits: combine activation checkpointing, micro batch 1 and more ranks, "
-            "or use devices with more memory"
-        )
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # The report.
 
 
 def gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
-
-
-def default_device_memory_bytes(target: Target) -> int:
-    if target.device == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    return DEFAULT_DEVICE_MEMORY_BYTES
-
-
-def table_lines(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, row in enumerate(rows):
-        lines.append(
-            "| "
-            + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-            + " |"
-        )
-        if j == 0:
-            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return lines
-
-
-#: host copies of a rank's checkpointed state the memory tier keeps: its staging buffers, its
-#: own snapshot and its buddy's; while an exchange replaces a snapshot, the previous pair too
-MEMORY_TIER_COPIES, MEMORY_TIER_PEAK_COPIES = 3, 5
-
-
-def memory_tier_notes(cfg: Config, estimates: Sequence[MemoryEstimate]) -> list[str]:
-    """What the memory tier (``checkpoint.memory_interval``, live recovery of strategies with no
-    full replica) costs in host memory per rank, for each such strategy estimated."""
-    if getattr(cfg, "checkpoint", None) is None or cfg.checkpoint.memory_interval == 0:
-        return []
-    out = []
-    for e in estimates:
-        if strategies.get(e.strategy).full_replica:
-            continue
-        state = e.params_bytes + e.optimizer_bytes
-        where = (
-            f"the snapshots in {cfg.checkpoint.memory_dir} (tmpfs: host memory), kept across restarts"
-            if cfg.checkpoint.memory_dir
-            else "live recovery"
-        )
-        out.append(
-            f"  - {e.strategy}: memory tier ({where}) in host memory: {gib(MEMORY_TIER_COPIES * state)} "
-            f"per rank ({MEMORY_TIER_COPIES} x its {gib(state)} of params + optimizer state: staging, its "
-            f"snapshot, its buddy's), up to {gib(MEMORY_TIER_PEAK_COPIES * state)} during an exchange; "
-            "checkpoint.memory_interval=0 turns it off"
-        )
-    return out
-
-
-def memory_header(memory: int) -> list[str]:
-    """The memory columns of the ``ftrain plan`` tables (:func:`memory_cells`)."""
-    return [
-        "params+grads+optim",
-        "activations",
-        "backward extra",
-        "step extra",
-        "overhead",
-        "total/rank",
-        f"fits {gib(memory)}",
-    ]
-
-
-def memory_cells(e: MemoryEstimate, memory: int) -> list[str]:
-    """One estimate's memory columns, and whether it fits in ``memory``."""
-    use = e.total_bytes / memory
-    fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
-    return [
-        gib(e.model_state_bytes),
-        gib(e.activation_bytes),
-        gib(e.transient_bytes),
-        gib(e.step_transient_bytes),
-        gib(e.overhead_bytes),
-        gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})"),
-        f"{fit} ({use:.0%})",
-    ]
-
-
-def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8) -> str:
-    """The table ``ftrain plan`` prints: every feasible strategy's per-rank memory, and a pick."""
-    if world_size < 1:
-        raise ConfigError("", f"--world-size must be >= 1, got {world_size}")
-    if gpus_per_node < 1:
-        raise ConfigError("", f"--gpus-per-node must be >= 1, got {gpus_per_node}")
-    target = resolve_target(cfg)
-    memory = device_memory_bytes if device_memory_bytes is not None else default_device_memory_bytes(target)
-    stats = model_stats(cfg.model, cfg.optim)
-    psi = stats.num_params
-    lines = [
-        f"ftrain plan: {stats.name} with {psi / 1e6:.2f}M parameters (Ψ, counted on the meta device), "
-        f"{world_size} rank(s), {gpus_per_node} per node",
-        f"target: {target.device} {target.dtype}"
-        + (
-            " (train.device=auto plans for GPUs; --train.device=cpu plans a CPU run)"
-            if cfg.train.device == "auto"
-            else ""
-        )
-        + f", {gib(memory)} per rank",
-        f"micro batch {cfg.train.micro_batch_size} x seq {cfg.model.seq_len}, activation checkpointing "
-        f"{'on' if cfg.parallel.activation_checkpointing else 'off'}",
-        "",
-    ]
-    if cfg.parallel.pp_size > 1:
-        from ftrain.plan_pipeline import pipeline_report  # imports this module
-
-        lines += pipeline_report(
-            stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
-        )
-        return "\n".join(lines)
-    estimates, skipped = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
-    rows = [["strategy", "layout", *memory_header(memory)]]
-    rows += [[e.strategy, strategies.get(e.strategy).layout_text(e), *memory_cells(e, memory)] for e in estimates]
-    lines += table_lines(rows)
-    for sk in skipped:
-        lines.append(f"skipped {sk.strategy}: {sk.reason}")
-    lines.append("")
-    best = recommend(estimates, memory)
-    if best is not None:
-        tight = " (tight: leave room for allocator fragmentation)" if best.total_bytes > TIGHT_FRACTION * memory else ""
-        lines.append(f"recommended: {best.strategy} (the least communication of those that fit){tight}")
-    else:
-        lines.append("recommended: none: no strategy fits in " + gib(memory) + " per rank. What would:")
-        lines += [
-            f"  - {s}"
-            for s in suggestions(
-                stats,
-                cfg,
-                world_size=world_size,
-                gpus_per_node=gpus_per_node,
-                target=target,
-                device_memory_bytes=memory,
-            )
-        ]
-    lines.append("")
-    lines.append("notes:")
-    lines.append(
-        "  - total/rank = overhead + the largest of: backward (params + optimizer state + activations "
-        "+ backward extra, + gradients for ddp/zero1 whose buckets persist; other strategies free "
-        "gradients after each step and re-create them as activations are freed), step (params + "
-        "grads + optimizer + step extra), init (the full fp32 model before sharding); the phase "
-        "is named when it is not backward"
-    )
-    lines.append(
-        "  - backward extra: unsharded FSDP units and buffers, bf16 autocast weight copies, gradients "
-        "accumulated between micro-batches; step extra: AdamW temporaries and the last logits"
-    )
-    for e in estimates:
-        if e.model_state_bytes != e.textbook_model_state_bytes:
-            why = strategies.get(e.strategy).textbook_difference
-            lines.append(
-                f"  - {e.strategy}: model states {gib(e.model_state_bytes)} here vs "
-                f"{gib(e.textbook_model_state_bytes)} textbook ({why})"
-            )
-        lines += [f"  - {n}" for n in e.notes]
-    if cfg.model.factory:
-        lines.append("  - activations assume a GPT-like model with the configured model.* sizes")
-    if getattr(cfg, "checkpoint", None) is not None and cfg.checkpoint.uri:
-        lines.append(
-            "  - not included: checkpoint staging (an async save copies this rank's params and optimizer "
-            "state to host memory first)"
-        )
-    lines += memory_tier_notes(cfg, estimates)
-    if target.device == "cuda":
-        lines.append(
-            f"  - overhead: CUDA context, workspaces and NCCL buffers, assumed {gib(CUDA_RUNTIME_BYTES)} "
-            "(not in torch.cuda.max_memory_allocated)"
-        )
-    else:
-        lines.append("  - overhead: torch + gloo process baseline (measured) + the data cursor's permutation")
-        lines.append(
-            "  - CPU peak RSS matches these (live) bytes with MALLOC_MMAP_THRESHOLD_=65536 "
-            "MALLOC_TRIM_THRESHOLD_=0; glibc's defaults added 10-50% of fragmentation in "
-            "bench/plan_vs_measured.py"
-        )
-    return "\n".join(lines)

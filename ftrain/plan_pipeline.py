@@ -58,13 +58,11 @@ from ftrain.plan import (
     estimate_with,
     gib,
     layout_for,
-    memory_cells,
-    memory_header,
     model_stats,
     precision_mode,
     resolve_target,
-    table_lines,
 )
+from ftrain.plan_report import memory_cells, memory_header, table_lines
 from ftrain.strategies import Layout
 
 #: pipeline degrees the recommendation tries when nothing fits without a pipeline, smallest first

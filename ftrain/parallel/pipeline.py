@@ -25,10 +25,8 @@ is the step's measured bubble (:attr:`PipelineParallel.last_bubble`).
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -182,57 +180,44 @@ class PipelineParallel(Parallel):
             cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
             self.schedule = cls(stages[0], n_microbatches=accum, loss_fn=self._loss)
         self.last_bubble = 0.0  #: the last step: share of the schedule's time spent waiting on neighbours
-        self._timed: list[float] = [0.0]  #: compute seconds of the schedule in progress
+        self._compute_s = 0.0  #: the step in progress: seconds in its stages' forward and backward chunks
+        self._phases: Any = None  #: the step in progress: where its times go (ftrain.step_phases)
+        for stage in stages:  # timed for good: the phases and the bubble of every step
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "forward")  # type: ignore[method-assign]
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "backward")  # type: ignore[method-assign]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
         return self._loss_fn(output, target)
 
-    @contextlib.contextmanager
-    def _time_compute(self, phases: Any) -> Iterator[None]:
-        """Time each stage's forward and backward chunks as those phases while the schedule runs."""
-        originals = []
-        for stage in self.stages:
-            originals.append((stage, stage.forward_one_chunk, stage.backward_one_chunk))
-            stage.forward_one_chunk = self._timed_call(stage.forward_one_chunk, phases, "forward")  # type: ignore[method-assign]
-            stage.backward_one_chunk = self._timed_call(stage.backward_one_chunk, phases, "backward")  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for stage, forward, backward in originals:
-                stage.forward_one_chunk = forward  # type: ignore[method-assign]
-                stage.backward_one_chunk = backward  # type: ignore[method-assign]
+    def _timed(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        """``fn`` (a stage's chunk of compute), its time counted as ``phase`` of the step in progress."""
 
-    def _timed_call(self, fn: Callable[..., Any], phases: Any, phase: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             began = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - began
-                self._timed[0] += elapsed
-                phases.add(phase, elapsed)
+                self._compute_s += elapsed
+                self._phases.add(phase, elapsed)
 
         return call
 
     def run(self, tokens: torch.Tensor, loss_fn: LossFn, phases: Any) -> list[torch.Tensor]:
         """One step's micro-batches (``tokens``: this rank's, concatenated, inputs and targets
         one apart) through the schedule; the micro-batch losses on the last stage's rank, [] elsewhere."""
-        self._loss_fn = loss_fn
+        self._loss_fn, self._phases, self._compute_s = loss_fn, phases, 0.0
         losses: list[torch.Tensor] = []
         args = (tokens[:, :-1],) if self.first else ()
         kwargs: dict[str, Any] = {"target": tokens[:, 1:], "losses": losses} if self.last else {}
-        self._timed[0] = 0.0
         began = time.perf_counter()
-        with self._time_compute(phases), self.autocast():
+        with self.autocast():
             self.schedule.step(*args, return_outputs=False, **kwargs)  # the losses are all this loop needs
         wall = time.perf_counter() - began
-        phases.add("comm_wait", max(0.0, wall - self._timed[0]))
-        self.last_bubble = max(0.0, 1.0 - self._timed[0] / wall) if wall > 0 else 0.0
+        phases.add("comm_wait", max(0.0, wall - self._compute_s))
+        self.last_bubble = max(0.0, 1.0 - self._compute_s / wall) if wall > 0 else 0.0
         return [loss.detach() for loss in losses]
-
-    def grad_sync(self, is_last: bool) -> AbstractContextManager:
-        return contextlib.nullcontext()
 
     def reduce_gradients(self) -> None:
         """ddp inside the stage: the mean of the stage's gradients over its data-parallel ranks."""

@@ -22,10 +22,10 @@ from ftrain.plan import (
     estimate_all,
     layout_for,
     model_stats,
-    plan_report,
     recommend,
     textbook_model_state_bytes,
 )
+from ftrain.plan_report import plan_report
 from ftrain.strategies.zero1 import zero1_partition
 
 GPU_BF16 = Target("cuda", "bf16")
