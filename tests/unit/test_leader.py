@@ -1,20 +1,18 @@
-"""agents.leader.decide: when the leader forms a round, with whom, and when the job is over.
+"""agents.leader.decide: when the leader forms a round, with whom, and when the job is over
+(the pipeline layouts' rounds and the stragglers: test_leader_layouts_and_stragglers.py).
 
-Each test keeps a job's etcd contents in a :class:`FakeJob` (revisions, create revisions and
-leases as etcd assigns them), reads it back with ``JobState.parse`` like an agent does, and
-applies a ``FormRound`` the way the leader's compare-and-swap does. Time is a plain number
-passed to ``decide``: nothing waits.
+Each test keeps a job's etcd contents in a :class:`~tests.leader_support.FakeJob`, reads it back
+like an agent does and applies a ``FormRound`` the way the leader's compare-and-swap does. Time is
+a plain number passed to ``decide``: nothing waits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from dataclasses import replace
 
 import pytest
 
-from agents.etcd import KeyValue
 from agents.leader import Finish, FormRound, LeaderMemory, Policy, Wait, decide
 from agents.records import (
     BAD_RECORD,
@@ -31,121 +29,11 @@ from agents.records import (
     SUCCEEDED,
     WORKER_EXIT,
     FinalStatus,
-    JobKeys,
-    JobState,
-    Member,
-    NodeRecord,
     NodeStatus,
     Report,
     RoundRecord,
 )
-
-T0 = 10_000.0
-POLICY = Policy.of(
-    min_nodes=2,
-    max_nodes=3,
-    nproc_per_node=2,
-    settle_s=5.0,
-    start_timeout_s=60.0,
-    max_restarts=3,
-    restart_window_s=600.0,
-    backoff_initial_s=4.0,
-    backoff_max_s=30.0,
-    scale_up="checkpoint",
-    recovery="restart",  # joiners count at once; the live rule has its own test
-)
-
-
-class FakeJob:
-    """One job's keys as etcd would hold them."""
-
-    def __init__(self) -> None:
-        self.keys = JobKeys("job")
-        self.kvs: dict[str, KeyValue] = {}
-        self.revision = 0
-        self._leases = 100
-
-    def put(self, key: str, value: str, lease: int = 0) -> None:
-        self.revision += 1
-        prev = self.kvs.get(key)
-        self.kvs[key] = KeyValue(
-            key,
-            value.encode(),
-            prev.create_revision if prev else self.revision,
-            self.revision,
-            prev.version + 1 if prev else 1,
-            lease,
-        )
-
-    def delete(self, key: str) -> None:
-        self.revision += 1
-        del self.kvs[key]
-
-    def state(self) -> JobState:
-        return JobState.parse(self.keys, list(self.kvs.values()), self.revision)
-
-    # -- what agents write ---------------------------------------------------------------
-    def join(self, node_id: str, *, at: float = T0) -> Member:
-        """A new agent process registers ``node_id`` on a fresh lease (at time ``at``)."""
-        self._leases += 1
-        uid = uuid.uuid4().hex[:8]
-        record = NodeRecord(node_id, uid, f"host-{node_id}", 4000 + self._leases, 2, at)
-        self.put(self.keys.node(node_id), record.to_json(), lease=self._leases)
-        return Member(node_id, uid)
-
-    def lose(self, node_id: str) -> None:
-        """The agent's lease expired (or was revoked): its leased keys are gone."""
-        self.delete(self.keys.node(node_id))
-        self.kvs.pop(self.keys.status(node_id), None)
-
-    def apply(self, record: RoundRecord) -> None:
-        self.put(self.keys.round, str(record.round))
-        self.put(self.keys.round_record(record.round), record.to_json())
-
-    def start(self, g: int, *node_ids: str) -> None:
-        for node_id in node_ids:
-            self.put(self.keys.started(g, node_id), self.uid(node_id))
-
-    def report(
-        self, g: int, node_id: str, outcome: str, reason: str = "", *, time: float, workers_ready: int = -1
-    ) -> None:
-        report = Report(
-            outcome, reason, f"{outcome} on {node_id}", self.uid(node_id), time, workers_ready=workers_ready
-        )
-        self.put(self.keys.report(g, node_id), report.to_json())
-
-    def checkpoint(self, node_id: str, committed_step: int, *, at: float = T0 + 1) -> None:
-        """The agent's status record, written at ``at``, shows ``committed_step``."""
-        status = NodeStatus(state="running", committed_step=committed_step, updated_at=at)
-        self.put(self.keys.status(node_id), status.to_json(), lease=self.kvs[self.keys.node(node_id)].lease)
-
-    def uid(self, node_id: str) -> str:
-        return self.state().nodes[node_id].agent_uid
-
-
-def memory_at(now: float) -> LeaderMemory:
-    """What an agent gives itself when it becomes the leader at ``now``."""
-    return LeaderMemory(leader_since=now)
-
-
-def form(job: FakeJob, memory: LeaderMemory, now: float, policy: Policy = POLICY) -> tuple[RoundRecord, LeaderMemory]:
-    decision, memory = decide(job.state(), policy, memory, now)
-    assert isinstance(decision, FormRound), decision
-    job.apply(decision.record)
-    return decision.record, memory
-
-
-def running_job(*node_ids: str, policy: Policy = POLICY) -> tuple[FakeJob, LeaderMemory, RoundRecord]:
-    """Round 1 formed at T0 with ``node_ids`` (joined in that order), all workers started; the
-    leader has led since long before."""
-    job = FakeJob()
-    for node_id in node_ids:
-        job.join(node_id)
-    memory = memory_at(T0 - 100)
-    _, memory = decide(job.state(), policy, memory, T0 - 100)  # membership observed, then quiet
-    record, memory = form(job, memory, T0, policy)
-    job.start(record.round, *node_ids)
-    return job, memory, record
+from tests.leader_support import POLICY, T0, FakeJob, form, memory_at, running_job
 
 
 # -- Policy -----------------------------------------------------------------------------------
@@ -553,33 +441,6 @@ def test_no_scale_up_beyond_max_nodes() -> None:
     assert decision == Wait("round healthy")
 
 
-def test_rounds_take_as_many_nodes_as_make_a_world_size_the_layout_can_use() -> None:
-    """A pipeline of 4 stages on nodes of 2 workers needs an even node count: of three live
-    nodes the newest waits, a lost one leaves one survivor waiting, and a third node that would
-    not make a usable size joins nobody's round."""
-    policy = Policy.of(
-        min_nodes=1, max_nodes=4, nproc_per_node=2, scale_up="immediate", recovery="restart", pipeline_degrees=(4,)
-    )
-    assert [policy.usable_nodes(n) for n in range(6)] == [0, 0, 2, 2, 4, 4]
-    job, memory, first = running_job("a", "b", "c", policy=policy)
-    assert first.members == [m for m in first.members if m.node_id in ("a", "b")] and len(first.members) == 2
-    job.lose("b")
-    _, memory = decide(job.state(), policy, memory, T0 + 50)  # c was waiting: a and c make 4 ranks
-    record, memory = form(job, memory, T0 + 50 + policy.settle_s, policy)
-    assert [m.node_id for m in record.members] == ["a", "c"]
-    job.start(record.round, "a", "c")
-    job.lose("c")
-    decision, memory = decide(job.state(), policy, memory, T0 + 100)
-    assert isinstance(decision, Wait) and "multiple of 4 ranks" in decision.why
-    job.join("d")  # a and d make 4 ranks
-    job.join("e")  # a fifth node would not: it waits
-    _, memory = decide(job.state(), policy, memory, T0 + 101)
-    record, memory = form(job, memory, T0 + 101 + policy.settle_s, policy)
-    assert [m.node_id for m in record.members] == ["a", "d"]
-    job.start(record.round, "a", "d")
-    assert decide(job.state(), policy, memory, T0 + 500)[0] == Wait("round healthy")  # e alone cannot grow it
-
-
 # -- the end -----------------------------------------------------------------------------------
 def test_every_member_succeeded_finishes_the_job() -> None:
     job, memory, _ = running_job("a", "b")
@@ -787,87 +648,3 @@ def test_a_garbage_node_record_is_not_a_live_member() -> None:
     _, memory = decide(job.state(), POLICY, memory, T0 + 100)
     record, memory = form(job, memory, T0 + 100 + POLICY.settle_s)
     assert record.reason == NODE_LOST and [m.node_id for m in record.members] == ["a", "c"]
-
-
-# -- stragglers ----------------------------------------------------------------------------------
-def _busy(job: FakeJob, g: int, at: float, **busy_s: float) -> None:
-    """Each node's status: its busiest rank's busy time per step, as its agent publishes it."""
-    for node_id, busy in busy_s.items():
-        status = NodeStatus(round=g, state="running", busy_s=busy, busy_rank=ord(node_id[0]) - 97, updated_at=at)
-        job.put(job.keys.status(node_id), status.to_json(), lease=job.kvs[job.keys.node(node_id)].lease)
-
-
-def test_a_member_slow_without_a_break_for_straggler_after_s_is_a_straggler_and_warn_keeps_it() -> None:
-    policy = replace(POLICY, on_straggler="warn", straggler_factor=1.5, straggler_after_s=3.0)  # not the default
-    job, memory, record = running_job("a", "b", "c", policy=policy)
-    _busy(job, 1, T0 + 1, a=0.030, b=0.031, c=0.050)  # 1.63x the others' median
-    decision, memory = decide(job.state(), policy, memory, T0 + 1)
-    assert decision == Wait("round healthy") and memory.slow_since == (("c", T0 + 1),) and memory.stragglers == ()
-    decision, memory = decide(job.state(), policy, memory, T0 + 4)
-    [slow] = memory.stragglers
-    assert (slow.node, slow.rank, slow.busy_s, slow.others_s) == ("c", 2, 0.050, 0.0305)
-    assert "c (rank 2): busy 0.050 s per step vs 0.030 s on the other nodes (1.64x) for 3.0 s" in slow.describe(T0 + 4)
-    assert decision == Wait("round healthy"), "warn: no new round"
-    _busy(job, 1, T0 + 5, a=0.030, b=0.031, c=0.040)  # 1.31x: a break ends the episode
-    _, memory = decide(job.state(), policy, memory, T0 + 5)
-    assert memory.slow_since == () and memory.stragglers == ()
-
-
-def test_with_fallback_degrees_a_round_takes_the_nodes_some_degree_can_use_and_runs_the_first_that_fits() -> None:
-    policy = Policy.of(min_nodes=1, max_nodes=4, nproc_per_node=1, recovery="restart", pipeline_degrees=(4, 2))
-    assert [policy.usable_nodes(n) for n in range(1, 6)] == [0, 2, 2, 4, 4]
-    assert [policy.pipeline_at(n) for n in (4, 2, 3)] == [4, 2, None]
-    assert [policy.stages_of(k, 2) for k in range(2)] == [{0}, {1}]  # at 2 nodes: the 2-stage layout
-    assert policy.layout_needs() == "a multiple of 4 or 2 ranks"
-
-
-def test_under_a_pipeline_members_are_compared_with_those_running_the_same_stages() -> None:
-    """pp=2 on four nodes of two workers: a and b run stage 0, c and d stage 1 (the head: more
-    work by design). Stage 1 being slower than stage 0 is no straggler; d slower than c is."""
-    policy = replace(POLICY, max_nodes=4, on_straggler="warn", straggler_after_s=0.0, pipeline_degrees=(2,))
-    job, memory, record = running_job("a", "b", "c", "d", policy=policy)
-    assert [policy.stages_of(k, 4) for k in range(4)] == [{0}, {0}, {1}, {1}]
-    _busy(job, 1, T0 + 1, a=0.030, b=0.031, c=0.060, d=0.061)
-    _, memory = decide(job.state(), policy, memory, T0 + 1)
-    assert memory.stragglers == ()
-    _busy(job, 1, T0 + 2, a=0.030, b=0.031, c=0.060, d=0.090)
-    _, memory = decide(job.state(), policy, memory, T0 + 2)
-    assert [(s.node, s.others_s) for s in memory.stragglers] == [("d", 0.060)]
-
-
-def test_noise_between_members_and_statuses_of_another_round_are_no_stragglers() -> None:
-    policy = replace(POLICY, on_straggler="evict", straggler_after_s=1.0)
-    job, memory, record = running_job("a", "b", policy=policy)
-    _busy(job, 1, T0 + 1, a=0.030, b=0.036)  # 1.2x, under the factor (1.25)
-    for now in (T0 + 1, T0 + 5):
-        decision, memory = decide(job.state(), policy, memory, now)
-    assert memory.stragglers == () and decision == Wait("round healthy")
-    _busy(job, 0, T0 + 6, a=0.030, b=0.090)  # written for an older round
-    decision, memory = decide(job.state(), policy, memory, T0 + 9)
-    assert memory.stragglers == () and decision == Wait("round healthy")
-
-
-def test_evict_forms_a_round_without_the_straggler_and_lets_it_join_again_after_rejoin_s() -> None:
-    policy = replace(POLICY, on_straggler="evict", straggler_after_s=2.0, straggler_rejoin_s=30.0, scale_up="immediate")
-    job, memory, record = running_job("a", "b", "c", policy=policy)
-    _busy(job, 1, T0 + 1, a=0.030, b=0.090, c=0.031)
-    _, memory = decide(job.state(), policy, memory, T0 + 1)
-    evicted, memory = form(job, memory, T0 + 3, policy)
-    assert evicted.reason == "straggler" and [m.node_id for m in evicted.members] == ["a", "c"]
-    assert evicted.excluded == {"b": T0 + 33} and "failure_times" not in evicted.restarts_by_cause
-    assert evicted.failure_times == [], "an eviction is not a failure: it spends no restart budget"
-    job.start(2, "a", "c")
-    for now in (T0 + 10, T0 + 32.9):  # b is live but kept out
-        decision, memory = decide(job.state(), policy, memory, now)
-        assert decision == Wait("round healthy"), decision
-    back, memory = form(job, memory, T0 + 33.1, policy)
-    assert back.reason == SCALE_UP and [m.node_id for m in back.members] == ["a", "b", "c"] and back.excluded == {}
-
-
-def test_evict_keeps_the_straggler_when_min_nodes_would_not_remain() -> None:
-    policy = replace(POLICY, on_straggler="evict", straggler_after_s=1.0)  # min_nodes = 2
-    job, memory, record = running_job("a", "b", policy=policy)
-    _busy(job, 1, T0 + 1, a=0.030, b=0.090)
-    _, memory = decide(job.state(), policy, memory, T0 + 1)
-    decision, memory = decide(job.state(), policy, memory, T0 + 3)
-    assert [s.node for s in memory.stragglers] == ["b"] and decision == Wait("round healthy")
