@@ -1,0 +1,129 @@
+"""Node-local files that the job writes and reads back later (the memory tier's
+``checkpoint.memory_dir``, the ``checkpoint.local_cache_dir``): a directory only this user can
+write, files opened without following links, reads of regular files only and never more bytes
+than asked for.
+
+Such directories sit where other local users may write too (``/dev/shm``, ``/tmp``) under names
+anyone can predict, so nothing found there is trusted:
+
+- :func:`private_dir` creates a directory ``0700`` (and any missing parents below an existing
+  one, also ``0700``), or accepts an existing one only if it is a real directory (not a link),
+  owned by this user and not writable by group or others, inside a parent that others cannot
+  rename it out of (not writable by them, or sticky, as ``/tmp`` and ``/dev/shm`` are).
+  Anything else is a :class:`UnsafeLocalDirError` that names the setting, the path and the fix.
+- :func:`create_new` opens a new file ``0600`` with ``O_CREAT | O_EXCL | O_NOFOLLOW``: a link or
+  a file planted under the name makes it fail instead of writing through it.
+- :func:`read_regular` reads at most ``limit_bytes + 1`` bytes of a regular file opened with
+  ``O_NOFOLLOW | O_NONBLOCK``: a link, FIFO, device or directory is an :class:`OSError`, never
+  a hang or an unbounded read.
+
+What must stay true: every path the job writes under these directories is created by the job
+itself, and every read is bounded by a size the caller already trusts (a manifest's).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from checkpoint.errors import CheckpointError
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class UnsafeLocalDirError(CheckpointError):
+    """A node-local directory the job would use can be written, or replaced, by someone else."""
+
+    def __init__(self, setting: str, path: Path, problem: str):
+        self.setting, self.path, self.problem = setting, path, problem
+        super().__init__(
+            f"{setting}: {path} {problem}; other local users could plant or read files there. Remove it "
+            f"(rm -rf {path}) to let this job create it (mode 0700), or choose another {setting}"
+        )
+
+
+def _problem(st: os.stat_result) -> str:
+    """Why a directory's own status makes it unsafe ("" if it is fine)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
+def _parent_problem(parent: Path) -> str:
+    """Why others could rename a directory out of ``parent`` and put theirs in ("" if not)."""
+    st = os.stat(parent)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"is inside {parent}, which group or others may write and which is not sticky"
+    return ""
+
+
+def private_dir(path: str | Path, setting: str) -> Path:
+    """``path`` as a directory only this user can write (see the module doc), created ``0700``
+    with its missing parents; :class:`UnsafeLocalDirError` if an existing one is not safe,
+    :class:`OSError` if it cannot be created."""
+    path = Path(os.path.abspath(os.path.expanduser(str(path))))
+    missing = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for new in reversed(missing):
+        try:
+            os.mkdir(new, 0o700)
+        except FileExistsError:
+            pass  # made meanwhile (another rank of this node): checked below like any existing one
+    st = os.lstat(path)
+    problem = _problem(st) or _parent_problem(path.parent)
+    if problem:
+        raise UnsafeLocalDirError(setting, path, problem)
+    if missing:
+        os.chmod(path, 0o700)  # checked above: a directory of ours, not a link
+    return path
+
+
+def create_new(path: str | Path) -> int:
+    """A file descriptor for writing a new file ``path`` (``0600``); FileExistsError if anything,
+    a link included, is there already."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+
+
+def open_regular(path: str | Path) -> int:
+    """A file descriptor for reading the regular file ``path``; OSError for a link, a FIFO, a
+    device, a directory or a missing file."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | Path, limit_bytes: int) -> bytes:
+    """At most ``limit_bytes + 1`` bytes of the regular file ``path`` (one more than the caller
+    expects shows that it is too long without reading all of it); OSError as :func:`open_regular`."""
+    fd = open_regular(path)
+    try:
+        chunks, left = [], limit_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 8 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["UnsafeLocalDirError", "create_new", "open_regular", "private_dir", "read_regular"]
