@@ -159,3 +159,16 @@ def agent_flags(settings: Mapping[str, Any]) -> tuple[str, ...]:
     :class:`AgentConfig` here, so a misspelt key or a bad value fails before any agent starts."""
     AgentConfig(**settings)
     return tuple(arg for key, value in settings.items() for arg in (option_name(key), str(value)))
+
+
+def settings_of_flags(flags: Sequence[str]) -> dict[str, Any]:
+    """The ``[agent]`` keys that ``ftrain agent`` options set (the inverse of :func:`agent_flags`;
+    a later option wins, options that are not keys are skipped), typed as the keys are."""
+    types = {option_name(f.name): (f.name, f.type) for f in dataclasses.fields(AgentConfig)}
+    cast = {"int": int, "float": float, "str": str}
+    settings: dict[str, Any] = {}
+    for option, value in zip(flags, flags[1:], strict=False):
+        if option in types:
+            key, kind = types[option]
+            settings[key] = cast[str(kind)](value)
+    return settings

@@ -272,6 +272,30 @@ def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Me
     return kept
 
 
+#: the longest a slowdown takes to show in the statuses the leader judges: an agent publishes its
+#: busiest rank's busy time per step every STATUS_INTERVAL_S (1 s), averaged over its last two
+#: statuses (:class:`agents.heartbeat.BusyWindow`), and the leader judges the next one it reads
+STRAGGLER_LAG_S = 3.0
+#: how far above ``straggler_factor`` a slowdown's nominal factor must be to be told for sure:
+#: part of a slow rank's lost time lands inside collectives, where it counts as waiting, not busy
+SLOWDOWN_MARGIN = 1.2
+
+
+def slowdown_flagged(factor: float, duration_s: float, policy: Policy) -> bool:
+    """Whether a member whose busy time per step is ``factor`` times its peers' for ``duration_s``
+    must be called a straggler (the rule that :func:`watch_stragglers` keeps and the chaos
+    invariants hold it to): judging is on, the slowdown is clearly over ``straggler_factor``
+    (:data:`SLOWDOWN_MARGIN`), and it lasts ``straggler_after_s`` after it can show
+    (:data:`STRAGGLER_LAG_S`). A shorter or milder one may be flagged, and need not be. It also
+    needs peers to compare with: members of the same round running the same stages, judged
+    (their agents' busy windows not reset by a new round or a warming spare)."""
+    return (
+        policy.on_straggler != "off"
+        and factor >= SLOWDOWN_MARGIN * policy.straggler_factor
+        and duration_s >= policy.straggler_after_s + STRAGGLER_LAG_S
+    )
+
+
 def watch_stragglers(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> LeaderMemory:
     """The memory with the current round's slow members and stragglers, from their status:
     each agent publishes its busiest rank's busy time per step (about every second); a member

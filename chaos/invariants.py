@@ -238,6 +238,14 @@ def _faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _detection_owed(f: dict[str, Any], rounds: list[float]) -> bool:
+    """Whether a fault that must be detected owes its detection: its record does not say it is
+    not owed (``detection_owed``: a slowdown the agents' rule does not flag, or one without a
+    judged peer), and no round was formed while it lasted (a new round starts the judging over)."""
+    end = f["time"] + float(f.get("duration_s", 0.0))
+    return bool(f.get("detection_owed", True)) and not any(f["time"] < t <= end for t in rounds)
+
+
 def faults_handled(events: list[dict[str, Any]]) -> Check:
     """Refusals that must have happened (:attr:`Outcome.REFUSED` kinds: a duplicate node id, a
     zombie commit, a commit paused past its round's end), and a new round after every fault that
@@ -251,7 +259,7 @@ def faults_handled(events: list[dict[str, Any]]) -> Check:
             bad.append(f"{f['kind']} #{i} was not refused: {f}")
         if fault.restarts and not any(t > f["time"] for t in rounds):
             bad.append(f"{f['kind']} #{i} at step {f.get('step')} was never followed by a new round")
-        if fault.must_be_detected:
+        if fault.must_be_detected and _detection_owed(f, rounds):
             until = f["time"] + float(f.get("duration_s", 0.0)) + DETECT_GRACE_S
             if not any(e["event"] in fault.detected_by and f["time"] <= e["time"] <= until for e in events):
                 bad.append(

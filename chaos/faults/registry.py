@@ -75,7 +75,9 @@ class Fault:
     #: the events that count as its detection
     detected_by: tuple[str, ...] = DETECTIONS
     #: one of ``detected_by`` must follow it, within its ``duration_s`` and DETECT_GRACE_S more
-    #: (a fault training rides out, like a slow worker, that the job must still notice)
+    #: (a fault training rides out, like a slow worker, that the job must still notice), unless
+    #: its record says ``detection_owed = false`` (the kind decides, from its parameters and the
+    #: job's settings, when the agents' rules do not call for it) or a round was formed meanwhile
     must_be_detected: bool = False
     #: ``FTRAIN_FAULT_*`` variables it arms in every worker from the start (a fault that must act
     #: inside a worker at a known point: see ``ftrain/faults.py``)

@@ -147,3 +147,16 @@ def test_only_a_kind_that_restarts_owns_the_round_after_it():
     assert pause["new_round"] is None and pause["recovery_s"] is None and pause["lost_steps"] is None
     assert (kill["detected_by"], kill["detection_s"]) == ("workers_exited", 0.5)
     assert (kill["new_round"], kill["resumed_step"], kill["recovery_s"], kill["lost_steps"]) == (3, 6, 3.0, 2)
+
+
+def test_a_slowdown_owes_its_detection_only_when_the_record_says_so_and_no_round_restarted_judging():
+    slow = {"kind": "worker_slow", "step": 30, "duration_s": 8.0}
+    owed = [_ev("chaos_fault", 10.0, **slow, detection_owed=True)]
+    check = faults_handled(owed)
+    assert not check.ok and "worker_slow #0 at step 30 was not detected (straggler_detected)" in check.detail
+    assert faults_handled([*owed, _ev("straggler_detected", 16.0, rank=-1)]).ok
+    assert not faults_handled([*owed, _ev("straggler_detected", 28.5, rank=-1)]).ok  # after 8 s + the grace
+    # the kind said the agents' rule does not flag it (a 3 s slowdown, say): riding it out is enough
+    assert faults_handled([_ev("chaos_fault", 10.0, **slow, detection_owed=False, why="too short")]).ok
+    # a round formed while it lasted starts the judging over: not owed either
+    assert faults_handled([*owed, _ev("round_formed", 12.0, rank=-1, new_round=3)]).ok

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agents.leader import Policy, Wait, decide
+from agents.agent import STATUS_INTERVAL_S
+from agents.config import agent_flags, settings_of_flags
+from agents.heartbeat import BusyWindow
+from agents.leader import SLOWDOWN_MARGIN, STRAGGLER_LAG_S, Policy, Wait, decide, slowdown_flagged
 from agents.records import SCALE_UP
 from tests.leader_support import POLICY, T0, busy, form, running_job
 
@@ -111,3 +114,26 @@ def test_evict_keeps_the_straggler_when_min_nodes_would_not_remain() -> None:
     _, memory = decide(job.state(), policy, memory, T0 + 1)
     decision, memory = decide(job.state(), policy, memory, T0 + 3)
     assert [s.node for s in memory.stragglers] == ["b"] and decision == Wait("round healthy")
+
+
+def test_the_slowdown_rule_flags_what_shows_above_the_factor_for_straggler_after_s() -> None:
+    """What a stop/continue slowdown of a given length and duty must trigger (the soak's
+    worker_slow is held to it): clearly over the factor, for straggler_after_s after it can show."""
+    # the lag is the agents' own cadence: two averaged statuses, and the one the leader reads next
+    assert STRAGGLER_LAG_S == (BusyWindow()._intervals + 1) * STATUS_INTERVAL_S
+    policy = replace(POLICY, on_straggler="warn", straggler_factor=1.25, straggler_after_s=3.0)
+    assert slowdown_flagged(2.0, 6.0, policy)  # stopped half the time for 6 s
+    assert not slowdown_flagged(2.0, 3.0, policy)  # the soak's old 3 s: over before it can count
+    assert not slowdown_flagged(1.25 * SLOWDOWN_MARGIN - 0.01, 60.0, policy)  # too close to the factor
+    assert not slowdown_flagged(2.0, 60.0, replace(policy, on_straggler="off"))
+
+
+def test_agent_flags_read_back_as_settings() -> None:
+    flags = agent_flags({"straggler_after_s": 1.5, "on_straggler": "evict", "spares": 2})
+    assert settings_of_flags([*flags, "--recovery", "live", "--unknown", "x"]) == {
+        "straggler_after_s": 1.5,
+        "on_straggler": "evict",
+        "spares": 2,
+        "recovery": "live",
+    }
+    assert settings_of_flags(["--straggler-after-s", "1", "--straggler-after-s", "2"]) == {"straggler_after_s": 2.0}

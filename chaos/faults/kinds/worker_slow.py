@@ -1,26 +1,82 @@
 """``worker_slow``: a live worker runs on a stop/continue duty cycle (``stop_s`` stopped,
 ``run_s`` running) for ``duration_s``; it is always continued at the end. Slow is not dead: the
-job rides it out, but the leader must flag the node as a straggler (``straggler_detected``;
-under ``agent.on_straggler = evict`` it also leaves it out for a while)."""
+job rides it out, and the leader must flag the node as a straggler (``straggler_detected``;
+under ``agent.on_straggler = evict`` it also leaves it out for a while) when the slowdown is one
+the agents' rule says they flag (:func:`agents.leader.slowdown_flagged`: its nominal factor
+``(stop_s + run_s) / run_s`` and its length, against the job's straggler settings), and the
+node had peers the leader was judging it against when it began. The fault's record says which
+(``detection_owed``, and ``why`` not); ``chaos.invariants.faults_handled`` holds the job to it.
+"""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from typing import Any
 
+from agents.config import settings_of_flags
+from agents.etcd import EtcdClient
+from agents.leader import Policy, slowdown_flagged
+from agents.records import JobKeys
 from chaos.faults.registry import FAULTS, Fault, Outcome
 from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, send_signal
+from chaos.faults.targets import current_round, pick_worker, running_nodes, send_signal
 from contract.events import Event
 from ftrain.heartbeat import process_gone
+from testbed.wait import WaitTimeout, wait_for
+
+#: how long the fault waits for the leader to be judging the target against a peer
+JUDGED_WAIT_S = 30.0
+
+
+def _judged(ctx: Context, node: str) -> bool:
+    """Whether ``node`` and a peer in the current round publish a busy time the leader compares
+    (their agents' windows hold judged beats: not reset by a new round or a warming spare)."""
+    g = current_round(ctx)
+    keys = JobKeys(ctx.cluster.job)
+    judged = []
+    with EtcdClient(ctx.cluster.etcd_endpoints, timeout_s=2.0, retry_timeout_s=5.0) as client:
+        for n in running_nodes(ctx):
+            kv = client.get(keys.status(n))
+            try:
+                status = json.loads(kv.value) if kv is not None else {}
+            except ValueError:
+                continue
+            if status.get("round") == g and status.get("state") == "running" and status.get("busy_s", 0) > 0:
+                judged.append(n)
+    return node in judged and len(judged) >= 2
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     node, pid = pick_worker(ctx, spec.node)
     duration_s = float(spec.params.get("duration_s", 5.0))
     stop_s, run_s = float(spec.params.get("stop_s", 0.1)), float(spec.params.get("run_s", 0.2))
-    record = ctx.emit(spec.kind, node=node, pid=pid, duration_s=duration_s, step=ctx.cluster.step())
+    factor = (stop_s + run_s) / run_s
+    policy = Policy.of(**settings_of_flags(ctx.cluster.agent_options))
+    why = ""
+    if not slowdown_flagged(factor, duration_s, policy):
+        why = (
+            f"a {factor:.2f}x slowdown for {duration_s:g} s is not one the agents must flag "
+            f"(agent.straggler_factor {policy.straggler_factor:g}, straggler_after_s {policy.straggler_after_s:g}, "
+            f"on_straggler {policy.on_straggler})"
+        )
+    else:
+        try:
+            wait_for(lambda: ctx.stop() or _judged(ctx, node), JUDGED_WAIT_S, f"node {node} judged", poll_s=0.2)
+        except WaitTimeout:
+            why = f"node {node} had no judged peer in round {current_round(ctx)} when the slowdown began"
+    record = ctx.emit(
+        spec.kind,
+        node=node,
+        pid=pid,
+        duration_s=duration_s,
+        stop_s=stop_s,
+        run_s=run_s,
+        step=ctx.cluster.step(),
+        detection_owed=not why,
+        **({"why": why} if why else {}),
+    )
     end = time.monotonic() + duration_s
     try:
         while time.monotonic() < end and not process_gone(pid):
