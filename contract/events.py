@@ -40,6 +40,7 @@ class Event(StrEnum):
     CKPT_FAILURES_EXCEEDED = "ckpt_failures_exceeded"
     LIVE_ROUND_LEFT = "live_round_left"  #: a live worker left its round (a peer failed, or a newer round)
     LIVE_RESTORED = "live_restored"  #: a live worker joined a round and has its state (from where, how fast)
+    LIVE_PEER_REFUSED = "live_peer_refused"  #: a peer's state was refused (header, step, digest): storage instead
     MEMORY_SNAPSHOT = "memory_snapshot"  #: a rank's shards (and its buddy's) are in the memory tier
     MEMORY_REFUSED = "memory_refused"  #: the memory tier could not give a round its state: storage instead
     MEMORY_RESTORED = "memory_restored"  #: restarted workers resumed from the memory tier kept in checkpoint.memory_dir
@@ -148,6 +149,15 @@ class LiveRestored(Record):
     join_s: float  #: the round's process group: store and connections to every peer
     build_s: float  #: the trainer at the round's layout: model, strategy wrap, optimizer, checkpointing
     state_s: float  #: agreement on the step, and the state from a peer or storage
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class LivePeerRefused(Record):
+    EVENT = Event.LIVE_PEER_REFUSED
+    from_rank: int  #: the rank that sent (or was to send) the state
+    step: int  #: the step the survey announced
+    problem: str  #: what this rank, or another, refused
 
 
 @_record
