@@ -44,6 +44,7 @@ class Event(StrEnum):
     MEMORY_SNAPSHOT = "memory_snapshot"  #: a rank's shards (and its buddy's) are in the memory tier
     MEMORY_REFUSED = "memory_refused"  #: the memory tier could not give a round its state: storage instead
     MEMORY_RESTORED = "memory_restored"  #: restarted workers resumed from the memory tier kept in checkpoint.memory_dir
+    MEMORY_SKIPPED = "memory_skipped"  #: a memory-tier directory of checkpoint.memory_dir not used (another run's, unsafe, unreadable)
     FLIGHT_RECORDED = "flight_recorded"  #: a failing worker's own flight record (its last collectives)
     # the checkpoint service (in the workers)
     CKPT_STAGED = "ckpt_staged"
@@ -190,6 +191,18 @@ class MemoryRestored(Record):
 class MemoryRefused(Record):
     EVENT = Event.MEMORY_REFUSED
     step: int  #: the snapshot that could not be used (-1: none was complete)
+    why: str
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class MemorySkipped(Record):
+    """Something in ``checkpoint.memory_dir`` this worker did not use: a snapshot of another run
+    (other run id, config or checkpoint root), one that cannot be read, or a tier directory that
+    is not safe (the on-disk tier is then off)."""
+
+    EVENT = Event.MEMORY_SKIPPED
+    path: str
     why: str
 
 
