@@ -44,7 +44,7 @@ class Event(StrEnum):
     MEMORY_SNAPSHOT = "memory_snapshot"  #: a rank's shards (and its buddy's) are in the memory tier
     MEMORY_REFUSED = "memory_refused"  #: the memory tier could not give a round its state: storage instead
     MEMORY_RESTORED = "memory_restored"  #: restarted workers resumed from the memory tier kept in checkpoint.memory_dir
-    MEMORY_SKIPPED = "memory_skipped"  #: a memory-tier directory of checkpoint.memory_dir not used (another run's, unsafe, unreadable)
+    MEMORY_SKIPPED = "memory_skipped"  #: something in checkpoint.memory_dir not used (another run, unsafe, unreadable)
     FLIGHT_RECORDED = "flight_recorded"  #: a failing worker's own flight record (its last collectives)
     # the checkpoint service (in the workers)
     CKPT_STAGED = "ckpt_staged"
