@@ -57,6 +57,7 @@ class Event(StrEnum):
     CKPT_GC = "ckpt_gc"
     # a node agent (rank -1)
     AGENT_REGISTERED = "agent_registered"
+    NODE_HOST = "node_host"  #: where a node's agent runs (its address, host name): reports name the host
     AGENT_METRICS = "agent_metrics"
     AGENT_EXIT = "agent_exit"
     LEASE_LOST = "lease_lost"
@@ -342,6 +343,15 @@ class AgentRegistered(Record):
     node: str
     agent: str  #: this agent process's uid
     first: bool
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class NodeHost(Record):
+    EVENT = Event.NODE_HOST
+    node: str
+    host: str  #: the address the other nodes reach it at (``ftrain agent --host``)
+    hostname: str  #: the machine's host name
 
 
 @_record
