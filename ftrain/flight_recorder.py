@@ -35,8 +35,27 @@ log = logging.getLogger(__name__)
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  #: torch reads the first one set
 MAX_REQUEST_BYTES = 256
+EXACT_AFTER_S = 1.0  #: a collective in flight this long is looked up in the buffer (see oldest_in_flight)
 
 _world_since_ns = 0  #: when this process last joined a world: older entries belong to an earlier one
+
+
+class _InFlight:
+    """What :func:`oldest_in_flight` learnt about one group's oldest unfinished collective."""
+
+    __slots__ = ("collective", "exact", "seen_at_s", "status")
+
+    def __init__(self, status: tuple[int, int], collective: Collective | None):
+        self.status = status  #: (last completed, last enqueued) sequence numbers when learnt
+        self.collective = collective  #: None: the buffer holds no unfinished collective of this world there
+        self.exact = False  #: read from the buffer (else: estimated from the group's status)
+        self.seen_at_s = time.monotonic()
+
+
+_in_flight: dict[str, _InFlight] = {}  #: torch's backend id of a group -> its oldest unfinished collective
+_group_names: dict[str, str] = {}  #: backend id -> group name, as the buffer showed them in this world
+_old_backends: set[str] = set()  #: backend ids of earlier worlds (torch keeps their status for good)
+_in_flight_lock = threading.Lock()
 
 
 def enable(entries: int) -> None:
@@ -50,34 +69,17 @@ def new_world() -> None:
     """This process is about to join a (new) default process group."""
     global _world_since_ns
     _world_since_ns = time.time_ns()
+    with _in_flight_lock:
+        _in_flight.clear()
+        _group_names.clear()
+        _old_backends.update(_read_pg_status() or {})
 
 
 def snapshot(rank: int, *, nonce: str = "") -> FlightRecord:
     """This rank's collectives of the current world, oldest first."""
     raw = _torch_dump()
     groups = _groups()
-    entries = []
-    for e in (raw or {}).get("entries", []):
-        if e.get("is_p2p") or int(e.get("time_created_ns", 0)) < _world_since_ns:
-            continue
-        name = str((e.get("process_group") or ["?"])[0])
-        if groups and name not in groups:
-            continue
-        state = str(e.get("state", "scheduled"))
-        entries.append(
-            Collective(
-                seq=int(e.get("collective_seq_id", 0)),
-                group=name,
-                op=str(e.get("profiling_name", "?")),
-                sizes=[[int(d) for d in s] for s in e.get("input_sizes", [])],
-                dtypes=[str(d) for d in e.get("input_dtypes", [])],
-                state=state if state in STATES else "scheduled",
-                done=bool(e.get("retired", False)) or state == "completed",
-                enqueued_s=int(e.get("time_created_ns", 0)) / 1e9,
-                started_s=int(e.get("time_discovered_started_ns", 0) or 0) / 1e9,
-                ended_s=int(e.get("time_discovered_completed_ns", 0) or 0) / 1e9,
-            )
-        )
+    entries = [_collective(e) for e in (raw or {}).get("entries", []) if _of_this_world(e, groups)]
     return FlightRecord(
         rank=rank,
         pid=os.getpid(),
@@ -89,16 +91,128 @@ def snapshot(rank: int, *, nonce: str = "") -> FlightRecord:
     )
 
 
-def _torch_dump() -> dict[str, Any] | None:
+def _of_this_world(entry: dict[str, Any], groups: dict[str, list[int]]) -> bool:
+    """A collective (not p2p) of a group of the current world (see the module doc)."""
+    if entry.get("is_p2p") or int(entry.get("time_created_ns", 0)) < _world_since_ns:
+        return False
+    return not groups or _group_name(entry) in groups
+
+
+def _group_name(entry: dict[str, Any]) -> str:
+    return str((entry.get("process_group") or ["?"])[0])
+
+
+def _collective(entry: dict[str, Any]) -> Collective:
+    state = str(entry.get("state", "scheduled"))
+    return Collective(
+        seq=int(entry.get("collective_seq_id", 0)),
+        group=_group_name(entry),
+        op=str(entry.get("profiling_name", "?")),
+        sizes=[[int(d) for d in s] for s in entry.get("input_sizes", [])],
+        dtypes=[str(d) for d in entry.get("input_dtypes", [])],
+        state=state if state in STATES else "scheduled",
+        done=bool(entry.get("retired", False)) or state == "completed",
+        enqueued_s=int(entry.get("time_created_ns", 0)) / 1e9,
+        started_s=int(entry.get("time_discovered_started_ns", 0) or 0) / 1e9,
+        ended_s=int(entry.get("time_discovered_completed_ns", 0) or 0) / 1e9,
+    )
+
+
+def oldest_in_flight() -> Collective | None:
+    """The oldest collective of the current world that has not completed (None: nothing is in
+    flight, or recording is off); cheap enough to call every second while training runs.
+
+    The buffer is not read on each call: under gloo torch never marks an entry completed, so
+    even ``_dump_fr_trace_json(True, True)`` ("only active") serialises every entry (60-90 ms
+    at 2,000 entries here). A call reads only the groups' status (last enqueued and last
+    completed sequence numbers, keyed by torch's backend id, which never repeats in a process;
+    the ids that existed when this process last called :func:`new_world` are an earlier
+    world's, and skipped). A group whose last completed trails its last enqueued has the next
+    one in flight (numbers start at 1; a new group's last completed is -1). When such a
+    collective is first seen, its ``enqueued_s`` is the time of that sighting (later than the
+    truth by at most the time between calls, never earlier), its ``op`` is empty and its
+    ``group`` is the name if known ("" before the first look). Once it has stayed in flight for
+    :data:`EXACT_AFTER_S`, the buffer is read once, with :func:`snapshot`'s filters, for the
+    entry itself (op, sizes, group, the real enqueue time), kept until the group's status
+    moves. A dump is thus paid only by collectives that last over :data:`EXACT_AFTER_S`, at
+    most one per group per :data:`EXACT_AFTER_S`. torch marks a group's status completed a
+    moment after ``wait()`` returns: a call just then may still see that collective.
+    """
+    status = _read_pg_status() if _recording() and dist.is_initialized() else None
+    if status is None:
+        return None
+    found: list[Collective] = []
+    with _in_flight_lock:
+        for backend in [b for b in _in_flight if b not in status]:
+            del _in_flight[backend]
+        for backend, (completed, enqueued) in status.items():
+            if backend in _old_backends or enqueued <= completed:
+                _in_flight.pop(backend, None)
+                continue
+            known = _in_flight.get(backend)
+            if (
+                known is None
+                or known.status[0] != completed
+                or (known.collective is None and known.status[1] != enqueued)
+            ):
+                # a new oldest collective (or news behind one the buffer did not hold): a sighting
+                name = _group_names.get(backend, "")
+                sighted = Collective(max(completed, 0) + 1, name, "", enqueued_s=time.time())
+                known = _in_flight[backend] = _InFlight((completed, enqueued), sighted)
+            known.status = (completed, enqueued)
+            if not known.exact and time.monotonic() - known.seen_at_s >= EXACT_AFTER_S:
+                known.collective = _oldest_unfinished(backend)
+                known.exact = True
+            if known.collective is not None:
+                found.append(known.collective)
+    return min(found, key=lambda c: c.enqueued_s, default=None)
+
+
+def _read_pg_status() -> dict[str, tuple[int, int]] | None:
+    """torch's backend id of each group -> (last completed, last enqueued) collective sequence
+    numbers (None: none to read)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # noqa: PLC0415
+
+        raw = json.loads(_dump_fr_trace_json(False, True)).get("pg_status", {})
+        return {
+            str(backend): (int(s.get("last_completed_collective", -1)), int(s.get("last_enqueued_collective", -1)))
+            for backend, s in raw.items()
+        }
+    except (ImportError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+        log.debug("no process group status from the flight recorder: %s", e)
+        return None
+
+
+def _oldest_unfinished(backend: str) -> Collective | None:
+    """The oldest entry of the group with torch's backend id ``backend`` in the buffer that has
+    not completed (caller holds the lock); learns the names of this world's groups on the way."""
+    groups = _groups()
+    oldest = None
+    for entry in (_torch_dump(only_active=True) or {}).get("entries", []):
+        if not _of_this_world(entry, groups):
+            continue
+        _group_names[str(entry.get("pg_id"))] = _group_name(entry)
+        if oldest is None and str(entry.get("pg_id")) == backend:
+            collective = _collective(entry)
+            oldest = None if collective.done else collective
+    return oldest
+
+
+def _recording() -> bool:
+    return any(os.environ.get(name, "0") not in ("", "0") for name in BUFFER_ENV)
+
+
+def _torch_dump(*, only_active: bool = False) -> dict[str, Any] | None:
     """torch's flight recorder buffer (None: this torch or backend keeps none)."""
-    if not any(os.environ.get(name, "0") not in ("", "0") for name in BUFFER_ENV):
+    if not _recording():
         return None
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # noqa: PLC0415
     except ImportError:
         return None
     try:
-        dumped: dict[str, Any] = json.loads(_dump_fr_trace_json(True, False))
+        dumped: dict[str, Any] = json.loads(_dump_fr_trace_json(True, only_active))
     except (RuntimeError, ValueError) as e:
         log.warning("the flight recorder could not be read: %s", e)
         return None
