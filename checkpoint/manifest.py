@@ -10,7 +10,8 @@ parsed object. Format 2 (written now) signs ``HMAC-SHA256(key, b"ftrain-manifest
 canonical JSON of every field except "hmac")``. Every field is covered, so a signature binds:
 
 - the **job** (``job``): a signed step copied from another job's root is refused by a reader of
-  this job (:func:`checkpoint.catalog.read_manifest` compares it with the reader's job);
+  this job (:func:`checkpoint.catalog.read_manifest` compares it with the reader's job); and the
+  **run** (``run_id``, only in memory-tier snapshots, absent when empty);
 - the **step** (``step``, which must equal the directory's step) and the **writer** (``round``,
   ``world_size``, ``layout``, ``config_hash``, ``created_time``): a manifest cannot be moved to
   another step directory or passed off as another round's commit;
@@ -272,6 +273,10 @@ class Manifest:
     HMAC key: the worker refuses to start). Always "" in a format-1 manifest."""
     format: int = FORMAT_VERSION
     """Manifest format version."""
+    run_id: str = ""
+    """The run that wrote it: memory-tier snapshots carry it (:mod:`ftrain.tier_binding`), so that a
+    snapshot left by another run of the same job is never resumed; "" in checkpoints (they are
+    resumed across runs on purpose) and then left out of the JSON."""
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -284,6 +289,9 @@ class Manifest:
         why = job_problem(self.job)
         if why is not None:
             return f"manifest field 'job' {why}"
+        why = job_problem(self.run_id)
+        if why is not None:
+            return f"manifest field 'run_id' {why}"
         if self.format == 1 and self.job:
             return "a format-1 manifest has no 'job' field"
         if self.step < 0:
@@ -326,6 +334,8 @@ class Manifest:
         """Plain JSON-able dict of every field (no HMAC); a file without block digests is
         written as before they existed."""
         obj = asdict(self)
+        if not obj["run_id"]:
+            del obj["run_id"]
         for entry in obj["files"].values():
             if not entry["block_bytes"]:
                 del entry["block_bytes"], entry["blocks_file"]
@@ -390,6 +400,7 @@ class Manifest:
             created_time=float(get("created_time", (int, float), "a number")),
             job=job,
             format=fmt,
+            run_id=get("run_id", str, "a string") if "run_id" in obj else "",
         )
 
 

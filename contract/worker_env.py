@@ -31,6 +31,11 @@ AGENT_PID = "FTRAIN_AGENT_PID"
 STACK_DIR = "FTRAIN_STACK_DIR"
 ETCD_CLIENT_FILE = "FTRAIN_ETCD_CLIENT_FILE"
 CONTROL = "FTRAIN_CONTROL"
+RUN_ID = "FTRAIN_RUN_ID"
+"""This launch of the job (a run id), where the launcher knows one: the memory tier binds its
+snapshots in ``checkpoint.memory_dir`` to it, so that a later run of the same job never resumes
+from them. It must change when the job is started anew and stay the same while the job restarts
+its workers. Without it a worker uses what its launcher tells it (:mod:`ftrain.tier_binding`)."""
 
 ETCD_PASSWORD = "FTRAIN_ETCD_PASSWORD"
 """The etcd password of ``ftrain agent``/``status``/torchrun's ``etcd-v3`` (never a command line).
@@ -39,6 +44,8 @@ NOT_INHERITED = (ETCD_PASSWORD, ETCD_CLIENT_FILE)
 
 #: the largest round accepted (an etcd-revision-sized counter fits easily)
 MAX_ROUND = 2**62
+#: the longest run id accepted (a manifest records it)
+MAX_RUN_ID_CHARS = 200
 
 
 class WorkerEnvError(ConfigError):
@@ -58,6 +65,15 @@ def _natural(environ: Mapping[str, str], name: str, high: int) -> int:
     return int(raw)
 
 
+def _printable(environ: Mapping[str, str], name: str, longest: int) -> str:
+    raw = environ.get(name, "")
+    if len(raw) > longest or not raw.isprintable() or raw != raw.strip():
+        raise WorkerEnvError(
+            name, f"must be at most {longest} printable characters without surrounding blanks, got {raw[:40]!r}"
+        )
+    return raw
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerEnv:
     job: str = ""  #: the job id (manifests record it; signed ones are bound to it)
@@ -71,6 +87,7 @@ class WorkerEnv:
     stack_dir: str = ""  #: where SIGUSR1 makes the worker write its threads' stacks
     etcd_client_file: str = ""  #: 0600 JSON file with the etcd credentials and TLS files
     control: str = ""  #: a live worker's control file (:mod:`contract.control`); empty under torchrun
+    run_id: str = ""  #: this launch of the job (:data:`RUN_ID`); empty: the worker derives one
 
     def to_env(self) -> dict[str, str]:
         """The variables to export (only those with a value)."""
@@ -86,6 +103,7 @@ class WorkerEnv:
             STACK_DIR: self.stack_dir,
             ETCD_CLIENT_FILE: self.etcd_client_file,
             CONTROL: self.control,
+            RUN_ID: self.run_id,
         }
         return {k: v for k, v in values.items() if v}
 
@@ -105,6 +123,7 @@ class WorkerEnv:
             stack_dir=env.get(STACK_DIR, ""),
             etcd_client_file=env.get(ETCD_CLIENT_FILE, ""),
             control=env.get(CONTROL, ""),
+            run_id=_printable(env, RUN_ID, MAX_RUN_ID_CHARS),
         )
 
 

@@ -350,6 +350,27 @@ class EtcdRoundFence:
                 out[parsed[0]] = parsed[1]
         return out
 
+    def incarnation(self) -> str:
+        """Which life of the job this is: ``etcd-<cluster id>-<create revision of the round key>``.
+        The round key is created with the job's first round and kept, its value moved on, for
+        every later round, so this stays the same across the job's rounds and restarts and
+        changes when the job is started anew (its keys deleted and created again, or another
+        etcd cluster). CheckpointError when etcd cannot say (unreachable, no such key, a reply
+        without those numbers)."""
+        answer, errors = self._request("/v3/kv/range", {"key": _b64(self.key)})
+        if answer is None:
+            raise CheckpointError(f"cannot read the round key {self.key}: {'; '.join(errors)}")
+        header = answer.get("header")
+        kvs = answer.get("kvs")
+        cluster = header.get("cluster_id") if isinstance(header, dict) else None
+        created = kvs[0].get("create_revision") if isinstance(kvs, list) and kvs and isinstance(kvs[0], dict) else None
+        if not _is_natural(cluster) or not _is_natural(created):
+            raise CheckpointError(
+                f"the round key {self.key} gave no cluster id and create revision "
+                f"(cluster_id={str(cluster)[:40]!r}, create_revision={str(created)[:40]!r})"
+            )
+        return f"etcd-{int(str(cluster))}-{int(str(created))}"
+
     def forget(self, steps: list[int]) -> None:
         """Delete the commit records of ``steps`` (retention removed them); best effort."""
         if not self.commits_key:
@@ -361,6 +382,12 @@ class EtcdRoundFence:
 
     def _record_key(self, step: int) -> str:
         return f"{self.commits_key}{step:012d}"
+
+
+def _is_natural(value: Any) -> bool:
+    """A positive integer as etcd's JSON gateway writes int64 fields (a decimal string) or a number."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    return text.isdigit() and len(text) <= 20 and int(text) > 0
 
 
 def _parse_record(prefix: str, kv: Any) -> tuple[int, str] | None:

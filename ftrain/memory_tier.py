@@ -2,17 +2,18 @@
 buddy's on another node — so that a round that lost ranks of a sharded strategy (fsdp, zero2, tp,
 hsdp: no rank holds everything) heals from peers' memory instead of object storage.
 
-**Snapshot** (:meth:`MemoryTier.maybe_snapshot`, every ``checkpoint.memory_interval`` steps, at
-a step boundary). The training thread stages this rank's state (model and optimizer shards,
-RNG; DCP's stager) into host memory — the only part it waits for. A background thread writes
-the staged state in DCP's format into this process's memory (the checkpoint writer on a private
-``memory://`` root: every file digested, a manifest as for a checkpoint, signed when the job has
-a key), then exchanges over the tier's own gloo group: rank 0 gives every rank the manifest and
-``.metadata``; each rank sends its shard files to its buddy — ``local_world_size`` ranks ahead,
-on the next node (any other rank on a single node) — and checks the digests of what it gets. A
-rank keeps its newest snapshot and the one before it (a round that ends during an exchange can
-leave ranks one snapshot apart); the older one is dropped once every rank finished the newer.
-Nothing here is unpickled: bytes travel as uint8 tensors, names as JSON.
+**Snapshot** (:meth:`MemoryTier.maybe_snapshot`, at a step boundary, when
+:mod:`ftrain.tier_schedule` says so: every rank of the round at the same steps). The training
+thread stages this rank's state (model and optimizer shards, RNG; DCP's stager) into host memory
+— the only part it waits for. A background thread writes the staged state in DCP's format into
+this process's memory (the checkpoint writer on a private ``memory://`` root: every file
+digested, a manifest as for a checkpoint, signed when the job has a key, bound to this run:
+:mod:`ftrain.tier_binding`), then exchanges over the tier's own gloo group: rank 0 gives every
+rank the manifest and ``.metadata``; each rank sends its shard files to its buddy —
+``local_world_size`` ranks ahead, on the next node (any other rank on a single node) — and checks
+the digests of what it gets. A rank keeps its newest snapshot and the one before it (a round that
+ends during an exchange can leave ranks one snapshot apart); the older one is dropped once every
+rank kept the newer. Nothing here is unpickled: bytes travel as uint8 tensors, names as JSON.
 
 **Restore** (:meth:`MemoryTier.restore`, collective, when a round starts without a full replica).
 The ranks gather which snapshots and files each holds; :func:`choose` picks the newest step whose
@@ -20,23 +21,36 @@ every file some live rank holds, if it is at least as new as the newest committe
 Each rank plans the files its DCP load needs (any world size and strategy: DCP reshards),
 receives those it lacks from their holders, checks every digest against the manifest, and only
 then DCP copies tensors out of the verified bytes (``.metadata`` through the allow-list
-unpickler, as for storage). Anything missing, damaged or disagreeing gives every rank ``None``
-(and a ``memory_refused`` event): the caller loads from storage. Object storage stays the durable
-tier: a rank lost together with its buddy, or every worker, takes the memory copies with it.
+unpickler, as for storage, and only once its digest matched). Anything missing, damaged,
+unreadable, of another run or disagreeing gives every rank ``None`` (and a ``memory_refused``
+event naming it): the caller loads from storage. Object storage stays the durable tier: a rank
+lost together with its buddy, or every worker, takes the memory copies with it.
+
+**Collective agreement** (what must stay true). A rank never leaves a collective sequence of the
+tier alone: whatever can fail on one rank (staging, reading a file of ``memory_dir``, a digest, a
+manifest it cannot verify, a file it cannot keep) is found before the next exchange and told to
+every rank in the all-gather or all-reduce that precedes it, and then every rank gives up
+together. Snapshots start at the same steps on every rank (:mod:`ftrain.tier_schedule`: the
+schedule is reset when a round starts, and changes only from figures the ranks agreed on); after a
+snapshot that failed on any rank (the ranks tell each other on the training group as the next one
+starts), the tier's group is made anew, so one broken exchange does not fail every later one.
 
 **Across restarts** (``checkpoint.memory_dir``, a tmpfs such as ``/dev/shm``; restart recovery,
 ``ftrain train``): every complete snapshot is kept in that node-local directory rather than in
-the process (:mod:`ftrain.tier_store`), so it outlives the worker. A restarted worker offers what
-its node's directory holds to its first restore, which checks it exactly as above, before
-anything is loaded from storage (:meth:`ftrain.train.Trainer.run`). Live workers keep their
-snapshots in their processes (they survive a round change there).
+the process (:mod:`ftrain.tier_store`: a ``0700`` directory of this user's, files ``0600``), so
+it outlives the worker. A restarted worker offers what its node's directory holds of *this run*
+(:mod:`ftrain.tier_binding`: run id, config hash, checkpoint root; another run's snapshots are
+skipped and named in a ``memory_skipped`` event) to its first restore, which checks it exactly as
+above, before anything is loaded from storage (:meth:`ftrain.train.Trainer.run`). An unsafe
+directory, or a run id no rank knows, leaves the worker without the on-disk tier (said once, with
+the fix); training goes on. Live workers keep their snapshots in their processes (they survive a
+round change there).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -53,23 +67,34 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
 from checkpoint.dcp_write import DigestingWriter
-from checkpoint.digest import new_hasher
 from checkpoint.errors import CheckpointError, ManifestError
+from checkpoint.local_files import UnsafeLocalDirError
 from checkpoint.manager import new_stager
 from checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.storage import StorageOptions
 from contract import events as ev
+from contract.config import ConfigError
 from contract.worker_env import WorkerEnv
 from ftrain.checkpointing import apply_loaded, current_round, load_target, manifest_fields, training_state
 from ftrain.config import Config, worker_job_id
 from ftrain.faults import maybe_damage_memory_copy
-from ftrain.tier_store import Snapshot, TierStore
+from ftrain.tier_binding import NO_RUN_ID_FIX, Binding, agree_run_id, binding_of, binding_problem, resolve_run_id
+from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval
+from ftrain.tier_store import DirFiles, Snapshot, TierStore
+from ftrain.tier_wire import (
+    all_gather_json,
+    any_rank,
+    as_tensor,
+    broadcast_bytes,
+    concat,
+    matches,
+    max_over,
+    split,
+)
 
 log = logging.getLogger(__name__)
 
-#: with ``checkpoint.memory_interval = -1``: the share of training time a snapshot may block
-AUTO_BLOCKED_SHARE = 0.02
 #: snapshots a rank keeps (the newest, and the one before while the newest may be incomplete)
 KEPT = 2
 
@@ -82,6 +107,19 @@ class Choice:
     key: str
     manifest_from: int
     sources: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """How this rank's last snapshot of the round ended: ``ok`` only when every rank kept it
+    (the tier's closing all-reduce said so), with the figures they agreed on."""
+
+    ok: bool
+    figures: Figures | None = None
+
+
+class _Refused(Exception):  # noqa: N818 - every rank gives up the same snapshot or restore
+    """Some rank found a problem; every rank learnt it in the same collective."""
 
 
 def choose(holdings: list[list[dict[str, Any]]], committed_step: int) -> Choice | None:
@@ -108,20 +146,29 @@ def choose(holdings: list[list[dict[str, Any]]], committed_step: int) -> Choice 
     return None
 
 
+def _problems(rows: list[Any]) -> list[str]:
+    """``rank r: problem`` for every rank's non-empty problem (``rows``: by rank)."""
+    return [f"rank {r}: {p}" for r, p in enumerate(rows) if p]
+
+
 class MemoryTier:
     """One worker's memory tier, across the rounds it serves: a live worker's (:mod:`ftrain.live`
     owns it), or, with ``checkpoint.memory_dir``, a restarted one's (:func:`ftrain.train.train`)."""
 
     def __init__(self, cfg: Config, memory_dir: str = ""):
-        """``memory_dir``: keep complete snapshots there, and offer what the node kept there to the
-        first restore (``checkpoint.memory_dir``, for restarted workers); empty: in this process."""
+        """``memory_dir``: keep complete snapshots there, and offer what the node kept there of
+        this run to the first restore (``checkpoint.memory_dir``, for restarted workers); empty:
+        in this process."""
         self.cfg = cfg
         self.memory_dir = memory_dir
         self.setting = cfg.checkpoint.memory_interval
-        self.interval = max(1, self.setting)
+        self.interval = base_interval(self.setting)
         self.algorithm = cfg.checkpoint.digest
         self.hmac_key = hmac_key_from_env(cfg.checkpoint.hmac_key_env)
         self.job = worker_job_id(cfg)
+        #: what this process's snapshots are bound to; its run id is learnt with memory_dir only
+        #: (live workers' snapshots never leave their process)
+        self.binding = binding_of(json.loads(json.dumps(cfg.to_dict(), default=str)), cfg.digest(), "")
         self.snapshots: list[Snapshot] = []  #: oldest first, at most KEPT
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -129,8 +176,11 @@ class MemoryTier:
         self._stager: Any = None
         self._root = f"memory://ftrain-tier-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._store: TierStore | None = None  #: checkpoint.memory_dir: snapshots kept there
+        self._store_opened = False  #: the first round settled whether there is one
+        self.off_why = ""  #: why this process's tier does nothing (every rank of its round agreed)
         self.rank = self.world = self.local_world = 0
-        self._next_step = self.interval  #: the step of the next snapshot (the same on every rank)
+        self._next_step = 0  #: the step of the next snapshot (the same on every rank)
+        self._outcome: _Outcome | None = None  #: the round's last snapshot on this rank (None: none yet)
         self._staged = threading.Event()  #: the snapshot in the background has copied the state
         self._staged.set()
 
@@ -138,27 +188,86 @@ class MemoryTier:
     def enabled(self) -> bool:
         return self.setting != 0
 
+    @property
+    def active(self) -> bool:
+        """Taking part in this round (the same on every rank of it)."""
+        return self.enabled and self._group is not None and not self.off_why
+
     # -- rounds -------------------------------------------------------------------------
-    def join_round(self, rank: int, world: int, local_world: int, device_type: str) -> None:
-        """Collective (every rank, while building its trainer): the round's own gloo group."""
+    def join_round(self, rank: int, world: int, local_world: int, device_type: str, events: Any = None) -> None:
+        """Collective (every rank, while building its trainer): the round's own gloo group, a
+        fresh schedule (:mod:`ftrain.tier_schedule`), and in a new process with
+        ``checkpoint.memory_dir``, the node's directory (:meth:`_open_store`)."""
         self.rank, self.world, self.local_world = rank, world, local_world
-        if self.memory_dir and self._store is None:
-            node, local_rank = WorkerEnv.from_env().node, int(os.environ.get("LOCAL_RANK", "0"))
-            self._store = TierStore(self.memory_dir, self.job, node, local_rank)
-            if not self.snapshots:  # a new process: offer what the node kept to this round's restore
-                self.snapshots = self._store.discover(self.hmac_key, self.job)[-KEPT:]
-                if self.snapshots:
-                    log.info(
-                        "memory tier: %s holds snapshot(s) of step(s) %s",
-                        self._store.node_dir,
-                        [s.step for s in self.snapshots],
-                    )
-        # its own gloo group (its collectives run beside training's), bounded like training's
-        timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
-        self._group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
-        self._next_step = 0  # a new round: a snapshot at its first step boundary
+        self._group = self._new_group() if world > 1 else None
+        self.interval, self._next_step, self._outcome = base_interval(self.setting), 0, None
+        if self.memory_dir and not self._store_opened:
+            self._open_store(events)
         if self._stager is None:  # the snapshot thread copies: a synchronous stager, there
             self._stager = new_stager(device_type, asynchronous=False)
+
+    def _new_group(self) -> Any:
+        """Its own gloo group (its collectives run beside training's), bounded like training's."""
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.parallel.timeout_s))
+
+    def _open_store(self, events: Any) -> None:
+        """Collective, once per process: the node's tier directory (created ``0700`` or checked),
+        the run id the round agrees on, and the snapshots the node kept of this run. A directory
+        that is not safe, or no run id, leaves this worker without the on-disk tier (and the whole
+        tier off when no rank of the round has one: snapshots in a process that will not restart
+        would help nobody)."""
+        self._store_opened = True
+        node, local_rank = WorkerEnv.from_env().node, int(os.environ.get("LOCAL_RANK", "0"))
+        tier_store = TierStore(self.memory_dir, self.job, node, local_rank)
+        run_id, source = resolve_run_id()
+        store: TierStore | None = tier_store
+        try:
+            tier_store.open()
+        except (UnsafeLocalDirError, OSError) as e:
+            self._skipped(events, str(tier_store.tier_dir), f"{e}; this worker keeps no snapshots there")
+            store = None
+        rows = all_gather_json({"run": run_id, "store": store is not None}, self._group)
+        agreed, why = agree_run_id([row["run"] for row in rows])
+        if not agreed and store is not None:
+            self._skipped(
+                events,
+                str(tier_store.tier_dir),
+                f"{why} (this worker: {source}): snapshots kept there could not be told from another run's, "
+                f"so the on-disk tier is off; {NO_RUN_ID_FIX}",
+            )
+            store = None
+        if not agreed or not any(row["store"] for row in rows):
+            self.off_why = f"no rank can keep snapshots in {self.memory_dir}"
+            if local_rank == 0:
+                log.warning(
+                    "memory tier: off for this run (%s): training goes on, restarts load from storage", self.off_why
+                )
+            return
+        self.binding = Binding(agreed, self.binding.config_hash, self.binding.root, self.binding.config)
+        if store is None:
+            return
+        self._store = store
+        if self.hmac_key is None and local_rank == 0:
+            log.warning(
+                "memory tier: %s is used WITHOUT an HMAC key (checkpoint.hmac_key_env is empty). Its directory is "
+                "0700: other users can neither plant a snapshot nor read one. This user's other processes and root "
+                "still can plant one that a restarted worker trains on (its digests are checked against a manifest "
+                "found beside it). Set checkpoint.hmac_key_env to sign every snapshot and check it on restore.",
+                store.tier_dir,
+            )
+        if not self.snapshots:  # a new process: offer what the node kept of this run to its restore
+            found, skipped = store.discover(self.hmac_key, self.job, self.binding)
+            for s in skipped:
+                if events is not None:
+                    events.emit(ev.MemorySkipped(path=s.path[:1000], why=s.why[:1000]))
+            self.snapshots = found[-KEPT:]
+            if self.snapshots:
+                log.info("memory tier: %s holds snapshot(s) of step(s) %s", store.node_dir, [s.step for s in found])
+
+    def _skipped(self, events: Any, path: str, why: str) -> None:
+        log.warning("memory tier: %s not used: %s", path, why)
+        if events is not None:
+            events.emit(ev.MemorySkipped(path=path[:1000], why=why[:1000]))
 
     def leave_round(self) -> None:
         """After the round's process groups were aborted (a blocked exchange fails then)."""
@@ -196,31 +305,59 @@ class MemoryTier:
 
     # -- snapshots ------------------------------------------------------------------------
     def maybe_snapshot(self, step: int, trainer: Any, *, checkpointed: bool = False) -> None:
-        """At a step boundary: if a snapshot is due, stage this rank's state and hand it to the
-        background. Every rank takes the same snapshots (their exchange is collective): a
-        snapshot's step is fixed when the one before starts, from the interval of the one before
-        that (whose figures the ranks agreed on as it ended: a rank still exchanging it is
-        waited for before the next starts, so every rank starts with the same interval). A
-        step that was just ``checkpointed`` always gets one too: the tier is then never older than
-        storage, which a restore would prefer."""
-        if not self.enabled or self._group is None or (step < self._next_step and not checkpointed):
+        """At a step boundary: if a snapshot is due (:func:`ftrain.tier_schedule.is_due`, the
+        same answer on every rank), stage this rank's state and hand it to the background. First
+        the one before is waited for, and the ranks tell each other on the training group whether
+        it failed anywhere: the next interval comes from the figures they agreed on, or stays
+        (and the tier's group is made anew) after a failure (see :mod:`ftrain.tier_schedule`)."""
+        if not self.active or not is_due(step, self._next_step, checkpointed):
             return
         if self._thread is not None:
-            self._thread.join()  # ends by agreeing on the interval
+            self._thread.join()
             self._thread = None
+        outcome = self._outcome
+        figures = outcome.figures if outcome is not None and outcome.ok else None
+        if any_rank(outcome is not None and not outcome.ok, trainer.device):
+            figures = None
+            self._renew_group(trainer.device)
+            if self._group is None:
+                return
+        self.interval = next_interval(self.setting, self.interval, figures)
+        self._next_step = step + self.interval
+        self._outcome = None
         began = time.monotonic()
         state = training_state(trainer.par, trainer.rank)  # views of the live tensors: the thread copies them
         fields = manifest_fields(self.cfg, trainer.par, trainer.cursor, current_round())
         blocked_s = time.monotonic() - began
-        self._next_step = step + self.interval  # the interval the ranks agreed on last
         self._staged = threading.Event()
         self._thread = threading.Thread(
             target=self._snapshot,
-            args=(step, state, fields, began, blocked_s, trainer.events, trainer.last_step_time_s),
+            args=([state], fields, step, began, blocked_s, trainer.events, trainer.last_step_time_s),
             name=f"memory-tier-{step}",
             daemon=True,
         )
+        del state
         self._thread.start()
+
+    def _renew_group(self, device: torch.device) -> None:
+        """Collective on the training group (every rank, at the same snapshot): a new group for
+        the tier after a failed exchange (gloo's pairs of the old one may be closed), or, when
+        that fails on any rank, none for the rest of the round (said once)."""
+        old, made = self._group, None
+        try:
+            made = self._new_group()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            log.warning("memory tier: a new group for its exchanges could not be made: %s", e)
+        if any_rank(made is None, device):
+            self._group = None
+            log.warning("memory tier: off for the rest of this round (its group could not be made anew)")
+        else:
+            self._group = made
+            log.warning("memory tier: the last snapshot failed on some rank: its group was made anew")
+        try:
+            dist.destroy_process_group(old)
+        except Exception as e:  # noqa: BLE001 - a broken group may not tear down cleanly; it is dropped
+            log.debug("memory tier: the old group's teardown: %s", e)
 
     def wait_staged(self) -> float:
         """Until the snapshot in the background has copied the state (call it before anything
@@ -233,63 +370,110 @@ class MemoryTier:
 
     def _snapshot(
         self,
-        step: int,
-        state: dict[str, Any],
+        state_box: list[dict[str, Any]],
         fields: dict[str, Any],
+        step: int,
         began: float,
         blocked_s: float,
         events: Any,
         step_time_s: float,
     ) -> None:
-        group = self._group
+        outcome, size = _Outcome(False), 0
         try:
-            staged = self._stager.stage(state)  # into the stager's buffers, reused from the last
-        except Exception as e:  # noqa: BLE001 - no snapshot this time; training goes on
-            log.warning("memory-tier snapshot of step %d could not copy the state: %s", step, e)
-            return
+            staged, problem = None, ""
+            try:
+                staged = self._stager.stage(state_box.pop())  # into the stager's buffers, reused from the last
+            except Exception as e:  # noqa: BLE001 - told to every rank below
+                problem = f"could not copy the state: {e}"
+            finally:
+                self._staged.set()
+            outcome, size = self._exchange(step, staged, problem, fields, began, blocked_s, step_time_s)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the previous one stays; training goes on
+            log.warning("memory-tier snapshot of step %d failed (the previous one stays): %s", step, e)
         finally:
-            del state
-            self._staged.set()
+            self._outcome = outcome  # read when the next snapshot starts, after this thread was joined
+        if outcome.ok and outcome.figures is not None:
+            events.emit(
+                ev.MemorySnapshot(
+                    step=step,
+                    blocked_s=round(blocked_s, 6),
+                    seconds=round(outcome.figures.seconds, 4),
+                    size_bytes=size,
+                    buddy=self._keeper_of() if self.world > 1 else -1,
+                    interval=next_interval(self.setting, self.interval, outcome.figures),
+                )
+            )
+
+    def _exchange(
+        self,
+        step: int,
+        staged: Any,
+        problem: str,
+        fields: dict[str, Any],
+        began: float,
+        blocked_s: float,
+        step_time_s: float,
+    ) -> tuple[_Outcome, int]:
+        """The collective part of a snapshot (see the module doc): every local failure is told
+        to every rank before the next exchange; _Refused (the same on every rank) ends it."""
+        group = self._group
+        if any_rank(bool(problem), torch.device("cpu"), group):
+            raise _Refused(problem or "another rank could not copy its state")
         url = f"{self._root}/step-{step:09d}"
         publisher = _Publisher(
-            {**fields, "step": step, "digest_algorithm": self.algorithm, "job": self.job}, self.hmac_key
+            {
+                **fields,
+                "step": step,
+                "digest_algorithm": self.algorithm,
+                "job": self.job,
+                "run_id": self.binding.run_id,
+            },
+            self.hmac_key,
         )
+        writer = DigestingWriter(url, options=StorageOptions(), algorithm=self.algorithm, publisher=publisher)
+        dcp.save(staged, storage_writer=writer, process_group=group)  # DCP raises on every rank if one fails
+        del staged
+        own: dict[str, bytes] = {}
         try:
-            writer = DigestingWriter(url, options=StorageOptions(), algorithm=self.algorithm, publisher=publisher)
-            dcp.save(staged, storage_writer=writer, process_group=group)
             own = _take_files(url)
-            manifest_bytes = _broadcast_bytes(publisher.manifest_bytes, 0, group)
+        except Exception as e:  # noqa: BLE001 - told to every rank below
+            problem = f"its files of the save could not be read back: {e}"
+        manifest_bytes = broadcast_bytes(publisher.manifest_bytes, 0, group)
+        metadata = broadcast_bytes(own.pop(METADATA_NAME, None), 0, group)
+        manifest = None
+        try:
             manifest = Manifest.from_json(manifest_bytes, self.hmac_key)
-            metadata = own.pop(METADATA_NAME, None)
-            metadata = _broadcast_bytes(metadata, 0, group)
-            theirs = _verified(self._swap_with_buddy(own, manifest, group), manifest)
+            entry = manifest.files.get(METADATA_NAME)
+            if entry is None or not matches(metadata, entry, manifest.digest_algorithm):
+                raise ManifestError(f"{METADATA_NAME} from rank 0 does not match the manifest")
+        except ManifestError as e:
+            problem = problem or f"the manifest of step {step}: {e}"
+        rows = all_gather_json({"names": sorted(own), "problem": problem}, group)
+        bad = _problems([row["problem"] for row in rows])
+        unlisted = [n for row in rows for n in row["names"] if manifest is not None and n not in manifest.files]
+        if bad or manifest is None or unlisted:
+            raise _Refused("; ".join(bad) or f"files not in the manifest: {unlisted[:5]}")
+        theirs = _verified(self._swap_with_buddy(own, rows[self._keeper_of()]["names"], manifest, group), manifest)
+        kept_here = ""
+        try:
             files = maybe_damage_memory_copy(self.rank, {METADATA_NAME: metadata, **own, **theirs}, sorted(theirs))
             snap = self._kept(Snapshot(step, manifest, manifest_bytes, files))
             with self._lock:
                 self.snapshots = [*self.snapshots, snap][-KEPT:]
-            seconds = time.monotonic() - began
-            # every rank holds this one now (the one before can go); and the figures the next
-            # interval is chosen from, the slowest rank's, so that every rank chooses the same
-            agreed = _max_over(group, [blocked_s, seconds, step_time_s])
-            with self._lock:
-                self.snapshots = [s for s in self.snapshots if s.step >= step]
-                if self._store is not None:
-                    self._store.keep(self.snapshots)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the previous one stays; training goes on
-            log.warning("memory-tier snapshot of step %d failed (the previous one stays): %s", step, e)
-            return
-        size = sum(len(v) for v in own.values())
-        self._adapt(*agreed)  # read when the next snapshot starts, after this thread was joined
-        events.emit(
-            ev.MemorySnapshot(
-                step=step,
-                blocked_s=round(blocked_s, 6),
-                seconds=round(seconds, 4),
-                size_bytes=size,
-                buddy=self._keeper_of() if self.world > 1 else -1,
-                interval=self.interval,
-            )
-        )
+        except Exception as e:  # noqa: BLE001 - told to every rank below
+            kept_here = f"rank {self.rank} could not keep it: {e}"
+            log.warning("memory-tier snapshot of step %d: %s", step, kept_here)
+        seconds = time.monotonic() - began
+        # every rank holds this one now (the one before can go), and the figures the next
+        # interval is chosen from, the slowest rank's, so that every rank chooses the same
+        agreed = max_over(group, [blocked_s, seconds, step_time_s, 1.0 if kept_here else 0.0])
+        if agreed[3]:
+            raise _Refused("a rank could not keep it")
+        with self._lock:
+            self.snapshots = [s for s in self.snapshots if s.step >= step]
+            if self._store is not None:
+                self._store.keep(self.snapshots)
+        return _Outcome(True, Figures(*agreed[:3])), sum(len(v) for v in own.values())
 
     def _kept(self, snap: Snapshot) -> Snapshot:
         """``snap`` written to ``checkpoint.memory_dir`` (its bytes then live there only), or as
@@ -304,23 +488,15 @@ class MemoryTier:
             )
             return snap
 
-    def _adapt(self, blocked_s: float, seconds: float, step_time_s: float) -> None:
-        """``memory_interval = -1``: as often as blocking stays within AUTO_BLOCKED_SHARE of the
-        training time, and no more often than a snapshot completes."""
-        if self.setting != -1 or step_time_s <= 0:
-            return
-        self.interval = max(
-            1, math.ceil(blocked_s / (AUTO_BLOCKED_SHARE * step_time_s)), math.ceil(seconds / step_time_s)
-        )
-
-    def _swap_with_buddy(self, own: dict[str, bytes], manifest: Manifest, group: Any) -> dict[str, bytes]:
-        """Send this rank's shard files to its buddy, receive its keeper's (collective)."""
+    def _swap_with_buddy(
+        self, own: dict[str, bytes], theirs_names: list[str], manifest: Manifest, group: Any
+    ) -> dict[str, bytes]:
+        """Send this rank's shard files to its buddy, receive its keeper's (``theirs_names``,
+        every one listed in ``manifest``: checked by every rank before)."""
         if self.world < 2:
             return {}
-        names = _all_gather_json(sorted(own), group)
-        theirs_names = names[self._keeper_of()]
-        out_buf = _concat([own[n] for n in sorted(own)])
-        sizes = [_size_of(manifest, n) for n in theirs_names]
+        out_buf = concat([own[n] for n in sorted(own)])
+        sizes = [manifest.files[n].size_bytes for n in theirs_names]
         in_buf = torch.empty(sum(sizes), dtype=torch.uint8)
         ops = []
         if out_buf.numel():
@@ -329,18 +505,18 @@ class MemoryTier:
             ops.append(dist.P2POp(dist.irecv, in_buf, self._keeper_of(), group))
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-        return _split(in_buf, theirs_names, sizes)
+        return split(in_buf, theirs_names, sizes)
 
     # -- restore ------------------------------------------------------------------------
     def restore(self, trainer: Any, committed_step: int) -> int | None:
         """Collective: put the newest complete snapshot (not older than ``committed_step``) into
         ``trainer``; its step, or None (every rank alike) when the tier cannot give it."""
-        if not self.enabled or self._group is None:
+        if not self.active:
             return None
         group = self._group
         with self._lock:
             mine = list(self.snapshots)
-        holdings = _all_gather_json([s.holdings() for s in mine], group)
+        holdings = all_gather_json([s.holdings() for s in mine], group)
         choice = choose(holdings, committed_step)
         if choice is None:
             newest = max((s["step"] for held in holdings for s in held), default=-1)
@@ -349,22 +525,10 @@ class MemoryTier:
                 self._refuse(trainer, newest, f"the newest snapshot (step {newest}) is {why}")
             return None
         snap = next((s for s in mine if s.key == choice.key), None)
-        manifest_bytes = _broadcast_bytes(snap.manifest_bytes if snap else None, choice.manifest_from, group)
-        metadata = _broadcast_bytes(snap.files[METADATA_NAME] if snap else None, choice.manifest_from, group)
-        problem = ""
         try:
-            manifest = Manifest.from_json(manifest_bytes, self.hmac_key)
-            if manifest.step != choice.step or manifest.job != self.job:
-                raise ManifestError(f"manifest of step {manifest.step}, job {manifest.job!r}")
-        except ManifestError as e:
-            problem, manifest = f"manifest: {e}", None
-        target = load_target(trainer.par, trainer.rank, manifest) if manifest is not None else {}
-        needed = needed_files(target, metadata, manifest.files, trainer.rank == 0) if manifest is not None else []
-        files, problem = self._gather_files(snap, choice, holdings, needed, manifest, metadata, problem, group)
-        problems = _all_gather_json(problem, group)
-        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
-        if bad or manifest is None:
-            self._refuse(trainer, choice.step, "; ".join(bad)[:1000])
+            manifest, files, target = self._collect(trainer, snap, choice, holdings, group)
+        except _Refused as e:
+            self._refuse(trainer, choice.step, str(e))
             return None
         reader = VerifiedReader(
             f"{self._root}/restore",
@@ -373,58 +537,127 @@ class MemoryTier:
             algorithm=manifest.digest_algorithm,
             prefetched=files,
         )
-        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
+        try:
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())  # DCP raises on every rank if one fails
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - nothing was applied yet
+            self._refuse(trainer, choice.step, f"the load from the verified bytes failed: {e}")
+            return None
         apply_loaded(trainer.par, trainer.cursor, trainer.rank, manifest, target)
         return manifest.step
 
-    def _gather_files(
-        self,
-        snap: Snapshot | None,
-        choice: Choice,
-        holdings: list[list[dict[str, Any]]],
-        needed: list[str],
-        manifest: Manifest | None,
-        metadata: bytes,
-        problem: str,
-        group: Any,
-    ) -> tuple[dict[str, bytes], str]:
-        """Collective: every rank receives the files its load needs and does not hold, from the
-        lowest rank that holds each; returns the files (checked against the manifest) and this
-        rank's problem ("" if none)."""
-        wants = _all_gather_json(needed, group)
-        held = snap.files if snap is not None else {}
+    def _collect(
+        self, trainer: Any, snap: Snapshot | None, choice: Choice, holdings: list[list[dict[str, Any]]], group: Any
+    ) -> tuple[Manifest, dict[str, bytes], dict[str, Any]]:
+        """Collective: the chosen snapshot's manifest, the files this rank's load needs (its own,
+        and those it lacks from their holders) checked against the manifest, and the load's
+        target; _Refused on every rank when any rank found a problem. Every file a rank sends or
+        uses is read and checked before any of them is sent, and the ranks tell each other what
+        went wrong first: none is left alone in the exchange."""
+        problem = ""
+        metadata_out = None
+        if snap is not None and self.rank == choice.manifest_from:
+            metadata_out, problem = _read_held(snap, METADATA_NAME, snap.manifest, self.rank)
+        manifest_bytes = broadcast_bytes(snap.manifest_bytes if snap else None, choice.manifest_from, group)
+        metadata = broadcast_bytes(metadata_out, choice.manifest_from, group)
+        manifest, target, needed = None, {}, []
+        try:
+            manifest = Manifest.from_json(manifest_bytes, self.hmac_key)
+            if manifest.step != choice.step or manifest.job != self.job:
+                raise ManifestError(f"manifest of step {manifest.step}, job {manifest.job!r}")
+            other_run = binding_problem(manifest, self.binding)
+            if other_run:
+                raise ManifestError(f"a snapshot of {other_run}")
+            entry = manifest.files.get(METADATA_NAME)
+            if not problem and (entry is None or not matches(metadata, entry, manifest.digest_algorithm)):
+                raise ManifestError(f"{METADATA_NAME} from rank {choice.manifest_from} does not match it")
+            if not problem:  # .metadata is unpickled (allow-list) to plan the load only once it matched
+                target = load_target(trainer.par, trainer.rank, manifest)
+                needed = needed_files(target, metadata, manifest.files, trainer.rank == 0)
+        except (ManifestError, ConfigError) as e:
+            problem = problem or f"manifest: {e}"
+        wants = all_gather_json({"needed": needed, "problem": problem}, group)
+        bad = _problems([w["problem"] for w in wants])
+        if bad or manifest is None:
+            raise _Refused("; ".join(bad)[:1000])
+        plan = _Plan.of(self.rank, [w["needed"] for w in wants], holdings, choice)
+        # read (and check) everything this rank sends or uses before anything is sent
+        local: dict[str, bytes] = {}
+        for name in sorted(plan.reads(needed)):
+            data, problem = _read_held(snap, name, manifest, self.rank) if snap is not None else (None, "")
+            if problem or data is None:
+                problem = problem or f"rank {self.rank} holds no {name}"
+                break
+            local[name] = data
+        missing = [n for n in needed if n not in local and n not in plan.receives]
+        problem = problem or (f"no live rank holds {missing[0]}" if missing else "")
+        bad = _problems(all_gather_json(problem, group))
+        if bad:
+            raise _Refused("; ".join(bad)[:1000])
+        incoming = {name: torch.empty(manifest.files[name].size_bytes, dtype=torch.uint8) for name in plan.receives}
+        ops = [dist.P2POp(dist.isend, as_tensor(local[name]), dst, group) for name, dst in plan.sends]
+        ops += [dist.P2POp(dist.irecv, incoming[name], src, group) for name, src in plan.receives.items()]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        files = {METADATA_NAME: metadata}
+        problem = ""
+        for name in needed:
+            data = incoming[name].numpy().tobytes() if name in incoming else local[name]
+            if not matches(data, manifest.files[name], manifest.digest_algorithm):
+                problem = (
+                    problem or f"{name} from rank {plan.receives.get(name, self.rank)} does not match the manifest"
+                )
+            files[name] = data
+        bad = _problems(all_gather_json(problem, group))
+        if bad:
+            raise _Refused("; ".join(bad)[:1000])
+        return manifest, files, target
+
+    def _refuse(self, trainer: Any, step: int, why: str) -> None:
+        log.warning("memory tier: no state for this round (loading from storage): %s", why)
+        trainer.events.emit(ev.MemoryRefused(step=step, why=why[:1000]))
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Who sends which file to whom in a restore (the same on every rank, from what they gathered)."""
+
+    sends: list[tuple[str, int]]  #: (file, to rank) this rank sends
+    receives: dict[str, int]  #: file -> the rank this rank receives it from
+    held: frozenset[str]  #: the files of the snapshot this rank holds
+
+    @classmethod
+    def of(cls, rank: int, wants: list[list[str]], holdings: list[list[dict[str, Any]]], choice: Choice) -> _Plan:
         holds = [next((set(s["files"]) for s in h if s["key"] == choice.key), set()) for h in holdings]
-        ops, incoming = [], {}
+        sends, receives = [], {}
         for dst, names in enumerate(wants):
             for name in names:
                 src = choice.sources.get(name, -1)
                 if name in holds[dst] or src < 0:
                     continue
-                if src == self.rank:
-                    ops.append(dist.P2POp(dist.isend, _as_tensor(held[name]), dst, group))
-                elif dst == self.rank and manifest is not None:
-                    incoming[name] = torch.empty(_size_of(manifest, name), dtype=torch.uint8)
-                    ops.append(dist.P2POp(dist.irecv, incoming[name], src, group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        files = {METADATA_NAME: metadata}
-        for name in needed:
-            data = incoming[name].numpy().tobytes() if name in incoming else held.get(name)
-            if data is None:
-                problem = problem or f"no live rank holds {name}"
-                continue
-            files[name] = data
-        if manifest is not None and not problem:
-            for name, data in files.items():
-                entry = manifest.files.get(name)
-                if entry is None or not _matches(data, entry, manifest.digest_algorithm):
-                    problem = f"{name} does not match the manifest of step {manifest.step}"
-                    break
-        return files, problem
+                if src == rank:
+                    sends.append((name, dst))
+                elif dst == rank:
+                    receives[name] = src
+        return cls(sends, receives, frozenset(holds[rank]))
 
-    def _refuse(self, trainer: Any, step: int, why: str) -> None:
-        log.warning("memory tier: no state for this round (loading from storage): %s", why)
-        trainer.events.emit(ev.MemoryRefused(step=step, why=why[:1000]))
+    def reads(self, needed: list[str]) -> set[str]:
+        """The files this rank reads from what it holds: those it sends, and those it uses."""
+        return {name for name, _ in self.sends} | (set(needed) & self.held)
+
+
+def _read_held(snap: Snapshot, name: str, manifest: Manifest, rank: int) -> tuple[bytes | None, str]:
+    """The bytes of ``name`` that ``snap`` holds, checked against ``manifest``; or None and the
+    problem, naming the file (a tier directory's path)."""
+    files = snap.files
+    where = files.where(name) if isinstance(files, DirFiles) else f"{name} in rank {rank}'s memory"
+    try:
+        data = files[name]
+    except (OSError, KeyError) as e:
+        return None, f"{name} cannot be read ({e or where})"[:600]
+    entry = manifest.files.get(name)
+    if entry is None or not matches(data, entry, manifest.digest_algorithm):
+        return None, f"{where} does not match the manifest of step {manifest.step}"[:600]
+    return data, ""
 
 
 class _Publisher:
@@ -442,66 +675,6 @@ class _Publisher:
         self.manifest_bytes = Manifest(files=files, created_time=time.time(), **self.fields).to_json(self.hmac_key)
 
 
-# -- bytes over the tier's group (no pickle) -----------------------------------------------------
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _concat(parts: list[bytes]) -> torch.Tensor:
-    return _as_tensor(b"".join(parts))
-
-
-def _split(buf: torch.Tensor, names: list[str], sizes: list[int]) -> dict[str, bytes]:
-    out, offset, raw = {}, 0, buf.numpy().tobytes()
-    for name, size in zip(names, sizes, strict=True):
-        out[name] = raw[offset : offset + size]
-        offset += size
-    return out
-
-
-def _size_of(manifest: Manifest, name: str) -> int:
-    entry = manifest.files.get(name)
-    if entry is None:
-        raise CheckpointError(f"memory tier: {name} is not in the manifest of step {manifest.step}")
-    return entry.size_bytes
-
-
-def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
-    if group is None:
-        return data or b""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src, group=group)
-    buf = _as_tensor(data) if dist.get_rank() == src and data else torch.empty(int(size.item()), dtype=torch.uint8)
-    if buf.numel():
-        dist.broadcast(buf, src, group=group)
-    return data if dist.get_rank() == src and data is not None else buf.numpy().tobytes()
-
-
-def _all_gather_json(obj: Any, group: Any) -> list[Any]:
-    if group is None:
-        return [obj]
-    blob = json.dumps(obj).encode()
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(blob)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else padded[:0]
-    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
-
-
-def _max_over(group: Any, values: list[float]) -> list[float]:
-    """Collective: the element-wise maximum of ``values`` over the group's ranks."""
-    if group is None:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
 def _take_files(url: str) -> dict[str, bytes]:
     """The files this process wrote under ``url`` (memory://), removed from the memory filesystem."""
     fs, path = fsspec.core.url_to_fs(url)
@@ -511,17 +684,11 @@ def _take_files(url: str) -> dict[str, bytes]:
     return files
 
 
-def _matches(data: bytes, entry: FileEntry, algorithm: str) -> bool:
-    hasher = new_hasher(algorithm)
-    hasher.update(data)
-    return len(data) == entry.size_bytes and hasher.hexdigest() == entry.digest
-
-
 def _verified(files: dict[str, bytes], manifest: Manifest) -> dict[str, bytes]:
     good = {}
     for name, data in files.items():
         entry = manifest.files.get(name)
-        if entry is not None and _matches(data, entry, manifest.digest_algorithm):
+        if entry is not None and matches(data, entry, manifest.digest_algorithm):
             good[name] = data
         else:
             log.error(
@@ -530,4 +697,4 @@ def _verified(files: dict[str, bytes], manifest: Manifest) -> dict[str, bytes]:
     return good
 
 
-__all__ = ["MemoryTier", "Snapshot", "Choice", "choose"]
+__all__ = ["Choice", "MemoryTier", "Snapshot", "choose"]

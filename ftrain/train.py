@@ -219,7 +219,7 @@ class Trainer:
         #: a live worker's memory tier, for strategies that keep no full replica (ddp heals from a peer)
         self.tier = tier if tier is not None and tier.enabled and not strategies.full_replica(self.layout) else None
         if self.tier is not None:
-            self.tier.join_round(rank, world_size, local_world, device.type)
+            self.tier.join_round(rank, world_size, local_world, device.type, self.events)
         #: what copies the state in the background between a step boundary and the next update
         self.staging_waits: list[Callable[[], object]] = [
             *([self.ckpt.manager.wait_staged] if self.ckpt is not None else []),

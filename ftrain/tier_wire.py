@@ -1,0 +1,93 @@
+"""Bytes and JSON over the memory tier's gloo group (no pickle: bytes travel as uint8 tensors,
+names and holdings as JSON), and the digest check of what arrives.
+
+Every function here is collective over ``group`` (None: a world of one, nothing is sent) except
+:func:`matches`, and none of them raises on what a peer sent: a peer is a rank of the same job,
+but what it sends may come from a damaged directory, so the caller checks every byte against a
+manifest before it is used.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.digest import new_hasher
+from checkpoint.manifest import FileEntry
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def concat(parts: list[bytes]) -> torch.Tensor:
+    return as_tensor(b"".join(parts))
+
+
+def split(buf: torch.Tensor, names: list[str], sizes: list[int]) -> dict[str, bytes]:
+    out, offset, raw = {}, 0, buf.numpy().tobytes()
+    for name, size in zip(names, sizes, strict=True):
+        out[name] = raw[offset : offset + size]
+        offset += size
+    return out
+
+
+def broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
+    """``src``'s bytes on every rank (``None`` at ``src``: empty bytes everywhere)."""
+    if group is None:
+        return data or b""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    mine = dist.get_rank() == src
+    buf = as_tensor(data) if mine and data else torch.empty(int(size.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.broadcast(buf, src, group=group)
+    return data if mine and data is not None else buf.numpy().tobytes()
+
+
+def all_gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), by rank."""
+    if group is None:
+        return [obj]
+    blob = json.dumps(obj).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else padded[:0]
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+
+
+def max_over(group: Any, values: list[float]) -> list[float]:
+    """The element-wise maximum of ``values`` over the group's ranks."""
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def any_rank(flag: bool, device: torch.device, group: Any = None) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (None: the training group, on its
+    device: a world of one has nobody to ask)."""
+    if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device if group is None else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def matches(data: bytes, entry: FileEntry, algorithm: str) -> bool:
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return len(data) == entry.size_bytes and hasher.hexdigest() == entry.digest
+
+
+__all__ = ["all_gather_json", "any_rank", "as_tensor", "broadcast_bytes", "concat", "matches", "max_over", "split"]
