@@ -21,7 +21,9 @@ Python, torch and ftrain imported, the config loaded). :func:`serve` then waits 
 What must stay true: a worker never trains in a round older than one it has seen, and never
 mixes steps: the ranks go on from one step, and a rank that held an older one takes the newer
 step whole from a peer, checked against the digest its holder announced; replicas that hold the
-same step with different digests make every rank fall back to storage. An error that is not a
+same step with different digests make every rank fall back to storage, and so does a transfer
+that any rank refuses (a header unlike its own state, another step, a digest that does not
+match): the ranks agree on that before any of them goes on, so none waits alone in a collective. An error that is not a
 peer's failure (a bug, bad data, a non-finite loss under ``halt``) ends the worker as under
 torchrun, with its exit message. Fencing is the round's: the checkpoint fence and the event log
 read ``FTRAIN_ROUND``, set before the round's trainer is built.
@@ -169,27 +171,55 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
     if holders and newest < committed:  # held by ranks that sat out the rounds that trained on
         log.warning("the newest step held in memory (%d) is older than committed step %d: loading", newest, committed)
         holders = []
-    if not holders:
-        tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
-        if tier_step is not None:
-            if trainer.ckpt is not None:
-                status = trainer.ckpt.manager.status
-                status.last_committed_step = max(status.last_committed_step, committed)
-            return Restored("memory_tier", tier_step)
-        manifest = trainer.ckpt.resume() if trainer.ckpt is not None and trainer.cfg.checkpoint.resume else None
-        return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
-    src = holders[0]
-    everyone_holds = len(holders) == len(rows)
-    state = (
-        held if everyone_holds else broadcast(held if trainer.rank == src else None, src, rows[src][2], trainer.device)
-    )
-    assert state is not None and state.model is not None and state.optim is not None and state.cursor is not None
-    set_state_dict(trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim)
-    trainer.cursor.load_state_dict(state.cursor)
+    if holders:
+        src = holders[0]
+        everyone_holds = len(holders) == len(rows)
+        state = held if everyone_holds else _receive(trainer, held, src, rows[src])
+        if state is not None:
+            assert state.model is not None and state.optim is not None and state.cursor is not None
+            set_state_dict(
+                trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim
+            )
+            trainer.cursor.load_state_dict(state.cursor)
+            _note_committed(trainer, committed)
+            return Restored("memory" if everyone_holds else "live_peer", state.step, -1 if everyone_holds else src)
+    tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
+    if tier_step is not None:
+        _note_committed(trainer, committed)
+        return Restored("memory_tier", tier_step)
+    manifest = trainer.ckpt.resume() if trainer.ckpt is not None and trainer.cfg.checkpoint.resume else None
+    return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
+
+
+def _note_committed(trainer: Trainer, committed: int) -> None:
     if trainer.ckpt is not None:
         status = trainer.ckpt.manager.status
         status.last_committed_step = max(status.last_committed_step, committed)
-    return Restored("memory" if everyone_holds else "live_peer", state.step, -1 if everyone_holds else src)
+
+
+def _receive(trainer: Trainer, held: HeldState | None, src: int, row: tuple[int, int, int, int]) -> HeldState | None:
+    """Collective: rank ``src``'s held state (``row``: its survey row) on every rank, or None on
+    every rank when any rank refused it (:func:`ftrain.peer_state.broadcast` makes them agree):
+    the round then loads as when no rank holds state. A receiver checks the header against its
+    own freshly built state (same structure on every rank of a full-replica strategy)."""
+    step, _, digest, _ = row
+    reference = None
+    if trainer.rank != src:
+        model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
+        reference = HeldState(step, -1, model, optim, trainer.cursor.state_dict())
+    try:
+        return broadcast(
+            held if trainer.rank == src else None,
+            src,
+            digest,
+            trainer.device,
+            expected_step=step,
+            reference=reference,
+        )
+    except PeerStateError as e:
+        log.error("the state of step %d from rank %d was refused (%s): loading from storage", step, src, e)
+        trainer.events.emit(ev.LivePeerRefused(from_rank=src, step=step, problem=str(e)[:500]))
+        return None
 
 
 def service_ports(cfg: Config, env: WorkerEnv) -> set[int]:

@@ -4,9 +4,19 @@ A live worker that survived a failure holds the model and optimizer state of the
 completed (:class:`HeldState`). After the new round's process group is up, the ranks compare
 what they hold (:func:`survey`: step, digest) and a rank that holds the newest step sends it to
 the ranks that do not (:func:`broadcast`): one JSON header (the nested structure, shapes, dtypes
-and every non-tensor value) and then one flat buffer per dtype. Nothing is unpickled: the header
-is JSON checked against an allow-list of dtypes, and a receiver checks the digest of what it
-got against the digest the sender announced in the survey.
+and every non-tensor value) and then one flat buffer per dtype. Nothing is unpickled.
+
+What a peer sends is untrusted input, and must stay so: a receiver bounds the header's size by
+its own state's, parses it as JSON and compares it with the header of its OWN state (the same
+dict keys, list lengths and kinds of values; each tensor's allow-listed dtype and shape; indices
+that are ints, never bools or floats): under a full-replica strategy every rank holds the same
+structure, so nothing is allocated from a peer's numbers. The step in the header must be the one
+the survey announced, and the digest (which covers the step, the structure, every value and
+every tensor byte) the one the holder announced in the survey. Because the transfer is a series
+of collectives, every rank learns whether any rank refused (one all-reduce of a flag after the
+size, one after the header, one after the digest) and all raise :class:`PeerStateError`
+together: the caller falls back to storage on every rank, and no rank is left in a broadcast
+that its peers abandoned.
 
 Only strategies whose every rank holds the whole state (``Strategy.full_replica``: ddp) hand
 state over this way; the others load from storage (a later memory tier will hold their shards).
@@ -15,6 +25,7 @@ state over this way; the others load from storage (a later memory tier will hold
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +50,16 @@ DTYPES = {
         torch.bool,
     )
 }
+log = logging.getLogger(__name__)
+
 MAX_HEADER_BYTES = 64 << 20
 MAX_DEPTH = 32
+#: bounds of a tensor a header may describe before it is compared with this rank's own
+MAX_DIMS = 32
+MAX_ELEMENTS = 1 << 40
+#: how much longer than this rank's own header a peer's may be (its values differ: digits of a
+#: step, a learning rate, a cursor)
+HEADER_SLACK_BYTES = 64 << 10
 
 
 class PeerStateError(RuntimeError):
@@ -63,10 +82,15 @@ class HeldState:
     def complete(self) -> bool:
         return self.model is not None and self.optim is not None and self.cursor is not None
 
+    def payload(self) -> dict[str, Any]:
+        """What :func:`broadcast` sends, and :meth:`digest` covers: the state and its step."""
+        return {"model": self.model, "optim": self.optim, "cursor": self.cursor, "step": self.step}
+
     def digest(self) -> int:
-        """A 63-bit digest of everything held (tensor bytes in a fixed order, and the structure)."""
+        """A 63-bit digest of everything held (tensor bytes in a fixed order, the structure, the
+        values and the step)."""
         if self._digest is None:
-            header, tensors = flatten({"model": self.model, "optim": self.optim, "cursor": self.cursor})
+            header, tensors = flatten(self.payload())
             self._digest = _digest(header, tensors)
         return self._digest
 
@@ -97,12 +121,13 @@ def flatten(obj: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
 
 
 def unflatten(header: Any, tensors: list[torch.Tensor]) -> Any:
-    """The object :func:`flatten` described (tensors taken from ``tensors`` by index)."""
+    """The object :func:`flatten` described (tensors taken from ``tensors`` by index); the header
+    must have passed :func:`tensor_specs` (or :func:`check_header`) first."""
 
     def node(x: Any, depth: int) -> Any:
         if depth > MAX_DEPTH or not isinstance(x, dict) or len(x) not in (1, 3):
             raise PeerStateError("malformed state header")
-        if "t" in x:
+        if "t" in x and _is_index(x["t"]) and x["t"] < len(tensors):
             return tensors[x["t"]]
         if "d" in x and isinstance(x["d"], dict):
             return {k: node(v, depth + 1) for k, v in x["d"].items()}
@@ -111,34 +136,121 @@ def unflatten(header: Any, tensors: list[torch.Tensor]) -> Any:
         if "v" in x and (x["v"] is None or isinstance(x["v"], (bool, int, str))):
             return x["v"]
         if "f" in x and isinstance(x["f"], str):
-            return float(x["f"])
+            return _float(x["f"])
         raise PeerStateError("malformed state header")
 
     return node(header, 0)
 
 
+def _is_index(x: Any) -> bool:
+    """An int that JSON read as one (never a bool, a float or a string), not negative."""
+    return type(x) is int and x >= 0
+
+
+def _float(text: str) -> float:
+    if len(text) > 64:
+        raise PeerStateError("malformed float in state header")
+    try:
+        return float(text)
+    except ValueError as e:
+        raise PeerStateError(f"malformed float in state header: {text!r}") from e
+
+
+def _tensor_spec(x: dict[str, Any]) -> tuple[int, torch.dtype, tuple[int, ...]]:
+    """(index, dtype, shape) of one tensor node, each checked for its type and bounds."""
+    index, dtype, shape = x.get("t"), DTYPES.get(str(x.get("dtype"))), x.get("shape")
+    if (
+        set(x) != {"t", "dtype", "shape"}
+        or not _is_index(index)
+        or dtype is None
+        or not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(_is_index(d) and d <= MAX_ELEMENTS for d in shape)
+        or math.prod(shape) > MAX_ELEMENTS
+    ):
+        raise PeerStateError(
+            f"bad tensor in state header: index {index!r}, dtype {x.get('dtype')!r}, shape {str(shape)[:200]}"
+        )
+    assert isinstance(index, int)  # checked above
+    return index, dtype, tuple(shape)
+
+
 def tensor_specs(header: Any) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
-    """(index, dtype, shape) of every tensor the header names, checked (allow-listed dtype,
-    non-negative dims, indices 0..n-1 each once)."""
+    """(index, dtype, shape) of every tensor the header names, checked (ints that are not bools
+    or floats, an allow-listed dtype, non-negative bounded dims, indices 0..n-1 each once)."""
     specs: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
 
     def walk(x: Any, depth: int) -> None:
         if depth > MAX_DEPTH or not isinstance(x, dict):
             raise PeerStateError("malformed state header")
         if "t" in x:
-            dtype, shape = DTYPES.get(str(x.get("dtype"))), x.get("shape")
-            if dtype is None or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise PeerStateError(f"bad tensor in state header: dtype {x.get('dtype')!r}, shape {shape!r}")
-            specs.append((x["t"], dtype, tuple(shape)))
+            specs.append(_tensor_spec(x))
+            return
         for key in ("d", "l"):
             children = x.get(key)
-            for child in children.values() if isinstance(children, dict) else children or []:
+            if children is None:
+                continue
+            if not isinstance(children, dict if key == "d" else list):
+                raise PeerStateError("malformed state header")
+            for child in children.values() if isinstance(children, dict) else children:
                 walk(child, depth + 1)
 
     walk(header, 0)
     if sorted(i for i, _, _ in specs) != list(range(len(specs))):
         raise PeerStateError("state header tensor indices are not 0..n-1")
     return sorted(specs, key=lambda s: s[0])
+
+
+def _leaf_kind(x: dict[str, Any]) -> str:
+    """What kind of non-tensor value a node holds ("" if it holds none, or a malformed one)."""
+    if len(x) != 1:
+        return ""
+    if "f" in x:
+        return "float" if isinstance(x["f"], str) and len(x["f"]) <= 64 else ""
+    if "v" in x:
+        v = x["v"]
+        return "none" if v is None else type(v).__name__ if type(v) in (bool, int, str) else ""
+    return ""
+
+
+def check_header(header: Any, reference: Any) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
+    """:func:`tensor_specs` of ``header``, after checking that it has the structure of
+    ``reference`` (this rank's own :func:`flatten` header of the same kind of state): the same
+    dict keys, list lengths and kinds of values, and each tensor's dtype and shape. Values may
+    differ (a peer's step, learning rate, cursor); nothing else may, so nothing this rank
+    allocates comes from a peer's numbers. PeerStateError naming the first difference."""
+
+    def walk(got: Any, mine: Any, where: str, depth: int) -> None:
+        if depth > MAX_DEPTH or not isinstance(got, dict):
+            raise PeerStateError(f"malformed state header at {where}")
+        if "t" in mine:
+            if "t" not in got:
+                raise PeerStateError(f"state header at {where}: not a tensor, expected one")
+            _, dtype, shape = _tensor_spec(got)
+            if str(dtype).removeprefix("torch.") != mine["dtype"] or list(shape) != mine["shape"]:
+                raise PeerStateError(
+                    f"state header at {where}: a {dtype} tensor of shape {list(shape)}, "
+                    f"this rank's is {mine['dtype']} of shape {mine['shape']}"
+                )
+        elif "d" in mine:
+            children = got.get("d")
+            if len(got) != 1 or not isinstance(children, dict) or set(children) != set(mine["d"]):
+                raise PeerStateError(f"state header at {where}: not a dict with this rank's keys")
+            for key, child in mine["d"].items():
+                walk(children[key], child, f"{where}.{key}"[:300], depth + 1)
+        elif "l" in mine:
+            children = got.get("l")
+            if len(got) != 1 or not isinstance(children, list) or len(children) != len(mine["l"]):
+                raise PeerStateError(f"state header at {where}: not a list of {len(mine['l'])}")
+            for i, (g, m) in enumerate(zip(children, mine["l"], strict=True)):
+                walk(g, m, f"{where}[{i}]"[:300], depth + 1)
+        elif _leaf_kind(got) != _leaf_kind(mine):
+            raise PeerStateError(
+                f"state header at {where}: a {_leaf_kind(got) or 'malformed'} value, expected a {_leaf_kind(mine)}"
+            )
+
+    walk(header, reference, "state", 0)
+    return tensor_specs(header)
 
 
 def _digest(header: Any, tensors: list[torch.Tensor]) -> int:
@@ -151,11 +263,18 @@ def _digest(header: Any, tensors: list[torch.Tensor]) -> int:
 def survey(held: HeldState | None, full_replica: bool, device: torch.device) -> list[tuple[int, int, int, int]]:
     """Collective: every rank's (step, holds state 0/1, digest, committed step), by rank."""
     has = int(full_replica and held is not None and held.complete)
+    digest = 0
+    if has and held is not None:
+        try:
+            digest = held.digest()
+        except PeerStateError as e:  # a rank that cannot describe what it holds offers nothing
+            log.warning("this rank's held state cannot be sent (%s): it offers none", e)
+            has = 0
     mine = torch.tensor(
         [
             held.step if held is not None else -1,
             has,
-            held.digest() if has and held is not None else 0,
+            digest,
             held.committed_step if held is not None else -1,
         ],
         dtype=torch.int64,
@@ -166,37 +285,84 @@ def survey(held: HeldState | None, full_replica: bool, device: torch.device) -> 
     return [(a, b, c, d) for a, b, c, d in out.view(-1, 4).cpu().tolist()]
 
 
-def broadcast(held: HeldState | None, src: int, expected_digest: int, device: torch.device) -> HeldState:
+def _agree(ok: bool, device: torch.device) -> bool:
+    """Collective: whether every rank is ``ok`` (one all-reduce of a flag)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _parse(raw: torch.Tensor, reference: Any, expected_step: int) -> tuple[Any, list[Any]]:
+    """The received header, checked against ``reference`` (see :func:`check_header`) and
+    carrying ``expected_step``; PeerStateError otherwise."""
+    try:
+        header = json.loads(raw.cpu().numpy().tobytes())
+    except (ValueError, RecursionError) as e:
+        raise PeerStateError(f"state header is not JSON: {str(e)[:200]}") from e
+    specs = check_header(header, reference)
+    step = header["d"]["step"].get("v")
+    if type(step) is not int or step != expected_step:
+        raise PeerStateError(f"state header for step {step!r}, but the survey announced step {expected_step}")
+    return header, specs
+
+
+def broadcast(
+    held: HeldState | None,
+    src: int,
+    expected_digest: int,
+    device: torch.device,
+    *,
+    expected_step: int,
+    reference: HeldState | None = None,
+) -> HeldState:
     """Collective: rank ``src`` sends its held state; every rank returns it (the sender its own).
-    A receiver raises :class:`PeerStateError` unless the digest of what arrived is ``expected_digest``."""
+
+    A receiver checks what arrives against its own state ``reference`` (a :class:`HeldState` of
+    this rank's model, optimizer and cursor, any step: under a full-replica strategy every rank
+    holds the same structure): the header's size, structure, dtypes and shapes (nothing is
+    allocated from a peer's numbers), its step against ``expected_step`` and the digest of the
+    whole against ``expected_digest`` (both from :func:`survey`). Every rank raises
+    :class:`PeerStateError`, at the same point, when any rank refuses (one all-reduce of a flag
+    after the header and one after the digest): no rank goes on to a collective that its peers
+    left, so a bad transfer never leaves ranks waiting on each other; they fall back together."""
     sending = dist.get_rank() == src
-    if sending:
-        assert held is not None
-        header, tensors = flatten({"model": held.model, "optim": held.optim, "cursor": held.cursor, "step": held.step})
-        blob = json.dumps(header).encode()
-        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
+    problem, blob, limit, mine = "", b"", 0, None
+    if not sending and reference is None:
+        raise ValueError("a receiving rank needs its own state as the reference")
+    try:
+        if sending:
+            assert held is not None
+            header, tensors = flatten(held.payload())
+            blob = json.dumps(header).encode()
+        else:
+            assert reference is not None
+            mine, _ = flatten(reference.payload())
+            limit = min(MAX_HEADER_BYTES, 2 * len(json.dumps(mine).encode()) + HEADER_SLACK_BYTES)
+    except PeerStateError as e:  # state this rank cannot describe: refused below, with every rank
+        problem = f"rank {dist.get_rank()} cannot describe its own state: {e}"
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
     dist.broadcast(size, src)
     n = int(size.item())
-    if not 0 < n <= MAX_HEADER_BYTES:
-        raise PeerStateError(f"state header of {n} bytes")
+    if not problem and not sending and not 0 < n <= limit:  # 0: the sender has nothing to send
+        problem = f"state header of {n} bytes from rank {src} (this rank's own is about {limit // 2} bytes)"
+    if not _agree(not problem and n > 0, device):
+        raise PeerStateError(problem or f"a rank refused the size of rank {src}'s state header")
     raw = (
         torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
         if sending
         else torch.empty(n, dtype=torch.uint8, device=device)
     )
     dist.broadcast(raw, src)
-    if not sending:
-        try:
-            header = json.loads(bytes(raw.cpu().tolist()))
-        except ValueError as e:
-            raise PeerStateError(f"state header is not JSON: {e}") from e
-    specs = tensor_specs(header)
-    if sending:
-        received = tensors
-    else:
-        received = [torch.empty(shape, dtype=dtype, device=device) for _, dtype, shape in specs]
+    try:  # the sender checks its own header too: what it cannot describe, no rank receives
+        if sending:
+            specs = tensor_specs(header)
+        else:
+            header, specs = _parse(raw, mine, expected_step)
+    except PeerStateError as e:
+        problem = f"state header from rank {src}: {e}"
+    if not _agree(not problem, device):
+        raise PeerStateError(problem or f"a rank refused the state header of rank {src}")
+    received = tensors if sending else [torch.empty(shape, dtype=dtype, device=device) for _, dtype, shape in specs]
     for dtype in sorted({d for _, d, _ in specs}, key=str):  # one flat buffer per dtype
         members = [i for i, d, _ in specs if d == dtype]
         if sending:
@@ -210,15 +376,18 @@ def broadcast(held: HeldState | None, src: int, expected_digest: int, device: to
                 numel = received[i].numel()
                 received[i].copy_(flat[offset : offset + numel].view(received[i].shape))
                 offset += numel
-    if sending:
-        assert held is not None
-        return held
-    obj = unflatten(header, received)
-    if not isinstance(obj, dict) or not isinstance(obj.get("step"), int):
-        raise PeerStateError("state header without a step")
-    got = HeldState(step=obj["step"], committed_step=-1, model=obj["model"], optim=obj["optim"], cursor=obj["cursor"])
-    if got.digest() != expected_digest:
-        raise PeerStateError(
-            f"state from rank {src} arrived with digest {got.digest():x}, expected {expected_digest:x}"
-        )
+    got = held
+    if not sending:
+        try:
+            obj = unflatten(header, received)
+            got = HeldState(
+                step=obj["step"], committed_step=-1, model=obj["model"], optim=obj["optim"], cursor=obj["cursor"]
+            )
+            if got.digest() != expected_digest:
+                problem = f"state from rank {src} arrived with digest {got.digest():x}, expected {expected_digest:x}"
+        except PeerStateError as e:
+            problem = f"state from rank {src}: {e}"
+    if not _agree(not problem, device):
+        raise PeerStateError(problem or f"a rank refused the state that rank {src} sent")
+    assert got is not None
     return got
