@@ -7,7 +7,8 @@ torchrun (:class:`agents.workers.WorkerGroup`). Datagrams on a local socket are 
 full buffer drops the newest ones, so a slow agent costs workers nothing. The agent keeps the
 newest beat of each local rank of the round it is running; beats of other rounds are ignored (a
 zombie of an old round cannot make a new round look alive), and an ``alive`` only refreshes
-:attr:`Beat.alive_at` of the beat it follows.
+:attr:`Beat.alive_at` of the beat it follows, and what it says is in flight (:attr:`Beat.in_flight_since`
+keeps the earliest sighting of one collective: an age measured later can only be too short).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class Beat:
     phases_s: dict[str, float] = field(default_factory=dict)  #: the step's time by phase (contract.heartbeat)
     error: str = ""  #: from the exit message: why the worker failed
     fatal: bool = False  #: from the exit message: a restart cannot help
+    recording: bool = False  #: its "alive" datagrams say what is in flight (its flight recorder is on)
+    in_flight_since: float = 0.0  #: time.monotonic() on the agent when its oldest collective in flight was entered
+    in_flight_seq: int = -1  #: that collective's sequence number in its group (-1: none in flight)
+    in_flight_group: str = ""
+    in_flight: str = ""  #: what it is (op, shapes, dtypes)
+
+    def in_flight_key(self) -> tuple[str, int] | None:
+        return (self.in_flight_group, self.in_flight_seq) if self.in_flight_seq >= 0 else None
 
 
 def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
@@ -69,6 +78,11 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
         error=msg.error,
         fatal=msg.fatal,
         finished=msg.finished if msg.kind == "exit" else None,
+        recording=msg.recording,
+        in_flight_since=received_at - msg.in_flight_s if msg.in_flight_seq >= 0 else 0.0,
+        in_flight_seq=msg.in_flight_seq,
+        in_flight_group=msg.in_flight_group,
+        in_flight=msg.in_flight,
     )
     return msg.round, msg.kind, beat
 
@@ -120,6 +134,24 @@ class BusyWindow:
             if beats:
                 means[rank] = sum(s for s, _ in window) / beats
         return max(means.items(), key=lambda rank_busy: rank_busy[1]) if means else None
+
+
+def _after_alive(prev: Beat, alive: Beat) -> Beat:
+    """``prev`` (a new object: readers hold the old one) with what an "alive" says: the time, and
+    what is in flight; the same collective keeps its earliest sighting (a datagram's delay makes
+    an age measured later too short, never too long)."""
+    same = alive.in_flight_key() is not None and alive.in_flight_key() == prev.in_flight_key()
+    return dataclasses.replace(
+        prev,
+        alive_at=alive.alive_at,
+        recording=alive.recording,
+        in_flight_since=min(alive.in_flight_since, prev.in_flight_since)
+        if same and prev.in_flight_since
+        else alive.in_flight_since,
+        in_flight_seq=alive.in_flight_seq,
+        in_flight_group=alive.in_flight_group,
+        in_flight=alive.in_flight or (prev.in_flight if same else ""),
+    )
 
 
 class HeartbeatServer:
@@ -186,10 +218,17 @@ class HeartbeatServer:
             if round_ != self._round:
                 return
             prev = self._beats.get(beat.local_rank)
-            if kind == "alive":  # liveness only: the step beat it follows stays as it is
+            if kind == "alive":  # liveness and what is in flight: the step beat it follows stays as it is
                 if prev is not None and prev.pid == beat.pid:  # a new object: readers hold the old one
-                    self._beats[beat.local_rank] = dataclasses.replace(prev, alive_at=beat.alive_at)
+                    self._beats[beat.local_rank] = _after_alive(prev, beat)
                 return
+            if prev is not None and prev.pid == beat.pid:  # a step beat: the last "alive" says what is in flight
+                beat.recording, beat.in_flight_since = prev.recording, prev.in_flight_since
+                beat.in_flight_seq, beat.in_flight_group, beat.in_flight = (
+                    prev.in_flight_seq,
+                    prev.in_flight_group,
+                    prev.in_flight,
+                )
             if prev is not None and not beat.phases_s:  # a beat outside training keeps the last breakdown
                 beat.phases_s = prev.phases_s
             elif beat.phases_s and kind == "beat" and beat.phase == "training":

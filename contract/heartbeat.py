@@ -9,13 +9,18 @@ Three kinds share one schema, :class:`Message`:
 - ``exit``: the last message (``finished``; ``error``: why it failed; ``fatal``: a restart
   cannot help).
 - ``alive``: every second from a background thread: the process runs (a SIGSTOPped or frozen
-  worker sends nothing), which is not the same as making progress.
+  worker sends nothing), which is not the same as making progress. It also says what this rank
+  waits in: its oldest collective in flight (``in_flight_seq`` in group ``in_flight_group``,
+  ``in_flight`` what it is, ``in_flight_s`` how long it has been in flight), when its flight
+  recorder is on (``recording``; off, the in-flight fields say nothing).
 
 What must stay true: :meth:`Message.decode` checks every field and refuses the whole datagram
 if one is wrong: integers are ints (not bools, floats or strings), ``pid`` a possible process
 id (2 .. :data:`PID_MAX`: never 0, 1 or negative, which ``kill`` reads as process groups or
 everything), ``local_rank`` 0 .. :data:`MAX_LOCAL_RANK`, times finite and non-negative, strings
-cut to :data:`MAX_TEXT_CHARS`. A decoded pid is still only a claim.
+cut to :data:`MAX_TEXT_CHARS` (the in-flight description and group to :data:`MAX_IN_FLIGHT_CHARS`),
+an in-flight age at most :data:`MAX_IN_FLIGHT_S`, and the in-flight fields consistent (set only
+by a recording worker, and all together). A decoded pid is still only a claim.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ PID_MAX = 2**22  #: the kernel's largest possible pid_max
 MAX_LOCAL_RANK = 4095
 MAX_TEXT_CHARS = 1000  #: longest string kept by the receiver
 MAX_ERROR_CHARS = 500  #: errors are cut to this by the sender, so that a datagram stays well under 4 KiB
+MAX_IN_FLIGHT_CHARS = 200  #: the in-flight collective's description and group name, cut by both ends
+MAX_IN_FLIGHT_S = 1e9  #: an in-flight age beyond this (30 years) is not a measurement
 _BIG = 2**62
 
 
@@ -62,11 +69,18 @@ class Message:
     finished: bool = False  #: exit: the worker completed training
     error: str = ""  #: exit: why the worker failed
     fatal: bool = False  #: exit: a restart cannot help
+    recording: bool = False  #: alive: the worker's flight recorder tells what is in flight (else nothing is known)
+    in_flight_seq: int = -1  #: alive: the sequence number of its oldest collective in flight (-1: none)
+    in_flight_group: str = ""  #: that collective's process group
+    in_flight: str = ""  #: what it is (op, shapes, dtypes: ``gloo:all_reduce [1000] Float``; may be empty)
+    in_flight_s: float = 0.0  #: how long it had been in flight when this datagram was sent
 
     def encode(self) -> bytes:
         fields = dataclasses.asdict(self)
         for name in ("error", "ckpt_error"):
             fields[name] = fields[name][:MAX_ERROR_CHARS]
+        for name in ("in_flight", "in_flight_group"):
+            fields[name] = fields[name][:MAX_IN_FLIGHT_CHARS]
         return json.dumps(fields).encode()
 
     @classmethod
@@ -100,7 +114,31 @@ class Message:
             finished=_bool(msg, "finished"),
             error=_text(msg, "error"),
             fatal=_bool(msg, "fatal"),
+            **_in_flight(msg),
         )
+
+
+def _in_flight(msg: dict[str, Any]) -> dict[str, Any]:
+    """The in-flight fields, checked together: none without ``recording``, and a collective
+    (``in_flight_seq`` >= 0) for any of the others."""
+    recording = _bool(msg, "recording")
+    seq = _int(msg, "in_flight_seq", -1, -1, _BIG)
+    group = _text(msg, "in_flight_group")[:MAX_IN_FLIGHT_CHARS]
+    what = _text(msg, "in_flight")[:MAX_IN_FLIGHT_CHARS]
+    age_s = _float(msg, "in_flight_s")
+    if age_s > MAX_IN_FLIGHT_S:
+        raise ValueError(f"in_flight_s={age_s!r}: need at most {MAX_IN_FLIGHT_S:g}")
+    if seq < 0 and (group or what or age_s):
+        raise ValueError("in_flight_group, in_flight and in_flight_s need a collective (in_flight_seq >= 0)")
+    if seq >= 0 and not recording:
+        raise ValueError("an in-flight collective from a worker whose flight recorder is off (recording=false)")
+    return {
+        "recording": recording,
+        "in_flight_seq": seq,
+        "in_flight_group": group,
+        "in_flight": what,
+        "in_flight_s": age_s,
+    }
 
 
 def _int(msg: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int:

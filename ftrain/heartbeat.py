@@ -6,8 +6,10 @@ happens without an agent):
 - ``FTRAIN_HEARTBEAT``: the agent's Unix datagram socket; one JSON datagram per step (see
   ``agents.heartbeat``), plus an "alive" datagram every ``ALIVE_INTERVAL_S`` from a background
   thread, so that a frozen worker (SIGSTOP, a stopped cgroup) is told from one busy with a long
-  load or save within the hang timeout, not the start timeout. Sending never blocks and never
-  fails the worker.
+  load or save within the hang timeout, not the start timeout. Each "alive" also carries this
+  rank's oldest collective in flight (:func:`ftrain.flight_recorder.oldest_in_flight`: what and
+  for how long), so that its agent tells a rank stuck in a collective from one that computes,
+  whatever the thread says. Sending never blocks and never fails the worker.
 - ``FTRAIN_STACK_DIR``: SIGUSR1 makes :mod:`faulthandler` write every thread's Python stack to
   ``<dir>/<pid>.txt``. It runs in the C signal handler, so it works while Python is stuck in
   a collective or a lock.
@@ -37,6 +39,7 @@ from typing import Any, TextIO
 
 from contract.heartbeat import Message
 from contract.worker_env import WorkerEnv
+from ftrain import flight_recorder
 from ftrain.flight_recorder import FlightServer
 
 log = logging.getLogger(__name__)
@@ -137,7 +140,7 @@ class Heartbeat:
 
         def run() -> None:
             while not self._closing.wait(interval_s):
-                self._send(kind="alive")
+                self._send(kind="alive", **in_flight_fields())
 
         threading.Thread(target=run, name="heartbeat-alive", daemon=True).start()
 
@@ -146,6 +149,35 @@ class Heartbeat:
         self._sock.close()
         if self.flight is not None:
             self.flight.close()
+
+
+_in_flight_failed = False  #: the recorder could not be read once (logged once; "alive" goes on without it)
+
+
+def in_flight_fields() -> dict[str, Any]:
+    """The "alive" datagram's in-flight fields (:class:`contract.heartbeat.Message`): this rank's
+    oldest collective in flight, or that none is, or (recording off, or the recorder unreadable)
+    that nothing is known."""
+    global _in_flight_failed
+    if not any(os.environ.get(name, "0") not in ("", "0") for name in flight_recorder.BUFFER_ENV):
+        return {}
+    try:
+        oldest = flight_recorder.oldest_in_flight()
+    except Exception as e:  # noqa: BLE001 - a diagnostic must never stop the liveness signal
+        if not _in_flight_failed:
+            _in_flight_failed = True
+            log.warning("the flight recorder's in-flight collective could not be read: %s", e)
+        return {}
+    if oldest is None:
+        return {"recording": True}
+    return {
+        "recording": True,
+        "in_flight_seq": max(0, oldest.seq),
+        "in_flight_group": oldest.group,
+        "in_flight": oldest.what(),
+        # no enqueue time (0): "since now", and the agent keeps the first sighting of the collective
+        "in_flight_s": min(max(0.0, time.time() - oldest.enqueued_s), 1e6) if oldest.enqueued_s > 0 else 0.0,
+    }
 
 
 def _watchdog(agent_pid: int, parent_pid: int) -> None:
