@@ -12,7 +12,15 @@ reads the whole job state from etcd in one range request and acts on it:
 - **follower** (every agent, the leader too): when the current round lists this agent, start
   its workers (torchrun, static rendezvous at the round's master) unless they already run; when
   it does not, stop any workers of an older round. Watch the workers: exit code, heartbeats,
-  hangs (dump stacks, kill). Report how the round ended on this node.
+  hangs (:mod:`agents.supervision`: no progress, silence, or a collective waited in too long
+  with nobody in the round moving). Report how the round ended on this node.
+- **hangs**: the agent that finds one takes its workers' flight records, reports the hang, and
+  ends the workers that must go (frozen ones; every one under restart recovery) only once every
+  other member has taken its own workers' records (or after :data:`HANG_HOLD_S`): ending a
+  rank first lets its peers' collectives fail, and then their records no longer show where
+  they waited. Every other member takes them as soon as it sees a hang reported in its round (or
+  a round formed for one), in both recovery modes, before its workers move on. Workers hung in
+  a collective under live recovery are not killed: the next round's watchdog frees them.
 - **status**: ``status/<id>`` for ``ftrain status``; Prometheus metrics.
 
 The agent is assembled from parts passed in (:mod:`agents.assemble` wires the production ones):
@@ -52,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import flight, flight_verdict
+from agents import flight, flight_verdict, hang_view
 from agents.config import AgentConfig
 from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
 from agents.etcd import Compare, Op
@@ -76,12 +84,13 @@ from agents.records import (
     NodeRecord,
     NodeStatus,
     Problem,
+    RankStall,
     Report,
     RoundRecord,
     parse_master,
     validate_id,
 )
-from agents.supervision import exit_report, frozen_ranks, hung_ranks
+from agents.supervision import FROZEN_AFTER_S, HangCall, exit_report, frozen_ranks, hung_ranks, judge, stalls
 from agents.workers import Launch, Launcher, Workers
 from contract import events as ev
 from contract import exits
@@ -96,6 +105,20 @@ TICK_S = 0.2
 STATUS_INTERVAL_S = 1.0
 CRASH_GRACE_S = 0.3
 ROUNDS_KEPT = 8  #: round records (and their reports) kept in etcd behind the current one
+#: the longest a hang's workers are kept (frozen or stuck) for the other members to take their
+#: own workers' flight records first (a running worker answers in milliseconds; see agents.flight)
+HANG_HOLD_S = 2.0
+
+
+@dataclass(slots=True)
+class _HeldHang:
+    """A hang found here whose workers are not ended yet (see the module doc, **hangs**)."""
+
+    workers: Workers
+    call: HangCall
+    evidence: flight.Evidence
+    verdict: str
+    due_at: float  #: monotonic: end them by then, whoever has dumped
 
 
 @dataclass(kw_only=True)
@@ -225,6 +248,10 @@ class Agent:
         self._ckpt_failures_seen = 0  #: failed commits in a row the workers last reported
         self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
         self.hang_verdict = ""  #: the newest hang's verdict from the flight records (shown by ftrain status)
+        self.hang_dumped_round = -1  #: the newest round whose hang this node's workers' records were taken for
+        self._held: _HeldHang | None = None  #: a hang found here, its workers kept until the others dumped
+        self._stalled: list[RankStall] = []  #: this node's ranks not making progress (status)
+        self._state: JobState | None = None  #: the newest job state read (the other members, for a hang)
         self.dump_nonce = ""  #: the newest dump request seen (ftrain status --dump)
         self.dump_verdict = ""  #: what the workers' flight records said when it was answered
         self.started_at_wall = self.clock.time()
@@ -315,6 +342,8 @@ class Agent:
         """One pass of the loop: read the job, supervise the workers, lead, follow, report."""
         self._ensure_session()
         state = self._read()
+        if state is not None:
+            self._state = state
         self._supervise()
         if self.draining:
             self._drain_step()
@@ -395,6 +424,7 @@ class Agent:
             session.ttl_s,
         )
         self.events.emit(ev.AgentRegistered(node=self.cfg.node_id, agent=self.uid, first=first))
+        self.events.emit(ev.NodeHost(node=self.cfg.node_id, host=self.cfg.host, hostname=socket.gethostname()))
 
     def _reclaim(self, key: str) -> bool:
         """Our own earlier registration still holds the key (etcd restored the lease we gave up
@@ -575,6 +605,9 @@ class Agent:
             )
             return
         cur = state.current
+        self._dump_for_hang_elsewhere(state)
+        if self._held is not None:  # a hang found here: its workers stay until the others dumped
+            return
         if self._left_out(cur):
             assert isinstance(self.workers, LiveWorkers) and cur is not None
             self._park(self.workers, f"round {cur.round} goes on without this node until its workers are warm")
@@ -583,8 +616,6 @@ class Agent:
             and (cur is None or self.workers.round != cur.round)
             and not self._keeps_workers(cur)
         ):
-            if cur is not None and cur.reason == HANG:  # a peer hung: show where these workers wait
-                self._dump(self.workers, f"round {cur.round} formed after a hang elsewhere")
             why = f"round {cur.round if cur else '?'} replaced round {self.workers.round}"
             self._stop_workers(self.workers, why)
         if cur is None or self.draining:
@@ -654,6 +685,8 @@ class Agent:
         self.events.emit(ev.WorkersStopped(node=self.cfg.node_id, worker_round=pool.round, why=f"{why} (kept)"))
 
     def _launch(self, launch: Launch) -> None:
+        if self.pool is not None and not self.pool.terminating:
+            self._drop_frozen(self.pool)  # before the beats of the old round are forgotten
         self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
         if self.pool is None or self.pool.terminating:  # gone (the job's end, a drain): start anew
@@ -739,6 +772,7 @@ class Agent:
     def _supervise(self) -> None:
         workers = self.workers
         if workers is None:
+            self._stalled = []
             if self.pool is not None and not self.pool.terminating:  # between rounds: stay ready
                 self.pool.refill(self.cfg.nproc_per_node)
             return
@@ -755,6 +789,16 @@ class Agent:
             self.metrics.heartbeat_age.set(self.clock.monotonic() - min(b.received_at for b in beats.values()))
             self._note_ckpt_failures(workers.round, beats)
             self.metrics.ranks_stepped(workers.round, {b.rank: b.phases_s for b in beats.values() if b.rank >= 0})
+        self._stalled = stalls(
+            beats,
+            self._hung(workers, beats),
+            now=self.clock.monotonic(),
+            now_wall=self.clock.time(),
+            hang_timeout_s=self.cfg.hang_timeout_s,
+        )
+        if self._held is not None:  # the round is over here: its hung workers wait for the others' dumps
+            self._release_held()
+            return
         rc = workers.poll()
         if isinstance(workers, LiveWorkers) and (rc is None or (rc != 0 and not workers.terminating)):
             self._supervise_live(workers, beats)  # a failed worker is replaced, even the node's last one
@@ -786,9 +830,9 @@ class Agent:
             )
             self.pending_reports[workers.round] = report
             return
-        hung = self._hung(workers, beats)
-        if hung:
-            self._on_hang(workers, hung)
+        call = self._judge(workers, beats, live=False)
+        if call is not None:
+            self._on_hang(workers, call, beats)
 
     def _supervise_live(self, workers: LiveWorkers, beats: dict[int, Beat]) -> None:
         """Live workers: a dead or hung worker is reported (its siblings keep running and wait
@@ -817,23 +861,25 @@ class Agent:
             self.pending_reports[workers.round] = dataclasses.replace(report, workers_ready=workers.ready())
             self.wake.set()
             return
-        hung = self._hung(workers, beats)
-        if not hung:
-            return
-        # Kill the frozen ranks only: the others are most likely blocked in a collective with a
-        # frozen peer (here or on another node, whose agent kills it) and recover once it is gone.
-        # With nobody frozen for twice the timeout, everything hung goes: a deadlock.
-        now = self.clock.monotonic()
-        frozen = frozen_ranks(beats, hung, now=now)
-        stuck_s = now - min((beats[r].received_at for r in hung if r in beats), default=workers.started_at)
-        if not frozen and stuck_s < 2 * self.cfg.hang_timeout_s:
-            return
-        hung = frozen or hung
-        self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
-        killed = workers.kill_ranks(hung)
-        log.error("round %d: killed hung worker(s) %s; the others stay", workers.round, killed)
-        self._report_hang(workers.round, hung, beats, workers_ready=workers.ready())
-        self.wake.set()
+        # Frozen ranks are ended; ranks hung in a collective are not (the next round's watchdog
+        # frees them); see agents.supervision.judge.
+        call = self._judge(workers, beats, live=True)
+        if call is not None:
+            self._on_hang(workers, call, beats)
+
+    def _judge(self, workers: Workers, beats: dict[int, Beat], *, live: bool) -> HangCall | None:
+        return judge(
+            beats,
+            nproc_per_node=workers.launch.nproc_per_node,
+            started_at=workers.started_at,
+            now=self.clock.monotonic(),
+            hang_timeout_s=self.cfg.hang_timeout_s,
+            start_timeout_s=self.cfg.start_timeout_s,
+            others_moving=hang_view.others_moving(
+                self._state, workers.round, self.cfg.node_id, now_wall=self.clock.time()
+            ),
+            live=live,
+        )
 
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the
@@ -843,11 +889,62 @@ class Agent:
         self._gone_since = {pid: self._gone_since.get(pid, now) for pid in gone}
         return [b for b in beats.values() if b.pid in gone and now - self._gone_since[b.pid] >= CRASH_GRACE_S]
 
-    def _on_hang(self, workers: Workers, hung: list[int]) -> None:
-        self._dump(workers, f"no heartbeat from local rank(s) {hung} within the timeout", local_ranks=hung)
-        self.workers = None
-        workers.kill()
-        self._report_hang(workers.round, hung, self.heartbeats.beats())
+    def _on_hang(self, workers: Workers, call: HangCall, beats: dict[int, Beat]) -> None:
+        """A hang found here: the workers' flight records now (before anything moves), the report
+        at once; their stacks and the end of the ones to end once the others dumped (:meth:`_release_held`)."""
+        log.error("round %d: hang: %s: taking the workers' flight records", workers.round, call.why)
+        evidence, verdict = self._evidence(workers, ev.Hang)
+        ready = workers.ready() if isinstance(workers, LiveWorkers) else -1
+        self._report_hang(workers.round, call, beats, workers_ready=ready)
+        self.hang_dumped_round = max(self.hang_dumped_round, workers.round)
+        self.hang_verdict = f"round {workers.round}: {verdict}"
+        log.error("round %d: flight records: %s", workers.round, verdict)
+        self._held = _HeldHang(workers, call, evidence, verdict, self.clock.monotonic() + HANG_HOLD_S)
+        self.wake.set()
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """End the held hang's workers once every other live member took its records (or at the
+        deadline): first their stacks (dumping continues a stopped worker), then the kill."""
+        held = self._held
+        if held is None:
+            return
+        round_ = held.workers.round
+        if (
+            held.call.kill
+            and self.clock.monotonic() < held.due_at
+            and not hang_view.others_dumped(self._state, round_, self.cfg.node_id)
+        ):
+            return
+        self._held = None
+        stacks = held.workers.dump_stacks(self.stack_dir)
+        self._emit_dump(ev.Hang, held.workers, held.call.why, held.call.ranks, held.evidence, held.verdict, stacks)
+        for pid, text in stacks.items():
+            log.error("stack of worker %d:\n%s", pid, text)
+        if not held.call.kill:
+            return
+        if isinstance(held.workers, LiveWorkers):
+            killed = held.workers.kill_ranks(held.call.kill)
+            log.error("round %d: ended hung worker(s) %s; the others stay", round_, killed)
+        else:
+            if self.workers is held.workers:
+                self.workers = None
+            held.workers.kill()
+            log.error("round %d: ended the workers", round_)
+
+    def _drop_frozen(self, pool: LiveWorkers) -> None:
+        """Before a new round: end the serving processes that stopped saying they are alive (a
+        hang found elsewhere first leaves them here), so that spares take their places."""
+        now = self.clock.monotonic()
+        pids = pool.pids()
+        frozen = [
+            r
+            for r, b in self.heartbeats.beats().items()
+            if pids.get(r) == b.pid and b.finished is None and b.alive_at > 0 and now - b.alive_at > FROZEN_AFTER_S
+        ]
+        if frozen:
+            killed = pool.kill_ranks(frozen)
+            log.error("round %d: ended frozen worker(s) %s before the next round", pool.round, killed)
 
     def _hung(self, workers: Workers, beats: dict[int, Beat]) -> list[int]:
         return hung_ranks(
@@ -859,18 +956,38 @@ class Agent:
             start_timeout_s=self.cfg.start_timeout_s,
         )
 
-    def _report_hang(self, round_: int, hung: list[int], beats: dict[int, Beat], *, workers_ready: int = -1) -> None:
-        """The round ended here on a hang of local ranks ``hung``."""
+    def _report_hang(self, round_: int, call: HangCall, beats: dict[int, Beat], *, workers_ready: int = -1) -> None:
+        """The round ended here on a hang of local ranks ``call.ranks``."""
         self.finished_rounds.add(round_)
         self.pending_reports[round_] = Report(
             FAILED,
             HANG,
-            f"no heartbeat from local rank(s) {hung}",
+            f"{call.why}; local rank(s) {call.ranks}"[:1000],
             self.uid,
             self.clock.time(),
             step=max((b.step for b in beats.values()), default=-1),
             workers_ready=workers_ready,
         )
+
+    def _dump_for_hang_elsewhere(self, state: JobState) -> None:
+        """Another member reported a hang in this node's round, or a round was formed for one: take
+        this node's workers' flight records while they still wait (once per round, in both
+        recovery modes), say so in the status at once (the finder waits for it), then their stacks
+        when they are about to be replaced (restart recovery)."""
+        workers, cur = self.workers, state.current
+        if workers is None or cur is None or self.hang_dumped_round >= workers.round:
+            return
+        by = hang_view.hang_reported_by(state, workers.round, self.cfg.node_id)
+        if by is None and not (cur.round > workers.round and cur.reason == HANG):
+            return
+        why = f"a hang reported by {by}" if by else f"round {cur.round} formed after a hang elsewhere"
+        log.error("round %d: %s: taking the workers' flight records", workers.round, why)
+        evidence, verdict = self._evidence(workers, ev.Hang)
+        self.hang_dumped_round = workers.round
+        self._publish_status(state, force=True)
+        stacks = {} if isinstance(workers, LiveWorkers) else workers.dump_stacks(self.stack_dir)  # kept: records only
+        self._emit_dump(ev.Hang, workers, why, [], evidence, verdict, stacks)
+        log.error("round %d: flight records: %s", workers.round, verdict)
 
     def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
         """Failed checkpoint commits: metrics always, an event (and an error log) each time the
@@ -903,41 +1020,61 @@ class Agent:
             self.dump_verdict = f"round {self.workers.round}: {line}"
         self._publish_status(state, force=True)
 
-    def _dump(
-        self, workers: Workers, why: str, local_ranks: list[int] | None = None, *, record: type[ev.Hang] = ev.Hang
-    ) -> str:
+    def _dump(self, workers: Workers, why: str, *, record: type[ev.Hang] = ev.Hang) -> str:
         """Every worker's flight record and Python stack into the event log (and this agent's
         log), with the verdict the records give (returned). The records first: dumping the
         stacks continues a stopped worker."""
         log.error("round %d: %s: dumping the flight records and stacks of the workers", workers.round, why)
+        evidence, verdict = self._evidence(workers, record)
+        stacks = workers.dump_stacks(self.stack_dir)
+        self._emit_dump(record, workers, why, [], evidence, verdict, stacks)
+        log.error("round %d: flight records: %s", workers.round, verdict)
+        return verdict
+
+    def _evidence(self, workers: Workers, record: type[ev.Hang]) -> tuple[flight.Evidence, str]:
+        """This node's workers' flight records and their verdict, with where each rank runs, and
+        (on a hang) what the other members' statuses say about their stalled ranks."""
         beats = self.heartbeats.beats()
         silent = frozen_ranks(beats, list(beats), now=self.clock.monotonic())
+        where = hang_view.where(self._state, workers.round)
         evidence = flight.hang_evidence(
             {b.pid: b.rank for b in beats.values() if b.rank >= 0},
             self.stack_dir,
             silent=[beats[r].rank for r in silent if r in beats],
             min_wait_s=0.0 if record is ev.Hang else flight_verdict.REQUESTED_MIN_WAIT_S,
+            where=where,
         )
-        stacks = workers.dump_stacks(self.stack_dir)
+        verdict = evidence.verdict.line
+        elsewhere = hang_view.stalls_of(self._state, workers.round, self.cfg.node_id)
+        if record is ev.Hang and elsewhere:
+            mine = [hang_view.as_stall(s) for s in self._stalled]
+            seen = flight_verdict.from_stalls([*mine, *elsewhere], now=self.clock.time(), where=where)
+            verdict = f"{verdict}; across the round: {seen.line}"
+        return evidence, verdict
+
+    def _emit_dump(
+        self,
+        record: type[ev.Hang],
+        workers: Workers,
+        why: str,
+        local_ranks: list[int],
+        evidence: flight.Evidence,
+        verdict: str,
+        stacks: dict[int, str],
+    ) -> None:
         self.events.emit(
             record(
                 node=self.cfg.node_id,
                 worker_round=workers.round,
                 why=why,
-                local_ranks=local_ranks or [],
+                local_ranks=local_ranks,
                 stacks={str(pid): text for pid, text in stacks.items()},
                 flight={str(rank): rec.to_dict() for rank, rec in evidence.records.items()},
                 missing={str(rank): reason for rank, reason in evidence.missing.items()},
                 frozen=evidence.frozen,
-                verdict=evidence.verdict.line,
+                verdict=verdict,
             )
         )
-        log.error("round %d: flight records: %s", workers.round, evidence.verdict.line)
-        if record is ev.Hang:
-            self.hang_verdict = f"round {workers.round}: {evidence.verdict.line}"
-            for pid, text in stacks.items():
-                log.error("stack of worker %d:\n%s", pid, text)
-        return evidence.verdict.line
 
     def _drain_step(self) -> None:
         if self.workers is None:
@@ -960,6 +1097,9 @@ class Agent:
             self.wake.set()
 
     def _finish(self, state: JobState, final: FinalStatus) -> None:
+        if self._held is not None:  # the job is over: nobody else is to be waited for
+            self._held.due_at = 0.0
+            self._release_held()
         if self.workers is not None:
             if self.workers.wait(timeout_s=10.0) is None:
                 self._stop_workers(self.workers, "job finished", rewarm=False)
@@ -1011,6 +1151,8 @@ class Agent:
             stragglers=self.straggler_lines if self._leading(state) else [],
             dump_nonce=self.dump_nonce,
             dump_verdict=self.dump_verdict[:500],
+            stalled=self._stalled if self.workers is not None else [],
+            hang_dumped_round=self.hang_dumped_round,
             recovery=self.cfg.recovery,
             workers_ready=self.pool.ready() if self.pool is not None else 0,
             workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,

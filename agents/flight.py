@@ -17,7 +17,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from agents.flight_verdict import Verdict, analyze
@@ -100,15 +100,20 @@ class Evidence:
 
 
 def hang_evidence(
-    pid_ranks: dict[int, int], stack_dir: str, *, silent: Iterable[int] = (), min_wait_s: float = 0.0
+    pid_ranks: dict[int, int],
+    stack_dir: str,
+    *,
+    silent: Iterable[int] = (),
+    min_wait_s: float = 0.0,
+    where: Mapping[int, str] | None = None,
 ) -> Evidence:
     """Collect the records of the workers ``pid_ranks`` (pid -> global rank) and judge them;
-    ``silent``: global ranks the agent already knows stopped talking; ``min_wait_s``: see
-    :func:`agents.flight_verdict.analyze`."""
+    ``silent``: global ranks the agent already knows stopped talking; ``min_wait_s`` and
+    ``where`` (rank -> where it runs): see :func:`agents.flight_verdict.analyze`."""
     stopped = {pid for pid in pid_ranks if process_state(pid) == "T"}
     got = collect(pid_ranks, stack_dir, stopped=stopped)
     records = {pid_ranks[pid]: record.tail(EVENT_TAIL) for pid, record in got.records.items()}
     missing = {pid_ranks[pid]: why for pid, why in got.missing.items()}
     frozen = sorted(set(silent) | {pid_ranks[pid] for pid in stopped})
-    verdict = analyze(records, frozen=frozen, missing=missing, now=time.time(), min_wait_s=min_wait_s)
+    verdict = analyze(records, frozen=frozen, missing=missing, now=time.time(), min_wait_s=min_wait_s, where=where)
     return Evidence(records, missing, frozen, verdict)

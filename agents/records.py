@@ -295,6 +295,24 @@ class Report:
         return _dumps(self)
 
 
+#: RankStall.why: inside one collective for long | the process stopped talking | no step beat past its limit
+WAITING, FROZEN, NO_PROGRESS = "waiting", "frozen", "no_progress"
+
+
+@dataclass(slots=True)
+class RankStall:
+    """A rank of a node that is not making progress, as its agent last saw it (``NodeStatus.stalled``;
+    the other agents read it to tell whether anyone in the round still moves, ``ftrain status``
+    shows it). Read from etcd, so it is bounded where it is used (:mod:`agents.supervision`)."""
+
+    rank: int  #: global rank
+    why: str  #: waiting | frozen | no_progress
+    since: float  #: wall clock: when it entered the collective it waits in, went silent, or last stepped
+    seq: int = -1  #: waiting: the collective's sequence number in its group
+    group: str = ""  #: its process group
+    what: str = ""  #: op, shapes, dtypes (may be empty)
+
+
 @dataclass(slots=True)
 class NodeStatus:
     round: int = 0
@@ -325,6 +343,9 @@ class NodeStatus:
     stragglers: list[str] = field(default_factory=list)  #: the leader's: one line per straggler it sees
     dump_nonce: str = ""  #: the newest ``ftrain status --dump`` request this agent answered
     dump_verdict: str = ""  #: what its workers' flight records said then
+    #: this node's ranks that are not making progress (none while the round runs well)
+    stalled: list[RankStall] = field(default_factory=list)
+    hang_dumped_round: int = -1  #: the newest round whose hang this agent's workers' flight records were dumped for
 
     def to_json(self) -> str:
         return _dumps(self)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, STUCK, analyze, from_events
+from agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, STUCK, Stall, analyze, from_events, from_stalls
 from contract import events as ev
 from contract.flight import MAX_ENTRIES, Collective, FlightRecord
 
@@ -159,3 +159,91 @@ def test_the_event_log_merges_every_nodes_records_of_a_round_and_skips_bad_ones(
     v = four.verdict()
     assert (v.kind, v.ranks, v.waiting) == (CULPRIT, [1], [0, 2])
     assert seven.round == 7 and list(seven.records) == [5]
+
+
+def test_ranks_that_wait_in_different_collectives_each_for_the_other_are_a_desync():
+    """The issue's stall: rank 1's background thread in the tier group's all_gather (its main
+    thread waiting for that thread), rank 0 in the training group's all_reduce."""
+    groups = {"0": [0, 1], "2": [0, 1]}
+    train = [_c(s) for s in range(1, 6)]
+    tier = [Collective(s, "2", "gloo:all_gather", [[8]], ["Byte"], done=True, enqueued_s=T0 + s) for s in (1, 2)]
+    stuck_tier = Collective(3, "2", "gloo:all_gather", [[8]], ["Byte"], done=False, enqueued_s=T0 + 6.5)
+    records = {
+        0: FlightRecord(0, 100, T0 + 100, [*train, *tier, _c(6, done=False)], groups),
+        1: FlightRecord(1, 101, T0 + 100, [*train, *tier, stuck_tier], groups),
+    }
+    v = analyze(records, where={0: "node a, host h1", 1: "node b, host h2"})
+    assert (v.kind, v.ranks, v.seq, v.group, v.waiting) == (DESYNC, [1], 6, "0", [0]), v
+    assert "the ranks wait in different collectives" in v.line
+    assert "rank 0 (node a, host h1) in #6 gloo:all_reduce [1000] Float on group 0 for 94.0 s" in v.line
+    assert "rank 1 (node b, host h2) in #3 gloo:all_gather [8] Byte on group 2" in v.line
+    # when the other one waits for a frozen rank instead, it is not a desync: the frozen one is at fault
+    assert analyze(records, frozen=[1]).kind == CULPRIT
+    # nor when the absent rank waits in nothing (it is elsewhere: the culprit)
+    records[1] = FlightRecord(1, 101, T0 + 100, [*train, *tier], groups)
+    v = analyze(records, where={1: "node b, host h2"})
+    assert v.kind == CULPRIT and v.line.startswith("rank 1 (node b, host h2) never entered collective #6"), v.line
+
+
+def test_the_merged_verdict_names_the_node_and_host_of_each_rank_at_fault():
+    waiting = [_c(1), _c(2, done=False)]
+    events = [
+        ev.EventLog(rank=-1).emit(ev.NodeHost(node="a", host="10.0.0.1", hostname="host-a")),
+        ev.EventLog(rank=-1).emit(ev.NodeHost(node="b", host="10.0.0.2", hostname="10.0.0.2")),
+        ev.EventLog(rank=1, round_=4).emit(ev.WorkerStarted(world_size=2, strategy="ddp", node="b", local_rank=0)),
+        ev.EventLog(rank=-1).emit(
+            ev.Hang(
+                node="a",
+                worker_round=4,
+                why="a hang reported by b",
+                local_ranks=[],
+                stacks={},
+                flight={"0": _record(0, waiting, world=2).to_dict()},
+            )
+        ),
+        ev.EventLog(rank=-1).emit(
+            ev.Hang(
+                node="b",
+                worker_round=4,
+                why="no heartbeat",
+                local_ranks=[0],
+                stacks={},
+                missing={"1": "stopped"},
+                frozen=[1],
+            )
+        ),
+    ]
+    [four] = from_events(events)
+    assert four.where() == {0: "node a, host 10.0.0.1 (host-a)", 1: "node b, host 10.0.0.2"}
+    v = four.verdict()
+    assert (v.kind, v.ranks, v.waiting, v.seq) == (CULPRIT, [1], [0], 2)
+    assert v.line.startswith("rank 1 (node b, host 10.0.0.2) is frozen"), v.line
+    assert "collective #2 gloo:all_reduce [1000] Float on group 0, in which rank 0 waits" in v.line
+
+
+def test_the_statuses_stalled_ranks_give_the_round_wide_view():
+    where = {0: "node a", 1: "node b"}
+    now = T0 + 10
+    same = [
+        Stall(0, "waiting", T0, 12, "0", "gloo:all_gather [2] Double"),
+        Stall(1, "waiting", T0, 12, "0", "gloo:all_reduce [1] Float"),
+    ]
+    v = from_stalls(same, now=now, where=where)
+    assert (v.kind, v.seq, v.group) == (DESYNC, 12, "0") and "desync at collective #12 on group 0" in v.line
+    assert "rank 1 (node b) waits in gloo:all_reduce [1] Float" in v.line
+    apart = [
+        Stall(0, "waiting", T0, 12, "0", "gloo:all_reduce [1] Float"),
+        Stall(1, "waiting", T0 + 1, 3, "2", "gloo:all_gather"),
+    ]
+    v = from_stalls(apart, now=now, where=where)
+    assert v.kind == DESYNC and "wait in different collectives" in v.line and "for 10.0 s" in v.line
+    frozen = [Stall(0, "waiting", T0, 12, "0", "gloo:all_reduce [1] Float"), Stall(1, "frozen", T0)]
+    v = from_stalls(frozen, now=now, where=where)
+    assert (v.kind, v.ranks, v.waiting) == (CULPRIT, [1], [0])
+    assert (
+        v.line
+        == "rank 1 (node b) is frozen; waiting: rank 0 (node a) in #12 gloo:all_reduce [1] Float on group 0 for 10.0 s"
+    )
+    together = [Stall(r, "waiting", T0, 12, "0", "gloo:all_reduce [1] Float") for r in (0, 1)]
+    assert from_stalls(together, now=now).kind == STUCK
+    assert from_stalls([], now=now).kind == NONE
