@@ -38,7 +38,9 @@ class CheckpointConfig:
     hmac_key_env: str = opt(
         "",
         "Name of an environment variable holding a key: manifests are signed and checked with HMAC-SHA256, "
-        "bound to the job id (FTRAIN_JOB, set by the node agent, or agent.job), which must then be known.",
+        "bound to the job id (FTRAIN_JOB, set by the node agent, or agent.job), which must then be known. The "
+        "memory tier's snapshots (checkpoint.memory_dir) are signed and checked with it too; without a key a "
+        "worker warns at start that this user's other processes (and root) could plant a snapshot there.",
     )
     resume: bool = opt(True, "Load the newest verified checkpoint under checkpoint.uri at start.")
     load_step: int = opt(-1, "Load exactly this step (fails if it is not committed and verified); -1: newest.")
@@ -71,13 +73,17 @@ class CheckpointConfig:
         "(checkpoint.memory_interval) keeps its snapshots, so that they outlive the worker processes: with restart "
         "recovery (agent.recovery=restart) the restarted workers load the newest snapshot their nodes and their "
         "buddies kept before they read storage. Empty: snapshots live in the worker processes (live recovery only; "
-        "live workers always keep them there).",
+        "live workers always keep them there). <memory_dir>/ftrain-tier-<job> and everything below it are created "
+        "0700 with files 0600; one that another user owns or can write turns the on-disk tier off (said once). A "
+        "snapshot is resumed only by the run that took it (run id: FTRAIN_RUN_ID, the agent's job incarnation or "
+        "torchrun's run id; the same config hash and checkpoint.uri); another run's are skipped and named.",
     )
     local_cache_dir: str = opt(
         "",
         "A node-local directory where each node keeps a copy of the files it wrote of the newest committed step; "
         "a load (a restart, an in-process fallback) reads them from there before storage, each block checked "
-        "against the manifest in storage. Empty: off.",
+        "against the manifest in storage. Its directories are created 0700 (one another user owns or can write "
+        "turns the cache off, said once); files are never written through a link. Empty: off.",
     )
     endpoint_url: str = opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL); credentials come from AWS_*.")
     region: str = opt("", "S3 region (default: AWS_REGION).")

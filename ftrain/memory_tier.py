@@ -34,6 +34,8 @@ together. Snapshots start at the same steps on every rank (:mod:`ftrain.tier_sch
 schedule is reset when a round starts, and changes only from figures the ranks agreed on); after a
 snapshot that failed on any rank (the ranks tell each other on the training group as the next one
 starts), the tier's group is made anew, so one broken exchange does not fail every later one.
+The tier's group has half training's timeout: a rank left waiting in an exchange (a peer that
+broke off) gives up before that peer, waiting for it in the training group, would.
 
 **Across restarts** (``checkpoint.memory_dir``, a tmpfs such as ``/dev/shm``; restart recovery,
 ``ftrain train``): every complete snapshot is kept in that node-local directory rather than in
@@ -207,8 +209,10 @@ class MemoryTier:
             self._stager = new_stager(device_type, asynchronous=False)
 
     def _new_group(self) -> Any:
-        """Its own gloo group (its collectives run beside training's), bounded like training's."""
-        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.parallel.timeout_s))
+        """Its own gloo group (its collectives run beside training's), with half training's
+        timeout: an exchange a peer left gives up before that peer, waiting for this rank in a
+        training collective at the next snapshot, would (see :meth:`maybe_snapshot`)."""
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.parallel.timeout_s / 2))
 
     def _open_store(self, events: Any) -> None:
         """Collective, once per process: the node's tier directory (created ``0700`` or checked),
@@ -392,6 +396,7 @@ class MemoryTier:
             log.warning("memory-tier snapshot of step %d failed (the previous one stays): %s", step, e)
         finally:
             self._outcome = outcome  # read when the next snapshot starts, after this thread was joined
+            _drop_files(f"{self._root}/step-{step:09d}")  # what a save that failed midway left in memory
         if outcome.ok and outcome.figures is not None:
             events.emit(
                 ev.MemorySnapshot(
@@ -682,6 +687,16 @@ def _take_files(url: str) -> dict[str, bytes]:
     files = {name: fs.cat_file(f"{path}/{name}") for name in names}
     fs.rm(path, recursive=True)
     return files
+
+
+def _drop_files(url: str) -> None:
+    """Remove what is left under ``url`` (memory://), if anything; best effort."""
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception as e:  # noqa: BLE001 - memory it may keep; nothing else depends on it
+        log.debug("memory tier: could not drop %s: %s", url, e)
 
 
 def _verified(files: dict[str, bytes], manifest: Manifest) -> dict[str, bytes]:

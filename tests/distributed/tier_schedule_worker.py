@@ -1,0 +1,88 @@
+"""One rank of tests/distributed/test_tier_schedule.py (torchrun, 2 ranks, gloo, fsdp).
+
+``spare``: the two ranks train a first round of 4 steps with the measured interval
+(``checkpoint.memory_interval = -1``); then rank 0 is kept, its tier as it measured — set to 5
+here, as a slower machine would have measured it, so that the test does not depend on this one's
+speed — and rank 1 comes back as a new process (a spare: a fresh tier). A second round, restored
+through :func:`ftrain.live.restore` as a live worker does (the step and source it restored go to
+``<events>.rank<r>.json``), trains to step 12.
+
+``failures``: one round of 14 steps with a snapshot every 2 steps; rank 1's snapshot of step 3
+cannot copy its state, and its snapshot of step 7 raises in the middle of the exchange (its peer
+is left waiting in it until the tier's timeout, and gloo closes the pairs of the tier's group).
+
+Each rank's ``memory_snapshot`` events (in ``logging.events_path``) say which snapshots it took.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftrain.config import load_config
+from ftrain.distributed import init_distributed, select_device
+from ftrain.live import hold, restore
+from ftrain.memory_tier import MemoryTier
+from ftrain.train import Trainer
+
+COMMON = ["--parallel.strategy=fsdp", "--optim.min_lr_ratio=1.0", "--parallel.timeout_s=20"]
+
+
+def _failing_once(call: Any, fail_at_call: int, what: str) -> Any:
+    calls = [0]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == fail_at_call:
+            raise RuntimeError(f"injected by the test: {what}")
+        return call(*args, **kwargs)
+
+    return wrapper
+
+
+def spare(config: str, events: str) -> None:
+    overrides = [*COMMON, "--checkpoint.memory_interval=-1", f"--logging.events_path={events}"]
+    cfg = load_config(config, ["--train.steps=4", *overrides])
+    device = select_device(cfg.train)
+    rank, world, _ = init_distributed(cfg.parallel, device)
+    tier = MemoryTier(cfg)
+    first = Trainer(cfg, device, torch.float32, rank, world, 2, tier=tier)
+    first.run(resume=False)
+    held = hold(first)
+    first.close()
+    if rank == 0:
+        tier.interval = 5  # kept: the interval it measured in the round before
+    else:
+        held, tier = None, MemoryTier(cfg)  # a spare: a new process
+    second = Trainer(
+        load_config(config, ["--train.steps=12", *overrides]), device, torch.float32, rank, world, 2, tier=tier
+    )
+    restored = restore(second, held)
+    with open(f"{events}.rank{rank}.json", "w") as fh:
+        json.dump({"source": restored.source, "step": restored.step}, fh)
+    second.run(resume=False)
+    second.close()
+
+
+def failures(config: str, events: str) -> None:
+    overrides = [*COMMON, "--checkpoint.memory_interval=2", f"--logging.events_path={events}"]
+    cfg = load_config(config, ["--train.steps=14", *overrides])
+    device = select_device(cfg.train)
+    rank, world, _ = init_distributed(cfg.parallel, device)
+    tier = MemoryTier(cfg)
+    trainer = Trainer(cfg, device, torch.float32, rank, world, 2, tier=tier)
+    if rank == 1:  # snapshots at steps 1, 3, 5, 7, ...: the 2nd cannot stage, the 4th breaks off
+        tier._stager.stage = _failing_once(tier._stager.stage, 2, "staging")  # noqa: SLF001
+        tier._swap_with_buddy = _failing_once(tier._swap_with_buddy, 3, "the exchange")  # type: ignore[method-assign]  # noqa: SLF001
+    trainer.run(resume=False)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    {"spare": spare, "failures": failures}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    dist.barrier()
+    dist.destroy_process_group()
