@@ -311,7 +311,7 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
     """The evidence of every round with a ``hang`` or ``flight_recorded`` event, by round: each
     rank's newest record wins (a node that dumped after another saw the later state)."""
     rounds: dict[int, RoundEvidence] = {}
-    hosts: dict[str, str] = {}  #: node -> host, the newest node_host event's (agents say it as they register)
+    hosts: dict[str, str] = {}  #: node -> its address, the newest node_host event's (agents say it as they register)
     started: dict[int, dict[int, str]] = {}  #: round -> rank -> node, from the workers' worker_started
 
     def take(evidence: RoundEvidence, rank: int, raw: Any, where: str) -> None:
@@ -328,12 +328,7 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
     for e in events:
         parsed = parse(e)
         if isinstance(parsed, NodeHost):
-            host = (
-                f"{parsed.host} ({parsed.hostname})"
-                if parsed.hostname and parsed.hostname != parsed.host
-                else parsed.host
-            )
-            hosts[str(parsed.node)[:100]] = str(host)[:200]
+            hosts[str(parsed.node)[:100]] = str(parsed.host)[:200]  # the address, as nodes/<id> and agents name it
         elif isinstance(parsed, WorkerStarted) and isinstance(e.get("round"), int) and isinstance(e.get("rank"), int):
             started.setdefault(e["round"], {})[e["rank"]] = str(parsed.node)[:100]
         if isinstance(parsed, Hang) and isinstance(parsed.worker_round, int):

@@ -433,3 +433,67 @@ def test_an_agent_whose_node_counts_give_no_usable_world_size_is_refused_at_star
     with pytest.raises(ValueError, match="a multiple of 2 ranks") as e:
         opts.validate()
     assert "--nnodes" in str(e.value) and "parallel.pp_size" in str(e.value)
+
+
+def _rank_beat(workers: FakeWorkers, *, stepped_at: float, in_flight_since: float | None = None) -> None:
+    """Local rank 0 of ``workers`` (global rank: its node rank) stepped at ``stepped_at`` and says
+    alive now, waiting since ``in_flight_since`` in collective #12 (None: in none)."""
+    now = workers.clock.monotonic()
+    waiting = in_flight_since is not None
+    workers.heartbeats.receive(
+        workers.round,
+        Beat(
+            local_rank=0,
+            rank=workers.launch.node_rank,
+            pid=workers.worker_pid(0),
+            step=7,
+            step_time_s=0.1,
+            committed_step=-1,
+            received_at=stepped_at,
+            alive_at=now,
+            recording=True,
+            in_flight_since=in_flight_since or 0.0,
+            in_flight_seq=12 if waiting else -1,
+            in_flight_group="0" if waiting else "",
+            in_flight="gloo:all_reduce [1] Float" if waiting else "",
+        ),
+    )
+
+
+def test_a_hang_found_on_one_node_keeps_its_workers_until_every_other_node_took_its_records(job: Job) -> None:
+    """b's worker goes silent (frozen); a's waits in a collective, entered a second later. b
+    reports the hang at once but ends its workers only after a took its own workers' flight
+    records (ending them first makes a's collective fail, and a failed collective looks
+    completed in torch's recorder); a takes them on seeing b's report."""
+    start_round_1(job, "a", "b", nnodes="2:2")
+    a, b = job.nodes["a"], job.nodes["b"]
+    t0 = job.clock.monotonic()
+    _rank_beat(b.workers, stepped_at=t0)  # its last word
+    order: list[str] = []
+    for _ in range(int(20 / TICK_S)):
+        now = job.clock.monotonic()
+        if now >= t0 + 1:
+            _rank_beat(a.workers, stepped_at=t0 + 1, in_flight_since=t0 + 1)
+        else:
+            _rank_beat(a.workers, stepped_at=now)
+        job.tick()
+        reports = job.state().reports.get(1, {})
+        if "b" in reports and not order:
+            order.append("b reported")
+            assert not b.workers.killed, "b ended its workers before the others took their records"
+        if job.state().status["a"].hang_dumped_round == 1 and "a dumped" not in order:
+            order.append("a dumped")
+        if b.started[0].killed and "b killed" not in order:
+            order.append("b killed")
+            break
+    assert order == ["b reported", "a dumped", "b killed"], order
+    assert "a" not in job.state().reports.get(1, {}), "a's worker only waited: b found the hang"
+    report = job.state().reports[1]["b"]
+    assert report.reason == "hang" and "no heartbeat" in report.detail
+    [found] = job.events("hang", node="b", worker_round=1)
+    assert found["frozen"] == [1] and found["local_ranks"] == [0]
+    [seen] = job.events("hang", node="a", worker_round=1)
+    assert seen["why"] == "a hang reported by b" and seen["time"] <= found["time"]  # b's stacks came after
+    assert found["verdict"].startswith("rank 1 (node b, host 127.0.0.1) is frozen"), found["verdict"]
+    job.run_until(lambda: job.running(2, "a", "b"), "round 2 running on both")
+    assert job.state().current.reason == "hang"

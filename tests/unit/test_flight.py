@@ -214,7 +214,7 @@ def test_the_merged_verdict_names_the_node_and_host_of_each_rank_at_fault():
         ),
     ]
     [four] = from_events(events)
-    assert four.where() == {0: "node a, host 10.0.0.1 (host-a)", 1: "node b, host 10.0.0.2"}
+    assert four.where() == {0: "node a, host 10.0.0.1", 1: "node b, host 10.0.0.2"}
     v = four.verdict()
     assert (v.kind, v.ranks, v.waiting, v.seq) == (CULPRIT, [1], [0], 2)
     assert v.line.startswith("rank 1 (node b, host 10.0.0.2) is frozen"), v.line
