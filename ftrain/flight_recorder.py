@@ -7,20 +7,32 @@ torch keeps a ring buffer of every collective a process group issues when
 :class:`contract.flight.FlightRecord` of the current world's groups (entries of groups that an
 earlier round of a live worker left behind are dropped: their names and numbers repeat).
 
+:func:`oldest_in_flight` says, cheaply enough for a once-a-second thread, which collective of
+the current world has waited longest (see there for how, and what it costs).
+
 :class:`FlightServer` answers the agent: a daemon thread waits on an abstract Unix datagram
-socket named after this process (``ftrain-flight-<pid>``) and, for each request, writes the
-record to ``<stack_dir>/<pid>.flight.json`` (a temporary name, then a rename). It runs while
-the main thread is blocked inside a collective (the wait releases the GIL), which is when the
-record matters; a stopped process cannot answer, and that silence is itself the agent's
-evidence. Recording costs torch one small entry per collective; the server costs nothing until
-asked (``bench/flight_recorder.py`` measures both).
+socket named after this process (``ftrain-flight-<pid>``) and, for each request its agent sends,
+writes the record to ``<stack_dir>/<pid>.flight.json`` (a new file under a random name that no
+link can stand in for, then a rename). It runs while the main thread is blocked inside a
+collective (the wait releases the GIL), which is when the record matters; a stopped process
+cannot answer, and that silence is itself the agent's evidence. Recording costs torch one small
+entry per collective; the server costs nothing until asked (``bench/flight_recorder.py``
+measures both, and a flood of requests).
+
+What must stay true: the socket's name is public, so the server trusts nothing a datagram says
+(:mod:`ftrain.flight_gate`: only the agent's pid and this user's uid, as the kernel attaches
+them, are answered; datagrams, answers and snapshots are rate-limited), and nothing about it
+may stop the worker: a name already taken leaves the worker training without a recorder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -29,12 +41,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from checkpoint.local_files import create_new, private_dir
 from contract.flight import STATES, Collective, FlightRecord, record_path, socket_name
+from contract.worker_env import STACK_DIR, WorkerEnv
+from ftrain import flight_gate
 
 log = logging.getLogger(__name__)
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  #: torch reads the first one set
-MAX_REQUEST_BYTES = 256
 EXACT_AFTER_S = 1.0  #: a collective in flight this long is looked up in the buffer (see oldest_in_flight)
 
 _world_since_ns = 0  #: when this process last joined a world: older entries belong to an earlier one
@@ -233,36 +247,126 @@ def _groups() -> dict[str, list[int]]:
 
 
 class FlightServer:
-    """Answers the agent's requests from a daemon thread (see the module doc)."""
+    """Answers the agent's requests from a daemon thread (see the module doc).
 
-    def __init__(self, stack_dir: str, rank_of: Callable[[], int]):
+    The constructor never raises: a name that another process holds (or any other failure to
+    listen) leaves :attr:`available` False and this worker training without a recorder, with
+    one warning naming the socket and the cause. ``agent_pid``: the only process whose
+    requests are answered (None: ``FTRAIN_AGENT_PID``; 0: any process of this user)."""
+
+    def __init__(
+        self,
+        stack_dir: str,
+        rank_of: Callable[[], int],
+        *,
+        agent_pid: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.stack_dir = stack_dir
+        self.name = socket_name(os.getpid())
+        self.available = False
+        self.snapshots = 0  #: snapshots taken for requests
+        self.answers = 0  #: requests answered (fresh or re-stamped)
         self._rank_of = rank_of
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(socket_name(os.getpid()))
-        self._thread = threading.Thread(target=self._run, name="flight-recorder", daemon=True)
-        self._thread.start()
+        self._clock = clock
+        self._closed = threading.Event()
+        self._sock: socket.socket | None = None
+        self._last: tuple[bytes, float, int] | None = None  #: (encoded with the placeholder, taken at, world)
+        where = "@" + self.name[1:].decode()
+        self.refusals = flight_gate.Refusals(where, clock)
+        try:
+            self._agent_pid = _agent_pid() if agent_pid is None else agent_pid
+            self._datagrams = flight_gate.Budget(flight_gate.DATAGRAMS_PER_S, flight_gate.DATAGRAMS_PER_S, clock)
+            self._answers = flight_gate.Budget(flight_gate.ANSWERS_PER_S, flight_gate.ANSWERS_PER_S, clock)
+            self._sock = flight_gate.listen(self.name)
+            threading.Thread(target=self._serve, name="flight-recorder", daemon=True).start()
+        except Exception as e:  # noqa: BLE001 - a diagnostic must never keep the worker from training
+            log.warning(
+                "flight recorder off for this worker: cannot listen on the abstract socket %s (%s%s); training "
+                "goes on without it, and its agent will report no flight record for it",
+                where,
+                e,
+                ": another process holds the name" if getattr(e, "errno", None) == errno.EADDRINUSE else "",
+            )
+            self.close()
+            return
+        self.available = True
 
-    def _run(self) -> None:
-        while True:
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._closed.is_set():
+            if not self._datagrams.take():  # a flood: leave the rest in the kernel's short queue
+                self._closed.wait(self._datagrams.wait_s())
+                continue
             try:
-                request = self._sock.recv(MAX_REQUEST_BYTES)
+                data, sender, cut = flight_gate.receive(sock)
             except OSError:
                 return  # closed
-            try:
-                self.write(request.decode(errors="replace").strip()[:64])
-            except Exception as e:  # noqa: BLE001 - never fail the worker for a diagnostic
-                log.warning("could not write the flight record: %s", e)
+            if self._closed.is_set():
+                return
+            request = flight_gate.judge(data, sender, cut, agent_pid=self._agent_pid)
+            if isinstance(request, str):
+                self.refusals.note(request)
+            elif not self._answers.take():
+                self.refusals.note(f"over {flight_gate.ANSWERS_PER_S:.0f} answers a second")
+            else:
+                try:
+                    self.answer(request.nonce)
+                except Exception as e:  # noqa: BLE001 - never fail the worker for a diagnostic
+                    log.warning("could not write the flight record: %s", e)
+
+    def answer(self, nonce: str) -> str:
+        """Write the record for a request (a new snapshot at most every
+        ``flight_gate.MIN_SNAPSHOT_INTERVAL_S``; the last one re-stamped with ``nonce`` in between,
+        and whenever the process joined another world since); returns its path."""
+        now = self._clock()
+        last = self._last
+        if last is None or now - last[1] >= flight_gate.MIN_SNAPSHOT_INTERVAL_S or last[2] != _world_since_ns:
+            encoded = snapshot(self._rank_of(), nonce=_PLACEHOLDER).encode()
+            self.snapshots += 1
+            last = self._last = (encoded, now, _world_since_ns)
+        path = self._publish(flight_gate.restamp(last[0], _PLACEHOLDER, nonce))
+        self.answers += 1
+        return path
 
     def write(self, nonce: str = "") -> str:
-        """Write the record now; returns its path."""
-        os.makedirs(self.stack_dir, exist_ok=True)
-        path = record_path(self.stack_dir, os.getpid())
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(snapshot(self._rank_of(), nonce=nonce).encode())
-        os.replace(tmp, path)
+        """Write a new record now, whatever the rate limit says; returns its path."""
+        return self._publish(snapshot(self._rank_of(), nonce=nonce).encode())
+
+    def _publish(self, data: bytes) -> str:
+        """``data`` as ``<stack_dir>/<pid>.flight.json``: written under a new name that no link
+        can stand in for, then renamed over (readers never see half a record)."""
+        folder = private_dir(self.stack_dir, STACK_DIR)
+        path = record_path(str(folder), os.getpid())
+        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = create_new(tmp)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
     def close(self) -> None:
-        self._sock.close()
+        self._closed.set()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's recvmsg
+            sock.close()
+
+
+_PLACEHOLDER = "nonce-placeholder"  #: the nonce a kept record is encoded with (re-stamped per request)
+
+
+def _agent_pid() -> int:
+    """``FTRAIN_AGENT_PID`` (0: not set, or unusable: then any process of this user may ask)."""
+    try:
+        return WorkerEnv.from_env().agent_pid
+    except ValueError as e:
+        log.warning("flight recorder: %s; answering any process of this user", e)
+        return 0
