@@ -251,6 +251,8 @@ class CheckpointManager:
     the commit point for every reader here too (:mod:`checkpoint.catalog`)."""
     after_fence: Callable[[int], None] | None = None
     """A fault hook: :attr:`checkpoint.publish.StepPublisher.after_fence`."""
+    before_clear: Callable[[int], None] | None = None
+    """A fault hook: :attr:`checkpoint.publish.StepPublisher.before_clear`."""
     keep_last: int = DEFAULTS.keep_last
     keep_every: int = DEFAULTS.keep_every
     gc_grace_s: float = DEFAULTS.gc_grace_s
@@ -320,6 +322,7 @@ class CheckpointManager:
             self.hmac_key_env,
             self.fence,
             self.after_fence,
+            self.before_clear,
         )
         writer = DigestingWriter(
             self.storage.child_url(dirname),

@@ -6,6 +6,17 @@ the commit — atomically with its round check, where it keeps records (an agent
 
 Runs wherever DCP's coordinator runs (the training thread, a background thread, a background
 process), so :class:`StepPublisher` is picklable. Used by :class:`checkpoint.manager.CheckpointManager`.
+
+What must stay true: a writer whose round is no longer current changes nothing, and a committed
+step is never removed nor its manifest replaced. A writer can be paused anywhere (SIGSTOP, a
+frozen host, a long GC) and resume after a newer round formed and committed the same step, so
+every change is fenced *immediately before* it is made, not once at the start: the fence is
+checked, and the step judged again with the fence's records read then, right before the
+directory is cleared (or its unfinished uploads aborted) and right before the manifest is
+written; the commit record itself is one etcd transaction with the round check. What is left is
+the time between that last etcd answer and the storage request (and the removal's own
+duration): storage has no conditional delete or PUT that etcd's round could guard, so only
+distinct paths per save attempt would close it (see the README's notes on the delete fence).
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from checkpoint.catalog import inspect_step, read_manifest
+from checkpoint.catalog import StepInfo, inspect_step, read_manifest
 from checkpoint.errors import CheckpointError, ManifestError
 from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, manifest_digest
 from checkpoint.storage import Storage, StorageOptions
@@ -61,8 +72,10 @@ class StepPublisher:
     the current round may be uploading), then refuses a step that is committed under the
     current key and job, and clears any other directory of the same step (torn, marked corrupt,
     or with a manifest that this key/job does not accept: e.g. the old steps after a fresh start)
-    before any rank writes; ``commit`` checks the fence again and writes the manifest (the commit
-    point). ``fields["job"]`` is the writer's job id. Retention is the manager's, after the commit.
+    before any rank writes, after checking the fence and the step's state once more (see the
+    module doc); ``commit`` checks the fence again, makes sure no other writer committed the
+    step meanwhile and writes the manifest, then records the commit in the fence.
+    ``fields["job"]`` is the writer's job id. Retention is the manager's, after the commit.
     """
 
     url: str
@@ -74,18 +87,21 @@ class StepPublisher:
     #: called with the step after the commit's fence check, before the manifest is written (a
     #: fault hook: :func:`ftrain.faults.maybe_pause_after_fence`); picklable, or None
     after_fence: Callable[[int], None] | None = None
+    #: called with the step after ``prepare`` inspected the step directory, before its fenced
+    #: removal (a fault hook: :func:`ftrain.faults.maybe_pause_before_clear`); picklable, or None
+    before_clear: Callable[[int], None] | None = None
 
     def prepare(self) -> None:
-        if self.fence is not None:
-            self.fence.check(self.fields["round"])
         storage = Storage(self.url, self.options)
         if not storage.listdir(self.dirname):
+            self._before_clear()
+            if self.fence is not None:
+                self.fence.check(self.fields["round"])  # a zombie never aborts the current round's uploads
             storage.clear_multipart_uploads(self.dirname)  # what a save killed in its first upload left
             return
-        recorded = self.fence.recorded() if self.fence is not None else None
-        info = inspect_step(
-            storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"], recorded=recorded
-        )
+        if self.fence is not None:
+            self.fence.check(self.fields["round"])  # a zombie is told so, before anything else
+        info = self._inspect(storage)
         if info.state == "committed":
             raise CheckpointError(f"{self.dirname} is already committed; a step is never overwritten")
         other = _other_job(storage, self.dirname, self.fields["job"])
@@ -95,6 +111,8 @@ class StepPublisher:
                 f"({self.fields['job']!r}): two jobs share {self.url}; give each job its own "
                 "checkpoint.uri (nothing was deleted)"
             )
+        self._before_clear()
+        self._fenced_removal(storage)
         if info.state == "corrupt":
             log.warning(
                 "clearing %s before saving it again: not a committed step under the current HMAC key and job %r (%s)",
@@ -108,6 +126,34 @@ class StepPublisher:
         storage.clear_multipart_uploads(self.dirname)
         storage.retry(lambda: storage.fs.makedirs(storage.path(self.dirname), exist_ok=True), "mkdir")
 
+    def _inspect(self, storage: Storage) -> StepInfo:
+        recorded = self.fence.recorded() if self.fence is not None else None
+        return inspect_step(
+            storage, self.dirname, hmac_key_from_env(self.hmac_key_env), job=self.fields["job"], recorded=recorded
+        )
+
+    def _before_clear(self) -> None:
+        if self.before_clear is not None:
+            self.before_clear(self.fields["step"])
+
+    def _fenced_removal(self, storage: Storage) -> None:
+        """Immediately before this writer removes anything of the step: its round must still be
+        current (StaleRoundError otherwise: a writer paused since it looked, whose round moved on,
+        removes nothing) and the step must not have become committed meanwhile."""
+        if self.fence is None:
+            return  # no rounds: no writer of another round
+        self.fence.check(self.fields["round"])
+        self._refuse_if_committed(storage, "removed")
+
+    def _refuse_if_committed(self, storage: Storage, what: str) -> None:
+        """CheckpointError when the step is committed now (judged with the fence's records read
+        now): a committed step is never removed nor its manifest replaced."""
+        if self._inspect(storage).state == "committed":
+            raise CheckpointError(
+                f"{self.dirname} was committed by another writer since this save began; a committed step is "
+                f"never {what} (nothing was changed)"
+            )
+
     def commit(self, files: dict[str, FileEntry]) -> None:
         round_ = self.fields["round"]
         if self.fence is not None:
@@ -116,6 +162,8 @@ class StepPublisher:
             self.after_fence(self.fields["step"])
         manifest = Manifest(files=files, created_time=time.time(), **self.fields)
         storage = Storage(self.url, self.options)
+        if self.fence is not None:  # a writer paused since its check must not replace a newer commit
+            self._refuse_if_committed(storage, "overwritten")
         data = manifest.to_json(hmac_key_from_env(self.hmac_key_env))
         storage.write_bytes(f"{self.dirname}/{MANIFEST_NAME}", data)
         if self.fence is not None:

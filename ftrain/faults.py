@@ -26,6 +26,10 @@ that a replacement process that replays the step in a later round does not repla
   coordinator: 0), stops its process with SIGSTOP right after the commit's fence check, before
   the manifest is written (a worker frozen at the worst moment); whoever continues it (SIGCONT)
   decides when, e.g. after a newer round formed.
+- ``FTRAIN_FAULT_PAUSE_BEFORE_CLEAR="STEP:RANK"``: the save of step STEP, on rank RANK (the
+  coordinator: 0), stops its process with SIGSTOP after it inspected the step directory and
+  before its fenced removal of what an earlier save left there (or of its unfinished uploads):
+  a writer that resumes after a newer round formed must remove nothing.
 - ``FTRAIN_FAULT_DAMAGE_MEMORY_COPY=RANK``: rank RANK flips one bit of every buddy copy it keeps
   in the memory tier, after it was checked on arrival (memory that rots): a restore from it must
   refuse it and load from storage.
@@ -123,6 +127,14 @@ def maybe_pause_after_fence(step: int) -> None:
         # calling thread run on until the whole group has stopped)
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         log.warning("continued after the pause at the commit of step %d", step)
+
+
+def maybe_pause_before_clear(step: int) -> None:
+    """See ``FTRAIN_FAULT_PAUSE_BEFORE_CLEAR`` (runs wherever the save's coordinator runs)."""
+    if _fire("FTRAIN_FAULT_PAUSE_BEFORE_CLEAR", step, int(os.environ.get("RANK", "0"))):
+        log.warning("fault injected: stopping (SIGSTOP) before clearing the directory of step %d", step)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # this thread: see maybe_pause_after_fence
+        log.warning("continued after the pause before clearing step %d", step)
 
 
 def maybe_damage_memory_copy(rank: int, files: dict[str, bytes], names: list[str]) -> dict[str, bytes]:
