@@ -7,11 +7,22 @@ curves, a per-rank heatmap of busy time per step (the straggler's row stands out
 the lost time by cause, the rounds, the stragglers, the hangs and the commits. Every lane and
 table carries a ``data-lane`` / ``id`` the tests look for; ``body[data-rendered]`` counts the
 lanes drawn.
+
+What must stay true: every string in the data comes from logs that any worker, agent or fault
+wrote, so nothing in it may end the JSON block early or change how the page is parsed:
+:func:`embed_json` writes ``<``, ``>``, ``&``, U+2028 and U+2029 as ``\\uXXXX`` escapes (the
+HTML parser then never sees a tag, a comment opener such as ``<!--`` or a character reference
+inside the block; ``JSON.parse`` reads them back unchanged) and non-finite numbers as ``null``
+(``NaN`` is not JSON: one would stop the whole page). The script writes every value with
+``textContent`` or ``setAttribute``, never as markup.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import math
+import re
 from typing import Any
 
 #: what the pages' scripts share: SVG elements, and a timeline of lanes with marks (the chaos
@@ -175,8 +186,43 @@ document.body.setAttribute("data-rendered", lanes.length);
 """
 
 
+#: what :func:`embed_json` escapes: ``json.dumps`` leaves ``<``, ``>`` and ``&`` as they are (U+2028
+#: and U+2029 it escapes already, with every other non-ASCII character: kept here all the same)
+_UNSAFE_IN_SCRIPT = {
+    ord("<"): "\\u003c",
+    ord(">"): "\\u003e",
+    ord("&"): "\\u0026",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def embed_json(value: Any) -> str:
+    """``value`` as JSON that can sit inside ``<script type="application/json">`` whatever its
+    strings hold (see the module doc); ``JSON.parse`` of the block gives ``value`` back."""
+    return json.dumps(_finite(value), default=str, allow_nan=False).translate(_UNSAFE_IN_SCRIPT)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None (and tuples as lists)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def render(report: dict[str, Any]) -> str:
     """The page for ``report`` (:func:`ftrain.run_report.build`)."""
-    data = json.dumps(report, default=str).replace("</", "<\\/")
-    title = str(report.get("title", "")).replace("&", "&amp;").replace("<", "&lt;")
-    return _PAGE.replace("__TITLE__", title).replace("__TIMELINE_JS__", TIMELINE_JS).replace("__DATA__", data)
+    parts = {
+        "__TITLE__": html.escape(str(report.get("title", ""))),
+        "__TIMELINE_JS__": TIMELINE_JS,
+        "__DATA__": embed_json(report),
+    }
+    # one pass: a title or a log string that reads "__DATA__" stays text
+    return _SLOT.sub(lambda m: parts[m.group(0)], _PAGE)
+
+
+_SLOT = re.compile("__TITLE__|__TIMELINE_JS__|__DATA__")

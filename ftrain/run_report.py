@@ -25,12 +25,14 @@ With a price per device-hour (``accounting.device_hour_price``), each cause also
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from contract.events import Event, read_jsonl
 
 CAUSES = ("productive", "recomputation", "checkpoint_stalls", "stragglers", "restarts")
+MAX_WORLD_SIZE = 1 << 24  #: a larger world size in a log line is not believed (it would overflow the sums)
 MAX_STEPS_SHOWN = 2000  #: steps kept for the curves and the heatmap (evenly thinned beyond)
 
 
@@ -59,18 +61,19 @@ def build(
     """The report's data (JSON-ready)."""
     rounds = [
         {
-            "round": e.get("new_round"),
+            "round": _int(e.get("new_round")),
             "time": _num(e.get("time")),
             "reason": str(e.get("reason", "")),
-            "members": e.get("members", []),
-            "world_size": e.get("world_size"),
+            "members": _names(e.get("members")),
+            "world_size": _int(e.get("world_size")),
         }
         for e in _of(events, Event.ROUND_FORMED)
     ]
     commits: dict[int, dict[str, Any]] = {}
     for e in _of(events, Event.CKPT_COMMITTED):
         if isinstance(e.get("step"), int):
-            commits.setdefault(e["step"], {"step": e["step"], "time": _num(e.get("time")), "round": e.get("round")})
+            commit = {"step": e["step"], "time": _num(e.get("time")), "round": _int(e.get("round"))}
+            commits.setdefault(e["step"], commit)
     started = min([r["time"] for r in rounds] + [_num(m.get("time")) for m in metrics[:1]], default=0.0)
     ended = max([_num(m.get("time")) for m in metrics[-1:]] + [started], default=started)
     report = {
@@ -87,7 +90,7 @@ def build(
             {
                 "time": _num(e.get("time")),
                 "node": str(e.get("node", "")),
-                "round": e.get("worker_round"),
+                "round": _int(e.get("worker_round")),
                 "verdict": str(e.get("verdict", ""))[:500],
             }
             for e in _of(events, Event.HANG)
@@ -97,7 +100,7 @@ def build(
             {
                 "time": _num(e.get("time")),
                 "node": str(e.get("node", "")),
-                "rank": e.get("busy_rank"),
+                "rank": _int(e.get("busy_rank")),
                 "busy_s": _num(e.get("busy_s")),
                 "others_s": _num(e.get("others_s")),
                 "policy": str(e.get("policy", "")),
@@ -113,11 +116,11 @@ def lost_time(
     metrics: list[dict[str, Any]], started: float, ended: float, *, device_hour_price: float = 0.0
 ) -> dict[str, Any]:
     """Device-seconds by cause (see the module doc), with device-hours and cost."""
-    devices = max((m["world_size"] for m in metrics if isinstance(m.get("world_size"), int)), default=0)
+    devices = max((w for m in metrics if (w := _world(m)) is not None), default=0)
     seconds = dict.fromkeys(CAUSES, 0.0)
     best = -1
     for m in metrics:
-        world = m["world_size"] if isinstance(m.get("world_size"), int) else devices
+        world = _world(m) or devices
         raw = m.get("phases_s")
         phases: dict[str, Any] = raw if isinstance(raw, dict) else {}
         # the whole interval since the previous line (phases add up to it), else the step alone
@@ -155,8 +158,11 @@ def lost_time(
 
 
 def _step(m: dict[str, Any]) -> dict[str, Any]:
-    keep = ("step", "time", "loss", "grad_norm", "tokens_per_s", "step_time_s", "round", "world_size")
-    out = {k: m.get(k) for k in keep}
+    out: dict[str, Any] = {"step": m["step"], "time": _num(m.get("time"))}
+    for key in ("loss", "grad_norm", "tokens_per_s", "step_time_s"):
+        out[key] = _num(m.get(key)) if _is_num(m.get(key)) else None  # a diverged run's NaN loss: no point
+    for key in ("round", "world_size"):
+        out[key] = _int(m.get(key))
     for key in ("rank_busy_s", "rank_comm_wait_s"):
         value = m.get(key)
         out[key] = [_num(v) for v in value] if isinstance(value, list) else []
@@ -174,11 +180,32 @@ def _of(events: list[dict[str, Any]], event: Event) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == event.value]
 
 
+def _is_num(value: Any) -> bool:
+    """A finite number that a float holds (a 400-digit integer in a log line is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1023
+
+
 def _num(value: Any) -> float:
     """A finite number from a log line, else 0 (logs are untrusted: a wrong type is not fatal)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        return 0.0
-    return float(value)
+    return float(value) if _is_num(value) else 0.0
+
+
+def _int(value: Any) -> int | None:
+    """An integer from a log line, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _world(m: dict[str, Any]) -> int | None:
+    """A metrics line's world size, if it is one (1 to :data:`MAX_WORLD_SIZE`)."""
+    value = _int(m.get("world_size"))
+    return value if value is not None and 1 <= value <= MAX_WORLD_SIZE else None
+
+
+def _names(value: Any) -> list[str]:
+    """A list of names from a log line (anything else: none), each as text."""
+    return [str(v)[:200] for v in value[:10_000]] if isinstance(value, list) else []
 
 
 def write(out_dir: Path, report: dict[str, Any]) -> Path:
