@@ -59,7 +59,7 @@ def build(
     metrics: list[dict[str, Any]], events: list[dict[str, Any]], *, title: str = "", device_hour_price: float = 0.0
 ) -> dict[str, Any]:
     """The report's data (JSON-ready)."""
-    rounds = [
+    rounds: list[dict[str, Any]] = [
         {
             "round": _int(e.get("new_round")),
             "time": _num(e.get("time")),
