@@ -2,18 +2,23 @@
 
 It always prints: unreadable records are listed as warnings (``problems``) and skipped, as the
 agents skip them; nodes whose workers keep failing to commit checkpoints are called out on a
-line of their own (``CHECKPOINTS FAILING``).
+line of their own (``CHECKPOINTS FAILING``); ranks that make no progress (each agent's
+``stalled``) are judged together on a ``STALLED`` line: who is frozen, where the others wait,
+and a desync when they wait in different collectives (:func:`agents.flight_verdict.from_stalls`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
 from typing import Any
 
 from agents.etcd import EtcdClient
+from agents.flight_verdict import Stall, from_stalls
 from agents.records import DumpRequest, JobKeys, JobState
+from agents.supervision import MAX_STALLS
 
 
 def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
@@ -57,6 +62,8 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "stragglers": status.stragglers if status else [],
                 "dump_nonce": status.dump_nonce if status else "",
                 "dump_verdict": status.dump_verdict if status else "",
+                "stalled": [dataclasses.asdict(x) for x in status.stalled[:MAX_STALLS]] if status else [],
+                "hang_dumped_round": status.hang_dumped_round if status else -1,
             }
         )
     committed = max(
@@ -163,6 +170,10 @@ def format_status(s: dict[str, Any]) -> str:
     if stragglers:
         lines.append("")
         lines += [f"STRAGGLER {line}" for line in stragglers]
+    stalled = stalled_line(s)
+    if stalled:
+        lines.append("")
+        lines.append(stalled)
     hangs = [n for n in s["nodes"] if n.get("hang_verdict")]
     if hangs:
         lines.append("")
@@ -178,6 +189,25 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append("")
         lines += [f"warning: {p} (skipped)" for p in s["problems"]]
     return "\n".join(lines)
+
+
+def stalled_line(s: dict[str, Any]) -> str:
+    """``STALLED ...``: the ranks of the current round that make no progress, judged together
+    (empty while every rank moves). Each node's list is its agent's (bounded, untrusted)."""
+    stalls, where = [], {}
+    for n in s["nodes"]:
+        if not n.get("live") or n.get("worker_round") != s.get("round"):
+            continue
+        for raw in n.get("stalled", [])[:MAX_STALLS]:
+            try:
+                stall = Stall(**{f.name: raw[f.name] for f in dataclasses.fields(Stall) if f.name in raw})
+            except TypeError:
+                continue
+            stalls.append(stall)
+            where[stall.rank] = f"node {n['node']}, host {n['host']}" if n.get("host") else f"node {n['node']}"
+    if not stalls:
+        return ""
+    return f"STALLED in round {s['round']}: {from_stalls(stalls, now=time.time(), where=where).line}"
 
 
 def request_dump(client: EtcdClient, job: str, *, timeout_s: float) -> dict[str, Any]:

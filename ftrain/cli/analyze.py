@@ -3,7 +3,10 @@ the agents collected (and the ones failing workers wrote) in the event log.
 
 A run directory is searched for ``events*.jsonl`` files (every node's, when each keeps its own);
 their events are merged by round, so the verdict of a round sees every rank that any node
-recorded. Prints one block per round: the verdict, then where each rank was.
+recorded. Prints one block per round: the verdict (the ranks at fault with their node and host,
+the collective by number and op, the ranks waiting in it), then where each rank was, on which
+node. Node hosts come from the agents' ``node_host`` events, ranks' nodes from the ``hang``
+events that carry their records and from the workers' ``worker_started``.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def as_dict(evidence: RoundEvidence) -> dict[str, Any]:
         "frozen": sorted(evidence.frozen),
         "missing": {str(r): why for r, why in sorted(evidence.missing.items())},
         "nodes": evidence.nodes,
+        "where": {str(r): place for r, place in sorted(evidence.where().items())},
         "problems": evidence.problems,
     }
 
@@ -75,12 +79,14 @@ def as_dict(evidence: RoundEvidence) -> dict[str, Any]:
 def describe(evidence: RoundEvidence) -> str:
     """The verdict, then each rank's newest collective per group (and why a rank has none)."""
     v = evidence.verdict()
+    where = evidence.where()
     lines = [f"round {evidence.round}: {v.line}"]
     lines += [f"  reported by {why}" for why in evidence.whys]
     for rank in sorted(set(evidence.records) | set(evidence.missing)):
         record = evidence.records.get(rank)
+        at = f" ({where[rank]})" if rank in where else ""
         if record is None:
-            lines.append(f"  rank {rank}: no record ({evidence.missing[rank]})")
+            lines.append(f"  rank {rank}{at}: no record ({evidence.missing[rank]})")
             continue
         newest = {}
         for entry in record.entries:
@@ -90,6 +96,6 @@ def describe(evidence: RoundEvidence) -> str:
             "; ".join(f"{e.describe()} {'done' if e.done else 'IN FLIGHT'}" for _, e in sorted(newest.items()))
             or "no collective recorded"
         )
-        lines.append(f"  rank {rank}{state}: {shown}")
+        lines.append(f"  rank {rank}{at}{state}: {shown}")
     lines += [f"  warning: {p} (skipped)" for p in evidence.problems]
     return "\n".join(lines)

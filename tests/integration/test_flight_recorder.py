@@ -80,7 +80,9 @@ def test_a_worker_stopped_inside_a_collective_is_named_with_the_collective_its_p
     assert shown == f"last hang seen by a, round 1: {verdict.line}"
     out = _analyze(job.workdir)
     assert out.returncode == 0 and f"round 1: {verdict.line}" in out.stdout, out
-    assert "rank 1: no record (stopped" in out.stdout and "rank 0: #" in out.stdout, out.stdout
+    at = "(node a, host 127.0.0.1)"  # where each rank ran, in the verdict and beside each rank
+    assert f"rank 1 {at} is frozen" in verdict.line, verdict.line
+    assert f"rank 1 {at}: no record (stopped" in out.stdout and f"rank 0 {at}: #" in out.stdout, out.stdout
     assert job.events("round_formed")[1]["reason"] == "hang" and job.step() == 60
 
 

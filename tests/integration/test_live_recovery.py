@@ -482,7 +482,9 @@ def test_a_hung_worker_is_dumped_and_killed_and_the_others_recover_in_process(tm
         stopped = round1["b"][0]
         stopped_at = time.time()
         os.kill(stopped, signal.SIGSTOP)
-        hang = job.wait_event("hang", 30)
+        # the stopped worker's node ends it (and dumps its stack) once the other node took its
+        # workers' records, which it does on seeing the hang reported (a hang event of its own)
+        hang = job.wait_event("hang", 30, node="b")
         assert str(stopped) in hang["stacks"] and "was stopped" in hang["stacks"][str(stopped)]
         wait_for(lambda: len(job.events("live_restored", round=2)) == 4, 60, "round 2")
         assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()

@@ -5,12 +5,15 @@ and what the agent does about it (the judge), and the in-flight fields of the "a
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
 import pytest
 
 from agents.heartbeat import Beat, _after_alive, parse_beat
 from agents.records import FROZEN, NO_PROGRESS, WAITING, NodeStatus, RankStall
+from agents.status import stalled_line
 from agents.supervision import (
     FROZEN_AFTER_S,
     STATUS_FRESH_S,
@@ -210,3 +213,30 @@ def test_the_agent_keeps_the_earliest_sighting_of_one_collective():
     assert _after_alive(kept, other).in_flight_since == pytest.approx(101.9)
     _, _, none = parse_beat(alive(), 103.0)
     assert _after_alive(kept, none).in_flight_seq == -1 and _after_alive(kept, none).in_flight_since == 0.0
+
+
+def test_ftrain_status_judges_every_nodes_stalled_ranks_together():
+    def node(name: str, *stalled: RankStall, live: bool = True, worker_round: int = 3) -> dict:
+        return {
+            "node": name,
+            "live": live,
+            "host": f"10.0.0.{ord(name) - 96}",
+            "worker_round": worker_round,
+            "stalled": [dataclasses.asdict(x) for x in stalled],
+        }
+
+    now = time.time()
+    gather = RankStall(0, WAITING, now - 7, 12, "0", "gloo:all_gather [2] Double")
+    reduce = RankStall(1, WAITING, now - 7, 12, "0", "gloo:all_reduce [1] Float")
+    s = {"round": 3, "nodes": [node("a", gather), node("b", reduce)]}
+    line = stalled_line(s)
+    assert line.startswith("STALLED in round 3: desync at collective #12 on group 0"), line
+    assert "rank 1 (node b, host 10.0.0.2) waits in gloo:all_reduce [1] Float" in line
+    s = {"round": 3, "nodes": [node("a", gather), node("b", RankStall(1, FROZEN, now - 6))]}
+    assert stalled_line(s).startswith("STALLED in round 3: rank 1 (node b, host 10.0.0.2) is frozen; waiting: rank 0")
+    # a node of another round, a lost one, or an entry that is not one are not judged
+    s = {"round": 3, "nodes": [node("a", gather, worker_round=2), node("b", reduce, live=False)]}
+    assert stalled_line(s) == ""
+    s = {"round": 3, "nodes": [{**node("a"), "stalled": [{"rank": 0}]}]}
+    assert stalled_line(s) == ""
+    assert stalled_line({"round": 3, "nodes": [node("a")]}) == ""
