@@ -16,7 +16,8 @@ back from the event log. One :class:`Collective` per entry, newest last:
 What must stay true: the agent reads these files from a worker directory, so they are untrusted
 input: :meth:`FlightRecord.decode` checks every field, bounds every list and string, and
 refuses the whole record if one entry is wrong (a record that lies about one collective cannot be
-used to blame a rank).
+used to blame a rank). Names carry no control characters: they are printed to logs and terminals
+(``ftrain status``, ``ftrain analyze``), where an escape sequence would rewrite what is shown.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +40,7 @@ EVENT_TAIL = 32  #: collectives per group and rank kept in an event (the newest:
 UNEVEN_OPS = frozenset({"scatter", "gather", "alltoall", "alltoall_base", "all_to_all", "allgather_uneven"})
 STATES = frozenset({"scheduled", "started", "completed"})
 _BIG = 2**62
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def socket_name(pid: int) -> bytes:
@@ -114,7 +117,10 @@ class FlightRecord:
         if isinstance(data, (bytes, str)):
             if len(data) > MAX_RECORD_BYTES:
                 raise ValueError(f"a flight record of {len(data)} bytes (at most {MAX_RECORD_BYTES})")
-            data = json.loads(data)
+            try:
+                data = json.loads(data)
+            except RecursionError:  # nested deeper than the parser goes: not a record either
+                raise ValueError("a flight record nested too deeply to be one") from None
         if not isinstance(data, dict):
             raise ValueError("a flight record must be a JSON object")
         entries = data.get("entries", [])
@@ -185,6 +191,8 @@ def _bool(raw: dict[str, Any], key: str, default: bool, where: str = "") -> bool
 def _name(value: Any, where: str) -> str:
     if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
         raise ValueError(f"{where}={value!r:.80}: need a string of at most {MAX_NAME_CHARS} characters")
+    if _CONTROL.search(value):  # names end up in logs, events and terminals: no escape sequences
+        raise ValueError(f"{where}={value!r:.80}: control characters are not allowed")
     return value
 
 
