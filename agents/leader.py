@@ -34,8 +34,9 @@ Rules, in order:
    larger usable size do not trigger a round). The oldest live agent is node
    rank 0 and hosts the rendezvous, so that role migrates when its host is lost. Under live
    recovery, after a worker failure, a node with no warm replacement for it is left out while
-   at least ``min_nodes`` remain: the others go on at the smaller world size and it joins again
-   once warm (rule 2), instead of everyone waiting for a cold process start.
+   at least ``min_nodes`` remain, and so is, in any round, a node that is not a member yet and
+   whose workers are still warming: the others go on at the smaller world size and it joins
+   again once warm (rule 2), instead of everyone waiting for a cold process start.
 6. The job fails at once, without spending the restart budget, when a member reports a
    ``fatal`` error (the workers said a restart cannot help, e.g. too many failed checkpoint
    commits), or on a **deterministic failure**: the workers failed with the same error message
@@ -256,16 +257,21 @@ def _warm(state: JobState, member: Member, policy: Policy) -> bool:
 
 
 def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Member]) -> list[Member]:
-    """Live recovery: the survivors need not wait for a cold start. A node whose failed worker
-    has no warm replacement (its report counts fewer warm processes than ``nproc_per_node``) is
-    left out of the next round while the others go on at the smaller world size — if at least
-    ``min_nodes`` remain; it joins again once it is warm (:func:`_warm`), at a step boundary.
-    Otherwise (restart mode, a fixed node count, a node with a warm spare) the round keeps it."""
+    """Live recovery: the survivors need not wait for a cold start. Left out of the next round,
+    while the others go on at the smaller world size — if at least ``min_nodes`` remain — are a
+    node whose failed worker has no warm replacement (its report counts fewer warm processes
+    than ``nproc_per_node``), and a node that is not a member of the current round and whose
+    workers are not warm yet (:func:`_warm`: an agent that came back after a node loss starts its
+    processes cold; a round formed for any reason would otherwise wait for them, 10-20 s on a
+    loaded machine). Each joins once it is warm, at a step boundary. Otherwise (restart mode,
+    the first round, too few nodes without them) the round keeps them."""
     cur = state.current
-    if policy.recovery != "live" or need.reason not in (WORKER_EXIT, HANG) or cur is None:
+    if policy.recovery != "live" or cur is None:
         return members
-    reports = state.member_reports(cur.round)
-    cold = {n for n, r in reports.items() if r.outcome == FAILED and 0 <= r.workers_ready < policy.nproc_per_node}
+    cold = {m.node_id for m in members if m not in cur.members and not _warm(state, m, policy)}
+    if need.reason in (WORKER_EXIT, HANG):
+        reports = state.member_reports(cur.round)
+        cold |= {n for n, r in reports.items() if r.outcome == FAILED and 0 <= r.workers_ready < policy.nproc_per_node}
     kept = [m for m in members if m.node_id not in cold]
     if not cold or len(kept) < policy.min_nodes:
         return members

@@ -4,17 +4,19 @@ and the metrics, wait on conditions with deadlines. The chaos runner and the age
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from agents.config import AgentConfig, agent_flags
 from agents.launch import agent_command
-from contract.events import Event, read_jsonl
+from contract.events import Event
 from testbed.procs import REPO, kill_tree, quiet_env
 from testbed.wait import WaitTimeout, wait_for
 
@@ -27,6 +29,37 @@ FAST_AGENT_SETTINGS: dict[str, Any] = {
     "backoff_initial_s": 0.2,
 }
 FAST_AGENT_OPTIONS = agent_flags(FAST_AGENT_SETTINGS)
+
+
+class JsonlTail:
+    """The records of an append-only JSON-lines file, read incrementally: each call parses only
+    the complete lines appended since the last (a line still being written waits for its newline;
+    a torn line left by a killed writer is skipped, as :func:`contract.events.read_jsonl` does).
+    The soak polls the job's files many times a second for half an hour: re-reading them whole
+    each time cost the machine more CPU than the job it watched."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self._records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def records(self) -> list[dict[str, Any]]:
+        with self._lock:
+            try:
+                with open(self.path, "rb") as fh:
+                    fh.seek(self._offset)
+                    chunk = fh.read()
+            except FileNotFoundError:
+                return []
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self._offset += len(complete)
+            for line in complete.splitlines():
+                try:
+                    self._records.append(json.loads(line))
+                except ValueError:
+                    continue
+            return self._records
 
 
 class Cluster:
@@ -53,6 +86,8 @@ class Cluster:
         self.job = job
         self.events_path = self.workdir / "events.jsonl"
         self.metrics_path = self.workdir / "metrics.jsonl"
+        self._events = JsonlTail(self.events_path)
+        self._metrics = JsonlTail(self.metrics_path)
         self.ckpt_uri = ckpt_uri or str(self.workdir / "ckpt")
         self.worker_args = [
             str(config_path),
@@ -136,11 +171,9 @@ class Cluster:
 
     # -- reading ---------------------------------------------------------------------------
     def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
-        if not self.events_path.exists():
-            return []
         return [
             e
-            for e in read_jsonl(self.events_path)
+            for e in self._events.records()
             if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())
         ]
 
@@ -152,7 +185,7 @@ class Cluster:
         )
 
     def metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []
+        return list(self._metrics.records())
 
     def step(self) -> int:
         return max((m["step"] for m in self.metrics()), default=0)

@@ -141,8 +141,11 @@ class _Campaign(threading.Thread):
                     time.sleep(0.05)
                 if limit_s and time.time() - self.ctx.started_at > limit_s:
                     break
-                high = self.ctx.cluster.step()
                 self._fire(spec)
+                # the high the next fault waits past is where training stood when this one was
+                # done acting: a fault that acts for a while (a save it waits for, a slowdown)
+                # sees training move on meanwhile, and its recovery resumes from before that
+                high = self.ctx.cluster.step()
         finally:
             self.done.set()
 

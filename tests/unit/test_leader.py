@@ -401,6 +401,33 @@ def test_under_live_recovery_a_node_without_a_warm_replacement_is_left_out_while
     assert record.members == (first.members[:1] if left_out else first.members)
 
 
+@pytest.mark.parametrize(
+    ("recovery", "min_nodes", "c_ready", "c_in"),
+    [
+        ("live", 1, 1, False),  # c came back and is warming: a and b go on, c joins once warm
+        ("live", 1, 2, True),  # warm: it joins with the round that is formed anyway
+        ("live", 2, 1, False),  # a and b are min_nodes: enough without c
+        ("restart", 1, 1, True),  # restart mode starts everyone cold anyway
+    ],
+)
+def test_under_live_recovery_a_failure_round_does_not_wait_for_a_joiner_still_warming(
+    recovery: str, min_nodes: int, c_ready: int, c_in: bool
+) -> None:
+    """Seen in the soak: a node whose agent came back after a node loss was put into the round
+    formed for the next worker failure with its processes still importing torch, and the round
+    waited 18-21 s for them to join the rendezvous."""
+    policy = dataclasses.replace(POLICY, recovery=recovery, min_nodes=min_nodes)
+    job, memory, first = running_job("a", "b", policy=policy)
+    c = job.join("c", at=T0 + 20)
+    status = NodeStatus(state="waiting", workers_ready=c_ready, updated_at=T0 + 21)
+    job.put(job.keys.status("c"), status.to_json(), lease=job.kvs[job.keys.node("c")].lease)
+    _, memory = decide(job.state(), policy, memory, T0 + 22)  # the leader sees c join
+    job.report(1, "b", FAILED, WORKER_EXIT, time=T0 + 30, workers_ready=2)  # b has a warm spare
+    record, memory = form(job, memory, T0 + 40, policy)
+    assert record.reason == WORKER_EXIT
+    assert record.members == ([*first.members, c] if c_in else first.members)
+
+
 def test_scale_up_baseline_comes_from_a_status_written_after_the_join() -> None:
     """A commit made before the node joined, still unseen in a stale status record, is not the
     checkpoint the node waits for."""

@@ -30,10 +30,11 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     def act() -> dict[str, Any]:
         node, pid = pick_worker(ctx, spec.node)
         everyone = round_workers(ctx)
+        step = ctx.cluster.step()
         t0 = time.time()
+        record = ctx.emit(spec.kind, node=node, pid=pid, pids=everyone, step=step)  # its time: the kill's
         for victim in everyone:
             send_signal(victim, signal.SIGKILL)
-        record = ctx.emit(spec.kind, node=node, pid=pid, pids=everyone, step=ctx.cluster.step())
         wait_for(lambda: _loading(ctx, t0), 120, "a checkpoint load", poll_s=0.01)
         victim_node, victim = pick_worker(ctx, spec.node)
         send_signal(victim, signal.SIGKILL)

@@ -28,8 +28,9 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     def act() -> dict[str, Any]:
         step = wait_for(lambda: _in_flight_upload(ctx), 120, "a checkpoint upload in flight", poll_s=0.01)
         node, pid = pick_worker(ctx, spec.node)
+        record = ctx.emit(spec.kind, node=node, pid=pid, ckpt_step=step, step=ctx.cluster.step())  # the time it acts
         send_signal(pid, signal.SIGKILL)
-        return ctx.emit(spec.kind, node=node, pid=pid, ckpt_step=step, step=ctx.cluster.step())
+        return record
 
     return with_slow_storage(ctx, float(spec.params.get("latency_s", 0.2)), act)
 

@@ -13,8 +13,9 @@ from chaos.faults.targets import pick_worker, send_signal
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     node, pid = pick_worker(ctx, spec.node)
+    record = ctx.emit(spec.kind, node=node, pid=pid, step=ctx.cluster.step())  # the time it acts
     send_signal(pid, signal.SIGSTOP)
-    return ctx.emit(spec.kind, node=node, pid=pid, step=ctx.cluster.step())
+    return record
 
 
 FAULT = FAULTS.register(Fault(kind="worker_hang", act=_act, outcome=Outcome.NEW_ROUND))

@@ -22,8 +22,9 @@ SIGNALS = {
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     node, pid = pick_worker(ctx, spec.node)
     name = spec.params.get("signal", "SIGKILL")
+    record = ctx.emit(spec.kind, node=node, pid=pid, signal=name, step=ctx.cluster.step())  # the time it acts
     send_signal(pid, SIGNALS[name])
-    return ctx.emit(spec.kind, node=node, pid=pid, signal=name, step=ctx.cluster.step())
+    return record
 
 
 FAULT = FAULTS.register(Fault(kind="worker_kill", act=_act, outcome=Outcome.NEW_ROUND))
