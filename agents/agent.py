@@ -90,7 +90,16 @@ from agents.records import (
     parse_master,
     validate_id,
 )
-from agents.supervision import FROZEN_AFTER_S, HangCall, exit_report, frozen_ranks, hung_ranks, judge, stalls
+from agents.supervision import (
+    FROZEN_AFTER_S,
+    HangCall,
+    exit_report,
+    frozen_ranks,
+    hung_ranks,
+    judge,
+    stalls,
+    waiting,
+)
 from agents.workers import Launch, Launcher, Workers
 from contract import events as ev
 from contract import exits
@@ -868,16 +877,18 @@ class Agent:
             self._on_hang(workers, call, beats)
 
     def _judge(self, workers: Workers, beats: dict[int, Beat], *, live: bool) -> HangCall | None:
+        now = self.clock.monotonic()
+        # the other members' statuses are read only when a rank here has waited the whole timeout
+        waited = any(waiting(b, now=now, limit_s=self.cfg.hang_timeout_s) for b in beats.values())
         return judge(
             beats,
             nproc_per_node=workers.launch.nproc_per_node,
             started_at=workers.started_at,
-            now=self.clock.monotonic(),
+            now=now,
             hang_timeout_s=self.cfg.hang_timeout_s,
             start_timeout_s=self.cfg.start_timeout_s,
-            others_moving=hang_view.others_moving(
-                self._state, workers.round, self.cfg.node_id, now_wall=self.clock.time()
-            ),
+            others_moving=waited
+            and hang_view.others_moving(self._state, workers.round, self.cfg.node_id, now_wall=self.clock.time()),
             live=live,
         )
 
