@@ -342,7 +342,7 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
                 if str(key).isdigit():
                     ev.node_of[int(key)] = str(parsed.node)[:100]
             ev.hung = ev.hung or not isinstance(parsed, Dumped)
-            ev.whys.append(f"{parsed.node}: {parsed.why}")
+            ev.whys.append(f"{str(parsed.node)[:100]}: {str(parsed.why)[:300]}")
             frozen = parsed.frozen if isinstance(parsed.frozen, list) else []
             ev.frozen.update(r for r in frozen if isinstance(r, int) and not isinstance(r, bool))
             flight = parsed.flight if isinstance(parsed.flight, dict) else {}

@@ -20,6 +20,9 @@ from agents.flight_verdict import Stall, from_stalls
 from agents.records import DumpRequest, JobKeys, JobState
 from agents.supervision import MAX_STALLS
 
+MAX_SHOWN_CHARS = 1000  #: of one text an agent put in its status (agents write at most 500; etcd allows MBs)
+MAX_SHOWN_LINES = 100
+
 
 def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
     keys = JobKeys(job)
@@ -48,20 +51,22 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
                 "restarts_seen": status.restarts if status else 0,
                 "ckpt_failures": status.ckpt_failures if status else 0,
                 "ckpt_failures_total": status.ckpt_failures_total if status else 0,
-                "ckpt_error": status.ckpt_error if status else "",
+                "ckpt_error": status.ckpt_error[:MAX_SHOWN_CHARS] if status else "",
                 "recovery": status.recovery if status else "",
                 "workers_kept": status.workers_kept if status else 0,
                 "workers_new": status.workers_new if status else 0,
-                "hang_verdict": status.hang_verdict if status else "",
+                "hang_verdict": status.hang_verdict[:MAX_SHOWN_CHARS] if status else "",
                 "busy_s": status.busy_s if status else 0.0,
                 "productive_s": status.productive_s if status else 0.0,
                 "lost_s": status.lost_s if status else 0.0,
                 "device_hours": status.device_hours if status else {},
                 "devices": status.devices if status else 0,
                 "device_hour_price": status.device_hour_price if status else 0.0,
-                "stragglers": status.stragglers if status else [],
+                "stragglers": [line[:MAX_SHOWN_CHARS] for line in status.stragglers[:MAX_SHOWN_LINES]]
+                if status
+                else [],
                 "dump_nonce": status.dump_nonce if status else "",
-                "dump_verdict": status.dump_verdict if status else "",
+                "dump_verdict": status.dump_verdict[:MAX_SHOWN_CHARS] if status else "",
                 "stalled": [dataclasses.asdict(x) for x in status.stalled[:MAX_STALLS]] if status else [],
                 "hang_dumped_round": status.hang_dumped_round if status else -1,
             }
