@@ -5,12 +5,14 @@ installed (:mod:`ftrain.browser`)."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from ftrain.browser import dump_dom, find_browser, screenshot
-from ftrain.report_page import TIMELINE_JS
+from ftrain.report_page import TIMELINE_JS, embed_json
 
 __all__ = ["dump_dom", "find_browser", "render_html", "screenshot", "write_report"]
 
@@ -111,9 +113,15 @@ document.body.setAttribute("data-rendered", lanes.length);
 
 
 def render_html(report: dict[str, Any]) -> str:
-    data = json.dumps(report, default=str).replace("</", "<\\/")
-    page = _PAGE.replace("__TITLE__", str(report["scenario"])).replace("__TIMELINE_JS__", TIMELINE_JS)
-    return page.replace("__DATA__", data)
+    """The page, its slots filled in one pass (a value that holds another slot's name stays
+    text): the title HTML-escaped, the data as :func:`ftrain.report_page.embed_json` embeds it
+    (a log field such as ``<!--<script>`` must not end the data block or swallow the script)."""
+    slots = {
+        "__TITLE__": html.escape(str(report["scenario"])),
+        "__TIMELINE_JS__": TIMELINE_JS,
+        "__DATA__": embed_json(report),
+    }
+    return re.sub("|".join(slots), lambda m: slots[m.group(0)], _PAGE)
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from chaos.report import render_html
 from ftrain import report_page
 from ftrain.run_report import build
 
@@ -91,3 +92,13 @@ def test_embedded_json_has_no_character_the_html_parser_acts_on():
     text = report_page.embed_json({"s": "".join(HOSTILE)})
     assert not set(text) & set("<>&\u2028\u2029")
     assert _strict_json(text) == {"s": "".join(HOSTILE)}
+
+
+def test_the_chaos_report_page_takes_hostile_fields_the_same_way():
+    """chaos/report.py embedded its report with only ``</`` escaped (the same defect)."""
+    report = {"scenario": HOSTILE[1] + HOSTILE[4], "faults": [{"kind": HOSTILE[0], "node": HOSTILE[2]}], "x": HOSTILE}
+    doc = _parse(render_html(report))
+    scripts = doc.findall(".//script")
+    assert [s.get("id") for s in scripts] == ["data", None]
+    assert _strict_json(scripts[0].text) == report
+    assert doc.find(".//title").text == "ftrain chaos: " + HOSTILE[1] + HOSTILE[4]
