@@ -128,6 +128,7 @@ class _HeldHang:
     evidence: flight.Evidence
     verdict: str
     due_at: float  #: monotonic: end them by then, whoever has dumped
+    fresh: bool = True  #: found in this tick: the report is not in the state a leader reads until the next
 
 
 @dataclass(kw_only=True)
@@ -357,6 +358,7 @@ class Agent:
         if self.draining:
             self._drain_step()
         if state is None:
+            self._release_held()
             return
         if state.final is not None:
             self._finish(state, state.final)
@@ -371,6 +373,7 @@ class Agent:
             self._publish_status(state)
         except EtcdUnavailableError as e:  # etcd went away mid-tick: the next tick re-reads
             log.warning("etcd request failed, retrying next tick: %s", e)
+        self._release_held()  # last: a leader forms the hang's round before the stacks are dumped
         self.metrics.tick()
 
     def _leading(self, state: JobState) -> bool:
@@ -806,8 +809,7 @@ class Agent:
             hang_timeout_s=self.cfg.hang_timeout_s,
         )
         if self._held is not None:  # the round is over here: its hung workers wait for the others' dumps
-            self._release_held()
-            return
+            return  # (released at the end of the tick)
         rc = workers.poll()
         if isinstance(workers, LiveWorkers) and (rc is None or (rc != 0 and not workers.terminating)):
             self._supervise_live(workers, beats)  # a failed worker is replaced, even the node's last one
@@ -902,7 +904,8 @@ class Agent:
 
     def _on_hang(self, workers: Workers, call: HangCall, beats: dict[int, Beat]) -> None:
         """A hang found here: the workers' flight records now (before anything moves), the report
-        at once; their stacks and the end of the ones to end once the others dumped (:meth:`_release_held`)."""
+        at once; their stacks and the end of the ones to end at the end of a later tick, once the
+        others dumped (:meth:`_release_held`; this node's workers are not moved to a new round before)."""
         log.error("round %d: hang: %s: taking the workers' flight records", workers.round, call.why)
         evidence, verdict = self._evidence(workers, ev.Hang)
         ready = workers.ready() if isinstance(workers, LiveWorkers) else -1
@@ -911,14 +914,20 @@ class Agent:
         self.hang_verdict = f"round {workers.round}: {verdict}"
         log.error("round %d: flight records: %s", workers.round, verdict)
         self._held = _HeldHang(workers, call, evidence, verdict, self.clock.monotonic() + HANG_HOLD_S)
-        self.wake.set()
-        self._release_held()
+        if self._registered():
+            self._flush_reports()  # now: the others dump on seeing it
+            if self._state is not None:  # and that this node's records are in (hang_dumped_round)
+                self._publish_status(self._state, force=True)
+        self.wake.set()  # the stacks at the end of the next tick (they take a while): the round is formed first
 
     def _release_held(self) -> None:
         """End the held hang's workers once every other live member took its records (or at the
         deadline): first their stacks (dumping continues a stopped worker), then the kill."""
         held = self._held
         if held is None:
+            return
+        if held.fresh:  # the round for it first (next tick); its stacks and kills after
+            held.fresh = False
             return
         round_ = held.workers.round
         if (
@@ -1109,7 +1118,7 @@ class Agent:
 
     def _finish(self, state: JobState, final: FinalStatus) -> None:
         if self._held is not None:  # the job is over: nobody else is to be waited for
-            self._held.due_at = 0.0
+            self._held.due_at, self._held.fresh = 0.0, False
             self._release_held()
         if self.workers is not None:
             if self.workers.wait(timeout_s=10.0) is None:

@@ -9,6 +9,7 @@ Both jobs run three workers on one node (the agent tests' tiny job); the fault f
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -43,12 +44,19 @@ def _analyze(path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _timeless(verdict: str) -> str:
+    """A verdict without its wait times (the agent measures them when it collects, the merged
+    analysis when the newest record was taken)."""
+    return re.sub(r"for \d+\.\d s", "for _ s", verdict)
+
+
 def _in_flight(record, group: str) -> list[int]:
     return [e.seq for e in record.entries if e.group == group and not e.done]
 
 
 def test_a_worker_stopped_inside_a_collective_is_named_with_the_collective_its_peers_wait_in(job, etcd):
     job.start("a", nnodes="1:1", nproc=3, env={"FTRAIN_FAULT_SIGSTOP_IN_COLLECTIVE": "30:1:1"})
+    job.wait_step(10, 240)  # start-up first: it takes as long as the machine's load makes it
     job.wait_event("hang")
     client = EtcdClient([etcd.endpoint])
     try:  # while round 2 runs, the agent's status carries the verdict
@@ -75,7 +83,8 @@ def test_a_worker_stopped_inside_a_collective_is_named_with_the_collective_its_p
     assert verdict.kind == CULPRIT and verdict.ranks == [1] and verdict.waiting == [0, 2], verdict
     for rank in (0, 2):  # each waiter's own record has that collective in flight, and no earlier one
         assert _in_flight(evidence.records[rank], verdict.group) == [verdict.seq], evidence.records[rank]
-    assert hang["verdict"] == verdict.line and f"#{verdict.seq} " in verdict.line and "rank 1" in verdict.line
+    assert _timeless(hang["verdict"]) == _timeless(verdict.line) and f"#{verdict.seq} " in verdict.line
+    assert "rank 1" in verdict.line
     assert "frozen" in verdict.line and "ranks 0,2 wait" in verdict.line, verdict.line
     assert shown == f"last hang seen by a, round 1: {verdict.line}"
     out = _analyze(job.workdir)
@@ -88,7 +97,7 @@ def test_a_worker_stopped_inside_a_collective_is_named_with_the_collective_its_p
 
 def test_a_rank_that_skips_a_collective_is_named_as_a_desync_at_that_sequence_number(job, etcd):
     job.start("a", nnodes="1:1", nproc=3, env={"FTRAIN_FAULT_SKIP_COLLECTIVE": "45:1:1"})
-    job.wait_step(3)
+    job.wait_step(3, 240)
     client = EtcdClient([etcd.endpoint])
     try:  # first, while it runs healthy: ftrain status --dump
         s = request_dump(client, job.job, timeout_s=20)
@@ -117,7 +126,11 @@ def test_a_rank_that_skips_a_collective_is_named_as_a_desync_at_that_sequence_nu
     assert at(0, seq).signature() == at(2, seq).signature() != at(1, seq).signature()
     assert at(0, seq).op == "gloo:all_gather" and at(1, seq).op == "gloo:all_reduce", records  # losses / stop flags
     hang = job.events("hang")[0]
-    assert hang["worker_round"] == 1 and hang["verdict"] == verdict.line and f"#{seq} " in verdict.line
+    assert (
+        hang["worker_round"] == 1
+        and _timeless(hang["verdict"]) == _timeless(verdict.line)
+        and f"#{seq} " in verdict.line
+    )
     out = json.loads(_analyze(job.events_path, "--json").stdout.splitlines()[0])
     assert out["kind"] == DESYNC and out["seq"] == seq and out["ranks"] == [1], out
     wait_for(lambda: job.step() == 60, 10, "the job to finish its steps")

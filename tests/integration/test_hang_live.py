@@ -32,7 +32,7 @@ from testbed.jobs import TINY_CONFIG
 from testbed.procs import REPO, quiet_env
 from testbed.wait import wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 
 STEPS = 80
 LIVE = ("--recovery", "live", "--spares", "1")
@@ -113,6 +113,7 @@ def test_ranks_in_mismatched_collectives_are_found_hung_from_their_in_flight_age
     try:
         job.start("a", *LIVE, nnodes="2:2", nproc=1)
         job.start("b", *LIVE, nnodes="2:2", nproc=1)
+        job.wait_step(10, 240)  # start-up first: it takes as long as the machine's load makes it
         wait_for(lambda: len(job.events("live_restored", round=2)) == 2, 120, "round 2 restored")
         assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
         round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
@@ -143,6 +144,7 @@ def test_a_stopped_workers_hang_is_named_with_its_node_host_collective_and_the_r
     try:
         job.start("a", *LIVE, nnodes="2:2", nproc=1)
         job.start("b", *LIVE, nnodes="2:2", nproc=1)
+        job.wait_step(10, 240)  # start-up first: it takes as long as the machine's load makes it
         wait_for(lambda: job.events("round_formed", new_round=2), 120, "the hang's round")
         client = EtcdClient([etcd.endpoint])
         try:  # while round 2 runs, the finder's status carries its verdict
