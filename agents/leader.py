@@ -348,7 +348,9 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     reports = state.member_reports(cur.round)
     failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
     if failed:
-        node, report = sorted(failed.items())[0]
+        # the first failure is the cause: a hung rank's agent reports before it kills, and the
+        # peers that fail after the kill report later (by node id, a victim could win the race)
+        node, report = min(failed.items(), key=lambda kv: (kv[1].time, kv[0]))
         return _Need(
             report.reason or WORKER_EXIT,
             f"{node}: {report.detail}",

@@ -110,8 +110,8 @@ def test_healthy_round_waits() -> None:
 def test_failure_reported_by_every_member_restarts_at_once(reason: str) -> None:
     job, _, first = running_job("a", "b")
     failed_at = T0 + 30
-    job.report(1, "a", FAILED, reason, time=failed_at)
-    job.report(1, "b", FAILED, WORKER_EXIT, time=failed_at - 0.5)
+    job.report(1, "a", FAILED, reason, time=failed_at - 0.5)  # the first failure: its reason is the round's
+    job.report(1, "b", FAILED, WORKER_EXIT, time=failed_at)
     # Even a leader elected this very instant (no quiet time at all) does not wait to settle:
     # the live agents are exactly the members, and every one of them has reported.
     record, _ = form(job, memory_at(failed_at), failed_at)
@@ -120,6 +120,16 @@ def test_failure_reported_by_every_member_restarts_at_once(reason: str) -> None:
     assert record.members == first.members
     assert record.failure_times == [failed_at]
     assert record.restarts_by_cause == {reason: 1}
+
+
+def test_the_round_takes_the_reason_of_the_first_failure_whatever_the_node_ids() -> None:
+    """A hung rank's agent reports the hang before it kills; the peers that fail once it is gone
+    report after it. Seen in CI: node a's victim report won over node b's hang by node id."""
+    job, memory, _ = running_job("a", "b")
+    job.report(1, "b", FAILED, HANG, time=T0 + 30)
+    job.report(1, "a", FAILED, WORKER_EXIT, time=T0 + 30.4)
+    record, _ = form(job, memory, T0 + 31)
+    assert record.reason == HANG
 
 
 def test_failure_reported_while_membership_changes_waits_to_settle() -> None:
