@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from agents.workers import descendants, signal_pids
+from testbed.etcd import free_ports
 from testbed.jobs import TINY_CONFIG, worker_env
 from testbed.procs import REPO, kill_tree
 from testbed.wait import wait_for
@@ -41,16 +42,25 @@ class Job:
         self.events_path = tmp_path / "events.jsonl"
         self.node_dir = self.shm / "ftrain-tier-nojob" / socket.gethostname()
 
-    def start(self, *overrides: str, max_restarts: int = 0) -> tuple[subprocess.Popen, int]:
-        """A run, in its own session; and where its events begin in the shared log."""
+    def start(self, *overrides: str, max_restarts: int = 0, standalone: bool = True) -> tuple[subprocess.Popen, int]:
+        """A run, in its own session; and where its events begin in the shared log. Not
+        ``standalone``: static rendezvous without ``--rdzv-id`` (torchrun says run id ``none``)."""
         offset = self.events_path.stat().st_size if self.events_path.exists() else 0
+        rdzv = (
+            ["--standalone"]
+            if standalone
+            else ["--nnodes=1", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}"]
+        )
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node=2",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "-m", "ftrain", "train", str(self.config),
             "--train.steps=100000", "--parallel.strategy=fsdp", "--checkpoint.memory_interval=1",
             f"--checkpoint.memory_dir={self.shm}", f"--logging.events_path={self.events_path}", *overrides,
         ]  # fmt: skip
-        env = worker_env(FTRAIN_FAULT_STEP_SLEEP_S=STEP_SLEEP_S, FTRAIN_LOG_LEVEL="INFO")
+        # restarted workers bootstrap their own store (torchrun's shared one hands them stale peers)
+        env = worker_env(
+            FTRAIN_FAULT_STEP_SLEEP_S=STEP_SLEEP_S, FTRAIN_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"
+        )
         log = open(self.tmp / f"run-{offset}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         log.close()
@@ -78,6 +88,9 @@ class Job:
         for local in sorted(self.node_dir.glob("local*")):
             out[local.name] = {int(p.name.split("-")[1]) for p in local.glob("step-*")}
         return out
+
+    def log(self) -> str:
+        return "\n".join(p.read_text() for p in sorted(self.tmp.glob("run-*.log")))
 
     def log_tail(self) -> str:
         return "\n".join(p.read_text()[-3000:] for p in sorted(self.tmp.glob("run-*.log")))
@@ -156,5 +169,48 @@ def test_the_same_run_resumes_from_its_snapshots_after_all_its_workers_were_kill
         restored = job.events(offset, "memory_restored")
         assert len({e["step"] for e in restored}) == 1 and restored[0]["step"] >= 5, restored
         assert not job.events(offset, "memory_skipped") and not job.events(offset, "memory_refused")
+        assert "WITHOUT an HMAC key" in job.log(), "no warning that the tier runs unsigned"
+    finally:
+        kill_tree(proc)
+
+
+def test_without_a_run_id_the_on_disk_tier_stays_off_and_says_how_to_give_one(tmp_path):
+    job = Job(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    proc, offset = job.start(f"--logging.metrics_path={metrics}", standalone=False)
+    try:
+
+        def trained() -> bool:
+            assert proc.poll() is None, job.log_tail()
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+
+        wait_for(trained, 180, "three steps without the on-disk tier")
+        skipped = job.events(offset, "memory_skipped")
+        assert {e["rank"] for e in skipped} == {0, 1}, skipped
+        assert all("no rank knows the run id" in e["why"] and "FTRAIN_RUN_ID" in e["why"] for e in skipped), skipped
+        assert not job.events(offset, "memory_snapshot") and not list(job.node_dir.glob("local*/step-*"))
+    finally:
+        kill_tree(proc)
+
+
+def test_a_tier_directory_others_can_write_is_not_used_and_training_goes_on(tmp_path):
+    job = Job(tmp_path)
+    planted = job.shm / "ftrain-tier-nojob"
+    planted.mkdir(parents=True)
+    planted.chmod(0o777)  # as if another local user had made it, for the job to use
+    metrics = tmp_path / "metrics.jsonl"
+    proc, offset = job.start(f"--logging.metrics_path={metrics}")
+    try:
+
+        def trained() -> bool:
+            assert proc.poll() is None, job.log_tail()
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+
+        wait_for(trained, 180, "three steps without the on-disk tier")
+        skipped = job.events(offset, "memory_skipped")
+        assert {e["path"] for e in skipped} == {str(planted)} and {e["rank"] for e in skipped} == {0, 1}, skipped
+        assert all("writable by group or others" in e["why"] for e in skipped), skipped
+        assert not job.events(offset, "memory_snapshot"), "snapshots nobody could keep were taken"
+        assert list(planted.iterdir()) == []
     finally:
         kill_tree(proc)
