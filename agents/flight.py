@@ -43,19 +43,17 @@ def collect(
     nonce = secrets.token_hex(8)
     out = Collected()
     pending = set()
+    deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
         for pid in pids:
-            try:
-                sock.sendto(nonce.encode(), socket_name(pid))
-            except OSError as e:  # no recorder there (an older worker, or recording off), or a full queue
-                out.missing[pid] = f"no flight recorder answers ({e.strerror or e})"
-                continue
-            if pid in stopped:
+            why = _send(sock, nonce, pid, deadline)
+            if why:
+                out.missing[pid] = why
+            elif pid in stopped:
                 out.missing[pid] = "stopped (SIGSTOP), so it cannot answer"
             else:
                 pending.add(pid)
-    deadline = time.monotonic() + timeout_s
     while pending:
         for pid in list(pending):
             answer = _read(record_path(stack_dir, pid), nonce)
@@ -71,6 +69,21 @@ def collect(
     for pid in pending:
         out.missing[pid] = f"no answer within {timeout_s:.1f} s (frozen or busy)"
     return out
+
+
+def _send(sock: socket.socket, nonce: str, pid: int, deadline: float) -> str:
+    """Send ``nonce`` to the worker ``pid``; why it could not be sent ("" once sent). A full queue
+    (someone else's datagrams, or a worker not reading) is retried until ``deadline``."""
+    while True:
+        try:
+            sock.sendto(nonce.encode(), socket_name(pid))
+            return ""
+        except BlockingIOError as e:
+            if time.monotonic() > deadline:
+                return f"no flight recorder answers (its queue stayed full: {e.strerror or e})"
+            time.sleep(0.01)
+        except OSError as e:  # no recorder there (an older worker, recording off, the name taken)
+            return f"no flight recorder answers ({e.strerror or e})"
 
 
 def _read(path: str, nonce: str) -> FlightRecord | str | None:

@@ -41,7 +41,7 @@ MAX_REQUEST_BYTES = 256  #: a longer datagram is cut by the kernel and refused
 MAX_NONCE_CHARS = 64
 DATAGRAMS_PER_S = 50.0  #: taken off the socket per second, refused ones included (burst: as many)
 ANSWERS_PER_S = 5.0  #: accepted requests answered per second (burst: as many)
-MIN_SNAPSHOT_INTERVAL_S = 5.0  #: a new snapshot at most this often; in between the last one is re-stamped
+MIN_SNAPSHOT_INTERVAL_S = 1.0  #: a new snapshot at most this often; in between the last one is re-stamped
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 _CREDENTIALS = struct.Struct("iII")  #: struct ucred: pid_t pid, uid_t uid, gid_t gid
