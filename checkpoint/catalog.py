@@ -65,6 +65,11 @@ class StepInfo:
     """Why the step is corrupt (manifest error or the marker's reason); None otherwise."""
     marked: bool = False
     """True when a ``corrupt.json`` marker is present (an earlier verification failed)."""
+    digest: str = ""
+    """:func:`~checkpoint.manifest.manifest_digest` of the manifest's bytes when they were read
+    (also when they did not parse; "" when there is no manifest, or one too large to read): which
+    manifest this judgement was made on. Whoever acts on it later (a corrupt marker, retention)
+    judges the step again and acts only if the digest is still this one."""
 
 
 def read_bounded(storage: Storage, rel: str, max_bytes: int) -> bytes:
@@ -92,12 +97,12 @@ def read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None = None,
 
     Raises :class:`ManifestError` for a bad manifest, ``FileNotFoundError`` if there is none.
     """
-    return _read_manifest(storage, dirname, hmac_key, job=job)[0]
-
-
-def _read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None, *, job: str | None) -> tuple[Manifest, str]:
-    """:func:`read_manifest`, and the digest of the manifest's bytes (:func:`manifest_digest`)."""
     data = read_bounded(storage, f"{dirname}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+    return _check_manifest(data, dirname, hmac_key, job=job)
+
+
+def _check_manifest(data: bytes, dirname: str, hmac_key: bytes | None, *, job: str | None) -> Manifest:
+    """The manifest ``data`` of ``dirname``, checked (see :func:`read_manifest`)."""
     manifest = Manifest.from_json(data, hmac_key)
     step = parse_step_dir(dirname)
     if step is not None and manifest.step != step:
@@ -107,7 +112,7 @@ def _read_manifest(storage: Storage, dirname: str, hmac_key: bytes | None, *, jo
             f"manifest of {dirname} belongs to job {manifest.job!r}, not to this job {job!r}: "
             "copied from another job's root, or two jobs share checkpoint.uri"
         )
-    return manifest, manifest_digest(data)
+    return manifest
 
 
 def _marker_reason(storage: Storage, dirname: str) -> str:
@@ -138,21 +143,24 @@ def inspect_step(
     digest = ""
     if MANIFEST_NAME in names:
         try:
-            manifest, digest = _read_manifest(storage, dirname, hmac_key, job=job)
+            data = read_bounded(storage, f"{dirname}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+            digest = manifest_digest(data)
+            manifest = _check_manifest(data, dirname, hmac_key, job=job)
         except ManifestError as e:
             error = str(e)
         except FileNotFoundError:  # removed since the listing (GC removes the manifest first)
             names.discard(MANIFEST_NAME)
     if marked:
         reason = _marker_reason(storage, dirname)
-        return StepInfo(step, dirname, "corrupt", manifest, f"{reason}; {error}" if error else reason, marked=True)
+        why = f"{reason}; {error}" if error else reason
+        return StepInfo(step, dirname, "corrupt", manifest, why, marked=True, digest=digest)
     if error is not None:
-        return StepInfo(step, dirname, "corrupt", None, error)
+        return StepInfo(step, dirname, "corrupt", None, error, digest=digest)
     if manifest is None:
         return StepInfo(step, dirname, "uncommitted", None, None)
-    if recorded is not None and recorded.get(step) != digest:
-        return StepInfo(step, dirname, "uncommitted", None, None)  # fenced out after its PUT, or committing
-    return StepInfo(step, dirname, "committed", manifest, None)
+    if recorded is not None and recorded.get(step) != digest:  # fenced out after its PUT, or committing
+        return StepInfo(step, dirname, "uncommitted", None, None, digest=digest)
+    return StepInfo(step, dirname, "committed", manifest, None, digest=digest)
 
 
 def list_steps(

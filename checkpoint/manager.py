@@ -18,9 +18,12 @@ What must stay true on load:
 
 - Only a verified bad byte marks a step corrupt: a digest or size mismatch, a missing file, an
   unsafe or unparsable ``.metadata`` whose digest matched, a manifest that fails its HMAC, its
-  job or the caller's ``validate``. A storage error (transient after retries, fatal, any
-  ``OSError``) fails the load attempt with :class:`CheckpointError` and writes no marker; every
-  rank gets the same verdict (problems are gathered), so no rank waits alone in a collective.
+  job or the caller's ``validate``; and only the manifest that failed: the marker is written
+  only while this writer's round is current and the step is still committed with the manifest
+  the verdict was reached on (:meth:`CheckpointManager._mark_corrupt`). A storage error
+  (transient after retries, fatal, any ``OSError``) fails the load attempt with
+  :class:`CheckpointError` and writes no marker; every rank gets the same verdict (problems are
+  gathered), so no rank waits alone in a collective.
 - A job never starts from step 0 over steps it could not load: when step directories with
   manifests exist and none loads, ``on_no_loadable_step="fail"`` (the default) raises
   :class:`NoLoadableStepError` naming every step and why it was refused; ``"fresh"`` emits
@@ -49,7 +52,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-from checkpoint.catalog import StepInfo, list_steps
+from checkpoint.catalog import StepInfo, inspect_step, list_steps
 from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata, needed_ranges
 from checkpoint.dcp_write import DigestingWriter
@@ -253,6 +256,13 @@ class CheckpointManager:
     """A fault hook: :attr:`checkpoint.publish.StepPublisher.after_fence`."""
     before_clear: Callable[[int], None] | None = None
     """A fault hook: :attr:`checkpoint.publish.StepPublisher.before_clear`."""
+    before_gc: Callable[[int], None] | None = None
+    """A fault hook: :attr:`checkpoint.retention.GcGuard.before_gc`."""
+    round: int | None = None
+    """The writer's round (its fencing token) for what it changes besides a save: retention's
+    deletes and a load's corrupt markers, each fenced by it (see :meth:`collect_garbage`,
+    :meth:`_mark_corrupt`). Each save's ``fields["round"]`` replaces it (the round of the last
+    save). With a fence and no round known, neither is done."""
     keep_last: int = DEFAULTS.keep_last
     keep_every: int = DEFAULTS.keep_every
     gc_grace_s: float = DEFAULTS.gc_grace_s
@@ -314,6 +324,9 @@ class CheckpointManager:
             self._wait_upload()
         dirname = step_dir_name(step)
         self._stop_gc(writing=dirname)
+        round_ = fields.get("round")
+        if isinstance(round_, int) and not isinstance(round_, bool):
+            self.round = round_  # the retention after this commit is fenced by it
         publisher = StepPublisher(
             self.url,
             self.options,
@@ -710,15 +723,43 @@ class CheckpointManager:
         self.on_event(ev.CkptCorrupt(step=info.step, problems=[str(p) for p in problems]))
         if self.rank == 0:
             try:
-                mark_corrupt(self.storage, info.dirname, problems, reason="verification before load failed")
+                self._mark_corrupt(info, problems)
             except (CheckpointError, OSError) as e:  # the step is refused either way; the marker is evidence
                 log.warning("could not mark %s corrupt (it is refused for this load anyway): %s", info.dirname, e)
         if dist.is_initialized():
             dist.barrier()
 
+    def _mark_corrupt(self, info: StepInfo, problems: list[Problem]) -> None:
+        """Mark ``info`` corrupt, fenced like every other change: immediately before the marker
+        is written this writer's round must still be current (StaleRoundError otherwise) and the
+        step, judged again with the commit records read now, must still be committed with the
+        manifest the verdict was reached on (``info.digest``). A loader paused since it looked
+        (whose verdict may come from reading a step that a newer round cleared and saved again)
+        never marks the newer round's step; only the manifest that failed is ever marked."""
+        if self.fence is not None:
+            if self.round is None:
+                log.warning("%s not marked corrupt: no round known to fence the marker", info.dirname)
+                return
+            self.fence.check(self.round)
+        now = inspect_step(self.storage, info.dirname, self._hmac_key(), job=self.job, recorded=self._recorded())
+        if now.marked and now.digest == info.digest:
+            log.info("%s is already marked corrupt", info.dirname)
+            return
+        if now.state != "committed" or now.digest != info.digest:
+            log.warning(
+                "%s not marked corrupt: it changed since it was verified (now %s, manifest %s, verified %s)",
+                info.dirname,
+                now.state,
+                now.digest[:16] or "-",
+                info.digest[:16] or "-",
+            )
+            return
+        mark_corrupt(self.storage, info.dirname, problems, reason="verification before load failed")
+
     # -- retention -----------------------------------------------------------------------
     def collect_garbage(self, stop: GcStop | None = None) -> list[str]:
-        """Apply retention now (rank 0; after each commit it also runs in the background)."""
+        """Apply retention now (rank 0; after each commit it also runs in the background),
+        fenced by :attr:`round` where there is a fence (:mod:`checkpoint.retention`)."""
         if self.rank != 0:
             return []
         in_flight = {self._in_flight.step} if self._in_flight is not None else set()
@@ -731,6 +772,8 @@ class CheckpointManager:
             job=self.job,
             stop=stop,
             fence=self.fence,
+            round_=self.round,
+            before_gc=self.before_gc,
         )
 
     def _collect_garbage_later(self) -> None:

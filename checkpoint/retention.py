@@ -15,6 +15,18 @@
 :func:`apply_gc` removes each directory's ``manifest.json`` first, so a deletion that dies (or
 is stopped) half way leaves an uncommitted directory (removed by a later GC), never a committed
 one with holes.
+
+What must stay true: a retention whose writer's round is no longer current removes nothing, and
+no directory is removed unless it is still what it was planned as. A retention can be paused
+anywhere (SIGSTOP, a frozen host, a long GC) between its plan and its deletes, and resume after a
+newer round re-saved and committed a step it planned as torn; so :func:`collect_garbage` plans
+under a :class:`GcGuard` (the writer's round, the fence, the key and job), and :func:`apply_gc`
+checks the round and judges each directory again, with commit records read then, immediately
+before it changes it (its unfinished uploads included): a directory whose state or manifest
+digest is no longer the planned one is left alone. Records of steps no longer stored are dropped
+the same way: the round checked, the records read again, and only a record still the one seen
+dropped. What is left is the time between the last etcd answer and the storage request (and the
+removal's own duration): storage has no conditional delete that etcd's round could guard.
 """
 
 from __future__ import annotations
@@ -27,8 +39,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.catalog import StepInfo, list_steps
+from checkpoint.catalog import State, StepInfo, inspect_step, list_steps
 from checkpoint.config import DEFAULTS
+from checkpoint.errors import StaleRoundError
 from checkpoint.manifest import MANIFEST_NAME, parse_step_dir
 from checkpoint.publish import Fence
 from checkpoint.storage import Storage
@@ -79,6 +92,53 @@ class GcStop:
             self._changed.notify_all()
 
 
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """What the planner saw of one directory: enough to tell whether it changed since."""
+
+    state: State
+    digest: str
+    """The manifest's digest (:attr:`checkpoint.catalog.StepInfo.digest`; "" without one)."""
+    marked: bool
+
+    @classmethod
+    def of(cls, info: StepInfo) -> Judged:
+        return cls(info.state, info.digest, info.marked)
+
+
+@dataclass(frozen=True)
+class GcGuard:
+    """What a retention checks immediately before each change it makes (see the module doc): the
+    writer's ``round`` is still current (with a ``fence``), and the directory is still what it was
+    planned as, judged with ``hmac_key``, ``job`` and the commit records read then.
+    ``before_gc(step)`` runs first (a fault hook: :func:`ftrain.faults.maybe_pause_before_gc`)."""
+
+    hmac_key: bytes | None
+    job: str | None
+    fence: Fence | None = None
+    round: int | None = None
+    before_gc: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.fence is not None and self.round is None:
+            raise ValueError("GcGuard: a fenced retention needs the writer's round")
+
+    def paused_here(self, step: int | None) -> None:
+        if self.before_gc is not None and step is not None:
+            self.before_gc(step)
+
+    def check_round(self) -> None:
+        """StaleRoundError when the writer's round is no longer current."""
+        if self.fence is not None and self.round is not None:
+            self.fence.check(self.round)
+
+    def now(self, storage: Storage, dirname: str) -> Judged:
+        """``dirname`` as it is now, after the round check."""
+        self.check_round()
+        recorded = self.fence.recorded() if self.fence is not None else None
+        return Judged.of(inspect_step(storage, dirname, self.hmac_key, job=self.job, recorded=recorded))
+
+
 @dataclass(slots=True)
 class GcPlan:
     """What :func:`apply_gc` will do: directory names, ascending by step, and why."""
@@ -87,6 +147,12 @@ class GcPlan:
     keep: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     """A reason for every directory in ``delete`` and ``keep``."""
+    judged: dict[str, Judged] = field(default_factory=dict)
+    """What every directory in ``delete`` was when planned."""
+    guard: GcGuard | None = None
+    """Set by :func:`collect_garbage`: :func:`apply_gc` then deletes a directory only while the
+    guard finds it unchanged (and the writer's round current). None (``ftrain ckpt gc``, an
+    operator's command with no round): deleted as planned."""
 
 
 def plan_gc(
@@ -147,6 +213,8 @@ def plan_gc(
         delete, reason = decide(info)
         (plan.delete if delete else plan.keep).append(info.dirname)
         plan.reasons[info.dirname] = reason
+        if delete:
+            plan.judged[info.dirname] = Judged.of(info)
     return plan
 
 
@@ -154,13 +222,40 @@ def apply_gc(storage: Storage, plan: GcPlan, clear_multipart: bool = True, stop:
     """Delete every directory in ``plan.delete``: manifest first, then the rest, recursively;
     returns the directories deleted. With ``clear_multipart`` also abort unfinished multipart
     uploads under each deleted directory. A stopped ``stop`` ends it before the next directory
-    (the rest waits for a later GC)."""
+    (the rest waits for a later GC). With ``plan.guard``, immediately before each directory is
+    touched the writer's round is checked (StaleRoundError: nothing more is removed) and the
+    directory judged again: one that is no longer what it was planned as is left alone."""
     deleted: list[str] = []
+    guard = plan.guard
     for dirname in plan.delete:
+        if guard is not None:
+            guard.paused_here(parse_step_dir(dirname))
         if stop is not None and not stop.begin(dirname):
             log.info("gc: stopped before %s (%d of %d deleted)", dirname, len(deleted), len(plan.delete))
             break
         try:
+            if guard is not None:
+                try:
+                    now = guard.now(storage, dirname)
+                except StaleRoundError:
+                    log.warning(
+                        "gc: round %s is no longer current: this retention belongs to an old round and removes "
+                        "nothing more (%d of %d deleted; %s left alone)",
+                        guard.round,
+                        len(deleted),
+                        len(plan.delete),
+                        dirname,
+                    )
+                    raise
+                planned = plan.judged.get(dirname)
+                if now != planned:
+                    log.warning(
+                        "gc: %s left alone: it changed since it was planned for deletion (planned %s, now %s)",
+                        dirname,
+                        planned,
+                        now,
+                    )
+                    continue
             if clear_multipart:
                 aborted = storage.clear_multipart_uploads(dirname)
                 if aborted:
@@ -257,12 +352,20 @@ def collect_garbage(
     job: str | None = None,
     stop: GcStop | None = None,
     fence: Fence | None = None,
+    round_: int | None = None,
+    before_gc: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Apply retention: never touches the newest committed step or an in-flight one. With
     ``job``, another job's steps are not committed here (they never count as this job's newest).
-    With a ``fence`` that records commits, only recorded steps are committed (a manifest stored
-    by a fenced-out save is a torn save's), and the records of steps no longer stored are
-    dropped. A stopped ``stop`` ends it between two directories. Returns the directories deleted."""
+    With a ``fence``, every change is fenced by the writer's round ``round_`` (see the module
+    doc; without a round, nothing is deleted), and where it records commits, only recorded steps
+    are committed (a manifest stored by a fenced-out save is a torn save's), and the records of
+    steps no longer stored are dropped. A stopped ``stop`` ends it between two directories.
+    ``before_gc``: :class:`GcGuard`. Returns the directories deleted."""
+    if fence is not None and round_ is None:
+        log.warning("retention skipped: its deletes are fenced by the writer's round, and none is known yet")
+        return []
+    guard = GcGuard(hmac_key, job, fence, round_, before_gc)
     recorded = fence.recorded() if fence is not None else None
     steps, ages = gc_survey(storage, list_steps(storage, hmac_key, job=job, recorded=recorded))
     plan = plan_gc(
@@ -274,14 +377,34 @@ def collect_garbage(
         modified_s=ages,
         grace_s=retention.grace_s,
     )
+    plan.guard = guard
     deleted = apply_gc(storage, plan, stop=stop) if plan.delete else []
     if fence is not None and recorded:
         stored = {s.step for s in steps} - {parse_step_dir(d) for d in deleted}
         gone = sorted(step for step in recorded if step not in stored)
         if gone:
-            fence.forget(gone)
+            _forget(guard, fence, gone, recorded)
     if deleted:
         log.info("retention removed %s", ", ".join(deleted))
         if on_event is not None:
             on_event(ev.CkptGc(deleted=deleted))
     return deleted
+
+
+def _forget(guard: GcGuard, fence: Fence, gone: list[int], recorded: dict[int, str]) -> None:
+    """Drop the commit records of ``gone`` (steps no longer stored), fenced like a deletion: the
+    round checked and the records read again immediately before, and only a record that is still
+    the one seen dropped (a newer round may have saved the step again and recorded it since)."""
+    for step in gone:
+        guard.paused_here(step)
+    guard.check_round()
+    fresh = fence.recorded() or {}
+    same = [step for step in gone if fresh.get(step) == recorded[step]]
+    again = [str(step) for step in gone if step in fresh and fresh[step] != recorded[step]]
+    if again:
+        log.warning(
+            "retention keeps the commit records of steps %s: recorded again since it looked (a newer save)",
+            ", ".join(again),
+        )
+    if same:
+        fence.forget(same)

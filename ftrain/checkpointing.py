@@ -36,7 +36,7 @@ from contract.worker_env import WorkerEnv
 from ftrain import fence
 from ftrain.config import Config, ConfigError, worker_job_id
 from ftrain.data import DataCursor, DataError
-from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear
+from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear, maybe_pause_before_gc
 from ftrain.parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,8 @@ class Checkpointing:
             fence=fence.from_env(),  # whenever an agent set one up: a round-0 worker there is stale too
             after_fence=maybe_pause_after_fence,
             before_clear=maybe_pause_before_clear,
+            before_gc=maybe_pause_before_gc,
+            round=self.round,  # fences its corrupt markers and retention (saves carry it too)
         )
         if not c.hmac_key_env and self.manager.storage.protocol not in ("file", "memory") and self.rank == 0:
             self._warn_unsigned()

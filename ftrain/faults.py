@@ -30,6 +30,10 @@ that a replacement process that replays the step in a later round does not repla
   coordinator: 0), stops its process with SIGSTOP after it inspected the step directory and
   before its fenced removal of what an earlier save left there (or of its unfinished uploads):
   a writer that resumes after a newer round formed must remove nothing.
+- ``FTRAIN_FAULT_PAUSE_BEFORE_GC="STEP:RANK"``: the retention on rank RANK (the one that runs
+  it: 0) stops its process with SIGSTOP after it planned and before its fenced removal of step
+  STEP's directory (or of its commit record): a retention that resumes after a newer round formed
+  must remove nothing.
 - ``FTRAIN_FAULT_DAMAGE_MEMORY_COPY=RANK``: rank RANK flips one bit of every buddy copy it keeps
   in the memory tier, after it was checked on arrival (memory that rots): a restore from it must
   refuse it and load from storage.
@@ -135,6 +139,14 @@ def maybe_pause_before_clear(step: int) -> None:
         log.warning("fault injected: stopping (SIGSTOP) before clearing the directory of step %d", step)
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # this thread: see maybe_pause_after_fence
         log.warning("continued after the pause before clearing step %d", step)
+
+
+def maybe_pause_before_gc(step: int) -> None:
+    """See ``FTRAIN_FAULT_PAUSE_BEFORE_GC`` (runs in the retention's thread)."""
+    if _fire("FTRAIN_FAULT_PAUSE_BEFORE_GC", step, int(os.environ.get("RANK", "0"))):
+        log.warning("fault injected: stopping (SIGSTOP) before retention removes step %d", step)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # this thread: see maybe_pause_after_fence
+        log.warning("continued after the pause before retention removes step %d", step)
 
 
 def maybe_damage_memory_copy(rank: int, files: dict[str, bytes], names: list[str]) -> dict[str, bytes]:

@@ -12,7 +12,18 @@ from hypothesis import strategies as st
 
 from checkpoint.catalog import StepInfo, list_steps
 from checkpoint.manifest import MANIFEST_NAME, step_dir_name
-from checkpoint.retention import GcPlan, GcStop, _entry_time, apply_gc, modified_times, plan_gc
+from checkpoint.retention import (
+    GcGuard,
+    GcPlan,
+    GcStop,
+    Judged,
+    Retention,
+    _entry_time,
+    apply_gc,
+    collect_garbage,
+    modified_times,
+    plan_gc,
+)
 from checkpoint.storage import Storage
 from tests.unit.test_verify_catalog import run_cli, write_step
 
@@ -195,6 +206,39 @@ def test_a_save_waits_for_the_gc_only_while_it_deletes_the_directory_the_save_wr
         release.set()
         gc.join(30)
     assert storage.listdir("") == [step_dir_name(2)]  # stopped before the next directory
+
+
+def test_a_guarded_gc_leaves_alone_a_directory_that_changed_since_it_was_planned(storage):
+    """Planned while torn, committed since (a newer save of the step), or re-saved with another
+    manifest: judged again immediately before the deletion, left alone. Unchanged ones go."""
+    for s in (1, 2, 3):
+        write_step(storage, s)
+    write_step(storage, 4, commit=False)  # torn
+    write_step(storage, 5, commit=False)  # torn
+    steps = list_steps(storage)
+    p = plan(steps, keep_last=1, ages={4: 10 * GRACE, 5: 10 * GRACE})
+    assert deleted(p) == [1, 2, 4, 5]
+    assert p.judged[step_dir_name(1)] == Judged("committed", steps[0].digest, False) and steps[0].digest
+    assert p.judged[step_dir_name(4)] == Judged("uncommitted", "", False)
+    seen: list[int] = []
+    p.guard = GcGuard(None, None, before_gc=seen.append)
+    write_step(storage, 4)  # the step is saved again and committed after the plan
+    write_step(storage, 2, created_time=2e9)  # another manifest of the same step
+    assert apply_gc(storage, p) == [step_dir_name(1), step_dir_name(5)]
+    assert seen == [1, 2, 4, 5]  # the hook runs before each directory's check
+    assert [(s.step, s.state) for s in list_steps(storage)] == [(2, "committed"), (3, "committed"), (4, "committed")]
+
+
+def test_a_guard_needs_the_round_of_a_fenced_writer_and_a_retention_without_one_deletes_nothing(storage):
+    from ftrain.fence import EtcdRoundFence  # a real fence object; nothing is asked of etcd here
+
+    fence = EtcdRoundFence(["http://127.0.0.1:9"], "/ftrain/jobs/j/round")
+    with pytest.raises(ValueError, match="needs the writer's round"):
+        GcGuard(None, None, fence)
+    for s in (1, 2, 3):
+        write_step(storage, s)
+    assert collect_garbage(storage, Retention(keep_last=1), in_flight=set(), hmac_key=None, fence=fence) == []
+    assert [s.step for s in list_steps(storage)] == [1, 2, 3]
 
 
 def test_modified_times(storage, tmp_path):
