@@ -25,8 +25,8 @@ same step with different digests make every rank fall back to storage, and so do
 that any rank refuses (a header unlike its own state, another step, a digest that does not
 match): the ranks agree on that before any of them goes on, so none waits alone in a
 collective. An error that is not a peer's failure (a bug, bad data, a non-finite loss under
-``halt``) ends the worker as under torchrun, with its exit message. Fencing is the round's: the checkpoint fence and the event log
-read ``FTRAIN_ROUND``, set before the round's trainer is built.
+``halt``) ends the worker as under torchrun, with its exit message. Fencing is the round's: the
+checkpoint fence and the event log read ``FTRAIN_ROUND``, set before the round's trainer is built.
 """
 
 from __future__ import annotations

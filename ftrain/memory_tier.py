@@ -87,6 +87,7 @@ from ftrain.tier_store import DirFiles, Snapshot, TierStore
 from ftrain.tier_wire import (
     all_gather_json,
     any_rank,
+    any_ranks,
     as_tensor,
     broadcast_bytes,
     concat,
@@ -311,17 +312,26 @@ class MemoryTier:
     def maybe_snapshot(self, step: int, trainer: Any, *, checkpointed: bool = False) -> None:
         """At a step boundary: if a snapshot is due (:func:`ftrain.tier_schedule.is_due`, the
         same answer on every rank), stage this rank's state and hand it to the background. First
-        the one before is waited for, and the ranks tell each other on the training group whether
-        it failed anywhere: the next interval comes from the figures they agreed on, or stays
-        (and the tier's group is made anew) after a failure (see :mod:`ftrain.tier_schedule`)."""
+        the ranks tell each other on the training group (one all-reduce) whether the one before is
+        still exchanging anywhere (then all put this one off to the next step boundary) and whether
+        it failed anywhere: the next interval comes from the figures they agreed on, or stays (and
+        the tier's group is made anew) after a failure (see :mod:`ftrain.tier_schedule`)."""
         if not self.active or not is_due(step, self._next_step, checkpointed):
             return
+        # The one before may still be exchanging somewhere: then every rank waits for the next
+        # step boundary rather than block here (a training thread blocked on a slow exchange
+        # makes no step and looks hung); none is taken out of turn.
+        busy = self._thread is not None and self._thread.is_alive()
+        outcome = self._outcome
+        busy_anywhere, failed_anywhere = any_ranks([busy, outcome is not None and not outcome.ok], trainer.device)
+        if busy_anywhere:
+            return
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join()  # finished: its figures and outcome are complete
             self._thread = None
         outcome = self._outcome
         figures = outcome.figures if outcome is not None and outcome.ok else None
-        if any_rank(outcome is not None and not outcome.ok, trainer.device):
+        if failed_anywhere:
             figures = None
             self._renew_group(trainer.device)
             if self._group is None:

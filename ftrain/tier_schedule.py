@@ -9,8 +9,10 @@ changes only at points every rank passes together, from values every rank holds 
   whatever a rank did in earlier rounds — a kept rank's measured interval is not a fresh spare's;
 - a snapshot is due at a step boundary when :func:`is_due` (the step reached ``next_step``, or it
   was just checkpointed: every rank checkpoints the same steps);
-- as one starts, the one before it is complete on every rank (each waited for its own), and the
-  ranks have told each other, on the training group, whether theirs succeeded: ``interval =
+- as one starts, the one before it is complete on every rank (while it is still exchanging on
+  any rank, every rank puts the new one off to the next step boundary: no training thread blocks
+  on a slow exchange), and the ranks have told each other, on the training group, whether theirs
+  succeeded: ``interval =
   next_interval(setting, interval, figures)``, with the slowest rank's figures of the one before
   (:class:`Figures`, agreed by the tier's all-reduce) or ``None`` when any rank's failed (the
   interval then stays); ``next_step = step + interval``.

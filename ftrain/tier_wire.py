@@ -77,11 +77,16 @@ def max_over(group: Any, values: list[float]) -> list[float]:
 def any_rank(flag: bool, device: torch.device, group: Any = None) -> bool:
     """Whether ``flag`` is true on any rank of ``group`` (None: the training group, on its
     device: a world of one has nobody to ask)."""
+    return any_ranks([flag], device, group)[0]
+
+
+def any_ranks(flags: list[bool], device: torch.device, group: Any = None) -> list[bool]:
+    """For each of ``flags``, whether it is true on any rank of ``group`` (one all-reduce)."""
     if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device if group is None else "cpu")
+        return list(flags)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device if group is None else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def matches(data: bytes, entry: FileEntry, algorithm: str) -> bool:
@@ -90,4 +95,14 @@ def matches(data: bytes, entry: FileEntry, algorithm: str) -> bool:
     return len(data) == entry.size_bytes and hasher.hexdigest() == entry.digest
 
 
-__all__ = ["all_gather_json", "any_rank", "as_tensor", "broadcast_bytes", "concat", "matches", "max_over", "split"]
+__all__ = [
+    "all_gather_json",
+    "any_rank",
+    "any_ranks",
+    "as_tensor",
+    "broadcast_bytes",
+    "concat",
+    "matches",
+    "max_over",
+    "split",
+]

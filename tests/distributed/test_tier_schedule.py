@@ -44,12 +44,16 @@ def test_a_kept_rank_and_a_spare_that_measured_different_intervals_snapshot_toge
     start = restored[0]["step"]  # the newest snapshot of the first round (how many it took depends on speed)
     second_round = {r: [s for s in taken if s > start] for r, taken in steps.items()}
     assert second_round[0] == second_round[1], second_round
-    # the round's first boundary, then the base interval, whatever either rank measured before
-    assert second_round[0][:2] == [start + 1, start + 2], (start, second_round)
+    # the round's first boundary, whatever either rank measured before (the next ones follow
+    # the measured interval, and wait while the one before is still exchanging: speed decides)
+    assert second_round[0][0] == start + 1 and len(second_round[0]) >= 2, (start, second_round)
 
 
 def test_a_snapshot_that_fails_on_one_rank_leaves_every_rank_on_one_schedule_and_the_tier_working(tmp_path):
     steps, out = _run(tmp_path, "failures")
     assert steps[0] == steps[1], steps
-    assert steps[0] == [1, 5, 9, 11, 13], steps  # 3: rank 1 could not stage; 7: it broke off the exchange
+    # 3: rank 1 could not stage; 7: it broke off the exchange, leaving rank 0 in it until the
+    # tier's timeout (3 s): every rank trains on and puts its snapshots off meanwhile
+    assert steps[0][:2] == [1, 5] and 7 not in steps[0], steps
+    assert steps[0][-1] > 9, steps  # then the tier works again, on a new group
     assert "its group was made anew" in out

@@ -7,9 +7,11 @@ speed — and rank 1 comes back as a new process (a spare: a fresh tier). A seco
 through :func:`ftrain.live.restore` as a live worker does (the step and source it restored go to
 ``<events>.rank<r>.json``), trains to step 12.
 
-``failures``: one round of 14 steps with a snapshot every 2 steps; rank 1's snapshot of step 3
-cannot copy its state, and its snapshot of step 7 raises in the middle of the exchange (its peer
-is left waiting in it until the tier's timeout, and gloo closes the pairs of the tier's group).
+``failures``: one round of 60 steps of at least 0.1 s each with a snapshot every 2 steps; rank
+1's snapshot of step 3 cannot copy its state, and its snapshot of step 7 raises in the middle of
+the exchange (its peer is left waiting in it until the tier's timeout, half of
+``parallel.timeout_s``: 3 s, shorter than the job however fast the machine, and gloo closes the
+pairs of the tier's group).
 
 Each rank's ``memory_snapshot`` events (in ``logging.events_path``) say which snapshots it took.
 """
@@ -17,6 +19,7 @@ Each rank's ``memory_snapshot`` events (in ``logging.events_path``) say which sn
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -69,8 +72,9 @@ def spare(config: str, events: str) -> None:
 
 
 def failures(config: str, events: str) -> None:
-    overrides = [*COMMON, "--checkpoint.memory_interval=2", f"--logging.events_path={events}"]
-    cfg = load_config(config, ["--train.steps=14", *overrides])
+    overrides = [*COMMON, "--parallel.timeout_s=6", "--checkpoint.memory_interval=2", f"--logging.events_path={events}"]
+    cfg = load_config(config, ["--train.steps=60", *overrides])
+    os.environ["FTRAIN_FAULT_STEP_SLEEP_S"] = "0.1"  # the job outlasts the tier's timeout
     device = select_device(cfg.train)
     rank, world, _ = init_distributed(cfg.parallel, device)
     tier = MemoryTier(cfg)
