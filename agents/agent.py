@@ -3,10 +3,9 @@
 One loop, level-triggered: every tick (woken early by a watch on the job's keys) the agent
 reads the whole job state from etcd in one range request and acts on it:
 
-- **session**: a lease kept alive; ``nodes/<id>`` on it. Registering an id that a live agent
-  holds is refused (:class:`NodeIdTakenError`). If the lease is lost (etcd unreachable longer
-  than the TTL), the agent keeps its workers running, registers again with a new lease once etcd
-  answers, and until then acts on no round at all.
+- **session**: a lease kept alive; ``nodes/<id>`` on it; while the lease is lost the agent keeps
+  its workers, acts on no round, and registers again once etcd answers
+  (:mod:`agents.agent_membership`).
 - **leader**: whoever creates ``leader`` on its lease; it runs :func:`agents.leader.decide` and
   forms rounds with a compare-and-swap on ``round``.
 - **follower** (every agent, the leader too): when the current round lists this agent, start
@@ -14,42 +13,38 @@ reads the whole job state from etcd in one range request and acts on it:
   it does not, stop any workers of an older round. Watch the workers: exit code, heartbeats,
   hangs (:mod:`agents.supervision`: no progress, silence, or a collective waited in too long
   with nobody in the round moving). Report how the round ended on this node.
-- **hangs**: the agent that finds one takes its workers' flight records, reports the hang, and
-  ends the workers that must go (frozen ones; every one under restart recovery) only once every
-  other member has taken its own workers' records (or after :data:`HANG_HOLD_S`): ending a
-  rank first lets its peers' collectives fail, and then their records no longer show where
-  they waited. Every other member takes them as soon as it sees a hang reported in its round (or
-  a round formed for one), in both recovery modes, before its workers move on. Workers hung in
-  a collective under live recovery are not killed: the next round's watchdog frees them.
-- **status**: ``status/<id>`` for ``ftrain status``; Prometheus metrics.
+- **hangs**: the finder takes its workers' flight records and reports at once, and ends the
+  workers that must go only once every other member took its own (:mod:`agents.agent_hangs`).
+- **status**: ``status/<id>`` for ``ftrain status`` (:mod:`agents.agent_status`); Prometheus
+  metrics.
 
 The agent is assembled from parts passed in (:mod:`agents.assemble` wires the production ones):
 a job store (:mod:`agents.jobstore`), a clock, the heartbeat channel, metrics, an event sink and
-a worker launcher (:mod:`agents.parts`, :mod:`agents.workers`). It reads no clock and starts no
-process or thread of its own, so a unit test drives it tick by tick on a fake clock
-(:meth:`Agent.start`, :meth:`Agent.tick`); :meth:`Agent.run` is the production loop.
+a worker launcher (:mod:`agents.parts`, :mod:`agents.workers`), with its options
+(:mod:`agents.agent_options`). It reads no clock and starts no process or thread of its own, so
+a unit test drives it tick by tick on a fake clock (:meth:`Agent.start`, :meth:`Agent.tick`);
+:meth:`Agent.run` is the production loop. Its membership, hang handling and status are mixins
+(the modules named above): one class, one state (set up in ``Agent.__init__``), the methods
+kept by responsibility; each mixin declares the state it uses, so that mypy checks it.
 
 Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when the job failed
 (restart budget, a deterministic or fatal worker error), 2 for bad arguments or a node id in use.
 
 What is read from etcd, the heartbeat socket or the environment is checked, never trusted:
 
-- unreadable job records are skipped (:mod:`agents.records`), logged once per key and
-  revision (``bad_record`` event); the agent never acts on a round it cannot read: while the
-  ``round`` key or the current round's record is unreadable it keeps its workers and starts
-  none (the leader forms a new round); it never launches with a malformed master address;
-  it puts back its own ``nodes/<id>`` record if that became unreadable.
+- unreadable job records are skipped and logged once (:mod:`agents.agent_membership`); the agent
+  never acts on a round it cannot read: while the ``round`` key or the current round's record is
+  unreadable it keeps its workers and starts none (the leader forms a new round); it never
+  launches with a malformed master address.
 - worker PIDs from heartbeats are signalled only while they are still descendants of this
   round's torchrun with the start time first seen (:class:`agents.workers.WorkerGroup`).
-- workers reach etcd (the checkpoint fence) with the agent's credentials and TLS files through
-  a 0600 file in the run dir named by ``FTRAIN_ETCD_CLIENT_FILE``: no secret on a command
-  line, and ``FTRAIN_ETCD_PASSWORD`` is removed from the workers' environment.
+- workers reach etcd (the checkpoint fence) with the agent's credentials through a 0600 file,
+  never a command line (:mod:`agents.agent_options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -57,23 +52,21 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from agents import flight, flight_verdict, hang_view
-from agents.config import AgentConfig
-from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
+from agents.agent_hangs import AgentHangs
+from agents.agent_membership import AgentMembership
+from agents.agent_options import AgentOptions
+from agents.agent_status import AgentStatus
+from agents.errors import EtcdUnavailableError, LeaseExpiredError
 from agents.etcd import Compare, Op
 from agents.heartbeat import Beat, BusyWindow
 from agents.jobstore import Closable, JobStore, LeaseSession
-from agents.leader import Finish, FormRound, LeaderMemory, Policy, decide
+from agents.leader import Finish, FormRound, LeaderMemory, decide
 from agents.live_workers import LiveWorkers
 from agents.metrics import AgentMetrics
 from agents.netif import collective_interface
 from agents.parts import Clock, EventSink, Heartbeats
 from agents.records import (
-    FAILED,
-    HANG,
     INTERRUPTING_CAUSES,
     START,
     SUCCEEDED,
@@ -81,24 +74,14 @@ from agents.records import (
     JobKeys,
     JobState,
     Member,
-    NodeRecord,
-    NodeStatus,
-    Problem,
     RankStall,
     Report,
     RoundRecord,
     parse_master,
-    validate_id,
 )
 from agents.supervision import (
-    FROZEN_AFTER_S,
-    HangCall,
     exit_report,
-    frozen_ranks,
-    hung_ranks,
-    judge,
     stalls,
-    waiting,
 )
 from agents.workers import Launch, Launcher, Workers
 from contract import events as ev
@@ -111,108 +94,8 @@ log = logging.getLogger(__name__)
 Standby = Callable[[dict[str, str], str], LiveWorkers]
 
 TICK_S = 0.2
-STATUS_INTERVAL_S = 1.0
 CRASH_GRACE_S = 0.3
 ROUNDS_KEPT = 8  #: round records (and their reports) kept in etcd behind the current one
-#: the longest a hang's workers are kept (frozen or stuck) for the other members to take their
-#: own workers' flight records first (a running worker answers in milliseconds; see agents.flight)
-HANG_HOLD_S = 2.0
-
-
-@dataclass(slots=True)
-class _HeldHang:
-    """A hang found here whose workers are not ended yet (see the module doc, **hangs**)."""
-
-    workers: Workers
-    call: HangCall
-    evidence: flight.Evidence
-    verdict: str
-    due_at: float  #: monotonic: end them by then, whoever has dumped
-    fresh: bool = True  #: found in this tick: the report is not in the state a leader reads until the next
-
-
-@dataclass(kw_only=True)
-class AgentOptions:
-    """What one agent runs with: its settings (``config``, the ``[agent]`` keys: their one
-    definition and default is :class:`AgentConfig`) and what is not a key of the config file."""
-
-    config: AgentConfig
-    worker_args: list[str]  #: CONFIG.toml and --section.key=value overrides for ``ftrain train``
-    events_path: str = ""
-    worker_env: dict[str, str] = field(default_factory=dict)
-    etcd_username: str | None = None
-    etcd_password: str | None = None
-    etcd_ca_cert: str | None = None
-    etcd_cert: str | None = None  #: client certificate (PEM) for https endpoints that require one
-    etcd_key: str | None = None  #: its private key (PEM), if not in the certificate file
-    device_hour_price: float = 0.0  #: accounting.device_hour_price: lost time's cost in the metrics and status
-    pipeline_degrees: tuple[int, ...] = (1,)  #: the training layout's pipeline degrees (see :class:`Policy`)
-    fixed_tp_size: int = 1  #: and its fixed tensor-parallel degree
-
-    @classmethod
-    def of(cls, **kwargs: Any) -> AgentOptions:
-        """From flat keyword arguments: this class's fields, and ``[agent]`` keys that go into
-        ``config`` (as :meth:`AgentConfig.of` takes them); ``node_id`` defaults to the host name."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"config"}
-        settings = {k: v for k, v in kwargs.items() if k not in own}
-        settings.setdefault("node_id", socket.gethostname())
-        return cls(config=AgentConfig.of(**settings), **{k: v for k, v in kwargs.items() if k in own})
-
-    def policy(self) -> Policy:
-        return Policy.from_config(self.config, pipeline_degrees=self.pipeline_degrees, fixed_tp_size=self.fixed_tp_size)
-
-    def validate(self) -> None:
-        """What :class:`AgentConfig` cannot check alone: the ids as they reach key paths, the
-        training config, the etcd credentials and TLS files (ValueError naming the option)."""
-        validate_id(self.config.job, "--job")
-        validate_id(self.config.node_id, "--node-id")
-        if not self.worker_args:
-            raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
-        policy = self.policy()
-        if policy.usable_nodes(self.config.max_nodes) < self.config.min_nodes:
-            raise ValueError(
-                f"--nnodes {self.config.nnodes} with --nproc-per-node {self.config.nproc_per_node} gives no world size "
-                f"the training layout can use ({policy.layout_needs()}: the pipeline x tensor-parallel degrees): "
-                "change --nnodes or --nproc-per-node, or parallel.pp_size / pp_fallback / tp_size"
-            )
-        if (self.etcd_username is None) != (self.etcd_password is None):
-            raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")
-        for option, path in (
-            ("--etcd-ca-cert", self.etcd_ca_cert),
-            ("--etcd-cert", self.etcd_cert),
-            ("--etcd-key", self.etcd_key),
-        ):
-            if path and not os.path.isfile(path):
-                raise ValueError(f"{option}: no such file {path!r}")
-
-    def etcd_client_settings(self) -> dict[str, str]:
-        """What a worker needs to reach etcd as this agent does (credentials, TLS files as
-        absolute paths); empty when the agent uses none."""
-        settings = {
-            "username": self.etcd_username,
-            "password": self.etcd_password,
-            "ca_cert": self.etcd_ca_cert and os.path.abspath(self.etcd_ca_cert),
-            "cert": self.etcd_cert and os.path.abspath(self.etcd_cert),
-            "key": self.etcd_key and os.path.abspath(self.etcd_key),
-        }
-        return {k: v for k, v in settings.items() if v}
-
-
-def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
-    """Write ``settings`` as JSON to ``<run_dir>/etcd-client.json``, readable by this user only
-    (created 0600, never widened); its path, or None when there is nothing to write."""
-    if not settings:
-        return None
-    path = os.path.join(run_dir, "etcd-client.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, json.dumps(settings).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path
 
 
 def free_port(host: str) -> int:
@@ -221,7 +104,7 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class Agent:
+class Agent(AgentMembership, AgentHangs, AgentStatus):
     """One node's agent, assembled from its parts (see the module docstring); ``run_dir`` holds
     the worker logs and stack dumps, ``client_file`` the workers' etcd settings (if any)."""
 
@@ -259,7 +142,7 @@ class Agent:
         self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
         self.hang_verdict = ""  #: the newest hang's verdict from the flight records (shown by ftrain status)
         self.hang_dumped_round = -1  #: the newest round whose hang this node's workers' records were taken for
-        self._held: _HeldHang | None = None  #: a hang found here, its workers kept until the others dumped
+        self._held = None  #: a hang found here, its workers kept until the others dumped
         self._stalled: list[RankStall] = []  #: this node's ranks not making progress (status)
         self._state: JobState | None = None  #: the newest job state read (the other members, for a hang)
         self.dump_nonce = ""  #: the newest dump request seen (ftrain status --dump)
@@ -379,131 +262,6 @@ class Agent:
     def _leading(self, state: JobState) -> bool:
         return self.memory is not None and state.leader == self.cfg.node_id
 
-    def _registered(self) -> bool:
-        return self.session is not None and not self.session.done.is_set()
-
-    def _lease_id(self) -> int:
-        """The lease of the current session (only called while registered)."""
-        if self.session is None:
-            raise LeaseExpiredError("not registered")
-        return self.session.lease_id
-
-    def _ensure_session(self) -> None:
-        if self._registered() or self.clock.monotonic() < self._next_register_at:
-            return
-        if self.session is not None:
-            log.warning("lease lost (%s): re-registering as a new member", self.session.lost_reason)
-            self.events.emit(ev.LeaseLost(node=self.cfg.node_id, reason=self.session.lost_reason))
-            self.session, self.memory = None, None
-        try:
-            self._register(first=False)
-            self._register_backoff_s = 0.2
-        except (EtcdUnavailableError, NodeIdTakenError, LeaseExpiredError) as e:
-            self._next_register_at = self.clock.monotonic() + self._register_backoff_s
-            self._register_backoff_s = min(5.0, self._register_backoff_s * 2)
-            log.info("re-registration failed (%s); retrying in %.1fs", e, self._register_backoff_s)
-
-    def _node_record(self) -> NodeRecord:
-        return NodeRecord(
-            self.cfg.node_id, self.uid, self.cfg.host, os.getpid(), self.cfg.nproc_per_node, self.clock.time()
-        )
-
-    def _register(self, *, first: bool) -> None:
-        session = self.store.session(self.cfg.lease_ttl_s, on_lost=lambda _reason: self.wake.set())
-        record = self._node_record()
-        key = self.keys.node(self.cfg.node_id)
-        try:
-            created = self.store.put_if_absent(key, record.to_json(), lease=session.lease_id)
-            if not created and self._reclaim(key):
-                created = self.store.put_if_absent(key, record.to_json(), lease=session.lease_id)
-        except BaseException:
-            session.close(revoke=True)
-            raise
-        if not created:
-            session.close(revoke=True)
-            holder = self.store.get(self.keys.node(self.cfg.node_id))
-            detail = holder.value.decode() if holder else "(gone since)"
-            raise NodeIdTakenError(
-                f"node id {self.cfg.node_id!r} is already registered in job {self.cfg.job!r} "
-                f"by a live agent: {detail}; pick another --node-id or stop that agent"
-            )
-        self.session = session
-        log.info(
-            "registered node %s (agent %s, lease %x, ttl %ds)",
-            self.cfg.node_id,
-            self.uid,
-            session.lease_id,
-            session.ttl_s,
-        )
-        self.events.emit(ev.AgentRegistered(node=self.cfg.node_id, agent=self.uid, first=first))
-        self.events.emit(ev.NodeHost(node=self.cfg.node_id, host=self.cfg.host, hostname=socket.gethostname()))
-
-    def _reclaim(self, key: str) -> bool:
-        """Our own earlier registration still holds the key (etcd restored the lease we gave up
-        for lost, as it does after a restart): revoke that lease rather than wait for it."""
-        holder = self.store.get(key)
-        if holder is None:
-            return True
-        try:
-            record = json.loads(holder.value)
-        except ValueError:  # not ours (we never write garbage); the key is someone else's problem
-            return False
-        ours = isinstance(record, dict) and record.get("agent_uid") == self.uid
-        if ours and holder.lease:
-            log.info("revoking this agent's previous lease %x to register again", holder.lease)
-            self.store.revoke(holder.lease)
-        return ours
-
-    def _read(self) -> JobState | None:
-        try:
-            listing = self.store.list_prefix(self.keys.prefix)
-        except EtcdUnavailableError as e:
-            if self._etcd_down_since is None:
-                self._etcd_down_since = self.clock.monotonic()
-                log.warning("etcd unreachable (%s); workers keep running", e)
-                self.events.emit(ev.EtcdUnreachable(node=self.cfg.node_id, error=str(e)))
-            return None
-        if self._etcd_down_since is not None:
-            down_s = self.clock.monotonic() - self._etcd_down_since
-            log.info("etcd reachable again after %.1fs", down_s)
-            self.events.emit(ev.EtcdReachable(node=self.cfg.node_id, down_s=round(down_s, 3)))
-            self._etcd_down_since = None
-        state = JobState.parse(self.keys, listing.kvs, listing.revision)
-        self._note_problems(state.problems)
-        return state
-
-    def _note_problems(self, problems: list[Problem]) -> None:
-        """Log and record each unreadable record once per (key, mod_revision), not every tick."""
-        for problem in problems:
-            seen = (problem.key, problem.mod_revision)
-            if seen in self._problems_seen:
-                continue
-            if len(self._problems_seen) > 10_000:  # bounded: a flood of garbage must not grow memory
-                self._problems_seen.clear()
-            self._problems_seen.add(seen)
-            log.error("%s: skipped (fix or delete the key)", problem)
-            self.events.emit(
-                ev.BadRecord(
-                    node=self.cfg.node_id, key=problem.key, mod_revision=problem.mod_revision, error=problem.error
-                )
-            )
-
-    def _repair_own_record(self, state: JobState) -> None:
-        """Our ``nodes/<id>`` became unreadable (someone overwrote it): put ours back on our
-        lease, with a compare-and-swap so a record another agent wrote meanwhile is kept."""
-        key = self.keys.node(self.cfg.node_id)
-        bad = [p for p in state.problems if p.key == key]
-        if not bad or self.cfg.node_id in state.nodes:
-            return
-        try:
-            if self.store.put_if_mod_revision(
-                key, self._node_record().to_json(), bad[0].mod_revision, lease=self._lease_id()
-            ):
-                log.warning("rewrote this agent's unreadable record %s", key)
-                self.events.emit(ev.RecordRepaired(node=self.cfg.node_id, key=key))
-        except LeaseExpiredError:
-            pass
-
     # -- leader ------------------------------------------------------------------------------
     def _lead(self, state: JobState) -> None:
         lease = self._lease_id()
@@ -545,33 +303,6 @@ class Agent:
                     )
         except EtcdUnavailableError as e:
             log.warning("leader action failed, retrying: %s", e)
-
-    def _note_stragglers(self, state: JobState, memory: LeaderMemory, now: float) -> None:
-        """The leader: an event (and an error log) per new straggler, the metric, and a line each
-        in this agent's status (``ftrain status`` shows them)."""
-        cur = state.current
-        self.straggler_lines = [
-            s.describe(now) + (f"; policy {self.policy.on_straggler}" if self.policy.on_straggler != "warn" else "")
-            for s in memory.stragglers
-        ]
-        self.metrics.stragglers.set(len(memory.stragglers))
-        for s in memory.stragglers:
-            key = (cur.round if cur else 0, s.node)
-            if key in self._stragglers_seen:
-                continue
-            self._stragglers_seen.add(key)
-            log.error("straggler: %s (policy %s)", s.describe(now), self.policy.on_straggler)
-            self.events.emit(
-                ev.StragglerDetected(
-                    node=s.node,
-                    worker_round=key[0],
-                    busy_rank=s.rank,
-                    busy_s=round(s.busy_s, 6),
-                    others_s=round(s.others_s, 6),
-                    slow_for_s=round(now - s.since, 3),
-                    policy=self.policy.on_straggler,
-                )
-            )
 
     def _form_round(self, state: JobState, decision: FormRound) -> None:
         record = decision.record
@@ -878,22 +609,6 @@ class Agent:
         if call is not None:
             self._on_hang(workers, call, beats)
 
-    def _judge(self, workers: Workers, beats: dict[int, Beat], *, live: bool) -> HangCall | None:
-        now = self.clock.monotonic()
-        # the other members' statuses are read only when a rank here has waited the whole timeout
-        waited = any(waiting(b, now=now, limit_s=self.cfg.hang_timeout_s) for b in beats.values())
-        return judge(
-            beats,
-            nproc_per_node=workers.launch.nproc_per_node,
-            started_at=workers.started_at,
-            now=now,
-            hang_timeout_s=self.cfg.hang_timeout_s,
-            start_timeout_s=self.cfg.start_timeout_s,
-            others_moving=waited
-            and hang_view.others_moving(self._state, workers.round, self.cfg.node_id, now_wall=self.clock.time()),
-            live=live,
-        )
-
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the
         grace lets the heartbeat thread read a message already on its way)."""
@@ -901,200 +616,6 @@ class Agent:
         gone = {b.pid for b in beats.values() if b.finished is None and workers.gone(b.pid)}
         self._gone_since = {pid: self._gone_since.get(pid, now) for pid in gone}
         return [b for b in beats.values() if b.pid in gone and now - self._gone_since[b.pid] >= CRASH_GRACE_S]
-
-    def _on_hang(self, workers: Workers, call: HangCall, beats: dict[int, Beat]) -> None:
-        """A hang found here: the workers' flight records now (before anything moves), the report
-        at once; their stacks and the end of the ones to end at the end of a later tick, once the
-        others dumped (:meth:`_release_held`; this node's workers are not moved to a new round before)."""
-        log.error("round %d: hang: %s: taking the workers' flight records", workers.round, call.why)
-        evidence, verdict = self._evidence(workers, ev.Hang)
-        ready = workers.ready() if isinstance(workers, LiveWorkers) else -1
-        self._report_hang(workers.round, call, beats, workers_ready=ready)
-        self.hang_dumped_round = max(self.hang_dumped_round, workers.round)
-        self.hang_verdict = f"round {workers.round}: {verdict}"
-        log.error("round %d: flight records: %s", workers.round, verdict)
-        self._held = _HeldHang(workers, call, evidence, verdict, self.clock.monotonic() + HANG_HOLD_S)
-        if self._registered():
-            self._flush_reports()  # now: the others dump on seeing it
-            if self._state is not None:  # and that this node's records are in (hang_dumped_round)
-                self._publish_status(self._state, force=True)
-        self.wake.set()  # the stacks at the end of the next tick (they take a while): the round is formed first
-
-    def _release_held(self) -> None:
-        """End the held hang's workers once every other live member took its records (or at the
-        deadline): first their stacks (dumping continues a stopped worker), then the kill."""
-        held = self._held
-        if held is None:
-            return
-        if held.fresh:  # the round for it first (next tick); its stacks and kills after
-            held.fresh = False
-            return
-        round_ = held.workers.round
-        if (
-            held.call.kill
-            and self.clock.monotonic() < held.due_at
-            and not hang_view.others_dumped(self._state, round_, self.cfg.node_id)
-        ):
-            return
-        self._held = None
-        stacks = held.workers.dump_stacks(self.stack_dir)
-        self._emit_dump(ev.Hang, held.workers, held.call.why, held.call.ranks, held.evidence, held.verdict, stacks)
-        for pid, text in stacks.items():
-            log.error("stack of worker %d:\n%s", pid, text)
-        if not held.call.kill:
-            return
-        if isinstance(held.workers, LiveWorkers):
-            killed = held.workers.kill_ranks(held.call.kill)
-            log.error("round %d: ended hung worker(s) %s; the others stay", round_, killed)
-        else:
-            if self.workers is held.workers:
-                self.workers = None
-            held.workers.kill()
-            log.error("round %d: ended the workers", round_)
-
-    def _drop_frozen(self, pool: LiveWorkers) -> None:
-        """Before a new round: end the serving processes that stopped saying they are alive (a
-        hang found elsewhere first leaves them here), so that spares take their places."""
-        now = self.clock.monotonic()
-        pids = pool.pids()
-        frozen = [
-            r
-            for r, b in self.heartbeats.beats().items()
-            if pids.get(r) == b.pid and b.finished is None and b.alive_at > 0 and now - b.alive_at > FROZEN_AFTER_S
-        ]
-        if frozen:
-            killed = pool.kill_ranks(frozen)
-            log.error("round %d: ended frozen worker(s) %s before the next round", pool.round, killed)
-
-    def _hung(self, workers: Workers, beats: dict[int, Beat]) -> list[int]:
-        return hung_ranks(
-            beats,
-            nproc_per_node=workers.launch.nproc_per_node,
-            started_at=workers.started_at,
-            now=self.clock.monotonic(),
-            hang_timeout_s=self.cfg.hang_timeout_s,
-            start_timeout_s=self.cfg.start_timeout_s,
-        )
-
-    def _report_hang(self, round_: int, call: HangCall, beats: dict[int, Beat], *, workers_ready: int = -1) -> None:
-        """The round ended here on a hang of local ranks ``call.ranks``."""
-        self.finished_rounds.add(round_)
-        self.pending_reports[round_] = Report(
-            FAILED,
-            HANG,
-            f"{call.why}; local rank(s) {call.ranks}"[:1000],
-            self.uid,
-            self.clock.time(),
-            step=max((b.step for b in beats.values()), default=-1),
-            workers_ready=workers_ready,
-        )
-
-    def _dump_for_hang_elsewhere(self, state: JobState) -> None:
-        """Another member reported a hang in this node's round, or a round was formed for one: take
-        this node's workers' flight records while they still wait (once per round, in both
-        recovery modes), say so in the status at once (the finder waits for it), then their stacks
-        when they are about to be replaced (restart recovery)."""
-        workers, cur = self.workers, state.current
-        if workers is None or cur is None or self.hang_dumped_round >= workers.round:
-            return
-        by = hang_view.hang_reported_by(state, workers.round, self.cfg.node_id)
-        if by is None and not (cur.round > workers.round and cur.reason == HANG):
-            return
-        why = f"a hang reported by {by}" if by else f"round {cur.round} formed after a hang elsewhere"
-        log.error("round %d: %s: taking the workers' flight records", workers.round, why)
-        evidence, verdict = self._evidence(workers, ev.Hang)
-        self.hang_dumped_round = workers.round
-        self._publish_status(state, force=True)
-        stacks = {} if isinstance(workers, LiveWorkers) else workers.dump_stacks(self.stack_dir)  # kept: records only
-        self._emit_dump(ev.Hang, workers, why, [], evidence, verdict, stacks)
-        log.error("round %d: flight records: %s", workers.round, verdict)
-
-    def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
-        """Failed checkpoint commits: metrics always, an event (and an error log) each time the
-        count of failures in a row grows."""
-        failures = max(b.ckpt_failures for b in beats.values())
-        total = max(b.ckpt_failures_total for b in beats.values())
-        error = next((b.ckpt_error for b in beats.values() if b.ckpt_failures == failures and b.ckpt_error), "")
-        self.metrics.ckpt_failed(round_, total, failures)
-        if failures > self._ckpt_failures_seen:
-            log.error("round %d: %d checkpoint commit(s) in a row failed; last error: %s", round_, failures, error)
-            self.events.emit(
-                ev.CheckpointFailing(node=self.cfg.node_id, worker_round=round_, failures=failures, error=error)
-            )
-        self._ckpt_failures_seen = failures
-        self._ckpt_error = error if failures else ""
-
-    def _answer_dump(self, state: JobState) -> None:
-        """``ftrain status --dump``: dump once per request (one asked before this agent started
-        is not its to answer), then say so in this node's status at once."""
-        request = state.dump
-        if request is None or request.nonce == self.dump_nonce:
-            return
-        self.dump_nonce = request.nonce
-        if request.time < self.started_at_wall:
-            return
-        if self.workers is None:
-            self.dump_verdict = "no workers running on this node"
-        else:
-            line = self._dump(self.workers, "requested by ftrain status --dump", record=ev.Dumped)
-            self.dump_verdict = f"round {self.workers.round}: {line}"
-        self._publish_status(state, force=True)
-
-    def _dump(self, workers: Workers, why: str, *, record: type[ev.Hang] = ev.Hang) -> str:
-        """Every worker's flight record and Python stack into the event log (and this agent's
-        log), with the verdict the records give (returned). The records first: dumping the
-        stacks continues a stopped worker."""
-        log.error("round %d: %s: dumping the flight records and stacks of the workers", workers.round, why)
-        evidence, verdict = self._evidence(workers, record)
-        stacks = workers.dump_stacks(self.stack_dir)
-        self._emit_dump(record, workers, why, [], evidence, verdict, stacks)
-        log.error("round %d: flight records: %s", workers.round, verdict)
-        return verdict
-
-    def _evidence(self, workers: Workers, record: type[ev.Hang]) -> tuple[flight.Evidence, str]:
-        """This node's workers' flight records and their verdict, with where each rank runs, and
-        (on a hang) what the other members' statuses say about their stalled ranks."""
-        beats = self.heartbeats.beats()
-        silent = frozen_ranks(beats, list(beats), now=self.clock.monotonic())
-        where = hang_view.where(self._state, workers.round)
-        evidence = flight.hang_evidence(
-            {b.pid: b.rank for b in beats.values() if b.rank >= 0},
-            self.stack_dir,
-            silent=[beats[r].rank for r in silent if r in beats],
-            min_wait_s=0.0 if record is ev.Hang else flight_verdict.REQUESTED_MIN_WAIT_S,
-            where=where,
-        )
-        verdict = evidence.verdict.line
-        elsewhere = hang_view.stalls_of(self._state, workers.round, self.cfg.node_id)
-        if record is ev.Hang and elsewhere:
-            mine = [hang_view.as_stall(s) for s in self._stalled]
-            seen = flight_verdict.from_stalls([*mine, *elsewhere], now=self.clock.time(), where=where)
-            verdict = f"{verdict}; across the round: {seen.line}"
-        return evidence, verdict
-
-    def _emit_dump(
-        self,
-        record: type[ev.Hang],
-        workers: Workers,
-        why: str,
-        local_ranks: list[int],
-        evidence: flight.Evidence,
-        verdict: str,
-        stacks: dict[int, str],
-    ) -> None:
-        self.events.emit(
-            record(
-                node=self.cfg.node_id,
-                worker_round=workers.round,
-                why=why,
-                local_ranks=local_ranks,
-                stacks={str(pid): text for pid, text in stacks.items()},
-                flight={str(rank): rec.to_dict() for rank, rec in evidence.records.items()},
-                missing={str(rank): reason for rank, reason in evidence.missing.items()},
-                frozen=evidence.frozen,
-                verdict=verdict,
-            )
-        )
 
     def _drain_step(self) -> None:
         if self.workers is None:
@@ -1127,67 +648,5 @@ class Agent:
         log.info("job %s %s: %s", self.cfg.job, final.status, final.reason)
         self._publish_status(state, state_name="done", force=True)
 
-    def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
-        now = self.clock.monotonic()
-        if not self._registered() or (not force and now - self._last_status_at < STATUS_INTERVAL_S):
-            return
-        self._last_status_at = now
-        beats = self.heartbeats.beats() if self.workers is not None else {}
-        totals = self.heartbeats.take_totals() if self.workers is not None else {}
-        leader_status = state.status.get(state.leader or "")
-        self.metrics.phases_taken(
-            [t.seconds for t in totals.values()], straggling=bool(leader_status and leader_status.stragglers)
-        )
-        round_ = self.workers.round if self.workers is not None else -1
-        if not beats or round_ != self._busy_round or (self.pool is not None and self.pool.warming()):
-            self._busy_window.clear()  # a new round, or a spare's start-up slowing the workers: start over
-            self._busy_round = round_
-        else:
-            self._busy_window.add(totals.values())
-        self._busy = self._busy_window.busiest() or (-1, 0.0)
-        name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
-        status = NodeStatus(
-            round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
-            state=name,
-            step=max((b.step for b in beats.values()), default=-1),
-            step_time_s=max((b.step_time_s for b in beats.values()), default=0.0),
-            heartbeat_age_s=round(now - min(b.received_at for b in beats.values()), 3) if beats else None,
-            committed_step=self.committed_step,
-            restarts=self.metrics.restarts(),
-            host=self.cfg.host,
-            pid=os.getpid(),
-            updated_at=self.clock.time(),
-            ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
-            ckpt_failures_total=self.metrics.ckpt_failures_total(),
-            ckpt_error=self._ckpt_error[:300],
-            hang_verdict=self.hang_verdict[:500],
-            productive_s=round(self.metrics.productive_s(), 3),
-            lost_s=round(self.metrics.lost_s(), 3),
-            device_hours={k: round(v / 3600, 6) for k, v in self.metrics.device_seconds().items()},
-            devices=self.cfg.nproc_per_node,
-            device_hour_price=self.opts.device_hour_price,
-            busy_s=round(self._busy[1], 6),
-            busy_rank=self._busy[0],
-            stragglers=self.straggler_lines if self._leading(state) else [],
-            dump_nonce=self.dump_nonce,
-            dump_verdict=self.dump_verdict[:500],
-            stalled=self._stalled if self.workers is not None else [],
-            hang_dumped_round=self.hang_dumped_round,
-            recovery=self.cfg.recovery,
-            workers_ready=self.pool.ready() if self.pool is not None else 0,
-            workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,
-            workers_new=(
-                len(self.workers.last_started)
-                if isinstance(self.workers, LiveWorkers)
-                else self.workers.launch.nproc_per_node
-                if self.workers
-                else 0
-            ),
-        )
-        try:
-            self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())
-        except (EtcdUnavailableError, LeaseExpiredError):
-            pass
 
-
-__all__ = ["Agent", "AgentError", "AgentOptions"]
+__all__ = ["Agent"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from agents.agent import Agent, AgentOptions, write_client_file
+from agents.agent import Agent
+from agents.agent_options import AgentOptions, write_client_file
 from agents.etcd import EtcdClient
 from agents.heartbeat import HeartbeatServer
 from agents.jobstore import EtcdJobStore

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from agents.agent import AgentOptions
+from agents.agent_options import AgentOptions
 from agents.assemble import build_agent
 from agents.config import AgentConfig, option_name
 from agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenError

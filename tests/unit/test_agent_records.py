@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents.agent import AgentOptions
+from agents.agent_options import AgentOptions
 from agents.etcd import KeyValue
 from agents.heartbeat import HeartbeatServer
 from agents.metrics import AgentMetrics

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import TICK_S, Agent, AgentOptions
+from agents.agent import TICK_S, Agent
+from agents.agent_options import AgentOptions
 from agents.heartbeat import Beat, RankTotals
 from agents.metrics import AgentMetrics
 from agents.records import (

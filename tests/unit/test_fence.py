@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from agents.agent import AgentOptions, write_client_file
+from agents.agent_options import AgentOptions, write_client_file
 from agents.workers import Launch
 from contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
 from contract.worker_env import worker_environment

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agents.agent import STATUS_INTERVAL_S
+from agents.agent_status import STATUS_INTERVAL_S
 from agents.config import agent_flags, settings_of_flags
 from agents.heartbeat import BusyWindow
 from agents.leader import SLOWDOWN_MARGIN, STRAGGLER_LAG_S, Policy, Wait, decide, slowdown_flagged

@@ -1,0 +1,190 @@
+"""What a node agent publishes about itself: ``status/<id>`` (read by ``ftrain status`` and by
+the other agents: the leader's stragglers, a hang's stalled ranks and whether this node's
+workers' flight records were taken) and the events and metrics of stragglers and failed
+checkpoint commits.
+
+What must stay true:
+
+- the status is written at most once per :data:`STATUS_INTERVAL_S` unless forced (a hang found
+  or dumped, a dump answered, the job's end say so at once), only while registered, on this
+  agent's lease (it vanishes with the agent); the error and verdict texts in it are cut short.
+- a straggler is reported (event and error log) once per round and node; failed commits once
+  each time their count in a row grows.
+- nothing here stops the loop: etcd unreachable or the lease lost just skips the write.
+
+A mixin of :class:`agents.agent.Agent`: the annotations below are the agent's state and parts
+that it uses (set up in ``Agent.__init__``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+from agents.agent_options import AgentOptions
+from agents.config import AgentConfig
+from agents.errors import EtcdUnavailableError, LeaseExpiredError
+from agents.heartbeat import Beat, BusyWindow
+from agents.jobstore import JobStore
+from agents.leader import LeaderMemory, Policy
+from agents.live_workers import LiveWorkers
+from agents.metrics import AgentMetrics
+from agents.parts import Clock, EventSink, Heartbeats
+from agents.records import JobKeys, JobState, NodeStatus, RankStall
+from agents.workers import Workers
+from contract import events as ev
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 1.0
+
+
+class PublishStatus(Protocol):
+    """The signature of :meth:`AgentStatus._publish_status`, for the parts that call it."""
+
+    def __call__(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None: ...
+
+
+class AgentStatus:
+    """Publishing this node's status, stragglers and failed commits."""
+
+    cfg: AgentConfig
+    opts: AgentOptions
+    policy: Policy
+    clock: Clock
+    store: JobStore
+    keys: JobKeys
+    heartbeats: Heartbeats
+    metrics: AgentMetrics
+    events: EventSink
+    workers: Workers | None
+    pool: LiveWorkers | None
+    draining: bool
+    finished_rounds: set[int]
+    committed_step: int
+    hang_verdict: str
+    hang_dumped_round: int
+    dump_nonce: str
+    dump_verdict: str
+    _stalled: list[RankStall]
+    _registered: Callable[[], bool]
+    _leading: Callable[[JobState], bool]
+    _lease_id: Callable[[], int]
+    # this part's own state
+    straggler_lines: list[str]
+    _stragglers_seen: set[tuple[int, str]]
+    _ckpt_failures_seen: int
+    _ckpt_error: str
+    _busy: tuple[int, float]
+    _busy_window: BusyWindow
+    _busy_round: int
+    _last_status_at: float
+
+    def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
+        now = self.clock.monotonic()
+        if not self._registered() or (not force and now - self._last_status_at < STATUS_INTERVAL_S):
+            return
+        self._last_status_at = now
+        beats = self.heartbeats.beats() if self.workers is not None else {}
+        totals = self.heartbeats.take_totals() if self.workers is not None else {}
+        leader_status = state.status.get(state.leader or "")
+        self.metrics.phases_taken(
+            [t.seconds for t in totals.values()], straggling=bool(leader_status and leader_status.stragglers)
+        )
+        round_ = self.workers.round if self.workers is not None else -1
+        if not beats or round_ != self._busy_round or (self.pool is not None and self.pool.warming()):
+            self._busy_window.clear()  # a new round, or a spare's start-up slowing the workers: start over
+            self._busy_round = round_
+        else:
+            self._busy_window.add(totals.values())
+        self._busy = self._busy_window.busiest() or (-1, 0.0)
+        name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
+        status = NodeStatus(
+            round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
+            state=name,
+            step=max((b.step for b in beats.values()), default=-1),
+            step_time_s=max((b.step_time_s for b in beats.values()), default=0.0),
+            heartbeat_age_s=round(now - min(b.received_at for b in beats.values()), 3) if beats else None,
+            committed_step=self.committed_step,
+            restarts=self.metrics.restarts(),
+            host=self.cfg.host,
+            pid=os.getpid(),
+            updated_at=self.clock.time(),
+            ckpt_failures=self._ckpt_failures_seen if self.workers else 0,
+            ckpt_failures_total=self.metrics.ckpt_failures_total(),
+            ckpt_error=self._ckpt_error[:300],
+            hang_verdict=self.hang_verdict[:500],
+            productive_s=round(self.metrics.productive_s(), 3),
+            lost_s=round(self.metrics.lost_s(), 3),
+            device_hours={k: round(v / 3600, 6) for k, v in self.metrics.device_seconds().items()},
+            devices=self.cfg.nproc_per_node,
+            device_hour_price=self.opts.device_hour_price,
+            busy_s=round(self._busy[1], 6),
+            busy_rank=self._busy[0],
+            stragglers=self.straggler_lines if self._leading(state) else [],
+            dump_nonce=self.dump_nonce,
+            dump_verdict=self.dump_verdict[:500],
+            stalled=self._stalled if self.workers is not None else [],
+            hang_dumped_round=self.hang_dumped_round,
+            recovery=self.cfg.recovery,
+            workers_ready=self.pool.ready() if self.pool is not None else 0,
+            workers_kept=len(self.workers.last_kept) if isinstance(self.workers, LiveWorkers) else 0,
+            workers_new=(
+                len(self.workers.last_started)
+                if isinstance(self.workers, LiveWorkers)
+                else self.workers.launch.nproc_per_node
+                if self.workers
+                else 0
+            ),
+        )
+        try:
+            self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())
+        except (EtcdUnavailableError, LeaseExpiredError):
+            pass
+
+    def _note_stragglers(self, state: JobState, memory: LeaderMemory, now: float) -> None:
+        """The leader: an event (and an error log) per new straggler, the metric, and a line each
+        in this agent's status (``ftrain status`` shows them)."""
+        cur = state.current
+        self.straggler_lines = [
+            s.describe(now) + (f"; policy {self.policy.on_straggler}" if self.policy.on_straggler != "warn" else "")
+            for s in memory.stragglers
+        ]
+        self.metrics.stragglers.set(len(memory.stragglers))
+        for s in memory.stragglers:
+            key = (cur.round if cur else 0, s.node)
+            if key in self._stragglers_seen:
+                continue
+            self._stragglers_seen.add(key)
+            log.error("straggler: %s (policy %s)", s.describe(now), self.policy.on_straggler)
+            self.events.emit(
+                ev.StragglerDetected(
+                    node=s.node,
+                    worker_round=key[0],
+                    busy_rank=s.rank,
+                    busy_s=round(s.busy_s, 6),
+                    others_s=round(s.others_s, 6),
+                    slow_for_s=round(now - s.since, 3),
+                    policy=self.policy.on_straggler,
+                )
+            )
+
+    def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
+        """Failed checkpoint commits: metrics always, an event (and an error log) each time the
+        count of failures in a row grows."""
+        failures = max(b.ckpt_failures for b in beats.values())
+        total = max(b.ckpt_failures_total for b in beats.values())
+        error = next((b.ckpt_error for b in beats.values() if b.ckpt_failures == failures and b.ckpt_error), "")
+        self.metrics.ckpt_failed(round_, total, failures)
+        if failures > self._ckpt_failures_seen:
+            log.error("round %d: %d checkpoint commit(s) in a row failed; last error: %s", round_, failures, error)
+            self.events.emit(
+                ev.CheckpointFailing(node=self.cfg.node_id, worker_round=round_, failures=failures, error=error)
+            )
+        self._ckpt_failures_seen = failures
+        self._ckpt_error = error if failures else ""
+
+
+__all__ = ["STATUS_INTERVAL_S", "AgentStatus", "PublishStatus"]
