@@ -309,18 +309,22 @@ class MemoryTier:
         return (self.rank - step) % self.world
 
     # -- snapshots ------------------------------------------------------------------------
-    def maybe_snapshot(self, step: int, trainer: Any, *, checkpointed: bool = False) -> None:
+    def maybe_snapshot(self, step: int, trainer: Any, *, checkpointed: bool = False, last: bool = False) -> None:
         """At a step boundary: if a snapshot is due (:func:`ftrain.tier_schedule.is_due`, the
         same answer on every rank), stage this rank's state and hand it to the background. First
         the ranks tell each other on the training group (one all-reduce) whether the one before is
         still exchanging anywhere (then all put this one off to the next step boundary) and whether
         it failed anywhere: the next interval comes from the figures they agreed on, or stays (and
-        the tier's group is made anew) after a failure (see :mod:`ftrain.tier_schedule`)."""
+        the tier's group is made anew) after a failure (see :mod:`ftrain.tier_schedule`).
+        ``last``: the run's last step (the same on every rank): no step follows to put a due
+        snapshot off to, so each rank first waits for its own exchange before they agree."""
         if not self.active or not is_due(step, self._next_step, checkpointed):
             return
         # The one before may still be exchanging somewhere: then every rank waits for the next
         # step boundary rather than block here (a training thread blocked on a slow exchange
         # makes no step and looks hung); none is taken out of turn.
+        if last:
+            self.wait()  # no training step is held up: the run ends here
         busy = self._thread is not None and self._thread.is_alive()
         outcome = self._outcome
         busy_anywhere, failed_anywhere = any_ranks([busy, outcome is not None and not outcome.ok], trainer.device)

@@ -292,7 +292,7 @@ class Trainer:
                 self._check_commit_failures()
             if self.tier is not None:
                 with self.phases.phase("ckpt_staging"):
-                    self.tier.maybe_snapshot(done, self, checkpointed=checkpointed)
+                    self.tier.maybe_snapshot(done, self, checkpointed=checkpointed, last=done >= cfg.train.steps)
             maybe_crash(done, self.rank)
             maybe_slow_down()
             if cfg.consistency.interval and done % cfg.consistency.interval == 0:
