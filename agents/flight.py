@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from agents.flight_verdict import Verdict, analyze
 from agents.workers import process_state
 from contract.flight import EVENT_TAIL, MAX_RECORD_BYTES, FlightRecord, record_path, socket_name
+from contract.local_files import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,7 @@ def _send(sock: socket.socket, nonce: str, pid: int, deadline: float) -> str:
 def _read(path: str, nonce: str) -> FlightRecord | str | None:
     """The record at ``path`` if it answers ``nonce``; a reason if it is unusable; None: not yet."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_RECORD_BYTES + 1)
+        data = read_regular(path, MAX_RECORD_BYTES)  # a FIFO or link planted there is refused, not waited on
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -12,7 +12,7 @@ from storage: it is the commit point, and a step no manifest commits is never re
 
 What the cache must not do is let someone else steer the job's own writes, deletes or reads
 (the directory may sit in ``/tmp`` under a name anyone can predict). So, with
-:mod:`checkpoint.local_files` (the one implementation of node-local file safety):
+:mod:`contract.local_files` (the one implementation of node-local file safety):
 
 - ``<local_cache_dir>/<key>`` and each step directory are private (:func:`private_dir`: created
   ``0700``; an existing one must be a real directory of this user that group and others cannot
@@ -48,8 +48,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.local_files import UnsafeLocalDirError, create_new, open_regular, private_dir
 from checkpoint.manifest import parse_step_dir
+from contract.local_files import UnsafeLocalDirError, create_new, open_regular, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class CacheFile:
             fd = create_new(self._partial)
             self._created = True
             self._fh = os.fdopen(fd, "wb")
-        except (OSError, UnsafeLocalDirError) as e:  # the latter is a CheckpointError
+        except OSError as e:  # UnsafeLocalDirError included
             self._give_up(e)
 
     def write(self, data: bytes | memoryview) -> None:

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoint.local_files import create_new, private_dir
 from contract.flight import STATES, Collective, FlightRecord, record_path, socket_name
+from contract.local_files import create_new, private_dir
 from contract.worker_env import STACK_DIR, WorkerEnv
 from ftrain import flight_gate
 

@@ -70,7 +70,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
 from checkpoint.dcp_write import DigestingWriter
 from checkpoint.errors import CheckpointError, ManifestError
-from checkpoint.local_files import UnsafeLocalDirError
 from checkpoint.manager import new_stager
 from checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
 from checkpoint.safe_pickle import SafeLoadPlanner
@@ -228,7 +227,7 @@ class MemoryTier:
         store: TierStore | None = tier_store
         try:
             tier_store.open()
-        except (UnsafeLocalDirError, OSError) as e:
+        except OSError as e:  # an UnsafeLocalDirError among them
             self._skipped(events, str(tier_store.tier_dir), f"{e}; this worker keeps no snapshots there")
             store = None
         rows = all_gather_json({"run": run_id, "store": store is not None}, self._group)

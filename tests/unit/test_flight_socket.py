@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,3 +222,20 @@ def test_a_kept_record_restamped_decodes_with_the_new_nonce_and_nothing_else_cha
     assert again.nonce == "f00d" and again.groups == record.groups and again.taken_at == record.taken_at
     with pytest.raises(ValueError):
         flight_gate.restamp(b"{}", "placeholder-1", "f00d")
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
+def test_the_agent_refuses_a_fifo_or_a_link_planted_as_a_record_instead_of_waiting_on_it(tmp_path, planted):
+    from agents.flight import _read  # noqa: PLC2701 - the read every collect ends with
+
+    path = Path(record_path(str(tmp_path), 4242))
+    if planted == "fifo":
+        os.mkfifo(path)  # an open for reading would wait for a writer forever
+    else:
+        (tmp_path / "elsewhere.json").write_text("{}")
+        path.symlink_to(tmp_path / "elsewhere.json")
+    answer: list[Any] = []
+    reader = threading.Thread(target=lambda: answer.append(_read(str(path), "ab12")), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert answer and isinstance(answer[0], str) and "unreadable flight record" in answer[0], answer

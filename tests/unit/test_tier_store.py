@@ -9,8 +9,8 @@ import stat
 import pytest
 
 from checkpoint.digest import digest_bytes
-from checkpoint.local_files import UnsafeLocalDirError
 from checkpoint.manifest import FileEntry, Manifest
+from contract.local_files import UnsafeLocalDirError
 from ftrain.tier_binding import Binding
 from ftrain.tier_store import MANIFEST_FILE, DirFiles, Snapshot, TierStore
 
@@ -93,11 +93,13 @@ def test_the_directories_are_private_and_the_files_unreadable_by_others(tmp_path
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
 
 
-@pytest.mark.parametrize("plant", ["group_writable", "other_owner", "symlink"])
+@pytest.mark.parametrize("plant", ["group_writable", "other_owner", "symlink", "parent_of_another_user"])
 def test_a_tier_directory_someone_else_could_plant_in_is_refused(tmp_path, plant):
     os.chmod(tmp_path, 0o1777)
     tier_dir = tmp_path / f"ftrain-tier-{JOB}"
-    if plant == "symlink":
+    if plant == "parent_of_another_user":  # sticky, but its owner may rename what is in it
+        os.chown(tmp_path, 12345, 12345)
+    elif plant == "symlink":
         (tmp_path / "elsewhere").mkdir(mode=0o700)
         tier_dir.symlink_to(tmp_path / "elsewhere")
     else:

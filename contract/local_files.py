@@ -1,5 +1,6 @@
 """Node-local files that the job writes and reads back later (the memory tier's
-``checkpoint.memory_dir``, the ``checkpoint.local_cache_dir``): a directory only this user can
+``checkpoint.memory_dir``, the ``checkpoint.local_cache_dir``, the flight records in the run
+dir, read by the agent): a directory only this user can
 write, files opened without following links, reads of regular files only and never more bytes
 than asked for.
 
@@ -27,14 +28,12 @@ import os
 import stat
 from pathlib import Path
 
-from checkpoint.errors import CheckpointError
-
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-class UnsafeLocalDirError(CheckpointError):
+class UnsafeLocalDirError(OSError):
     """A node-local directory the job would use can be written, or replaced, by someone else."""
 
     def __init__(self, setting: str, path: Path, problem: str):
@@ -61,8 +60,12 @@ def _problem(st: os.stat_result) -> str:
 def _parent_problem(parent: Path) -> str:
     """Why others could rename a directory out of ``parent`` and put theirs in ("" if not)."""
     st = os.stat(parent)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    if not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return ""
+    if not st.st_mode & stat.S_ISVTX:
         return f"is inside {parent}, which group or others may write and which is not sticky"
+    if st.st_uid not in (0, os.geteuid()):  # a sticky directory's owner may still rename anything in it
+        return f"is inside {parent}, which others may write and which belongs to uid {st.st_uid}"
     return ""
 
 
