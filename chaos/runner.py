@@ -13,10 +13,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agents.records import JobKeys
 from chaos import invariants
 from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
@@ -27,6 +29,7 @@ from checkpoint.catalog import list_steps
 from checkpoint.storage import Storage
 from contract.events import Event, EventLog
 from ftrain.config import load_config
+from ftrain.fence import EtcdRoundFence
 from testbed.procs import REPO, quiet_env
 from testbed.wait import WaitTimeout, wait_for
 
@@ -88,28 +91,36 @@ def golden_run(scenario: Scenario, cache_dir: Path) -> Path:
     return final
 
 
-class _CommitWatcher(threading.Thread):
-    """Records every commit (step, manifest ``created_time``) as it appears on storage, with the
-    time it was first seen (independent of what the workers say), so the invariants can tell
-    whether the commit a load read existed — a step re-committed after chaos damaged it is a
-    new commit."""
+class CommitWatcher(threading.Thread):
+    """Records every commit (step, manifest ``created_time``) as it appears, with the time it
+    was first seen (independent of what the workers say), so the invariants can tell whether the
+    commit a load read existed — a step re-committed after chaos damaged it is a new commit.
 
-    def __init__(self, storage: Storage, interval_s: float = 0.25):
+    A commit is what a reader trusts: a manifest on storage whose commit record in etcd (the
+    fence's, read first) names its digest. A manifest stored by a worker killed before it could
+    record the commit, or by a zombie whose record was refused, is not one (counting it made a
+    round that rightly went on from the step before look like it went back past a commit)."""
+
+    def __init__(self, storage: Storage, recorded: Callable[[], dict[int, str] | None], interval_s: float = 0.25):
         super().__init__(name="chaos-commit-watcher", daemon=True)
-        self.storage, self.interval_s = storage, interval_s
+        self.storage, self.recorded, self.interval_s = storage, recorded, interval_s
         self.commits: dict[tuple[int, float], float] = {}
         self.closing = threading.Event()
 
     def run(self) -> None:
         while not self.closing.wait(self.interval_s):
-            try:
-                steps = list_steps(self.storage)
-            except Exception:  # noqa: BLE001 - storage outages are part of the scenario
-                continue
-            now = time.time()
-            for info in steps:
-                if info.manifest is not None:
-                    self.commits.setdefault((info.step, info.manifest.created_time), now)
+            self.poll()
+
+    def poll(self) -> None:
+        """One look: the records, then the manifests they name."""
+        try:
+            steps = [s for s in list_steps(self.storage, recorded=self.recorded()) if s.state == "committed"]
+        except Exception:  # noqa: BLE001 - storage and etcd outages are part of the scenario
+            return
+        now = time.time()
+        for info in steps:
+            if info.manifest is not None:
+                self.commits.setdefault((info.step, info.manifest.created_time), now)
 
 
 class _Campaign(threading.Thread):
@@ -221,7 +232,11 @@ def run_scenario(
             stop=finished.is_set,
         )
         campaign = _Campaign(ctx, scenario, rng)
-        watcher = _CommitWatcher(Storage(ckpt_uri, s3.storage_options(retry_timeout_s=1.0, max_attempts=1)))
+        keys = JobKeys(JOB)
+        fence = EtcdRoundFence(cluster.etcd_endpoints, keys.round, commits_key=keys.commits, timeout_s=1.0)
+        watcher = CommitWatcher(
+            Storage(ckpt_uri, s3.storage_options(retry_timeout_s=1.0, max_attempts=1)), fence.recorded
+        )
         watcher.start()
         timed_out = False
         try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,8 +49,10 @@ class Fence(Protocol):
         """Every recorded commit, ``{step: manifest digest}``; None if this fence keeps no
         records (the manifests are then the commit point)."""
 
-    def forget(self, steps: list[int]) -> None:
-        """Drop the records of steps retention deleted."""
+    def forget(self, round_: int, expected: Mapping[int, str]) -> list[int]:
+        """Drop the records of steps retention deleted, each only while ``round_`` is current
+        and its record is still the one naming the digest in ``expected`` (atomically); the
+        steps dropped (StaleRoundError when the round moved on)."""
 
 
 def _other_job(storage: Storage, dirname: str, job: str) -> str | None:

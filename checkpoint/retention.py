@@ -392,19 +392,18 @@ def collect_garbage(
 
 
 def _forget(guard: GcGuard, fence: Fence, gone: list[int], recorded: dict[int, str]) -> None:
-    """Drop the commit records of ``gone`` (steps no longer stored), fenced like a deletion: the
-    round checked and the records read again immediately before, and only a record that is still
-    the one seen dropped (a newer round may have saved the step again and recorded it since)."""
+    """Drop the commit records of ``gone`` (steps no longer stored), fenced like a deletion and
+    closer still: each record is dropped in one etcd transaction with the writer's round check,
+    and only while it is the one seen (a newer round may have saved the step again and recorded
+    it since)."""
     for step in gone:
         guard.paused_here(step)
-    guard.check_round()
-    fresh = fence.recorded() or {}
-    same = [step for step in gone if fresh.get(step) == recorded[step]]
-    again = [str(step) for step in gone if step in fresh and fresh[step] != recorded[step]]
-    if again:
+    if guard.round is None:
+        raise ValueError("a fenced retention needs the writer's round")
+    forgotten = fence.forget(guard.round, {step: recorded[step] for step in gone})
+    kept = [str(step) for step in gone if step not in forgotten]
+    if kept:
         log.warning(
-            "retention keeps the commit records of steps %s: recorded again since it looked (a newer save)",
-            ", ".join(again),
+            "retention keeps the commit records of steps %s (recorded again since, or etcd did not answer)",
+            ", ".join(kept),
         )
-    if same:
-        fence.forget(same)

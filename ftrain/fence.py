@@ -53,6 +53,7 @@ import ssl
 import stat
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,6 +336,11 @@ class EtcdRoundFence:
         """``{step: manifest digest}`` of every recorded commit (None without a commits key:
         manifests are the truth). Raises CheckpointError when etcd cannot be read: without the
         records nothing can be judged committed. A record that does not parse is skipped."""
+        records = self._records()
+        return None if records is None else {step: digest for step, (digest, _) in records.items()}
+
+    def _records(self) -> dict[int, tuple[str, int]] | None:
+        """``{step: (manifest digest, mod revision)}``; see :meth:`recorded`."""
         if not self.commits_key:
             return None
         prefix = self.commits_key.encode()
@@ -343,11 +349,11 @@ class EtcdRoundFence:
         answer, errors = self._request("/v3/kv/range", body)
         if answer is None:
             raise CheckpointError(f"cannot read the commit records under {self.commits_key}: {'; '.join(errors)}")
-        out: dict[int, str] = {}
+        out: dict[int, tuple[str, int]] = {}
         for kv in answer.get("kvs") or []:
             parsed = _parse_record(self.commits_key, kv)
             if parsed is not None:
-                out[parsed[0]] = parsed[1]
+                out[parsed[0]] = (parsed[1], parsed[2])
         return out
 
     def incarnation(self) -> str:
@@ -371,14 +377,41 @@ class EtcdRoundFence:
             )
         return f"etcd-{int(str(cluster))}-{int(str(created))}"
 
-    def forget(self, steps: list[int]) -> None:
-        """Delete the commit records of ``steps`` (retention removed them); best effort."""
-        if not self.commits_key:
-            return
-        for step in steps:
-            answer, errors = self._request("/v3/kv/deleterange", {"key": _b64(self._record_key(step))})
+    def forget(self, round_: int, expected: Mapping[int, str]) -> list[int]:
+        """Delete the commit records of the steps in ``expected`` (retention removed them) that
+        still name the manifest digest given there: each in one transaction with the round check
+        and the record unchanged since it was read here (a newer round that saved and recorded
+        the step again in between keeps its record). The steps forgotten; StaleRoundError when
+        the round moved on (nothing more deleted); best effort otherwise (logged)."""
+        records = self._records()
+        if records is None:
+            return []
+        forgotten = []
+        for step, digest in sorted(expected.items()):
+            if records.get(step, ("", 0))[0] != digest:
+                continue
+            key = _b64(self._record_key(step))
+            body = {
+                "compare": [
+                    {"key": _b64(self.key), "target": "VALUE", "result": "EQUAL", "value": _b64(str(round_))},
+                    {"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": str(records[step][1])},
+                ],
+                "success": [{"request_delete_range": {"key": key}}],
+                "failure": [{"request_range": {"key": _b64(self.key)}}],
+            }
+            answer, errors = self._request("/v3/kv/txn", body)
             if answer is None:
                 log.warning("could not delete the commit record of step %d: %s", step, "; ".join(errors))
+            elif answer.get("succeeded"):
+                forgotten.append(step)
+            elif _round_moved(answer, round_):
+                raise StaleRoundError(
+                    f"round {round_} is no longer current ({self.key} moved on): "
+                    f"dropping the commit record of step {step} refused"
+                )
+            else:
+                log.warning("kept the commit record of step %d: it was recorded again since it was read", step)
+        return forgotten
 
     def _record_key(self, step: int) -> str:
         return f"{self.commits_key}{step:012d}"
@@ -390,19 +423,31 @@ def _is_natural(value: Any) -> bool:
     return text.isdigit() and len(text) <= 20 and int(text) > 0
 
 
-def _parse_record(prefix: str, kv: Any) -> tuple[int, str] | None:
-    """(step, digest) of one commit record as etcd returned it; None (logged) when malformed."""
+def _parse_record(prefix: str, kv: Any) -> tuple[int, str, int] | None:
+    """(step, digest, mod revision) of one commit record as etcd returned it; None (logged) when
+    malformed."""
     try:
         key = base64.b64decode(kv["key"]).decode()
         value = json.loads(base64.b64decode(kv.get("value", "")))
         step = int(key[len(prefix) :]) if key.startswith(prefix) and key[len(prefix) :].isdigit() else -1
         digest = value.get("digest") if isinstance(value, dict) else None
-        if step < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        revision = int(kv.get("mod_revision", 0))
+        if step < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest) or revision <= 0:
             raise ValueError(f"key {key!r}, value {str(value)[:200]!r}")
     except (KeyError, TypeError, ValueError) as e:
         log.warning("ignoring a malformed commit record: %s", e)
         return None
-    return step, digest
+    return step, digest, revision
+
+
+def _round_moved(answer: dict[str, Any], round_: int) -> bool:
+    """Whether a failed transaction's read of the round key (its failure branch) shows another
+    round than ``round_`` (or no round key)."""
+    try:
+        kvs = answer["responses"][0]["response_range"].get("kvs") or []
+        return not kvs or base64.b64decode(kvs[0].get("value", "")).decode() != str(round_)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return True  # cannot tell: as if it moved (nothing is deleted either way)
 
 
 def from_env() -> EtcdRoundFence | None:

@@ -15,7 +15,7 @@ import contextlib
 import json
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -419,8 +419,8 @@ class GatedFence:
     def recorded(self) -> dict[int, str] | None:
         return None
 
-    def forget(self, steps: list[int]) -> None:
-        return None
+    def forget(self, round_: int, expected: Mapping[int, str]) -> list[int]:
+        return []
 
 
 def test_consecutive_failures_count_failed_saves_not_skipped_ones(tmp_path):

@@ -79,7 +79,9 @@ def test_commit_records_are_written_with_the_round_check_and_read_back_untrusted
         root.put(f"{KEYS.commits}000000000100", json.dumps({"digest": "../../etc", "round": 2}))
         root.put(f"{KEYS.commits}latest", json.dumps({"digest": "d" * 64, "round": 2}))
     assert fence.recorded() == {40: "a" * 64, 60: "b" * 64}
-    fence.forget([40])
+    assert fence.forget(2, {40: "a" * 64, 60: "c" * 64}) == [40]  # 60 names another manifest: kept
+    with pytest.raises(StaleRoundError, match="round 1 is no longer current.*record of step 60 refused"):
+        fence.forget(1, {60: "b" * 64})  # a retention of an old round drops nothing
     assert fence.recorded() == {60: "b" * 64}
     without_records = EtcdRoundFence([auth_etcd.endpoint], KEYS.round, settings=ClientSettings("root", PASSWORD))
     assert without_records.recorded() is None
