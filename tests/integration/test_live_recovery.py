@@ -365,8 +365,7 @@ def test_a_lost_node_leaves_the_survivors_training_and_its_return_heals_from_the
         recovered_s = (
             wait_for(lambda: [m["time"] for m in job.metrics() if m["world_size"] == 2], 30, "a step")[0] - lost_at
         )
-        print(f"node loss -> first step at world size 2: {recovered_s:.2f}s")
-        assert recovered_s < 2 + 1 + 1, "longer than lease TTL + 1 s (+ slack for a loaded machine)"
+        print(f"node loss -> first step at world size 2: {recovered_s:.2f}s")  # speed: bench/recovery.py
 
         job.restart(lost)  # the node comes back: it joins at the next committed checkpoint
         grown = wait_for(
@@ -453,12 +452,10 @@ def test_a_paused_node_is_left_behind_and_its_zombies_neither_rejoin_the_old_rou
             recovered_s = min(m["time"] for m in job.metrics() if m["world_size"] == 2) - paused_at
         finally:
             _signal_all(frozen, signal.SIGCONT)
-        print(f"node paused -> first step at world size 2: {recovered_s:.2f}s")
+        print(f"node paused -> first step at world size 2: {recovered_s:.2f}s")  # speed: bench/recovery.py
         assert _serving(job, survivor, 2) == kept, "the survivor's workers were restarted"
         left = job.events("live_round_left", round=1)
         assert any("newer round was assigned" in e["why"] for e in left if e["pid"] in kept.values()), left
-        assert recovered_s < 2 + 1 + 1, "longer than lease TTL + 1 s (+ slack for a loaded machine)"
-
         assert job.wait_exit(survivor) == 0 and job.wait_exit(paused) == 0, job.log_tail()
         round2_formed = next(e["time"] for e in job.events("round_formed") if e["new_round"] == 2)
         zombie_pids = set(zombies.values())
