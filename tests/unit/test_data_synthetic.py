@@ -165,9 +165,10 @@ def test_fast_enough() -> None:
     start = time.perf_counter()
     src.sample(np.arange(1000, 1064))
     sample_s = time.perf_counter() - start
-    # Generous bounds for a loaded 2-core CI box (typical: ~3 ms build, ~3 ms sample).
-    assert build_s < 0.25, build_s
-    assert sample_s < 0.05, sample_s
+    # Typical: ~3 ms each. The bounds only catch work that grows with num_samples (10**6 samples
+    # of 128 tokens generated up front would take tens of seconds), not a loaded machine's pauses.
+    assert build_s < 2.0, build_s
+    assert sample_s < 1.0, sample_s
 
 
 def test_build_source_synthetic() -> None:
