@@ -6,8 +6,8 @@ item 8), with a real etcd fence (commit records) and a real local checkpoint roo
   removes nothing: the committed step is still there and loads;
 - the same with an empty step directory (where it would abort unfinished uploads and then let its
   ranks write over the newer round's files);
-- the pause itself (``FTRAIN_FAULT_PAUSE_BEFORE_CLEAR``) stops a real process at the armed step
-  only, once;
+- the pauses themselves (``FTRAIN_FAULT_PAUSE_BEFORE_CLEAR``, ``..._BEFORE_GC``) stop a real process
+  at the armed step only, once;
 - paused after its commit's fence check (``after_fence``) while the newer round commits the same
   step: it does not store its manifest over the newer one (which would make that commit's record
   no longer match: the step lost).
@@ -135,21 +135,29 @@ def test_a_writer_paused_after_its_commit_check_does_not_replace_a_newer_commit(
 
 _HOOK = """
 import sys
-from ftrain.faults import maybe_pause_before_clear
-maybe_pause_before_clear(4)  # not armed for step 4
+from ftrain import faults
+pause = getattr(faults, sys.argv[1])
+pause(4)  # not armed for step 4
 print("before", flush=True)
-maybe_pause_before_clear(8)  # stops this process until continued
-maybe_pause_before_clear(8)  # once per process
+pause(8)  # stops this process until continued
+pause(8)  # once per process
 print("after", flush=True)
 """
 
 
-def test_the_pause_before_clearing_is_armed_by_the_environment_and_stops_a_real_process():
+@pytest.mark.parametrize(
+    ("hook", "variable"),
+    [
+        ("maybe_pause_before_clear", "FTRAIN_FAULT_PAUSE_BEFORE_CLEAR"),
+        ("maybe_pause_before_gc", "FTRAIN_FAULT_PAUSE_BEFORE_GC"),
+    ],
+)
+def test_a_pause_hook_is_armed_by_the_environment_and_stops_a_real_process(hook, variable):
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOOK],
+        [sys.executable, "-c", _HOOK, hook],
         stdout=subprocess.PIPE,
         text=True,
-        env=quiet_env(FTRAIN_FAULT_PAUSE_BEFORE_CLEAR="8:0", RANK="0"),
+        env=quiet_env(**{variable: "8:0", "RANK": "0"}),
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "before\n"

@@ -9,7 +9,7 @@ the same kind"), with a real etcd fence (commit records) and a real local checkp
 - a loader paused before its verdict on a step that a newer round then clears and saves again:
   its verdict (the bytes no longer match the manifest it read) never marks the newer step
   corrupt, fenced or not (only the manifest that failed is ever marked);
-- the pause itself (``FTRAIN_FAULT_PAUSE_BEFORE_GC``) stops a real process at the armed step.
+- (the pause itself, ``FTRAIN_FAULT_PAUSE_BEFORE_GC``, is tested with the others in test_checkpoint_delete_fence.py)
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,15 +24,12 @@ from typing import Any
 import pytest
 
 from agents.records import JobKeys
-from chaos.faults.targets import continue_process, is_stopped
 from checkpoint.catalog import list_steps
 from checkpoint.manager import CheckpointManager
 from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_digest, step_dir_name
 from checkpoint.storage import Storage
 from ftrain.checkpointing import validate_trainer_state
 from ftrain.fence import EtcdRoundFence
-from testbed.procs import kill_tree, quiet_env
-from testbed.wait import wait_for
 from tests.integration.test_checkpoint_delete_fence import Pause, manager
 from tests.integration.test_checkpoint_trust import fields, load, loaded_step, state
 
@@ -181,31 +176,3 @@ def test_a_loader_paused_before_its_verdict_never_marks_the_step_a_newer_round_s
     finally:
         go.set()
         loader.join(120)
-
-
-_HOOK = """
-from ftrain.faults import maybe_pause_before_gc
-maybe_pause_before_gc(4)  # not armed for step 4
-print("before", flush=True)
-maybe_pause_before_gc(8)  # stops this process until continued
-maybe_pause_before_gc(8)  # once per process
-print("after", flush=True)
-"""
-
-
-def test_the_pause_before_gc_is_armed_by_the_environment_and_stops_a_real_process():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HOOK],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=quiet_env(FTRAIN_FAULT_PAUSE_BEFORE_GC="8:0", RANK="0"),
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "before\n"
-        wait_for(lambda: is_stopped(proc.pid), 60, "the process to stop itself at step 8")
-        continue_process(proc.pid)
-        assert proc.stdout.readline() == "after\n"
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
