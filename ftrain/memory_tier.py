@@ -81,7 +81,7 @@ from ftrain.checkpointing import apply_loaded, current_round, load_target, manif
 from ftrain.config import Config, worker_job_id
 from ftrain.faults import maybe_damage_memory_copy
 from ftrain.tier_binding import NO_RUN_ID_FIX, Binding, agree_run_id, binding_of, binding_problem, resolve_run_id
-from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval
+from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
 from ftrain.tier_store import DirFiles, Snapshot, TierStore
 from ftrain.tier_wire import (
     all_gather_json,
@@ -328,6 +328,7 @@ class MemoryTier:
         outcome = self._outcome
         busy_anywhere, failed_anywhere = any_ranks([busy, outcome is not None and not outcome.ok], trainer.device)
         if busy_anywhere:
+            self._next_step = put_off(step, self._next_step)
             return
         if self._thread is not None:
             self._thread.join()  # finished: its figures and outcome are complete

@@ -10,10 +10,11 @@ changes only at points every rank passes together, from values every rank holds 
 - a snapshot is due at a step boundary when :func:`is_due` (the step reached ``next_step``, or it
   was just checkpointed: every rank checkpoints the same steps);
 - as one starts, the one before it is complete on every rank (while it is still exchanging on
-  any rank, every rank puts the new one off to the next step boundary: no training thread blocks
-  on a slow exchange), and the ranks have told each other, on the training group, whether theirs
-  succeeded: ``interval =
-  next_interval(setting, interval, figures)``, with the slowest rank's figures of the one before
+  any rank, every rank puts the new one off to the next step boundary, :func:`put_off`: no
+  training thread blocks on a slow exchange, and a checkpointed step's snapshot is still owed, so
+  the tier catches up with storage as soon as it can), and the ranks have told each other, on
+  the training group, whether theirs succeeded: ``interval = next_interval(setting, interval,
+  figures)``, with the slowest rank's figures of the one before
   (:class:`Figures`, agreed by the tier's all-reduce) or ``None`` when any rank's failed (the
   interval then stays); ``next_step = step + interval``.
 
@@ -65,4 +66,12 @@ def is_due(step: int, next_step: int, checkpointed: bool) -> bool:
     return checkpointed or step >= next_step
 
 
-__all__ = ["AUTO_BLOCKED_SHARE", "Figures", "MAX_INTERVAL", "base_interval", "is_due", "next_interval"]
+def put_off(step: int, next_step: int) -> int:
+    """``next_step`` after a snapshot due at ``step`` was put off (the one before still exchanging
+    on some rank): due at the next step boundary. Without it, a snapshot due only because its step
+    was checkpointed would wait for the schedule, and until then the tier would be older than
+    storage: a restore would refuse it and read storage."""
+    return min(next_step, step + 1)
+
+
+__all__ = ["AUTO_BLOCKED_SHARE", "Figures", "MAX_INTERVAL", "base_interval", "is_due", "next_interval", "put_off"]

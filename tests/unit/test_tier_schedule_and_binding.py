@@ -17,7 +17,7 @@ from ftrain.tier_binding import (
     config_differences,
     resolve_run_id,
 )
-from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval
+from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
 
 
 # -- the schedule -------------------------------------------------------------------------------
@@ -58,6 +58,15 @@ def test_the_interval_follows_the_slowest_ranks_figures_and_stays_after_a_failur
 
 def test_a_checkpointed_step_is_always_due():
     assert is_due(3, 10, checkpointed=True) and not is_due(3, 10, checkpointed=False) and is_due(10, 10, False)
+
+
+def test_a_put_off_snapshot_is_due_at_the_next_step_boundary_even_when_only_its_checkpoint_made_it_due():
+    """Step 40 was checkpointed while the snapshot before was still exchanging: the snapshot is
+    put off, and step 41 must take it (the schedule alone would wait for step 50, and a fault in
+    between would find the tier older than storage: the CI failure of the fsdp live-recovery test)."""
+    next_step = put_off(40, 50)
+    assert next_step == 41 and is_due(41, next_step, checkpointed=False)
+    assert put_off(12, 12) == 12  # due by the schedule already: stays due
 
 
 # -- the binding --------------------------------------------------------------------------------
