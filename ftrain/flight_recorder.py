@@ -1,9 +1,13 @@
 """The worker's flight recorder: the last collectives of this rank, for its agent on request.
 
 torch keeps a ring buffer of every collective a process group issues when
-``TORCH_FR_BUFFER_SIZE`` is set before the first group is created (gloo and NCCL alike in torch
-2.13: sequence number, op, sizes, dtypes, state, times). :func:`enable` sets it from
-``logging.flight_recorder_entries``; :func:`snapshot` turns the buffer into a
+``TORCH_FR_BUFFER_SIZE`` is set before the first group is created (sequence number, op, sizes,
+dtypes, state, times). There are two buffers, read apart: NCCL's (``_dump_nccl_trace_json``,
+compiled only into CUDA builds of torch) and every other backend's (``_dump_fr_trace_json``:
+gloo). A worker on GPUs has both (NCCL for training, gloo for the memory tier and the
+checkpoints' group), so every read here merges what each buffer this torch has holds, a group's
+id prefixed with its buffer's name (:data:`DUMPS`). :func:`enable` sets the size from
+``logging.flight_recorder_entries``; :func:`snapshot` turns the buffers into a
 :class:`contract.flight.FlightRecord` of the current world's groups (entries of groups that an
 earlier round of a live worker left behind are dropped: their names and numbers repeat).
 
@@ -49,6 +53,8 @@ from ftrain import flight_gate
 log = logging.getLogger(__name__)
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  #: torch reads the first one set
+#: torch's dumps of its flight recorder buffers -> the prefix of their groups' ids here
+DUMPS = {"_dump_nccl_trace_json": "nccl", "_dump_fr_trace_json": "fr"}
 EXACT_AFTER_S = 1.0  #: a collective in flight this long is looked up in the buffer (see oldest_in_flight)
 
 _world_since_ns = 0  #: when this process last joined a world: older entries belong to an earlier one
@@ -70,6 +76,7 @@ _in_flight: dict[str, _InFlight] = {}  #: torch's backend id of a group -> its o
 _group_names: dict[str, str] = {}  #: backend id -> group name, as the buffer showed them in this world
 _old_backends: set[str] = set()  #: backend ids of earlier worlds (torch keeps their status for good)
 _in_flight_lock = threading.Lock()
+_unreadable: set[str] = set()  #: dumps (DUMPS) that failed once: said once
 
 
 def enable(entries: int) -> None:
@@ -183,17 +190,21 @@ def oldest_in_flight() -> Collective | None:
 
 
 def _read_pg_status() -> dict[str, tuple[int, int]] | None:
-    """torch's backend id of each group -> (last completed, last enqueued) collective sequence
-    numbers (None: none to read)."""
+    """torch's backend id of each group (prefixed with its buffer's) -> (last completed, last
+    enqueued) collective sequence numbers (None: none to read)."""
+    dumps = _dumps(include_collectives=False, only_active=True)
+    if not dumps:
+        return None
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # noqa: PLC0415
-
-        raw = json.loads(_dump_fr_trace_json(False, True)).get("pg_status", {})
         return {
-            str(backend): (int(s.get("last_completed_collective", -1)), int(s.get("last_enqueued_collective", -1)))
-            for backend, s in raw.items()
+            f"{prefix}:{backend}": (
+                int(s.get("last_completed_collective", -1)),
+                int(s.get("last_enqueued_collective", -1)),
+            )
+            for prefix, dumped in dumps
+            for backend, s in dumped.get("pg_status", {}).items()
         }
-    except (ImportError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+    except (TypeError, ValueError, AttributeError) as e:
         log.debug("no process group status from the flight recorder: %s", e)
         return None
 
@@ -218,19 +229,43 @@ def _recording() -> bool:
 
 
 def _torch_dump(*, only_active: bool = False) -> dict[str, Any] | None:
-    """torch's flight recorder buffer (None: this torch or backend keeps none)."""
+    """torch's flight recorder buffers as one dump, entries oldest first, each entry's ``pg_id``
+    prefixed with its buffer's (None: this torch keeps none)."""
     if not _recording():
         return None
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # noqa: PLC0415
-    except ImportError:
+    dumps = _dumps(include_collectives=True, only_active=only_active)
+    if not dumps:
         return None
-    try:
-        dumped: dict[str, Any] = json.loads(_dump_fr_trace_json(True, only_active))
-    except (RuntimeError, ValueError) as e:
-        log.warning("the flight recorder could not be read: %s", e)
-        return None
-    return dumped
+    entries = []
+    for prefix, dumped in dumps:
+        for entry in dumped.get("entries", []):
+            if isinstance(entry, dict):
+                entries.append({**entry, "pg_id": f"{prefix}:{entry.get('pg_id')}"})
+    if len(dumps) > 1:
+        entries.sort(key=lambda e: int(e.get("time_created_ns", 0) or 0))
+    return {"entries": entries}
+
+
+def _dumps(*, include_collectives: bool, only_active: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(prefix, parsed dump) of each of torch's flight recorder buffers that this torch has and
+    that could be read (:data:`DUMPS`)."""
+    from torch._C import _distributed_c10d as c10d  # noqa: PLC0415
+
+    found = []
+    for name, prefix in DUMPS.items():
+        dump = getattr(c10d, name, None)
+        if dump is None:  # a CPU build of torch has no NCCL buffer
+            continue
+        try:
+            dumped = json.loads(dump(include_collectives, only_active))
+        except (RuntimeError, ValueError, TypeError) as e:
+            # read every second while training runs: said once per buffer, then quietly
+            log.log(logging.DEBUG if name in _unreadable else logging.WARNING, "%s failed: %s", name, e)
+            _unreadable.add(name)
+            continue
+        if isinstance(dumped, dict):
+            found.append((prefix, dumped))
+    return found
 
 
 def _groups() -> dict[str, list[int]]:
