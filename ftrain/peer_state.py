@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ftrain.torch_compat import all_gather_single
+
 #: dtypes a header may name (anything else is refused)
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -281,7 +283,7 @@ def survey(held: HeldState | None, full_replica: bool, device: torch.device) -> 
         device=device,
     )
     out = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
-    dist.all_gather_single(out, mine)
+    all_gather_single(out, mine)
     return [(a, b, c, d) for a, b, c, d in out.view(-1, 4).cpu().tolist()]
 
 

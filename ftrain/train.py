@@ -64,6 +64,7 @@ from ftrain.pipeline_stages import at_world
 from ftrain.progress import Progress
 from ftrain.step_phases import StepPhases
 from ftrain.strategies import compute_layout
+from ftrain.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
     from ftrain.memory_tier import MemoryTier
@@ -557,12 +558,12 @@ class Trainer:
             device=self.device,
         )
         gathered = torch.empty(layout.world_size * local.numel(), dtype=torch.float64, device=self.device)
-        maybe_crash_inside(step, self.rank, lambda: dist.all_gather_single(gathered, local, async_op=True))
+        maybe_crash_inside(step, self.rank, lambda: all_gather_single(gathered, local, async_op=True))
         if maybe_skip_collective(step, self.rank):  # a desync: this rank's peers wait in it
             gathered = local.repeat(layout.world_size)
         else:
             with self.phases.phase("comm_wait"):
-                dist.all_gather_single(gathered, local)
+                all_gather_single(gathered, local)
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
         for rank, dp_rank in layout.loss_ranks():

@@ -21,10 +21,10 @@ are replicated as with DDP; only ``parallel.strategy = "ddp"`` supports it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ftrain.data.cursor import micro_block
 from ftrain.parallel.base import Parallel
+from ftrain.torch_compat import all_gather_single
 
 
 def _split(length: int) -> int:
@@ -109,7 +109,7 @@ class DeterministicParallel(Parallel):
         for i, node_sum in enumerate(self._node_sums):
             local[i] = node_sum
         gathered = torch.empty(self.layout.dp_size * self.max_nodes, numel, dtype=local.dtype, device=local.device)
-        dist.all_gather_single(gathered, local)
+        all_gather_single(gathered, local)
         nodes: dict[tuple[int, int], torch.Tensor] = {}
         for r, rank_nodes in enumerate(self.nodes_of):
             for i, node in enumerate(rank_nodes):
