@@ -46,7 +46,6 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
@@ -78,6 +77,7 @@ from checkpoint.publish import Fence, StepPublisher
 from checkpoint.retention import GcStop, Retention, collect_garbage
 from checkpoint.safe_pickle import SafeLoadPlanner
 from checkpoint.save_process import SaveProcess
+from checkpoint.staging import new_stager
 from checkpoint.storage import Storage, StorageOptions
 from checkpoint.verify import (
     CORRUPTION_KINDS,
@@ -200,21 +200,6 @@ def _parse_quietly(data: bytes) -> Metadata | None:
 
 def _no_event(record: ev.Record) -> None:
     return None
-
-
-def new_stager(device_type: str, *, asynchronous: bool = True, shared: bool = False) -> DefaultStager:
-    """DCP's stager for state on ``device_type``. It keeps the buffers of its first copy and
-    copies into them again (a pool, not a fresh deep copy per save: reuse it, and never stage
-    again before the previous copy was uploaded). ``asynchronous``: the copy runs in the
-    background (wait for it before the state changes); ``shared``: into shared memory (for the
-    checkpoint process). On CUDA: pinned buffers and non-blocking copies; on a CPU plain copies
-    (those need an accelerator)."""
-    cuda = device_type == "cuda"
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=shared, use_async_staging=asynchronous, use_non_blocking_copy=cuda
-        )
-    )
 
 
 @dataclass
@@ -828,4 +813,4 @@ class CheckpointManager:
             self._save_process.close()
             self._save_process = None
         if self._stager is not None:
-            self._stager.close()
+            self._stager.release()

@@ -70,9 +70,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
 from checkpoint.dcp_write import DigestingWriter
 from checkpoint.errors import CheckpointError, ManifestError
-from checkpoint.manager import new_stager
 from checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
 from checkpoint.safe_pickle import SafeLoadPlanner
+from checkpoint.staging import new_stager
 from checkpoint.storage import StorageOptions
 from contract import events as ev
 from contract.config import ConfigError
@@ -292,7 +292,7 @@ class MemoryTier:
         ``checkpoint.memory_dir`` are deleted (otherwise they stay for a restarted worker)."""
         self.leave_round()
         if self._stager is not None:
-            self._stager.close()
+            self._stager.release()
             self._stager = None
         if job_done and self._store is not None:
             self._store.discard()
