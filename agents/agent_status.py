@@ -74,7 +74,7 @@ class AgentStatus:
     _lease_id: Callable[[], int]
     # this part's own state
     straggler_lines: list[str]
-    _stragglers_seen: set[tuple[int, str]]
+    _stragglers_seen: set[tuple[int, str, float]]
     _ckpt_failures_seen: int
     _ckpt_error: str
     _busy: tuple[int, float]
@@ -145,19 +145,19 @@ class AgentStatus:
             pass
 
     def _note_stragglers(self, state: JobState, memory: LeaderMemory, now: float) -> None:
-        """The leader: an event (and an error log) per new straggler, the metric, and a line each
-        in this agent's status (``ftrain status`` shows them)."""
+        """The leader: an event (and an error log) per straggler episode (a member slow without a
+        break since a time: a node slow again later in the same round is reported again), the
+        metric, and a line each in this agent's status (``ftrain status`` shows them)."""
         cur = state.current
         self.straggler_lines = [
             s.describe(now) + (f"; policy {self.policy.on_straggler}" if self.policy.on_straggler != "warn" else "")
             for s in memory.stragglers
         ]
         self.metrics.stragglers.set(len(memory.stragglers))
-        for s in memory.stragglers:
-            key = (cur.round if cur else 0, s.node)
-            if key in self._stragglers_seen:
-                continue
-            self._stragglers_seen.add(key)
+        episodes = {(cur.round if cur else 0, s.node, s.since): s for s in memory.stragglers}
+        new = [(key, s) for key, s in episodes.items() if key not in self._stragglers_seen]
+        self._stragglers_seen = set(episodes)  # an episode that ended is forgotten: the next is new
+        for key, s in new:
             log.error("straggler: %s (policy %s)", s.describe(now), self.policy.on_straggler)
             self.events.emit(
                 ev.StragglerDetected(

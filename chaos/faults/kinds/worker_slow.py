@@ -4,7 +4,8 @@ job rides it out, and the leader must flag the node as a straggler (``straggler_
 under ``agent.on_straggler = evict`` it also leaves it out for a while) when the slowdown is one
 the agents' rule says they flag (:func:`agents.leader.slowdown_flagged`: its nominal factor
 ``(stop_s + run_s) / run_s`` and its length, against the job's straggler settings), and the
-node had peers the leader was judging it against when it began. The fault's record says which
+node had peers the leader was judging it against when it began (and no longer looked slow from
+a slowdown just before: each slowdown is a straggler episode of its own). The fault's record says which
 (``detection_owed``, and ``why`` not); ``chaos.invariants.faults_handled`` holds the job to it.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import time
 from typing import Any
 
@@ -30,22 +32,26 @@ from testbed.wait import WaitTimeout, wait_for
 JUDGED_WAIT_S = 30.0
 
 
-def _judged(ctx: Context, node: str) -> bool:
+def _judged(ctx: Context, node: str, policy: Policy) -> bool:
     """Whether ``node`` and a peer in the current round publish a busy time the leader compares
-    (their agents' windows hold judged beats: not reset by a new round or a warming spare)."""
+    (their agents' windows hold judged beats: not reset by a new round or a warming spare), and
+    ``node``'s does not look slow: a slowdown just before (another fault) must have ended in the
+    statuses, so that this one is a new straggler episode, reported on its own."""
     g = current_round(ctx)
     keys = JobKeys(ctx.cluster.job)
-    judged = []
+    busy: dict[str, float] = {}
     with EtcdClient(ctx.cluster.etcd_endpoints, timeout_s=2.0, retry_timeout_s=5.0) as client:
         for n in running_nodes(ctx):
             kv = client.get(keys.status(n))
             try:
                 status = json.loads(kv.value) if kv is not None else {}
-            except ValueError:
+                busy_s = float(status.get("busy_s", 0))
+            except (ValueError, TypeError):
                 continue
-            if status.get("round") == g and status.get("state") == "running" and status.get("busy_s", 0) > 0:
-                judged.append(n)
-    return node in judged and len(judged) >= 2
+            if status.get("round") == g and status.get("state") == "running" and busy_s > 0:
+                busy[n] = busy_s
+    others = [b for n, b in busy.items() if n != node]
+    return node in busy and bool(others) and busy[node] <= policy.straggler_factor * statistics.median(others)
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
@@ -63,9 +69,12 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
         )
     else:
         try:
-            wait_for(lambda: ctx.stop() or _judged(ctx, node), JUDGED_WAIT_S, f"node {node} judged", poll_s=0.2)
+            wait_for(lambda: ctx.stop() or _judged(ctx, node, policy), JUDGED_WAIT_S, f"node {node} judged", poll_s=0.2)
         except WaitTimeout:
-            why = f"node {node} had no judged peer in round {current_round(ctx)} when the slowdown began"
+            why = (
+                f"node {node} had no judged peer in round {current_round(ctx)}, or still looked slow, "
+                "when the slowdown began"
+            )
     record = ctx.emit(
         spec.kind,
         node=node,
