@@ -149,7 +149,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.dump_verdict = ""  #: what the workers' flight records said when it was answered
         self.started_at_wall = self.clock.time()
         self.straggler_lines: list[str] = []  #: the leader's view of the stragglers (status)
-        self._stragglers_seen: set[tuple[int, str]] = set()  #: (round, node) already reported
+        self._stragglers_seen: set[tuple[int, str, float]] = set()  #: (round, node, slow since) reported
         self._busy: tuple[int, float] = (-1, 0.0)  #: this node's busiest rank, its busy time per step lately
         self._busy_window = BusyWindow()  #: each local rank's busy time over its last few statuses
         self._busy_round = -1
@@ -427,9 +427,24 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         log.info("round %d: %s; %d warm of %d needed", pool.round, why, pool.ready(), self.cfg.nproc_per_node)
         self.events.emit(ev.WorkersStopped(node=self.cfg.node_id, worker_round=pool.round, why=f"{why} (kept)"))
 
+    def _carry_beats(self, pool: LiveWorkers, last_beats: dict[int, Beat], launch: Launch) -> None:
+        """The last beats of the processes kept for ``launch``'s round stand for them until they
+        beat in it: one that froze as the round changed (SIGSTOP a moment before) is hung after
+        ``hang_timeout_s`` of silence, not after the start timeout."""
+        kept, serving = set(pool.last_kept), pool.pids()
+        self.heartbeats.carry(
+            {
+                local_rank: dataclasses.replace(beat, rank=launch.node_rank * launch.nproc_per_node + local_rank)
+                for local_rank, beat in last_beats.items()
+                if beat.pid in kept and serving.get(local_rank) == beat.pid
+            },
+            self.clock.monotonic(),
+        )
+
     def _launch(self, launch: Launch) -> None:
         if self.pool is not None and not self.pool.terminating:
             self._drop_frozen(self.pool)  # before the beats of the old round are forgotten
+        last_beats = self.heartbeats.beats()
         self.heartbeats.reset(launch.round)
         self._ckpt_failures_seen = 0
         if self.pool is None or self.pool.terminating:  # gone (the job's end, a drain): start anew
@@ -438,6 +453,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         if pool is not None:
             self.workers = pool
             pool.reassign(launch)
+            self._carry_beats(pool, last_beats, launch)
             self.metrics.workers_kept.set(len(pool.last_kept))
             self.metrics.workers_new.set(len(pool.last_started))
             self.events.emit(

@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from contract.heartbeat import BUSY_PHASES, MAX_DATAGRAM_BYTES, Message
@@ -154,6 +154,22 @@ def _after_alive(prev: Beat, alive: Beat) -> Beat:
     )
 
 
+def carried(beat: Beat, now: float) -> Beat:
+    """A kept process's last beat of the round before, standing for it in the new round until
+    its first beat there: liveness as it was, progress counted from ``now`` (``recovering``,
+    judged with the start timeout) and nothing in flight."""
+    return dataclasses.replace(
+        beat,
+        phase="recovering",
+        received_at=now,
+        recording=False,
+        in_flight_since=0.0,
+        in_flight_seq=-1,
+        in_flight_group="",
+        in_flight="",
+    )
+
+
 class HeartbeatServer:
     """Receives beats on ``path`` from a daemon thread; :meth:`reset` starts a new round."""
 
@@ -169,6 +185,7 @@ class HeartbeatServer:
         self._beats: dict[int, Beat] = {}
         self._totals: dict[int, RankTotals] = {}  #: local rank -> since the last take_totals()
         self._training_beats: dict[int, int] = {}  #: local rank -> training beats this round
+        self._carried: dict[int, int] = {}  #: local rank -> pid of a kept process not yet heard in this round
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-server", daemon=True)
         self._thread.start()
@@ -177,6 +194,21 @@ class HeartbeatServer:
         """Forget the beats of earlier rounds; accept only ``round_`` from now on."""
         with self._lock:
             self._round, self._beats, self._totals, self._training_beats = round_, {}, {}, {}
+            self._carried = {}
+
+    def carry(self, beats: Mapping[int, Beat], now: float) -> None:
+        """After :meth:`reset`: ``beats`` (local rank -> its last beat of the round before, with
+        its rank in the new round) are of processes that go on serving that local rank (live
+        workers kept). Until a process's
+        first beat of the new round, its last beat stands (:func:`carried`), and any "alive" it
+        sends renews its liveness, whatever round it still names (it may not have switched yet):
+        a kept process that froze as the round changed is then found by its silence within
+        ``hang_timeout_s``, not after the start timeout."""
+        with self._lock:
+            for local_rank, beat in beats.items():
+                if local_rank not in self._beats and beat.finished is None:
+                    self._beats[local_rank] = carried(beat, now)
+                    self._carried[local_rank] = beat.pid
 
     def take_totals(self) -> dict[int, RankTotals]:
         """Local rank -> what its training beats since the last call add up to (every beat, not
@@ -215,9 +247,13 @@ class HeartbeatServer:
             log.warning("ignoring a malformed heartbeat (%s): %r", e, data[:200])
             return
         with self._lock:
-            if round_ != self._round:
-                return
             prev = self._beats.get(beat.local_rank)
+            if round_ != self._round:
+                if kind == "alive" and prev is not None and self._carried.get(beat.local_rank) == beat.pid:
+                    self._beats[beat.local_rank] = dataclasses.replace(prev, alive_at=beat.alive_at)
+                return
+            if kind != "alive":
+                self._carried.pop(beat.local_rank, None)
             if kind == "alive":  # liveness and what is in flight: the step beat it follows stays as it is
                 if prev is not None and prev.pid == beat.pid:  # a new object: readers hold the old one
                     self._beats[beat.local_rank] = _after_alive(prev, beat)

@@ -11,6 +11,7 @@ ones and a fake clock. What must stay true: every monotonic time the agent compa
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from agents.heartbeat import Beat, RankTotals
@@ -44,6 +45,12 @@ class Heartbeats(Protocol):
 
     def reset(self, round_: int) -> None:
         """Forget the beats of earlier rounds; accept only ``round_`` from now on."""
+        ...
+
+    def carry(self, beats: Mapping[int, Beat], now: float) -> None:
+        """After :meth:`reset`: let the last beats of kept processes (local rank -> beat) stand
+        for them until their first beat of the new round, so that one that froze as the round
+        changed is found by its silence (``hang_timeout_s``), not by the start timeout."""
         ...
 
     def beats(self) -> dict[int, Beat]:

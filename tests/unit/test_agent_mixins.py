@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from agents.agent import Agent
@@ -27,6 +28,8 @@ class _NoHeartbeats:
     path = "hb.sock"
 
     def reset(self, round_: int) -> None: ...
+
+    def carry(self, beats: Mapping[int, Beat], now: float) -> None: ...
 
     def beats(self) -> dict[int, Beat]:
         return {}

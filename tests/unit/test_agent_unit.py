@@ -10,14 +10,14 @@ report and when they exit. Nothing sleeps: the clock moves by one tick between p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 from agents.agent import TICK_S, Agent
 from agents.agent_options import AgentOptions
-from agents.heartbeat import Beat, RankTotals
+from agents.heartbeat import Beat, RankTotals, carried
 from agents.metrics import AgentMetrics
 from agents.records import (
     FAILED,
@@ -52,6 +52,10 @@ class MemoryHeartbeats:
 
     def reset(self, round_: int) -> None:
         self._round, self._beats = round_, {}
+
+    def carry(self, beats: Mapping[int, Beat], now: float) -> None:
+        for local_rank, beat in beats.items():
+            self._beats.setdefault(local_rank, carried(beat, now))
 
     def beats(self) -> dict[int, Beat]:
         return dict(self._beats)

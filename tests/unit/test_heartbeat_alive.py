@@ -86,3 +86,45 @@ def test_hang_rules_progress_by_phase_and_liveness_in_any_phase():
     # a worker that failed and said so is leaving, not frozen: torchrun's exit (seconds under
     # load) reports the round's end, with the worker's error, not a hang
     assert _hung({0: _beat(0, "exiting", 8, 8, finished=False)}) == []
+
+
+def test_a_kept_worker_that_freezes_as_the_round_changes_is_hung_after_the_hang_timeout(tmp_path):
+    """A worker kept for a new round beats in it only once it has switched; until then its last
+    beat stands for it and its "alive" datagrams (of the old round) keep it alive. Frozen just
+    before the round changed, it is found by its silence — not after the start timeout (the soak
+    waited 60 s for one)."""
+    server = HeartbeatServer(str(tmp_path / "hb.sock"))
+    server.reset(7)
+    env = {**os.environ, "FTRAIN_HEARTBEAT": server.path, "FTRAIN_ROUND": "7", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        wait_for(lambda: server.beats().get(0), 10, "the round-7 beat")
+        last = server.beats()
+        server.reset(8)
+        started_at = time.monotonic()
+        server.carry({0: last[0]}, started_at)
+        carried = server.beats()[0]
+        assert carried.phase == "recovering" and carried.received_at == started_at
+
+        def hung() -> list[int]:
+            return hung_ranks(
+                server.beats(),
+                nproc_per_node=1,
+                started_at=started_at,
+                now=time.monotonic(),
+                hang_timeout_s=1.5,
+                start_timeout_s=600.0,
+            )
+
+        wait_for(lambda: server.beats()[0].alive_at > carried.alive_at, 10, "round-7 alive datagrams renewing it")
+        assert hung() == []  # alive and not switched yet: the start timeout applies to its progress
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert wait_for(lambda: hung() == [0], 15, "the frozen kept worker judged hung")
+        assert time.monotonic() - started_at < 60  # far below the start timeout
+        server.reset(9)  # forgotten with the round
+        assert server.beats() == {}
+    finally:
+        proc.kill()
+        proc.wait()
+        server.close()
