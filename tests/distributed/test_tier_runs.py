@@ -105,6 +105,16 @@ def _wait_snapshots(job: Job, at_least: int, proc: subprocess.Popen) -> None:
     wait_for(both_hold, 180, f"both workers' snapshots of step {at_least} in memory_dir")
 
 
+def _wait_three_steps(job: Job, proc: subprocess.Popen, metrics: Path) -> None:
+    """Until the job (which must stay up) has written three steps' metrics."""
+
+    def trained() -> bool:
+        assert proc.poll() is None, job.log_tail()
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+
+    wait_for(trained, 180, "three steps without the on-disk tier")
+
+
 def _trained_from_scratch(job: Job, proc: subprocess.Popen, offset: int, old_dirs: set[str]) -> list[dict]:
     """Wait until the run took three snapshots of its own; its memory_skipped events, which
     must name every directory of the run before it."""
@@ -176,15 +186,9 @@ def test_the_same_run_resumes_from_its_snapshots_after_all_its_workers_were_kill
 
 def test_without_a_run_id_the_on_disk_tier_stays_off_and_says_how_to_give_one(tmp_path):
     job = Job(tmp_path)
-    metrics = tmp_path / "metrics.jsonl"
-    proc, offset = job.start(f"--logging.metrics_path={metrics}", standalone=False)
+    proc, offset = job.start(f"--logging.metrics_path={tmp_path / 'metrics.jsonl'}", standalone=False)
     try:
-
-        def trained() -> bool:
-            assert proc.poll() is None, job.log_tail()
-            return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
-
-        wait_for(trained, 180, "three steps without the on-disk tier")
+        _wait_three_steps(job, proc, tmp_path / "metrics.jsonl")
         skipped = job.events(offset, "memory_skipped")
         assert {e["rank"] for e in skipped} == {0, 1}, skipped
         assert all("no rank knows the run id" in e["why"] and "FTRAIN_RUN_ID" in e["why"] for e in skipped), skipped
@@ -198,15 +202,9 @@ def test_a_tier_directory_others_can_write_is_not_used_and_training_goes_on(tmp_
     planted = job.shm / "ftrain-tier-nojob"
     planted.mkdir(parents=True)
     planted.chmod(0o777)  # as if another local user had made it, for the job to use
-    metrics = tmp_path / "metrics.jsonl"
-    proc, offset = job.start(f"--logging.metrics_path={metrics}")
+    proc, offset = job.start(f"--logging.metrics_path={tmp_path / 'metrics.jsonl'}")
     try:
-
-        def trained() -> bool:
-            assert proc.poll() is None, job.log_tail()
-            return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
-
-        wait_for(trained, 180, "three steps without the on-disk tier")
+        _wait_three_steps(job, proc, tmp_path / "metrics.jsonl")
         skipped = job.events(offset, "memory_skipped")
         assert {e["path"] for e in skipped} == {str(planted)} and {e["rank"] for e in skipped} == {0, 1}, skipped
         assert all("writable by group or others" in e["why"] for e in skipped), skipped

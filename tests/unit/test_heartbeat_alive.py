@@ -3,11 +3,14 @@ timeout, whatever its phase (a SIGSTOP during a long load used to wait out the s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from agents.heartbeat import Beat, HeartbeatServer
 from agents.supervision import hung_ranks
@@ -23,13 +26,25 @@ time.sleep(60)
 """
 
 
-def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
+@contextlib.contextmanager
+def _loading_worker(tmp_path: Path, round_: int) -> Iterator[tuple[HeartbeatServer, subprocess.Popen]]:
+    """A heartbeat server in ``round_`` and a worker of that round that beats once (loading),
+    then only says alive; both gone afterwards."""
     server = HeartbeatServer(str(tmp_path / "hb.sock"))
-    server.reset(7)
-    env = {**os.environ, "FTRAIN_HEARTBEAT": server.path, "FTRAIN_ROUND": "7", "PYTHONPATH": os.getcwd()}
+    server.reset(round_)
+    env = {**os.environ, "FTRAIN_HEARTBEAT": server.path, "FTRAIN_ROUND": str(round_), "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE)
     try:
-        assert proc.stdout.readline().strip() == b"ready"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        yield server, proc
+    finally:
+        proc.kill()
+        proc.wait()
+        server.close()
+
+
+def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
+    with _loading_worker(tmp_path, 7) as (server, proc):
         first = wait_for(lambda: server.beats().get(0), 10, "the loading beat")
         assert first.phase == "loading" and first.step == -1
         later = wait_for(
@@ -43,10 +58,6 @@ def test_a_loading_worker_says_alive_until_it_is_stopped(tmp_path):
         while time.monotonic() < deadline:
             assert server.beats()[0].alive_at == stopped_at, "a SIGSTOPped worker cannot say alive"
             time.sleep(0.1)
-    finally:
-        proc.kill()
-        proc.wait()
-        server.close()
 
 
 def _hung(beats: dict[int, Beat], *, hang_timeout_s: float = 5.0, start_timeout_s: float = 60.0) -> list[int]:
@@ -93,12 +104,7 @@ def test_a_kept_worker_that_freezes_as_the_round_changes_is_hung_after_the_hang_
     beat stands for it and its "alive" datagrams (of the old round) keep it alive. Frozen just
     before the round changed, it is found by its silence — not after the start timeout (the soak
     waited 60 s for one)."""
-    server = HeartbeatServer(str(tmp_path / "hb.sock"))
-    server.reset(7)
-    env = {**os.environ, "FTRAIN_HEARTBEAT": server.path, "FTRAIN_ROUND": "7", "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().strip() == b"ready"
+    with _loading_worker(tmp_path, 7) as (server, proc):
         wait_for(lambda: server.beats().get(0), 10, "the round-7 beat")
         last = server.beats()
         server.reset(8)
@@ -124,7 +130,3 @@ def test_a_kept_worker_that_freezes_as_the_round_changes_is_hung_after_the_hang_
         assert time.monotonic() - started_at < 60  # far below the start timeout
         server.reset(9)  # forgotten with the round
         assert server.beats() == {}
-    finally:
-        proc.kill()
-        proc.wait()
-        server.close()
