@@ -199,11 +199,10 @@ class HeartbeatServer:
     def carry(self, beats: Mapping[int, Beat], now: float) -> None:
         """After :meth:`reset`: ``beats`` (local rank -> its last beat of the round before, with
         its rank in the new round) are of processes that go on serving that local rank (live
-        workers kept). Until a process's
-        first beat of the new round, its last beat stands (:func:`carried`), and any "alive" it
-        sends renews its liveness, whatever round it still names (it may not have switched yet):
-        a kept process that froze as the round changed is then found by its silence within
-        ``hang_timeout_s``, not after the start timeout."""
+        workers kept). Until a process's first beat of the new round, its last beat stands
+        (:func:`carried`), and any "alive" it sends renews its liveness, whatever round it still
+        names (it may not have switched yet): a kept process that froze as the round changed is
+        then found by its silence within ``hang_timeout_s``, not after the start timeout."""
         with self._lock:
             for local_rank, beat in beats.items():
                 if local_rank not in self._beats and beat.finished is None:

@@ -46,7 +46,7 @@ def _judged(ctx: Context, node: str, policy: Policy) -> bool:
             try:
                 status = json.loads(kv.value) if kv is not None else {}
                 busy_s = float(status.get("busy_s", 0))
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, AttributeError):  # not a status object, or no number in it
                 continue
             if status.get("round") == g and status.get("state") == "running" and busy_s > 0:
                 busy[n] = busy_s
