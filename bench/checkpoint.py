@@ -58,7 +58,7 @@ REPO = BENCH.parent
 sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() not in (BENCH, REPO)]
 
 from agents.workers import PidTracker, signal_pids
-from bench.checkpoint_report import NOTES, RANGE_BYTES, report, summarise
+from bench.lib.checkpoint_report import NOTES, RANGE_BYTES, report, summarise
 from bench.strategies import config_toml
 
 #: Lines a worker prints for the driver to pass through; everything else is kept for errors.

@@ -19,7 +19,7 @@ committed:
   timeout (``--parallel.timeout_s``, the same value for every system).
 
 Systems: ``ftrain_live`` and ``ftrain_restart`` (an etcd and two ``ftrain agent`` with
-``--recovery live`` or ``restart``; the live rows' phases are explained in ``bench/live_marks.py``),
+``--recovery live`` or ``restart``; the live rows' phases are explained in ``bench/lib/live_marks.py``),
 ``torchrun_default`` (two
 ``torchrun --rdzv-backend=c10d --nnodes=1:2 --max-restarts=3``) and ``torchrun_tuned`` (the same
 with ``--rdzv-conf`` short timeouts). The floor is the bare cost of a start from a checkpoint:
@@ -75,7 +75,7 @@ from agents.workers import (
     descendants,
 )
 from bench import steady_state
-from bench.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
+from bench.lib.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
 from contract.events import Event
 from contract.worker_env import JOB as WORKER_JOB
 from testbed.etcd import EtcdServer, free_ports
