@@ -30,7 +30,9 @@ Nothing read from this directory is trusted (what must stay true):
   is an ``OSError`` naming the file, which the restore turns into a refusal, never a crash.
 
 Each worker deletes the snapshots it wrote (or found in its own ``local<n>`` directory) once
-they are superseded, and everything it wrote when the job ends normally. A job that ends for good
+they are superseded, and everything it wrote when the job ends normally; a directory is renamed
+out of ``step-*`` before it is deleted, so a worker killed while deleting leaves no half of a
+snapshot for a restart to find (and report). A job that ends for good
 any other way leaves its directory behind: ``rm -rf <memory_dir>/ftrain-tier-<job>``; a later run
 of the job skips (and names) what it finds there of another run, and leaves it.
 """
@@ -62,6 +64,8 @@ MANIFEST_FILE = "snapshot-manifest.json"
 #: the setting whose directory this is (named in every complaint about it)
 SETTING = "checkpoint.memory_dir"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_WRITING = ".tmp-"  #: a step directory being written (renamed to ``step-*`` when complete)
+_DELETING = ".del-"  #: a step directory being deleted
 
 
 @dataclass(slots=True)
@@ -179,6 +183,19 @@ def _real_dirs(parent: Path, prefix: str) -> list[Path]:
         return []
 
 
+def _remove(step_dir: Path) -> None:
+    """Delete a step directory so that no kill can leave a part of it under its own name: renamed
+    out of ``step-*`` first (one atomic call), then removed. A worker killed in between leaves a
+    ``.del-`` directory, which its restart removes; a restart never finds a snapshot that lost its
+    manifest or some of its files half-way through a delete."""
+    doomed = step_dir.with_name(f"{_DELETING}{step_dir.name}")
+    try:
+        os.rename(step_dir, doomed)
+    except OSError:
+        doomed = step_dir  # gone already, or cannot be renamed: remove what is there
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _write(path: Path, data: bytes) -> None:
     fd = create_new(path)
     try:
@@ -211,7 +228,7 @@ class TierStore:
         final = self.own_dir / f"step-{snap.step:09d}-{snap.key}"
         if snap.key in self._written:
             return snap
-        tmp = self.own_dir / f".tmp-{final.name}-{os.getpid()}"
+        tmp = self.own_dir / f"{_WRITING}{final.name}-{os.getpid()}"
         try:
             os.mkdir(tmp, 0o700)
             for name, data in snap.files.items():
@@ -231,7 +248,7 @@ class TierStore:
         """Delete this worker's step directories of snapshots not in ``snapshots``."""
         kept = {s.key for s in snapshots}
         for key in [k for k in self._written if k not in kept]:
-            shutil.rmtree(self._written.pop(key), ignore_errors=True)
+            _remove(self._written.pop(key))
 
     def discover(self, hmac_key: bytes | None, job: str, binding: Binding) -> tuple[list[Snapshot], list[Skipped]]:
         """The snapshots this node's directory holds (every worker's of the node) that are this
@@ -241,8 +258,9 @@ class TierStore:
         run (:func:`ftrain.tier_binding.binding_problem`), a file that is not a regular file of the
         size the manifest lists. Unfinished directories of this worker are removed. Digests are
         checked when a file is read (:meth:`DirFiles.read`)."""
-        for tmp in _real_dirs(self.own_dir, ".tmp-"):
-            shutil.rmtree(tmp, ignore_errors=True)  # a worker of this local rank died writing it
+        for prefix in (_WRITING, _DELETING):  # a worker of this local rank died writing or deleting it
+            for tmp in _real_dirs(self.own_dir, prefix):
+                shutil.rmtree(tmp, ignore_errors=True)
         found: dict[str, Snapshot] = {}
         skipped: list[Skipped] = []
         for local_dir in _real_dirs(self.node_dir, "local"):
@@ -293,7 +311,7 @@ class TierStore:
     def discard(self) -> None:
         """The job ended: delete everything this worker wrote, and the directories left empty."""
         for path in self._written.values():
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
         self._written.clear()
         for path in (self.own_dir, self.node_dir, self.tier_dir):
             try:

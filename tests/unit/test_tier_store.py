@@ -237,3 +237,27 @@ def test_a_name_that_is_not_a_plain_file_name_is_not_written(tmp_path):
     with pytest.raises(Exception, match="not a file of the manifest"):
         store.persist(bad)
     assert not list(store.own_dir.iterdir())
+
+
+def test_a_worker_killed_while_it_deletes_a_superseded_snapshot_leaves_nothing_a_restart_reports(tmp_path, monkeypatch):
+    """CI: all workers SIGKILLed in the middle of ``keep`` left a step directory whose manifest
+    was already gone; the restarted workers resumed, but reported it as not a usable snapshot."""
+    store = _store(tmp_path)
+    old = store.persist(_snapshot(10, dict(SHARDS)))
+    new = store.persist(_snapshot(20, dict(SHARDS)))
+    real_unlink = os.unlink
+
+    def killed_after_the_manifest(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        if str(path).endswith(MANIFEST_FILE):
+            raise KeyboardInterrupt("killed mid-delete")
+
+    monkeypatch.setattr(os, "unlink", killed_after_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        store.keep([new])
+    monkeypatch.undo()
+
+    restarted = _store(tmp_path)
+    found, skipped = restarted.discover(KEY, JOB, RUN)
+    assert skipped == [] and [s.key for s in found] == [new.key] and old.key != new.key
+    assert sorted(p.name for p in restarted.own_dir.iterdir()) == [f"step-000000020-{new.key}"]
