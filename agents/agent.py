@@ -5,23 +5,23 @@ reads the whole job state from etcd in one range request and acts on it:
 
 - **session**: a lease kept alive; ``nodes/<id>`` on it; while the lease is lost the agent keeps
   its workers, acts on no round, and registers again once etcd answers
-  (:mod:`agents.agent_membership`).
-- **leader**: whoever creates ``leader`` on its lease; it runs :func:`agents.leader.decide` and
+  (:mod:`ftrain.agents.agent_membership`).
+- **leader**: whoever creates ``leader`` on its lease; it runs :func:`ftrain.agents.leader.decide` and
   forms rounds with a compare-and-swap on ``round``.
 - **follower** (every agent, the leader too): when the current round lists this agent, start
   its workers (torchrun, static rendezvous at the round's master) unless they already run; when
   it does not, stop any workers of an older round. Watch the workers: exit code, heartbeats,
-  hangs (:mod:`agents.supervision`: no progress, silence, or a collective waited in too long
+  hangs (:mod:`ftrain.agents.supervision`: no progress, silence, or a collective waited in too long
   with nobody in the round moving). Report how the round ended on this node.
 - **hangs**: the finder takes its workers' flight records and reports at once, and ends the
-  workers that must go only once every other member took its own (:mod:`agents.agent_hangs`).
-- **status**: ``status/<id>`` for ``ftrain status`` (:mod:`agents.agent_status`); Prometheus
+  workers that must go only once every other member took its own (:mod:`ftrain.agents.agent_hangs`).
+- **status**: ``status/<id>`` for ``ftrain status`` (:mod:`ftrain.agents.agent_status`); Prometheus
   metrics.
 
-The agent is assembled from parts passed in (:mod:`agents.assemble` wires the production ones):
-a job store (:mod:`agents.jobstore`), a clock, the heartbeat channel, metrics, an event sink and
-a worker launcher (:mod:`agents.parts`, :mod:`agents.workers`), with its options
-(:mod:`agents.agent_options`). It reads no clock and starts no process or thread of its own, so
+The agent is assembled from parts passed in (:mod:`ftrain.agents.assemble` wires the production ones):
+a job store (:mod:`ftrain.agents.jobstore`), a clock, the heartbeat channel, metrics, an event sink and
+a worker launcher (:mod:`ftrain.agents.parts`, :mod:`ftrain.agents.workers`), with its options
+(:mod:`ftrain.agents.agent_options`). It reads no clock and starts no process or thread of its own, so
 a unit test drives it tick by tick on a fake clock (:meth:`Agent.start`, :meth:`Agent.tick`);
 :meth:`Agent.run` is the production loop. Its membership, hang handling and status are mixins
 (the modules named above): one class, one state (set up in ``Agent.__init__``), the methods
@@ -32,14 +32,14 @@ Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when th
 
 What is read from etcd, the heartbeat socket or the environment is checked, never trusted:
 
-- unreadable job records are skipped and logged once (:mod:`agents.agent_membership`); the agent
+- unreadable job records are skipped and logged once (:mod:`ftrain.agents.agent_membership`); the agent
   never acts on a round it cannot read: while the ``round`` key or the current round's record is
   unreadable it keeps its workers and starts none (the leader forms a new round); it never
   launches with a malformed master address.
 - worker PIDs from heartbeats are signalled only while they are still descendants of this
-  round's torchrun with the start time first seen (:class:`agents.workers.WorkerGroup`).
+  round's torchrun with the start time first seen (:class:`ftrain.agents.workers.WorkerGroup`).
 - workers reach etcd (the checkpoint fence) with the agent's credentials through a 0600 file,
-  never a command line (:mod:`agents.agent_options`).
+  never a command line (:mod:`ftrain.agents.agent_options`).
 """
 
 from __future__ import annotations
@@ -53,20 +53,20 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from agents.agent_hangs import AgentHangs
-from agents.agent_membership import AgentMembership
-from agents.agent_options import AgentOptions
-from agents.agent_status import AgentStatus
-from agents.errors import EtcdUnavailableError, LeaseExpiredError
-from agents.etcd import Compare, Op
-from agents.heartbeat import Beat, BusyWindow
-from agents.jobstore import Closable, JobStore, LeaseSession
-from agents.leader import Finish, FormRound, LeaderMemory, decide
-from agents.live_workers import LiveWorkers
-from agents.metrics import AgentMetrics
-from agents.netif import collective_interface
-from agents.parts import Clock, EventSink, Heartbeats
-from agents.records import (
+from ftrain.agents.agent_hangs import AgentHangs
+from ftrain.agents.agent_membership import AgentMembership
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.agent_status import AgentStatus
+from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
+from ftrain.agents.etcd import Compare, Op
+from ftrain.agents.heartbeat import Beat, BusyWindow
+from ftrain.agents.jobstore import Closable, JobStore, LeaseSession
+from ftrain.agents.leader import Finish, FormRound, LeaderMemory, decide
+from ftrain.agents.live_workers import LiveWorkers
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.netif import collective_interface
+from ftrain.agents.parts import Clock, EventSink, Heartbeats
+from ftrain.agents.records import (
     INTERRUPTING_CAUSES,
     START,
     SUCCEEDED,
@@ -79,14 +79,14 @@ from agents.records import (
     RoundRecord,
     parse_master,
 )
-from agents.supervision import (
+from ftrain.agents.supervision import (
     exit_report,
     stalls,
 )
-from agents.workers import Launch, Launcher, Workers
-from contract import events as ev
-from contract import exits
-from contract.worker_env import WorkerEnv, worker_environment
+from ftrain.agents.workers import Launch, Launcher, Workers
+from ftrain.contract import events as ev
+from ftrain.contract import exits
+from ftrain.contract.worker_env import WorkerEnv, worker_environment
 
 log = logging.getLogger(__name__)
 
@@ -620,7 +620,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.wake.set()
             return
         # Frozen ranks are ended; ranks hung in a collective are not (the next round's watchdog
-        # frees them); see agents.supervision.judge.
+        # frees them); see ftrain.agents.supervision.judge.
         call = self._judge(workers, beats, live=True)
         if call is not None:
             self._on_hang(workers, call, beats)

@@ -1,6 +1,6 @@
 """How a node agent handles a hang of its workers, and dumps them on request.
 
-- **found here** (:meth:`AgentHangs._judge`, :mod:`agents.supervision`: no progress, silence,
+- **found here** (:meth:`AgentHangs._judge`, :mod:`ftrain.agents.supervision`: no progress, silence,
   or a collective waited in too long with nobody in the round moving): the agent takes its
   workers' flight records, reports the hang and (while registered) says in its status that its
   records are in, all in the same tick. It ends the workers that must go (frozen ones; every one
@@ -16,11 +16,11 @@
 - **ftrain status --dump**: answered once per request (one made before this agent started is
   not its to answer), with the verdict in this node's status.
 
-A verdict names what the flight records show (:mod:`agents.flight`, :mod:`agents.flight_verdict`)
+A verdict names what the flight records show (:mod:`ftrain.agents.flight`, :mod:`ftrain.agents.flight_verdict`)
 and, on a hang, what the other members' statuses say about their stalled ranks
-(:mod:`agents.hang_view`).
+(:mod:`ftrain.agents.hang_view`).
 
-A mixin of :class:`agents.agent.Agent`: the annotations below are the agent's state and parts
+A mixin of :class:`ftrain.agents.agent.Agent`: the annotations below are the agent's state and parts
 that it uses (set up in ``Agent.__init__``).
 """
 
@@ -31,21 +31,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agents import flight, flight_verdict, hang_view
-from agents.agent_status import PublishStatus
-from agents.config import AgentConfig
-from agents.heartbeat import Beat
-from agents.live_workers import LiveWorkers
-from agents.parts import Clock, EventSink, Heartbeats
-from agents.records import FAILED, HANG, JobState, RankStall, Report
-from agents.supervision import FROZEN_AFTER_S, HangCall, frozen_ranks, hung_ranks, judge, waiting
-from agents.workers import Workers
-from contract import events as ev
+from ftrain.agents import flight, flight_verdict, hang_view
+from ftrain.agents.agent_status import PublishStatus
+from ftrain.agents.config import AgentConfig
+from ftrain.agents.heartbeat import Beat
+from ftrain.agents.live_workers import LiveWorkers
+from ftrain.agents.parts import Clock, EventSink, Heartbeats
+from ftrain.agents.records import FAILED, HANG, JobState, RankStall, Report
+from ftrain.agents.supervision import FROZEN_AFTER_S, HangCall, frozen_ranks, hung_ranks, judge, waiting
+from ftrain.agents.workers import Workers
+from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
 
 #: the longest a hang's workers are kept (frozen or stuck) for the other members to take their
-#: own workers' flight records first (a running worker answers in milliseconds; see agents.flight)
+#: own workers' flight records first (a running worker answers in milliseconds; see ftrain.agents.flight)
 HANG_HOLD_S = 2.0
 
 

@@ -11,11 +11,11 @@ What must stay true:
   it led: until then it acts on no round at all.
 - the whole job state is read in one range request; etcd unreachable is logged and recorded
   once per outage, and then the agent keeps its workers and reads nothing (None).
-- unreadable job records are skipped (:mod:`agents.records`), logged once per key and revision
+- unreadable job records are skipped (:mod:`ftrain.agents.records`), logged once per key and revision
   (``bad_record`` event, bounded memory); the agent puts back its own ``nodes/<id>`` record if
   that became unreadable, with a compare-and-swap that keeps a record another agent wrote since.
 
-A mixin of :class:`agents.agent.Agent`: the annotations below are the agent's state and parts
+A mixin of :class:`ftrain.agents.agent.Agent`: the annotations below are the agent's state and parts
 that it uses (set up in ``Agent.__init__``).
 """
 
@@ -27,13 +27,13 @@ import os
 import socket
 import threading
 
-from agents.config import AgentConfig
-from agents.errors import EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
-from agents.jobstore import JobStore, LeaseSession
-from agents.leader import LeaderMemory
-from agents.parts import Clock, EventSink
-from agents.records import JobKeys, JobState, NodeRecord, Problem
-from contract import events as ev
+from ftrain.agents.config import AgentConfig
+from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
+from ftrain.agents.jobstore import JobStore, LeaseSession
+from ftrain.agents.leader import LeaderMemory
+from ftrain.agents.parts import Clock, EventSink
+from ftrain.agents.records import JobKeys, JobState, NodeRecord, Problem
+from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ its workers reach etcd as it does.
 What must stay true:
 
 - :meth:`AgentOptions.validate` refuses, with a ValueError naming the option, what
-  :class:`agents.config.AgentConfig` cannot check alone: ids that are not safe in key paths, no
+  :class:`ftrain.agents.config.AgentConfig` cannot check alone: ids that are not safe in key paths, no
   training config, a node count the training layout cannot use, a user without a password, TLS
   files that do not exist.
 - workers reach etcd (the checkpoint fence) with the agent's credentials and TLS files through
@@ -23,9 +23,9 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.config import AgentConfig
-from agents.leader import Policy
-from agents.records import validate_id
+from ftrain.agents.config import AgentConfig
+from ftrain.agents.leader import Policy
+from ftrain.agents.records import validate_id
 
 
 @dataclass(kw_only=True)

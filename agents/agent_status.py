@@ -12,7 +12,7 @@ What must stay true:
   each time their count in a row grows.
 - nothing here stops the loop: etcd unreachable or the lease lost just skips the write.
 
-A mixin of :class:`agents.agent.Agent`: the annotations below are the agent's state and parts
+A mixin of :class:`ftrain.agents.agent.Agent`: the annotations below are the agent's state and parts
 that it uses (set up in ``Agent.__init__``).
 """
 
@@ -23,18 +23,18 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
-from agents.agent_options import AgentOptions
-from agents.config import AgentConfig
-from agents.errors import EtcdUnavailableError, LeaseExpiredError
-from agents.heartbeat import Beat, BusyWindow
-from agents.jobstore import JobStore
-from agents.leader import LeaderMemory, Policy
-from agents.live_workers import LiveWorkers
-from agents.metrics import AgentMetrics
-from agents.parts import Clock, EventSink, Heartbeats
-from agents.records import JobKeys, JobState, NodeStatus, RankStall
-from agents.workers import Workers
-from contract import events as ev
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.config import AgentConfig
+from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
+from ftrain.agents.heartbeat import Beat, BusyWindow
+from ftrain.agents.jobstore import JobStore
+from ftrain.agents.leader import LeaderMemory, Policy
+from ftrain.agents.live_workers import LiveWorkers
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.parts import Clock, EventSink, Heartbeats
+from ftrain.agents.records import JobKeys, JobState, NodeStatus, RankStall
+from ftrain.agents.workers import Workers
+from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The production wiring of a node agent: the parts :class:`agents.agent.Agent` takes, built
+"""The production wiring of a node agent: the parts :class:`ftrain.agents.agent.Agent` takes, built
 from its options (``ftrain agent`` calls :func:`build_agent`; tests assemble their own)."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import os
 import tempfile
 
-from agents.agent import Agent
-from agents.agent_options import AgentOptions, write_client_file
-from agents.etcd import EtcdClient
-from agents.heartbeat import HeartbeatServer
-from agents.jobstore import EtcdJobStore
-from agents.live_workers import LiveWorkers
-from agents.metrics import AgentMetrics
-from agents.parts import SystemClock
-from agents.workers import WorkerGroup
-from contract.events import EventLog
+from ftrain.agents.agent import Agent
+from ftrain.agents.agent_options import AgentOptions, write_client_file
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.heartbeat import HeartbeatServer
+from ftrain.agents.jobstore import EtcdJobStore
+from ftrain.agents.live_workers import LiveWorkers
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.parts import SystemClock
+from ftrain.agents.workers import WorkerGroup
+from ftrain.contract.events import EventLog
 
 
 def build_agent(opts: AgentOptions) -> Agent:

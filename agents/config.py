@@ -2,8 +2,8 @@
 
 Every setting of the node agent is a key here, with its one default and its help text:
 ``ftrain agent``'s per-key options are generated from these fields (an option overrides the
-file), :class:`agents.agent.AgentOptions` holds an instance, and the leader's
-:class:`agents.leader.Policy` is derived from one. Workers ignore the section except
+file), :class:`ftrain.agents.agent.AgentOptions` holds an instance, and the leader's
+:class:`ftrain.agents.leader.Policy` is derived from one. Workers ignore the section except
 ``agent.job``. Standard library only.
 
 What must stay true: an instance is valid (``__post_init__`` raises :class:`ConfigError` naming
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from contract.config import ConfigError, at_least, check_floats, int_range, opt, parse_nnodes, positive
+from ftrain.contract.config import ConfigError, at_least, check_floats, int_range, opt, parse_nnodes, positive
 
 
 def option_name(key: str) -> str:

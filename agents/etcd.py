@@ -1,12 +1,12 @@
 """etcd v3 client layer for the node agent: the KV/transaction/lease client and its value types.
 How a cluster is reached (endpoint rotation, auth token, TLS, backoff, the HTTP transport) lives
-in :mod:`agents.etcd_endpoints`; sessions (kept-alive leases) in :mod:`agents.etcd_session`,
-watches in :mod:`agents.etcd_watch`. Both build on :class:`EtcdClient` and its public
+in :mod:`ftrain.agents.etcd_endpoints`; sessions (kept-alive leases) in :mod:`ftrain.agents.etcd_session`,
+watches in :mod:`ftrain.agents.etcd_watch`. Both build on :class:`EtcdClient` and its public
 ``endpoints`` object (they import this module, so this module never imports them).
 
 Speaks etcd's HTTP/JSON gRPC gateway (``POST /v3/...`` on the client port; every etcd >= 3.4
 serves it). etcd3gw speaks the same protocol, but its client has one fixed timeout per client
-(a :class:`~agents.etcd_session.Session` needs per-call deadlines), no auth header, maps
+(a :class:`~ftrain.agents.etcd_session.Session` needs per-call deadlines), no auth header, maps
 transport errors to types that lose whether the request was sent (we must tell "never sent"
 from "maybe applied" to retry transactions safely), and its watch thread hangs silently on a
 dead server. So requests go through ``requests`` here and the watch stream is our own loop over
@@ -17,7 +17,7 @@ Conventions (the same in every call):
 - **keys are ``str``** (UTF-8 on the wire; a non-UTF-8 key written by someone else comes back
   through ``surrogateescape`` and round-trips); **values are ``bytes``** (``str`` accepted on
   input, encoded UTF-8; always ``bytes`` out). Revisions and lease ids are ``int``.
-- Every method retries :class:`~agents.errors.EtcdUnavailableError` with jittered exponential
+- Every method retries :class:`~ftrain.agents.errors.EtcdUnavailableError` with jittered exponential
   backoff for at most ``retry_timeout_s``, trying each endpoint in turn, starting from the last
   one that answered. A request that may already have been applied (the reply was lost) is
   retried only if repeating it is harmless: reads, plain ``put``/``delete``, lease calls. A
@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 import tenacity
 
-from agents.errors import EtcdUnavailableError, LeaseExpiredError
-from agents.etcd_endpoints import Backoff, Endpoints, TlsFiles, Transport, error_from_stream
+from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
+from ftrain.agents.etcd_endpoints import Backoff, Endpoints, TlsFiles, Transport, error_from_stream
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class EtcdClient:
     failures. ``username``/``password``: etcd v3 auth (token fetched lazily, refreshed when
     etcd rejects it). ``ca_cert``/``cert``/``key``: TLS for ``https`` endpoints.
     ``backoff_initial_s``/``backoff_max_s``: between retries. These make up the public
-    :attr:`endpoints` object (:class:`~agents.etcd_endpoints.Endpoints`), which sessions and
+    :attr:`endpoints` object (:class:`~ftrain.agents.etcd_endpoints.Endpoints`), which sessions and
     watches on this client share. ``sleep``, ``clock`` and ``transport`` are injectable for tests.
     """
 
@@ -364,7 +364,7 @@ class EtcdClient:
         """Renew a lease once; its TTL in seconds from now, or 0 if it has expired or was revoked.
 
         With ``deadline`` (on this client's clock): one pass over the endpoints, no retries, each
-        request's timeout cut to the time left (a :class:`~agents.etcd_session.Session` retries on
+        request's timeout cut to the time left (a :class:`~ftrain.agents.etcd_session.Session` retries on
         its own schedule and must know by its deadline)."""
         reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline, retry=deadline is None)
         if "error" in reply:  # a streaming endpoint reports errors inside a 200 reply

@@ -1,8 +1,8 @@
 """How the etcd client layer reaches a cluster: :class:`Endpoints` (the members' URLs and their
 rotation, the auth token and its refresh, TLS files, retry backoff) and the transport that
-posts JSON to etcd's HTTP gateway. An :class:`~agents.etcd.EtcdClient` builds one and exposes it
-as ``client.endpoints``; its :class:`~agents.etcd_session.Session` and
-:class:`~agents.etcd_watch.Watcher` objects use that same object, so all three share one token,
+posts JSON to etcd's HTTP gateway. An :class:`~ftrain.agents.etcd.EtcdClient` builds one and exposes it
+as ``client.endpoints``; its :class:`~ftrain.agents.etcd_session.Session` and
+:class:`~ftrain.agents.etcd_watch.Watcher` objects use that same object, so all three share one token,
 one TLS configuration and one backoff policy.
 
 What must stay true:
@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import requests
 from urllib3.exceptions import NewConnectionError
 
-from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
+from ftrain.agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ locally (send time of the last successful keepalive + the TTL it returned), even
 never answers; a lost session never comes back (make a new one); when the local deadline
 passes the session tries once to revoke the lease, so a late keepalive cannot keep this node's
 keys alive after it gave them up. It renews and revokes through the public lease calls of
-:class:`~agents.etcd.EtcdClient`.
+:class:`~ftrain.agents.etcd.EtcdClient`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
-from agents.etcd import EtcdClient
+from ftrain.agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
+from ftrain.agents.etcd import EtcdClient
 
 logger = logging.getLogger(__name__)
 

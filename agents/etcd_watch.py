@@ -3,11 +3,11 @@ the events it delivers (:class:`WatchEvent`) and the parsing of stream messages
 (:class:`WatchResponse`).
 
 What must stay true: events arrive in revision order, each at most once; unless the watcher
-reports :class:`~agents.errors.WatchCompactedError` it delivers every event from its start
+reports :class:`~ftrain.agents.errors.WatchCompactedError` it delivers every event from its start
 revision, across reconnects, hung servers and member loss (a stream with no event or progress
 notification within ``progress_timeout_s`` is dropped and resumed on the next endpoint). The
-KV client lives in :mod:`agents.etcd`; the endpoints, token, TLS and backoff it shares with this
-watch in :mod:`agents.etcd_endpoints`.
+KV client lives in :mod:`ftrain.agents.etcd`; the endpoints, token, TLS and backoff it shares with this
+watch in :mod:`ftrain.agents.etcd_endpoints`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
-from agents.etcd import EtcdClient, KeyValue, header_revision, key_range
-from agents.etcd_endpoints import error_from_reply, error_from_stream, is_token_error
+from ftrain.agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
+from ftrain.agents.etcd import EtcdClient, KeyValue, header_revision, key_range
+from ftrain.agents.etcd_endpoints import error_from_reply, error_from_stream, is_token_error
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Each worker answers on an abstract Unix datagram socket named after its pid (see
 nonce in it; :func:`collect` sends one request to every worker at once and waits, up to a
 deadline, for the answers of those that can answer. A stopped process (state T) is not waited
 for: it cannot run, and its silence names it. A file is untrusted input: it is read with a size
-limit and decoded field by field (:meth:`contract.flight.FlightRecord.decode`); a bad one is a
+limit and decoded field by field (:meth:`ftrain.contract.flight.FlightRecord.decode`); a bad one is a
 reason, not a record.
 
 Ask before dumping the stacks: dumping continues a stopped worker, which may then move on.
@@ -20,10 +20,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from agents.flight_verdict import Verdict, analyze
-from agents.workers import process_state
-from contract.flight import EVENT_TAIL, MAX_RECORD_BYTES, FlightRecord, record_path, socket_name
-from contract.local_files import read_regular
+from ftrain.agents.flight_verdict import Verdict, analyze
+from ftrain.agents.workers import process_state
+from ftrain.contract.flight import EVENT_TAIL, MAX_RECORD_BYTES, FlightRecord, record_path, socket_name
+from ftrain.contract.local_files import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def hang_evidence(
 ) -> Evidence:
     """Collect the records of the workers ``pid_ranks`` (pid -> global rank) and judge them;
     ``silent``: global ranks the agent already knows stopped talking; ``min_wait_s`` and
-    ``where`` (rank -> where it runs): see :func:`agents.flight_verdict.analyze`."""
+    ``where`` (rank -> where it runs): see :func:`ftrain.agents.flight_verdict.analyze`."""
     stopped = {pid for pid in pid_ranks if process_state(pid) == "T"}
     got = collect(pid_ranks, stack_dir, stopped=stopped)
     records = {pid_ranks[pid]: record.tail(EVENT_TAIL) for pid, record in got.records.items()}

@@ -30,8 +30,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.events import Dumped, FlightRecorded, Hang, NodeHost, WorkerStarted, parse
-from contract.flight import Collective, FlightRecord
+from ftrain.contract.events import Dumped, FlightRecorded, Hang, NodeHost, WorkerStarted, parse
+from ftrain.contract.flight import Collective, FlightRecord
 
 DESYNC = "desync"
 CULPRIT = "culprit"
@@ -370,7 +370,7 @@ def _dict(value: Any) -> dict[Any, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Stall:
-    """A rank not making progress, as an agent's status says (``agents.records.RankStall``)."""
+    """A rank not making progress, as an agent's status says (``ftrain.agents.records.RankStall``)."""
 
     rank: int
     why: str  #: waiting | frozen | no_progress

@@ -1,8 +1,8 @@
 """What one node's agent reads of the other members of a round during a hang: pure functions of
-a :class:`agents.records.JobState` (the agent acts on the answers).
+a :class:`ftrain.agents.records.JobState` (the agent acts on the answers).
 
 - :func:`others_moving`: whether another member still has a rank making progress (then the
-  ranks here that wait in a collective are waiting for it, not hung: :mod:`agents.supervision`);
+  ranks here that wait in a collective are waiting for it, not hung: :mod:`ftrain.agents.supervision`);
 - :func:`hang_reported_by`: the member that reported a hang in a round (every other node then
   dumps its workers' flight records while they still wait, whatever the recovery mode);
 - :func:`others_dumped`: whether every other live member has done so (the agent that found the
@@ -18,9 +18,9 @@ by its own workers alone, and lists read from there are bounded.
 
 from __future__ import annotations
 
-from agents.flight_verdict import Stall
-from agents.records import FAILED, HANG, JobState, RankStall, RoundRecord
-from agents.supervision import MAX_STALLS, member_moving
+from ftrain.agents.flight_verdict import Stall
+from ftrain.agents.records import FAILED, HANG, JobState, RankStall, RoundRecord
+from ftrain.agents.supervision import MAX_STALLS, member_moving
 
 MAX_PLACE_CHARS = 120
 
@@ -31,7 +31,7 @@ def _round(state: JobState | None, round_: int) -> RoundRecord | None:
 
 def others_moving(state: JobState | None, round_: int, me: str, *, now_wall: float) -> bool:
     """True unless the record of ``round_`` is at hand and every other member's fresh status
-    says all its ranks are stalled (:func:`agents.supervision.member_moving`)."""
+    says all its ranks are stalled (:func:`ftrain.agents.supervision.member_moving`)."""
     record = _round(state, round_)
     if state is None or record is None:
         return True

@@ -1,9 +1,9 @@
 """The agent's end of the worker heartbeat channel: a Unix datagram socket.
 
-The messages are :class:`contract.heartbeat.Message` (``beat`` per step, ``exit`` at the end,
+The messages are :class:`ftrain.contract.heartbeat.Message` (``beat`` per step, ``exit`` at the end,
 ``alive`` every second); every datagram is checked field by field there and dropped whole if one
 is wrong. A PID is still only a claim: the agent signals it only while it is a descendant of its
-torchrun (:class:`agents.workers.WorkerGroup`). Datagrams on a local socket are never torn and a
+torchrun (:class:`ftrain.agents.workers.WorkerGroup`). Datagrams on a local socket are never torn and a
 full buffer drops the newest ones, so a slow agent costs workers nothing. The agent keeps the
 newest beat of each local rank of the round it is running; beats of other rounds are ignored (a
 zombie of an old round cannot make a new round look alive), and an ``alive`` only refreshes
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from contract.heartbeat import BUSY_PHASES, MAX_DATAGRAM_BYTES, Message
+from ftrain.contract.heartbeat import BUSY_PHASES, MAX_DATAGRAM_BYTES, Message
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Beat:
     ckpt_failures: int = 0  #: checkpoint commits failed in a row (0 after a commit)
     ckpt_failures_total: int = 0  #: failed commits of this worker process
     ckpt_error: str = ""  #: the last failed commit's error
-    phases_s: dict[str, float] = field(default_factory=dict)  #: the step's time by phase (contract.heartbeat)
+    phases_s: dict[str, float] = field(default_factory=dict)  #: the step's time by phase (ftrain.contract.heartbeat)
     error: str = ""  #: from the exit message: why the worker failed
     fatal: bool = False  #: from the exit message: a restart cannot help
     recording: bool = False  #: its "alive" datagrams say what is in flight (its flight recorder is on)

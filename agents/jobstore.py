@@ -3,8 +3,8 @@ implementation.
 
 The agent reads a job with one prefix range, writes with compare-and-swap (``put_if_absent``,
 ``put_if_mod_revision``, ``txn``), keeps its keys on a lease kept alive by a session, and is
-woken early by a watch. :class:`EtcdJobStore` does that on a real etcd (:mod:`agents.etcd`,
-:mod:`agents.etcd_session`, :mod:`agents.etcd_watch`); the agent's unit tests use an in-memory
+woken early by a watch. :class:`EtcdJobStore` does that on a real etcd (:mod:`ftrain.agents.etcd`,
+:mod:`ftrain.agents.etcd_session`, :mod:`ftrain.agents.etcd_watch`); the agent's unit tests use an in-memory
 store with the same semantics, and one contract test suite runs against both.
 
 What an implementation must keep (the agent relies on it):
@@ -24,13 +24,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from agents.etcd import Compare, EtcdClient, KeyValue, Listing, Op, TxnResult
-from agents.etcd_session import Session
-from agents.etcd_watch import Watcher
+from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Listing, Op, TxnResult
+from ftrain.agents.etcd_session import Session
+from ftrain.agents.etcd_watch import Watcher
 
 
 class LeaseSession(Protocol):
-    """A lease kept alive until lost or closed (:class:`agents.etcd_session.Session`)."""
+    """A lease kept alive until lost or closed (:class:`ftrain.agents.etcd_session.Session`)."""
 
     lease_id: int
     ttl_s: int

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agents.config import agent_flags
+from ftrain.agents.config import agent_flags
 
 #: The ``[agent]`` keys that differ between nodes or jobs and so are given on each node's command line.
 NODE_KEYS = ("etcd", "job", "nnodes", "nproc_per_node", "node_id", "run_dir", "host")

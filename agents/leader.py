@@ -1,6 +1,6 @@
 """The leader's decisions: when to form a new round, with whom, and when the job is over.
 
-:func:`decide` is pure: it looks at one :class:`~agents.records.JobState`, what this leader
+:func:`decide` is pure: it looks at one :class:`~ftrain.agents.records.JobState`, what this leader
 remembers (:class:`LeaderMemory`, immutable) and the time, and says what to do and what to
 remember next (it changes none of its arguments). The agent's loop reads etcd, calls it, keeps
 the returned memory, and applies the answer with a compare-and-swap on the ``round`` key, so two
@@ -44,7 +44,7 @@ Rules, in order:
    the workers described themselves (a Python exception in the exit message) count: a signal
    death or a hang says nothing about determinism (chaos kills workers at the same point on
    purpose) and is left to the restart budget. The final reason names the error and the step.
-7. Unreadable records (see :mod:`agents.records`) are never acted on: an unreadable ``round``
+7. Unreadable records (see :mod:`ftrain.agents.records`) are never acted on: an unreadable ``round``
    key or current round record makes the leader form a new round above every round number in
    etcd (``round_repair``, not a failure); a malformed master address of the current round,
    while some member has not started, fails the round (``bad_record``, a failure).
@@ -58,8 +58,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.config import AgentConfig
-from agents.records import (
+from ftrain.agents.config import AgentConfig
+from ftrain.agents.records import (
     BAD_RECORD,
     FAILED,
     FAILURE_CAUSES,
@@ -88,7 +88,7 @@ _DIGITS = re.compile(r"\d+")
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The settings :func:`decide` follows, derived from the ``[agent]`` section
-    (:class:`~agents.config.AgentConfig` holds their one definition and default: none here)."""
+    (:class:`~ftrain.agents.config.AgentConfig` holds their one definition and default: none here)."""
 
     min_nodes: int
     max_nodes: int
@@ -280,7 +280,7 @@ def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Me
 
 #: the longest a slowdown takes to show in the statuses the leader judges: an agent publishes its
 #: busiest rank's busy time per step every STATUS_INTERVAL_S (1 s), averaged over its last two
-#: statuses (:class:`agents.heartbeat.BusyWindow`), and the leader judges the next one it reads
+#: statuses (:class:`ftrain.agents.heartbeat.BusyWindow`), and the leader judges the next one it reads
 STRAGGLER_LAG_S = 3.0
 #: how far above ``straggler_factor`` a slowdown's nominal factor must be to be told for sure:
 #: part of a slow rank's lost time lands inside collectives, where it counts as waiting, not busy

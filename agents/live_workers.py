@@ -1,10 +1,10 @@
 """This node's live workers (``--recovery live``): processes the agent owns and keeps across rounds.
 
-Under ``--recovery restart`` a round's workers are a torchrun (:class:`agents.workers.WorkerGroup`)
+Under ``--recovery restart`` a round's workers are a torchrun (:class:`ftrain.agents.workers.WorkerGroup`)
 and a new round kills them. Here the agent starts ``python -m ftrain worker`` processes itself,
 ``nproc_per_node`` of them serving the round plus ``spares`` started ahead of need (Python, torch
 and ftrain imported, waiting on their control file). For each round every local rank gets an
-:class:`~contract.control.Assignment` (:mod:`contract.control`): the process that served that
+:class:`~ftrain.contract.control.Assignment` (:mod:`ftrain.contract.control`): the process that served that
 local rank in the previous round keeps it if it is still alive; a dead one's place goes to a
 spare (or, with none left, to a process started now), and the spares are topped up behind it.
 
@@ -29,9 +29,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agents.workers import Launch, die_with_parent, dump_stacks, signal_pids
-from contract.control import Assignment, ControlFile
-from contract.worker_env import CONTROL
+from ftrain.agents.workers import Launch, die_with_parent, dump_stacks, signal_pids
+from ftrain.contract.control import Assignment, ControlFile
+from ftrain.contract.worker_env import CONTROL
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _Process:
 
 
 class LiveWorkers:
-    """The :class:`agents.workers.Workers` of ``--recovery live``, plus :meth:`reassign`,
+    """The :class:`ftrain.agents.workers.Workers` of ``--recovery live``, plus :meth:`reassign`,
     :meth:`crashed` and :meth:`kill_ranks`. ``log_path`` collects every process's output.
 
     Built at the agent's start, before any round: ``standby`` processes start warming up at once

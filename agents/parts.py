@@ -1,9 +1,9 @@
-"""The small parts an :class:`agents.agent.Agent` is assembled from, as protocols: its clock,
-its workers' heartbeats and its event sink (the job store is :mod:`agents.jobstore`, the worker
-launcher :mod:`agents.workers`, the metrics :class:`agents.metrics.AgentMetrics`).
+"""The small parts an :class:`ftrain.agents.agent.Agent` is assembled from, as protocols: its clock,
+its workers' heartbeats and its event sink (the job store is :mod:`ftrain.agents.jobstore`, the worker
+launcher :mod:`ftrain.agents.workers`, the metrics :class:`ftrain.agents.metrics.AgentMetrics`).
 
-Production parts: :class:`SystemClock`, :class:`agents.heartbeat.HeartbeatServer` and
-:class:`contract.events.EventLog`; :mod:`agents.assemble` wires them. Unit tests pass in-memory
+Production parts: :class:`SystemClock`, :class:`ftrain.agents.heartbeat.HeartbeatServer` and
+:class:`ftrain.contract.events.EventLog`; :mod:`ftrain.agents.assemble` wires them. Unit tests pass in-memory
 ones and a fake clock. What must stay true: every monotonic time the agent compares (beats'
 ``received_at``, the workers' ``started_at``) comes from the same clock as ``Clock.monotonic``.
 """
@@ -14,8 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from agents.heartbeat import Beat, RankTotals
-from contract.events import Record
+from ftrain.agents.heartbeat import Beat, RankTotals
+from ftrain.contract.events import Record
 
 
 class Clock(Protocol):
@@ -39,7 +39,7 @@ class SystemClock:
 
 
 class Heartbeats(Protocol):
-    """This node's end of the worker heartbeat channel (see :mod:`agents.heartbeat`)."""
+    """This node's end of the worker heartbeat channel (see :mod:`ftrain.agents.heartbeat`)."""
 
     path: str  #: where the workers send their beats (``FTRAIN_HEARTBEAT``)
 
@@ -66,7 +66,7 @@ class Heartbeats(Protocol):
 
 
 class EventSink(Protocol):
-    """Where lifecycle events go (:class:`contract.events.EventLog` writes JSON lines)."""
+    """Where lifecycle events go (:class:`ftrain.contract.events.EventLog` writes JSON lines)."""
 
     def emit(self, record: Record) -> Any: ...
 

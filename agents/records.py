@@ -42,7 +42,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from agents.etcd import KeyValue
+from ftrain.agents.etcd import KeyValue
 
 ROOT = "/ftrain/jobs"
 
@@ -303,7 +303,7 @@ WAITING, FROZEN, NO_PROGRESS = "waiting", "frozen", "no_progress"
 class RankStall:
     """A rank of a node that is not making progress, as its agent last saw it (``NodeStatus.stalled``;
     the other agents read it to tell whether anyone in the round still moves, ``ftrain status``
-    shows it). Read from etcd, so it is bounded where it is used (:mod:`agents.supervision`)."""
+    shows it). Read from etcd, so it is bounded where it is used (:mod:`ftrain.agents.supervision`)."""
 
     rank: int  #: global rank
     why: str  #: waiting | frozen | no_progress
@@ -335,7 +335,7 @@ class NodeStatus:
     hang_verdict: str = ""  #: the newest hang's verdict from the flight records (round: who is at fault)
     productive_s: float = 0.0  #: step time of first-time steps on this node since its first launch
     lost_s: float = 0.0  #: wall time since the first launch that was not productive
-    device_hours: dict[str, float] = field(default_factory=dict)  #: by cause (agents.metrics.device_seconds)
+    device_hours: dict[str, float] = field(default_factory=dict)  #: by cause (ftrain.agents.metrics.device_seconds)
     devices: int = 0  #: this node's workers (devices)
     device_hour_price: float = 0.0  #: accounting.device_hour_price (0: not priced)
     busy_s: float = 0.0  #: mean busy time per step (not blocked on communication) of this node's busiest rank lately

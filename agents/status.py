@@ -4,7 +4,7 @@ It always prints: unreadable records are listed as warnings (``problems``) and s
 agents skip them; nodes whose workers keep failing to commit checkpoints are called out on a
 line of their own (``CHECKPOINTS FAILING``); ranks that make no progress (each agent's
 ``stalled``) are judged together on a ``STALLED`` line: who is frozen, where the others wait,
-and a desync when they wait in different collectives (:func:`agents.flight_verdict.from_stalls`).
+and a desync when they wait in different collectives (:func:`ftrain.agents.flight_verdict.from_stalls`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import secrets
 import time
 from typing import Any
 
-from agents.etcd import EtcdClient
-from agents.flight_verdict import Stall, from_stalls
-from agents.records import DumpRequest, JobKeys, JobState
-from agents.supervision import MAX_STALLS
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.flight_verdict import Stall, from_stalls
+from ftrain.agents.records import DumpRequest, JobKeys, JobState
+from ftrain.agents.supervision import MAX_STALLS
 
 MAX_SHOWN_CHARS = 1000  #: of one text an agent put in its status (agents write at most 500; etcd allows MBs)
 MAX_SHOWN_LINES = 100

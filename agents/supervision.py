@@ -41,8 +41,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from agents.heartbeat import Beat
-from agents.records import (
+from ftrain.agents.heartbeat import Beat
+from ftrain.agents.records import (
     FAILED,
     FATAL,
     FROZEN,

@@ -2,9 +2,9 @@
 
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:PORT[,HOST:PORT...] --rdzv-id=RUN``
 (registered through the entry-point group ``torchrun.handlers`` by the tiny
-:mod:`ftrain.cli.torchrun_plugin`, which imports this module only when torchrun creates a
+:mod:`ftrain.torchrun_plugin`, which imports this module only when torchrun creates a
 handler). torch's own ``etcd`` and ``etcd-v2`` backends need etcd's v2 API, which etcd >= 3.4
-does not serve by default and 3.6 removed; this one speaks v3 through :class:`~agents.etcd.EtcdClient`.
+does not serve by default and 3.6 removed; this one speaks v3 through :class:`~ftrain.agents.etcd.EtcdClient`.
 
 What it owns, under ``<key_prefix>/<run_id>/`` (``key_prefix`` defaults to ``/ftrain/torchrun``):
 
@@ -71,9 +71,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
-from agents.etcd_watch import Watcher
+from ftrain.agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
+from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
+from ftrain.agents.etcd_watch import Watcher
 
 #: The backend name torchrun users pass as ``--rdzv-backend``.
 BACKEND_NAME = "etcd-v3"

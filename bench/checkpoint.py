@@ -3,7 +3,7 @@ s3fs PUT/GET of the same bytes, and how much an upload in flight slows training 
 
     python bench/checkpoint.py [--state-mb 300] [--repeats 3] [--no-process] [--timeout-s 420] [--smoke]
 
-One SeaweedFS (``testbed.seaweed.SeaweedS3``, loopback) serves the whole run; every
+One SeaweedFS (``ftrain.testbed.seaweed.SeaweedS3``, loopback) serves the whole run; every
 measurement writes under a key prefix of its own. One ``torchrun --standalone
 --nproc-per-node 2`` job (gloo, CPU, FSDP2, OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE) builds
 the model and AdamW with ``ftrain.train.Trainer``, takes a few steps so the optimizer state
@@ -57,9 +57,9 @@ REPO = BENCH.parent
 # The other benches are then ``bench.<name>`` (a namespace package under the repository).
 sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() not in (BENCH, REPO)]
 
-from agents.workers import PidTracker, signal_pids
 from bench.lib.checkpoint_report import NOTES, RANGE_BYTES, report, summarise
 from bench.strategies import config_toml
+from ftrain.agents.workers import PidTracker, signal_pids
 
 #: Lines a worker prints for the driver to pass through; everything else is kept for errors.
 MARK = "[bench] "
@@ -141,7 +141,7 @@ class Bench:
     def manager(self, mode: str):
         """The manager of ``mode``: an async mode, ``off`` (sync saves), or ``cached`` (sync saves
         that also fill a local cache: a directory of this rank's own, as on a node of its own)."""
-        from checkpoint.manager import CheckpointManager
+        from ftrain.checkpoint.manager import CheckpointManager
 
         if mode not in self.managers:
             cache = ""
@@ -160,7 +160,7 @@ class Bench:
 
     def step_files(self, mode: str, step: int) -> dict[str, int]:
         """``{file name: size}`` of a committed step (manifest included), agreed by all ranks."""
-        from checkpoint.manifest import MANIFEST_NAME, step_dir_name
+        from ftrain.checkpoint.manifest import MANIFEST_NAME, step_dir_name
 
         files = None
         if self.rank == 0:
@@ -209,7 +209,7 @@ class Bench:
 
     # -- (b) raw PUT, (c) raw GET and verified load -------------------------------------------
     def raw_put(self, files: dict[str, int], tag: str) -> float:
-        from checkpoint.storage import Storage
+        from ftrain.checkpoint.storage import Storage
 
         storage = Storage(f"{self.args.url}/raw-put/{tag}")
         import numpy as np
@@ -226,7 +226,7 @@ class Bench:
     def raw_get(self, mode: str, step: int, files: dict[str, int], how: str) -> float:
         """Both ranks read their files concurrently: ``cat_file`` (one GET per file) or ``ranges``
         (``cat_ranges`` of RANGE_BYTES pieces, fetched concurrently: s3fs's multi-stream read)."""
-        from checkpoint.manifest import step_dir_name
+        from ftrain.checkpoint.manifest import step_dir_name
 
         storage = self.manager(mode).storage
         names = self.my_files(files)
@@ -448,7 +448,7 @@ class Bench:
         return {"blocked_s": blocked[1:], "seconds": seconds[1:], "restore_s": restores, "warmup_s": seconds[0]}
 
     def _drop_mode(self, mode: str, err: BaseException, async_modes: list[str]) -> None:
-        from checkpoint.manager import describe_error
+        from ftrain.checkpoint.manager import describe_error
 
         text = describe_error(err)[:400]
         self.results["errors"][mode] = text
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
 
-    from testbed.seaweed import SeaweedS3
+    from ftrain.testbed.seaweed import SeaweedS3
 
     started = time.perf_counter()
     shape = model_shape(args.state_mb)

@@ -4,7 +4,7 @@ max loss difference of every strategy against single-process training of the tin
 
     .venv/bin/python bench/equivalence.py [--strategies ddp,fsdp,...] [--steps 10] [--smoke]
 
-Every run is a real ``torchrun --standalone -m ftrain train`` job (``testbed.jobs.train_job``).
+Every run is a real ``torchrun --standalone -m ftrain train`` job (``ftrain.testbed.jobs.train_job``).
 ``--smoke`` (the test suite's run): single process, ddp and fsdp, 4 steps. Prints a table and
 one final JSON line.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testbed.jobs import max_abs_diff, optimizer_tensors, train_job
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, train_job
 
 #: (name, ranks, overrides); the first is the reference every other run is compared with.
 RUNS = [
@@ -33,7 +33,7 @@ RUNS = [
     ("fsdp+tp", 4, ["--parallel.strategy=fsdp+tp"]),
     ("ddp-deterministic", 4, ["--parallel.deterministic=true"]),
 ]
-DEFAULT_STEPS = 10  # testbed.jobs.TINY_CONFIG's
+DEFAULT_STEPS = 10  # ftrain.testbed.jobs.TINY_CONFIG's
 SMOKE_STRATEGIES, SMOKE_STEPS = ("ddp", "fsdp"), 4
 
 

@@ -41,7 +41,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agents.workers import descendants  # noqa: E402
 from bench.steady_state import (  # noqa: E402 - after the path setup
     pair_parser,
     pair_summary,
@@ -50,8 +49,9 @@ from bench.steady_state import (  # noqa: E402 - after the path setup
     run_agent,
     run_pairs,
 )
-from contract.flight import socket_name  # noqa: E402
-from contract.worker_env import AGENT_PID  # noqa: E402
+from ftrain.agents.workers import descendants  # noqa: E402
+from ftrain.contract.flight import socket_name  # noqa: E402
+from ftrain.contract.worker_env import AGENT_PID  # noqa: E402
 
 TARGET_RATIO = 1.02
 TARGET_FLOOD_RATIO = 1.05

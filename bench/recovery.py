@@ -3,7 +3,7 @@
     python bench/recovery.py [--repeats N] [--quick] [--smoke] [--faults worker_kill,node_loss,hang]
                              [--systems ftrain_live,ftrain_restart,torchrun_default,torchrun_tuned]
 
-One job everywhere: ``testbed.jobs.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
+One job everywhere: ``ftrain.testbed.jobs.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
 this host with one worker each, a checkpoint every ``--ckpt-interval`` steps to a local
 directory; every (re)start resumes from the newest committed checkpoint. Each step sleeps
 ``FTRAIN_FAULT_STEP_SLEEP_S`` longer, so the job is still running when the fault comes. The
@@ -69,19 +69,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agents.config import agent_flags
-from agents.workers import (
+from bench import steady_state
+from bench.lib.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
+from ftrain.agents.config import agent_flags
+from ftrain.agents.workers import (
     Launch,  # the floor runs the agent's own launcher command
     descendants,
 )
-from bench import steady_state
-from bench.lib.live_marks import first_live_step_after, live_marks  # noqa: E402 - after the path setup
-from contract.events import Event
-from contract.worker_env import JOB as WORKER_JOB
-from testbed.etcd import EtcdServer, free_ports
-from testbed.jobs import TINY_CONFIG, worker_env
-from testbed.procs import kill_tree
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.contract.events import Event
+from ftrain.contract.worker_env import JOB as WORKER_JOB
+from ftrain.testbed.etcd import EtcdServer, free_ports
+from ftrain.testbed.jobs import TINY_CONFIG, worker_env
+from ftrain.testbed.procs import kill_tree
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 FAULTS = ("worker_kill", "node_loss", "hang")
 SYSTEMS = ("ftrain_live", "ftrain_restart", "torchrun_default", "torchrun_tuned")

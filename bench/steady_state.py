@@ -35,10 +35,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from contract.events import read_jsonl  # noqa: E402 - after the path setup
-from testbed.etcd import EtcdServer
-from testbed.jobs import torchrun_cmd, worker_env
-from testbed.procs import kill_tree
+from ftrain.contract.events import read_jsonl  # noqa: E402 - after the path setup
+from ftrain.testbed.etcd import EtcdServer
+from ftrain.testbed.jobs import torchrun_cmd, worker_env
+from ftrain.testbed.procs import kill_tree
 
 TARGET_RATIO = 1.01
 SMOKE_STEPS, SMOKE_WARMUP = 40, 10

@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agents.workers import descendants
+from ftrain.agents.workers import descendants
 from ftrain.strategies import STRATEGIES  # the registry's names; torch-free
 
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise

@@ -2,5 +2,5 @@
 
 May import every layer below the CLI (``contract``, ``checkpoint``, ``ftrain``, ``agents``,
 ``testbed``); nothing imports ``chaos`` except tests, benchmarks and the CLI. A fault kind is one
-module in :mod:`chaos.faults.kinds`.
+module in :mod:`ftrain.chaos.faults.kinds`.
 """

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.config import AgentConfig, agent_flags
-from agents.launch import agent_command
-from contract.events import Event
-from testbed.procs import REPO, kill_tree, quiet_env
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.agents.config import AgentConfig, agent_flags
+from ftrain.agents.launch import agent_command
+from ftrain.contract.events import Event
+from ftrain.testbed.procs import REPO, kill_tree, quiet_env
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 #: Where runs on one machine differ from the defaults (agents/config.py): failures are found fast.
 FAST_AGENT_SETTINGS: dict[str, Any] = {
@@ -34,7 +34,7 @@ FAST_AGENT_OPTIONS = agent_flags(FAST_AGENT_SETTINGS)
 class JsonlTail:
     """The records of an append-only JSON-lines file, read incrementally: each call parses only
     the complete lines appended since the last (a line still being written waits for its newline;
-    a torn line left by a killed writer is skipped, as :func:`contract.events.read_jsonl` does).
+    a torn line left by a killed writer is skipped, as :func:`ftrain.contract.events.read_jsonl` does).
     The soak polls the job's files many times a second for half an hour: re-reading them whole
     each time cost the machine more CPU than the job it watched."""
 
@@ -120,7 +120,7 @@ class Cluster:
         launcher: Sequence[str] = (),
     ) -> subprocess.Popen:
         """Start (or restart) the agent of ``node_id``; ``host``: the address the other nodes reach
-        it at (``--host``), ``launcher``: what runs it there (``ip netns exec NS``, :mod:`chaos.netns`)."""
+        it at (``--host``), ``launcher``: what runs it there (``ip netns exec NS``, :mod:`ftrain.chaos.netns`)."""
         self._launches[node_id] = (agent_args, nnodes, nproc, env, host, tuple(launcher))
         old = self.agents.get(node_id)
         if old is not None:
@@ -144,7 +144,7 @@ class Cluster:
         return proc
 
     def command(self, node_id: str, *agent_args: str, nnodes: str = "1:2", nproc: int = 1, host: str = "") -> list[str]:
-        """The ``ftrain agent`` command line of ``node_id`` (:func:`agents.launch.agent_command`):
+        """The ``ftrain agent`` command line of ``node_id`` (:func:`ftrain.agents.launch.agent_command`):
         the node's keys, then the events file, :attr:`agent_options` and ``agent_args``."""
         node = {
             "etcd": self.etcd,

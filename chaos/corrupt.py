@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import random
 
-from checkpoint.manifest import MANIFEST_NAME
-from checkpoint.storage import Storage
+from ftrain.checkpoint.manifest import MANIFEST_NAME
+from ftrain.checkpoint.storage import Storage
 
 MODES = ("bitflip", "truncate", "delete", "manifest")
 

@@ -1,8 +1,8 @@
 """Where a chaos run's servers and nodes live: all on loopback, or each on a host of its own.
 
-- ``loopback`` (the default): one etcd and one SeaweedFS on 127.0.0.1 (:class:`testbed.stack.LocalStack`)
+- ``loopback`` (the default): one etcd and one SeaweedFS on 127.0.0.1 (:class:`ftrain.testbed.stack.LocalStack`)
   with the S3 fault proxy in front of it, every agent on loopback.
-- ``netns``: every host a network namespace of :class:`chaos.netns.NetnsCluster`: a 3-member
+- ``netns``: every host a network namespace of :class:`ftrain.chaos.netns.NetnsCluster`: a 3-member
   etcd cluster (``etcd0``..``etcd2``), SeaweedFS (``s3``) and one per node, each on its own
   address; agents are started there with ``--host`` their own address (their workers then use it
   for the master address and gloo's interface). The nodes reach S3 directly, so the S3 fault
@@ -18,11 +18,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from chaos.netns import NetnsCluster
-from chaos.s3proxy import S3FaultProxy
-from testbed.etcd import EtcdCluster
-from testbed.seaweed import SeaweedS3
-from testbed.stack import LocalStack
+from ftrain.chaos.netns import NetnsCluster
+from ftrain.chaos.s3proxy import S3FaultProxy
+from ftrain.testbed.etcd import EtcdCluster
+from ftrain.testbed.seaweed import SeaweedS3
+from ftrain.testbed.stack import LocalStack
 
 #: The network layouts a scenario's ``job.network`` may name.
 NETWORKS = ("loopback", "netns")
@@ -51,7 +51,7 @@ class Hosts:
         return env
 
     def placement(self, node: str) -> dict[str, Any]:
-        """``host`` and ``launcher`` for :meth:`chaos.cluster.Cluster.start` (empty on loopback)."""
+        """``host`` and ``launcher`` for :meth:`ftrain.chaos.cluster.Cluster.start` (empty on loopback)."""
         if self.net is None:
             return {}
         return {"host": self.net.address(node), "launcher": tuple(self.net.command(node, []))}

@@ -4,7 +4,7 @@ log, the metrics, the ledger, the checkpoints on storage and the final state.
 Each check returns a :class:`Check` (name, ok, detail); :func:`fault_timings` measures each
 fault's detection time, recovery time and lost steps; :func:`goodput` is productive / wall time.
 What a fault kind owes (a new round, a refusal), which commits it damaged and which events detect
-it come from its :class:`~chaos.faults.Fault` in the registry, never from its name.
+it come from its :class:`~ftrain.chaos.faults.Fault` in the registry, never from its name.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from agents.records import STRAGGLER
-from chaos.faults import FAULTS, Fault, Outcome
-from chaos.faults.registry import DETECT_GRACE_S
-from checkpoint.catalog import list_steps
-from checkpoint.storage import Storage
-from checkpoint.verify import verify_step
-from contract.events import Event
+from ftrain.agents.records import STRAGGLER
+from ftrain.chaos.faults import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.registry import DETECT_GRACE_S
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.storage import Storage
+from ftrain.checkpoint.verify import verify_step
 from ftrain.config import Config
+from ftrain.contract.events import Event
 from ftrain.data import build_source
 from ftrain.data.ledger import check_exactly_once, read_ledger
 

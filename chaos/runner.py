@@ -18,20 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.records import JobKeys
-from chaos import invariants
-from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
-from chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
-from chaos.hosts import open_hosts
-from chaos.report import write_report
-from chaos.scenario import Scenario, ScenarioError, load_scenario
-from checkpoint.catalog import list_steps
-from checkpoint.storage import Storage
-from contract.events import Event, EventLog
+from ftrain.agents.records import JobKeys
+from ftrain.chaos import invariants
+from ftrain.chaos.cluster import FAST_AGENT_OPTIONS, Cluster
+from ftrain.chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
+from ftrain.chaos.hosts import open_hosts
+from ftrain.chaos.report import write_report
+from ftrain.chaos.scenario import Scenario, ScenarioError, load_scenario
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.storage import Storage
 from ftrain.config import load_config
+from ftrain.contract.events import Event, EventLog
 from ftrain.fence import EtcdRoundFence
-from testbed.procs import REPO, quiet_env
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.testbed.procs import REPO, quiet_env
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from pathlib import Path
 from random import Random
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
-from chaos.hosts import NETWORKS
+from ftrain.chaos.faults import FAULTS, FaultSpec, UnknownFaultKind
+from ftrain.chaos.hosts import NETWORKS
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -62,7 +62,7 @@ class JobSpec:
     deterministic: bool = True
     tolerance: float = 0.0
     timeout_s: float = 300.0
-    network: str = "loopback"  #: one of chaos.hosts.NETWORKS
+    network: str = "loopback"  #: one of ftrain.chaos.hosts.NETWORKS
     overrides: list[str] = field(default_factory=list)
     agent_options: list[str] = field(default_factory=list)
 

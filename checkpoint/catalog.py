@@ -17,9 +17,9 @@ that was fenced out after it stored its manifest, or one still committing). With
 A job's readers pass ``job``: a manifest of another job (a step copied between roots, or a root
 shared by mistake) is then not committed for them, and the error names both jobs. ``job=None``
 (inspection tools that know no job) accepts any job. Format-1 manifests record no job; they are
-accepted without an HMAC key whatever the reader's job (see :mod:`checkpoint.manifest`).
+accepted without an HMAC key whatever the reader's job (see :mod:`ftrain.checkpoint.manifest`).
 
-Everything read here is bounded: a manifest past :data:`~checkpoint.manifest.MAX_MANIFEST_BYTES`
+Everything read here is bounded: a manifest past :data:`~ftrain.checkpoint.manifest.MAX_MANIFEST_BYTES`
 is corrupt without being read whole, and a marker's reason is read from at most
 :data:`MAX_MARKER_BYTES` bytes.
 
@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from checkpoint.errors import ManifestError
-from checkpoint.manifest import (
+from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.manifest import (
     CORRUPT_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -43,7 +43,7 @@ from checkpoint.manifest import (
     parse_json_bounded,
     parse_step_dir,
 )
-from checkpoint.storage import Storage
+from ftrain.checkpoint.storage import Storage
 
 State = Literal["committed", "uncommitted", "corrupt"]
 
@@ -66,7 +66,7 @@ class StepInfo:
     marked: bool = False
     """True when a ``corrupt.json`` marker is present (an earlier verification failed)."""
     digest: str = ""
-    """:func:`~checkpoint.manifest.manifest_digest` of the manifest's bytes when they were read
+    """:func:`~ftrain.checkpoint.manifest.manifest_digest` of the manifest's bytes when they were read
     (also when they did not parse; "" when there is no manifest, or one too large to read): which
     manifest this judgement was made on. Whoever acts on it later (a corrupt marker, retention)
     judges the step again and acts only if the digest is still this one."""

@@ -1,7 +1,7 @@
 """The ``[checkpoint]`` section of the config file: the checkpoint service's settings.
 
-These are the service's only defaults: :class:`checkpoint.manager.CheckpointManager`,
-:class:`checkpoint.retention.Retention` and ``ftrain ckpt gc`` take theirs from here.
+These are the service's only defaults: :class:`ftrain.checkpoint.manager.CheckpointManager`,
+:class:`ftrain.checkpoint.retention.Retention` and ``ftrain ckpt gc`` take theirs from here.
 Standard library only, so that torch-free processes (the node agent) can validate a config.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from contract.config import ConfigError, at_least, check_floats, opt
+from ftrain.contract.config import ConfigError, at_least, check_floats, opt
 
 ON_NO_LOADABLE_STEP = ("fail", "fresh")
 

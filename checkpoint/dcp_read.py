@@ -3,8 +3,8 @@
 ``.metadata`` is digested and unpickled with an allow-list, its storage references must stay
 inside the files the manifest lists, only those files can be opened (each digested as it is
 fetched), and every non-tensor item in a shard is unpickled by torch's weights-only allow-list
-(:mod:`checkpoint.safe_pickle`), whatever planner DCP was given. Writing is
-:mod:`checkpoint.dcp_write`.
+(:mod:`ftrain.checkpoint.safe_pickle`), whatever planner DCP was given. Writing is
+:mod:`ftrain.checkpoint.dcp_write`.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from checkpoint.digest import new_hasher
-from checkpoint.errors import ChecksumMismatchError, UnsafeMetadataError, UnsafePickleError
-from checkpoint.fetch import SparseFile
-from checkpoint.manifest import FileEntry
-from checkpoint.safe_pickle import (
+from ftrain.checkpoint.digest import new_hasher
+from ftrain.checkpoint.errors import ChecksumMismatchError, UnsafeMetadataError, UnsafePickleError
+from ftrain.checkpoint.fetch import SparseFile
+from ftrain.checkpoint.manifest import FileEntry
+from ftrain.checkpoint.safe_pickle import (
     METADATA_NAME,
     SafeBytesLoadMixin,
     SafeLoadPlanner,
     metadata_problems,
     safe_load_bytes,
 )
-from checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.storage import Storage, StorageOptions
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class _VerifyingReadFileSystem:
 
 class _SafeBytesPlanner(LoadPlanner):
     """Stands in for DCP's planner inside :meth:`VerifiedReader.read_data`: bytes items are
-    stored by :func:`checkpoint.safe_pickle.safe_load_bytes` (allow-list unpickler), never by the
+    stored by :func:`ftrain.checkpoint.safe_pickle.safe_load_bytes` (allow-list unpickler), never by the
     planner's own ``load_bytes`` (``torch.load(weights_only=False)`` in DCP's default planner);
     everything else goes to the real planner."""
 
@@ -203,14 +203,14 @@ class _SafeBytesPlanner(LoadPlanner):
             raise UnsafePickleError(
                 f"item {read_item.storage_index.fqn!r}: planner {type(self._planner).__name__} is "
                 "not a DefaultLoadPlanner, so VerifiedReader cannot store its bytes items safely; "
-                "pass planner=checkpoint.safe_pickle.SafeLoadPlanner()"
+                "pass planner=ftrain.checkpoint.safe_pickle.SafeLoadPlanner()"
             )
 
 
 class VerifiedReader(FsspecReader):
     """FsspecReader that trusts nothing it has not hashed: ``.metadata`` must match the
     manifest before it is unpickled (with an allow-list), every storage reference in it must
-    point inside a listed file (:func:`checkpoint.safe_pickle.metadata_problems`), every data
+    point inside a listed file (:func:`ftrain.checkpoint.safe_pickle.metadata_problems`), every data
     file is digested as it is fetched, before DCP reads from it, and every non-tensor item is
     unpickled with torch's weights-only allow-list whatever planner DCP was given."""
 
@@ -225,7 +225,7 @@ class VerifiedReader(FsspecReader):
         metadata: Metadata | None = None,
     ):
         """``prefetched``: files (or the parts of them the load reads) already fetched and
-        verified (:func:`checkpoint.fetch.fetch_files`), served from memory; any other file is
+        verified (:func:`ftrain.checkpoint.fetch.fetch_files`), served from memory; any other file is
         fetched and digested whole when DCP opens it. ``metadata``: ``.metadata`` already parsed
         (by :func:`load_metadata`) from the verified bytes in ``prefetched``: not parsed again."""
         storage = Storage(url, options)

@@ -2,7 +2,7 @@
 
 The writer wraps the filesystem's ``create_stream`` so each file's bytes pass through a hasher
 on their way to storage (no second read) and stream straight into a
-:meth:`checkpoint.storage.Storage.open_upload`: on S3, parts upload in the background while DCP
+:meth:`ftrain.checkpoint.storage.Storage.open_upload`: on S3, parts upload in the background while DCP
 serialises the next bytes (a file of at most one part, ``.metadata`` among them, is one PUT from
 memory); on local disk the bytes go straight into the temp file that is renamed into place. No
 file is staged locally first. A failure while writing (in DCP or in storage) aborts that file's
@@ -19,7 +19,7 @@ torn one before any rank writes (DCP runs with ``overwrite=True`` so it does not
 On a local filesystem every written file is fsynced and renamed into place, and its directory
 fsynced, before the manifest can commit the step. DCP's ``.metadata.tmp`` is never stored: it
 is held in memory (digested) until DCP renames it, and the rename writes ``.metadata`` whole.
-Reading is :mod:`checkpoint.dcp_read`.
+Reading is :mod:`ftrain.checkpoint.dcp_read`.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint.digest import BLOCKS_SUFFIX, BlockHasher, digest_bytes
-from checkpoint.errors import ChecksumMismatchError
-from checkpoint.local_cache import CacheFile, StepCache
-from checkpoint.manifest import FileEntry
-from checkpoint.safe_pickle import METADATA_NAME
-from checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.digest import BLOCKS_SUFFIX, BlockHasher, digest_bytes
+from ftrain.checkpoint.errors import ChecksumMismatchError
+from ftrain.checkpoint.local_cache import CacheFile, StepCache
+from ftrain.checkpoint.manifest import FileEntry
+from ftrain.checkpoint.safe_pickle import METADATA_NAME
+from ftrain.checkpoint.storage import Storage, StorageOptions
 
 #: the niceness a background save runs at: under CPU contention the training steps go first
 BACKGROUND_NICE = 10
@@ -152,7 +152,7 @@ class _DigestingFileSystem:
     (it is held in memory, digested) and the rename writes ``.metadata`` whole, once
     (:meth:`Storage.write_bytes`: one PUT; on local disk fsynced, renamed into place, directory
     fsynced). The other calls DCP makes here (``mkdir``, ``exists``, ``rm_file``) are retried.
-    With a ``cache`` (:mod:`checkpoint.local_cache`), every stored file is also written there,
+    With a ``cache`` (:mod:`ftrain.checkpoint.local_cache`), every stored file is also written there,
     from the same bytes as they stream out."""
 
     def __init__(self, inner: Any, algorithm: str, storage: Storage, cache: StepCache | None = None):

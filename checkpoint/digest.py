@@ -14,7 +14,7 @@ import xxhash
 ALGORITHMS = ("xxh3_128", "crc32c")
 DEFAULT_ALGORITHM = "xxh3_128"
 #: Files are also digested in blocks of this many bytes (listed in a file beside each: see
-#: :class:`checkpoint.manifest.FileEntry`), so that a reader can verify the part of a file it
+#: :class:`ftrain.checkpoint.manifest.FileEntry`), so that a reader can verify the part of a file it
 #: needs without reading all of it: a rank of a sharded job reads a few small items of its
 #: peers' files (replicated scalars written once), scattered through them.
 BLOCK_BYTES = 64 << 10

@@ -1,9 +1,9 @@
 """Export one committed step as a single consolidated ``torch.save`` file (for inference).
 
 The step is verified first (manifest, HMAC, every file's digest, and every pickle a load would
-unpickle, see :func:`checkpoint.verify.check_pickled_items`); DCP then reads every shard in this
-one process through :class:`~checkpoint.dcp_read.VerifiedReader` with
-:class:`~checkpoint.safe_pickle.SafeEmptyStateDictLoadPlanner`, so no byte from storage reaches
+unpickle, see :func:`ftrain.checkpoint.verify.check_pickled_items`); DCP then reads every shard in this
+one process through :class:`~ftrain.checkpoint.dcp_read.VerifiedReader` with
+:class:`~ftrain.checkpoint.safe_pickle.SafeEmptyStateDictLoadPlanner`, so no byte from storage reaches
 an unrestricted unpickler. The whole state must fit in memory. By default only the model's
 parameters are exported (``{"model.<name>": tensor}`` keys become ``{"<name>": tensor}``).
 """
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from checkpoint.dcp_read import VerifiedReader
-from checkpoint.errors import ChecksumMismatchError, UnsafePickleError
-from checkpoint.manifest import hmac_key_from_env, step_dir_name
-from checkpoint.safe_pickle import SafeEmptyStateDictLoadPlanner
-from checkpoint.storage import Storage
-from checkpoint.verify import verify_step
+from ftrain.checkpoint.dcp_read import VerifiedReader
+from ftrain.checkpoint.errors import ChecksumMismatchError, UnsafePickleError
+from ftrain.checkpoint.manifest import hmac_key_from_env, step_dir_name
+from ftrain.checkpoint.safe_pickle import SafeEmptyStateDictLoadPlanner
+from ftrain.checkpoint.storage import Storage
+from ftrain.checkpoint.verify import verify_step
 
 _CORRUPTION_TYPES = (ChecksumMismatchError, UnsafePickleError)
 

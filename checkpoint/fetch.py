@@ -2,7 +2,7 @@
 concurrent ranged GETs, and verified against the manifest before any byte of them is used.
 
 A manifest lists, for every file, its digest, and for a large one the file beside it that lists
-the digest of each of its blocks (:data:`checkpoint.digest.BLOCK_BYTES`). A rank asks for byte
+the digest of each of its blocks (:data:`ftrain.checkpoint.digest.BLOCK_BYTES`). A rank asks for byte
 ranges (what its DCP load plan reads); :func:`fetch_files` reads the block listings it needs
 (verified whole), then the blocks that cover the ranges — whole files where a manifest lists no
 blocks — adjacent blocks coalesced into GETs of up to :data:`RANGE_BYTES`, in batches of at most
@@ -13,12 +13,12 @@ not match is read once more (bytes damaged in flight are not the storage's); onl
 mismatch is a problem. Before anything is read, each file's size is checked (a missing or
 resized file is a problem, and nothing is read of it).
 
-It returns the problems (:class:`~checkpoint.verify.Problem`, the kinds :mod:`checkpoint.verify`
+It returns the problems (:class:`~ftrain.checkpoint.verify.Problem`, the kinds :mod:`ftrain.checkpoint.verify`
 reports), and for the files asked to be kept a :class:`SparseFile`: the verified blocks, read
 like a file (DCP reads from it; touching a byte of a block that was not fetched raises). A caller
 knows that a step is corrupt before it copies a single tensor out of it.
 
-With a local cache (:mod:`checkpoint.local_cache`), a file cached at its listed size is read
+With a local cache (:mod:`ftrain.checkpoint.local_cache`), a file cached at its listed size is read
 from there instead, block by block, checked the same way; a cached block that does not match
 drops the cached file and is read from storage (a cache mismatch is never a problem of the
 step). Storage is not asked about a file the cache serves.
@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 
 from fsspec.asyn import AsyncFileSystem
 
-from checkpoint.digest import new_hasher
-from checkpoint.errors import ChecksumMismatchError, FatalStorageError, ManifestError
-from checkpoint.local_cache import StepCache
-from checkpoint.manifest import FileEntry, Manifest, parse_json_bounded
-from checkpoint.storage import Storage
-from checkpoint.verify import Problem
+from ftrain.checkpoint.digest import new_hasher
+from ftrain.checkpoint.errors import ChecksumMismatchError, FatalStorageError, ManifestError
+from ftrain.checkpoint.local_cache import StepCache
+from ftrain.checkpoint.manifest import FileEntry, Manifest, parse_json_bounded
+from ftrain.checkpoint.storage import Storage
+from ftrain.checkpoint.verify import Problem
 
 log = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ Every file a rank writes into a step is also written, as it streams to storage, 
 sharing a node and a cache directory never read each other's files; ``source.txt`` beside the
 step directories names the URL). A load reads what the cache holds before it asks storage: a
 cached file is used only when its size is the manifest's, and each block of it only once its
-digest matches the manifest's (:mod:`checkpoint.fetch` checks it exactly as it checks bytes
+digest matches the manifest's (:mod:`ftrain.checkpoint.fetch` checks it exactly as it checks bytes
 from storage), so the cache needs no trust for what it *returns*: a damaged, stale or foreign
 file is read from storage instead and dropped from the cache. The manifest itself always comes
 from storage: it is the commit point, and a step no manifest commits is never read from here.
 
 What the cache must not do is let someone else steer the job's own writes, deletes or reads
 (the directory may sit in ``/tmp`` under a name anyone can predict). So, with
-:mod:`contract.local_files` (the one implementation of node-local file safety):
+:mod:`ftrain.contract.local_files` (the one implementation of node-local file safety):
 
 - ``<local_cache_dir>/<key>`` and each step directory are private (:func:`private_dir`: created
   ``0700``; an existing one must be a real directory of this user that group and others cannot
@@ -48,8 +48,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.manifest import parse_step_dir
-from contract.local_files import UnsafeLocalDirError, create_new, open_regular, private_dir
+from ftrain.checkpoint.manifest import parse_step_dir
+from ftrain.contract.local_files import UnsafeLocalDirError, create_new, open_regular, private_dir
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ writer's round is stale. At most one save is in flight; the next one waits or is
 
 Load: the newest committed step (or a pinned one) is verified before any tensor of it is used —
 manifest (and HMAC); then each rank fetches the files its own DCP load plan needs, once each, by
-concurrent ranged GETs (:mod:`checkpoint.fetch`), and checks their digests; the files no rank
+concurrent ranged GETs (:mod:`ftrain.checkpoint.fetch`), and checks their digests; the files no rank
 needs are verified by a pass split across ranks; one verdict for all — and only then DCP copies
 tensors out of the verified bytes in memory (``.metadata`` is checked against the manifest and
 unpickled with an allow-list). One read per byte. A bad step gets a ``corrupt.json`` marker
@@ -51,11 +51,11 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-from checkpoint.catalog import StepInfo, inspect_step, list_steps
-from checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
-from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata, needed_ranges
-from checkpoint.dcp_write import DigestingWriter
-from checkpoint.errors import (
+from ftrain.checkpoint.catalog import StepInfo, inspect_step, list_steps
+from ftrain.checkpoint.config import DEFAULTS, ON_NO_LOADABLE_STEP
+from ftrain.checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata, needed_ranges
+from ftrain.checkpoint.dcp_write import DigestingWriter
+from ftrain.checkpoint.errors import (
     CheckpointError,
     ChecksumMismatchError,
     FatalStorageError,
@@ -64,28 +64,28 @@ from checkpoint.errors import (
     TransientStorageError,
     UnsafePickleError,
 )
-from checkpoint.fetch import SparseFile, fetch_files, pieces_for, verification_share
-from checkpoint.local_cache import LocalCache, StepCache
-from checkpoint.manifest import (
+from ftrain.checkpoint.fetch import SparseFile, fetch_files, pieces_for, verification_share
+from ftrain.checkpoint.local_cache import LocalCache, StepCache
+from ftrain.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     hmac_key_from_env,
     job_problem,
     step_dir_name,
 )
-from checkpoint.publish import Fence, StepPublisher
-from checkpoint.retention import GcStop, Retention, collect_garbage
-from checkpoint.safe_pickle import SafeLoadPlanner
-from checkpoint.save_process import SaveProcess
-from checkpoint.staging import new_stager
-from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import (
+from ftrain.checkpoint.publish import Fence, StepPublisher
+from ftrain.checkpoint.retention import GcStop, Retention, collect_garbage
+from ftrain.checkpoint.safe_pickle import SafeLoadPlanner
+from ftrain.checkpoint.save_process import SaveProcess
+from ftrain.checkpoint.staging import new_stager
+from ftrain.checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.verify import (
     CORRUPTION_KINDS,
     Problem,
     check_pickled_items,
     mark_corrupt,
 )
-from contract import events as ev
+from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
 
@@ -233,16 +233,16 @@ class CheckpointManager:
     hmac_key_env: str = DEFAULTS.hmac_key_env
     job: str = ""
     """Job id written into every manifest and required of every manifest loaded (see
-    :mod:`checkpoint.catalog`); must be non-empty when ``hmac_key_env`` is set."""
+    :mod:`ftrain.checkpoint.catalog`); must be non-empty when ``hmac_key_env`` is set."""
     fence: Fence | None = None
     """The round fence of commits; where it records commits (an agent's job), its records are
-    the commit point for every reader here too (:mod:`checkpoint.catalog`)."""
+    the commit point for every reader here too (:mod:`ftrain.checkpoint.catalog`)."""
     after_fence: Callable[[int], None] | None = None
-    """A fault hook: :attr:`checkpoint.publish.StepPublisher.after_fence`."""
+    """A fault hook: :attr:`ftrain.checkpoint.publish.StepPublisher.after_fence`."""
     before_clear: Callable[[int], None] | None = None
-    """A fault hook: :attr:`checkpoint.publish.StepPublisher.before_clear`."""
+    """A fault hook: :attr:`ftrain.checkpoint.publish.StepPublisher.before_clear`."""
     before_gc: Callable[[int], None] | None = None
-    """A fault hook: :attr:`checkpoint.retention.GcGuard.before_gc`."""
+    """A fault hook: :attr:`ftrain.checkpoint.retention.GcGuard.before_gc`."""
     round: int | None = None
     """The writer's round (its fencing token) for what it changes besides a save: retention's
     deletes and a load's corrupt markers, each fenced by it (see :meth:`collect_garbage`,
@@ -255,7 +255,8 @@ class CheckpointManager:
     on_event: EventSink = _no_event
     device_type: str = "cpu"
     local_cache_dir: str = DEFAULTS.local_cache_dir
-    """Where this node keeps its copy of the newest committed step (:mod:`checkpoint.local_cache`); empty: off."""
+    """Where this node keeps its copy of the newest committed step
+    (:mod:`ftrain.checkpoint.local_cache`); empty: off."""
 
     def __post_init__(self) -> None:
         why = job_problem(self.job)
@@ -744,7 +745,7 @@ class CheckpointManager:
     # -- retention -----------------------------------------------------------------------
     def collect_garbage(self, stop: GcStop | None = None) -> list[str]:
         """Apply retention now (rank 0; after each commit it also runs in the background),
-        fenced by :attr:`round` where there is a fence (:mod:`checkpoint.retention`)."""
+        fenced by :attr:`round` where there is a fence (:mod:`ftrain.checkpoint.retention`)."""
         if self.rank != 0:
             return []
         in_flight = {self._in_flight.step} if self._in_flight is not None else set()

@@ -10,7 +10,7 @@ parsed object. Format 2 (written now) signs ``HMAC-SHA256(key, b"ftrain-manifest
 canonical JSON of every field except "hmac")``. Every field is covered, so a signature binds:
 
 - the **job** (``job``): a signed step copied from another job's root is refused by a reader of
-  this job (:func:`checkpoint.catalog.read_manifest` compares it with the reader's job); and the
+  this job (:func:`ftrain.checkpoint.catalog.read_manifest` compares it with the reader's job); and the
   **run** (``run_id``, only in memory-tier snapshots, absent when empty);
 - the **step** (``step``, which must equal the directory's step) and the **writer** (``round``,
   ``world_size``, ``layout``, ``config_hash``, ``created_time``): a manifest cannot be moved to
@@ -43,8 +43,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from checkpoint.digest import ALGORITHMS
-from checkpoint.errors import ManifestError
+from ftrain.checkpoint.digest import ALGORITHMS
+from ftrain.checkpoint.errors import ManifestError
 
 FORMAT_VERSION = 2
 #: Formats a reader accepts (format 1 only without an HMAC key; see the module doc).
@@ -103,7 +103,7 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def manifest_digest(data: bytes) -> str:
-    """What a commit record holds of a manifest (see :func:`checkpoint.catalog.inspect_step`):
+    """What a commit record holds of a manifest (see :func:`ftrain.checkpoint.catalog.inspect_step`):
     the SHA-256 of its stored bytes, hex."""
     return hashlib.sha256(data).hexdigest()
 
@@ -262,7 +262,7 @@ class Manifest:
     trainer: dict
     """Trainer state outside DCP (data cursor etc.), JSON."""
     digest_algorithm: str
-    """One of :data:`checkpoint.digest.ALGORITHMS`."""
+    """One of :data:`ftrain.checkpoint.digest.ALGORITHMS`."""
     files: dict[str, FileEntry]
     """Every file of the step directory (``.metadata`` included, this manifest excluded),
     by name relative to the directory."""
@@ -359,7 +359,7 @@ class Manifest:
 
         With ``hmac_key`` the manifest must be format 2 and carry a matching ``"hmac"``. Without a
         key an ``"hmac"`` field is accepted unchecked. The job is returned, not judged: comparing
-        it with the reader's job is :func:`checkpoint.catalog.read_manifest`'s work.
+        it with the reader's job is :func:`ftrain.checkpoint.catalog.read_manifest`'s work.
         """
         obj = parse_json_bounded(data)
         if not isinstance(obj, dict):

@@ -5,7 +5,7 @@ the commit — atomically with its round check, where it keeps records (an agent
 :mod:`ftrain.fence`); that record is then the commit point, else the manifest is.
 
 Runs wherever DCP's coordinator runs (the training thread, a background thread, a background
-process), so :class:`StepPublisher` is picklable. Used by :class:`checkpoint.manager.CheckpointManager`.
+process), so :class:`StepPublisher` is picklable. Used by :class:`ftrain.checkpoint.manager.CheckpointManager`.
 
 What must stay true: a writer whose round is no longer current changes nothing, and a committed
 step is never removed nor its manifest replaced. A writer can be paused anywhere (SIGSTOP, a
@@ -27,10 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from checkpoint.catalog import StepInfo, inspect_step, read_manifest
-from checkpoint.errors import CheckpointError, ManifestError
-from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, manifest_digest
-from checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.catalog import StepInfo, inspect_step, read_manifest
+from ftrain.checkpoint.errors import CheckpointError, ManifestError
+from ftrain.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, hmac_key_from_env, manifest_digest
+from ftrain.checkpoint.storage import Storage, StorageOptions
 
 log = logging.getLogger(__name__)
 

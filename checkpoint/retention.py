@@ -39,20 +39,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.catalog import State, StepInfo, inspect_step, list_steps
-from checkpoint.config import DEFAULTS
-from checkpoint.errors import StaleRoundError
-from checkpoint.manifest import MANIFEST_NAME, parse_step_dir
-from checkpoint.publish import Fence
-from checkpoint.storage import Storage
-from contract import events as ev
+from ftrain.checkpoint.catalog import State, StepInfo, inspect_step, list_steps
+from ftrain.checkpoint.config import DEFAULTS
+from ftrain.checkpoint.errors import StaleRoundError
+from ftrain.checkpoint.manifest import MANIFEST_NAME, parse_step_dir
+from ftrain.checkpoint.publish import Fence
+from ftrain.checkpoint.storage import Storage
+from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Retention:
-    """Retention settings (defaults: the ``[checkpoint]`` section's, :mod:`checkpoint.config`)."""
+    """Retention settings (defaults: the ``[checkpoint]`` section's, :mod:`ftrain.checkpoint.config`)."""
 
     keep_last: int = DEFAULTS.keep_last
     keep_every: int = DEFAULTS.keep_every
@@ -98,7 +98,7 @@ class Judged:
 
     state: State
     digest: str
-    """The manifest's digest (:attr:`checkpoint.catalog.StepInfo.digest`; "" without one)."""
+    """The manifest's digest (:attr:`ftrain.checkpoint.catalog.StepInfo.digest`; "" without one)."""
     marked: bool
 
     @classmethod

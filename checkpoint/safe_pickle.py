@@ -13,7 +13,7 @@ What must stay true:
 
 - no byte of a bytes item reaches an unrestricted unpickler: :class:`SafeLoadPlanner`,
   :class:`SafeEmptyStateDictLoadPlanner`, the planner guard of
-  :class:`checkpoint.dcp_read.VerifiedReader` and :func:`checkpoint.verify.check_pickled_items`
+  :class:`ftrain.checkpoint.dcp_read.VerifiedReader` and :func:`ftrain.checkpoint.verify.check_pickled_items`
   all load through :func:`load_bytes_item`;
 - the check and the load agree: :func:`metadata_problems` admits only references into files the
   manifest lists, inside their recorded size, with no stream transform, so the verification pass
@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from checkpoint.errors import UnsafePickleError
-from checkpoint.manifest import FileEntry
+from ftrain.checkpoint.errors import UnsafePickleError
+from ftrain.checkpoint.manifest import FileEntry
 
 METADATA_NAME = ".metadata"
 #: Every ``torch.save`` archive (the format DCP writes bytes items in) starts with a zip header.

@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from checkpoint.dcp_write import BACKGROUND_NICE
+from ftrain.checkpoint.dcp_write import BACKGROUND_NICE
 
 log = logging.getLogger(__name__)
 

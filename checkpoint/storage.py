@@ -1,4 +1,4 @@
-"""Storage by URL: a root on one backend (:mod:`checkpoint.backends`, chosen by the URL's
+"""Storage by URL: a root on one backend (:mod:`ftrain.checkpoint.backends`, chosen by the URL's
 scheme: local files for ``file://`` and plain paths, ``s3://``, any other fsspec scheme), with
 ``/``-joined paths under the root and retried I/O.
 
@@ -42,9 +42,9 @@ from tenacity import (
     wait_random,
 )
 
-from checkpoint.backends import StorageBackend, Upload, UploadSettings, backend_for, registered_backends
-from checkpoint.backends.local import fsync_dir
-from checkpoint.errors import FatalStorageError, TransientStorageError
+from ftrain.checkpoint.backends import StorageBackend, Upload, UploadSettings, backend_for, registered_backends
+from ftrain.checkpoint.backends.local import fsync_dir
+from ftrain.checkpoint.errors import FatalStorageError, TransientStorageError
 
 __all__ = ["Storage", "StorageOptions", "classify", "fsync_dir"]
 

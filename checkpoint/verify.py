@@ -25,11 +25,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from checkpoint.catalog import read_manifest
-from checkpoint.digest import new_hasher
-from checkpoint.errors import FatalStorageError, ManifestError, UnsafePickleError
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, parse_step_dir
-from checkpoint.storage import Storage
+from ftrain.checkpoint.catalog import read_manifest
+from ftrain.checkpoint.digest import new_hasher
+from ftrain.checkpoint.errors import FatalStorageError, ManifestError, UnsafePickleError
+from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, parse_step_dir
+from ftrain.checkpoint.storage import Storage
 
 METADATA_NAME = ".metadata"
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def _parse_metadata(storage: Storage, dirname: str, manifest: Manifest | None = 
     when given: the very bytes parsed are the ones digested) parsed with the allow-list
     unpickler, never plain pickle. Only the bytes decide: the read happens outside the parse's
     ``try``, so a storage error propagates instead of becoming a corruption kind."""
-    from checkpoint.dcp_read import load_metadata  # torch: only when it is needed
+    from ftrain.checkpoint.dcp_read import load_metadata  # torch: only when it is needed
 
     try:
         data = _read_metadata(storage, dirname, manifest)
@@ -283,7 +283,7 @@ def _read_items(
 def _check_items_in_file(
     storage: Storage, dirname: str, name: str, items: dict[str, Any], span_limit_bytes: int
 ) -> list[Problem]:
-    from checkpoint.safe_pickle import load_bytes_item
+    from ftrain.checkpoint.safe_pickle import load_bytes_item
 
     try:
         data = _read_items(storage, dirname, name, items, span_limit_bytes)
@@ -309,9 +309,9 @@ def check_pickled_items(
 
     ``.metadata`` is checked against the manifest and parsed with the allow-list unpickler
     (both on the same bytes); every storage reference in it must
-    point inside a file the manifest lists (:func:`checkpoint.safe_pickle.metadata_problems`);
+    point inside a file the manifest lists (:func:`ftrain.checkpoint.safe_pickle.metadata_problems`);
     then every non-tensor ("bytes") item, read from exactly the byte range DCP would read, goes
-    through :func:`checkpoint.safe_pickle.load_bytes_item` (torch's weights-only unpickler).
+    through :func:`ftrain.checkpoint.safe_pickle.load_bytes_item` (torch's weights-only unpickler).
     A refusal is a problem of kind ``unsafe`` naming the file and the item. Storage errors
     propagate (transient) or are ``unreadable`` (fatal, permissions): never corruption.
 
@@ -321,7 +321,7 @@ def check_pickled_items(
     unpickled here: DCP itself loads them with ``weights_only=True``, and their bytes are
     covered by the digests.
     """
-    from checkpoint.safe_pickle import bytes_items, metadata_problems
+    from ftrain.checkpoint.safe_pickle import bytes_items, metadata_problems
 
     problems: list[Problem] = []
     if metadata is None:  # else: parsed by the caller from bytes it checked against the manifest
@@ -344,7 +344,7 @@ def mark_corrupt(
 ) -> None:
     """Write ``<dirname>/corrupt.json`` = ``{"time", "reason", "problems"}``. Deletes nothing.
 
-    Readers then treat the step as corrupt (see :mod:`checkpoint.catalog`) and fall back.
+    Readers then treat the step as corrupt (see :mod:`ftrain.checkpoint.catalog`) and fall back.
     """
     record = {
         "time": time.time() if now_s is None else now_s,

@@ -1,10 +1,10 @@
 """The bottom layer: what the processes of one job agree on. Standard library only (no torch).
 
-- :mod:`contract.config`: the shared config file: sections, typed keys, overrides, errors.
-- :mod:`contract.worker_env`: the environment a node agent gives the workers it starts.
-- :mod:`contract.heartbeat`: the datagrams a worker sends its agent.
-- :mod:`contract.events`: the event catalogue (one typed record per event) and the event log.
-- :mod:`contract.exits`: exit codes of the ``ftrain`` commands.
+- :mod:`ftrain.contract.config`: the shared config file: sections, typed keys, overrides, errors.
+- :mod:`ftrain.contract.worker_env`: the environment a node agent gives the workers it starts.
+- :mod:`ftrain.contract.heartbeat`: the datagrams a worker sends its agent.
+- :mod:`ftrain.contract.events`: the event catalogue (one typed record per event) and the event log.
+- :mod:`ftrain.contract.exits`: exit codes of the ``ftrain`` commands.
 
 Every other package (``checkpoint``, ``ftrain``, ``agents``, ``chaos``, the CLI) may import it;
 it imports none of them.

@@ -11,7 +11,7 @@ What must stay true: a worker acts only on an assignment whose round is newer th
 serves (an old or replayed file changes nothing); :meth:`Assignment.decode` checks every field and
 refuses the whole file if one is wrong (:class:`ValueError`); a file is replaced whole
 (write to a temporary name, then ``rename``), so a reader never sees half of one. The worker side
-of the channel is the heartbeat datagrams (:mod:`contract.heartbeat`).
+of the channel is the heartbeat datagrams (:mod:`ftrain.contract.heartbeat`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from contract.worker_env import MAX_ROUND
+from ftrain.contract.worker_env import MAX_ROUND
 
 MAX_WORLD_SIZE = 1 << 20
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,252}$")

@@ -509,11 +509,11 @@ class Hang(Record):
     why: str
     local_ranks: list[int]
     stacks: dict[str, str]  #: pid -> Python stacks of its threads
-    #: global rank -> its flight record (contract.flight.FlightRecord, newest collectives of each group)
+    #: global rank -> its flight record (ftrain.contract.flight.FlightRecord, newest collectives of each group)
     flight: dict[str, Any] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)  #: global rank -> why it gave no flight record
     frozen: list[int] = field(default_factory=list)  #: global ranks stopped or silent (no "alive" datagram)
-    verdict: str = ""  #: who is at fault, in one line (agents.flight_verdict), from this node's records
+    verdict: str = ""  #: who is at fault, in one line (ftrain.agents.flight_verdict), from this node's records
 
 
 @_record
@@ -530,7 +530,7 @@ class FlightRecorded(Record):
     """A worker's own flight record, written as it fails (its agent can no longer ask it)."""
 
     EVENT = Event.FLIGHT_RECORDED
-    record: dict[str, Any]  #: contract.flight.FlightRecord
+    record: dict[str, Any]  #: ftrain.contract.flight.FlightRecord
     why: str
 
 

@@ -17,8 +17,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from contract.config import ConfigError
-from contract.heartbeat import PID_MAX
+from ftrain.contract.config import ConfigError
+from ftrain.contract.heartbeat import PID_MAX
 
 JOB = "FTRAIN_JOB"
 ROUND = "FTRAIN_ROUND"
@@ -82,11 +82,11 @@ class WorkerEnv:
     etcd: tuple[str, ...] = ()  #: etcd client URLs, for the commit fence
     fence_key: str = ""  #: the job's round key in etcd, compared before every commit
     commits_key: str = ""  #: the etcd prefix where each commit is recorded, atomically with that compare
-    heartbeat: str = ""  #: the agent's Unix datagram socket (:mod:`contract.heartbeat`)
+    heartbeat: str = ""  #: the agent's Unix datagram socket (:mod:`ftrain.contract.heartbeat`)
     agent_pid: int = 0  #: the worker ends itself once this process is gone (0: no watchdog)
     stack_dir: str = ""  #: where SIGUSR1 makes the worker write its threads' stacks
     etcd_client_file: str = ""  #: 0600 JSON file with the etcd credentials and TLS files
-    control: str = ""  #: a live worker's control file (:mod:`contract.control`); empty under torchrun
+    control: str = ""  #: a live worker's control file (:mod:`ftrain.contract.control`); empty under torchrun
     run_id: str = ""  #: this launch of the job (:data:`RUN_ID`); empty: the worker derives one
 
     def to_env(self) -> dict[str, str]:

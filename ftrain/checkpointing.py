@@ -9,7 +9,7 @@ LR schedule is a pure function of the step, so it needs no state.
 Resume trusts nothing it reads: before a step is loaded, :func:`validate_trainer_state` checks
 the manifest's trainer state (a cursor of the right shape, at the manifest's step); a step that
 fails is corrupt for the checkpoint service (marked, fall back). When steps exist but none can be
-loaded, :class:`~checkpoint.manager.NoLoadableStepError` ends the worker (after a ``resume_failed``
+loaded, :class:`~ftrain.checkpoint.manager.NoLoadableStepError` ends the worker (after a ``resume_failed``
 event and one error line) unless ``checkpoint.on_no_loadable_step=fresh``. Manifests carry the
 job id (:func:`ftrain.config.worker_job_id`) and another job's steps are refused.
 """
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from checkpoint.errors import CheckpointError, ManifestError
-from checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
-from checkpoint.manifest import Manifest
-from checkpoint.storage import StorageOptions
-from contract import events as ev
-from contract.events import EventLog
-from contract.worker_env import WorkerEnv
 from ftrain import fence
+from ftrain.checkpoint.errors import CheckpointError, ManifestError
+from ftrain.checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
+from ftrain.checkpoint.manifest import Manifest
+from ftrain.checkpoint.storage import StorageOptions
 from ftrain.config import Config, ConfigError, worker_job_id
+from ftrain.contract import events as ev
+from ftrain.contract.events import EventLog
+from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import DataCursor, DataError
 from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear, maybe_pause_before_gc
 from ftrain.parallel import Parallel
@@ -148,7 +148,7 @@ def load_target(par: Parallel, rank: int, manifest: Manifest) -> dict[str, Any]:
 
 
 def manifest_fields(cfg: Config, par: Parallel, cursor: DataCursor, round_: int) -> dict[str, Any]:
-    """The manifest fields of a save besides its files (see :class:`checkpoint.manifest.Manifest`)."""
+    """The manifest fields of a save besides its files (see :class:`ftrain.checkpoint.manifest.Manifest`)."""
     layout = par.layout
     return {
         "round": round_,
@@ -291,5 +291,5 @@ class Checkpointing:
         return manifest
 
     def close(self, *, abandon: bool = False) -> None:
-        """``abandon``: see :meth:`checkpoint.manager.CheckpointManager.close`."""
+        """``abandon``: see :meth:`ftrain.checkpoint.manager.CheckpointManager.close`."""
         self.manager.close(abandon=abandon)

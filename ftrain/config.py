@@ -1,8 +1,8 @@
 """The runtime's configuration: one dataclass per section it reads, composed into :class:`Config`.
 
-The file format, overrides and errors are :mod:`contract.config`'s; ``[checkpoint]`` is the
-checkpoint service's (:mod:`checkpoint.config`); ``[agent]`` is the node agent's
-(:mod:`agents.config`) and is kept here unvalidated (:data:`OTHER_SECTIONS`).
+The file format, overrides and errors are :mod:`ftrain.contract.config`'s; ``[checkpoint]`` is the
+checkpoint service's (:mod:`ftrain.checkpoint.config`); ``[agent]`` is the node agent's
+(:mod:`ftrain.agents.config`) and is kept here unvalidated (:data:`OTHER_SECTIONS`).
 
 What must stay true: every float key is finite and every numeric key is in its range, so a value
 that passes here cannot break training later; this module stays free of torch.
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoint.config import CheckpointConfig
-from contract import worker_env
-from contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
+from ftrain.checkpoint.config import CheckpointConfig
+from ftrain.contract import worker_env
+from ftrain.contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
 from ftrain.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeline_degrees, stage_blocks
 from ftrain.strategies import STRATEGIES
 from ftrain.strategies import check_config as _check_strategy_config
@@ -301,7 +301,7 @@ def worker_job_id(cfg: Config, environ: Any = None) -> str:
     Checkpoint manifests record it and readers refuse another job's steps. With
     ``checkpoint.hmac_key_env`` set it must be known: the signature binds the job.
     """
-    from checkpoint.manifest import job_problem  # torch-free; only workers need it
+    from ftrain.checkpoint.manifest import job_problem  # torch-free; only workers need it
 
     env = os.environ if environ is None else environ
     job, key = (

@@ -7,7 +7,7 @@ its run dir, readable by its user only (0600), with ``username``/``password``, `
 line or in the workers' environment. Before the manifest is written,
 :meth:`EtcdRoundFence.check` runs an etcd transaction that succeeds only if the key still holds
 our round; otherwise, or when no etcd member answers, it raises
-:class:`~checkpoint.errors.StaleRoundError` and nothing is committed (the save is reported as
+:class:`~ftrain.checkpoint.errors.StaleRoundError` and nothing is committed (the save is reported as
 failed). The leader moves the key forward before any agent starts the next round's workers, so
 a worker of an old round — a zombie on a partitioned host — cannot publish a checkpoint the new
 round might load.
@@ -29,7 +29,7 @@ step after a newer round formed. So with ``FTRAIN_COMMITS_KEY`` set (the agent s
 :meth:`EtcdRoundFence.record` runs, after the manifest is stored, one transaction that writes
 ``<commits key><step>`` = ``{"digest": sha256 of the manifest's bytes, "round": r}`` only if the
 round key still holds ``r``: the round check and the commit are one atomic step in etcd. Readers
-(:meth:`EtcdRoundFence.recorded`, passed to :func:`checkpoint.catalog.list_steps`) count a step
+(:meth:`EtcdRoundFence.recorded`, passed to :func:`ftrain.checkpoint.catalog.list_steps`) count a step
 as committed only when the stored manifest's digest is the one recorded: a manifest that a
 fenced-out worker stored late is, for them, a torn save. The worst a worker paused that long can
 do is overwrite a newer round's manifest of the same step (storage has no conditional PUT
@@ -57,8 +57,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.errors import CheckpointError, StaleRoundError
-from contract.worker_env import ETCD_CLIENT_FILE, WorkerEnv
+from ftrain.checkpoint.errors import CheckpointError, StaleRoundError
+from ftrain.contract.worker_env import ETCD_CLIENT_FILE, WorkerEnv
 
 log = logging.getLogger(__name__)
 

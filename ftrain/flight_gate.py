@@ -1,7 +1,7 @@
 """Who may ask a worker for its flight record, and how often: the gate in front of
 :class:`ftrain.flight_recorder.FlightServer`.
 
-The worker listens on an abstract Unix datagram socket (``contract.flight.socket_name``), a name
+The worker listens on an abstract Unix datagram socket (``ftrain.contract.flight.socket_name``), a name
 that any local process can send to, or bind first. So:
 
 - :func:`listen` sets ``SO_PASSCRED`` before binding: the kernel then attaches the sender's real
@@ -9,7 +9,7 @@ that any local process can send to, or bind first. So:
   privileged sender can state other ones). :func:`judge` accepts a request only from this user's
   uid and, when the worker knows its agent (``FTRAIN_AGENT_PID``), only from that pid; the body
   must be a plain nonce (letters, digits, ``-`` and ``_``, at most :data:`MAX_NONCE_CHARS`).
-  The agent's sender (``agents.flight.collect``) needs no change for this: the kernel adds the
+  The agent's sender (``ftrain.agents.flight.collect``) needs no change for this: the kernel adds the
   credentials itself.
 - :class:`Budget` (a token bucket on an injectable clock) bounds the work anybody can cause:
   the server takes at most :data:`DATAGRAMS_PER_S` datagrams a second off the socket (what is

@@ -8,7 +8,7 @@ gloo). A worker on GPUs has both (NCCL for training, gloo for the memory tier an
 checkpoints' group), so every read here merges what each buffer this torch has holds, a group's
 id prefixed with its buffer's name (:data:`DUMPS`). :func:`enable` sets the size from
 ``logging.flight_recorder_entries``; :func:`snapshot` turns the buffers into a
-:class:`contract.flight.FlightRecord` of the current world's groups (entries of groups that an
+:class:`ftrain.contract.flight.FlightRecord` of the current world's groups (entries of groups that an
 earlier round of a live worker left behind are dropped: their names and numbers repeat).
 
 :func:`oldest_in_flight` says, cheaply enough for a once-a-second thread, which collective of
@@ -45,10 +45,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from contract.flight import STATES, Collective, FlightRecord, record_path, socket_name
-from contract.local_files import create_new, private_dir
-from contract.worker_env import STACK_DIR, WorkerEnv
 from ftrain import flight_gate
+from ftrain.contract.flight import STATES, Collective, FlightRecord, record_path, socket_name
+from ftrain.contract.local_files import create_new, private_dir
+from ftrain.contract.worker_env import STACK_DIR, WorkerEnv
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """The worker's end of the agent channel: heartbeats, stack dumps on request, and a watchdog.
 
-Started from the environment the agent sets (:class:`contract.worker_env.WorkerEnv`; nothing
+Started from the environment the agent sets (:class:`ftrain.contract.worker_env.WorkerEnv`; nothing
 happens without an agent):
 
 - ``FTRAIN_HEARTBEAT``: the agent's Unix datagram socket; one JSON datagram per step (see
-  ``agents.heartbeat``), plus an "alive" datagram every ``ALIVE_INTERVAL_S`` from a background
+  ``ftrain.agents.heartbeat``), plus an "alive" datagram every ``ALIVE_INTERVAL_S`` from a background
   thread, so that a frozen worker (SIGSTOP, a stopped cgroup) is told from one busy with a long
   load or save within the hang timeout, not the start timeout. Each "alive" also carries this
   rank's oldest collective in flight (:func:`ftrain.flight_recorder.oldest_in_flight`: what and
@@ -20,7 +20,7 @@ happens without an agent):
   an old round outlives its agent, even one killed with SIGKILL.
 
 A malformed ``FTRAIN_ROUND`` or ``FTRAIN_AGENT_PID`` stops the worker at start with an error
-naming the variable (:class:`contract.worker_env.WorkerEnvError`).
+naming the variable (:class:`ftrain.contract.worker_env.WorkerEnvError`).
 Beats carry the checkpoint health (failed commits in a row, the last error); the exit message
 carries the error the worker failed with and whether a restart can help (``fatal``).
 """
@@ -37,15 +37,15 @@ import threading
 import time
 from typing import Any, TextIO
 
-from contract.heartbeat import Message
-from contract.worker_env import WorkerEnv
 from ftrain import flight_recorder
+from ftrain.contract.heartbeat import Message
+from ftrain.contract.worker_env import WorkerEnv
 from ftrain.flight_recorder import FlightServer
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
-ALIVE_INTERVAL_S = 1.0  #: a background thread says "alive" this often (see agents.heartbeat)
+ALIVE_INTERVAL_S = 1.0  #: a background thread says "alive" this often (see ftrain.agents.heartbeat)
 
 
 def process_gone(pid: int) -> bool:
@@ -155,7 +155,7 @@ _in_flight_failed = False  #: the recorder could not be read once (logged once; 
 
 
 def in_flight_fields() -> dict[str, Any]:
-    """The "alive" datagram's in-flight fields (:class:`contract.heartbeat.Message`): this rank's
+    """The "alive" datagram's in-flight fields (:class:`ftrain.contract.heartbeat.Message`): this rank's
     oldest collective in flight, or that none is, or (recording off, or the recorder unreadable)
     that nothing is known."""
     global _in_flight_failed

@@ -2,7 +2,7 @@
 
 ``ftrain worker`` is what an agent under ``--recovery live`` starts, ahead of need (a spare:
 Python, torch and ftrain imported, the config loaded). :func:`serve` then waits for an
-:class:`~contract.control.Assignment` in its control file and, for each round it is given:
+:class:`~ftrain.contract.control.Assignment` in its control file and, for each round it is given:
 
 1. sets torchrun's environment contract for its rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
    ...) and ``FTRAIN_ROUND``, and joins the round's process group (a store under the round's
@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoint.storage import Storage, StorageOptions
-from contract import events as ev
-from contract.control import Assignment, ControlFile
-from contract.worker_env import WorkerEnv
 from ftrain import flight_recorder, heartbeat, strategies
+from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.config import Config
+from ftrain.contract import events as ev
+from ftrain.contract.control import Assignment, ControlFile
+from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
 from ftrain.memory_tier import MemoryTier

@@ -67,18 +67,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
-from checkpoint.dcp_write import DigestingWriter
-from checkpoint.errors import CheckpointError, ManifestError
-from checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
-from checkpoint.safe_pickle import SafeLoadPlanner
-from checkpoint.staging import new_stager
-from checkpoint.storage import StorageOptions
-from contract import events as ev
-from contract.config import ConfigError
-from contract.worker_env import WorkerEnv
+from ftrain.checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
+from ftrain.checkpoint.dcp_write import DigestingWriter
+from ftrain.checkpoint.errors import CheckpointError, ManifestError
+from ftrain.checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
+from ftrain.checkpoint.safe_pickle import SafeLoadPlanner
+from ftrain.checkpoint.staging import new_stager
+from ftrain.checkpoint.storage import StorageOptions
 from ftrain.checkpointing import apply_loaded, current_round, load_target, manifest_fields, training_state
 from ftrain.config import Config, worker_job_id
+from ftrain.contract import events as ev
+from ftrain.contract.config import ConfigError
+from ftrain.contract.worker_env import WorkerEnv
 from ftrain.faults import maybe_damage_memory_copy
 from ftrain.tier_binding import NO_RUN_ID_FIX, Binding, agree_run_id, binding_of, binding_problem, resolve_run_id
 from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval, put_off

@@ -1,7 +1,7 @@
 """Per-step metrics: one JSON line per optimizer step (rank 0), and peak memory per rank.
 
 Torch-free at import (the agent reads these files; JSON lines are read as events are,
-:func:`contract.events.read_jsonl`).
+:func:`ftrain.contract.events.read_jsonl`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from contract.events import read_jsonl
+from ftrain.contract.events import read_jsonl
 
 if TYPE_CHECKING:
     import torch

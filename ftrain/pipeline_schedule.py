@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from contract.config import ConfigError
+from ftrain.contract.config import ConfigError
 from ftrain.pipeline_stages import PP_SCHEDULES
 
 #: (kind "F" or "B", micro-batch index, stage index)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from contract.config import ConfigError
+from ftrain.contract.config import ConfigError
 
 if TYPE_CHECKING:
     from ftrain.config import ParallelConfig

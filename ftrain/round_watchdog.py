@@ -18,7 +18,7 @@ The train loop then sees a failed collective and leaves the round as after any p
 Some waits no shutdown reaches: a rendezvous (a new process group) retrying to connect to a peer
 that died has no connection to shut down, and gloo retries until the process-group timeout. If
 the loop has still not left the round :data:`GIVE_UP_S` after the interruption, the watchdog
-writes every thread's stack to stderr and ends the process (exit :data:`contract.exits.STUCK`):
+writes every thread's stack to stderr and ends the process (exit :data:`ftrain.contract.exits.STUCK`):
 its agent replaces it like any failed worker, which costs one process, not a timeout.
 How long it waits first depends on why the round changed. When the new round replaces one that
 lost a member (``Assignment.interrupt``: a worker died or hung, a node's lease expired), that
@@ -40,8 +40,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from contract import exits
-from contract.control import Assignment, ControlFile
+from ftrain.contract import exits
+from ftrain.contract.control import Assignment, ControlFile
 from ftrain.distributed import sever_connections
 
 log = logging.getLogger(__name__)

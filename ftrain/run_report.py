@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from contract.events import Event, read_jsonl
+from ftrain.contract.events import Event, read_jsonl
 
 CAUSES = ("productive", "recomputation", "checkpoint_stalls", "stragglers", "restarts")
 MAX_WORLD_SIZE = 1 << 24  #: a larger world size in a log line is not believed (it would overflow the sums)

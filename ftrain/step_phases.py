@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from contract.heartbeat import STEP_PHASES as PHASES
+from ftrain.contract.heartbeat import STEP_PHASES as PHASES
 
 
 class StepPhases:

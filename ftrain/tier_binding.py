@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.errors import CheckpointError
-from checkpoint.manifest import Manifest
-from contract.worker_env import RUN_ID, WorkerEnv
+from ftrain.checkpoint.errors import CheckpointError
+from ftrain.checkpoint.manifest import Manifest
 from ftrain.config import OTHER_SECTIONS
+from ftrain.contract.worker_env import RUN_ID, WorkerEnv
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ before any of it is used.
 Nothing read from this directory is trusted (what must stay true):
 
 - the directories are this user's own: ``ftrain-tier-<job>`` and everything below it are created
-  ``0700`` (:func:`contract.local_files.private_dir`), and one that exists but is a link, owned
+  ``0700`` (:func:`ftrain.contract.local_files.private_dir`), and one that exists but is a link, owned
   by another user or writable by group or others makes :meth:`TierStore.open` raise
-  :class:`~contract.local_files.UnsafeLocalDirError` (the caller runs without the on-disk
+  :class:`~ftrain.contract.local_files.UnsafeLocalDirError` (the caller runs without the on-disk
   tier); files are created ``0600`` without following links
-  (:func:`contract.local_files.create_new`), so other local users can neither plant a snapshot
+  (:func:`ftrain.contract.local_files.create_new`), so other local users can neither plant a snapshot
   nor read weights;
 - a snapshot is offered only if its manifest parses (signed ones verified with the job's key),
   names this job and is bound to this run (:func:`ftrain.tier_binding.binding_problem`: run id,
@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.digest import new_hasher
-from checkpoint.errors import ManifestError
-from checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
-from contract.local_files import create_new, private_dir, read_regular
+from ftrain.checkpoint.digest import new_hasher
+from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ftrain.contract.local_files import create_new, private_dir, read_regular
 from ftrain.tier_binding import Binding, binding_problem
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.digest import new_hasher
-from checkpoint.manifest import FileEntry
+from ftrain.checkpoint.digest import new_hasher
+from ftrain.checkpoint.manifest import FileEntry
 
 
 def as_tensor(data: bytes) -> torch.Tensor:

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint.errors import CheckpointError
-from contract import events as ev
-from contract.events import EventLog
-from contract.flight import EVENT_TAIL
-from contract.worker_env import WorkerEnv
 from ftrain import flight_recorder, heartbeat, strategies
+from ftrain.checkpoint.errors import CheckpointError
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
+from ftrain.contract import events as ev
+from ftrain.contract.events import EventLog
+from ftrain.contract.flight import EVENT_TAIL
+from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import DataCursor, GlobalBatch, Ledger, build_source, micro_batches, micro_block, micro_steps
 from ftrain.data.synthetic import MarkovSource
 from ftrain.data.tokens import TokenFileSource

@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents.config import agent_flags
-from contract.events import Event, read_jsonl
+from ftrain.agents.config import agent_flags
 from ftrain.config import load_config
+from ftrain.contract.events import Event, read_jsonl
 from ftrain.data import build_source
-from testbed.stack import LocalStack
+from ftrain.testbed.stack import LocalStack
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_OPTIONS = agent_flags({"lease_ttl_s": 2, "settle_s": 1.0, "hang_timeout_s": 30.0, "backoff_initial_s": 0.5})

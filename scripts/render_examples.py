@@ -1,6 +1,6 @@
 """Write the deployment examples (``make docs``): ``examples/slurm/agent.sh`` and
 ``examples/kubernetes/ftrain.yaml`` start each node's agent with the command line of
-:func:`agents.launch.agent_command`, the one the chaos cluster and the network-namespace tests
+:func:`ftrain.agents.launch.agent_command`, the one the chaos cluster and the network-namespace tests
 run. ``python scripts/render_examples.py --check`` exits 1 when a committed file is stale.
 
 The command line is built once with placeholders (``@NAME@``) for what each deployment fills in
@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from agents.launch import agent_command
+from ftrain.agents.launch import agent_command
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM_SCRIPT = REPO / "examples" / "slurm" / "agent.sh"

@@ -5,16 +5,16 @@ What must stay true:
 - It listens on 127.0.0.1 only, on client and peer ports picked free by binding port 0, kept
   across :meth:`EtcdServer.restart` (as is the data dir, so data survives a restart) — unless
   it is given a ``host`` address and a ``launcher`` (a member in a test's own network
-  namespace, :mod:`chaos.netns`: the launcher is ``ip netns exec NS``, the ports etcd's own).
+  namespace, :mod:`ftrain.chaos.netns`: the launcher is ``ip netns exec NS``, the ports etcd's own).
 - Fast test flags: 10 ms heartbeat, 100 ms election timeout (the minimum lease TTL becomes
   1 s), no fsync where the binary accepts it, and watch progress notifications every
   ``progress_notify_interval_s`` so an idle healthy watch is told it is alive.
-- "Ready" means a real put + get through :class:`~agents.etcd.EtcdClient` succeeded (or, if
+- "Ready" means a real put + get through :class:`~ftrain.agents.etcd.EtcdClient` succeeded (or, if
   auth was enabled on this data, that etcd answered the probe with an auth rejection).
 - :meth:`EtcdServer.stop` is SIGKILL + wait (SIGTERM of a cluster takes seconds); only the
   process this object started is ever signalled.
 
-``python -m testbed.etcd`` runs one (or ``--members 3``) in the foreground and prints
+``python -m ftrain.testbed.etcd`` runs one (or ``--members 3``) in the foreground and prints
 the endpoints.
 """
 
@@ -36,9 +36,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agents.errors import AgentError, EtcdError, EtcdUnavailableError
-from agents.etcd import EtcdClient
-from testbed.service import Service, find_binary
+from ftrain.agents.errors import AgentError, EtcdError, EtcdUnavailableError
+from ftrain.agents.etcd import EtcdClient
+from ftrain.testbed.service import Service, find_binary
 
 HOST = "127.0.0.1"
 #: gRPC codes of an auth rejection (INVALID_ARGUMENT "user name is empty", PERMISSION_DENIED,
@@ -314,7 +314,7 @@ class EtcdCluster(Service):
     """``n`` etcd members on 127.0.0.1 sharing one temp dir; ``with EtcdCluster(3) as c:``.
 
     ``hosts``: one ``(address, launcher)`` per member instead, each member on its own host
-    (a network namespace of :class:`chaos.netns.NetnsCluster`: its address, and
+    (a network namespace of :class:`ftrain.chaos.netns.NetnsCluster`: its address, and
     ``ip netns exec NS``), on etcd's standard ports 2379/2380 there."""
 
     def __init__(
@@ -372,7 +372,7 @@ class EtcdCluster(Service):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m testbed.etcd", description="Run a throwaway local etcd in the foreground."
+        prog="python -m ftrain.testbed.etcd", description="Run a throwaway local etcd in the foreground."
     )
     parser.add_argument("--members", type=int, default=1, help="cluster size (default 1)")
     parser.add_argument("--dir", help="data directory for a single member (default: a temp dir, deleted on exit)")

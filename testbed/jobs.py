@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from contract.events import read_jsonl
-from testbed.procs import REPO, kill_tree, quiet_env
+from ftrain.contract.events import read_jsonl
+from ftrain.testbed.procs import REPO, kill_tree, quiet_env
 
 #: A model small enough that a 4-rank torchrun job on 2 cores takes seconds.
 TINY_CONFIG = """
@@ -41,7 +41,7 @@ progress = "lines"
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    """:func:`testbed.procs.quiet_env` with warnings-only worker logs."""
+    """:func:`ftrain.testbed.procs.quiet_env` with warnings-only worker logs."""
     return quiet_env(**{"FTRAIN_LOG_LEVEL": "WARNING", **extra})
 
 

@@ -7,7 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from agents.workers import descendants, signal_pids
+from ftrain.agents.workers import descendants, signal_pids
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ Used by integration tests, the demo and benchmarks; never by production code pat
 stay true:
 
 - Everything listens on 127.0.0.1 only (or on the ``host`` given: an address in a test's own
-  network namespace, with ``launcher`` = ``ip netns exec NS``, :mod:`chaos.netns`), telemetry
+  network namespace, with ``launcher`` = ``ip netns exec NS``, :mod:`ftrain.chaos.netns`), telemetry
   is off, and every port ``weed mini`` opens is
   pinned to one picked free here (parallel instances never collide). Each gRPC port is its HTTP
   port + 10000, because parts of ``weed mini`` derive gRPC addresses that way whatever the flags
@@ -15,7 +15,7 @@ stay true:
 - Data lives in ``data_dir`` (a temp dir unless given), so :meth:`SeaweedS3.restart` keeps it;
   the ports are kept too.
 
-``python -m testbed.seaweed`` runs one in the foreground and prints its endpoint.
+``python -m ftrain.testbed.seaweed`` runs one in the foreground and prints its endpoint.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from checkpoint.storage import StorageOptions
-from testbed.service import Service, find_binary
+from ftrain.checkpoint.storage import StorageOptions
+from ftrain.testbed.service import Service, find_binary
 
 #: gRPC port = HTTP port + this, the convention ``weed`` falls back to internally.
 GRPC_PORT_OFFSET = 10000
@@ -368,7 +368,7 @@ class SeaweedS3(Service):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m testbed.seaweed", description="Run a local SeaweedFS S3 server in the foreground."
+        prog="python -m ftrain.testbed.seaweed", description="Run a local SeaweedFS S3 server in the foreground."
     )
     parser.add_argument("--dir", help="data directory (default: a temp dir, deleted on exit)")
     parser.add_argument("--bucket", default="ftrain")

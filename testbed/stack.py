@@ -10,8 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from testbed.etcd import EtcdServer
-from testbed.seaweed import SeaweedS3
+from ftrain.testbed.etcd import EtcdServer
+from ftrain.testbed.seaweed import SeaweedS3
 
 
 class LocalStack:

@@ -1,4 +1,4 @@
-"""The agent tests' job: :class:`chaos.cluster.Cluster` on the tiny config, slowed to ~30 ms a
+"""The agent tests' job: :class:`ftrain.chaos.cluster.Cluster` on the tiny config, slowed to ~30 ms a
 step so that faults land mid-run, checkpointing every 20 steps to a local directory. These
 tests are about the restart path (``--recovery restart``: torchrun per round, loads from
 storage); live recovery has its own (tests/integration/test_live_recovery.py)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
-from testbed.jobs import TINY_CONFIG
-from testbed.wait import wait_for
+from ftrain.chaos.cluster import FAST_AGENT_OPTIONS, Cluster
+from ftrain.testbed.jobs import TINY_CONFIG
+from ftrain.testbed.wait import wait_for
 
 __all__ = ["AgentJob", "wait_for"]
 

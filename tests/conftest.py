@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from agents.etcd import EtcdClient
-from checkpoint.storage import Storage
-from testbed.etcd import EtcdServer
-from testbed.jobs import RunResult, train_job
-from testbed.seaweed import SeaweedNotInstalledError, SeaweedS3
+from ftrain.agents.etcd import EtcdClient
+from ftrain.checkpoint.storage import Storage
+from ftrain.testbed.etcd import EtcdServer
+from ftrain.testbed.jobs import RunResult, train_job
+from ftrain.testbed.seaweed import SeaweedNotInstalledError, SeaweedS3
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import uuid
 
-from agents.etcd import KeyValue
-from agents.leader import FormRound, LeaderMemory, Policy, decide
-from agents.records import JobKeys, JobState, Member, NodeRecord, NodeStatus, Report, RoundRecord
+from ftrain.agents.etcd import KeyValue
+from ftrain.agents.leader import FormRound, LeaderMemory, Policy, decide
+from ftrain.agents.records import JobKeys, JobState, Member, NodeRecord, NodeStatus, Report, RoundRecord
 
 T0 = 10_000.0
 POLICY = Policy.of(

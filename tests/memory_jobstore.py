@@ -1,6 +1,6 @@
-"""An in-memory :class:`agents.jobstore.JobStore` on a fake clock, for the agent's unit tests.
+"""An in-memory :class:`ftrain.agents.jobstore.JobStore` on a fake clock, for the agent's unit tests.
 
-It keeps what the agent relies on from etcd (see :mod:`agents.jobstore`): one store-wide
+It keeps what the agent relies on from etcd (see :mod:`ftrain.agents.jobstore`): one store-wide
 revision raised by every write, ``create_revision``/``mod_revision``/``version`` per key,
 transactions that apply all of their operations or none, leases whose keys go with them, and a
 write on a gone lease refused with :class:`LeaseExpiredError`. The same contract suite runs
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.errors import LeaseExpiredError
-from agents.etcd import Compare, KeyValue, Listing, Op, OpResult, TxnResult, encode_value
+from ftrain.agents.errors import LeaseExpiredError
+from ftrain.agents.etcd import Compare, KeyValue, Listing, Op, OpResult, TxnResult, encode_value
 
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,

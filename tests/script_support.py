@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from types import ModuleType
 
-from testbed.procs import REPO
+from ftrain.testbed.procs import REPO
 
 
 def load_script(name: str) -> ModuleType:

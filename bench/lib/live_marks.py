@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.events import Event
+from ftrain.contract.events import Event
 
 REACTIONS = (Event.WORKERS_EXITED, Event.HANG, Event.ROUND_FORMED)
 

@@ -14,10 +14,10 @@ invariant hooks. Importing this package registers every kind; adding one is addi
 
 from __future__ import annotations
 
-from chaos.faults import kinds as _kinds  # noqa: F401  (imports, and so registers, every kind)
-from chaos.faults.registry import DETECTIONS, FAULTS, Fault, FaultRegistry, Outcome, UnknownFaultKind
-from chaos.faults.spec import Context, FaultError, FaultSpec
-from chaos.faults.trigger import inject, wait_trigger
+from ftrain.chaos.faults import kinds as _kinds  # noqa: F401  (imports, and so registers, every kind)
+from ftrain.chaos.faults.registry import DETECTIONS, FAULTS, Fault, FaultRegistry, Outcome, UnknownFaultKind
+from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
+from ftrain.chaos.faults.trigger import inject, wait_trigger
 
 #: Every registered kind, sorted.
 KINDS = FAULTS.kinds()

@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_node
-from contract import events as ev
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_node
+from ftrain.contract import events as ev
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 
 def held(

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from contract.events import Event
+from ftrain.contract.events import Event
 
 if TYPE_CHECKING:
-    from chaos.faults.spec import Context, FaultSpec
+    from ftrain.chaos.faults.spec import Context, FaultSpec
 
 #: How a kind acts once its trigger fired: act, emit one ``chaos_fault`` event, return its record.
 Action = Callable[["Context", "FaultSpec"], dict[str, Any]]
@@ -38,7 +38,7 @@ DETECTIONS = (
 
 
 class Outcome(enum.Enum):
-    """What the job must show after a fault (checked by ``chaos.invariants.faults_handled``)."""
+    """What the job must show after a fault (checked by ``ftrain.chaos.invariants.faults_handled``)."""
 
     #: training stops: the workers are restarted, so a new round must follow the fault, and the
     #: fault's recovery (time to the first step after that round resumed, lost steps) is measured
@@ -83,7 +83,7 @@ class Fault:
     #: inside a worker at a known point: see ``ftrain/faults.py``)
     worker_env: Callable[[FaultSpec], dict[str, str]] | None = None
     #: it cuts a node off the network for a while: that node must be back in a round formed
-    #: after the record's ``healed_at`` (``chaos.invariants.cut_off_nodes_rejoined``)
+    #: after the record's ``healed_at`` (``ftrain.chaos.invariants.cut_off_nodes_rejoined``)
     cuts_node: bool = False
 
     @property
@@ -118,5 +118,5 @@ class FaultRegistry:
         return iter([self._faults[k] for k in self.kinds()])
 
 
-#: Every fault kind of ``chaos/faults/kinds/`` (importing ``chaos.faults`` registers them all).
+#: Every fault kind of ``chaos/faults/kinds/`` (importing ``ftrain.chaos.faults`` registers them all).
 FAULTS = FaultRegistry()

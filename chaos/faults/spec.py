@@ -8,13 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.cluster import Cluster
-from chaos.faults.registry import FAULTS, Fault
-from chaos.netns import NetnsCluster
-from chaos.s3proxy import S3FaultProxy
-from checkpoint.storage import Storage
-from contract import events as ev
-from contract.events import EventLog
+from ftrain.chaos.cluster import Cluster
+from ftrain.chaos.faults.registry import FAULTS, Fault
+from ftrain.chaos.netns import NetnsCluster
+from ftrain.chaos.s3proxy import S3FaultProxy
+from ftrain.checkpoint.storage import Storage
+from ftrain.contract import events as ev
+from ftrain.contract.events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ class Context:
     """What faults act on."""
 
     cluster: Cluster
-    etcd: Any  #: testbed.etcd.EtcdServer (an EtcdCluster on network namespaces)
-    s3: Any  #: testbed.seaweed.SeaweedS3
+    etcd: Any  #: ftrain.testbed.etcd.EtcdServer (an EtcdCluster on network namespaces)
+    s3: Any  #: ftrain.testbed.seaweed.SeaweedS3
     proxy: S3FaultProxy | None  #: None where S3 is reached directly (network namespaces)
     storage: Storage  #: the job's checkpoint root
     rng: random.Random

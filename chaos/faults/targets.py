@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import signal
 
-from chaos.faults.spec import Context, FaultError
-from contract.events import Event
+from ftrain.chaos.faults.spec import Context, FaultError
+from ftrain.contract.events import Event
 from ftrain.heartbeat import process_gone
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 
 def current_round(ctx: Context) -> int:

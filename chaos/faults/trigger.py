@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chaos.faults.spec import Context, FaultSpec
-from testbed.wait import wait_for
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.testbed.wait import wait_for
 
 
 def wait_trigger(ctx: Context, spec: FaultSpec, timeout_s: float) -> None:

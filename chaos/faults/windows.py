@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chaos.faults.spec import Context, FaultSpec
-from chaos.s3proxy import FaultRates
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.s3proxy import FaultRates
 
 
 def outage(

@@ -1,7 +1,7 @@
 """Storage backends, one module per family, chosen by URL scheme.
 
 A backend does single attempts of the few operations the checkpoint service needs, on paths
-already joined under its root; :class:`checkpoint.storage.Storage` wraps every call with path
+already joined under its root; :class:`ftrain.checkpoint.storage.Storage` wraps every call with path
 joining, error classification and retries. Every module in this package defines ``BACKEND``, a
 class satisfying :class:`StorageBackend`; the registry finds the modules by listing the package,
 so adding a backend is one new module here (plus its root in
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol, TypeVar
 
-from checkpoint.errors import CheckpointError
+from ftrain.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from checkpoint.storage import StorageOptions
+    from ftrain.checkpoint.storage import StorageOptions
 
 #: The scheme of the fallback backend: any fsspec scheme no other backend claims.
 ANY_SCHEME = "*"
@@ -86,7 +86,7 @@ class StorageBackend(Protocol):
 
     Methods take backend paths (``Storage.path`` joins them under :attr:`root`) and make one
     attempt: they raise what the client library raises (``FileNotFoundError`` for a missing
-    object); :func:`checkpoint.storage.classify` decides what is transient.
+    object); :func:`ftrain.checkpoint.storage.classify` decides what is transient.
     """
 
     schemes: ClassVar[tuple[str, ...]]

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 import fsspec
 
-from checkpoint.backends import ANY_SCHEME, Retry, Upload, UploadSettings
+from ftrain.checkpoint.backends import ANY_SCHEME, Retry, Upload, UploadSettings
 
 if TYPE_CHECKING:
-    from checkpoint.storage import StorageOptions
+    from ftrain.checkpoint.storage import StorageOptions
 
 
 class FsspecBackend:

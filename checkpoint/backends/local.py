@@ -17,8 +17,8 @@ from typing import BinaryIO, ClassVar
 
 import fsspec
 
-from checkpoint.backends import Upload, UploadSettings
-from checkpoint.backends.generic import FsspecBackend
+from ftrain.checkpoint.backends import Upload, UploadSettings
+from ftrain.checkpoint.backends.generic import FsspecBackend
 
 #: In-flight temp files of :class:`LocalUpload`, hidden from listings.
 _LOCAL_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")

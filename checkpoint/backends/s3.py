@@ -1,6 +1,6 @@
 """S3 and S3-compatible servers (``s3://``, ``s3a://``) through s3fs.
 
-Endpoint and credentials come from :class:`checkpoint.storage.StorageOptions` or the standard
+Endpoint and credentials come from :class:`ftrain.checkpoint.storage.StorageOptions` or the standard
 AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``). What must stay true: botocore never retries (``Storage`` does, with backoff,
 and only transient errors); a write is one PUT (multipart above 100 MiB, aborted by s3fs on
@@ -24,12 +24,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from checkpoint.backends import Upload, UploadSettings
-from checkpoint.backends.generic import FsspecBackend
-from checkpoint.errors import FatalStorageError, TransientStorageError
+from ftrain.checkpoint.backends import Upload, UploadSettings
+from ftrain.checkpoint.backends.generic import FsspecBackend
+from ftrain.checkpoint.errors import FatalStorageError, TransientStorageError
 
 if TYPE_CHECKING:
-    from checkpoint.storage import StorageOptions
+    from ftrain.checkpoint.storage import StorageOptions
 
 log = logging.getLogger(__name__)
 

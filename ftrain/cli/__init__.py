@@ -26,8 +26,8 @@ import logging
 import os
 import sys
 
-from contract import exits
-from contract.config import ConfigError
+from ftrain.contract import exits
+from ftrain.contract.config import ConfigError
 
 #: command -> the module that defines it (``add_parsers(sub)``)
 COMMANDS = {

@@ -9,14 +9,14 @@ import os
 import socket
 import sys
 
-from agents.agent_options import AgentOptions
-from agents.assemble import build_agent
-from agents.config import AgentConfig, option_name
-from agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenError
-from contract import exits
-from contract.config import ConfigError
 from ftrain import strategies
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.assemble import build_agent
+from ftrain.agents.config import AgentConfig, option_name
+from ftrain.agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenError
 from ftrain.cli.config import load_job_config
+from ftrain.contract import exits
+from ftrain.contract.config import ConfigError
 from ftrain.pipeline_stages import pipeline_degrees
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _status_main(args: argparse.Namespace, overrides: list[str]) -> int:
-    from agents.status import status_main
+    from ftrain.agents.status import status_main
 
     password = os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None
     if args.etcd_user and password is None:

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agents.flight_verdict import RoundEvidence, from_events
-from contract import exits
-from contract.events import read_jsonl
+from ftrain.agents.flight_verdict import RoundEvidence, from_events
+from ftrain.contract import exits
+from ftrain.contract.events import read_jsonl
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

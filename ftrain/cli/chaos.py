@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from testbed.procs import REPO
+from ftrain.testbed.procs import REPO
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +31,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from chaos.runner import run_main
+    from ftrain.chaos.runner import run_main
 
     return run_main(args)

@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from checkpoint.catalog import StepInfo, inspect_step, list_steps
-from checkpoint.errors import CheckpointError, ChecksumMismatchError, UnsafePickleError
-from checkpoint.manifest import MANIFEST_NAME, hmac_key_from_env, parse_step_dir, step_dir_name
-from checkpoint.retention import Retention, apply_gc, gc_survey, plan_gc
-from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import verify_step
-from contract import exits
+from ftrain.checkpoint.catalog import StepInfo, inspect_step, list_steps
+from ftrain.checkpoint.errors import CheckpointError, ChecksumMismatchError, UnsafePickleError
+from ftrain.checkpoint.manifest import MANIFEST_NAME, hmac_key_from_env, parse_step_dir, step_dir_name
+from ftrain.checkpoint.retention import Retention, apply_gc, gc_survey, plan_gc
+from ftrain.checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.verify import verify_step
+from ftrain.contract import exits
 
 Command = Callable[[argparse.Namespace, list[str]], int]
 
@@ -267,7 +267,7 @@ def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
 @_guarded
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     """Write one step as a single plain ``torch.save`` file."""
-    from checkpoint.export import export_step  # heavy (torch DCP): imported only here
+    from ftrain.checkpoint.export import export_step  # heavy (torch DCP): imported only here
 
     storage = _storage(args)
     if not args.hmac_key_env:

@@ -1,7 +1,7 @@
 """The whole config file as one job sees it, and ``ftrain config``.
 
 Each package owns its sections (the runtime's in :mod:`ftrain.config`, ``[checkpoint]`` in
-:mod:`checkpoint.config`, ``[agent]`` in :mod:`agents.config`); here they are composed into
+:mod:`ftrain.checkpoint.config`, ``[agent]`` in :mod:`ftrain.agents.config`); here they are composed into
 :class:`JobConfig`, the view of ``ftrain agent`` and ``ftrain config``, which validate every
 section before any worker starts.
 """
@@ -15,12 +15,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agents.config import AccountingConfig, AgentConfig
-from contract import exits
-from contract.config import load_sections
-from contract.config import reference_markdown as _reference
+from ftrain.agents.config import AccountingConfig, AgentConfig
 from ftrain.config import Config
 from ftrain.config import sections as runtime_sections
+from ftrain.contract import exits
+from ftrain.contract.config import load_sections
+from ftrain.contract.config import reference_markdown as _reference
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,4 +1,4 @@
-"""``ftrain local up``: a local etcd and SeaweedFS S3 on loopback (:class:`testbed.stack.LocalStack`),
+"""``ftrain local up``: a local etcd and SeaweedFS S3 on loopback (:class:`ftrain.testbed.stack.LocalStack`),
 for trying ftrain on one machine."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import signal
 import sys
 
-from testbed.stack import LocalStack
+from ftrain.testbed.stack import LocalStack
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

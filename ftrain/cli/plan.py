@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from contract import exits
 from ftrain.config import load_config
+from ftrain.contract import exits
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

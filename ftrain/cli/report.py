@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from contract import exits
-from contract.config import ConfigError
+from ftrain.contract import exits
+from ftrain.contract.config import ConfigError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -12,9 +12,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from checkpoint.errors import CheckpointError
-from contract import exits
+from ftrain.checkpoint.errors import CheckpointError
 from ftrain.config import load_config
+from ftrain.contract import exits
 from ftrain.data import DataError
 
 

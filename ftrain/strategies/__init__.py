@@ -17,7 +17,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
-from contract.config import ConfigError
+from ftrain.contract.config import ConfigError
 from ftrain.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:

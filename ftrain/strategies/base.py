@@ -11,7 +11,7 @@ What must stay true:
   checks from the registry, and config validation runs in torch-free processes (the node agent).
   The torch-side mechanisms a strategy combines (``ftrain.parallel.ddp``, ``fsdp``, ``tp``, ...)
   are imported inside the methods that use them.
-- Config errors are :class:`contract.config.ConfigError` naming the key.
+- Config errors are :class:`ftrain.contract.config.ConfigError` naming the key.
 - The framework fixes the order of wrapping for every strategy (``ftrain.parallel.parallelize``):
   mesh, :meth:`Strategy.apply_tensor_parallel`, activation checkpointing,
   :meth:`Strategy.apply_data_parallel`, :meth:`Strategy.make_optimizer`, :meth:`Strategy.make_parallel`.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from contract.config import ConfigError
+from ftrain.contract.config import ConfigError
 from ftrain.strategies.base import Layout
 from ftrain.strategies.fsdp import FSDP
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from contract.config import ConfigError
+from ftrain.contract.config import ConfigError
 from ftrain.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from chaos.report import dump_dom, find_browser, write_report
-from chaos.s3proxy import FaultRates, S3FaultProxy
-from chaos.scenario import ScenarioError, load_scenario
-from checkpoint.storage import Storage
+from ftrain.chaos.report import dump_dom, find_browser, write_report
+from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy
+from ftrain.chaos.scenario import ScenarioError, load_scenario
+from ftrain.checkpoint.storage import Storage
 
 
 def test_scenario_errors_name_the_file_and_key(tmp_path):

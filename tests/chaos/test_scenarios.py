@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from chaos.faults import KINDS
-from chaos.netns import unavailable_reason
-from chaos.runner import print_summary, run_scenario
-from chaos.scenario import load_scenario
+from ftrain.chaos.faults import KINDS
+from ftrain.chaos.netns import unavailable_reason
+from ftrain.chaos.runner import print_summary, run_scenario
+from ftrain.chaos.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "chaos" / "scenarios"
 MATRIX = ("processes.toml", "storage.toml", "partitions.toml")

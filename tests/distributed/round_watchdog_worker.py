@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from contract.control import Assignment, ControlFile
 from ftrain.cli.train import _exit_without_teardown
+from ftrain.contract.control import Assignment, ControlFile
 from ftrain.round_watchdog import RoundWatchdog
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ftrain.data import check_exactly_once, read_ledger
-from testbed.jobs import train_job
+from ftrain.testbed.jobs import train_job
 
 pytestmark = pytest.mark.dist
 

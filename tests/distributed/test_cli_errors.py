@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ftrain.data import write_token_file
-from testbed.jobs import TINY_CONFIG, run, train_job
+from ftrain.testbed.jobs import TINY_CONFIG, run, train_job
 
 
 def ftrain(tmp_path, *args, config=TINY_CONFIG):

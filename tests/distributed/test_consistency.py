@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from contract.events import read_events
-from testbed.jobs import train_job
+from ftrain.contract.events import read_events
+from ftrain.testbed.jobs import train_job
 
 pytestmark = pytest.mark.dist
 
@@ -86,8 +86,8 @@ def test_nan_loss_halts_when_asked(tmp_path):
 def test_hmac_signed_manifests_and_process_async_saves(tmp_path):
     """Manifests carry an HMAC bound to the job when a key is configured; a reader with another
     key, or of another job, refuses them."""
-    from checkpoint.catalog import list_steps
-    from checkpoint.storage import Storage
+    from ftrain.checkpoint.catalog import list_steps
+    from ftrain.checkpoint.storage import Storage
 
     key_env = {"FTRAIN_TEST_HMAC": "s3cret"}
     uri = tmp_path / "ck"

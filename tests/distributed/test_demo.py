@@ -13,8 +13,8 @@ import pytest
 
 from ftrain.config import load_config
 from ftrain.data import build_source
-from testbed.jobs import train_job
-from testbed.procs import REPO
+from ftrain.testbed.jobs import train_job
+from ftrain.testbed.procs import REPO
 
 pytestmark = pytest.mark.dist
 

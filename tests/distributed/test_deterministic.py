@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from testbed.jobs import optimizer_tensors
+from ftrain.testbed.jobs import optimizer_tensors
 
 pytestmark = pytest.mark.dist
 

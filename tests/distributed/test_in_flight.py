@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from testbed.jobs import run, worker_env
+from ftrain.testbed.jobs import run, worker_env
 
 pytestmark = pytest.mark.dist
 

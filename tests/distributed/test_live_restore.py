@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from testbed.jobs import TINY_CONFIG, run, worker_env
+from ftrain.testbed.jobs import TINY_CONFIG, run, worker_env
 
 pytestmark = pytest.mark.dist
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, run, train_job, worker_env
+from ftrain.testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, run, train_job, worker_env
 
 pytestmark = pytest.mark.dist
 

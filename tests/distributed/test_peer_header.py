@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from contract.events import Event, read_events
-from testbed.jobs import TINY_CONFIG, run, worker_env
+from ftrain.contract.events import Event, read_events
+from ftrain.testbed.jobs import TINY_CONFIG, run, worker_env
 
 pytestmark = pytest.mark.dist
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.jobs import max_abs_diff, optimizer_tensors
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors
 
 pytestmark = pytest.mark.dist
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from contract import exits
+from ftrain.contract import exits
 from ftrain.round_watchdog import MIN_GRACE_S
-from testbed.jobs import run, worker_env
+from ftrain.testbed.jobs import run, worker_env
 
 pytestmark = pytest.mark.dist
 
@@ -38,7 +38,7 @@ def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alon
 
 STUCK_WORKER = """
 import sys, time
-from contract.control import Assignment, ControlFile
+from ftrain.contract.control import Assignment, ControlFile
 from ftrain.round_watchdog import RoundWatchdog
 
 control = ControlFile(sys.argv[1])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.jobs import max_abs_diff, optimizer_tensors, train_job
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, train_job
 
 pytestmark = pytest.mark.dist
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.workers import descendants, signal_pids
-from testbed.etcd import free_ports
-from testbed.jobs import TINY_CONFIG, worker_env
-from testbed.procs import REPO, kill_tree
-from testbed.wait import wait_for
+from ftrain.agents.workers import descendants, signal_pids
+from ftrain.testbed.etcd import free_ports
+from ftrain.testbed.jobs import TINY_CONFIG, worker_env
+from ftrain.testbed.procs import REPO, kill_tree
+from ftrain.testbed.wait import wait_for
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 

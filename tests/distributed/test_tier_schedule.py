@@ -13,8 +13,8 @@ from collections import defaultdict
 
 import pytest
 
-from contract.events import read_jsonl
-from testbed.jobs import TINY_CONFIG, run, worker_env
+from ftrain.contract.events import read_jsonl
+from ftrain.testbed.jobs import TINY_CONFIG, run, worker_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 

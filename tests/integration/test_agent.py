@@ -18,13 +18,13 @@ import urllib.request
 
 import pytest
 
-from agents.records import JobKeys
-from checkpoint.errors import StaleRoundError
-from contract.heartbeat import STEP_PHASES
+from ftrain.agents.records import JobKeys
+from ftrain.checkpoint.errors import StaleRoundError
+from ftrain.contract.heartbeat import STEP_PHASES
 from ftrain.fence import EtcdRoundFence
 from ftrain.heartbeat import process_gone
-from testbed.jobs import TINY_CONFIG, run, torchrun_cmd, worker_env
-from testbed.procs import REPO
+from ftrain.testbed.jobs import TINY_CONFIG, run, torchrun_cmd, worker_env
+from ftrain.testbed.procs import REPO
 from tests.agent_support import AgentJob, wait_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from agents.etcd import EtcdClient
-from agents.records import (
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.records import (
     FAILED,
     NODE_LOST,
     WORKER_EXIT,
@@ -22,8 +22,8 @@ from agents.records import (
     NodeStatus,
     RoundRecord,
 )
-from agents.status import job_status, status_main
-from testbed.etcd import EtcdServer
+from ftrain.agents.status import job_status, status_main
+from ftrain.testbed.etcd import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)
 

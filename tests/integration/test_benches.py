@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from testbed.jobs import run
+from ftrain.testbed.jobs import run
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -1,13 +1,13 @@
-"""What the chaos invariants count as a commit (:class:`chaos.runner.CommitWatcher`), with a
+"""What the chaos invariants count as a commit (:class:`ftrain.chaos.runner.CommitWatcher`), with a
 real etcd fence and a real checkpoint root: a step whose manifest is stored but whose commit
 record is not in etcd (its writer killed between the two, or a zombie's record refused) is not a
 commit — no reader trusts it, and a round that goes on from the step before it is right."""
 
 from __future__ import annotations
 
-from agents.records import JobKeys
-from chaos.runner import CommitWatcher
-from checkpoint.storage import Storage
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.runner import CommitWatcher
+from ftrain.checkpoint.storage import Storage
 from ftrain.fence import EtcdRoundFence
 from tests.integration.test_checkpoint_delete_fence import manager
 from tests.integration.test_checkpoint_trust import fields, state

@@ -1,4 +1,4 @@
-"""The local disk cache tier (``checkpoint.local_cache_dir``, :mod:`checkpoint.local_cache`) with
+"""The local disk cache tier (``checkpoint.local_cache_dir``, :mod:`ftrain.checkpoint.local_cache`) with
 the real CheckpointManager on a real S3 server (SeaweedFS): saves write the cache as they
 upload, a load reads the cache first and trusts none of it, and only the newest step stays."""
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from checkpoint.local_cache import cache_root
-from checkpoint.manager import CheckpointManager
-from checkpoint.manifest import CORRUPT_NAME, step_dir_name
-from checkpoint.storage import Storage
+from ftrain.checkpoint.local_cache import cache_root
+from ftrain.checkpoint.manager import CheckpointManager
+from ftrain.checkpoint.manifest import CORRUPT_NAME, step_dir_name
+from ftrain.checkpoint.storage import Storage
 from ftrain.checkpointing import validate_trainer_state
 from tests.integration.test_checkpoint_trust import fields
 
@@ -39,7 +39,7 @@ def save(mgr: CheckpointManager, step: int) -> None:
 def load(mgr: CheckpointManager, caplog) -> tuple[int, dict[str, Any], str]:
     target = state(-1)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="checkpoint.manager"):
+    with caplog.at_level(logging.INFO, logger="ftrain.checkpoint.manager"):
         manifest = mgr.load(lambda m: target, validate=validate_trainer_state)
     assert manifest is not None
     fetched = [r.getMessage() for r in caplog.records if "for this rank's load" in r.getMessage()]

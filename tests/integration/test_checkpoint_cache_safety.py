@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.local_cache import cache_root
-from checkpoint.manager import CheckpointManager
-from checkpoint.manifest import step_dir_name
-from checkpoint.storage import StorageOptions
+from ftrain.checkpoint.local_cache import cache_root
+from ftrain.checkpoint.manager import CheckpointManager
+from ftrain.checkpoint.manifest import step_dir_name
+from ftrain.checkpoint.storage import StorageOptions
 from ftrain.checkpointing import validate_trainer_state
 from tests.integration.test_checkpoint_trust import fields
 
@@ -132,12 +132,12 @@ def test_an_unsafe_cache_directory_turns_the_cache_off_with_one_warning(tmp_path
     make(cache, root)
     files = lambda: sorted(str(p) for p in cache.rglob("*") if not p.is_dir()) if cache.is_dir() else []  # noqa: E731
     before = files()
-    with caplog.at_level(logging.WARNING, logger="checkpoint.local_cache"):
+    with caplog.at_level(logging.WARNING, logger="ftrain.checkpoint.local_cache"):
         mgr = manager(ckpt, cache)
         save(mgr, 4)
         save(mgr, 8)
         mgr.close()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "checkpoint.local_cache"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ftrain.checkpoint.local_cache"]
     assert len(warnings) == 1, warnings
     (warning,) = warnings
     assert "checkpoint.local_cache_dir" in warning and "OFF" in warning and problem in warning, warning

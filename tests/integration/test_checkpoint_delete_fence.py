@@ -23,15 +23,15 @@ from typing import Any
 
 import pytest
 
-from agents.records import JobKeys
-from chaos.faults.targets import continue_process, is_stopped
-from checkpoint.catalog import list_steps
-from checkpoint.manager import CheckpointManager
-from checkpoint.manifest import MANIFEST_NAME, manifest_digest, step_dir_name
-from checkpoint.storage import Storage
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.faults.targets import continue_process, is_stopped
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.manager import CheckpointManager
+from ftrain.checkpoint.manifest import MANIFEST_NAME, manifest_digest, step_dir_name
+from ftrain.checkpoint.storage import Storage
 from ftrain.fence import EtcdRoundFence
-from testbed.procs import kill_tree, quiet_env
-from testbed.wait import wait_for
+from ftrain.testbed.procs import kill_tree, quiet_env
+from ftrain.testbed.wait import wait_for
 from tests.integration.test_checkpoint_trust import FAST_RETRIES, Events, fields, load, loaded_step, state
 
 STEP8 = step_dir_name(8)

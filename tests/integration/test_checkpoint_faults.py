@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from chaos.s3proxy import FaultRates, S3FaultProxy
-from checkpoint.digest import digest_bytes
-from checkpoint.storage import Storage
-from contract.events import read_events
-from testbed.jobs import max_abs_diff, run, train_job, worker_env
+from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy
+from ftrain.checkpoint.digest import digest_bytes
+from ftrain.checkpoint.storage import Storage
+from ftrain.contract.events import read_events
+from ftrain.testbed.jobs import max_abs_diff, run, train_job, worker_env
 
 pytestmark = pytest.mark.dist
 

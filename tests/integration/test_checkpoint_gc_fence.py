@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from agents.records import JobKeys
-from checkpoint.catalog import list_steps
-from checkpoint.manager import CheckpointManager
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_digest, step_dir_name
-from checkpoint.storage import Storage
+from ftrain.agents.records import JobKeys
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.manager import CheckpointManager
+from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_digest, step_dir_name
+from ftrain.checkpoint.storage import Storage
 from ftrain.checkpointing import validate_trainer_state
 from ftrain.fence import EtcdRoundFence
 from tests.integration.test_checkpoint_delete_fence import Pause, manager
@@ -69,7 +69,7 @@ def test_a_retention_paused_after_planning_removes_nothing_of_a_step_saved_again
     pause = Pause(8)
     zombie = manager(root, fence, before_gc=pause)
     try:
-        with caplog.at_level(logging.INFO, logger="checkpoint.retention"):
+        with caplog.at_level(logging.INFO, logger="ftrain.checkpoint.retention"):
             # the commit of step 4 (round 2) starts a retention that plans the torn step 8 for deletion
             assert zombie.save(4, state(4), fields(4, round_=2), sync=True), zombie.status.last_error
             assert pause.reached.wait(120), "the retention never reached its deletion of step 8"

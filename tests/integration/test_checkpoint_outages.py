@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.catalog import list_steps
-from checkpoint.storage import Storage
-from contract.events import read_events
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.storage import Storage
+from ftrain.contract.events import read_events
 from ftrain.metrics import read_metrics
-from testbed.jobs import TINY_CONFIG, torchrun_cmd, train_job, worker_env
-from testbed.procs import kill_tree
-from testbed.wait import wait_for
+from ftrain.testbed.jobs import TINY_CONFIG, torchrun_cmd, train_job, worker_env
+from ftrain.testbed.procs import kill_tree
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.dist
 

@@ -25,15 +25,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoint.dcp_read import VerifiedReader, load_metadata
-from checkpoint.digest import digest_bytes
-from checkpoint.errors import UnsafePickleError
-from checkpoint.export import export_step
-from checkpoint.manager import CheckpointManager
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, step_dir_name
-from checkpoint.safe_pickle import SafeLoadPlanner, bytes_items
-from checkpoint.storage import Storage
-from checkpoint.verify import check_pickled_items, verify_step
+from ftrain.checkpoint.dcp_read import VerifiedReader, load_metadata
+from ftrain.checkpoint.digest import digest_bytes
+from ftrain.checkpoint.errors import UnsafePickleError
+from ftrain.checkpoint.export import export_step
+from ftrain.checkpoint.manager import CheckpointManager
+from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, step_dir_name
+from ftrain.checkpoint.safe_pickle import SafeLoadPlanner, bytes_items
+from ftrain.checkpoint.storage import Storage
+from ftrain.checkpoint.verify import check_pickled_items, verify_step
 from ftrain.cli.ckpt import add_parsers as add_ckpt_parser
 
 ITEM = "optim.param_groups.0.lr"
@@ -181,7 +181,7 @@ def test_export_refuses_even_when_verification_is_skipped(saved, tmp_path, monke
         report.problems, report.ok = [], True
         return report
 
-    monkeypatch.setattr("checkpoint.export.verify_step", digests_only)
+    monkeypatch.setattr("ftrain.checkpoint.export.verify_step", digests_only)
     with pytest.raises(UnsafePickleError, match=ITEM):
         export_step(storage, 2, tmp_path / "export.pt")
     assert not sentinel.exists() and not (tmp_path / "export.pt").exists()

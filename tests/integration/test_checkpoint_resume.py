@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from checkpoint.catalog import list_steps
-from checkpoint.storage import Storage
-from contract.events import read_events
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.storage import Storage
+from ftrain.contract.events import read_events
 from ftrain.data import read_ledger
-from testbed.jobs import max_abs_diff, optimizer_tensors, run, train_job, worker_env
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, run, train_job, worker_env
 
 pytestmark = pytest.mark.dist
 

@@ -23,22 +23,22 @@ import fsspec.implementations.local as fsspec_local
 import pytest
 import torch
 
-from agents.records import JobKeys
-from checkpoint.catalog import list_steps
-from checkpoint.errors import CheckpointError, StaleRoundError
-from checkpoint.manager import CheckpointManager, NoLoadableStepError
-from checkpoint.manifest import (
+from ftrain.agents.records import JobKeys
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.checkpoint.errors import CheckpointError, StaleRoundError
+from ftrain.checkpoint.manager import CheckpointManager, NoLoadableStepError
+from ftrain.checkpoint.manifest import (
     CORRUPT_NAME,
     MANIFEST_NAME,
     Manifest,
     manifest_hmac,
     step_dir_name,
 )
-from checkpoint.storage import Storage, StorageOptions
-from contract.events import Record, read_events
+from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.checkpointing import validate_trainer_state
+from ftrain.contract.events import Record, read_events
 from ftrain.fence import EtcdRoundFence
-from testbed.jobs import train_job
+from ftrain.testbed.jobs import train_job
 
 KEY_ENV = "FTRAIN_TRUST_TEST_KEY"
 FAST_RETRIES = StorageOptions(max_attempts=2, retry_timeout_s=5.0)
@@ -156,7 +156,7 @@ def test_retention_runs_after_each_commit_beside_training_and_a_save_stops_it(tm
     """A commit's retention runs in the background: the save returns first; the next save stops
     it between two directories without waiting for it (a retention stuck on a storage that hangs
     must not stall training), and wait() lets it finish."""
-    import checkpoint.retention as retention_module
+    import ftrain.checkpoint.retention as retention_module
 
     real_apply_gc, entered, hung, returned = retention_module.apply_gc, *(threading.Event() for _ in range(3))
 

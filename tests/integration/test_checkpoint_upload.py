@@ -5,7 +5,7 @@ digested ones, and no failure leaves an object: an error in the writer, a part r
 Transient part errors are retried part by part and the save still commits.
 
 Parts are 5 MiB here (S3's smallest), so a 32 MiB tensor is seven parts. No sleeps as
-synchronisation: conditions are waited on with deadlines (``testbed.wait.wait_for``), and the
+synchronisation: conditions are waited on with deadlines (``ftrain.testbed.wait.wait_for``), and the
 overlap is read from what the uploader had stored when DCP closed the stream.
 """
 
@@ -23,19 +23,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from chaos.s3proxy import FaultRates, S3FaultProxy, send_s3_error
-from checkpoint.backends import registered_backends
-from checkpoint.backends.s3 import S3Upload
-from checkpoint.dcp_read import VerifiedReader
-from checkpoint.dcp_write import DigestingWriter
-from checkpoint.digest import digest_bytes
-from checkpoint.manifest import FileEntry
-from checkpoint.publish import StepPublisher
-from checkpoint.safe_pickle import METADATA_NAME
-from checkpoint.storage import Storage, StorageOptions
-from testbed.procs import kill_tree, quiet_env
-from testbed.seaweed import SeaweedS3
-from testbed.wait import wait_for
+from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy, send_s3_error
+from ftrain.checkpoint.backends import registered_backends
+from ftrain.checkpoint.backends.s3 import S3Upload
+from ftrain.checkpoint.dcp_read import VerifiedReader
+from ftrain.checkpoint.dcp_write import DigestingWriter
+from ftrain.checkpoint.digest import digest_bytes
+from ftrain.checkpoint.manifest import FileEntry
+from ftrain.checkpoint.publish import StepPublisher
+from ftrain.checkpoint.safe_pickle import METADATA_NAME
+from ftrain.checkpoint.storage import Storage, StorageOptions
+from ftrain.testbed.procs import kill_tree, quiet_env
+from ftrain.testbed.seaweed import SeaweedS3
+from ftrain.testbed.wait import wait_for
 from tests.integration.test_storage_contract import ROOTS
 
 pytestmark = pytest.mark.timeout(180)
@@ -233,7 +233,7 @@ def test_each_part_is_retried_on_its_own(seaweed, s3_prefix, caplog):
     by us (never the whole file), and the save commits the digested bytes."""
     url = seaweed.url(f"{s3_prefix}/step-000000001")
     with FirstTriesFailingProxy(seaweed.endpoint_url, failures=BOTOCORE_ATTEMPTS) as proxy:
-        with caplog.at_level(logging.WARNING, logger="checkpoint.storage"):
+        with caplog.at_level(logging.WARNING, logger="ftrain.checkpoint.storage"):
             files = save(url, options(seaweed, endpoint_url=proxy.endpoint_url), big_state())
     assert len(proxy.part_puts) >= 7
     assert set(proxy.part_puts.values()) == {BOTOCORE_ATTEMPTS + 1}  # each part: one retry of ours, no more
@@ -267,7 +267,7 @@ def test_a_save_through_random_server_errors_commits_with_correct_digests(seawee
 # -- a process killed mid-upload ----------------------------------------------------------------
 CHILD = """
 import os, sys
-from checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.storage import Storage, StorageOptions
 
 storage = Storage(sys.argv[1], StorageOptions(upload_part_size_bytes=5 << 20))  # AWS_* from the env
 if sys.argv[2] == "sibling":

@@ -1,4 +1,4 @@
-"""agents.etcd against real etcd servers: KV, CAS races, sessions, SIGKILLed holders, restarts,
+"""ftrain.agents.etcd against real etcd servers: KV, CAS races, sessions, SIGKILLed holders, restarts,
 hung (SIGSTOPped) servers, failover.
 
 Every test gets its own throwaway etcd (ready in ~0.2 s), so killing or pausing one cannot
@@ -21,19 +21,19 @@ from pathlib import Path
 
 import pytest
 
-from agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
-from agents.etcd import Compare, EtcdClient, Op
-from agents.etcd_session import Session
-from agents.etcd_watch import Watcher, WatchEvent
-from testbed.etcd import EtcdCluster, EtcdServer, free_ports
-from testbed.procs import REPO
-from testbed.wait import wait_for
+from ftrain.agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
+from ftrain.agents.etcd import Compare, EtcdClient, Op
+from ftrain.agents.etcd_session import Session
+from ftrain.agents.etcd_watch import Watcher, WatchEvent
+from ftrain.testbed.etcd import EtcdCluster, EtcdServer, free_ports
+from ftrain.testbed.procs import REPO
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.01) -> float:
-    """:func:`testbed.wait.wait_for`, timed: the seconds it took."""
+    """:func:`ftrain.testbed.wait.wait_for`, timed: the seconds it took."""
     start = time.monotonic()
     wait_for(predicate, timeout_s, what, poll_s=poll_s)
     return time.monotonic() - start
@@ -147,8 +147,8 @@ def test_session_keeps_its_key_alive_past_several_ttls(client):
 
 HOLDER = """
 import sys, threading
-from agents.etcd import EtcdClient
-from agents.etcd_session import Session
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.etcd_session import Session
 client = EtcdClient([sys.argv[1]], timeout_s=1.0)
 session = Session(client, ttl_s=int(sys.argv[3]), keepalive_interval_s=0.5)
 client.put(sys.argv[2], b"alive", lease=session.lease_id)

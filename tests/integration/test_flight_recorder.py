@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from agents.etcd import EtcdClient
-from agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, from_events
-from agents.status import format_status, job_status, request_dump
-from testbed.procs import REPO, quiet_env
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, from_events
+from ftrain.agents.status import format_status, job_status, request_dump
+from ftrain.testbed.procs import REPO, quiet_env
 from tests.agent_support import AgentJob, wait_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -21,22 +21,22 @@ import sys
 
 import pytest
 
-from agents.etcd import EtcdClient
-from agents.flight_verdict import CULPRIT, DESYNC, from_events
-from agents.records import JobKeys, JobState
-from agents.status import format_status, job_status
-from chaos.cluster import Cluster
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.flight_verdict import CULPRIT, DESYNC, from_events
+from ftrain.agents.records import JobKeys, JobState
+from ftrain.agents.status import format_status, job_status
+from ftrain.chaos.cluster import Cluster
 from ftrain.config import load_config
 from ftrain.data import check_exactly_once, read_ledger
-from testbed.jobs import TINY_CONFIG
-from testbed.procs import REPO, quiet_env
-from testbed.wait import wait_for
+from ftrain.testbed.jobs import TINY_CONFIG
+from ftrain.testbed.procs import REPO, quiet_env
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(480)
 
 STEPS = 80
 LIVE = ("--recovery", "live", "--spares", "1")
-HANG_TIMEOUT_S = 5.0  #: chaos.cluster.FAST_AGENT_SETTINGS
+HANG_TIMEOUT_S = 5.0  #: ftrain.chaos.cluster.FAST_AGENT_SETTINGS
 
 
 def _job(tmp_path, etcd, *, env: dict[str, str]) -> tuple[Cluster, object]:

@@ -1,4 +1,4 @@
-"""The job store contract (:mod:`agents.jobstore`), run against a real etcd (:class:`EtcdJobStore`)
+"""The job store contract (:mod:`ftrain.agents.jobstore`), run against a real etcd (:class:`EtcdJobStore`)
 and against the in-memory store the agent's unit tests use (tests/memory_jobstore.py), so that
 what the unit tests prove on the fake holds on etcd."""
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.errors import LeaseExpiredError
-from agents.etcd import Compare, EtcdClient, Op
-from agents.jobstore import EtcdJobStore, JobStore
+from ftrain.agents.errors import LeaseExpiredError
+from ftrain.agents.etcd import Compare, EtcdClient, Op
+from ftrain.agents.jobstore import EtcdJobStore, JobStore
 from tests.memory_jobstore import FakeClock, MemoryJobStore
 
 P = "/ftrain/jobs/contract/"

@@ -18,12 +18,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from agents.workers import descendants
-from chaos.cluster import Cluster
-from chaos.s3proxy import FaultRates, S3FaultProxy
+from ftrain.agents.workers import descendants
+from ftrain.chaos.cluster import Cluster
+from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy
 from ftrain.heartbeat import process_gone
-from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
-from testbed.wait import wait_for
+from ftrain.testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

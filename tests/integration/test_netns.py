@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from agents.errors import EtcdUnavailableError
-from agents.etcd import EtcdClient
-from agents.records import JobKeys
-from chaos.cluster import Cluster
-from chaos.netns import NetnsCluster, leftovers, unavailable_reason
-from testbed.etcd import EtcdCluster
-from testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
-from testbed.wait import wait_for
+from ftrain.agents.errors import EtcdUnavailableError
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.cluster import Cluster
+from ftrain.chaos.netns import NetnsCluster, leftovers, unavailable_reason
+from ftrain.testbed.etcd import EtcdCluster
+from ftrain.testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
+from ftrain.testbed.wait import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -109,7 +109,7 @@ def test_hosts_reach_each_other_by_their_own_addresses_and_a_cut_hangs_until_hea
 
 
 def test_a_cluster_that_fails_half_way_removes_what_it_made(monkeypatch):
-    import chaos.netns as netns
+    import ftrain.chaos.netns as netns
 
     made: list[str] = []
     real = netns.NetnsCluster._add_host

@@ -17,12 +17,12 @@ import signal
 
 import pytest
 
-from chaos.cluster import Cluster
+from ftrain.chaos.cluster import Cluster
 from ftrain.config import load_config
 from ftrain.data import check_exactly_once, read_ledger
 from ftrain.heartbeat import process_gone
-from testbed.jobs import TINY_CONFIG
-from testbed.wait import wait_for
+from ftrain.testbed.jobs import TINY_CONFIG
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,5 +1,5 @@
 """The storage contract: what the checkpoint service relies on, run against every registered
-backend (:func:`checkpoint.backends.registered_backends`) through :class:`Storage`.
+backend (:func:`ftrain.checkpoint.backends.registered_backends`) through :class:`Storage`.
 
 Each backend has a root here (``ROOTS``): a temp directory for ``local``, the session's
 SeaweedFS server (the ``seaweed`` fixture, under a fresh prefix) for ``s3``, ``memory://`` for
@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from checkpoint.backends import registered_backends
-from checkpoint.errors import FatalStorageError, TransientStorageError
-from checkpoint.storage import Storage, StorageOptions, classify
+from ftrain.checkpoint.backends import registered_backends
+from ftrain.checkpoint.errors import FatalStorageError, TransientStorageError
+from ftrain.checkpoint.storage import Storage, StorageOptions, classify
 
 pytestmark = pytest.mark.timeout(120)
 

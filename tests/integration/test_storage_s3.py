@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.errors import FatalStorageError, TransientStorageError
-from checkpoint.storage import Storage, StorageOptions
-from testbed.procs import REPO
-from testbed.seaweed import SeaweedS3
+from ftrain.checkpoint.errors import FatalStorageError, TransientStorageError
+from ftrain.checkpoint.storage import Storage, StorageOptions
+from ftrain.testbed.procs import REPO
+from ftrain.testbed.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,7 @@ class EventOnRecord(logging.Handler):
 
 
 def is_retry_record(record: logging.LogRecord) -> bool:
-    return record.name == "checkpoint.storage" and "retrying" in record.getMessage()
+    return record.name == "ftrain.checkpoint.storage" and "retrying" in record.getMessage()
 
 
 # -- S3 specifics (the shared contract is tests/integration/test_storage_contract.py) -------
@@ -160,7 +160,7 @@ def test_env_points_a_child_process_at_the_server(seaweed, s3_prefix, s3_storage
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(seaweed.env(), PYTHONPATH=str(REPO))
     code = (
-        "import sys\nfrom checkpoint.storage import Storage\n"
+        "import sys\nfrom ftrain.checkpoint.storage import Storage\n"
         "sys.stdout.write(Storage(sys.argv[1]).read_bytes('hello').decode())\n"
     )
     # subprocess.run kills the child if it times out
@@ -198,7 +198,7 @@ def test_write_retried_across_kill_and_restart(seaweed, s3_prefix):
             errors.append(e)
 
     thread = threading.Thread(target=restart_on_first_retry, daemon=True)
-    with EventOnRecord(first_retry, is_retry_record, "checkpoint.storage", level=logging.WARNING):
+    with EventOnRecord(first_retry, is_retry_record, "ftrain.checkpoint.storage", level=logging.WARNING):
         seaweed.stop()
         thread.start()
         try:
@@ -232,7 +232,7 @@ def test_hung_server_times_out_and_recovers_after_resume(seaweed, s3_prefix):
             seaweed.resume()
 
     thread = threading.Thread(target=resume_on_timeout, daemon=True)
-    with EventOnRecord(timed_out, is_timeout, "checkpoint.storage", "s3fs"):
+    with EventOnRecord(timed_out, is_timeout, "ftrain.checkpoint.storage", "s3fs"):
         seaweed.pause()
         thread.start()
         try:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from agents.etcd import EtcdClient
-from agents.status import format_status, job_status
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.status import format_status, job_status
 from tests.agent_support import AgentJob, wait_for
 
 pytestmark = pytest.mark.timeout(240)

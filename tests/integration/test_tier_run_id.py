@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents.etcd import EtcdClient
-from checkpoint.errors import CheckpointError
+from ftrain.agents.etcd import EtcdClient
+from ftrain.checkpoint.errors import CheckpointError
 from ftrain.fence import EtcdRoundFence
 from ftrain.tier_binding import resolve_run_id
 

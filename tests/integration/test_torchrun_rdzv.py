@@ -24,14 +24,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from agents.errors import EtcdUnavailableError
-from agents.etcd import EtcdClient
-from agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, EtcdStore, RollingLease, parse_endpoints
-from ftrain.cli.torchrun_plugin import handler
-from testbed.etcd import EtcdServer
-from testbed.jobs import worker_env
-from testbed.procs import REPO, kill_tree
-from testbed.wait import wait_for
+from ftrain.agents.errors import EtcdUnavailableError
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, EtcdStore, RollingLease, parse_endpoints
+from ftrain.testbed.etcd import EtcdServer
+from ftrain.testbed.jobs import worker_env
+from ftrain.testbed.procs import REPO, kill_tree
+from ftrain.testbed.wait import wait_for
+from ftrain.torchrun_plugin import handler
 
 pytestmark = pytest.mark.timeout(90)
 WORKER = Path(__file__).with_name("rdzv_worker.py")

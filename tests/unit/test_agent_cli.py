@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.config import AgentConfig
-from contract.config import ConfigError
+from ftrain.agents.config import AgentConfig
 from ftrain.cli import build_parser
 from ftrain.cli.agent import resolve_options
+from ftrain.contract.config import ConfigError
 
 FLAGS = (
     "--etcd",

@@ -1,5 +1,5 @@
-"""The node agent's mixins (:mod:`agents.agent_membership`, :mod:`agents.agent_hangs`,
-:mod:`agents.agent_status`) hold to the two rules their pattern relies on:
+"""The node agent's mixins (:mod:`ftrain.agents.agent_membership`, :mod:`ftrain.agents.agent_hangs`,
+:mod:`ftrain.agents.agent_status`) hold to the two rules their pattern relies on:
 
 - every name a mixin declares (the agent state and the other parts' methods it uses) is there
   on a newly built :class:`Agent`: a declaration is only a type for mypy, so a declared
@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from agents.agent import Agent
-from agents.agent_options import AgentOptions
-from agents.heartbeat import Beat, RankTotals
-from agents.metrics import AgentMetrics
-from agents.workers import Launch, Workers
-from contract.events import EventLog
+from ftrain.agents.agent import Agent
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.heartbeat import Beat, RankTotals
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.workers import Launch, Workers
+from ftrain.contract.events import EventLog
 from tests.memory_jobstore import FakeClock, MemoryJobStore
 
 MIXINS = [c for c in Agent.__mro__ if c not in (Agent, object)]

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents.agent_options import AgentOptions
-from agents.etcd import KeyValue
-from agents.heartbeat import HeartbeatServer
-from agents.metrics import AgentMetrics
-from agents.records import (
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.etcd import KeyValue
+from ftrain.agents.heartbeat import HeartbeatServer
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.records import (
     FAILED,
     HANG,
     NODE_LOST,
@@ -46,10 +46,10 @@ from agents.records import (
     parse_master,
     validate_id,
 )
-from agents.status import format_status
-from agents.workers import PidTracker
+from ftrain.agents.status import format_status
+from ftrain.agents.workers import PidTracker
 from ftrain.heartbeat import Heartbeat, process_gone
-from testbed.wait import wait_for
+from ftrain.testbed.wait import wait_for
 
 KEYS = JobKeys("job-7")
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import TICK_S, Agent
-from agents.agent_options import AgentOptions
-from agents.heartbeat import Beat, RankTotals, carried
-from agents.metrics import AgentMetrics
-from agents.records import (
+from ftrain.agents.agent import TICK_S, Agent
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.heartbeat import Beat, RankTotals, carried
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.records import (
     FAILED,
     NODE_LEFT,
     NODE_LOST,
@@ -31,10 +31,10 @@ from agents.records import (
     JobKeys,
     JobState,
 )
-from agents.workers import Launch
-from chaos.cluster import FAST_AGENT_SETTINGS
-from contract import exits
-from contract.events import EventLog, read_jsonl
+from ftrain.agents.workers import Launch
+from ftrain.chaos.cluster import FAST_AGENT_SETTINGS
+from ftrain.contract import exits
+from ftrain.contract.events import EventLog, read_jsonl
 from tests.memory_jobstore import FakeClock, MemoryJobStore, MemorySession
 
 JOB = "job"

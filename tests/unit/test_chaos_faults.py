@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-import chaos.faults.kinds
-from chaos.faults import FAULTS, KINDS, Fault, FaultRegistry, FaultSpec, Outcome, UnknownFaultKind
-from chaos.invariants import fault_timings, faults_handled
-from chaos.scenario import ScenarioError, load_scenario
-from testbed.procs import REPO
+import ftrain.chaos.faults.kinds as fault_kinds
+from ftrain.chaos.faults import FAULTS, KINDS, Fault, FaultRegistry, FaultSpec, Outcome, UnknownFaultKind
+from ftrain.chaos.invariants import fault_timings, faults_handled
+from ftrain.chaos.scenario import ScenarioError, load_scenario
+from ftrain.testbed.procs import REPO
 
 SCENARIOS = REPO / "chaos" / "scenarios"
 
@@ -62,10 +62,10 @@ def test_every_kind_in_the_scenario_files_is_registered():
 
 
 def test_each_kind_is_one_module_named_after_it():
-    modules = {m.name for m in pkgutil.iter_modules(chaos.faults.kinds.__path__)}
+    modules = {m.name for m in pkgutil.iter_modules(fault_kinds.__path__)}
     assert modules == set(KINDS)
     for kind in KINDS:
-        module = importlib.import_module(f"chaos.faults.kinds.{kind}")
+        module = importlib.import_module(f"ftrain.chaos.faults.kinds.{kind}")
         assert module.FAULT is FAULTS.get(kind)
         assert module.__doc__ and module.__doc__.startswith(f"``{kind}``: "), kind
 

@@ -3,7 +3,7 @@ round goes on from a step older than the newest commit before it."""
 
 from __future__ import annotations
 
-from chaos.invariants import (
+from ftrain.chaos.invariants import (
     cut_off_nodes_rejoined,
     faults_handled,
     loads_were_committed,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from contract.config import ConfigError
 from ftrain.cli.config import load_job_config as load_config
 from ftrain.cli.config import reference_markdown
+from ftrain.contract.config import ConfigError
 
 
 def write(tmp_path, text):
@@ -147,12 +147,12 @@ def test_new_checkpoint_keys_defaults_and_reference():
 
 
 def test_checkpoint_defaults_equal_the_checkpoint_service_defaults():
-    """One source of truth: checkpoint.retention.Retention; CheckpointManager, ``ftrain ckpt gc``
+    """One source of truth: ftrain.checkpoint.retention.Retention; CheckpointManager, ``ftrain ckpt gc``
     and the config agree."""
     import dataclasses
 
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.retention import Retention
+    from ftrain.checkpoint.manager import CheckpointManager
+    from ftrain.checkpoint.retention import Retention
     from ftrain.config import CheckpointConfig
 
     cfg = CheckpointConfig()

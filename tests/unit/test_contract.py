@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from contract.heartbeat import MAX_ERROR_CHARS, Message
-from contract.worker_env import AGENT_PID, ROUND, WorkerEnv, WorkerEnvError, worker_environment
+from ftrain.contract.heartbeat import MAX_ERROR_CHARS, Message
+from ftrain.contract.worker_env import AGENT_PID, ROUND, WorkerEnv, WorkerEnvError, worker_environment
 
 
 def test_worker_env_round_trips_through_the_environment():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from contract.control import Assignment, ControlFile
+from ftrain.contract.control import Assignment, ControlFile
 from ftrain.live import AssignmentTimeout, newer_round_assigned, wait_for_assignment
 
 GOOD = dict(

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint.dcp_read import METADATA_NAME, VerifiedReader
-from checkpoint.dcp_write import DigestingWriter
-from checkpoint.digest import BLOCK_BYTES, digest_bytes
-from checkpoint.errors import ChecksumMismatchError
-from checkpoint.manifest import FileEntry
-from checkpoint.storage import StorageOptions
+from ftrain.checkpoint.dcp_read import METADATA_NAME, VerifiedReader
+from ftrain.checkpoint.dcp_write import DigestingWriter
+from ftrain.checkpoint.digest import BLOCK_BYTES, digest_bytes
+from ftrain.checkpoint.errors import ChecksumMismatchError
+from ftrain.checkpoint.manifest import FileEntry
+from ftrain.checkpoint.storage import StorageOptions
 
 
 class RecordingPublisher:

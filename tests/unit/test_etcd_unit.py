@@ -1,4 +1,4 @@
-"""agents.etcd, etcd_session and etcd_watch without a server: encoding, endpoint failover,
+"""ftrain.agents.etcd, etcd_session and etcd_watch without a server: encoding, endpoint failover,
 retry policy, session deadlines, watch resumption.
 
 A fake transport scripts each endpoint's replies; a fake clock advances only when the client
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from agents.etcd import (
+from ftrain.agents.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
+from ftrain.agents.etcd import (
     Compare,
     EtcdClient,
     KeyValue,
@@ -28,9 +28,9 @@ from agents.etcd import (
     prefix_range_end,
     unb64,
 )
-from agents.etcd_endpoints import Backoff, Endpoints, error_from_reply
-from agents.etcd_session import KeepaliveSchedule, Session
-from agents.etcd_watch import WatchResponse
+from ftrain.agents.etcd_endpoints import Backoff, Endpoints, error_from_reply
+from ftrain.agents.etcd_session import KeepaliveSchedule, Session
+from ftrain.agents.etcd_watch import WatchResponse
 
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
 REFUSED = EtcdUnavailableError("connection refused", ambiguous=False)
@@ -478,7 +478,7 @@ def test_watcher_resumes_after_the_last_delivered_revision_and_drops_replays():
     import http.server
     import threading
 
-    from agents.etcd_watch import Watcher
+    from ftrain.agents.etcd_watch import Watcher
 
     release = threading.Event()
     requests_seen: list[dict[str, Any]] = []
@@ -536,7 +536,7 @@ def test_http_transport_tells_never_sent_from_maybe_applied():
     (a hung server): the request may be applied later, so it is ambiguous."""
     import socket
 
-    from agents.etcd_endpoints import HttpTransport
+    from ftrain.agents.etcd_endpoints import HttpTransport
 
     transport = HttpTransport()
     with socket.socket() as closed:
@@ -557,8 +557,8 @@ def test_http_transport_tells_never_sent_from_maybe_applied():
 def test_a_reply_cut_short_is_etcd_unavailable_not_a_fatal_error():
     """etcd restarting mid-reply (seen in a soak: IncompleteRead, the agent exited 1): the request
     reached etcd, so it is an ambiguous unavailability the caller retries, never fatal."""
-    from agents.etcd_endpoints import HttpTransport
-    from testbed.fake_http import TruncatingServer
+    from ftrain.agents.etcd_endpoints import HttpTransport
+    from ftrain.testbed.fake_http import TruncatingServer
 
     transport = HttpTransport()
     try:

@@ -10,8 +10,8 @@ import typing
 
 import pytest
 
-from contract import events as ev
-from testbed.procs import REPO
+from ftrain.contract import events as ev
+from ftrain.testbed.procs import REPO
 
 SAMPLES = {int: 3, float: 1.5, str: "x", bool: True}
 

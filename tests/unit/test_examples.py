@@ -12,11 +12,11 @@ import subprocess
 
 import pytest
 
-from agents.launch import agent_command
-from chaos.cluster import FAST_AGENT_OPTIONS, Cluster
-from contract.config import ConfigError
-from testbed.jobs import TINY_CONFIG
-from testbed.procs import REPO
+from ftrain.agents.launch import agent_command
+from ftrain.chaos.cluster import FAST_AGENT_OPTIONS, Cluster
+from ftrain.contract.config import ConfigError
+from ftrain.testbed.jobs import TINY_CONFIG
+from ftrain.testbed.procs import REPO
 from tests.script_support import load_script
 
 TEST_ONLY_OPTIONS = {"--events", *FAST_AGENT_OPTIONS[::2]}

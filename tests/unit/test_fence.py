@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from agents.agent_options import AgentOptions, write_client_file
-from agents.workers import Launch
-from contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
-from contract.worker_env import worker_environment
 from ftrain import fence
+from ftrain.agents.agent_options import AgentOptions, write_client_file
+from ftrain.agents.workers import Launch
+from ftrain.contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
+from ftrain.contract.worker_env import worker_environment
 from ftrain.fence import ClientSettings, EtcdRoundFence, FenceConfigError
 
 PASSWORD = "pw-do-not-leak"
@@ -118,8 +118,8 @@ def test_fence_without_client_file_uses_no_credentials() -> None:
 
 def test_a_reply_cut_short_moves_on_and_refuses_the_commit_naming_it() -> None:
     """A fence txn whose reply breaks off (etcd restarting) is an unreachable endpoint, not a crash."""
-    from checkpoint.errors import StaleRoundError
-    from testbed.fake_http import TruncatingServer
+    from ftrain.checkpoint.errors import StaleRoundError
+    from ftrain.testbed.fake_http import TruncatingServer
 
     with TruncatingServer() as server:
         f = EtcdRoundFence([server.endpoint], "/ftrain/jobs/j/round")

@@ -1,4 +1,4 @@
-"""``checkpoint.fetch``: each block once, verified before its bytes are handed out; files of
+"""``ftrain.checkpoint.fetch``: each block once, verified before its bytes are handed out; files of
 manifests without block digests whole."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import os
 
 import pytest
 
-import checkpoint.fetch as fetch
-from checkpoint.digest import BlockHasher, digest_bytes
-from checkpoint.errors import ChecksumMismatchError, ManifestError
-from checkpoint.fetch import fetch_files, pieces_for
-from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir_name
-from checkpoint.storage import Storage
+import ftrain.checkpoint.fetch as fetch
+from ftrain.checkpoint.digest import BlockHasher, digest_bytes
+from ftrain.checkpoint.errors import ChecksumMismatchError, ManifestError
+from ftrain.checkpoint.fetch import fetch_files, pieces_for
+from ftrain.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir_name
+from ftrain.checkpoint.storage import Storage
 from tests.unit.test_verify_catalog import write_step
 
 FILES = {"__0_0.distcp": os.urandom(10_000), "__1_0.distcp": os.urandom(7_001), ".metadata": b"m" * 50, "e": b""}

@@ -1,4 +1,4 @@
-"""Flight records (contract.flight) and the verdicts drawn from them (agents.flight_verdict):
+"""Flight records (ftrain.contract.flight) and the verdicts drawn from them (ftrain.agents.flight_verdict):
 decoding refuses what a worker directory could hold besides a record, and each verdict names
 the rank the records point at — including where they cannot tell."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, STUCK, Stall, analyze, from_events, from_stalls
-from contract import events as ev
-from contract.flight import MAX_ENTRIES, Collective, FlightRecord
+from ftrain.agents.flight_verdict import CULPRIT, DESYNC, NONE, SLOWEST, STUCK, Stall, analyze, from_events, from_stalls
+from ftrain.contract import events as ev
+from ftrain.contract.flight import MAX_ENTRIES, Collective, FlightRecord
 
 T0 = 1_000.0
 

@@ -1,4 +1,4 @@
-"""A flight record read from a worker directory (contract.flight.FlightRecord.decode) is untrusted
+"""A flight record read from a worker directory (ftrain.contract.flight.FlightRecord.decode) is untrusted
 text that ends up in logs and terminals: a name with a control character (an escape sequence that
 rewrites the terminal, a newline that forges a log line) and a document nested past the parser's
 depth are refused as ValueError, the one error the agent turns into a reason, never a crash."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from contract.flight import FlightRecord
+from ftrain.contract.flight import FlightRecord
 
 
 def _record(**entry: object) -> dict:
@@ -21,7 +21,7 @@ def _record(**entry: object) -> dict:
     ("entry", "named"),
     [
         ({"op": "gloo:all_reduce\x1b[2J\x1b[Hrank 3 is the culprit"}, "entries[0].op"),
-        ({"group": "0\nERROR agents.agent: forged"}, "entries[0].group"),
+        ({"group": "0\nERROR ftrain.agents.agent: forged"}, "entries[0].group"),
         ({"dtypes": ["Float\x9b31m"]}, "entries[0].dtypes"),
     ],
 )

@@ -1,6 +1,6 @@
 """The flight recorder's socket against what any local process can do to it, with real sockets
 and real processes (tests/unit/flight_socket_worker.py is the worker; this test process is its
-agent: ``FTRAIN_AGENT_PID`` is our pid, and ``agents.flight.collect`` asks as the agent does):
+agent: ``FTRAIN_AGENT_PID`` is our pid, and ``ftrain.agents.flight.collect`` asks as the agent does):
 
 - a process that took the worker's abstract name first does not stop the worker: it trains on
   without a recorder and says so once;
@@ -29,11 +29,11 @@ from typing import Any
 
 import pytest
 
-from agents.flight import collect
-from contract.flight import FlightRecord, record_path, socket_name
 from ftrain import flight_gate
-from testbed.procs import REPO, kill_tree, quiet_env
-from testbed.wait import wait_for
+from ftrain.agents.flight import collect
+from ftrain.contract.flight import FlightRecord, record_path, socket_name
+from ftrain.testbed.procs import REPO, kill_tree, quiet_env
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -226,7 +226,7 @@ def test_a_kept_record_restamped_decodes_with_the_new_nonce_and_nothing_else_cha
 
 @pytest.mark.parametrize("planted", ["fifo", "symlink"])
 def test_the_agent_refuses_a_fifo_or_a_link_planted_as_a_record_instead_of_waiting_on_it(tmp_path, planted):
-    from agents.flight import _read  # noqa: PLC2701 - the read every collect ends with
+    from ftrain.agents.flight import _read  # noqa: PLC2701 - the read every collect ends with
 
     path = Path(record_path(str(tmp_path), 4242))
     if planted == "fifo":

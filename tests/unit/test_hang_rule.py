@@ -1,4 +1,4 @@
-"""The hang rule for collectives (agents.supervision), on a fake clock: a rank inside one
+"""The hang rule for collectives (ftrain.agents.supervision), on a fake clock: a rank inside one
 collective for over the hang timeout, with no step beat meanwhile, is hung in any phase —
 unless somebody in its round still makes progress (a sibling, or another member by its status);
 and what the agent does about it (the judge), and the in-flight fields of the "alive" datagram."""
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from agents.heartbeat import Beat, _after_alive, parse_beat
-from agents.records import FROZEN, NO_PROGRESS, WAITING, NodeStatus, RankStall
-from agents.status import stalled_line
-from agents.supervision import (
+from ftrain.agents.heartbeat import Beat, _after_alive, parse_beat
+from ftrain.agents.records import FROZEN, NO_PROGRESS, WAITING, NodeStatus, RankStall
+from ftrain.agents.status import stalled_line
+from ftrain.agents.supervision import (
     FROZEN_AFTER_S,
     STATUS_FRESH_S,
     collective_hangs,
@@ -22,7 +22,7 @@ from agents.supervision import (
     member_moving,
     stalls,
 )
-from contract.heartbeat import MAX_IN_FLIGHT_CHARS, Message
+from ftrain.contract.heartbeat import MAX_IN_FLIGHT_CHARS, Message
 
 H = 5.0  #: hang_timeout_s
 START = 60.0  #: start_timeout_s

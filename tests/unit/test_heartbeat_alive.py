@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from agents.heartbeat import Beat, HeartbeatServer
-from agents.supervision import hung_ranks
-from testbed.wait import wait_for
+from ftrain.agents.heartbeat import Beat, HeartbeatServer
+from ftrain.agents.supervision import hung_ranks
+from ftrain.testbed.wait import wait_for
 
 WORKER = """
 import sys, time

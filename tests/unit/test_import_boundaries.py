@@ -5,38 +5,54 @@ the layers listed for it; there are no per-file exemptions.
 
 | layer | modules | may import |
 |---|---|---|
-| contract | `contract` | the standard library |
-| checkpoint | `checkpoint` | contract (+ torch, fsspec, ...) |
+| contract | `ftrain.contract` | the standard library |
+| checkpoint | `ftrain.checkpoint` | contract (+ torch, fsspec, ...) |
 | runtime | `ftrain` | contract, checkpoint (+ torch, numpy) |
-| agents | `agents` | contract (never torch) |
-| torchrun plugin | `agents.torchrun_rdzv` (loaded by torchrun, in its process) | contract, agents, torch |
-| testbed | `testbed` | contract, agents, checkpoint |
-| chaos | `chaos` | everything below the CLI |
+| agents | `ftrain.agents` | contract (never torch) |
+| torchrun plugin | `ftrain.torchrun_plugin`, `ftrain.agents.torchrun_rdzv` (see below) | contract, agents, torch |
+| testbed | `ftrain.testbed` | contract, agents, checkpoint |
+| chaos | `ftrain.chaos` | everything below the CLI |
 | cli | `ftrain.cli`, `ftrain.__main__` | everything |
+
+torch imports ``ftrain.torchrun_plugin`` (the entry point) in every process that imports its
+rendezvous package; that module imports the backend, ``ftrain.agents.torchrun_rdzv``, only when
+torchrun asks for the ``etcd-v3`` handler, in torchrun's process.
+
+The checkout keeps ``agents/``, ``checkpoint/``, ``chaos/``, ``contract/`` and ``testbed/`` at its
+top; ``ftrain/<name>`` links to each (one import namespace: see pyproject.toml).
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
-from testbed.jobs import TINY_CONFIG, worker_env
-from testbed.procs import REPO
+from ftrain.testbed.jobs import TINY_CONFIG, worker_env
+from ftrain.testbed.procs import REPO
 
-PACKAGES = ("contract", "checkpoint", "ftrain", "agents", "testbed", "chaos")
+#: folder of the checkout -> the package it is imported as
+PACKAGES = {
+    "contract": "ftrain.contract",
+    "checkpoint": "ftrain.checkpoint",
+    "ftrain": "ftrain",
+    "agents": "ftrain.agents",
+    "testbed": "ftrain.testbed",
+    "chaos": "ftrain.chaos",
+}
 LAYER_OF = {
-    "contract": "contract",
-    "checkpoint": "checkpoint",
+    "ftrain.contract": "contract",
+    "ftrain.checkpoint": "checkpoint",
     "ftrain": "runtime",
     "ftrain.cli": "cli",
     "ftrain.__main__": "cli",
-    "agents": "agents",
-    "agents.torchrun_rdzv": "torchrun plugin",
-    "testbed": "testbed",
-    "chaos": "chaos",
+    "ftrain.agents": "agents",
+    "ftrain.torchrun_plugin": "torchrun plugin",
+    "ftrain.agents.torchrun_rdzv": "torchrun plugin",
+    "ftrain.testbed": "testbed",
+    "ftrain.chaos": "chaos",
 }
 MAY_IMPORT = {
     "contract": set(),
@@ -63,10 +79,17 @@ def layer_of(module: str) -> str | None:
     return None
 
 
-def _module_name(path: Path, repo: Path) -> str:
-    rel = path.relative_to(repo).with_suffix("")
+def _module_name(path: Path, folder: Path, package: str) -> str:
+    rel = path.relative_to(folder).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
+    return ".".join([package, *parts])
+
+
+def _sources(folder: Path) -> list[Path]:
+    """The .py files under ``folder``, never through a link (``ftrain/agents`` is ``agents/``)."""
+    return sorted(
+        Path(root) / name for root, _, files in os.walk(folder) for name in files if name.endswith(".py")
+    )  # os.walk does not descend into a link
 
 
 def _imports(path: Path, module: str) -> list[tuple[int, str]]:
@@ -88,9 +111,9 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
 
 def violations(repo: Path = REPO) -> list[str]:
     bad = []
-    for package in PACKAGES:
-        for path in sorted((repo / package).rglob("*.py")):
-            module = _module_name(path, repo)
+    for folder, package in PACKAGES.items():
+        for path in _sources(repo / folder):
+            module = _module_name(path, repo / folder, package)
             layer = layer_of(module)
             assert layer is not None, module
             for lineno, name in _imports(path, module):
@@ -113,33 +136,35 @@ def test_rule_checker_catches_violations(tmp_path):
     for package in PACKAGES:
         (tmp_path / package).mkdir()
     (tmp_path / "checkpoint" / "bad.py").write_text("def f():\n    from ftrain.train import train\n")
-    (tmp_path / "ftrain" / "worker.py").write_text("import agents.agent\n")
+    (tmp_path / "ftrain" / "worker.py").write_text("import ftrain.agents.agent\n")
     (tmp_path / "agents" / "x.py").write_text("from . import y\nimport torch.nn\n")
     (tmp_path / "contract" / "env.py").write_text("import requests\n")
     assert violations(tmp_path) == [
         "contract/env.py:1 imports requests (the contract is standard library only)",
         "checkpoint/bad.py:2 imports ftrain.train (layer checkpoint may not import layer runtime)",
-        "ftrain/worker.py:1 imports agents.agent (layer runtime may not import layer agents)",
+        "ftrain/worker.py:1 imports ftrain.agents.agent (layer runtime may not import layer agents)",
         "agents/x.py:2 imports torch.nn (layer agents may not import torch)",
     ]
 
 
-def test_every_package_is_mapped_to_a_layer():
+def test_every_package_is_mapped_to_a_layer_and_imported_inside_ftrain():
     on_disk = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "bench", "scripts"}
     assert on_disk == set(PACKAGES)
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    assert not any((purelib / p).is_dir() for p in PACKAGES if p != "ftrain"), (
-        "a name collides with an installed package"
-    )
+    for folder, package in PACKAGES.items():
+        assert layer_of(package) is not None, package
+        if folder != "ftrain":
+            link = REPO / "ftrain" / folder
+            assert link.is_symlink() and link.resolve() == (REPO / folder).resolve(), f"{link} must link to {folder}/"
 
 
 def test_agents_and_data_import_without_torch():
     """The agent must start fast and outlive worker crashes; the data package is numpy-only."""
     code = (
-        "import sys, pkgutil, importlib, agents, ftrain.data, contract\n"
+        "import sys, pkgutil, importlib, ftrain.data, ftrain.torchrun_plugin\n"
+        "import ftrain.agents as agents, ftrain.contract as contract\n"
         "for pkg in (agents, contract):\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-        "        if m.name != 'agents.torchrun_rdzv':\n"
+        "        if m.name != 'ftrain.agents.torchrun_rdzv':\n"
         "            importlib.import_module(m.name)\n"
         "print('torch' in sys.modules)"
     )
@@ -173,7 +198,7 @@ def test_a_worker_loads_no_agent_chaos_or_testbed_code(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = {line.rpartition("|")[2].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
-    assert "ftrain.train" in loaded and "checkpoint.manager" in loaded  # the log is the real thing
+    assert "ftrain.train" in loaded and "ftrain.checkpoint.manager" in loaded  # the log is the real thing
     assert (
         sorted(
             m

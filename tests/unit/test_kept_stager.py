@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from checkpoint.staging import new_stager, stager_reusable
+from ftrain.checkpoint.staging import new_stager, stager_reusable
 
 
 def _state(step: int) -> dict:

@@ -1,4 +1,4 @@
-"""agents.leader.decide: when the leader forms a round, with whom, and when the job is over
+"""ftrain.agents.leader.decide: when the leader forms a round, with whom, and when the job is over
 (the pipeline layouts' rounds and the stragglers: test_leader_layouts_and_stragglers.py).
 
 Each test keeps a job's etcd contents in a :class:`~tests.leader_support.FakeJob`, reads it back
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from agents.leader import Finish, FormRound, LeaderMemory, Policy, Wait, decide
-from agents.records import (
+from ftrain.agents.leader import Finish, FormRound, LeaderMemory, Policy, Wait, decide
+from ftrain.agents.records import (
     BAD_RECORD,
     FAILED,
     FATAL,

@@ -1,15 +1,15 @@
-"""agents.leader: the node counts a pipeline layout can use, and stragglers (compared within
+"""ftrain.agents.leader: the node counts a pipeline layout can use, and stragglers (compared within
 the stages a node runs). The fake etcd is tests/leader_support.py's."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from agents.agent_status import STATUS_INTERVAL_S
-from agents.config import agent_flags, settings_of_flags
-from agents.heartbeat import BusyWindow
-from agents.leader import SLOWDOWN_MARGIN, STRAGGLER_LAG_S, Policy, Wait, decide, slowdown_flagged
-from agents.records import SCALE_UP
+from ftrain.agents.agent_status import STATUS_INTERVAL_S
+from ftrain.agents.config import agent_flags, settings_of_flags
+from ftrain.agents.heartbeat import BusyWindow
+from ftrain.agents.leader import SLOWDOWN_MARGIN, STRAGGLER_LAG_S, Policy, Wait, decide, slowdown_flagged
+from ftrain.agents.records import SCALE_UP
 from tests.leader_support import POLICY, T0, busy, form, running_job
 
 

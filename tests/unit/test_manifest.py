@@ -7,9 +7,9 @@ import json
 import pytest
 import xxhash
 
-from checkpoint.digest import ALGORITHMS, digest_bytes, digest_stream, new_hasher
-from checkpoint.errors import ManifestError
-from checkpoint.manifest import (
+from ftrain.checkpoint.digest import ALGORITHMS, digest_bytes, digest_stream, new_hasher
+from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.manifest import (
     CORRUPT_NAME,
     FORMAT_VERSION,
     HMAC_DOMAIN,

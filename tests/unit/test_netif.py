@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agents.netif import GLOO_IFNAME, collective_interface, interface_of
+from ftrain.agents.netif import GLOO_IFNAME, collective_interface, interface_of
 
 
 def test_the_interface_holding_an_address_is_found():
@@ -19,7 +19,7 @@ def test_workers_are_told_an_interface_only_for_a_non_loopback_address_that_one_
 
 
 def test_an_interface_the_operator_named_wins(monkeypatch):
-    import agents.netif as netif
+    import ftrain.agents.netif as netif
 
     monkeypatch.setattr(netif, "interface_of", lambda address: "eth0")
     assert collective_interface("198.18.0.4") == {GLOO_IFNAME: "eth0"}

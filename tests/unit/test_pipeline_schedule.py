@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from contract.config import ConfigError
+from ftrain.contract.config import ConfigError
 from ftrain.pipeline_schedule import (
     actions,
     bubble_fraction,

@@ -3,7 +3,7 @@ commands are the ones CI and users run."""
 
 from __future__ import annotations
 
-from testbed.procs import REPO
+from ftrain.testbed.procs import REPO
 from tests.script_support import load_script
 
 

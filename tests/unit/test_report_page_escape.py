@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from chaos.report import render_html
 from ftrain import report_page
+from ftrain.chaos.report import render_html
 from ftrain.run_report import build
 
 html5lib = pytest.importorskip(

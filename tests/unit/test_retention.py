@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint.catalog import StepInfo, list_steps
-from checkpoint.manifest import MANIFEST_NAME, step_dir_name
-from checkpoint.retention import (
+from ftrain.checkpoint.catalog import StepInfo, list_steps
+from ftrain.checkpoint.manifest import MANIFEST_NAME, step_dir_name
+from ftrain.checkpoint.retention import (
     GcGuard,
     GcPlan,
     GcStop,
@@ -24,7 +24,7 @@ from checkpoint.retention import (
     modified_times,
     plan_gc,
 )
-from checkpoint.storage import Storage
+from ftrain.checkpoint.storage import Storage
 from tests.unit.test_verify_catalog import run_cli, write_step
 
 NOW = 1_000_000.0

@@ -12,7 +12,7 @@ import pytest
 
 from ftrain.browser import dump_dom, find_browser
 from ftrain.run_report import CAUSES, build, collect, write
-from testbed.procs import REPO, quiet_env
+from ftrain.testbed.procs import REPO, quiet_env
 
 T0 = 1_000.0
 

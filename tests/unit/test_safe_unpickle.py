@@ -24,20 +24,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata
-from checkpoint.dcp_write import DigestingWriter
-from checkpoint.digest import digest_bytes
-from checkpoint.errors import (
+from ftrain.checkpoint.dcp_read import METADATA_NAME, VerifiedReader, load_metadata
+from ftrain.checkpoint.dcp_write import DigestingWriter
+from ftrain.checkpoint.digest import digest_bytes
+from ftrain.checkpoint.errors import (
     ChecksumMismatchError,
     FatalStorageError,
     TransientStorageError,
     UnsafeMetadataError,
     UnsafePickleError,
 )
-from checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir_name
-from checkpoint.safe_pickle import SafeLoadPlanner, load_bytes_item, metadata_problems, reference_problem
-from checkpoint.storage import Storage, StorageOptions
-from checkpoint.verify import CORRUPTION_KINDS, check_metadata_safe, check_pickled_items, verify_step
+from ftrain.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir_name
+from ftrain.checkpoint.safe_pickle import SafeLoadPlanner, load_bytes_item, metadata_problems, reference_problem
+from ftrain.checkpoint.storage import Storage, StorageOptions
+from ftrain.checkpoint.verify import CORRUPTION_KINDS, check_metadata_safe, check_pickled_items, verify_step
 
 DIRNAME = step_dir_name(1)
 OPTIM_VALUES = {

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from contract.heartbeat import STEP_PHASES, Message
+from ftrain.contract.heartbeat import STEP_PHASES, Message
 from ftrain.step_phases import StepPhases
 
 

@@ -14,13 +14,13 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 from s3fs.errors import translate_boto_error
 
-from checkpoint.backends import backend_for, collect, registered_backends
-from checkpoint.backends.generic import FsspecBackend
-from checkpoint.backends.local import LocalBackend
-from checkpoint.backends.s3 import S3Backend
-from checkpoint.errors import CheckpointError, FatalStorageError, TransientStorageError
-from checkpoint.storage import Storage, StorageOptions, classify
-from testbed.procs import REPO
+from ftrain.checkpoint.backends import backend_for, collect, registered_backends
+from ftrain.checkpoint.backends.generic import FsspecBackend
+from ftrain.checkpoint.backends.local import LocalBackend
+from ftrain.checkpoint.backends.s3 import S3Backend
+from ftrain.checkpoint.errors import CheckpointError, FatalStorageError, TransientStorageError
+from ftrain.checkpoint.storage import Storage, StorageOptions, classify
+from ftrain.testbed.procs import REPO
 
 
 def client_error(code: str = "", status: int = 400, op: str = "PutObject") -> ClientError:
@@ -163,7 +163,7 @@ def test_transient_errors_retried_until_success(tmp_path, caplog):
     fn = Flaky(
         ConnectionRefusedError(errno.ECONNREFUSED, "refused"), client_error("SlowDown", 503), client_error("", 500)
     )
-    with caplog.at_level(logging.WARNING, logger="checkpoint.storage"):
+    with caplog.at_level(logging.WARNING, logger="ftrain.checkpoint.storage"):
         assert storage.retry(fn, "op") == "ok"
     assert fn.calls == 4
     assert len(sleep.calls) == 3
@@ -314,14 +314,14 @@ def test_options_ask_the_backend_for_fsspec_kwargs():
 
 
 def _module(name: str, backend: type | None = None) -> ModuleType:
-    module = ModuleType(f"checkpoint.backends.{name}")
+    module = ModuleType(f"ftrain.checkpoint.backends.{name}")
     if backend is not None:
         module.BACKEND = backend  # type: ignore[attr-defined]
     return module
 
 
 def test_collect_refuses_a_module_without_backend():
-    with pytest.raises(CheckpointError, match="checkpoint.backends.helpers defines no BACKEND"):
+    with pytest.raises(CheckpointError, match="ftrain.checkpoint.backends.helpers defines no BACKEND"):
         collect([_module("generic", FsspecBackend), _module("helpers")])
 
 

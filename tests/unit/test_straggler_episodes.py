@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from agents.leader import LeaderMemory, Straggler
-from contract.events import read_jsonl
+from ftrain.agents.leader import LeaderMemory, Straggler
+from ftrain.contract.events import read_jsonl
 from tests.unit.test_agent_mixins import _agent
 
 

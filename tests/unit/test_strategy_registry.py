@@ -16,7 +16,7 @@ import pytest
 from ftrain import strategies
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, load_config
 from ftrain.strategies import STRATEGIES, Layout, Strategy, Wrapper, compute_layout
-from testbed.procs import REPO
+from ftrain.testbed.procs import REPO
 
 BUILTIN = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from checkpoint.errors import CheckpointError
-from checkpoint.manifest import FileEntry, Manifest
+from ftrain.checkpoint.errors import CheckpointError
+from ftrain.checkpoint.manifest import FileEntry, Manifest
 from ftrain.tier_binding import (
     Binding,
     agree_run_id,
@@ -144,7 +144,7 @@ def test_the_ranks_of_a_round_agree_on_one_run_id():
 
 @pytest.mark.parametrize("bad", ["x" * 201, "a\nb", " a"])
 def test_an_unusable_run_id_variable_stops_the_worker_naming_it(bad):
-    from contract.worker_env import WorkerEnv, WorkerEnvError
+    from ftrain.contract.worker_env import WorkerEnv, WorkerEnvError
 
     with pytest.raises(WorkerEnvError, match="FTRAIN_RUN_ID"):
         WorkerEnv.from_env({"FTRAIN_RUN_ID": bad})

@@ -8,9 +8,9 @@ import stat
 
 import pytest
 
-from checkpoint.digest import digest_bytes
-from checkpoint.manifest import FileEntry, Manifest
-from contract.local_files import UnsafeLocalDirError
+from ftrain.checkpoint.digest import digest_bytes
+from ftrain.checkpoint.manifest import FileEntry, Manifest
+from ftrain.contract.local_files import UnsafeLocalDirError
 from ftrain.tier_binding import Binding
 from ftrain.tier_store import MANIFEST_FILE, DirFiles, Snapshot, TierStore
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from checkpoint.errors import FatalStorageError, TransientStorageError
-from checkpoint.storage import Storage, StorageOptions
-from testbed.wait import wait_for
+from ftrain.checkpoint.errors import FatalStorageError, TransientStorageError
+from ftrain.checkpoint.storage import Storage, StorageOptions
+from ftrain.testbed.wait import wait_for
 
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part
@@ -215,7 +215,7 @@ def test_a_transient_part_error_retries_that_part_only(fake, sleep, caplog):
     fake.part_hook = flaky
     storage = s3_storage(fake, sleep)
     data = os.urandom(3 * PART + 1)
-    with caplog.at_level(logging.WARNING, logger="checkpoint.storage"):
+    with caplog.at_level(logging.WARNING, logger="ftrain.checkpoint.storage"):
         with storage.open_upload("big") as upload:
             write_all(upload, data)
     assert fake.objects["run/big"] == data
@@ -295,7 +295,7 @@ def test_a_completion_whose_reply_was_lost_is_not_a_failure(fake, sleep):
 def test_an_abort_that_fails_is_logged_not_raised(fake, sleep, caplog):
     fake.abort_error = PermissionError("AccessDenied")
     storage = s3_storage(fake, sleep)
-    with caplog.at_level(logging.WARNING, logger="checkpoint.backends.s3"):
+    with caplog.at_level(logging.WARNING, logger="ftrain.checkpoint.backends.s3"):
         with pytest.raises(RuntimeError, match="writer failed"):
             with storage.open_upload("big") as upload:
                 write_all(upload, os.urandom(2 * PART))
@@ -342,7 +342,7 @@ def test_local_upload_that_fails_leaves_nothing(tmp_path: Path):
 
 
 def test_local_commit_that_fails_after_the_rename_leaves_nothing(tmp_path: Path, monkeypatch):
-    import checkpoint.backends.local as local
+    import ftrain.checkpoint.backends.local as local
 
     def failing_fsync_dir(path: str) -> None:
         raise OSError("fsync failed")

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint.catalog import committed_before, fallback_order, list_steps, newest_committed, read_manifest
-from checkpoint.digest import digest_bytes
-from checkpoint.errors import ManifestError
-from checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, step_dir_name
-from checkpoint.storage import Storage
-from checkpoint.verify import Problem, mark_corrupt, split_files, verify_files, verify_step
+from ftrain.checkpoint.catalog import committed_before, fallback_order, list_steps, newest_committed, read_manifest
+from ftrain.checkpoint.digest import digest_bytes
+from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, FileEntry, Manifest, step_dir_name
+from ftrain.checkpoint.storage import Storage
+from ftrain.checkpoint.verify import Problem, mark_corrupt, split_files, verify_files, verify_step
 from ftrain.cli.ckpt import add_parsers as add_ckpt_parser
 
 KEY = b"test-hmac-key"

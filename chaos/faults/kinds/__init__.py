@@ -1,5 +1,5 @@
-"""One module per fault kind, named after the kind; each registers its :class:`~chaos.faults.registry.Fault`
-in :data:`~chaos.faults.registry.FAULTS`. Importing this package imports (and so registers) every
+"""One module per fault kind, named after the kind; each registers its :class:`~ftrain.chaos.faults.registry.Fault`
+in :data:`~ftrain.chaos.faults.registry.FAULTS`. Importing this package imports (and so registers) every
 module in it: a new kind is a new module here, nothing else."""
 
 from __future__ import annotations

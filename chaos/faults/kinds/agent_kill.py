@@ -9,13 +9,13 @@ import signal
 import time
 from typing import Any
 
-from agents.etcd import EtcdClient
-from agents.records import JobKeys
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_node, send_signal
-from contract import events as ev
-from testbed.wait import wait_for
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_node, send_signal
+from ftrain.contract import events as ev
+from ftrain.testbed.wait import wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

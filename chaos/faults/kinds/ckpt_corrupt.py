@@ -9,12 +9,12 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from chaos.corrupt import MODES, corrupt_step
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, round_workers, send_signal
-from checkpoint.catalog import list_steps, newest_committed
-from testbed.wait import wait_for
+from ftrain.chaos.corrupt import MODES, corrupt_step
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_worker, round_workers, send_signal
+from ftrain.checkpoint.catalog import list_steps, newest_committed
+from ftrain.testbed.wait import wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from typing import Any
 
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_node
-from testbed.procs import quiet_env
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_node
+from ftrain.testbed.procs import quiet_env
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -10,13 +10,13 @@ import signal
 import time
 from typing import Any
 
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, round_workers, send_signal
-from chaos.faults.windows import with_slow_storage
-from contract import events as ev
-from contract.events import Event
-from testbed.wait import wait_for
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_worker, round_workers, send_signal
+from ftrain.chaos.faults.windows import with_slow_storage
+from ftrain.contract import events as ev
+from ftrain.contract.events import Event
+from ftrain.testbed.wait import wait_for
 
 
 def _loading(ctx: Context, after: float) -> bool:

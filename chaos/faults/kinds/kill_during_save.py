@@ -7,12 +7,12 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, send_signal
-from chaos.faults.windows import with_slow_storage
-from contract.events import Event
-from testbed.wait import wait_for
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_worker, send_signal
+from ftrain.chaos.faults.windows import with_slow_storage
+from ftrain.contract.events import Event
+from ftrain.testbed.wait import wait_for
 
 
 def _in_flight_upload(ctx: Context) -> int | None:

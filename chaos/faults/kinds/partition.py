@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.faults.cuts import held, target
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.cuts import held, target
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

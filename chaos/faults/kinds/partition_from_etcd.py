@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.faults.cuts import cut_off_from, target
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.hosts import ETCD_HOSTS
+from ftrain.chaos.faults.cuts import cut_off_from, target
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.hosts import ETCD_HOSTS
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

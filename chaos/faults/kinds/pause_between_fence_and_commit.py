@@ -13,15 +13,15 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from agents.records import JobKeys
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultError, FaultSpec
-from chaos.faults.targets import continue_process, is_stopped, send_signal
-from checkpoint.catalog import list_steps
-from contract import events as ev
-from contract.events import Event
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
+from ftrain.chaos.faults.targets import continue_process, is_stopped, send_signal
+from ftrain.checkpoint.catalog import list_steps
+from ftrain.contract import events as ev
+from ftrain.contract.events import Event
 from ftrain.fence import EtcdRoundFence
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 
 def _armed(spec: FaultSpec) -> tuple[int, int]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.s3proxy import FaultRates
-from contract import events as ev
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.s3proxy import FaultRates
+from ftrain.contract import events as ev
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

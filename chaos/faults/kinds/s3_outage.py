@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.windows import outage
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.windows import outage
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.faults.cuts import held, target
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.hosts import S3_HOST
+from ftrain.chaos.faults.cuts import held, target
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.hosts import S3_HOST
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import pick_worker, send_signal
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import pick_worker, send_signal
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

@@ -2,11 +2,11 @@
 ``run_s`` running) for ``duration_s``; it is always continued at the end. Slow is not dead: the
 job rides it out, and the leader must flag the node as a straggler (``straggler_detected``;
 under ``agent.on_straggler = evict`` it also leaves it out for a while) when the slowdown is one
-the agents' rule says they flag (:func:`agents.leader.slowdown_flagged`: its nominal factor
+the agents' rule says they flag (:func:`ftrain.agents.leader.slowdown_flagged`: its nominal factor
 ``(stop_s + run_s) / run_s`` and its length, against the job's straggler settings), and the
 node had peers the leader was judging it against when it began (and no longer looked slow from
 a slowdown just before: each slowdown is a straggler episode of its own). The fault's record says which
-(``detection_owed``, and ``why`` not); ``chaos.invariants.faults_handled`` holds the job to it.
+(``detection_owed``, and ``why`` not); ``ftrain.chaos.invariants.faults_handled`` holds the job to it.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import statistics
 import time
 from typing import Any
 
-from agents.config import settings_of_flags
-from agents.etcd import EtcdClient
-from agents.leader import Policy, slowdown_flagged
-from agents.records import JobKeys
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import current_round, pick_worker, running_nodes, send_signal
-from contract.events import Event
+from ftrain.agents.config import settings_of_flags
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.leader import Policy, slowdown_flagged
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import current_round, pick_worker, running_nodes, send_signal
+from ftrain.contract.events import Event
 from ftrain.heartbeat import process_gone
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 #: how long the fault waits for the leader to be judging the target against a peer
 JUDGED_WAIT_S = 30.0

@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agents.records import JobKeys
-from chaos.faults.registry import FAULTS, Fault, Outcome
-from chaos.faults.spec import Context, FaultSpec
-from chaos.faults.targets import current_round
-from contract.events import Event, read_jsonl
-from contract.worker_env import WorkerEnv
-from testbed.procs import quiet_env
-from testbed.wait import WaitTimeout, wait_for
+from ftrain.agents.records import JobKeys
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.targets import current_round
+from ftrain.contract.events import Event, read_jsonl
+from ftrain.contract.worker_env import WorkerEnv
+from ftrain.testbed.procs import quiet_env
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:

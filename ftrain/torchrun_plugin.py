@@ -2,7 +2,7 @@
 
 torch loads every installed rendezvous entry point whenever ``torch.distributed.elastic.rendezvous``
 is imported, in every process that imports it: each training worker among them. So the entry
-point is this tiny module, and the backend (:mod:`agents.torchrun_rdzv`, with its etcd client)
+point is this tiny module, and the backend (:mod:`ftrain.agents.torchrun_rdzv`, with its etcd client)
 is imported only when torchrun creates a handler, in the launcher.
 """
 
@@ -21,6 +21,6 @@ def handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
 
 
 def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    from agents.torchrun_rdzv import create_handler
+    from ftrain.agents.torchrun_rdzv import create_handler
 
     return create_handler(params)
