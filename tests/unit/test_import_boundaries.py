@@ -132,6 +132,19 @@ def test_every_module_respects_its_layer():
     assert violations() == []
 
 
+def test_nothing_imports_a_folder_by_its_bare_name():
+    """``import agents`` would find a user's own ``agents/`` first (under ``python -m``): every
+    import of the project, in its packages, tests, benches and scripts, goes through ``ftrain``."""
+    bare = set(PACKAGES) - {"ftrain"}
+    found = []
+    for top in (*PACKAGES, "tests", "bench", "scripts"):
+        for path in _sources(REPO / top):
+            for lineno, name in _imports(path, "tests.x"):  # relative imports stay within their package
+                if name.split(".")[0] in bare:
+                    found.append(f"{path.relative_to(REPO)}:{lineno} imports {name}: import ftrain.{name}")
+    assert found == []
+
+
 def test_rule_checker_catches_violations(tmp_path):
     for package in PACKAGES:
         (tmp_path / package).mkdir()
