@@ -59,6 +59,24 @@ def _targets(node: ast.AST, module: str, is_package: bool, known: set[str]) -> l
     return [f"{name}.{a.name}" if f"{name}.{a.name}" in known else name for a in node.names]
 
 
+def _type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node that can run: ``if TYPE_CHECKING:`` blocks (annotations only) are left out."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and _type_checking(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def graph(repo: Path = REPO) -> dict[str, set[str]]:
     """module -> the modules of the namespace it imports."""
     files = modules(repo)
@@ -66,7 +84,7 @@ def graph(repo: Path = REPO) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
+        for node in _runtime_nodes(tree):
             for target in _targets(node, module, path.name == "__init__.py", known):
                 while target and target not in known:  # ftrain.x.Y (a name in a module) -> ftrain.x
                     target = target.rpartition(".")[0]
