@@ -1,7 +1,7 @@
 """The agent's end of the flight recorder: ask this node's workers for their records.
 
 Each worker answers on an abstract Unix datagram socket named after its pid (see
-``ftrain.flight_recorder``) by writing ``<stack_dir>/<pid>.flight.json`` with the request's
+``ftrain.agent_link.flight_recorder``) by writing ``<stack_dir>/<pid>.flight.json`` with the request's
 nonce in it; :func:`collect` sends one request to every worker at once and waits, up to a
 deadline, for the answers of those that can answer. A stopped process (state T) is not waited
 for: it cannot run, and its silence names it. A file is untrusted input: it is read with a size

@@ -107,8 +107,8 @@ class Policy:
     straggler_factor: float  #: slow: busy per step this many times the other nodes' median
     straggler_after_s: float  #: slow this long without a break: a straggler
     straggler_rejoin_s: float  #: evict: how long an evicted node is kept out
-    #: not ``[agent]`` keys: the training config's say (``ftrain.pipeline_stages.pipeline_degrees``,
-    #: ``ftrain.strategies.fixed_tp_size``): a world size runs at the first pipeline degree whose
+    #: not ``[agent]`` keys: the training config's say (``ftrain.parallel.pipeline_stages.pipeline_degrees``,
+    #: ``ftrain.parallel.strategies.fixed_tp_size``): a world size runs at the first pipeline degree whose
     #: stages of ``fixed_tp_size``-rank groups tile it, and a size none tiles cannot run
     pipeline_degrees: tuple[int, ...] = (1,)
     fixed_tp_size: int = 1

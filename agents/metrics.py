@@ -5,7 +5,7 @@ reported (each worker process counts from zero; the agent adds what is new per r
 ``ftrain_checkpoint_consecutive_failures`` is the current run of failures (0 after a commit).
 
 ``ftrain_step_phase_seconds{rank, phase}``: where each of this node's ranks spent its newest
-step (``ftrain.step_phases``): a straggler has more ``data``/``forward``/``backward``, its
+step (``ftrain.observability.step_phases``): a straggler has more ``data``/``forward``/``backward``, its
 peers more ``comm_wait``.
 
 Productive time is the step time of steps this node had not completed before (the first time

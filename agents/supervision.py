@@ -114,7 +114,7 @@ def hung_ranks(
     return hung
 
 
-#: a worker's background thread says "alive" every second (``ftrain.heartbeat``) even while its
+#: a worker's background thread says "alive" every second (``ftrain.agent_link.heartbeat``) even while its
 #: main thread waits in a collective; silent this long, the process itself is frozen
 FROZEN_AFTER_S = 3.0
 

@@ -6,7 +6,7 @@ group would miss them; :meth:`WorkerGroup.kill` kills every PID it knows — tor
 descendants found in /proc plus the PIDs the workers announced in their heartbeats.
 
 torchrun itself gets a parent-death signal, and each worker runs a watchdog on the agent's PID
-(``ftrain.heartbeat``), so nothing of a round outlives an agent that is SIGKILLed.
+(``ftrain.agent_link.heartbeat``), so nothing of a round outlives an agent that is SIGKILLed.
 
 PIDs are signalled only while they still are what they were (:class:`PidTracker`): a PID is
 taken on only while it is a descendant of this round's torchrun, with its start time; it is

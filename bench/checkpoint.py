@@ -409,7 +409,7 @@ class Bench:
         stand for 2 nodes of 1), then a recovery: rank 1 comes back as a new process (its memory
         empty) and every rank restores from the tier, rank 1's shards from rank 0's copy."""
         from ftrain.config import load_config
-        from ftrain.memory_tier import MemoryTier
+        from ftrain.recovery.memory_tier import MemoryTier
 
         cfg = load_config(self.args.config, ["--checkpoint.memory_interval=1"])
         tier = MemoryTier(cfg)

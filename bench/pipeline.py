@@ -14,10 +14,10 @@ one-process run of the same job (no pipeline) is the baseline of the tokens/s ra
   included), the mean over ranks and measured steps. ``formula``: (P - 1) / (m + P - 1) for gpipe
   and 1f1b, (P - 1) / (V m + P - 1) for interleaved_1f1b with V chunks per rank (V = 2).
   ``sim``: a timeline of the same action orders with free messages and a backward twice a forward
-  (ftrain.pipeline_schedule.simulate).
+  (ftrain.parallel.pipeline_schedule.simulate).
 - ``peak``: each rank's peak RSS at the last step; ``plan``: ``ftrain plan``'s estimate for that
-  stage (ftrain.plan_pipeline.stage_estimates); ``err``: (plan - peak) / peak. Target: within 10%.
-  The estimate includes a per-process baseline (``ftrain.plan.CPU_BASELINE_BYTES``: torch, DCP,
+  stage (ftrain.planning.plan_pipeline.stage_estimates); ``err``: (plan - peak) / peak. Target: within 10%.
+  The estimate includes a per-process baseline (``ftrain.planning.plan.CPU_BASELINE_BYTES``: torch, DCP,
   gloo), a constant, while the resident pages of torch's libraries move with what else maps them
   (341-428 MB measured); so the bench also measures the machine's own (a one-rank run of a
   0.1M-parameter model, less its estimate without the baseline) and gives ``err here``: the error
@@ -93,8 +93,8 @@ def install_baseline(workdir: Path, *, env: dict[str, str], timeout_s: float) ->
     """This install's per-process baseline: a one-rank run of the tiny model, its peak less what
     ``ftrain plan`` estimates without its constant baseline; None if that run fails."""
     from ftrain.config import load_config
-    from ftrain.plan import CPU_BASELINE_BYTES
-    from ftrain.plan_pipeline import stage_estimates
+    from ftrain.planning.plan import CPU_BASELINE_BYTES
+    from ftrain.planning.plan_pipeline import stage_estimates
 
     tiny = workdir / "baseline"
     tiny.mkdir()
@@ -110,9 +110,9 @@ def install_baseline(workdir: Path, *, env: dict[str, str], timeout_s: float) ->
 def add_model(row: dict[str, Any], config_path: Path, micro_batches: int, baseline: int | None) -> None:
     """The formula, the simulation and ``ftrain plan``'s per-stage estimates beside a measured row."""
     from ftrain.config import load_config
-    from ftrain.pipeline_schedule import bubble_fraction, simulate
-    from ftrain.plan import CPU_BASELINE_BYTES
-    from ftrain.plan_pipeline import stage_estimates
+    from ftrain.parallel.pipeline_schedule import bubble_fraction, simulate
+    from ftrain.planning.plan import CPU_BASELINE_BYTES
+    from ftrain.planning.plan_pipeline import stage_estimates
 
     pp, schedule = row["pp"], row["schedule"]
     v = 2 if schedule == "interleaved_1f1b" else 1

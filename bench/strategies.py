@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ftrain.agents.workers import descendants
-from ftrain.strategies import STRATEGIES  # the registry's names; torch-free
+from ftrain.parallel.strategies import STRATEGIES  # the registry's names; torch-free
 
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise
 CORES_NOTE_THRESHOLD = 4
@@ -119,7 +119,7 @@ def torchrun_train(
     overrides: tuple[str, ...] = (),
 ) -> Job:
     """One ``torchrun --standalone -m ftrain train`` job; its processes are killed in ``finally``."""
-    from ftrain.metrics import read_metrics
+    from ftrain.observability.metrics import read_metrics
 
     metrics_path = workdir / f"metrics-{strategy.replace('+', '_')}-{nproc}.jsonl"
     metrics_path.unlink(missing_ok=True)  # the writer appends
@@ -204,7 +204,7 @@ def summarise(job: Job, warmup: int) -> dict[str, Any]:
 def plan_estimate(config_path: Path, strategy: str, nproc: int) -> int | None:
     """``ftrain plan``'s per-rank estimate for this job (CPU fp32, all ranks on one node)."""
     from ftrain.config import load_config
-    from ftrain.plan import Target, estimate, layout_for, model_stats
+    from ftrain.planning.plan import Target, estimate, layout_for, model_stats
 
     cfg = load_config(config_path, [f"--parallel.strategy={strategy}"])
     layout = layout_for(cfg, strategy, world_size=nproc, gpus_per_node=nproc)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
     from ftrain.config import load_config
-    from ftrain.plan import model_stats
+    from ftrain.planning.plan import model_stats
 
     spec = MODELS[args.model_size]
     env = worker_env(malloc_tuning=not args.no_malloc_tuning)

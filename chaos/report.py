@@ -1,7 +1,7 @@
 """The chaos report: ``report.json``, a self-contained ``report.html`` (the data is embedded and
 drawn by a small script into an SVG timeline: one lane per node and per rank, plus the faults
 and the step count) and ``report.png``, a screenshot of the page by headless Chromium when one is
-installed (:mod:`ftrain.browser`)."""
+installed (:mod:`ftrain.observability.browser`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ftrain.browser import dump_dom, find_browser, screenshot
-from ftrain.report_page import TIMELINE_JS, embed_json
+from ftrain.observability.browser import dump_dom, find_browser, screenshot
+from ftrain.observability.report_page import TIMELINE_JS, embed_json
 
 __all__ = ["dump_dom", "find_browser", "render_html", "screenshot", "write_report"]
 
@@ -114,7 +114,7 @@ document.body.setAttribute("data-rendered", lanes.length);
 
 def render_html(report: dict[str, Any]) -> str:
     """The page, its slots filled in one pass (a value that holds another slot's name stays
-    text): the title HTML-escaped, the data as :func:`ftrain.report_page.embed_json` embeds it
+    text): the title HTML-escaped, the data as :func:`ftrain.observability.report_page.embed_json` embeds it
     (a log field such as ``<!--<script>`` must not end the data block or swallow the script)."""
     slots = {
         "__TITLE__": html.escape(str(report["scenario"])),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.records import JobKeys
 from ftrain.chaos import invariants
 from ftrain.chaos.cluster import FAST_AGENT_OPTIONS, Cluster
@@ -29,7 +30,6 @@ from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.storage import Storage
 from ftrain.config import load_config
 from ftrain.contract.events import Event, EventLog
-from ftrain.fence import EtcdRoundFence
 from ftrain.testbed.procs import REPO, quiet_env
 from ftrain.testbed.wait import WaitTimeout, wait_for
 

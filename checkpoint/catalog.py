@@ -8,7 +8,7 @@ The listing plus each step's manifest are the truth (never the advisory ``latest
 - ``corrupt``: a manifest exists but fails any of that, or a ``corrupt.json`` marker is present;
 - ``uncommitted``: no manifest (a save in flight, or one that died); readers ignore it.
 
-Where commits are recorded in etcd (an agent's job: :mod:`ftrain.fence`), the reader passes the
+Where commits are recorded in etcd (an agent's job: :mod:`ftrain.agent_link.fence`), the reader passes the
 records (``recorded``: step -> SHA-256 of the manifest's bytes): the record is then the commit
 point, and a step whose stored manifest is not the recorded one is ``uncommitted`` too (a save
 that was fenced out after it stored its manifest, or one still committing). Without records

@@ -274,7 +274,7 @@ class Manifest:
     format: int = FORMAT_VERSION
     """Manifest format version."""
     run_id: str = ""
-    """The run that wrote it: memory-tier snapshots carry it (:mod:`ftrain.tier_binding`), so that a
+    """The run that wrote it: memory-tier snapshots carry it (:mod:`ftrain.recovery.tier_binding`), so that a
     snapshot left by another run of the same job is never resumed; "" in checkpoints (they are
     resumed across runs on purpose) and then left out of the JSON."""
 

@@ -2,7 +2,7 @@
 directory is made safe to write (fence checked, a committed step refused, a torn or foreign
 one cleared); after every file is stored, the manifest is written, and then the fence records
 the commit — atomically with its round check, where it keeps records (an agent's job:
-:mod:`ftrain.fence`); that record is then the commit point, else the manifest is.
+:mod:`ftrain.agent_link.fence`); that record is then the commit point, else the manifest is.
 
 Runs wherever DCP's coordinator runs (the training thread, a background thread, a background
 process), so :class:`StepPublisher` is picklable. Used by :class:`ftrain.checkpoint.manager.CheckpointManager`.
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class Fence(Protocol):
-    """The round fence of a job's commits (:class:`ftrain.fence.EtcdRoundFence`)."""
+    """The round fence of a job's commits (:class:`ftrain.agent_link.fence.EtcdRoundFence`)."""
 
     def check(self, round_: int) -> None:
         """StaleRoundError when ``round_`` is no longer the job's current round."""

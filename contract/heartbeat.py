@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = frozenset({"beat", "exit", "alive"})
-#: where a step's time goes on a rank (ftrain.step_phases), in the order they are shown
+#: where a step's time goes on a rank (ftrain.observability.step_phases), in the order they are shown
 STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "ckpt_staging", "other")
 #: a rank's time not spent waiting for its peers: a straggler has more of it (its peers wait for
 #: it in comm_wait instead)

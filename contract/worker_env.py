@@ -35,7 +35,7 @@ RUN_ID = "FTRAIN_RUN_ID"
 """This launch of the job (a run id), where the launcher knows one: the memory tier binds its
 snapshots in ``checkpoint.memory_dir`` to it, so that a later run of the same job never resumes
 from them. It must change when the job is started anew and stay the same while the job restarts
-its workers. Without it a worker uses what its launcher tells it (:mod:`ftrain.tier_binding`)."""
+its workers. Without it a worker uses what its launcher tells it (:mod:`ftrain.recovery.tier_binding`)."""
 
 ETCD_PASSWORD = "FTRAIN_ETCD_PASSWORD"
 """The etcd password of ``ftrain agent``/``status``/torchrun's ``etcd-v3`` (never a command line).

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ftrain import fence
+from ftrain.agent_link import fence
 from ftrain.checkpoint.errors import CheckpointError, ManifestError
 from ftrain.checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
@@ -37,7 +37,7 @@ from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import DataCursor, DataError
 from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear, maybe_pause_before_gc
-from ftrain.parallel import Parallel
+from ftrain.parallel.base import Parallel
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 from ftrain.checkpoint.config import CheckpointConfig
 from ftrain.contract import worker_env
 from ftrain.contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
-from ftrain.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeline_degrees, stage_blocks
-from ftrain.strategies import STRATEGIES
-from ftrain.strategies import check_config as _check_strategy_config
-from ftrain.strategies import check_parallel as _check_strategy_parallel
+from ftrain.parallel.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeline_degrees, stage_blocks
+from ftrain.parallel.strategies import STRATEGIES
+from ftrain.parallel.strategies import check_config as _check_strategy_config
+from ftrain.parallel.strategies import check_parallel as _check_strategy_parallel
 
 #: sections of the shared config file that other processes own (the node agent's)
 OTHER_SECTIONS = ("agent", "accounting")

@@ -1,7 +1,7 @@
 """Cross-replica consistency: ranks that must hold identical copies compare digests.
 
 Which ranks hold identical copies, and of what, is each strategy's rule
-(:meth:`ftrain.strategies.Strategy.replica_group` and ``replicated_tensors``): every rank under
+(:meth:`ftrain.parallel.strategies.Strategy.replica_group` and ``replicated_tensors``): every rank under
 ddp (and the fixed-order reduction), the parameters under zero1, each shard position across HSDP
 replicate groups, the replicated (non-DTensor) parameters of tensor-parallel ranks; fsdp, zero2
 and fsdp+tp hold only shards, so there is nothing to compare. A silent divergence (bit flip, a
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ftrain import strategies
-from ftrain.parallel import Parallel
+from ftrain.parallel import strategies
+from ftrain.parallel.base import Parallel
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Mismatch:
 
 def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:
     """(replica group key, tensors that must match within the group), or None if none: the
-    strategy's rule (:meth:`ftrain.strategies.Strategy.replica_group`)."""
+    strategy's rule (:meth:`ftrain.parallel.strategies.Strategy.replica_group`)."""
     layout = par.layout
     strategy = strategies.get(layout.strategy)
     group = strategy.replica_group(layout)

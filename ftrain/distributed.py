@@ -2,7 +2,7 @@
 
 ``init_distributed`` joins the process group torchrun describes in the environment (or a
 one-rank group when started without torchrun): NCCL on GPUs, gloo on CPU. Where a rank sits in
-the parallel layout is the strategy's to say (:func:`ftrain.strategies.compute_layout`).
+the parallel layout is the strategy's to say (:func:`ftrain.parallel.strategies.compute_layout`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ftrain import flight_recorder
+from ftrain.agent_link import flight_recorder
 from ftrain.config import ConfigError, ParallelConfig, TrainConfig
 
 log = logging.getLogger(__name__)

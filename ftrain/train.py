@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ftrain import flight_recorder, heartbeat, strategies
+from ftrain.agent_link import flight_recorder, heartbeat
 from ftrain.checkpoint.errors import CheckpointError
 from ftrain.checkpointing import Checkpointing, current_round
 from ftrain.config import Config
@@ -55,19 +55,21 @@ from ftrain.faults import (
     maybe_skip_collective,
     maybe_slow_down,
 )
-from ftrain.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.model import build_model, count_parameters
+from ftrain.observability.metrics import MetricsWriter, peak_memory_bytes
+from ftrain.observability.progress import Progress
+from ftrain.observability.step_phases import StepPhases
 from ftrain.optim import lr_at, peak_lr, set_lr
-from ftrain.parallel import Parallel, parallelize
+from ftrain.parallel import strategies
+from ftrain.parallel.base import Parallel
+from ftrain.parallel.parallelize import parallelize
 from ftrain.parallel.pipeline import PipelineParallel
-from ftrain.pipeline_stages import at_world
-from ftrain.progress import Progress
-from ftrain.step_phases import StepPhases
-from ftrain.strategies import compute_layout
+from ftrain.parallel.pipeline_stages import at_world
+from ftrain.parallel.strategies import compute_layout
 from ftrain.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
-    from ftrain.memory_tier import MemoryTier
+    from ftrain.recovery.memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +129,7 @@ def train(cfg: Config) -> TrainResult:
     trainer = None
     tier = None
     if cfg.checkpoint.memory_dir and cfg.checkpoint.memory_interval != 0:
-        from ftrain.memory_tier import MemoryTier
+        from ftrain.recovery.memory_tier import MemoryTier
 
         tier = MemoryTier(cfg, cfg.checkpoint.memory_dir)  # its snapshots there outlive this process
     try:
@@ -205,7 +207,7 @@ class Trainer:
         model = build_model(cfg.model)
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
-        self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.step_phases)
+        self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
         self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
         self.round = current_round()  #: the round this trainer was built for (a live worker builds one per round)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import signal
 
+from ftrain.agent_link.heartbeat import process_gone
 from ftrain.chaos.faults.spec import Context, FaultError
 from ftrain.contract.events import Event
-from ftrain.heartbeat import process_gone
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
 

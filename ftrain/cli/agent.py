@@ -9,7 +9,6 @@ import os
 import socket
 import sys
 
-from ftrain import strategies
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.assemble import build_agent
 from ftrain.agents.config import AgentConfig, option_name
@@ -17,7 +16,8 @@ from ftrain.agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenEr
 from ftrain.cli.config import load_job_config
 from ftrain.contract import exits
 from ftrain.contract.config import ConfigError
-from ftrain.pipeline_stages import pipeline_degrees
+from ftrain.parallel import strategies
+from ftrain.parallel.pipeline_stages import pipeline_degrees
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
-    from ftrain.plan_report import plan_report
+    from ftrain.planning.plan_report import plan_report
 
     memory_bytes = int(args.device_memory_gb * 2**30) if args.device_memory_gb else None
     print(

@@ -26,7 +26,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
-    from ftrain.run_report import build, collect, write
+    from ftrain.observability.run_report import build, collect, write
 
     run_dir = Path(args.run_dir)
     if not run_dir.exists():

@@ -1,5 +1,5 @@
 """``ftrain train``: the worker entry point (torchrun starts one per rank); ``ftrain worker``: a
-live worker (an agent under ``--recovery live`` starts it, see :mod:`ftrain.live`).
+live worker (an agent under ``--recovery live`` starts it, see :mod:`ftrain.recovery.live`).
 
 Imports the runtime only: the node agent and chaos are other processes.
 """
@@ -38,7 +38,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _cmd_worker(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
-    from ftrain.live import serve  # imported before any assignment: that is what makes a spare warm
+    from ftrain.recovery.live import serve  # imported before any assignment: that is what makes a spare warm
 
     return _run(lambda: serve(cfg))
 

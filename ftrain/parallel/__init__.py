@@ -1,57 +1,18 @@
-"""Torch-side parallelism: ``parallelize`` turns a CPU fp32 model into a :class:`Parallel` the
-way its strategy (:mod:`ftrain.strategies`) says.
+"""Parallelism: how one model is spread over the ranks of a round.
 
-The order is the same for every strategy and follows torchtitan: build the device mesh of the
-layout, tensor parallelism, activation checkpointing, data parallelism (DDP or FSDP2), then the
-optimizer and the :class:`Parallel` the train loop drives. The mechanisms strategies combine live
-beside this file: ``ddp.py`` (DDP, ZeRO-1), ``fsdp.py`` (FSDP2 ``fully_shard``), ``tp.py``
-(column/row splits), ``deterministic.py`` (the fixed-order reduction), ``grad_norm.py``
-(clipping across meshes).
+- :mod:`~ftrain.parallel.strategies`: one module per strategy (ddp, zero1, zero2, fsdp, hsdp, tp,
+  fsdp+tp), found by name: its config checks, layout, memory model and which mechanisms it uses.
+- the torch mechanisms strategies combine: :mod:`~ftrain.parallel.ddp` (DDP, ZeRO-1),
+  :mod:`~ftrain.parallel.fsdp` (FSDP2), :mod:`~ftrain.parallel.tp` (column/row splits),
+  :mod:`~ftrain.parallel.deterministic` (the fixed-order reduction),
+  :mod:`~ftrain.parallel.grad_norm` (clipping across meshes),
+  :mod:`~ftrain.parallel.activation_checkpointing`; :mod:`~ftrain.parallel.base` is the train
+  loop's handle on a model and its optimizer, and :mod:`~ftrain.parallel.parallelize` puts one
+  together.
+- pipelines: torch-free arithmetic of stages and schedules
+  (:mod:`~ftrain.parallel.pipeline_stages`, :mod:`~ftrain.parallel.pipeline_schedule`, which the
+  configuration checks and ``ftrain plan`` use) and the torch pipeline itself
+  (:mod:`~ftrain.parallel.pipeline`).
+
+This file imports nothing, so that the torch-free modules here stay torch-free to import.
 """
-
-from __future__ import annotations
-
-import torch
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
-
-from ftrain import strategies
-from ftrain.config import Config
-from ftrain.model import block_container
-from ftrain.optim import param_groups
-from ftrain.parallel.base import Parallel
-from ftrain.strategies import Layout
-
-__all__ = ["Parallel", "parallelize"]
-
-
-def checkpoint_blocks(model: nn.Module) -> None:
-    """Recompute each block's activations in its backward (``parallel.activation_checkpointing``)."""
-    blocks = block_container(model)
-    if blocks is None:
-        return
-    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))
-    for key in keys:
-        blocks[key] = checkpoint_wrapper(blocks[key])  # type: ignore[index]
-
-
-def parallelize(
-    model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, micro_per_step: int
-) -> Parallel:
-    if layout.pp_size > 1:
-        from ftrain.parallel.pipeline import build_pipeline
-
-        return build_pipeline(model, cfg, layout, device, compute_dtype, micro_per_step // layout.dp_size)
-    strategy = strategies.get(layout.strategy)
-    model = model.to(device)
-    mesh = None
-    if layout.mesh_shape is not None:
-        shape, names = layout.mesh_shape
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    strategy.apply_tensor_parallel(model, mesh)
-    if cfg.parallel.activation_checkpointing:
-        checkpoint_blocks(model)
-    model = strategy.apply_data_parallel(model, cfg.parallel, layout, mesh, device, compute_dtype)
-    optimizer = strategy.make_optimizer(param_groups(model, cfg.optim), cfg.optim)
-    return strategy.make_parallel(model, optimizer, layout, device, compute_dtype, micro_per_step)

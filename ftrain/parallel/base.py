@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ftrain.parallel.grad_norm import clip_grad_norm
-from ftrain.strategies import Layout
+from ftrain.parallel.strategies import Layout
 
 
 class Parallel:

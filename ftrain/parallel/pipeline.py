@@ -36,14 +36,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ftrain import strategies
 from ftrain.config import Config, ConfigError
 from ftrain.optim import param_groups
+from ftrain.parallel import strategies
+from ftrain.parallel.activation_checkpointing import checkpoint_blocks
 from ftrain.parallel.base import Parallel
 from ftrain.parallel.grad_norm import clip_grad_norm
-from ftrain.pipeline_schedule import check_micro_batches
-from ftrain.pipeline_stages import local_stages, stage_blocks, virtual_stages
-from ftrain.strategies import Layout, Wrapper
+from ftrain.parallel.pipeline_schedule import check_micro_batches
+from ftrain.parallel.pipeline_stages import local_stages, stage_blocks, virtual_stages
+from ftrain.parallel.strategies import Layout, Wrapper
 
 #: what a model needs for a pipeline: the built-in GPT's parts
 PARTS = ("tok_emb", "pos_emb", "blocks", "ln_f", "head")
@@ -124,8 +125,6 @@ def build_pipeline(
         kept.tp_plan = plan  # type: ignore[assignment]  # the whole model's plan, for the blocks kept
     strategy.apply_tensor_parallel(kept, inner)
     if parallel.activation_checkpointing:
-        from ftrain.parallel import checkpoint_blocks
-
         checkpoint_blocks(kept)
     chunks: list[nn.Module] = [PipelineModule(kept, blocks_of[s], first=s == 0, last=s == num_stages - 1) for s in mine]
     if strategy.wrapper is Wrapper.FSDP:
@@ -181,7 +180,7 @@ class PipelineParallel(Parallel):
             self.schedule = cls(stages[0], n_microbatches=accum, loss_fn=self._loss)
         self.last_bubble = 0.0  #: the last step: share of the schedule's time spent waiting on neighbours
         self._compute_s = 0.0  #: the step in progress: seconds in its stages' forward and backward chunks
-        self._phases: Any = None  #: the step in progress: where its times go (ftrain.step_phases)
+        self._phases: Any = None  #: the step in progress: where its times go (ftrain.observability.step_phases)
         for stage in stages:  # timed for good: the phases and the bubble of every step
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "forward")  # type: ignore[method-assign]
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "backward")  # type: ignore[method-assign]

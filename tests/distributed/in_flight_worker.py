@@ -2,7 +2,7 @@
 
 Both ranks fill the recorder with ``ENTRIES`` completed collectives; then rank 0 enqueues
 collectives that rank 1 joins only when rank 0 says so (through the store), and records what
-:func:`ftrain.flight_recorder.oldest_in_flight` says before, during and after, and again in a
+:func:`ftrain.agent_link.flight_recorder.oldest_in_flight` says before, during and after, and again in a
 second world of the same processes (live recovery's re-initialisation). Rank 0 writes
 ``<out>/in_flight.json``.
 """
@@ -23,8 +23,8 @@ os.environ["TORCH_FR_BUFFER_SIZE"] = str(ENTRIES)
 import torch  # noqa: E402 - after the recorder's setting
 import torch.distributed as dist  # noqa: E402
 
-from ftrain import flight_recorder  # noqa: E402
-from ftrain.flight_recorder import EXACT_AFTER_S, oldest_in_flight  # noqa: E402
+from ftrain.agent_link import flight_recorder  # noqa: E402
+from ftrain.agent_link.flight_recorder import EXACT_AFTER_S, oldest_in_flight  # noqa: E402
 
 
 def _until(predicate, what: str, timeout_s: float = 30.0, *, fail: bool = True) -> Any:

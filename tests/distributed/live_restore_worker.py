@@ -1,7 +1,7 @@
 """One rank of tests/distributed/test_live_restore.py (run under torchrun, 3 ranks, gloo).
 
 Trains 2 steps, then makes up what each rank holds after a failure (the scenario) and runs
-:func:`ftrain.live.restore` in a new trainer, as a live worker does in its next round. Writes
+:func:`ftrain.recovery.live.restore` in a new trainer, as a live worker does in its next round. Writes
 what it got to ``<out>/rank<r>.json``.
 """
 
@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ftrain.config import load_config
 from ftrain.distributed import init_distributed, select_device
-from ftrain.live import hold, restore
-from ftrain.peer_state import HeldState
+from ftrain.recovery.live import hold, restore
+from ftrain.recovery.peer_state import HeldState
 from ftrain.train import Trainer
 
 #: 3 ranks: a global batch they divide

@@ -3,7 +3,7 @@
 The ranks stand for 2 nodes of 2 (local world size 2: each rank's buddy is on the other "node").
 They train 4 steps with a memory-tier snapshot after every step, then the scenario says which
 ranks lose their memory (a new process) or damage what they keep, and a second trainer restores
-through :func:`ftrain.live.restore`, as a live worker does in its next round, and trains to step 6
+through :func:`ftrain.recovery.live.restore`, as a live worker does in its next round, and trains to step 6
 (saving the final state). Writes what each rank got to ``<out>/rank<r>.json``.
 """
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from ftrain.config import load_config
 from ftrain.distributed import init_distributed, select_device
-from ftrain.live import hold, restore
-from ftrain.memory_tier import MemoryTier
+from ftrain.recovery.live import hold, restore
+from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
 
 #: a constant LR after the warm-up: the schedule does not depend on train.steps (4, then 6)

@@ -3,7 +3,7 @@
 Trains 2 steps (step 2 committed to a local checkpoint root), then holds state as after a
 failure: ranks 0 and 2 at step 3, rank 1 at step 2, so rank 0 sends step 3 to rank 1. For each
 tampering named on the command line, rank 0's sender announces a bad header (or bad bytes) and
-every rank runs :func:`ftrain.live.restore` in a new trainer, as a live worker does in its next
+every rank runs :func:`ftrain.recovery.live.restore` in a new trainer, as a live worker does in its next
 round; a last restore without tampering shows the ranks still agree on their collectives.
 Writes what each restore gave to ``<out>/rank<r>.json``.
 """
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import ftrain.peer_state as peer_state
+import ftrain.recovery.peer_state as peer_state
 from ftrain.config import load_config
 from ftrain.distributed import init_distributed, select_device
-from ftrain.live import hold, restore
-from ftrain.peer_state import HeldState
+from ftrain.recovery.live import hold, restore
+from ftrain.recovery.peer_state import HeldState
 from ftrain.train import Trainer
 from tests.distributed.live_restore_worker import OVERRIDES, _ahead
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ftrain.cli.train import _exit_without_teardown
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.round_watchdog import RoundWatchdog
+from ftrain.recovery.round_watchdog import RoundWatchdog
 
 
 def _assign(control: ControlFile, round_: int, rank: int, interrupt: bool = False) -> None:

@@ -1,4 +1,4 @@
-""":func:`ftrain.flight_recorder.oldest_in_flight` on 2 real gloo ranks with a full recorder
+""":func:`ftrain.agent_link.flight_recorder.oldest_in_flight` on 2 real gloo ranks with a full recorder
 (2,000 entries): a collective that the peer has not joined is in flight (first as a sighting,
 then as the buffer's own entry), completed ones are not, the recorder off says nothing, and a
 second world of the same processes starts clean."""

@@ -1,4 +1,4 @@
-"""How live workers agree on the state of a new round (:func:`ftrain.live.restore`), on 3 real
+"""How live workers agree on the state of a new round (:func:`ftrain.recovery.live.restore`), on 3 real
 gloo ranks: the newest step that some rank holds wins, is sent whole to the others and checked
 against its digest; replicas that disagree send everyone to storage; a rank that holds everything
 already receives nothing."""

@@ -1,7 +1,7 @@
 """A peer that announces a bad state header (issue 25, item 7), on 3 real gloo ranks: a shape
 of 4 TiB, a float index, a shape unlike the receiver's, another step than the survey's, bytes
 that do not match the announced digest. Every rank refuses the transfer together and loads the
-committed step from storage; no exception escapes :func:`ftrain.live.restore`, no rank waits in
+committed step from storage; no exception escapes :func:`ftrain.recovery.live.restore`, no rank waits in
 a collective its peers left (a later clean transfer in the same process group still works), and
 each rank records a ``live_peer_refused`` event."""
 

@@ -1,4 +1,4 @@
-"""The round watchdog (:mod:`ftrain.round_watchdog`) on 3 real gloo ranks: a rank blocked in a
+"""The round watchdog (:mod:`ftrain.recovery.round_watchdog`) on 3 real gloo ranks: a rank blocked in a
 collective with a stopped peer is freed soon after its agent assigns a newer round, and ranks
 that leave a round in time are left alone."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ftrain.contract import exits
-from ftrain.round_watchdog import MIN_GRACE_S
+from ftrain.recovery.round_watchdog import MIN_GRACE_S
 from ftrain.testbed.jobs import run, worker_env
 
 pytestmark = pytest.mark.dist
@@ -39,7 +39,7 @@ def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alon
 STUCK_WORKER = """
 import sys, time
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.round_watchdog import RoundWatchdog
+from ftrain.recovery.round_watchdog import RoundWatchdog
 
 control = ControlFile(sys.argv[1])
 def assign(round_):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ftrain.config import load_config
 from ftrain.distributed import init_distributed, select_device
-from ftrain.memory_tier import MemoryTier
+from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
 
 SHARD = "__0_0.distcp"

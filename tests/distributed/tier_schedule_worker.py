@@ -4,7 +4,7 @@
 (``checkpoint.memory_interval = -1``); then rank 0 is kept, its tier as it measured — set to 5
 here, as a slower machine would have measured it, so that the test does not depend on this one's
 speed — and rank 1 comes back as a new process (a spare: a fresh tier). A second round, restored
-through :func:`ftrain.live.restore` as a live worker does (the step and source it restored go to
+through :func:`ftrain.recovery.live.restore` as a live worker does (the step and source it restored go to
 ``<events>.rank<r>.json``), trains to step 12.
 
 ``failures``: one round of 60 steps of at least 0.1 s each with a snapshot every 2 steps; rank
@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from ftrain.config import load_config
 from ftrain.distributed import init_distributed, select_device
-from ftrain.live import hold, restore
-from ftrain.memory_tier import MemoryTier
+from ftrain.recovery.live import hold, restore
+from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
 
 COMMON = ["--parallel.strategy=fsdp", "--optim.min_lr_ratio=1.0", "--parallel.timeout_s=20"]

@@ -18,11 +18,11 @@ import urllib.request
 
 import pytest
 
+from ftrain.agent_link.fence import EtcdRoundFence
+from ftrain.agent_link.heartbeat import process_gone
 from ftrain.agents.records import JobKeys
 from ftrain.checkpoint.errors import StaleRoundError
 from ftrain.contract.heartbeat import STEP_PHASES
-from ftrain.fence import EtcdRoundFence
-from ftrain.heartbeat import process_gone
 from ftrain.testbed.jobs import TINY_CONFIG, run, torchrun_cmd, worker_env
 from ftrain.testbed.procs import REPO
 from tests.agent_support import AgentJob, wait_for

@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
+from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.records import JobKeys
 from ftrain.chaos.faults.targets import continue_process, is_stopped
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.manager import CheckpointManager
 from ftrain.checkpoint.manifest import MANIFEST_NAME, manifest_digest, step_dir_name
 from ftrain.checkpoint.storage import Storage
-from ftrain.fence import EtcdRoundFence
 from ftrain.testbed.procs import kill_tree, quiet_env
 from ftrain.testbed.wait import wait_for
 from tests.integration.test_checkpoint_trust import FAST_RETRIES, Events, fields, load, loaded_step, state

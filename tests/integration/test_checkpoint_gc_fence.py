@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
+from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.records import JobKeys
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.manager import CheckpointManager
 from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_digest, step_dir_name
 from ftrain.checkpoint.storage import Storage
 from ftrain.checkpointing import validate_trainer_state
-from ftrain.fence import EtcdRoundFence
 from tests.integration.test_checkpoint_delete_fence import Pause, manager
 from tests.integration.test_checkpoint_trust import fields, load, loaded_step, state
 

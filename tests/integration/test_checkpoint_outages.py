@@ -11,7 +11,7 @@ import pytest
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.storage import Storage
 from ftrain.contract.events import read_events
-from ftrain.metrics import read_metrics
+from ftrain.observability.metrics import read_metrics
 from ftrain.testbed.jobs import TINY_CONFIG, torchrun_cmd, train_job, worker_env
 from ftrain.testbed.procs import kill_tree
 from ftrain.testbed.wait import wait_for

@@ -23,6 +23,7 @@ import fsspec.implementations.local as fsspec_local
 import pytest
 import torch
 
+from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.records import JobKeys
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.errors import CheckpointError, StaleRoundError
@@ -37,7 +38,6 @@ from ftrain.checkpoint.manifest import (
 from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.checkpointing import validate_trainer_state
 from ftrain.contract.events import Record, read_events
-from ftrain.fence import EtcdRoundFence
 from ftrain.testbed.jobs import train_job
 
 KEY_ENV = "FTRAIN_TRUST_TEST_KEY"

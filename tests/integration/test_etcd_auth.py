@@ -12,11 +12,11 @@ import stat
 
 import pytest
 
+from ftrain.agent_link.fence import ClientSettings, EtcdRoundFence, FenceAuthError, FenceConfigError
 from ftrain.agents.etcd import EtcdClient
 from ftrain.agents.records import JobKeys
 from ftrain.checkpoint.errors import StaleRoundError
 from ftrain.contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
-from ftrain.fence import ClientSettings, EtcdRoundFence, FenceAuthError, FenceConfigError
 from ftrain.testbed.etcd import EtcdServer
 from tests.agent_support import AgentJob
 from tests.integration.test_etcd import tls_etcd

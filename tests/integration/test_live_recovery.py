@@ -18,10 +18,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from ftrain.agent_link.heartbeat import process_gone
 from ftrain.agents.workers import descendants
 from ftrain.chaos.cluster import Cluster
 from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy
-from ftrain.heartbeat import process_gone
 from ftrain.testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from ftrain.testbed.wait import wait_for
 

@@ -17,10 +17,10 @@ import signal
 
 import pytest
 
+from ftrain.agent_link.heartbeat import process_gone
 from ftrain.chaos.cluster import Cluster
 from ftrain.config import load_config
 from ftrain.data import check_exactly_once, read_ledger
-from ftrain.heartbeat import process_gone
 from ftrain.testbed.jobs import TINY_CONFIG
 from ftrain.testbed.wait import wait_for
 

@@ -1,15 +1,15 @@
 """The run id a worker under ``ftrain agent`` binds its memory-tier snapshots to: the job's
-incarnation in a real etcd (ftrain.fence.EtcdRoundFence.incarnation), the same for every round
+incarnation in a real etcd (ftrain.agent_link.fence.EtcdRoundFence.incarnation), the same for every round
 of the job and new when the job's keys are made again."""
 
 from __future__ import annotations
 
 import pytest
 
+from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.etcd import EtcdClient
 from ftrain.checkpoint.errors import CheckpointError
-from ftrain.fence import EtcdRoundFence
-from ftrain.tier_binding import resolve_run_id
+from ftrain.recovery.tier_binding import resolve_run_id
 
 KEY = "/ftrain/jobs/j/round"
 

@@ -2,7 +2,7 @@
 that joins a one-rank gloo world with the recorder on (``ENTRIES`` collectives recorded), then
 obeys one command per stdin line and answers each with one JSON line on stdout:
 
-- ``start``: ``ftrain.heartbeat.from_env`` as a worker started by an agent calls it (the agent's
+- ``start``: ``ftrain.agent_link.heartbeat.from_env`` as a worker started by an agent calls it (the agent's
   pid, heartbeat path and stack directory come from the environment the test sets);
 - ``stats``: how many snapshots the recorder took (counted here, around the module's own
   ``snapshot``, so that any version of the server is counted alike), and what the server says;
@@ -23,7 +23,7 @@ os.environ["TORCH_FR_BUFFER_SIZE"] = str(ENTRIES)
 import torch  # noqa: E402 - after the recorder's setting
 import torch.distributed as dist  # noqa: E402
 
-from ftrain import flight_recorder, heartbeat  # noqa: E402
+from ftrain.agent_link import flight_recorder, heartbeat  # noqa: E402
 
 taken = 0
 _snapshot = flight_recorder.snapshot

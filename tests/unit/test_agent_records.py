@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ftrain.agent_link.heartbeat import Heartbeat, process_gone
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.etcd import KeyValue
 from ftrain.agents.heartbeat import HeartbeatServer
@@ -48,7 +49,6 @@ from ftrain.agents.records import (
 )
 from ftrain.agents.status import format_status
 from ftrain.agents.workers import PidTracker
-from ftrain.heartbeat import Heartbeat, process_gone
 from ftrain.testbed.wait import wait_for
 
 KEYS = JobKeys("job-7")

@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import pytest
 
-from ftrain import fence
+from ftrain.agent_link import fence
+from ftrain.agent_link.fence import ClientSettings, EtcdRoundFence, FenceConfigError
 from ftrain.agents.agent_options import AgentOptions, write_client_file
 from ftrain.agents.workers import Launch
 from ftrain.contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
 from ftrain.contract.worker_env import worker_environment
-from ftrain.fence import ClientSettings, EtcdRoundFence, FenceConfigError
 
 PASSWORD = "pw-do-not-leak"
 

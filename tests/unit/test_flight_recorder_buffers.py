@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from torch._C import _distributed_c10d as c10d
 
-from ftrain import flight_recorder
+from ftrain.agent_link import flight_recorder
 
 
 def _entry(pg_id: int, seq: int, op: str, created_ns: int, state: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ agent: ``FTRAIN_AGENT_PID`` is our pid, and ``ftrain.agents.flight.collect`` ask
 - a flood of requests, from the agent itself or from a stranger, costs at most the
   rate-limited number of snapshots (and a stranger's none at all).
 
-Plus the gate's parts on their own (:mod:`ftrain.flight_gate`: the token bucket on a fake clock,
+Plus the gate's parts on their own (:mod:`ftrain.agent_link.flight_gate`: the token bucket on a fake clock,
 the verdict on a datagram, re-stamping a kept record).
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from ftrain import flight_gate
+from ftrain.agent_link import flight_gate
 from ftrain.agents.flight import collect
 from ftrain.contract.flight import FlightRecord, record_path, socket_name
 from ftrain.testbed.procs import REPO, kill_tree, quiet_env

@@ -18,7 +18,7 @@ from ftrain.testbed.wait import wait_for
 
 WORKER = """
 import sys, time
-from ftrain import heartbeat
+from ftrain.agent_link import heartbeat
 hb = heartbeat.from_env(0, 0)
 hb.beat(-1, phase="loading")
 print("ready", flush=True)

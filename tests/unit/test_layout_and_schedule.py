@@ -8,7 +8,7 @@ import pytest
 
 from ftrain.config import ConfigError, OptimConfig, ParallelConfig
 from ftrain.optim import lr_at, peak_lr
-from ftrain.strategies import compute_layout
+from ftrain.parallel.strategies import compute_layout
 
 
 def layout(strategy, world, rank=0, local=None, n_head=4, **kw):

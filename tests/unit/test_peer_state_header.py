@@ -1,7 +1,7 @@
-"""A peer's state header is untrusted input (issue 25, item 7): :func:`ftrain.peer_state.check_header`
+"""A peer's state header is untrusted input (issue 25, item 7): :func:`ftrain.recovery.peer_state.check_header`
 compares it with this rank's OWN state, so that a float or bool index, a negative or huge dim, a
 shape or dtype unlike this rank's, or a step other than the survey's is a
-:class:`~ftrain.peer_state.PeerStateError` (a refused heal), never a TypeError, a RuntimeError
+:class:`~ftrain.recovery.peer_state.PeerStateError` (a refused heal), never a TypeError, a RuntimeError
 from a 128 TiB allocation, or state of another step."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ftrain.peer_state import HeldState, PeerStateError, _parse, check_header, flatten, tensor_specs, unflatten
+from ftrain.recovery.peer_state import HeldState, PeerStateError, _parse, check_header, flatten, tensor_specs, unflatten
 
 STEP = 7
 

@@ -1,4 +1,4 @@
-"""ftrain.pipeline_schedule: torch's action orders, the in-flight peak, the bubble, the micro-batch rule."""
+"""ftrain.parallel.pipeline_schedule: torch's action orders, the in-flight peak, the bubble, the micro-batch rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from ftrain.contract.config import ConfigError
-from ftrain.pipeline_schedule import (
+from ftrain.parallel.pipeline_schedule import (
     actions,
     bubble_fraction,
     check_micro_batches,

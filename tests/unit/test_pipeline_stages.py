@@ -9,8 +9,8 @@ import pytest
 
 from ftrain.checkpointing import load_target
 from ftrain.config import ConfigError, ParallelConfig, load_config
-from ftrain.pipeline_stages import at_world, local_stages, pipeline_degree, stage_blocks
-from ftrain.strategies import compute_layout, fixed_tp_size, full_replica
+from ftrain.parallel.pipeline_stages import at_world, local_stages, pipeline_degree, stage_blocks
+from ftrain.parallel.strategies import compute_layout, fixed_tp_size, full_replica
 
 
 def blocks(n_layer: int, **kw) -> list[list[int]]:

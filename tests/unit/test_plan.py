@@ -12,7 +12,8 @@ import torch
 
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.model import build_model, count_parameters
-from ftrain.plan import (
+from ftrain.parallel.strategies.zero1 import zero1_partition
+from ftrain.planning.plan import (
     PREFERENCE,
     GiB,
     Target,
@@ -25,8 +26,7 @@ from ftrain.plan import (
     recommend,
     textbook_model_state_bytes,
 )
-from ftrain.plan_report import plan_report
-from ftrain.strategies.zero1 import zero1_partition
+from ftrain.planning.plan_report import plan_report
 
 GPU_BF16 = Target("cuda", "bf16")
 CPU_FP32 = Target("cpu", "fp32")

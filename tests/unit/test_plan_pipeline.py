@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ftrain.pipeline_stages import stage_blocks
-from ftrain.plan import GiB, Target, activations, estimate, estimate_all, layout_for, model_stats
-from ftrain.plan_pipeline import p2p_buffer_bytes, stage_estimates, stage_stats
-from ftrain.plan_report import plan_report
+from ftrain.parallel.pipeline_stages import stage_blocks
+from ftrain.planning.plan import GiB, Target, activations, estimate, estimate_all, layout_for, model_stats
+from ftrain.planning.plan_pipeline import p2p_buffer_bytes, stage_estimates, stage_stats
+from ftrain.planning.plan_report import plan_report
 
 GPU_BF16 = Target("cuda", "bf16")
 

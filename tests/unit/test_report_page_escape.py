@@ -1,4 +1,5 @@
-"""The run report's page against hostile log fields (ftrain.report_page, ftrain.run_report): the
+"""The run report's page against hostile log fields (ftrain.observability.report_page and
+run_report): the
 page is parsed by a real HTML5 parser (html5lib, the WHATWG tokenizer with its script-data
 states, which Python's html.parser does not implement), and the embedded JSON must come back
 exactly, the page's own script whole, whatever an event or metric line holds: a comment opener
@@ -11,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ftrain import report_page
 from ftrain.chaos.report import render_html
-from ftrain.run_report import build
+from ftrain.observability import report_page
+from ftrain.observability.run_report import build
 
 html5lib = pytest.importorskip(
     "html5lib", reason="html5lib (pure Python) is needed to parse the page as a browser does: pip install html5lib"

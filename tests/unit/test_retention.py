@@ -230,7 +230,7 @@ def test_a_guarded_gc_leaves_alone_a_directory_that_changed_since_it_was_planned
 
 
 def test_a_guard_needs_the_round_of_a_fenced_writer_and_a_retention_without_one_deletes_nothing(storage):
-    from ftrain.fence import EtcdRoundFence  # a real fence object; nothing is asked of etcd here
+    from ftrain.agent_link.fence import EtcdRoundFence  # a real fence object; nothing is asked of etcd here
 
     fence = EtcdRoundFence(["http://127.0.0.1:9"], "/ftrain/jobs/j/round")
     with pytest.raises(ValueError, match="needs the writer's round"):

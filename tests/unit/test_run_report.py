@@ -1,4 +1,4 @@
-"""``ftrain report`` (ftrain.run_report, ftrain.report_page): the lost time by cause adds up to
+"""``ftrain report`` (ftrain.observability.run_report and report_page): the lost time by cause adds up to
 the devices' wall time, logs are read as untrusted input, and the page renders every lane and
 table in a real headless browser."""
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ftrain.browser import dump_dom, find_browser
-from ftrain.run_report import CAUSES, build, collect, write
+from ftrain.observability.browser import dump_dom, find_browser
+from ftrain.observability.run_report import CAUSES, build, collect, write
 from ftrain.testbed.procs import REPO, quiet_env
 
 T0 = 1_000.0

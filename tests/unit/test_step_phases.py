@@ -1,4 +1,4 @@
-"""Where a step's time goes (ftrain.step_phases): phases add up to the interval, backward's wait
+"""Where a step's time goes (ftrain.observability.step_phases): phases add up to the interval, backward's wait
 after its last gradient is communication, and the heartbeat carries the breakdown checked."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ftrain.contract.heartbeat import STEP_PHASES, Message
-from ftrain.step_phases import StepPhases
+from ftrain.observability.step_phases import StepPhases
 
 
 def test_phases_add_up_to_the_interval_and_backward_after_its_last_gradient_is_waiting():

@@ -1,5 +1,5 @@
 """The strategy registry: one contract run against every registered strategy, name lookup and
-config checks, no torch at import, no strategy names compared outside ftrain/strategies/, and
+config checks, no torch at import, no strategy names compared outside ftrain/parallel/strategies/, and
 a new strategy found from its module alone."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from ftrain import strategies
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, load_config
-from ftrain.strategies import STRATEGIES, Layout, Strategy, Wrapper, compute_layout
+from ftrain.parallel import strategies
+from ftrain.parallel.strategies import STRATEGIES, Layout, Strategy, Wrapper, compute_layout
 from ftrain.testbed.procs import REPO
 
 BUILTIN = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
@@ -72,7 +72,7 @@ def test_replica_groups_are_all_or_nothing_and_hold_several_ranks(strategy):
 
 @each_strategy
 def test_memory_model_is_complete(strategy):
-    from ftrain.plan import GiB, Target, estimate, layout_for, model_stats, recommend
+    from ftrain.planning.plan import GiB, Target, estimate, layout_for, model_stats, recommend
 
     assert isinstance(strategy.wrapper, Wrapper)
     cfg = Config(
@@ -172,8 +172,8 @@ def test_a_strategy_rejects_what_it_cannot_run_with():
 
 def test_the_registry_and_the_config_import_no_torch():
     code = (
-        "import sys, ftrain.config, ftrain.strategies\n"
-        "assert len(ftrain.strategies.registered()) >= 7\n"
+        "import sys, ftrain.config, ftrain.parallel.strategies\n"
+        "assert len(ftrain.parallel.strategies.registered()) >= 7\n"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
@@ -184,7 +184,7 @@ def test_no_strategy_name_is_compared_outside_the_strategy_modules():
     """Callers dispatch through the registry: no ``if strategy == "x"`` or ``{"x": ...}`` tables."""
     found = []
     for path in sorted((REPO / "ftrain").rglob("*.py")):
-        if path.parent == REPO / "ftrain" / "strategies":
+        if path.parent == REPO / "ftrain" / "parallel" / "strategies":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
@@ -205,7 +205,7 @@ def test_no_strategy_name_is_compared_outside_the_strategy_modules():
 
 _NEW_STRATEGY = '''
 """A hypothetical strategy: the whole of it is this module."""
-from ftrain.strategies.base import Layout, Strategy, Wrapper
+from ftrain.parallel.strategies.base import Layout, Strategy, Wrapper
 
 
 class LocalSGD(Strategy):

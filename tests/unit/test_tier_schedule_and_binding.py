@@ -1,5 +1,5 @@
-"""The memory tier's pure decisions: when every rank snapshots (ftrain.tier_schedule), and whether a
-snapshot found in checkpoint.memory_dir is this run's (ftrain.tier_binding)."""
+"""The memory tier's pure decisions: when every rank snapshots (ftrain.recovery.tier_schedule), and whether a
+snapshot found in checkpoint.memory_dir is this run's (ftrain.recovery.tier_binding)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from ftrain.checkpoint.errors import CheckpointError
 from ftrain.checkpoint.manifest import FileEntry, Manifest
-from ftrain.tier_binding import (
+from ftrain.recovery.tier_binding import (
     Binding,
     agree_run_id,
     binding_of,
@@ -17,7 +17,7 @@ from ftrain.tier_binding import (
     config_differences,
     resolve_run_id,
 )
-from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
+from ftrain.recovery.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
 
 
 # -- the schedule -------------------------------------------------------------------------------

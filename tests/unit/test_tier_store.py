@@ -11,8 +11,8 @@ import pytest
 from ftrain.checkpoint.digest import digest_bytes
 from ftrain.checkpoint.manifest import FileEntry, Manifest
 from ftrain.contract.local_files import UnsafeLocalDirError
-from ftrain.tier_binding import Binding
-from ftrain.tier_store import MANIFEST_FILE, DirFiles, Snapshot, TierStore
+from ftrain.recovery.tier_binding import Binding
+from ftrain.recovery.tier_store import MANIFEST_FILE, DirFiles, Snapshot, TierStore
 
 JOB = "job-a"
 KEY = b"tier-key"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.records import JobKeys
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
@@ -20,7 +21,6 @@ from ftrain.chaos.faults.targets import continue_process, is_stopped, send_signa
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.contract import events as ev
 from ftrain.contract.events import Event
-from ftrain.fence import EtcdRoundFence
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
 

@@ -17,6 +17,7 @@ import statistics
 import time
 from typing import Any
 
+from ftrain.agent_link.heartbeat import process_gone
 from ftrain.agents.config import settings_of_flags
 from ftrain.agents.etcd import EtcdClient
 from ftrain.agents.leader import Policy, slowdown_flagged
@@ -25,7 +26,6 @@ from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultSpec
 from ftrain.chaos.faults.targets import current_round, pick_worker, running_nodes, send_signal
 from ftrain.contract.events import Event
-from ftrain.heartbeat import process_gone
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
 #: how long the fault waits for the leader to be judging the target against a peer

@@ -9,7 +9,7 @@ snapshot only when all of it equals its own (:func:`binding_problem`):
 
 - the **run id**: which launch of the job wrote it. ``FTRAIN_RUN_ID`` when the launcher sets it;
   else, under an ``ftrain agent``, the job's incarnation in etcd (the cluster id and the create
-  revision of the job's round key: :meth:`ftrain.fence.EtcdRoundFence.incarnation`), the same for
+  revision of the job's round key: :meth:`ftrain.agent_link.fence.EtcdRoundFence.incarnation`), the same for
   every round and restart of the job and new when the job is started anew; else torchrun's
   ``TORCHELASTIC_RUN_ID`` (``torchrun --standalone`` draws a fresh uuid per launch and keeps it
   across its own ``--max-restarts``; torchrun without ``--rdzv-id`` says ``none``, which is no
@@ -71,7 +71,7 @@ def resolve_run_id(
     if worker.run_id:
         return worker.run_id, RUN_ID
     if incarnation is None and worker.etcd and worker.fence_key:
-        from ftrain.fence import from_env
+        from ftrain.agent_link.fence import from_env
 
         fence = from_env()
         incarnation = fence.incarnation if fence is not None else None

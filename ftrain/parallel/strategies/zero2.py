@@ -6,7 +6,7 @@ No rank holds a replica.
 
 from __future__ import annotations
 
-from ftrain.strategies.fsdp import FSDP
+from ftrain.parallel.strategies.fsdp import FSDP
 
 
 class Zero2(FSDP):

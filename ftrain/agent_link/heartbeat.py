@@ -7,13 +7,13 @@ happens without an agent):
   ``ftrain.agents.heartbeat``), plus an "alive" datagram every ``ALIVE_INTERVAL_S`` from a background
   thread, so that a frozen worker (SIGSTOP, a stopped cgroup) is told from one busy with a long
   load or save within the hang timeout, not the start timeout. Each "alive" also carries this
-  rank's oldest collective in flight (:func:`ftrain.flight_recorder.oldest_in_flight`: what and
+  rank's oldest collective in flight (:func:`ftrain.agent_link.flight_recorder.oldest_in_flight`: what and
   for how long), so that its agent tells a rank stuck in a collective from one that computes,
   whatever the thread says. Sending never blocks and never fails the worker.
 - ``FTRAIN_STACK_DIR``: SIGUSR1 makes :mod:`faulthandler` write every thread's Python stack to
   ``<dir>/<pid>.txt``. It runs in the C signal handler, so it works while Python is stuck in
   a collective or a lock.
-- the flight recorder (:mod:`ftrain.flight_recorder`): on the agent's request, this rank's last
+- the flight recorder (:mod:`ftrain.agent_link.flight_recorder`): on the agent's request, this rank's last
   collectives to ``<dir>/<pid>.flight.json``, answered from a thread while the main one waits.
 - ``FTRAIN_AGENT_PID``: a watchdog thread ends this worker (SIGKILL to itself) within about a
   second once the agent is gone, or once its own parent (torchrun) is gone, so no worker of
@@ -37,10 +37,10 @@ import threading
 import time
 from typing import Any, TextIO
 
-from ftrain import flight_recorder
+from ftrain.agent_link import flight_recorder
+from ftrain.agent_link.flight_recorder import FlightServer
 from ftrain.contract.heartbeat import Message
 from ftrain.contract.worker_env import WorkerEnv
-from ftrain.flight_recorder import FlightServer
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ entry per collective; the server costs nothing until asked (``bench/flight_recor
 measures both, and a flood of requests).
 
 What must stay true: the socket's name is public, so the server trusts nothing a datagram says
-(:mod:`ftrain.flight_gate`: only the agent's pid and this user's uid, as the kernel attaches
+(:mod:`ftrain.agent_link.flight_gate`: only the agent's pid and this user's uid, as the kernel attaches
 them, are answered; datagrams, answers and snapshots are rate-limited), and nothing about it
 may stop the worker: a name already taken leaves the worker training without a recorder.
 """
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ftrain import flight_gate
+from ftrain.agent_link import flight_gate
 from ftrain.contract.flight import STATES, Collective, FlightRecord, record_path, socket_name
 from ftrain.contract.local_files import create_new, private_dir
 from ftrain.contract.worker_env import STACK_DIR, WorkerEnv

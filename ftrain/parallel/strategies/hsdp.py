@@ -9,15 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ftrain.contract.config import ConfigError
-from ftrain.strategies.base import Layout
-from ftrain.strategies.fsdp import FSDP
+from ftrain.parallel.strategies.base import Layout
+from ftrain.parallel.strategies.fsdp import FSDP
 
 if TYPE_CHECKING:
     import torch
 
     from ftrain.config import ParallelConfig
     from ftrain.parallel.base import Parallel
-    from ftrain.plan import MemoryEstimate
+    from ftrain.planning.plan import MemoryEstimate
 
 
 class HSDP(FSDP):

@@ -1,7 +1,7 @@
 """``ftrain plan``'s report: the table of every strategy's (or every pipeline stage's) memory,
 the recommendation, and what would make a job fit when nothing does.
 
-The numbers are :mod:`ftrain.plan`'s (the memory model); this module only decides what to show
+The numbers are :mod:`ftrain.planning.plan`'s (the memory model); this module only decides what to show
 and says it. Torch is used only to read the device's memory when planning for the GPU present.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ftrain import strategies
 from ftrain.config import Config, ConfigError
-from ftrain.plan import (
+from ftrain.parallel import strategies
+from ftrain.planning.plan import (
     CUDA_RUNTIME_BYTES,
     DEFAULT_DEVICE_MEMORY_BYTES,
     TIGHT_FRACTION,
@@ -43,7 +43,7 @@ def suggestions(
 ) -> list[str]:
     """What would make some strategy fit, when none does at this configuration; without a
     pipeline, among them the smallest that fits at this world size
-    (``ftrain.plan_pipeline.pipeline_suggestion``)."""
+    (``ftrain.planning.plan_pipeline.pipeline_suggestion``)."""
     out = []
     memory = device_memory_bytes
     overhead = overhead_bytes(cfg, target)
@@ -62,7 +62,7 @@ def suggestions(
                 f"({gib(best.running_bytes)} per rank)"
             )
     if cfg.parallel.pp_size == 1:  # a stage alone goes to a GPU: the full-model floor need not hold
-        from ftrain.plan_pipeline import pipeline_suggestion  # imports this module
+        from ftrain.planning.plan_pipeline import pipeline_suggestion  # imports this module
 
         piped = pipeline_suggestion(
             stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
@@ -209,7 +209,7 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         "",
     ]
     if cfg.parallel.pp_size > 1:
-        from ftrain.plan_pipeline import pipeline_report  # imports this module
+        from ftrain.planning.plan_pipeline import pipeline_report  # imports this module
 
         lines += pipeline_report(
             stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory

@@ -215,7 +215,7 @@ def _finite(value: Any) -> Any:
 
 
 def render(report: dict[str, Any]) -> str:
-    """The page for ``report`` (:func:`ftrain.run_report.build`)."""
+    """The page for ``report`` (:func:`ftrain.observability.run_report.build`)."""
     parts = {
         "__TITLE__": html.escape(str(report.get("title", ""))),
         "__TIMELINE_JS__": TIMELINE_JS,

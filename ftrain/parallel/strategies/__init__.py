@@ -1,12 +1,12 @@
 """Parallel strategies: one module per strategy, found by name. Torch-free at import.
 
 Every module of this package other than ``base`` (and ``_``-prefixed helpers) defines
-``STRATEGY``, an instance of :class:`~ftrain.strategies.base.Strategy`. The registry imports them
+``STRATEGY``, an instance of :class:`~ftrain.parallel.strategies.base.Strategy`. The registry imports them
 all when this package is imported and lists them by ``Strategy.position``. Everything that
 differs between strategies dispatches through :func:`get`: the config's choices and checks
 (``ftrain.config``), the layout (:func:`compute_layout`), the model wrapping
 (``ftrain.parallel.parallelize``), the replica check (``ftrain.consistency``) and the memory model
-and recommendation (``ftrain.plan``). So adding a strategy is adding one module here, plus its
+and recommendation (``ftrain.planning.plan``). So adding a strategy is adding one module here, plus its
 tests; ``tests/unit/test_strategy_registry.py`` runs its contract against every registered one.
 """
 
@@ -18,7 +18,7 @@ import pkgutil
 from typing import TYPE_CHECKING
 
 from ftrain.contract.config import ConfigError
-from ftrain.strategies.base import Layout, Strategy, Wrapper
+from ftrain.parallel.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     from ftrain.config import Config, ParallelConfig

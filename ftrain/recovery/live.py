@@ -14,7 +14,7 @@ Python, torch and ftrain imported, the config loaded). :func:`serve` then waits 
    it), else the newest verified checkpoint loaded in-process (``storage``);
 4. trains until the job is done — or until a collective fails (a peer died) or the agent assigns
    a newer round (all ranks leave at the same step boundary). Then it keeps what it holds
-   (:class:`~ftrain.peer_state.HeldState`: the last *complete* step; a half-done step is
+   (:class:`~ftrain.recovery.peer_state.HeldState`: the last *complete* step; a half-done step is
    discarded and its batch handed out again), aborts and destroys the process group, tells its
    agent it is ``recovering`` and waits for the next assignment.
 
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ftrain import flight_recorder, heartbeat, strategies
+from ftrain.agent_link import flight_recorder, heartbeat
 from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.config import Config
 from ftrain.contract import events as ev
@@ -52,11 +52,12 @@ from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
-from ftrain.memory_tier import MemoryTier
 from ftrain.model import build_model
 from ftrain.optim import adamw_kwargs
-from ftrain.peer_state import HeldState, PeerStateError, broadcast, survey
-from ftrain.round_watchdog import RoundWatchdog
+from ftrain.parallel import strategies
+from ftrain.recovery.memory_tier import MemoryTier
+from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.recovery.round_watchdog import RoundWatchdog
 from ftrain.train import RoundEnded, Trainer, describe_failure, finish, say_goodbye
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ def _note_committed(trainer: Trainer, committed: int) -> None:
 
 def _receive(trainer: Trainer, held: HeldState | None, src: int, row: tuple[int, int, int, int]) -> HeldState | None:
     """Collective: rank ``src``'s held state (``row``: its survey row) on every rank, or None on
-    every rank when any rank refused it (:func:`ftrain.peer_state.broadcast` makes them agree):
+    every rank when any rank refused it (:func:`ftrain.recovery.peer_state.broadcast` makes them agree):
     the round then loads as when no rank holds state. A receiver checks the header against its
     own freshly built state (same structure on every rank of a full-replica strategy)."""
     step, _, digest, _ = row

@@ -11,8 +11,8 @@ import heapq
 from typing import TYPE_CHECKING
 
 from ftrain.contract.config import ConfigError
-from ftrain.strategies.base import Layout
-from ftrain.strategies.ddp import DDP
+from ftrain.parallel.strategies.base import Layout
+from ftrain.parallel.strategies.ddp import DDP
 
 if TYPE_CHECKING:
     import torch
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from ftrain.config import Config, OptimConfig
     from ftrain.parallel.base import Parallel
-    from ftrain.plan import ModelStats
+    from ftrain.planning.plan import ModelStats
 
 
 def zero1_partition(stats: ModelStats, world_size: int) -> list[int]:

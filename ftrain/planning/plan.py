@@ -8,11 +8,11 @@ built on the meta device (no memory, works for ``model.factory`` models too):
   root) and the tensor-parallel split of ``tp_plan()`` from a meta-device build;
 - :func:`estimate` gives one strategy's per-rank bytes as a :class:`MemoryEstimate`;
 - :func:`recommend` picks the fitting strategy with the least communication;
-- ``ftrain.plan_report.plan_report`` renders the table ``ftrain plan`` prints, and its
+- ``ftrain.planning.plan_report.plan_report`` renders the table ``ftrain plan`` prints, and its
   ``suggestions`` what would make a job fit when nothing does.
 
 Under pipeline parallelism (``parallel.pp_size`` > 1) every pipeline rank holds other parameters
-and activations: :func:`estimate` hands such layouts to ``ftrain.plan_pipeline``, which runs
+and activations: :func:`estimate` hands such layouts to ``ftrain.planning.plan_pipeline``, which runs
 :func:`estimate_with` on the rank's own parameters and its schedule's activations, and the
 report shows one row per pipeline rank and the bubble. Without a pipeline nothing here depends
 on it (the report's suggestions offer the smallest pipeline that fits).
@@ -81,11 +81,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ftrain import strategies
 from ftrain.config import Config, ConfigError, ModelConfig, OptimConfig
 from ftrain.model import build_model, transformer_blocks
 from ftrain.optim import param_groups
-from ftrain.strategies import Layout, Strategy, Wrapper, compute_layout
+from ftrain.parallel import strategies
+from ftrain.parallel.strategies import Layout, Strategy, Wrapper, compute_layout
 
 GiB = 2**30
 
@@ -194,7 +194,7 @@ class MemoryEstimate:
     stages: tuple[int, ...] = ()
     """The pipeline stages this rank runs (empty without a pipeline)."""
     bubble_fraction: float = 0.0
-    """The schedule's idle fraction of every rank's step (``ftrain.pipeline_schedule.simulate``)."""
+    """The schedule's idle fraction of every rank's step (``ftrain.parallel.pipeline_schedule.simulate``)."""
     in_flight: int = 0
     """(micro-batch, stage) activation sets this rank holds at its schedule's peak."""
 
@@ -434,7 +434,7 @@ def overhead_bytes(cfg: Config, target: Target) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StageTerms:
-    """What one pipeline rank changes in :func:`estimate_with` (``ftrain.plan_pipeline`` computes it)."""
+    """What one pipeline rank changes in :func:`estimate_with` (``ftrain.planning.plan_pipeline`` computes it)."""
 
     model_numel: int
     """Parameters start-up puts in this memory: the whole model on a CPU (the train loop builds
@@ -452,9 +452,9 @@ def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> 
     """Per-rank memory of ``layout.strategy`` for this model, batch and precision, from the
     strategy's memory model (``Strategy.wrapper``, ``shard_count``, ``optimizer_numel``, ...).
     Under a pipeline (``layout.pp_size`` > 1): pipeline rank ``layout.pp_rank``'s, its stages'
-    parameters and its schedule's activations (``ftrain.plan_pipeline.stage_estimate``)."""
+    parameters and its schedule's activations (``ftrain.planning.plan_pipeline.stage_estimate``)."""
     if layout.pp_size > 1:
-        from ftrain.plan_pipeline import stage_estimate  # imports this module
+        from ftrain.planning.plan_pipeline import stage_estimate  # imports this module
 
         return stage_estimate(stats, cfg, layout, target)
     acts = activations(

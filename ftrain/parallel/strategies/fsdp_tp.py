@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout
-from ftrain.strategies.fsdp import FSDP
-from ftrain.strategies.tp import local_numel, split_layers, tp_degree
+from ftrain.parallel.strategies.base import Layout
+from ftrain.parallel.strategies.fsdp import FSDP
+from ftrain.parallel.strategies.tp import local_numel, split_layers, tp_degree
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from ftrain.config import ParallelConfig
-    from ftrain.plan import MemoryEstimate
+    from ftrain.planning.plan import MemoryEstimate
 
 
 class FSDPTP(FSDP):

@@ -4,7 +4,7 @@ A snapshot's exchange is collective over the tier's group, so every rank of a ro
 same snapshots, at the same steps. The schedule's whole state is ``(next_step, interval)``, and it
 changes only at points every rank passes together, from values every rank holds alike:
 
-- a round starts (:meth:`ftrain.memory_tier.MemoryTier.join_round`): ``interval =
+- a round starts (:meth:`ftrain.recovery.memory_tier.MemoryTier.join_round`): ``interval =
   base_interval(setting)`` and ``next_step = 0`` (a snapshot at the round's first step boundary),
   whatever a rank did in earlier rounds — a kept rank's measured interval is not a fresh spare's;
 - a snapshot is due at a step boundary when :func:`is_due` (the step reached ``next_step``, or it

@@ -5,7 +5,7 @@ The runtime runs ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedul
 ``ScheduleInterleaved1F1B`` with ``n_microbatches`` = m, the micro-batches one data-parallel rank
 runs per optimizer step (``train.global_batch_size / (train.micro_batch_size x dp_size)``), over
 P = ``parallel.pp_size`` pipeline ranks with V chunks (stages) each; stage ``s`` runs on rank
-``s % P`` (:mod:`ftrain.pipeline_stages`). An action is ``(kind, micro, stage)``: kind "F"
+``s % P`` (:mod:`ftrain.parallel.pipeline_stages`). An action is ``(kind, micro, stage)``: kind "F"
 (forward) or "B" (full backward), the micro-batch index and the stage index.
 
 What must stay true:
@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from ftrain.contract.config import ConfigError
-from ftrain.pipeline_stages import PP_SCHEDULES
+from ftrain.parallel.pipeline_stages import PP_SCHEDULES
 
 #: (kind "F" or "B", micro-batch index, stage index)
 Action = tuple[str, int, int]
@@ -154,7 +154,7 @@ def peak_in_flight(
     (micro, stage) adds that stage's weight, its B removes it. Without ``blocks_per_stage``
     every stage weighs 1 (the count of (micro, stage) pairs alive: 1f1b gives min(m, pp - r),
     gpipe m); with it (one entry per stage, all pp*v of them) the stage's entry: its block
-    count, or any per-micro-batch size such as bytes (``ftrain.plan_pipeline`` passes bytes)."""
+    count, or any per-micro-batch size such as bytes (``ftrain.planning.plan_pipeline`` passes bytes)."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} is not in 0..{pp - 1}")
     if blocks_per_stage is not None and len(blocks_per_stage) != pp * v:

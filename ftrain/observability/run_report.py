@@ -1,5 +1,5 @@
 """What a job's logs say about it, as one report: ``ftrain report RUN_DIR`` (the page is
-:mod:`ftrain.report_page`).
+:mod:`ftrain.observability.report_page`).
 
 :func:`collect` reads every ``metrics*.jsonl`` and ``events*.jsonl`` under a run directory (each
 node's, when each keeps its own; torn lines skipped) and :func:`build` turns them into plain
@@ -210,8 +210,8 @@ def _names(value: Any) -> list[str]:
 
 def write(out_dir: Path, report: dict[str, Any]) -> Path:
     """``report.json``, ``report.html`` and (with Chromium) ``report.png`` in ``out_dir``."""
-    from ftrain.browser import screenshot  # noqa: PLC0415 - only when writing
-    from ftrain.report_page import render
+    from ftrain.observability.browser import screenshot  # noqa: PLC0415 - only when writing
+    from ftrain.observability.report_page import render
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))

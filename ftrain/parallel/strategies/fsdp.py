@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftrain.strategies.base import Layout, Strategy, Wrapper
+from ftrain.parallel.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     import torch

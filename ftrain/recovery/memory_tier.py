@@ -3,12 +3,12 @@ buddy's on another node — so that a round that lost ranks of a sharded strateg
 hsdp: no rank holds everything) heals from peers' memory instead of object storage.
 
 **Snapshot** (:meth:`MemoryTier.maybe_snapshot`, at a step boundary, when
-:mod:`ftrain.tier_schedule` says so: every rank of the round at the same steps). The training
+:mod:`ftrain.recovery.tier_schedule` says so: every rank of the round at the same steps). The training
 thread stages this rank's state (model and optimizer shards, RNG; DCP's stager) into host memory
 — the only part it waits for. A background thread writes the staged state in DCP's format into
 this process's memory (the checkpoint writer on a private ``memory://`` root: every file
 digested, a manifest as for a checkpoint, signed when the job has a key, bound to this run:
-:mod:`ftrain.tier_binding`), then exchanges over the tier's own gloo group: rank 0 gives every
+:mod:`ftrain.recovery.tier_binding`), then exchanges over the tier's own gloo group: rank 0 gives every
 rank the manifest and ``.metadata``; each rank sends its shard files to its buddy —
 ``local_world_size`` ranks ahead, on the next node (any other rank on a single node) — and checks
 the digests of what it gets. A rank keeps its newest snapshot and the one before it (a round that
@@ -30,7 +30,7 @@ lost together with its buddy, or every worker, takes the memory copies with it.
 tier alone: whatever can fail on one rank (staging, reading a file of ``memory_dir``, a digest, a
 manifest it cannot verify, a file it cannot keep) is found before the next exchange and told to
 every rank in the all-gather or all-reduce that precedes it, and then every rank gives up
-together. Snapshots start at the same steps on every rank (:mod:`ftrain.tier_schedule`: the
+together. Snapshots start at the same steps on every rank (:mod:`ftrain.recovery.tier_schedule`: the
 schedule is reset when a round starts, and changes only from figures the ranks agreed on); after a
 snapshot that failed on any rank (the ranks tell each other on the training group as the next one
 starts), the tier's group is made anew, so one broken exchange does not fail every later one.
@@ -39,9 +39,9 @@ broke off) gives up before that peer, waiting for it in the training group, woul
 
 **Across restarts** (``checkpoint.memory_dir``, a tmpfs such as ``/dev/shm``; restart recovery,
 ``ftrain train``): every complete snapshot is kept in that node-local directory rather than in
-the process (:mod:`ftrain.tier_store`: a ``0700`` directory of this user's, files ``0600``), so
+the process (:mod:`ftrain.recovery.tier_store`: a ``0700`` directory of this user's, files ``0600``), so
 it outlives the worker. A restarted worker offers what its node's directory holds of *this run*
-(:mod:`ftrain.tier_binding`: run id, config hash, checkpoint root; another run's snapshots are
+(:mod:`ftrain.recovery.tier_binding`: run id, config hash, checkpoint root; another run's snapshots are
 skipped and named in a ``memory_skipped`` event) to its first restore, which checks it exactly as
 above, before anything is loaded from storage (:meth:`ftrain.train.Trainer.run`). An unsafe
 directory, or a run id no rank knows, leaves the worker without the on-disk tier (said once, with
@@ -80,10 +80,17 @@ from ftrain.contract import events as ev
 from ftrain.contract.config import ConfigError
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.faults import maybe_damage_memory_copy
-from ftrain.tier_binding import NO_RUN_ID_FIX, Binding, agree_run_id, binding_of, binding_problem, resolve_run_id
-from ftrain.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
-from ftrain.tier_store import DirFiles, Snapshot, TierStore
-from ftrain.tier_wire import (
+from ftrain.recovery.tier_binding import (
+    NO_RUN_ID_FIX,
+    Binding,
+    agree_run_id,
+    binding_of,
+    binding_problem,
+    resolve_run_id,
+)
+from ftrain.recovery.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
+from ftrain.recovery.tier_store import DirFiles, Snapshot, TierStore
+from ftrain.recovery.tier_wire import (
     all_gather_json,
     any_rank,
     any_ranks,
@@ -154,7 +161,7 @@ def _problems(rows: list[Any]) -> list[str]:
 
 
 class MemoryTier:
-    """One worker's memory tier, across the rounds it serves: a live worker's (:mod:`ftrain.live`
+    """One worker's memory tier, across the rounds it serves: a live worker's (:mod:`ftrain.recovery.live`
     owns it), or, with ``checkpoint.memory_dir``, a restarted one's (:func:`ftrain.train.train`)."""
 
     def __init__(self, cfg: Config, memory_dir: str = ""):
@@ -198,7 +205,7 @@ class MemoryTier:
     # -- rounds -------------------------------------------------------------------------
     def join_round(self, rank: int, world: int, local_world: int, device_type: str, events: Any = None) -> None:
         """Collective (every rank, while building its trainer): the round's own gloo group, a
-        fresh schedule (:mod:`ftrain.tier_schedule`), and in a new process with
+        fresh schedule (:mod:`ftrain.recovery.tier_schedule`), and in a new process with
         ``checkpoint.memory_dir``, the node's directory (:meth:`_open_store`)."""
         self.rank, self.world, self.local_world = rank, world, local_world
         self._group = self._new_group() if world > 1 else None
@@ -309,12 +316,12 @@ class MemoryTier:
 
     # -- snapshots ------------------------------------------------------------------------
     def maybe_snapshot(self, step: int, trainer: Any, *, checkpointed: bool = False, last: bool = False) -> None:
-        """At a step boundary: if a snapshot is due (:func:`ftrain.tier_schedule.is_due`, the
+        """At a step boundary: if a snapshot is due (:func:`ftrain.recovery.tier_schedule.is_due`, the
         same answer on every rank), stage this rank's state and hand it to the background. First
         the ranks tell each other on the training group (one all-reduce) whether the one before is
         still exchanging anywhere (then all put this one off to the next step boundary) and whether
         it failed anywhere: the next interval comes from the figures they agreed on, or stays (and
-        the tier's group is made anew) after a failure (see :mod:`ftrain.tier_schedule`).
+        the tier's group is made anew) after a failure (see :mod:`ftrain.recovery.tier_schedule`).
         ``last``: the run's last step (the same on every rank): no step follows to put a due
         snapshot off to, so each rank first waits for its own exchange before they agree."""
         if not self.active or not is_due(step, self._next_step, checkpointed):

@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ftrain.contract.config import ConfigError
-from ftrain.strategies.base import Layout, Strategy, Wrapper
+from ftrain.parallel.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from ftrain.config import ParallelConfig
-    from ftrain.plan import MemoryEstimate
+    from ftrain.planning.plan import MemoryEstimate
 
 
 def tp_degree(tp: int, *, world_size: int, n_head: int | None) -> int:

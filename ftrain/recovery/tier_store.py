@@ -9,7 +9,7 @@ under a temporary name and renamed when complete, so a worker killed while writi
 nothing that looks like a snapshot. A worker that starts on the node with no snapshot of its own
 (one the agent restarted after a failure, a spare) finds what its node holds
 (:meth:`TierStore.discover`) and offers it to the round's restore
-(:meth:`ftrain.memory_tier.MemoryTier.restore`), which checks every byte against the manifest
+(:meth:`ftrain.recovery.memory_tier.MemoryTier.restore`), which checks every byte against the manifest
 before any of it is used.
 
 Nothing read from this directory is trusted (what must stay true):
@@ -22,7 +22,7 @@ Nothing read from this directory is trusted (what must stay true):
   (:func:`ftrain.contract.local_files.create_new`), so other local users can neither plant a snapshot
   nor read weights;
 - a snapshot is offered only if its manifest parses (signed ones verified with the job's key),
-  names this job and is bound to this run (:func:`ftrain.tier_binding.binding_problem`: run id,
+  names this job and is bound to this run (:func:`ftrain.recovery.tier_binding.binding_problem`: run id,
   config hash, checkpoint root); anything else is skipped and reported (:class:`Skipped`);
 - a file is only ever read by a name its manifest lists, only if it is a regular file (never a
   link, FIFO, device or directory), never more than the size the manifest lists plus one byte,
@@ -55,7 +55,7 @@ from ftrain.checkpoint.digest import new_hasher
 from ftrain.checkpoint.errors import ManifestError
 from ftrain.checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
 from ftrain.contract.local_files import create_new, private_dir, read_regular
-from ftrain.tier_binding import Binding, binding_problem
+from ftrain.recovery.tier_binding import Binding, binding_problem
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class TierStore:
         run's, oldest first, the files of one manifest found in several directories merged into
         one snapshot; and what was skipped, and why: a directory that cannot be a snapshot of this
         job (no manifest, one that does not parse or verify, another job's), a snapshot of another
-        run (:func:`ftrain.tier_binding.binding_problem`), a file that is not a regular file of the
+        run (:func:`ftrain.recovery.tier_binding.binding_problem`), a file that is not a regular file of the
         size the manifest lists. Unfinished directories of this worker are removed. Digests are
         checked when a file is read (:meth:`DirFiles.read`)."""
         for prefix in (_WRITING, _DELETING):  # a worker of this local rank died writing or deleting it

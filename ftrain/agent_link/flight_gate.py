@@ -1,5 +1,5 @@
 """Who may ask a worker for its flight record, and how often: the gate in front of
-:class:`ftrain.flight_recorder.FlightServer`.
+:class:`ftrain.agent_link.flight_recorder.FlightServer`.
 
 The worker listens on an abstract Unix datagram socket (``ftrain.contract.flight.socket_name``), a name
 that any local process can send to, or bind first. So:

@@ -66,7 +66,7 @@ def pipeline_degrees(parallel: ParallelConfig) -> tuple[int, ...]:
 def pipeline_degree(parallel: ParallelConfig, ranks: int) -> int | None:
     """The pipeline degree a world of ``ranks`` runs at: the first of :func:`pipeline_degrees` whose
     stages tile it (pp x the strategy's fixed tensor-parallel degree divides it); None if none does."""
-    from ftrain.strategies import fixed_tp_size  # the registry imports this module's names
+    from ftrain.parallel.strategies import fixed_tp_size  # the registry imports this module's names
 
     tp = fixed_tp_size(parallel)
     return next((pp for pp in pipeline_degrees(parallel) if ranks % (pp * tp) == 0), None)

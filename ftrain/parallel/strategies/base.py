@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ftrain.config import Config, OptimConfig, ParallelConfig
     from ftrain.parallel.base import Parallel
-    from ftrain.plan import MemoryEstimate, ModelStats
+    from ftrain.planning.plan import MemoryEstimate, ModelStats
 
 
 class Wrapper(enum.Enum):
@@ -121,7 +121,7 @@ class Strategy(abc.ABC):
     """Pointless or impossible on one rank (``ftrain plan`` skips it at world size 1)."""
     full_replica: ClassVar[bool] = False
     """Every rank holds the whole model and optimizer state (plain tensors), so after a failure
-    any survivor can hand a joiner everything (``ftrain.live``); otherwise state comes from storage."""
+    any survivor can hand a joiner everything (``ftrain.recovery.live``); otherwise state comes from storage."""
 
     # -- memory model (ftrain plan does the arithmetic from these and the methods below) ---
     wrapper: ClassVar[Wrapper]

@@ -1,20 +1,20 @@
 """Pipeline parallelism in ``ftrain plan``: one memory estimate per pipeline rank, and the bubble.
 
 With ``parallel.pp_size`` P > 1 every pipeline rank holds different parameters and activations,
-so the plan is one :class:`~ftrain.plan.MemoryEstimate` per pipeline rank (for its first
+so the plan is one :class:`~ftrain.planning.plan.MemoryEstimate` per pipeline rank (for its first
 data-parallel, first tensor-parallel rank: the others of its stage hold the same), built from
-:func:`ftrain.plan.estimate_with` on the rank's own parameters:
+:func:`ftrain.planning.plan.estimate_with` on the rank's own parameters:
 
-- Parameters: the blocks of its stages (:func:`ftrain.pipeline_stages.stage_blocks`,
+- Parameters: the blocks of its stages (:func:`ftrain.parallel.pipeline_stages.stage_blocks`,
   ``local_stages``), the root parameters registered before the first block (the built-in GPT's
   ``tok_emb``, ``pos_emb``) on the rank of stage 0, those after the blocks (``ln_f``, ``head``)
   on the rank of the last stage; then sharded, split or replicated over the stage's
   ``dp_size x tp_size`` ranks as the inner strategy says (``Strategy.shard_count``, ...).
-- Activations: each stage's bytes per micro-batch (its blocks, as :func:`ftrain.plan.activations`
+- Activations: each stage's bytes per micro-batch (its blocks, as :func:`ftrain.planning.plan.activations`
   counts one block; its output, which the pipeline stage keeps for backward, except on the last
   stage, which keeps the final norm's and the loss's: the logits and cross-entropy's fp32
   log-softmax), summed over the micro-batches the rank's schedule has in flight at its worst
-  moment (:func:`ftrain.pipeline_schedule.peak_in_flight` weighted by those bytes), plus the
+  moment (:func:`ftrain.parallel.pipeline_schedule.peak_in_flight` weighted by those bytes), plus the
   loss's backward on the last stage. The embedding's output is the first block's input, already
   counted with the block.
 - P2P buffers: torch's ``PipelineStage`` allocates, for all m micro-batches of a step at once
@@ -22,16 +22,16 @@ data-parallel, first tensor-parallel rank: the others of its stage hold the same
   non-last stage's output gradient; autograd adds each input's gradient to its buffer and
   keeps it until the next step. Counted whole in the backward and step peaks (an upper bound:
   the input gradients build up through backward).
-- The inner strategy as ``ftrain.parallel.pipeline`` runs it (:func:`ftrain.plan.estimate_with`):
+- The inner strategy as ``ftrain.parallel.pipeline`` runs it (:func:`ftrain.planning.plan.estimate_with`):
   ddp is plain gradients and one flat all-reduce (no DDP buckets); FSDP2 units and their fp32
   gradients stay unsharded from the first backward to the step, as torch's stage sets them.
 - Start-up: on a GPU only the rank's stages move to the device; on a CPU the whole model the
   train loop builds is in the same memory.
-- The bubble: :func:`ftrain.pipeline_schedule.simulate` of the configured schedule.
+- The bubble: :func:`ftrain.parallel.pipeline_schedule.simulate` of the configured schedule.
 
 What must stay true: the schedule's order, the in-flight rule and the micro-batch count
 (m = ``train.global_batch_size / (train.micro_batch_size x dp_size)``) are the runtime's
-(``ftrain.pipeline_schedule``); the logits stay inside the schedule (``step(...,
+(``ftrain.parallel.pipeline_schedule``); the logits stay inside the schedule (``step(...,
 return_outputs=False)``: otherwise the last stage keeps every micro-batch's logits to the end of
 the step and concatenates them), so no rank holds them after backward.
 """
@@ -41,11 +41,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ftrain import strategies
 from ftrain.config import Config, ConfigError
-from ftrain.pipeline_schedule import bubble_fraction, check_micro_batches, peak_in_flight, simulate
-from ftrain.pipeline_stages import PP_STRATEGIES, local_stages, stage_blocks, virtual_stages
-from ftrain.plan import (
+from ftrain.parallel import strategies
+from ftrain.parallel.pipeline_schedule import bubble_fraction, check_micro_batches, peak_in_flight, simulate
+from ftrain.parallel.pipeline_stages import PP_STRATEGIES, local_stages, stage_blocks, virtual_stages
+from ftrain.parallel.strategies import Layout
+from ftrain.planning.plan import (
     PREFERENCE,
     Activations,
     MemoryEstimate,
@@ -62,8 +63,7 @@ from ftrain.plan import (
     precision_mode,
     resolve_target,
 )
-from ftrain.plan_report import memory_cells, memory_header, table_lines
-from ftrain.strategies import Layout
+from ftrain.planning.plan_report import memory_cells, memory_header, table_lines
 
 #: pipeline degrees the recommendation tries when nothing fits without a pipeline, smallest first
 PP_DEGREES = (2, 4, 8)
@@ -188,7 +188,7 @@ def estimates_for(
 def stage_estimates(
     cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8
 ) -> list[MemoryEstimate]:
-    """One :class:`~ftrain.plan.MemoryEstimate` per pipeline rank of ``cfg`` (its strategy inside
+    """One :class:`~ftrain.planning.plan.MemoryEstimate` per pipeline rank of ``cfg`` (its strategy inside
     each stage), for rank ``pp_rank x dp_size x tp_size`` (dp rank 0, tp rank 0); one estimate
     at ``parallel.pp_size`` = 1. With ``device_memory_bytes``, a rank that does not fit in it
     says so in its notes. ConfigError naming the key when the job cannot run so."""
@@ -216,7 +216,7 @@ def stage_estimates(
 def fitting_pipeline(
     stats: ModelStats, cfg: Config, *, world_size: int, gpus_per_node: int, target: Target, memory: int
 ) -> list[MemoryEstimate] | None:
-    """The stage estimates of the first inner strategy (:data:`~ftrain.plan.PREFERENCE` order)
+    """The stage estimates of the first inner strategy (:data:`~ftrain.planning.plan.PREFERENCE` order)
     whose every pipeline rank fits at ``cfg.parallel.pp_size``, or None."""
     for s in PREFERENCE:
         if s not in PP_STRATEGIES or (strategies.get(s).needs_tp_plan and not stats.has_tp_plan):
