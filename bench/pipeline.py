@@ -17,7 +17,7 @@ one-process run of the same job (no pipeline) is the baseline of the tokens/s ra
   (ftrain.parallel.pipeline_schedule.simulate).
 - ``peak``: each rank's peak RSS at the last step; ``plan``: ``ftrain plan``'s estimate for that
   stage (ftrain.planning.plan_pipeline.stage_estimates); ``err``: (plan - peak) / peak. Target: within 10%.
-  The estimate includes a per-process baseline (``ftrain.planning.plan.CPU_BASELINE_BYTES``: torch, DCP,
+  The estimate includes a per-process baseline (``ftrain.planning.memory.CPU_BASELINE_BYTES``: torch, DCP,
   gloo), a constant, while the resident pages of torch's libraries move with what else maps them
   (341-428 MB measured); so the bench also measures the machine's own (a one-rank run of a
   0.1M-parameter model, less its estimate without the baseline) and gives ``err here``: the error
@@ -93,7 +93,7 @@ def install_baseline(workdir: Path, *, env: dict[str, str], timeout_s: float) ->
     """This install's per-process baseline: a one-rank run of the tiny model, its peak less what
     ``ftrain plan`` estimates without its constant baseline; None if that run fails."""
     from ftrain.config import load_config
-    from ftrain.planning.plan import CPU_BASELINE_BYTES
+    from ftrain.planning.memory import CPU_BASELINE_BYTES
     from ftrain.planning.plan_pipeline import stage_estimates
 
     tiny = workdir / "baseline"
@@ -111,7 +111,7 @@ def add_model(row: dict[str, Any], config_path: Path, micro_batches: int, baseli
     """The formula, the simulation and ``ftrain plan``'s per-stage estimates beside a measured row."""
     from ftrain.config import load_config
     from ftrain.parallel.pipeline_schedule import bubble_fraction, simulate
-    from ftrain.planning.plan import CPU_BASELINE_BYTES
+    from ftrain.planning.memory import CPU_BASELINE_BYTES
     from ftrain.planning.plan_pipeline import stage_estimates
 
     pp, schedule = row["pp"], row["schedule"]

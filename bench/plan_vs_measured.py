@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"strategies must be among {', '.join(STRATEGIES)}")
 
     from ftrain.config import load_config
-    from ftrain.planning.plan import Target, estimate, layout_for, model_stats
+    from ftrain.planning.memory import Target, layout_for, model_stats
+    from ftrain.planning.plan import estimate
 
     model = MODELS[args.model_size]["model"]
     train = {"global_batch_size": 2 * args.micro_batch, "micro_batch_size": args.micro_batch}

@@ -204,7 +204,8 @@ def summarise(job: Job, warmup: int) -> dict[str, Any]:
 def plan_estimate(config_path: Path, strategy: str, nproc: int) -> int | None:
     """``ftrain plan``'s per-rank estimate for this job (CPU fp32, all ranks on one node)."""
     from ftrain.config import load_config
-    from ftrain.planning.plan import Target, estimate, layout_for, model_stats
+    from ftrain.planning.memory import Target, layout_for, model_stats
+    from ftrain.planning.plan import estimate
 
     cfg = load_config(config_path, [f"--parallel.strategy={strategy}"])
     layout = layout_for(cfg, strategy, world_size=nproc, gpus_per_node=nproc)
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
     from ftrain.config import load_config
-    from ftrain.planning.plan import model_stats
+    from ftrain.planning.memory import model_stats
 
     spec = MODELS[args.model_size]
     env = worker_env(malloc_tuning=not args.no_malloc_tuning)

@@ -13,7 +13,7 @@ not match is read once more (bytes damaged in flight are not the storage's); onl
 mismatch is a problem. Before anything is read, each file's size is checked (a missing or
 resized file is a problem, and nothing is read of it).
 
-It returns the problems (:class:`~ftrain.checkpoint.verify.Problem`, the kinds :mod:`ftrain.checkpoint.verify`
+It returns the problems (:class:`~ftrain.checkpoint.problems.Problem`, the kinds :mod:`ftrain.checkpoint.verify`
 reports), and for the files asked to be kept a :class:`SparseFile`: the verified blocks, read
 like a file (DCP reads from it; touching a byte of a block that was not fetched raises). A caller
 knows that a step is corrupt before it copies a single tensor out of it.
@@ -42,8 +42,8 @@ from ftrain.checkpoint.digest import new_hasher
 from ftrain.checkpoint.errors import ChecksumMismatchError, FatalStorageError, ManifestError
 from ftrain.checkpoint.local_cache import StepCache
 from ftrain.checkpoint.manifest import FileEntry, Manifest, parse_json_bounded
+from ftrain.checkpoint.problems import Problem
 from ftrain.checkpoint.storage import Storage
-from ftrain.checkpoint.verify import Problem
 
 log = logging.getLogger(__name__)
 

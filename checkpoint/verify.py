@@ -23,35 +23,17 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ftrain.checkpoint.catalog import read_manifest
 from ftrain.checkpoint.digest import new_hasher
 from ftrain.checkpoint.errors import FatalStorageError, ManifestError, UnsafePickleError
 from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, parse_step_dir
+from ftrain.checkpoint.problems import CORRUPTION_KINDS, Problem
 from ftrain.checkpoint.storage import Storage
 
 METADATA_NAME = ".metadata"
 log = logging.getLogger(__name__)
-
-ProblemKind = Literal["missing", "size", "digest", "manifest", "unsafe", "unreadable"]
-#: Problem kinds that prove the step's bytes are not what was committed (``unsafe``: a
-#: ``.metadata`` that asks the unpickler for anything but DCP metadata or points outside the
-#: manifest's files, or a pickled item in a shard that torch's weights-only unpickler refuses).
-CORRUPTION_KINDS = frozenset({"missing", "size", "digest", "manifest", "unsafe"})
-
-
-@dataclass(slots=True)
-class Problem:
-    """One thing wrong with one file of a step directory."""
-
-    file: str
-    """Name relative to the step directory (``manifest.json`` for manifest problems)."""
-    kind: ProblemKind
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.kind}: {self.detail}"
 
 
 @dataclass(slots=True)

@@ -26,33 +26,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ftrain.config import ConfigError, DataConfig, ModelConfig
-
-logger = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """Bad data or data state (file, sample id, cursor checkpoint); the message names the fix."""
-
-
-def as_sample_ids(ids: np.ndarray | list[int], num_samples: int, where: str) -> np.ndarray:
-    """``ids`` as a 1-D int64 array, each in ``[0, num_samples)``; DataError naming ``where``."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise DataError(f"{where}: sample ids must be a 1-D array, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise DataError(f"{where}: sample ids must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < 0 or arr.max() >= num_samples):
-        bad = int(arr[(arr < 0) | (arr >= num_samples)][0])
-        raise DataError(
-            f"{where}: sample id {bad} is out of range [0, {num_samples}); ids come from a "
-            f"DataCursor built with num_samples={num_samples}"
-        )
-    return arr
-
-
-# Submodules import DataError from here, so it is defined before they are imported.
-from ftrain.data.cursor import (  # noqa: E402
+from ftrain.data.cursor import (
     PERM_STREAM,
     DataCursor,
     GlobalBatch,
@@ -62,9 +36,12 @@ from ftrain.data.cursor import (  # noqa: E402
     micro_block,
     micro_steps,
 )
-from ftrain.data.ledger import Ledger, LedgerReport, check_exactly_once, read_ledger  # noqa: E402
-from ftrain.data.synthetic import CHAIN_STREAM, SAMPLE_STREAM, MarkovSource  # noqa: E402
-from ftrain.data.tokens import TokenFileSource, write_token_file  # noqa: E402
+from ftrain.data.errors import DataError, as_sample_ids
+from ftrain.data.ledger import Ledger, LedgerReport, check_exactly_once, read_ledger
+from ftrain.data.synthetic import CHAIN_STREAM, SAMPLE_STREAM, MarkovSource
+from ftrain.data.tokens import TokenFileSource, write_token_file
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -114,6 +91,7 @@ __all__ = [
     "SampleSource",
     "TokenFileSource",
     "accumulation_steps",
+    "as_sample_ids",
     "build_source",
     "check_exactly_once",
     "micro_batches",

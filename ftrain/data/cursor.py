@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ftrain.config import ConfigError
-from ftrain.data import DataError
+from ftrain.data.errors import DataError
 
 logger = logging.getLogger(__name__)
 

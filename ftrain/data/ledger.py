@@ -24,8 +24,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ftrain.data import DataError
 from ftrain.data.cursor import DataCursor, GlobalBatch, MicroBatch
+from ftrain.data.errors import DataError
 
 logger = logging.getLogger(__name__)
 

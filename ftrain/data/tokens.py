@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ftrain.data import DataError, as_sample_ids
+from ftrain.data.errors import DataError, as_sample_ids
 
 logger = logging.getLogger(__name__)
 

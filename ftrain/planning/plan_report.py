@@ -13,22 +13,22 @@ import torch
 
 from ftrain.config import Config, ConfigError
 from ftrain.parallel import strategies
-from ftrain.planning.plan import (
+from ftrain.planning.memory import (
     CUDA_RUNTIME_BYTES,
     DEFAULT_DEVICE_MEMORY_BYTES,
     TIGHT_FRACTION,
     MemoryEstimate,
     ModelStats,
     Target,
-    best_fitting,
     changed,
-    estimate_all,
     gib,
     model_stats,
     overhead_bytes,
-    recommend,
     resolve_target,
 )
+from ftrain.planning.plan import best_fitting, estimate_all, recommend
+from ftrain.planning.plan_pipeline import pipeline_report, pipeline_suggestion
+from ftrain.planning.tables import memory_cells, memory_header, table_lines
 
 
 def suggestions(
@@ -62,8 +62,6 @@ def suggestions(
                 f"({gib(best.running_bytes)} per rank)"
             )
     if cfg.parallel.pp_size == 1:  # a stage alone goes to a GPU: the full-model floor need not hold
-        from ftrain.planning.plan_pipeline import pipeline_suggestion  # imports this module
-
         piped = pipeline_suggestion(
             stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
         )
@@ -113,20 +111,6 @@ def default_device_memory_bytes(target: Target) -> int:
     return DEFAULT_DEVICE_MEMORY_BYTES
 
 
-def table_lines(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, row in enumerate(rows):
-        lines.append(
-            "| "
-            + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-            + " |"
-        )
-        if j == 0:
-            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return lines
-
-
 #: host copies of a rank's checkpointed state the memory tier keeps: its staging buffers, its
 #: own snapshot and its buddy's; while an exchange replaces a snapshot, the previous pair too
 MEMORY_TIER_COPIES, MEMORY_TIER_PEAK_COPIES = 3, 5
@@ -156,34 +140,6 @@ def memory_tier_notes(cfg: Config, estimates: Sequence[MemoryEstimate]) -> list[
     return out
 
 
-def memory_header(memory: int) -> list[str]:
-    """The memory columns of the ``ftrain plan`` tables (:func:`memory_cells`)."""
-    return [
-        "params+grads+optim",
-        "activations",
-        "backward extra",
-        "step extra",
-        "overhead",
-        "total/rank",
-        f"fits {gib(memory)}",
-    ]
-
-
-def memory_cells(e: MemoryEstimate, memory: int) -> list[str]:
-    """One estimate's memory columns, and whether it fits in ``memory``."""
-    use = e.total_bytes / memory
-    fit = "no" if use > 1 else ("tight" if use > TIGHT_FRACTION else "yes")
-    return [
-        gib(e.model_state_bytes),
-        gib(e.activation_bytes),
-        gib(e.transient_bytes),
-        gib(e.step_transient_bytes),
-        gib(e.overhead_bytes),
-        gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})"),
-        f"{fit} ({use:.0%})",
-    ]
-
-
 def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None = None, gpus_per_node: int = 8) -> str:
     """The table ``ftrain plan`` prints: every feasible strategy's per-rank memory, and a pick."""
     if world_size < 1:
@@ -209,8 +165,6 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         "",
     ]
     if cfg.parallel.pp_size > 1:
-        from ftrain.planning.plan_pipeline import pipeline_report  # imports this module
-
         lines += pipeline_report(
             stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target, memory=memory
         )

@@ -53,7 +53,7 @@ def test_the_strategies_bench_smoke_run_measures_each_strategy_and_its_plan():
         assert r["steps_measured"] == summary["steps"] - summary["warmup"] > 0
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and 0 < r["final_loss"] < 10
         assert len(r["peak_rss_per_rank"]) == r["ranks"] and r["peak_rss_bytes"] == max(r["peak_rss_per_rank"])
-        # every rank pays ftrain.planning.plan.CPU_BASELINE_BYTES (~385 MB) before the model: both sides include it
+        # every rank pays ftrain.planning.memory.CPU_BASELINE_BYTES (~385 MB) before the model: both sides include it
         assert r["peak_rss_bytes"] > 100e6 and r["plan_bytes"] > 100e6
         assert abs(r["plan_bytes"] - r["peak_rss_bytes"]) < 0.2 * r["peak_rss_bytes"], r
 

@@ -13,19 +13,16 @@ import torch
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.model import build_model, count_parameters
 from ftrain.parallel.strategies.zero1 import zero1_partition
-from ftrain.planning.plan import (
-    PREFERENCE,
+from ftrain.planning.memory import (
     GiB,
     Target,
     activation_bytes,
     activations,
-    estimate,
-    estimate_all,
     layout_for,
     model_stats,
-    recommend,
     textbook_model_state_bytes,
 )
+from ftrain.planning.plan import PREFERENCE, estimate, estimate_all, recommend
 from ftrain.planning.plan_report import plan_report
 
 GPU_BF16 = Target("cuda", "bf16")

@@ -8,9 +8,11 @@ import pytest
 
 from ftrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.parallel.pipeline_stages import stage_blocks
-from ftrain.planning.plan import GiB, Target, activations, estimate, estimate_all, layout_for, model_stats
-from ftrain.planning.plan_pipeline import p2p_buffer_bytes, stage_estimates, stage_stats
+from ftrain.planning.memory import GiB, Target, activations, layout_for, model_stats
+from ftrain.planning.plan import estimate, estimate_all
+from ftrain.planning.plan_pipeline import stage_estimates
 from ftrain.planning.plan_report import plan_report
+from ftrain.planning.stages import p2p_buffer_bytes, stage_stats
 
 GPU_BF16 = Target("cuda", "bf16")
 

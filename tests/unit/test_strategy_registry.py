@@ -72,7 +72,8 @@ def test_replica_groups_are_all_or_nothing_and_hold_several_ranks(strategy):
 
 @each_strategy
 def test_memory_model_is_complete(strategy):
-    from ftrain.planning.plan import GiB, Target, estimate, layout_for, model_stats, recommend
+    from ftrain.planning.memory import GiB, Target, layout_for, model_stats
+    from ftrain.planning.plan import estimate, recommend
 
     assert isinstance(strategy.wrapper, Wrapper)
     cfg = Config(

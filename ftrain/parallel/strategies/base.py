@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ftrain.config import Config, OptimConfig, ParallelConfig
     from ftrain.parallel.base import Parallel
-    from ftrain.planning.plan import MemoryEstimate, ModelStats
+    from ftrain.planning.memory import MemoryEstimate, ModelStats
 
 
 class Wrapper(enum.Enum):

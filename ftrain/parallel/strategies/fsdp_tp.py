@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ftrain.config import ParallelConfig
-    from ftrain.planning.plan import MemoryEstimate
+    from ftrain.planning.memory import MemoryEstimate
 
 
 class FSDPTP(FSDP):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from ftrain.config import ParallelConfig
     from ftrain.parallel.base import Parallel
-    from ftrain.planning.plan import MemoryEstimate
+    from ftrain.planning.memory import MemoryEstimate
 
 
 class HSDP(FSDP):

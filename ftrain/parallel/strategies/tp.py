@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ftrain.config import ParallelConfig
-    from ftrain.planning.plan import MemoryEstimate
+    from ftrain.planning.memory import MemoryEstimate
 
 
 def tp_degree(tp: int, *, world_size: int, n_head: int | None) -> int:

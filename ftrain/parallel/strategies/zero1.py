@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from ftrain.config import Config, OptimConfig
     from ftrain.parallel.base import Parallel
-    from ftrain.planning.plan import ModelStats
+    from ftrain.planning.memory import ModelStats
 
 
 def zero1_partition(stats: ModelStats, world_size: int) -> list[int]:
