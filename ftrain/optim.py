@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ftrain.config import OptimConfig
+if TYPE_CHECKING:
+    from ftrain.config import OptimConfig
 
 
 def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:

@@ -3,11 +3,13 @@
     python scripts/import_graph.py                 # every circle of more than one module
     python scripts/import_graph.py --under ftrain.agents --json
 
-An edge ``a -> b`` is any import of ``b`` anywhere in ``a`` (module level or inside a function:
-a lazy import still ties the two modules together); ``from p import m`` is an edge to the module
-``p.m`` when there is one, else to ``p``. Importing ``p.m`` also runs ``p/__init__.py``; those
-implicit edges are left out (package ``__init__`` files here import nothing heavy). Exit status 1
-when a circle is found, so the script can gate a change.
+An edge ``a -> b`` is any import of ``b`` anywhere in ``a`` that can run: at module level or
+inside a function (a lazy import still ties the two modules together). An import under
+``if TYPE_CHECKING:`` names types for checkers only and is left out unless ``--annotations``.
+``from p import m`` is an edge to the module ``p.m`` when there is one, else to ``p``. Importing
+``p.m`` also runs ``p/__init__.py``; those implicit edges are left out (package ``__init__``
+files here import nothing heavy). Exit status 1 when a circle is found, so the script can gate
+a change (tests/unit/test_import_boundaries.py runs it).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-#: folder of the checkout -> the package it is imported as (pyproject.toml links them into ftrain/)
+#: folder of the checkout -> the package it is imported as (pyproject.toml links them into
+#: ftrain/), bottom layer first
 FOLDERS = {
+    "contract": "ftrain.contract",
+    "checkpoint": "ftrain.checkpoint",
     "ftrain": "ftrain",
     "agents": "ftrain.agents",
-    "checkpoint": "ftrain.checkpoint",
-    "chaos": "ftrain.chaos",
-    "contract": "ftrain.contract",
     "testbed": "ftrain.testbed",
+    "chaos": "ftrain.chaos",
 }
 
 
@@ -35,14 +38,16 @@ def modules(repo: Path = REPO) -> dict[str, Path]:
     """Every module of the namespace -> its file (links are not followed: each file once)."""
     out = {}
     for folder, package in FOLDERS.items():
-        for root, _, files in os.walk(repo / folder):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
-                rel = (Path(root) / name).relative_to(repo / folder).with_suffix("")
-                parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-                out[".".join([package, *parts])] = Path(root) / name
+        for path in sources(repo / folder):
+            rel = path.relative_to(repo / folder).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join([package, *parts])] = path
     return out
+
+
+def sources(folder: Path) -> list[Path]:
+    """The .py files under ``folder``, sorted; ``os.walk`` does not descend into a link."""
+    return sorted(Path(root) / name for root, _, files in os.walk(folder) for name in files if name.endswith(".py"))
 
 
 def _targets(node: ast.AST, module: str, is_package: bool, known: set[str]) -> list[str]:
@@ -64,32 +69,44 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
 
 
-def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node that can run: ``if TYPE_CHECKING:`` blocks (annotations only) are left out."""
+def _runtime_nodes(tree: ast.AST, annotations: bool = False) -> list[ast.AST]:
+    """Every node that can run: ``if TYPE_CHECKING:`` blocks (annotations only) are left out
+    unless ``annotations``."""
     out, todo = [], [tree]
     while todo:
         node = todo.pop()
         out.append(node)
-        if isinstance(node, ast.If) and _type_checking(node):
+        if not annotations and isinstance(node, ast.If) and _type_checking(node):
             todo.extend(node.orelse)
             continue
         todo.extend(ast.iter_child_nodes(node))
     return out
 
 
-def graph(repo: Path = REPO) -> dict[str, set[str]]:
-    """module -> the modules of the namespace it imports."""
+def imports(path: Path, module: str, known: set[str], annotations: bool = False) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in ``path`` (the module ``module``) that can run, or
+    also the type checkers' with ``annotations``; relative imports resolved, ``from p import m``
+    named ``p.m`` when that is a module in ``known``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        (getattr(node, "lineno", 0), name)
+        for node in _runtime_nodes(tree, annotations)
+        for name in _targets(node, module, path.name == "__init__.py", known)
+    ]
+
+
+def graph(repo: Path = REPO, annotations: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of the namespace it imports (with ``annotations``, also those named
+    only for type checkers)."""
     files = modules(repo)
     known = set(files)
     edges: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _runtime_nodes(tree):
-            for target in _targets(node, module, path.name == "__init__.py", known):
-                while target and target not in known:  # ftrain.x.Y (a name in a module) -> ftrain.x
-                    target = target.rpartition(".")[0]
-                if target and target != module:
-                    edges[module].add(target)
+        for _, target in imports(path, module, known, annotations):
+            while target and target not in known:  # ftrain.x.Y (a name in a module) -> ftrain.x
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges[module].add(target)
     return edges
 
 
@@ -115,7 +132,7 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
                     index[child] = low[child] = len(index)
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(edges[child]))))
+                    work.append((child, iter(sorted(edges.get(child, ())))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
                 continue
@@ -139,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--under", default="ftrain", help="only modules under this package (default: all)")
     parser.add_argument("--json", action="store_true", help="one JSON object: modules, edges, circles")
+    parser.add_argument(
+        "--annotations", action="store_true", help="count imports under `if TYPE_CHECKING:` too (types only)"
+    )
     args = parser.parse_args(argv)
-    edges = graph()
+    edges = graph(annotations=args.annotations)
     keep = {m for m in edges if m == args.under or m.startswith(args.under + ".")}
     edges = {m: {t for t in targets if t in keep} for m, targets in edges.items() if m in keep}
     found = circles(edges)

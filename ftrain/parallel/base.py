@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,7 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ftrain.parallel.grad_norm import clip_grad_norm
-from ftrain.parallel.strategies import Layout
+
+if TYPE_CHECKING:
+    from ftrain.parallel.strategies import Layout
 
 
 class Parallel:

@@ -14,6 +14,19 @@ the layers listed for it; there are no per-file exemptions.
 | chaos | `ftrain.chaos` | everything below the CLI |
 | cli | `ftrain.cli`, `ftrain.__main__` | everything |
 
+Inside the runtime layer, each room may import only the rooms listed for it (imports that can
+run; ``if TYPE_CHECKING:`` names types only), and the runtime's modules import each other in no
+circle (``scripts/import_graph.py``):
+
+| room | modules | may import (of the runtime) |
+|---|---|---|
+| training | the rest: `ftrain.config`, `train`, `model`, `data`, ... | parallel, recovery, agent link, observability |
+| parallel | `ftrain.parallel` (strategies, torch mechanisms, pipeline arithmetic) | training |
+| recovery | `ftrain.recovery` | training, parallel, agent link |
+| agent link | `ftrain.agent_link` | nothing |
+| observability | `ftrain.observability` | nothing |
+| planning | `ftrain.planning` | training, parallel |
+
 torch imports ``ftrain.torchrun_plugin`` (the entry point) in every process that imports its
 rendezvous package; that module imports the backend, ``ftrain.agents.torchrun_rdzv``, only when
 torchrun asks for the ``etcd-v3`` handler, in torchrun's process.
@@ -24,24 +37,17 @@ top; ``ftrain/<name>`` links to each (one import namespace: see pyproject.toml).
 
 from __future__ import annotations
 
-import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from ftrain.testbed.jobs import TINY_CONFIG, worker_env
 from ftrain.testbed.procs import REPO
+from tests.script_support import load_script
 
+GRAPH = load_script("import_graph")
 #: folder of the checkout -> the package it is imported as
-PACKAGES = {
-    "contract": "ftrain.contract",
-    "checkpoint": "ftrain.checkpoint",
-    "ftrain": "ftrain",
-    "agents": "ftrain.agents",
-    "testbed": "ftrain.testbed",
-    "chaos": "ftrain.chaos",
-}
+PACKAGES = GRAPH.FOLDERS
 LAYER_OF = {
     "ftrain.contract": "contract",
     "ftrain.checkpoint": "checkpoint",
@@ -79,57 +85,83 @@ def layer_of(module: str) -> str | None:
     return None
 
 
-def _module_name(path: Path, folder: Path, package: str) -> str:
-    rel = path.relative_to(folder).with_suffix("")
-    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join([package, *parts])
-
-
-def _sources(folder: Path) -> list[Path]:
-    """The .py files under ``folder``, never through a link (``ftrain/agents`` is ``agents/``)."""
-    return sorted(
-        Path(root) / name for root, _, files in os.walk(folder) for name in files if name.endswith(".py")
-    )  # os.walk does not descend into a link
-
-
-def _imports(path: Path, module: str) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the importing package
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                name = ".".join([*base, node.module] if node.module else base)
-            else:
-                name = node.module or ""
-            found.append((node.lineno, name))
-    return found
-
-
 def violations(repo: Path = REPO) -> list[str]:
     bad = []
-    for folder, package in PACKAGES.items():
-        for path in _sources(repo / folder):
-            module = _module_name(path, repo / folder, package)
-            layer = layer_of(module)
-            assert layer is not None, module
-            for lineno, name in _imports(path, module):
-                target = layer_of(name)
-                where = f"{path.relative_to(repo)}:{lineno} imports {name}"
-                if target is not None and target != layer and target not in MAY_IMPORT[layer]:
-                    bad.append(f"{where} (layer {layer} may not import layer {target})")
-                elif target is None and name.split(".")[0] in NEVER.get(layer, ()):
-                    bad.append(f"{where} (layer {layer} may not import {name.split('.')[0]})")
-                elif target is None and layer == "contract" and name.split(".")[0] not in STDLIB:
-                    bad.append(f"{where} (the contract is standard library only)")
+    files = GRAPH.modules(repo)
+    for module, path in files.items():
+        layer = layer_of(module)
+        assert layer is not None, module
+        for lineno, name in GRAPH.imports(path, module, set(files), annotations=True):
+            target = layer_of(name)
+            where = f"{path.relative_to(repo)}:{lineno} imports {name}"
+            if target is not None and target != layer and target not in MAY_IMPORT[layer]:
+                bad.append(f"{where} (layer {layer} may not import layer {target})")
+            elif target is None and name.split(".")[0] in NEVER.get(layer, ()):
+                bad.append(f"{where} (layer {layer} may not import {name.split('.')[0]})")
+            elif target is None and layer == "contract" and name.split(".")[0] not in STDLIB:
+                bad.append(f"{where} (the contract is standard library only)")
     return bad
 
 
 def test_every_module_respects_its_layer():
     assert violations() == []
+
+
+ROOM_OF = {
+    "ftrain.parallel": "parallel",
+    "ftrain.recovery": "recovery",
+    "ftrain.agent_link": "agent link",
+    "ftrain.observability": "observability",
+    "ftrain.planning": "planning",
+}
+ROOM_MAY_IMPORT = {
+    "training": {"parallel", "recovery", "agent link", "observability"},
+    "parallel": {"training"},
+    "recovery": {"training", "parallel", "agent link"},
+    "agent link": set(),
+    "observability": set(),
+    "planning": {"training", "parallel"},
+}
+
+
+def room_of(module: str) -> str | None:
+    """The room of a runtime module (None outside the runtime layer)."""
+    if layer_of(module) != "runtime" or module == "ftrain.torchrun_plugin":
+        return None
+    return next((room for prefix, room in ROOM_OF.items() if module.startswith(prefix + ".")), "training")
+
+
+def room_violations(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(edges.items()):
+        room = room_of(module)
+        for target in sorted(targets):
+            other = room_of(target)
+            if room is not None and other not in (None, room) and other not in ROOM_MAY_IMPORT[room]:
+                bad.append(f"{module} imports {target} (room {room} may not import room {other})")
+    return bad
+
+
+def test_every_runtime_module_respects_its_room_and_none_imports_in_a_circle():
+    edges = GRAPH.graph()
+    assert room_violations(edges) == []
+    assert GRAPH.circles(edges) == []
+    rooms = {p.name for p in (REPO / "ftrain").iterdir() if (p / "__init__.py").is_file() and not p.is_symlink()}
+    assert set(ROOM_OF) == {f"ftrain.{name}" for name in rooms - {"cli", "data"}}, "a new room needs its rules"
+
+
+def test_room_and_circle_checkers_catch_violations():
+    edges = {
+        "ftrain.agent_link.fence": {"ftrain.train", "ftrain.contract.control"},
+        "ftrain.train": {"ftrain.planning.plan", "ftrain.recovery.live"},
+        "ftrain.recovery.live": {"ftrain.train"},
+        "ftrain.planning.plan": set(),
+    }
+    assert room_violations(edges) == [
+        "ftrain.agent_link.fence imports ftrain.train (room agent link may not import room training)",
+        "ftrain.train imports ftrain.planning.plan (room training may not import room planning)",
+    ]
+    assert GRAPH.circles(edges) == [["ftrain.recovery.live", "ftrain.train"]]
 
 
 def test_nothing_imports_a_folder_by_its_bare_name():
@@ -138,8 +170,8 @@ def test_nothing_imports_a_folder_by_its_bare_name():
     bare = set(PACKAGES) - {"ftrain"}
     found = []
     for top in (*PACKAGES, "tests", "bench", "scripts"):
-        for path in _sources(REPO / top):
-            for lineno, name in _imports(path, "tests.x"):  # relative imports stay within their package
+        for path in GRAPH.sources(REPO / top):
+            for lineno, name in GRAPH.imports(path, "tests.x", set(), annotations=True):
                 if name.split(".")[0] in bare:
                     found.append(f"{path.relative_to(REPO)}:{lineno} imports {name}: import ftrain.{name}")
     assert found == []
