@@ -61,7 +61,7 @@ plan: setup
 	$(PY) -m ftrain plan configs/demo.toml --world-size 8
 
 docs: setup
-	$(PY) scripts/update_readme_reference.py README.md
+	$(PY) scripts/update_config_reference.py docs/configuration.md
 	$(PY) scripts/render_examples.py
 
 clean:

@@ -16,7 +16,7 @@ directory is cleared (or its unfinished uploads aborted) and right before the ma
 written; the commit record itself is one etcd transaction with the round check. What is left is
 the time between that last etcd answer and the storage request (and the removal's own
 duration): storage has no conditional delete or PUT that etcd's round could guard, so only
-distinct paths per save attempt would close it (see the README's notes on the delete fence).
+distinct paths per save attempt would close it (docs/security.md: the delete fence).
 """
 
 from __future__ import annotations

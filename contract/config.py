@@ -181,7 +181,7 @@ def reference_markdown(schema: Mapping[str, type]) -> str:
     """Every key of ``schema`` (type, default, meaning) as Markdown."""
     lines = []
     for section, cls in schema.items():
-        lines += [f"### `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [f"## `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             default = json.dumps(f.default)
             help_ = f.metadata["help"].replace("|", "\\|")

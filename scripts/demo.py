@@ -50,7 +50,7 @@ class Demo:
         self.events_path = work / "events.jsonl"
         self.metrics_path = work / "metrics.jsonl"
         self.agents: dict[str, subprocess.Popen] = {}
-        # checkpoints signed with a per-demo key, bound to job "demo" (see the README's security section)
+        # checkpoints signed with a per-demo key, bound to job "demo" (docs/security.md)
         self.ckpt_key = secrets.token_hex(32)
         self.worker_args = [
             args.config,
