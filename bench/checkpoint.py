@@ -448,7 +448,7 @@ class Bench:
         return {"blocked_s": blocked[1:], "seconds": seconds[1:], "restore_s": restores, "warmup_s": seconds[0]}
 
     def _drop_mode(self, mode: str, err: BaseException, async_modes: list[str]) -> None:
-        from ftrain.checkpoint.manager import describe_error
+        from ftrain.checkpoint.loading import describe_error
 
         text = describe_error(err)[:400]
         self.results["errors"][mode] = text

@@ -9,7 +9,7 @@ LR schedule is a pure function of the step, so it needs no state.
 Resume trusts nothing it reads: before a step is loaded, :func:`validate_trainer_state` checks
 the manifest's trainer state (a cursor of the right shape, at the manifest's step); a step that
 fails is corrupt for the checkpoint service (marked, fall back). When steps exist but none can be
-loaded, :class:`~ftrain.checkpoint.manager.NoLoadableStepError` ends the worker (after a ``resume_failed``
+loaded, :class:`~ftrain.checkpoint.loading.NoLoadableStepError` ends the worker (after a ``resume_failed``
 event and one error line) unless ``checkpoint.on_no_loadable_step=fresh``. Manifests carry the
 job id (:func:`ftrain.config.worker_job_id`) and another job's steps are refused.
 """
@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ftrain.agent_link import fence
 from ftrain.checkpoint.errors import CheckpointError, ManifestError
-from ftrain.checkpoint.manager import CheckpointManager, NoLoadableStepError, SaveStatus
+from ftrain.checkpoint.loading import NoLoadableStepError
+from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
 from ftrain.config import Config, ConfigError, worker_job_id

@@ -39,7 +39,7 @@ def save(mgr: CheckpointManager, step: int) -> None:
 def load(mgr: CheckpointManager, caplog) -> tuple[int, dict[str, Any], str]:
     target = state(-1)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ftrain.checkpoint.manager"):
+    with caplog.at_level(logging.INFO, logger="ftrain.checkpoint.loading"):
         manifest = mgr.load(lambda m: target, validate=validate_trainer_state)
     assert manifest is not None
     fetched = [r.getMessage() for r in caplog.records if "for this rank's load" in r.getMessage()]

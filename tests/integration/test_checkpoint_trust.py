@@ -27,7 +27,8 @@ from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.records import JobKeys
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.errors import CheckpointError, StaleRoundError
-from ftrain.checkpoint.manager import CheckpointManager, NoLoadableStepError
+from ftrain.checkpoint.loading import NoLoadableStepError
+from ftrain.checkpoint.manager import CheckpointManager
 from ftrain.checkpoint.manifest import (
     CORRUPT_NAME,
     MANIFEST_NAME,
