@@ -40,6 +40,11 @@ What is read from etcd, the heartbeat socket or the environment is checked, neve
   round's torchrun with the start time first seen (:class:`ftrain.agents.workers.WorkerGroup`).
 - workers reach etcd (the checkpoint fence) with the agent's credentials through a 0600 file,
   never a command line (:mod:`ftrain.agents.agent_options`).
+
+**Size.** Over 600 lines: the agent's round state machine (register, lead, follow, supervise,
+drain) after membership (:mod:`ftrain.agents.agent_membership`), hangs and dumps
+(:mod:`ftrain.agents.agent_hangs`) and the published status (:mod:`ftrain.agents.agent_status`)
+were cut out; what is left moves between states together.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ What must stay true:
 
 This module may import torch (it is its own layer in the import-boundary test: it runs in the
 torchrun launcher); the rest of ``agents`` must not.
+
+**Size.** Over 600 lines: one implementation of torch's ``RendezvousHandler`` interface, whose
+methods share one etcd protocol (join, barrier, keep-alive, shutdown) read best in one place.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ Every figure is the slowest rank's (ranks leave each measurement through a colle
 measurement is repeated ``--repeats`` times in interleaved order, and medians are reported.
 Prints a table with absolute figures and ratios, then one final JSON line. ``--smoke`` (the
 test suite's run) is the same run with a few MB of state and one repeat.
+
+**Size.** Over 600 lines: one benchmark of several measurements that share one S3 server and one
+state; its summary and report are :mod:`bench.lib.checkpoint_report`.
 """
 
 from __future__ import annotations

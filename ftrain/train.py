@@ -15,6 +15,10 @@ commit (an outage may have passed); if the same error comes back at the same ste
 deterministic-failure rule stops the job with it in the final status instead of spending the
 restart budget. Every exception is sent to the agent (error, step, and whether a restart can
 help at all: ``fatal``) before the worker leaves.
+
+**Size.** Over 600 lines: the trainer is one object whose step, resume, save and exit paths share
+its state (model, optimizer, cursor, phases, manager); what could stand alone already does
+(:mod:`ftrain.checkpointing`, :mod:`ftrain.consistency`, :mod:`ftrain.parallel`, the rooms).
 """
 
 from __future__ import annotations

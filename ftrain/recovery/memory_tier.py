@@ -47,6 +47,10 @@ above, before anything is loaded from storage (:meth:`ftrain.train.Trainer.run`)
 directory, or a run id no rank knows, leaves the worker without the on-disk tier (said once, with
 the fix); training goes on. Live workers keep their snapshots in their processes (they survive a
 round change there).
+
+**Size.** Over 600 lines: snapshot and restore are one collective protocol on one process group
+(whatever can fail on one rank is told to every rank before the next exchange); its store,
+schedule, wire format and run binding are modules of their own.
 """
 
 from __future__ import annotations
