@@ -57,10 +57,6 @@ from ftrain.planning.memory import (
     precision_mode,
 )
 
-#: pipeline degrees the recommendation tries when nothing fits without a pipeline, smallest first
-PP_DEGREES = (2, 4, 8)
-
-
 # --------------------------------------------------------------------------------------------
 # One pipeline rank.
 
