@@ -65,18 +65,21 @@ from ftrain.agents.agent_status import AgentStatus
 from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
 from ftrain.agents.etcd import Compare, Op
 from ftrain.agents.heartbeat import Beat, BusyWindow
-from ftrain.agents.jobstore import Closable, JobStore, LeaseSession
+from ftrain.agents.job_keys import JobKeys
+from ftrain.agents.job_view import JobView
+from ftrain.agents.jobstore import JobStore, LeaseSession
 from ftrain.agents.leader import Finish, FormRound, LeaderMemory, decide
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.netif import collective_interface
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
 from ftrain.agents.records import (
+    FAILED,
+    HANG,
     INTERRUPTING_CAUSES,
     START,
     SUCCEEDED,
     FinalStatus,
-    JobKeys,
     JobState,
     Member,
     RankStall,
@@ -101,6 +104,8 @@ Standby = Callable[[dict[str, str], str], LiveWorkers]
 TICK_S = 0.2
 CRASH_GRACE_S = 0.3
 ROUNDS_KEPT = 8  #: round records (and their reports) kept in etcd behind the current one
+#: how long an agent that stopped leading or judging a hang keeps following every node's status
+LEADER_KEYS_LINGER_S = 10.0
 
 
 def free_port(host: str) -> int:
@@ -173,7 +178,10 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self._last_status_at = 0.0
         self.committed_step = -1  #: newest committed checkpoint step the workers reported
         self._gone_since: dict[int, float] = {}  #: worker pid -> when it was first seen gone
-        self._watch: Closable | None = None
+        self._last_status_gist: tuple[object, ...] = ()
+        self._stragglers_written: tuple[int, list[str]] = (0, [])  #: the last rounds/<g>/stragglers written
+        self.view = JobView(store, self.keys, wake=self.wake.set, progress_timeout_s=max(2.0, self.cfg.lease_ttl_s))
+        self._leader_keys_until = 0.0  #: monotonic: follow every node's status until then
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -200,9 +208,6 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             port = self.metrics.serve(self.cfg.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
             self.events.emit(ev.AgentMetrics(node=self.cfg.node_id, port=port))
-        self._watch = self.store.watch(
-            self.keys.prefix, self.wake.set, progress_timeout_s=max(2.0, self.cfg.lease_ttl_s)
-        )
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.drain(f"signal {signum}")
@@ -224,8 +229,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             if workers is not None:
                 workers.kill()
         self.workers = self.pool = None
-        if self._watch is not None:
-            self._watch.close()
+        self.view.close()
         self._flush_reports()
         if self.session is not None:
             self.session.close(revoke=True)
@@ -264,6 +268,16 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self._release_held()  # last: a leader forms the hang's round before the stacks are dumped
         self.metrics.tick()
 
+    def _wants_leader_keys(self) -> bool:
+        """Follow every node's status (and every round's per-node keys) while leading, and while
+        this node's workers are stalled or a hang is held here (what the others' statuses say
+        about their ranks decides the hang), and for :data:`LEADER_KEYS_LINGER_S` after."""
+        now = self.clock.monotonic()
+        state = self._state
+        if (state is not None and state.leader == self.cfg.node_id) or self._stalled or self._held is not None:
+            self._leader_keys_until = now + LEADER_KEYS_LINGER_S
+        return now < self._leader_keys_until
+
     def _leading(self, state: JobState) -> bool:
         return self.memory is not None and state.leader == self.cfg.node_id
 
@@ -289,6 +303,10 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.metrics.leader.set(1 if leading else 0)
         if not leading:
             self.memory = None
+            return
+        if not self.view.following_leader_keys:  # just elected: decide once every status is read
+            self.view.follow_leader_keys(True)
+            self.wake.set()
             return
         now = self.clock.time()
         if self.memory is None:
@@ -321,7 +339,11 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         ]
         old = record.round - ROUNDS_KEPT  # the state read stays small however many rounds a job has
         if old > 0:
-            ops += [Op.delete(self.keys.round_record(old)), Op.delete(self.keys.round_record(old) + "/", prefix=True)]
+            ops += [
+                Op.delete(self.keys.round_record(old)),
+                Op.delete(self.keys.round_record(old) + "/", prefix=True),
+                Op.delete(self.keys.tally(old), prefix=True),
+            ]
         if not self.store.txn(guard, ops).succeeded:
             log.info("round %d not formed: the job state moved on (re-reading)", record.round)
             return
@@ -650,9 +672,16 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.exit_code = exits.OK
 
     def _flush_reports(self) -> None:
+        """Write the reports of ended rounds; a hang's also names its finder in ``rounds/<g>/hang``
+        (if nobody did first): the other members, who do not read reports, dump for it."""
         for round_, report in sorted(self.pending_reports.items()):
+            put = Op.put(self.keys.report(round_, self.cfg.node_id), report.to_json())
             try:
-                self.store.put(self.keys.report(round_, self.cfg.node_id), report.to_json())
+                if report.outcome == FAILED and report.reason == HANG:
+                    hang = self.keys.hang(round_)
+                    self.store.txn([Compare.absent(hang)], [put, Op.put(hang, self.cfg.node_id)], [put])
+                else:
+                    self.store.put(put.key, put.value)
             except EtcdUnavailableError:
                 return
             del self.pending_reports[round_]

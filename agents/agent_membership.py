@@ -9,8 +9,11 @@ What must stay true:
 - if the lease is lost (etcd unreachable longer than the TTL), the agent keeps its workers
   running, registers again with a new lease once etcd answers (with backoff), and forgets that
   it led: until then it acts on no round at all.
-- the whole job state is read in one range request; etcd unreachable is logged and recorded
-  once per outage, and then the agent keeps its workers and reads nothing (None).
+- the job is read from the agent's view of it (:mod:`ftrain.agents.job_view`: listed once, then
+  followed by a watch): every agent follows the membership and round keys, the leader (and an
+  agent judging a hang) every node's status too. etcd unreachable (the view cannot list, or its
+  watch is down) is logged and recorded once per outage, and then the agent keeps its workers
+  and acts on no state (None).
 - unreadable job records are skipped (:mod:`ftrain.agents.records`), logged once per key and revision
   (``bad_record`` event, bounded memory); the agent puts back its own ``nodes/<id>`` record if
   that became unreadable, with a compare-and-swap that keeps a record another agent wrote since.
@@ -26,13 +29,16 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 from ftrain.agents.config import AgentConfig
 from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError, NodeIdTakenError
+from ftrain.agents.job_keys import JobKeys
+from ftrain.agents.job_view import JobView
 from ftrain.agents.jobstore import JobStore, LeaseSession
 from ftrain.agents.leader import LeaderMemory
 from ftrain.agents.parts import Clock, EventSink
-from ftrain.agents.records import JobKeys, JobState, NodeRecord, Problem
+from ftrain.agents.records import JobState, NodeRecord, Problem
 from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,8 @@ class AgentMembership:
     uid: str
     wake: threading.Event
     memory: LeaderMemory | None
+    view: JobView
+    _wants_leader_keys: Callable[[], bool]
     # this part's own state
     session: LeaseSession | None
     _problems_seen: set[tuple[str, int]]
@@ -132,8 +140,9 @@ class AgentMembership:
         return ours
 
     def _read(self) -> JobState | None:
+        self.view.follow_leader_keys(self._wants_leader_keys())
         try:
-            listing = self.store.list_prefix(self.keys.prefix)
+            state = self.view.snapshot()
         except EtcdUnavailableError as e:
             if self._etcd_down_since is None:
                 self._etcd_down_since = self.clock.monotonic()
@@ -145,7 +154,6 @@ class AgentMembership:
             log.info("etcd reachable again after %.1fs", down_s)
             self.events.emit(ev.EtcdReachable(node=self.cfg.node_id, down_s=round(down_s, 3)))
             self._etcd_down_since = None
-        state = JobState.parse(self.keys, listing.kvs, listing.revision)
         self._note_problems(state.problems)
         return state
 

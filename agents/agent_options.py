@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrain.agents.config import AgentConfig
+from ftrain.agents.job_keys import validate_id
 from ftrain.agents.leader import Policy
-from ftrain.agents.records import validate_id
 
 
 @dataclass(kw_only=True)

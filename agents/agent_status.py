@@ -5,9 +5,14 @@ checkpoint commits.
 
 What must stay true:
 
-- the status is written at most once per :data:`STATUS_INTERVAL_S` unless forced (a hang found
-  or dumped, a dump answered, the job's end say so at once), only while registered, on this
-  agent's lease (it vanishes with the agent); the error and verdict texts in it are cut short.
+- the status is written when what it says changes (state, round, stalled ranks, hang, dump,
+  commits, workers: :meth:`AgentStatus._status_gist`), at most once per
+  :data:`STATUS_INTERVAL_S`, and otherwise (steps, timings, device time) once per
+  :func:`status_interval_s` of the job's size: a job of N nodes writes at most
+  ~:data:`STATUS_WRITES_PER_S` routine statuses a second in all (the lease keep-alive, not the
+  status, says that an agent lives). Forced writes (a hang found or dumped, a dump answered, the
+  job's end) go out at once. Only while registered, on this agent's lease (it vanishes with the
+  agent); the error and verdict texts in it are cut short.
 - a straggler is reported (event and error log) once per round and node; failed commits once
   each time their count in a row grows.
 - nothing here stops the loop: etcd unreachable or the lease lost just skips the write.
@@ -18,6 +23,7 @@ that it uses (set up in ``Agent.__init__``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -27,18 +33,28 @@ from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.config import AgentConfig
 from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
 from ftrain.agents.heartbeat import Beat, BusyWindow
+from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.jobstore import JobStore
 from ftrain.agents.leader import LeaderMemory, Policy
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
-from ftrain.agents.records import JobKeys, JobState, NodeStatus, RankStall
+from ftrain.agents.records import JobState, NodeStatus, RankStall
 from ftrain.agents.workers import Workers
 from ftrain.contract import events as ev
 
 log = logging.getLogger(__name__)
 
-STATUS_INTERVAL_S = 1.0
+STATUS_INTERVAL_S = 1.0  #: the shortest time between two status writes of an agent (unless forced)
+#: routine status writes (nothing but steps and timings changed) of a whole job, per second
+STATUS_WRITES_PER_S = 100.0
+
+
+def status_interval_s(nodes: int) -> float:
+    """How often an agent of a job of ``nodes`` nodes writes its status when only its steps and
+    timings changed: every second up to 100 nodes, then slower, so that the job as a whole
+    writes ~:data:`STATUS_WRITES_PER_S` a second (10 s at 1,000 nodes, 41 s at 4,096)."""
+    return max(STATUS_INTERVAL_S, nodes / STATUS_WRITES_PER_S)
 
 
 class PublishStatus(Protocol):
@@ -81,26 +97,45 @@ class AgentStatus:
     _busy_window: BusyWindow
     _busy_round: int
     _last_status_at: float
+    _last_status_gist: tuple[object, ...]
+    _stragglers_written: tuple[int, list[str]]
+
+    def _status_gist(self, state_name: str) -> tuple[object, ...]:
+        """What a status says that others act on: a change of it is written at once."""
+        workers = self.workers
+        return (
+            state_name,
+            workers.round if workers else max(self.finished_rounds, default=0),
+            [(s.rank, s.why, s.seq) for s in self._stalled] if workers is not None else [],
+            self.hang_verdict,
+            self.hang_dumped_round,
+            self.dump_nonce,
+            self.committed_step,
+            self._ckpt_failures_seen,
+            self.pool.ready() if self.pool is not None else 0,
+            self.straggler_lines != [],
+        )
 
     def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
         now = self.clock.monotonic()
         if not self._registered() or (not force and now - self._last_status_at < STATUS_INTERVAL_S):
             return
-        self._last_status_at = now
+        name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
+        gist = self._status_gist(name)
+        routine_s = status_interval_s(len(state.nodes))
+        if not force and gist == self._last_status_gist and now - self._last_status_at < routine_s:
+            return
+        self._last_status_at, self._last_status_gist = now, gist
         beats = self.heartbeats.beats() if self.workers is not None else {}
         totals = self.heartbeats.take_totals() if self.workers is not None else {}
-        leader_status = state.status.get(state.leader or "")
-        self.metrics.phases_taken(
-            [t.seconds for t in totals.values()], straggling=bool(leader_status and leader_status.stragglers)
-        )
         round_ = self.workers.round if self.workers is not None else -1
+        self.metrics.phases_taken([t.seconds for t in totals.values()], straggling=bool(state.stragglers.get(round_)))
         if not beats or round_ != self._busy_round or (self.pool is not None and self.pool.warming()):
             self._busy_window.clear()  # a new round, or a spare's start-up slowing the workers: start over
             self._busy_round = round_
         else:
             self._busy_window.add(totals.values())
         self._busy = self._busy_window.busiest() or (-1, 0.0)
-        name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
             state=name,
@@ -154,6 +189,7 @@ class AgentStatus:
             for s in memory.stragglers
         ]
         self.metrics.stragglers.set(len(memory.stragglers))
+        self._write_stragglers(cur.round if cur else 0, sorted({s.node for s in memory.stragglers}))
         episodes = {(cur.round if cur else 0, s.node, s.since): s for s in memory.stragglers}
         new = [(key, s) for key, s in episodes.items() if key not in self._stragglers_seen]
         self._stragglers_seen = set(episodes)  # an episode that ended is forgotten: the next is new
@@ -171,6 +207,16 @@ class AgentStatus:
                 )
             )
 
+    def _write_stragglers(self, round_: int, nodes: list[str]) -> None:
+        """``rounds/<g>/stragglers`` when the set changes (the followers' straggler time)."""
+        if round_ < 1 or (round_, nodes) == self._stragglers_written:
+            return
+        try:
+            self.store.put(self.keys.stragglers(round_), json.dumps(nodes))
+            self._stragglers_written = (round_, nodes)
+        except EtcdUnavailableError:
+            pass
+
     def _note_ckpt_failures(self, round_: int, beats: dict[int, Beat]) -> None:
         """Failed checkpoint commits: metrics always, an event (and an error log) each time the
         count of failures in a row grows."""
@@ -187,4 +233,4 @@ class AgentStatus:
         self._ckpt_error = error if failures else ""
 
 
-__all__ = ["STATUS_INTERVAL_S", "AgentStatus", "PublishStatus"]
+__all__ = ["STATUS_INTERVAL_S", "STATUS_WRITES_PER_S", "AgentStatus", "PublishStatus", "status_interval_s"]

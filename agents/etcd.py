@@ -294,6 +294,15 @@ class EtcdClient:
         reply = self._call("/v3/kv/range", key_range(prefix, True))
         return Listing([KeyValue.from_json(kv) for kv in reply.get("kvs", [])], header_revision(reply))
 
+    def list_range(self, start: str, end: str, *, revision: int = 0) -> Listing:
+        """Every key in ``[start, end)``, sorted by key, read at ``revision`` (0: now; a compacted
+        revision raises :class:`~ftrain.agents.errors.EtcdError`)."""
+        body = {"key": b64(encode_key(start)), "range_end": b64(encode_key(end))}
+        if revision:
+            body["revision"] = str(revision)
+        reply = self._call("/v3/kv/range", body)
+        return Listing([KeyValue.from_json(kv) for kv in reply.get("kvs", [])], revision or header_revision(reply))
+
     def current_revision(self) -> int:
         """The store's current revision."""
         return header_revision(self._call("/v3/kv/range", {"key": b64(b"\0"), "count_only": True}))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ftrain.agents.errors import EtcdError, EtcdUnavailableError, WatchCompactedError
-from ftrain.agents.etcd import EtcdClient, KeyValue, header_revision, key_range
+from ftrain.agents.etcd import EtcdClient, KeyValue, b64, encode_key, header_revision, key_range
 from ftrain.agents.etcd_endpoints import error_from_reply, error_from_stream, is_token_error
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ class WatchEvent:
     value: bytes  #: b"" for deletes
     mod_revision: int  #: the revision of this change (for deletes: the deletion's revision)
     create_revision: int  #: 0 for deletes
+    version: int = 0  #: 0 for deletes
+    lease: int = 0  #: the lease the key is on (0: none, and for deletes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ class WatchResponse:
         for e in r.get("events", []):
             kv = KeyValue.from_json(e["kv"])
             kind: Literal["put", "delete"] = "delete" if e.get("type") == "DELETE" else "put"
-            events.append(WatchEvent(kind, kv.key, kv.value, kv.mod_revision, kv.create_revision))
+            events.append(WatchEvent(kind, kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.version, kv.lease))
         return cls(
             bool(r.get("created")),
             bool(r.get("canceled")),
@@ -81,7 +83,8 @@ class _CallbackFailed(Exception):
 
 
 class Watcher:
-    """Watch the keys under ``prefix`` (or the one key, with ``single_key=True``) from
+    """Watch the keys under ``prefix`` (the one key, with ``single_key=True``; the keys in
+    ``[prefix, range_end)`` with ``range_end``) from
     ``start_revision`` (None: from now), surviving etcd restarts, hangs and member loss.
 
     Its thread runs its own stream on ``POST /v3/watch`` with ``progress_notify``. When no
@@ -109,6 +112,7 @@ class Watcher:
         on_error: Callable[[Exception], None] | None = None,
         progress_timeout_s: float = 5.0,
         single_key: bool = False,
+        range_end: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if progress_timeout_s <= 0:
@@ -116,6 +120,7 @@ class Watcher:
         if start_revision is not None and start_revision < 1:
             raise ValueError(f"start_revision must be >= 1 (or None for now), got {start_revision}")
         self._client, self._key, self._single_key = client, prefix, single_key
+        self._range_end = range_end
         self._on_event, self._on_error, self._clock = on_event, on_error, clock
         self.progress_timeout_s = progress_timeout_s
         self._next_revision = start_revision  # the lowest revision not yet delivered
@@ -130,6 +135,7 @@ class Watcher:
         self.stalls = 0  #: of those, lost to the progress timeout (hung server or network)
         self.last_lost_at: float | None = None  #: clock() when a stream was last lost
         self.last_connected_at: float | None = None  #: clock() when a stream was last established
+        self._started_at = clock()
         self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{prefix}", daemon=True)
         self._thread.start()
 
@@ -140,6 +146,13 @@ class Watcher:
     def revision(self) -> int:
         """Every event up to this revision has been delivered (start_revision - 1 before any)."""
         return (self._next_revision or 1) - 1
+
+    def down_s(self) -> float:
+        """Seconds since the stream was lost, or since the start if it never connected (0 while
+        connected)."""
+        if self.connected.is_set():
+            return 0.0
+        return self._clock() - (self.last_lost_at if self.last_lost_at is not None else self._started_at)
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self.connected.wait(timeout_s)
@@ -249,7 +262,12 @@ class Watcher:
                 self._closing.wait(0.0 if failures == 0 else endpoints.backoff.delay_s(failures))
 
     def _stream(self, endpoint: str) -> None:
-        create: dict[str, Any] = {**key_range(self._key, not self._single_key), "progress_notify": True}
+        selected = (
+            {"key": b64(encode_key(self._key)), "range_end": b64(encode_key(self._range_end))}
+            if self._range_end is not None
+            else key_range(self._key, not self._single_key)
+        )
+        create: dict[str, Any] = {**selected, "progress_notify": True}
         if self._next_revision is not None:
             create["start_revision"] = str(self._next_revision)
         headers = {"Content-Type": "application/json"}

@@ -45,7 +45,12 @@ def others_moving(state: JobState | None, round_: int, me: str, *, now_wall: flo
 
 
 def hang_reported_by(state: JobState, round_: int, me: str) -> str | None:
-    """Another member that reported a hang in ``round_`` (None: none did)."""
+    """Another member that reported a hang in ``round_`` (None: none did): the first one, named
+    in ``rounds/<g>/hang`` (every agent follows it), or one of the reports (the leader reads them)."""
+    first = state.hangs.get(round_)
+    record = state.rounds.get(round_)
+    if first is not None and first != me and record is not None and any(m.node_id == first for m in record.members):
+        return first
     for node, report in sorted(state.member_reports(round_).items()):
         if node != me and report.outcome == FAILED and report.reason == HANG:
             return node

@@ -1,9 +1,9 @@
 """The job store: the narrow view of etcd the node agent uses, as a protocol, and its etcd
 implementation.
 
-The agent reads a job with one prefix range, writes with compare-and-swap (``put_if_absent``,
-``put_if_mod_revision``, ``txn``), keeps its keys on a lease kept alive by a session, and is
-woken early by a watch. :class:`EtcdJobStore` does that on a real etcd (:mod:`ftrain.agents.etcd`,
+The agent lists a key range once and then follows its changes with a watch
+(:mod:`ftrain.agents.job_view`), writes with compare-and-swap (``put_if_absent``,
+``put_if_mod_revision``, ``txn``), and keeps its keys on a lease kept alive by a session. :class:`EtcdJobStore` does that on a real etcd (:mod:`ftrain.agents.etcd`,
 :mod:`ftrain.agents.etcd_session`, :mod:`ftrain.agents.etcd_watch`); the agent's unit tests use an in-memory
 store with the same semantics, and one contract test suite runs against both.
 
@@ -26,7 +26,7 @@ from typing import Protocol
 
 from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Listing, Op, TxnResult
 from ftrain.agents.etcd_session import Session
-from ftrain.agents.etcd_watch import Watcher
+from ftrain.agents.etcd_watch import Watcher, WatchEvent
 
 
 class LeaseSession(Protocol):
@@ -41,6 +41,16 @@ class LeaseSession(Protocol):
 
 
 class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class Feed(Protocol):
+    """A running watch (:class:`ftrain.agents.etcd_watch.Watcher`)."""
+
+    def down_s(self) -> float:
+        """Seconds since its stream was lost (0 while connected)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -69,8 +79,24 @@ class JobStore(Protocol):
         """A new lease of ``ttl_s`` seconds, kept alive; ``on_lost(reason)`` when it is lost."""
         ...
 
-    def watch(self, prefix: str, on_change: Callable[[], None], *, progress_timeout_s: float) -> Closable:
-        """Call ``on_change`` after writes under ``prefix`` (a hint to re-read, nothing more)."""
+    def list_range(self, start: str, end: str) -> Listing:
+        """Every key in ``[start, end)`` at one revision (sorted by key)."""
+        ...
+
+    def watch_range(
+        self,
+        start: str,
+        end: str,
+        *,
+        start_revision: int,
+        on_event: Callable[[WatchEvent], None],
+        on_error: Callable[[Exception], None],
+        progress_timeout_s: float,
+    ) -> Feed:
+        """Every change of a key in ``[start, end)`` from ``start_revision`` on, in order, each
+        once, to ``on_event`` (lease expiries too, as deletes); ``on_error`` gets
+        :class:`EtcdUnavailableError` when the stream is lost (it resumes by itself) and any other
+        error once, when it stops (:class:`WatchCompactedError`: list again)."""
         ...
 
     def close(self) -> None: ...
@@ -107,13 +133,27 @@ class EtcdJobStore:
         """Renewed every quarter of the TTL (three chances before it runs out)."""
         return Session(self.client, ttl_s, keepalive_interval_s=ttl_s / 4, on_lost=on_lost)
 
-    def watch(self, prefix: str, on_change: Callable[[], None], *, progress_timeout_s: float) -> Watcher:
-        """Lost streams are retried by the watcher itself; the agent re-reads every tick anyway."""
+    def list_range(self, start: str, end: str) -> Listing:
+        return self.client.list_range(start, end)
+
+    def watch_range(
+        self,
+        start: str,
+        end: str,
+        *,
+        start_revision: int,
+        on_event: Callable[[WatchEvent], None],
+        on_error: Callable[[Exception], None],
+        progress_timeout_s: float,
+    ) -> Watcher:
+        """Lost streams are resumed by the watcher itself, from the next revision."""
         return Watcher(
             self.client,
-            prefix,
-            on_event=lambda _event: on_change(),
-            on_error=lambda _error: None,
+            start,
+            start_revision,
+            range_end=end,
+            on_event=on_event,
+            on_error=on_error,
             progress_timeout_s=progress_timeout_s,
         )
 

@@ -1,20 +1,8 @@
 """What a job keeps in etcd, and how one read of it becomes a :class:`JobState`.
 
-Everything lives under ``/ftrain/jobs/<job>/``::
-
-    nodes/<node_id>            NodeRecord, on the agent's lease (gone when the agent is)
-    leader                     node id of the leader, on its lease (election = put-if-absent)
-    round                      the current round number as text: the fencing token
-    rounds/<g>                 RoundRecord: members in node-rank order, why it was formed
-    rounds/<g>/master          "host:port" of round g's rendezvous, written by its node-rank-0 agent
-    rounds/<g>/started/<node>  the agent launched its workers for round g
-    rounds/<g>/reports/<node>  Report: how round g ended on that node
-    status/<node>              NodeStatus, on the agent's lease, refreshed every second or so
-    final                      FinalStatus: the job is over (succeeded or failed)
-
-The state is read with one prefix range (a job has a handful of keys) and decided on level by
-level, so an agent that missed events, restarted or lost etcd for a while acts on what is true
-now rather than on a history it may have half seen.
+The keys and who follows which: :mod:`ftrain.agents.job_keys`. Each record is decoded once per
+change (:func:`decode`) and a state assembled from decoded records (:meth:`JobState.assemble`)
+equals a fresh :meth:`JobState.parse` of the same keys.
 
 Reading is forgiving per record and strict per field (what must stay true):
 
@@ -35,16 +23,14 @@ Reading is forgiving per record and strict per field (what must stay true):
 from __future__ import annotations
 
 import json
-import math
 import re
-import types
-import typing
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ftrain.agents.etcd import KeyValue
-
-ROOT = "/ftrain/jobs"
+from ftrain.agents.job_keys import JobKeys, validate_id
+from ftrain.agents.record_checks import checker, from_dict
 
 # Round formation reasons. FAILURE_CAUSES count against the restart budget.
 START, WORKER_EXIT, HANG, START_TIMEOUT, NODE_LOST, NODE_LEFT, SCALE_UP = (
@@ -70,131 +56,12 @@ INTERRUPTING_CAUSES = FAILURE_CAUSES | {NODE_LOST, ROUND_REPAIR}
 #: checkpoint commits in a row); the leader ends the job at once with the report's detail.
 FATAL = "fatal"
 
-#: Job ids and node ids: one etcd key path segment, printable, bounded.
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def validate_id(value: str, option: str) -> str:
-    """``value`` if it is a valid job or node id, else ValueError naming ``option`` and the fix.
-
-    What must stay true: every id that reaches a key path is one segment matching
-    :data:`ID_PATTERN` (no ``/``, no spaces, no control characters, at most 64 characters).
-    """
-    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
-        raise ValueError(
-            f"{option}: bad id {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a "
-            f"letter or digit (e.g. {option} node-1)"
-        )
-    return value
-
-
 # Report outcomes.
 SUCCEEDED, FAILED, STOPPED = "succeeded", "failed", "stopped"
 
 
-class JobKeys:
-    def __init__(self, job: str):
-        self.job = validate_id(job, "--job")
-        self.prefix = f"{ROOT}/{job}/"
-
-    def node(self, node_id: str) -> str:
-        return f"{self.prefix}nodes/{node_id}"
-
-    @property
-    def leader(self) -> str:
-        return f"{self.prefix}leader"
-
-    @property
-    def round(self) -> str:
-        return f"{self.prefix}round"
-
-    @property
-    def commits(self) -> str:
-        """Prefix of the checkpoint commit records (one per committed step, written by the
-        workers' fence: the commit point)."""
-        return f"{self.prefix}commits/"
-
-    def round_record(self, g: int) -> str:
-        return f"{self.prefix}rounds/{g}"
-
-    def master(self, g: int) -> str:
-        return f"{self.prefix}rounds/{g}/master"
-
-    def started(self, g: int, node_id: str) -> str:
-        return f"{self.prefix}rounds/{g}/started/{node_id}"
-
-    def report(self, g: int, node_id: str) -> str:
-        return f"{self.prefix}rounds/{g}/reports/{node_id}"
-
-    def status(self, node_id: str) -> str:
-        return f"{self.prefix}status/{node_id}"
-
-    @property
-    def final(self) -> str:
-        return f"{self.prefix}final"
-
-    @property
-    def dump(self) -> str:
-        """``ftrain status --dump``: every agent dumps its workers' flight records and stacks."""
-        return f"{self.prefix}dump"
-
-
 def _dumps(obj: Any) -> str:
     return json.dumps(asdict(obj), separators=(",", ":"), sort_keys=True)
-
-
-# -- strict field checks ------------------------------------------------------------------------
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """``value`` if it has type ``hint`` (ints for floats are widened; bools are never numbers),
-    else TypeError naming ``where``."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        for option in args:
-            try:
-                return _check(value, option, where)
-            except TypeError:
-                continue
-        raise TypeError(f"{where}: {value!r} is not {hint}")
-    if hint is type(None):
-        if value is None:
-            return None
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            return [_check(v, args[0], f"{where}[]") for v in value]
-    elif origin is dict:
-        if isinstance(value, dict):
-            return {_check(k, args[0], f"{where} key"): _check(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
-    elif isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
-        return _from_dict(hint, value)
-    raise TypeError(f"{where}: {value!r} is not {getattr(hint, '__name__', hint)}")
-
-
-def _from_dict(cls: type, d: Any) -> Any:
-    """An instance of dataclass ``cls`` from a decoded JSON object: unknown keys ignored, missing
-    required fields and wrong types refused (TypeError/ValueError)."""
-    if not isinstance(d, dict):
-        raise TypeError(f"{cls.__name__}: expected a JSON object, got {type(d).__name__}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in d:
-            kwargs[f.name] = _check(d[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required field is missing
-        raise TypeError(f"{cls.__name__}: {e}") from e
 
 
 def parse_master(value: str) -> tuple[str, int]:
@@ -269,7 +136,7 @@ class RoundRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> RoundRecord:
-        record = _from_dict(cls, json.loads(raw))
+        record = from_dict(cls, json.loads(raw))
         if record.round < 1 or record.nproc_per_node < 1 or not record.members:
             raise ValueError(
                 f"RoundRecord: round {record.round}, nproc_per_node {record.nproc_per_node} and "
@@ -373,7 +240,7 @@ class FinalStatus:
 
 
 def _load(cls: type, raw: bytes) -> Any:
-    return _from_dict(cls, json.loads(raw))
+    return from_dict(cls, json.loads(raw))
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +277,8 @@ class JobState:
     rounds: dict[int, RoundRecord] = field(default_factory=dict)
     masters: dict[int, str] = field(default_factory=dict)
     bad_masters: dict[int, str] = field(default_factory=dict)  #: round -> why its master is unusable
+    hangs: dict[int, str] = field(default_factory=dict)  #: round -> the first member that reported a hang in it
+    stragglers: dict[int, list[str]] = field(default_factory=dict)  #: round -> the leader's stragglers in it
     started: dict[int, set[str]] = field(default_factory=dict)
     reports: dict[int, dict[str, Report]] = field(default_factory=dict)
     status: dict[str, NodeStatus] = field(default_factory=dict)
@@ -459,88 +328,181 @@ class JobState:
     def parse(cls, keys: JobKeys, kvs: list[KeyValue], revision: int) -> JobState:
         """Never raises on what is in etcd: unreadable records are skipped into ``problems``
         (see the module docstring for what skipping means for each key)."""
+        return cls.assemble([decode(keys, kv) for kv in kvs], revision)
+
+    @classmethod
+    def assemble(cls, records: Iterable[Decoded], revision: int) -> JobState:
+        """The state of records already decoded (in key order): what a fresh :meth:`parse` of
+        their keys gives, without decoding any of them again (:mod:`ftrain.agents.job_view`)."""
         state = cls(revision=revision)
         highest_round = 0
-        round_kv: KeyValue | None = None
-        for kv in kvs:
-            rel = kv.key[len(keys.prefix) :]
-            parts = rel.split("/")
-            try:
-                if parts[0] == "rounds" and len(parts) >= 2:
-                    highest_round = max(highest_round, _round_number(parts[1]))
-                if rel == "round":
-                    round_kv = kv
-                state._read_one(kv, rel, parts)
-            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
-                state.problems.append(Problem(kv.key, kv.mod_revision, f"{type(e).__name__}: {e}"[:300]))
-                state._skipped(kv, rel, parts, e)
+        round_mod_revision = 0
+        for record in records:
+            parts = record.parts
+            if parts[0] in ("rounds", "tally") and len(parts) >= 2 and parts[1].isdigit() and len(parts[1]) <= 18:
+                highest_round = max(highest_round, int(parts[1]))
+            if record.rel == "round":
+                round_mod_revision = record.kv.mod_revision
+            if record.error:
+                state.problems.append(Problem(record.kv.key, record.kv.mod_revision, record.error))
+                state._skipped(record)
+            else:
+                state._place(record)
         if state.round_unreadable:
             state.round = max(highest_round, state.round)
-            state.round_mod_revision = round_kv.mod_revision if round_kv else 0
+            state.round_mod_revision = round_mod_revision
         return state
 
-    def _read_one(self, kv: KeyValue, rel: str, parts: list[str]) -> None:
-        if parts[0] == "nodes" and len(parts) == 2:
-            node = _load(NodeRecord, kv.value)
-            if node.node_id != parts[1]:
-                raise ValueError(f"node_id {node.node_id!r} does not match its key")
-            node.create_revision = kv.create_revision
-            self.nodes[parts[1]] = node
-        elif rel == "leader":
+    def _place(self, record: Decoded) -> None:
+        kv, parts, value = record.kv, record.parts, record.value
+        kind = record.kind
+        if kind == "node":
+            self.nodes[parts[1]] = value
+        elif kind == "leader":
             self.leader_mod_revision = kv.mod_revision
-            leader = kv.value.decode()
-            if not kv.lease:
-                raise ValueError(f"leader {leader[:64]!r} holds no lease (agents always put it on theirs)")
-            self.leader, self.leader_lease = validate_id(leader, "leader"), kv.lease
-        elif rel == "round":
+            self.leader, self.leader_lease = value, kv.lease
+        elif kind == "round":
             self.round_mod_revision = kv.mod_revision
-            value = _round_number(kv.value.decode().strip())
-            if value < 1:
-                raise ValueError("round 0 is never formed")
             self.round = value
-        elif parts[0] == "rounds" and len(parts) == 2:
-            g = _round_number(parts[1])
-            record = RoundRecord.from_json(kv.value)
-            if record.round != g:
-                raise ValueError(f"record of round {record.round} under rounds/{g}")
-            self.rounds[g] = record
-        elif parts[0] == "rounds" and len(parts) == 3 and parts[2] == "master":
-            g = _round_number(parts[1])
-            address = kv.value.decode()
-            parse_master(address)
-            self.masters[g] = address
-        elif parts[0] == "rounds" and len(parts) == 4 and parts[2] == "started":
-            self.started.setdefault(_round_number(parts[1]), set()).add(parts[3])
-        elif parts[0] == "rounds" and len(parts) == 4 and parts[2] == "reports":
-            g = _round_number(parts[1])
-            self.reports.setdefault(g, {})[parts[3]] = _load(Report, kv.value)
-        elif parts[0] == "status" and len(parts) == 2:
-            self.status[parts[1]] = _load(NodeStatus, kv.value)
-        elif parts[0] == "commits" and len(parts) == 2 and parts[1].isdigit() and len(parts[1]) <= 18:
-            self.newest_commit = max(self.newest_commit, int(parts[1]))
-        elif rel == "dump":
-            request = _load(DumpRequest, kv.value)
-            if not isinstance(request.nonce, str) or not re.fullmatch(r"[0-9a-f]{1,32}", request.nonce):
-                raise ValueError("a dump request's nonce must be 1 to 32 hex digits")
-            self.dump = request
-        elif rel == "final":
-            self.final_mod_revision = kv.mod_revision
-            self.final = _load(FinalStatus, kv.value)
-            if self.final.status not in (SUCCEEDED, FAILED):
-                self.final = None
-                raise ValueError("final status must be succeeded or failed")
-            self.final_mod_revision = 0
+        elif kind == "round_record":
+            self.rounds[value.round] = value
+        elif kind == "master":
+            self.masters[int(parts[1])] = value
+        elif kind == "hang":
+            self.hangs[int(parts[1])] = value
+        elif kind == "stragglers":
+            self.stragglers[int(parts[1])] = value
+        elif kind == "started":
+            self.started.setdefault(int(parts[1]), set()).add(parts[3])
+        elif kind == "report":
+            self.reports.setdefault(int(parts[1]), {})[parts[3]] = value
+        elif kind == "status":
+            self.status[parts[1]] = value
+        elif kind == "commit":
+            self.newest_commit = max(self.newest_commit, value)
+        elif kind == "dump":
+            self.dump = value
+        elif kind == "final":
+            self.final = value
 
-    def _skipped(self, kv: KeyValue, rel: str, parts: list[str], error: Exception) -> None:
+    def _skipped(self, record: Decoded) -> None:
         """What an unreadable record means (the safe reading of each key)."""
-        if rel == "round":
+        kv, parts, kind = record.kv, record.parts, record.kind
+        if kind == "round":
             self.round_unreadable = True
-        elif parts[0] == "rounds" and len(parts) == 3 and parts[2] == "master" and parts[1].isdigit():
-            self.bad_masters[int(parts[1])] = f"{kv.key}: {error}"
-        elif parts[0] == "rounds" and len(parts) == 4 and parts[2] == "reports" and parts[1].isdigit():
+        elif kind == "leader":
+            self.leader_mod_revision = kv.mod_revision
+        elif kind == "final":
+            self.final_mod_revision = kv.mod_revision
+        elif kind == "master" and parts[1].isdigit():
+            self.bad_masters[int(parts[1])] = f"{kv.key}: {record.error}"
+        elif kind == "report" and parts[1].isdigit():
             self.reports.setdefault(int(parts[1]), {})[parts[3]] = Report(
-                FAILED, WORKER_EXIT, f"unreadable report {kv.key}: {error}"[:300], _UNREADABLE_UID, 0.0
+                FAILED, WORKER_EXIT, f"unreadable report {kv.key}: {record.error}"[:300], _UNREADABLE_UID, 0.0
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """One job record as read, decoded once per change of its key: what it holds (``value``),
+    or why it cannot be used (``error``, non-empty)."""
+
+    kv: KeyValue
+    rel: str  #: the key below the job's prefix
+    parts: tuple[str, ...]  #: ``rel`` split at ``/``
+    #: node | leader | round | round_record | master | hang | stragglers | started | report | status |
+    #: commit | dump | final | "" (not one of ours: ignored)
+    kind: str
+    value: Any = None
+    error: str = ""
+
+
+MAX_STRAGGLERS = 1024  #: node ids read from one ``rounds/<g>/stragglers`` (bounded: it comes from etcd)
+
+
+def _kind(rel: str, parts: tuple[str, ...]) -> str:
+    top, n = parts[0], len(parts)
+    if top == "nodes" and n == 2:
+        return "node"
+    if top == "status" and n == 2:
+        return "status"
+    if top == "rounds" and n == 2:
+        return "round_record"
+    if top == "rounds" and n == 3 and parts[2] in ("master", "hang", "stragglers"):
+        return parts[2]
+    if top == "tally" and n == 4 and parts[2] == "started":
+        return "started"
+    if top == "tally" and n == 4 and parts[2] == "reports":
+        return "report"
+    if top == "commits" and n == 2 and parts[1].isdigit() and len(parts[1]) <= 18:
+        return "commit"
+    if rel in ("leader", "round", "dump", "final"):
+        return rel
+    return ""
+
+
+def decode(keys: JobKeys, kv: KeyValue) -> Decoded:
+    """Decode one of the job's records (``kv`` under ``keys.prefix``); never raises on what is in
+    etcd: an unreadable record comes back with its ``error``."""
+    rel = kv.key[len(keys.prefix) :]
+    parts = tuple(rel.split("/"))
+    kind = _kind(rel, parts)
+    try:
+        if parts[0] in ("rounds", "tally") and len(parts) >= 2:
+            _round_number(parts[1])
+        return Decoded(kv, rel, parts, kind, _decode_value(kind, kv, parts))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        return Decoded(kv, rel, parts, kind, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def _decode_value(kind: str, kv: KeyValue, parts: tuple[str, ...]) -> Any:
+    if kind == "node":
+        node = _load(NodeRecord, kv.value)
+        if node.node_id != parts[1]:
+            raise ValueError(f"node_id {node.node_id!r} does not match its key")
+        node.create_revision = kv.create_revision
+        return node
+    if kind == "leader":
+        leader = kv.value.decode()
+        if not kv.lease:
+            raise ValueError(f"leader {leader[:64]!r} holds no lease (agents always put it on theirs)")
+        return validate_id(leader, "leader")
+    if kind == "round":
+        value = _round_number(kv.value.decode().strip())
+        if value < 1:
+            raise ValueError("round 0 is never formed")
+        return value
+    if kind == "round_record":
+        record = RoundRecord.from_json(kv.value)
+        if record.round != int(parts[1]):
+            raise ValueError(f"record of round {record.round} under rounds/{parts[1]}")
+        return record
+    if kind == "master":
+        address = kv.value.decode()
+        parse_master(address)
+        return address
+    if kind == "hang":
+        return validate_id(kv.value.decode(), "hang reporter")
+    if kind == "stragglers":
+        nodes = checker(list[str])(json.loads(kv.value), "stragglers")
+        return [validate_id(n, "straggler") for n in nodes[:MAX_STRAGGLERS]]
+    if kind == "report":
+        return _load(Report, kv.value)
+    if kind == "status":
+        return _load(NodeStatus, kv.value)
+    if kind == "commit":
+        return int(parts[1])
+    if kind == "dump":
+        request = _load(DumpRequest, kv.value)
+        if not re.fullmatch(r"[0-9a-f]{1,32}", request.nonce):
+            raise ValueError("a dump request's nonce must be 1 to 32 hex digits")
+        return request
+    if kind == "final":
+        final = _load(FinalStatus, kv.value)
+        if final.status not in (SUCCEEDED, FAILED):
+            raise ValueError("final status must be succeeded or failed")
+        return final
+    return None
 
 
 #: agent_uid of the stand-in for an unreadable report: it counts for whichever agent is the member

@@ -15,9 +15,10 @@ import secrets
 import time
 from typing import Any
 
-from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.etcd import EtcdClient, KeyValue
 from ftrain.agents.flight_verdict import Stall, from_stalls
-from ftrain.agents.records import DumpRequest, JobKeys, JobState
+from ftrain.agents.job_keys import JobKeys
+from ftrain.agents.records import DumpRequest, JobState
 from ftrain.agents.supervision import MAX_STALLS
 
 MAX_SHOWN_CHARS = 1000  #: of one text an agent put in its status (agents write at most 500; etcd allows MBs)
@@ -25,12 +26,23 @@ MAX_SHOWN_LINES = 100
 
 
 def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
+    """The status of ``job`` from one read of its keys (what ``ftrain status`` shows)."""
     keys = JobKeys(job)
     listing = client.list_prefix(keys.prefix)
-    state = JobState.parse(keys, listing.kvs, listing.revision)
+    return status_from_kvs(keys, listing.kvs, listing.revision, now=time.time())
+
+
+def status_from_kvs(keys: JobKeys, kvs: list[KeyValue], revision: int, *, now: float) -> dict[str, Any]:
+    """:func:`status_of` the job whose keys are ``kvs`` (one read at ``revision``)."""
+    return status_of(JobState.parse(keys, kvs, revision), keys.job, now=now)
+
+
+def status_of(state: JobState, job: str, *, now: float) -> dict[str, Any]:
+    """The status dict of ``job`` in ``state`` at wall time ``now``: the job, then one entry per
+    node that is live, a member of the current round or has a status record."""
     cur = state.current
-    now = time.time()
     members = [m.node_id for m in cur.members] if cur else []
+    node_rank = {node_id: k for k, node_id in enumerate(members)}  # one lookup per node: O(N), not O(N²)
     nodes = []
     for node_id in sorted(set(state.nodes) | set(members) | set(state.status)):
         record, status = state.nodes.get(node_id), state.status.get(node_id)
@@ -38,8 +50,8 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
             {
                 "node": node_id,
                 "live": record is not None,
-                "member": node_id in members,
-                "node_rank": members.index(node_id) if node_id in members else None,
+                "member": node_id in node_rank,
+                "node_rank": node_rank.get(node_id),
                 "leader": node_id == state.leader,
                 "host": record.host if record else (status.host if status else ""),
                 "agent_pid": record.pid if record else None,

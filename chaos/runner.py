@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.agent_link.fence import EtcdRoundFence
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos import invariants
 from ftrain.chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from ftrain.chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject

@@ -12,8 +12,9 @@ from __future__ import annotations
 import uuid
 
 from ftrain.agents.etcd import KeyValue
+from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.leader import FormRound, LeaderMemory, Policy, decide
-from ftrain.agents.records import JobKeys, JobState, Member, NodeRecord, NodeStatus, Report, RoundRecord
+from ftrain.agents.records import JobState, Member, NodeRecord, NodeStatus, Report, RoundRecord
 
 T0 = 10_000.0
 POLICY = Policy.of(

@@ -21,6 +21,7 @@ from typing import Any
 
 from ftrain.agents.errors import LeaseExpiredError
 from ftrain.agents.etcd import Compare, KeyValue, Listing, Op, OpResult, TxnResult, encode_value
+from ftrain.agents.etcd_watch import WatchEvent
 
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
@@ -83,8 +84,13 @@ class MemorySession:
 
 
 class _Watch:
-    def __init__(self, store: MemoryJobStore, prefix: str, on_change: Callable[[], None]):
-        self._store, self.prefix, self.on_change = store, prefix, on_change
+    """Events of ``[start, end)`` delivered as the writes happen (on the writer's thread)."""
+
+    def __init__(self, store: MemoryJobStore, start: str, end: str, on_event: Callable[[WatchEvent], None]):
+        self._store, self.start, self.end, self.on_event = store, start, end, on_event
+
+    def down_s(self) -> float:
+        return 0.0
 
     def close(self) -> None:
         self._store._watches.discard(self)
@@ -104,6 +110,10 @@ class MemoryJobStore:
     def list_prefix(self, prefix: str) -> Listing:
         self._expire()
         return Listing([kv for key, kv in sorted(self._kvs.items()) if key.startswith(prefix)], self.revision)
+
+    def list_range(self, start: str, end: str) -> Listing:
+        self._expire()
+        return Listing([kv for key, kv in sorted(self._kvs.items()) if start <= key < end], self.revision)
 
     def get(self, key: str) -> KeyValue | None:
         self._expire()
@@ -129,10 +139,11 @@ class MemoryJobStore:
                 raise LeaseExpiredError(f"lease {op.lease:x} not found")
         writes = any(op.kind == "put" or (op.kind == "delete" and self._matching(op)) for op in ops)
         revision = self.revision + 1 if writes else self.revision
-        responses: list[OpResult] = [self._apply(op, revision) for op in ops]
+        events: list[WatchEvent] = []
+        responses: list[OpResult] = [self._apply(op, revision, events) for op in ops]
         if writes:
             self.revision = revision
-            self._notify([op.key for op in ops if op.kind != "get"])
+            self._notify(events)
         return TxnResult(succeeded, self.revision, tuple(responses))
 
     # -- leases -----------------------------------------------------------------------------
@@ -149,8 +160,20 @@ class MemoryJobStore:
         self._expire()
         self._end_lease(lease_id, "lease expired or was revoked")
 
-    def watch(self, prefix: str, on_change: Callable[[], None], *, progress_timeout_s: float) -> _Watch:
-        watch = _Watch(self, prefix, on_change)
+    def watch_range(
+        self,
+        start: str,
+        end: str,
+        *,
+        start_revision: int,
+        on_event: Callable[[WatchEvent], None],
+        on_error: Callable[[Exception], None],
+        progress_timeout_s: float,
+    ) -> _Watch:
+        """Events from now on (``start_revision`` must be the next revision: no history is kept)."""
+        if start_revision != self.revision + 1:
+            raise ValueError(f"the memory store keeps no history: watch from {self.revision + 1}, not {start_revision}")
+        watch = _Watch(self, start, end, on_event)
         self._watches.add(watch)
         return watch
 
@@ -168,20 +191,21 @@ class MemoryJobStore:
     def _matching(self, op: Op) -> list[str]:
         return sorted(k for k in self._kvs if (k.startswith(op.key) if op.prefix else k == op.key))
 
-    def _apply(self, op: Op, revision: int) -> OpResult:
+    def _apply(self, op: Op, revision: int, events: list[WatchEvent]) -> OpResult:
         if op.kind == "get":
             return [self._kvs[k] for k in self._matching(op)]
         if op.kind == "delete":
             keys = self._matching(op)
             for key in keys:
                 self._delete(key)
+                events.append(WatchEvent("delete", key, b"", revision, 0))
             return len(keys)
         prev = self._kvs.get(op.key)
         if prev is not None and prev.lease in self._leases:
             self._leases[prev.lease].keys.discard(op.key)
         if op.lease:
             self._leases[op.lease].keys.add(op.key)
-        self._kvs[op.key] = KeyValue(
+        kv = KeyValue(
             op.key,
             op.value,
             prev.create_revision if prev else revision,
@@ -189,6 +213,8 @@ class MemoryJobStore:
             prev.version + 1 if prev else 1,
             op.lease or 0,
         )
+        self._kvs[op.key] = kv
+        events.append(WatchEvent("put", kv.key, kv.value, revision, kv.create_revision, kv.version, kv.lease))
         return None
 
     def _delete(self, key: str) -> None:
@@ -200,6 +226,11 @@ class MemoryJobStore:
         lease = self._leases.get(lease_id)
         if lease is not None and lease.expires_at is None:
             lease.expires_at = self.clock.monotonic() + lease.ttl_s
+
+    def expire_leases(self) -> None:
+        """End the leases whose time ran out on the clock (every call does it first; a test
+        whose agents make no call in a tick calls this, as etcd expires them by itself)."""
+        self._expire()
 
     def _expire(self) -> None:
         now = self.clock.monotonic()
@@ -215,14 +246,15 @@ class MemoryJobStore:
             self.revision += 1
             for key in sorted(lease.keys):
                 del self._kvs[key]
-            self._notify(sorted(lease.keys))
+            self._notify([WatchEvent("delete", key, b"", self.revision, 0) for key in sorted(lease.keys)])
         for session in lease.sessions:
             session._lose(reason)
 
-    def _notify(self, keys: list[str]) -> None:
+    def _notify(self, events: list[WatchEvent]) -> None:
         for watch in list(self._watches):
-            if any(k.startswith(watch.prefix) for k in keys):
-                watch.on_change()
+            for event in events:
+                if watch.start <= event.key < watch.end:
+                    watch.on_event(event)
 
 
 __all__ = ["FakeClock", "MemoryJobStore", "MemorySession"]

@@ -20,7 +20,7 @@ import pytest
 
 from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agent_link.heartbeat import process_gone
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.checkpoint.errors import StaleRoundError
 from ftrain.contract.heartbeat import STEP_PHASES
 from ftrain.testbed.jobs import TINY_CONFIG, run, torchrun_cmd, worker_env

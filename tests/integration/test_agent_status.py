@@ -11,12 +11,12 @@ import time
 import pytest
 
 from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.records import (
     FAILED,
     NODE_LOST,
     WORKER_EXIT,
     FinalStatus,
-    JobKeys,
     Member,
     NodeRecord,
     NodeStatus,

@@ -6,7 +6,7 @@ commit — no reader trusts it, and a round that goes on from the step before it
 from __future__ import annotations
 
 from ftrain.agent_link.fence import EtcdRoundFence
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.runner import CommitWatcher
 from ftrain.checkpoint.storage import Storage
 from tests.integration.test_checkpoint_delete_fence import manager

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from ftrain.agent_link.fence import EtcdRoundFence
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.manager import CheckpointManager
 from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, Manifest, manifest_digest, step_dir_name

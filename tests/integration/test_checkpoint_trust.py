@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ftrain.agent_link.fence import EtcdRoundFence
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.errors import CheckpointError, StaleRoundError
 from ftrain.checkpoint.loading import NoLoadableStepError

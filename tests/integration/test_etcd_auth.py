@@ -14,7 +14,7 @@ import pytest
 
 from ftrain.agent_link.fence import ClientSettings, EtcdRoundFence, FenceAuthError, FenceConfigError
 from ftrain.agents.etcd import EtcdClient
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.checkpoint.errors import StaleRoundError
 from ftrain.contract.worker_env import ETCD_CLIENT_FILE as CLIENT_FILE_ENV
 from ftrain.testbed.etcd import EtcdServer

@@ -23,7 +23,8 @@ import pytest
 
 from ftrain.agents.etcd import EtcdClient
 from ftrain.agents.flight_verdict import CULPRIT, DESYNC, from_events
-from ftrain.agents.records import JobKeys, JobState
+from ftrain.agents.job_keys import JobKeys
+from ftrain.agents.records import JobState
 from ftrain.agents.status import format_status, job_status
 from ftrain.chaos.cluster import Cluster
 from ftrain.config import load_config

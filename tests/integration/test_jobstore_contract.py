@@ -4,8 +4,6 @@ what the unit tests prove on the fake holds on etcd."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from ftrain.agents.errors import LeaseExpiredError
 from ftrain.agents.etcd import Compare, EtcdClient, Op
 from ftrain.agents.jobstore import EtcdJobStore, JobStore
+from ftrain.testbed.wait import wait_for
 from tests.memory_jobstore import FakeClock, MemoryJobStore
 
 P = "/ftrain/jobs/contract/"
@@ -104,15 +103,43 @@ def test_closing_a_session_revokes_its_lease(store: JobStore) -> None:
     assert session.done.is_set() and store.get(P + "status/a") is None
 
 
-def test_a_watch_calls_back_after_writes_under_its_prefix(store: JobStore) -> None:
-    changed = threading.Event()
-    watch = store.watch(P, changed.set, progress_timeout_s=5.0)
+def test_a_range_watch_delivers_every_change_in_its_range_from_its_start_revision(store: JobStore) -> None:
+    """What the job view relies on: one listing at a revision, then each change in the range after
+    it, in order, once (puts with their lease, deletes, a lease's end as deletes), nothing outside."""
+    start, end = P + "b", P + "d"
+    store.put(P + "b/old", "before")
+    listing = store.list_range(start, end)
+    assert [kv.key for kv in listing.kvs] == [P + "b/old"]
+    events: list = []
+    errors: list = []
+    watch = store.watch_range(
+        start,
+        end,
+        start_revision=listing.revision + 1,
+        on_event=events.append,
+        on_error=errors.append,
+        progress_timeout_s=5.0,
+    )
+    session = store.session(5, on_lost=lambda _reason: None)
     try:
-        store.put("/elsewhere", "x")
-        deadline = time.monotonic() + 10  # a watch starts "from now" once connected: write until it sees one
-        while not changed.is_set() and time.monotonic() < deadline:
-            store.put(P + "k", "v")
-            changed.wait(0.2)
-        assert changed.is_set(), "no call after writes under the prefix"
+        store.put(P + "a", "outside")
+        store.put(P + "b/1", "one", lease=session.lease_id)
+        store.put(P + "c", "two")
+        store.put(P + "d", "outside (the end is excluded)")
+        store.txn([], [Op.delete(P + "b/old"), Op.put(P + "c", "three")])
+        session.close(revoke=True)  # its key goes as a delete
+        wanted = [
+            ("put", P + "b/1", b"one", session.lease_id),
+            ("put", P + "c", b"two", 0),
+            ("delete", P + "b/old", b"", 0),
+            ("put", P + "c", b"three", 0),
+            ("delete", P + "b/1", b"", 0),
+        ]
+        wait_for(lambda: len(events) >= len(wanted), 10, "the watch's events")
+        assert [(e.type, e.key, e.value, e.lease) for e in events] == wanted
+        revisions = [e.mod_revision for e in events]
+        assert revisions == sorted(revisions) and revisions[2] == revisions[3]  # one transaction, one revision
+        assert not errors
     finally:
+        session.close(revoke=True)
         watch.close()

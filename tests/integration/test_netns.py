@@ -15,7 +15,7 @@ import torch
 
 from ftrain.agents.errors import EtcdUnavailableError
 from ftrain.agents.etcd import EtcdClient
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.cluster import Cluster
 from ftrain.chaos.netns import NetnsCluster, leftovers, unavailable_reason
 from ftrain.testbed.etcd import EtcdCluster

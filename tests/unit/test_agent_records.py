@@ -28,6 +28,7 @@ from ftrain.agent_link.heartbeat import Heartbeat, process_gone
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.etcd import KeyValue
 from ftrain.agents.heartbeat import HeartbeatServer
+from ftrain.agents.job_keys import JobKeys, validate_id
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.records import (
     FAILED,
@@ -37,7 +38,6 @@ from ftrain.agents.records import (
     SUCCEEDED,
     WORKER_EXIT,
     FinalStatus,
-    JobKeys,
     JobState,
     Member,
     NodeRecord,
@@ -45,7 +45,6 @@ from ftrain.agents.records import (
     Report,
     RoundRecord,
     parse_master,
-    validate_id,
 )
 from ftrain.agents.status import format_status
 from ftrain.agents.workers import PidTracker
@@ -67,8 +66,8 @@ def test_job_keys_layout() -> None:
     assert KEYS.round == p + "round"
     assert KEYS.round_record(12) == p + "rounds/12"
     assert KEYS.master(12) == p + "rounds/12/master"
-    assert KEYS.started(12, "n1") == p + "rounds/12/started/n1"
-    assert KEYS.report(12, "n1") == p + "rounds/12/reports/n1"
+    assert KEYS.started(12, "n1") == p + "tally/12/started/n1"
+    assert KEYS.report(12, "n1") == p + "tally/12/reports/n1"
     assert KEYS.status("n1") == p + "status/n1"
     assert KEYS.final == p + "final"
 

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from ftrain.agents import agent_status
 from ftrain.agents.agent import TICK_S, Agent
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.heartbeat import Beat, RankTotals, carried
+from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.records import (
     FAILED,
@@ -28,7 +30,6 @@ from ftrain.agents.records import (
     STOPPED,
     SUCCEEDED,
     WORKER_EXIT,
-    JobKeys,
     JobState,
 )
 from ftrain.agents.workers import Launch
@@ -257,6 +258,7 @@ class Job:
             if node.alive and node.agent.exit_code is None:
                 node.agent.tick()
         self.clock.advance(TICK_S)
+        self.store.expire_leases()
 
     def run_until(self, condition: Callable[[], object], what: str, *, within_s: float = 30.0) -> None:
         """Tick until ``condition()`` holds, failing after ``within_s`` of fake time."""
@@ -502,3 +504,39 @@ def test_a_hang_found_on_one_node_keeps_its_workers_until_every_other_node_took_
     assert found["verdict"].startswith("rank 1 (node b, host 127.0.0.1) is frozen"), found["verdict"]
     job.run_until(lambda: job.running(2, "a", "b"), "round 2 running on both")
     assert job.state().current.reason == "hang"
+
+
+def test_followers_follow_the_member_keys_only_and_the_leader_every_nodes_status(job: Job) -> None:
+    start_round_1(job, "a", "b", "c", nnodes="3:3")
+    leader, followers = job.nodes["a"].agent, [job.nodes[n].agent for n in ("b", "c")]
+    job.run_until(lambda: set(leader.view.snapshot().status) == {"a", "b", "c"}, "the leader to see every status")
+    assert leader.view.following_leader_keys and leader.view.snapshot().started[1] == {"a", "b", "c"}
+    for agent in followers:
+        state = agent.view.snapshot()
+        assert not agent.view.following_leader_keys
+        assert state.status == {} and state.started == {} and state.reports == {}
+        assert set(state.nodes) == {"a", "b", "c"} and state.current == job.state().current
+
+
+def test_a_status_goes_out_at_once_when_it_changes_and_otherwise_at_the_rate_the_job_size_allows(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert agent_status.status_interval_s(16) == 1.0 and agent_status.status_interval_s(1024) == pytest.approx(10.24)
+    monkeypatch.setattr(agent_status, "STATUS_WRITES_PER_S", 0.5)  # 2 nodes: a routine status every 4 s
+    start_round_1(job, "a", "b", nnodes="2:2")
+    workers = job.nodes["b"].workers
+
+    def writes() -> int:
+        kv = job.store.get(KEYS.status("b"))
+        return kv.version if kv else 0
+
+    job.run_until(lambda: job.state().status["b"].state == "running", "b's status says running")
+    before = writes()
+    for step in range(40):  # 8 s of steps, nothing else changing
+        workers.beat(step)
+        job.tick()
+    assert 1 <= writes() - before <= 3, "only steps changed: about one write per 4 s"
+    before = writes()
+    workers.beat(41, committed_step=40)  # a commit is news: out within a second
+    job.run_until(lambda: job.state().status["b"].committed_step == 40, "the commit in b's status", within_s=1.2)
+    assert writes() == before + 1

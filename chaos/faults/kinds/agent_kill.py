@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ftrain.agents.etcd import EtcdClient
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultSpec
 from ftrain.chaos.faults.targets import pick_node, send_signal

@@ -14,7 +14,7 @@ import signal
 from typing import Any
 
 from ftrain.agent_link.fence import EtcdRoundFence
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
 from ftrain.chaos.faults.targets import continue_process, is_stopped, send_signal

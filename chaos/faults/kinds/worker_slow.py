@@ -20,8 +20,8 @@ from typing import Any
 from ftrain.agent_link.heartbeat import process_gone
 from ftrain.agents.config import settings_of_flags
 from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.leader import Policy, slowdown_flagged
-from ftrain.agents.records import JobKeys
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultSpec
 from ftrain.chaos.faults.targets import current_round, pick_worker, running_nodes, send_signal

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ftrain.agents.records import JobKeys
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultSpec
 from ftrain.chaos.faults.targets import current_round
