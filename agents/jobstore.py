@@ -3,9 +3,10 @@ implementation.
 
 The agent lists a key range once and then follows its changes with a watch
 (:mod:`ftrain.agents.job_view`), writes with compare-and-swap (``put_if_absent``,
-``put_if_mod_revision``, ``txn``), and keeps its keys on a lease kept alive by a session. :class:`EtcdJobStore` does that on a real etcd (:mod:`ftrain.agents.etcd`,
-:mod:`ftrain.agents.etcd_session`, :mod:`ftrain.agents.etcd_watch`); the agent's unit tests use an in-memory
-store with the same semantics, and one contract test suite runs against both.
+``put_if_mod_revision``, ``txn``), and keeps its keys on a lease kept alive by a session.
+:class:`EtcdJobStore` does that on a real etcd (:mod:`ftrain.agents.etcd`,
+:mod:`ftrain.agents.etcd_session`, :mod:`ftrain.agents.etcd_watch`); the agent's unit tests use an
+in-memory store with the same semantics, and one contract test suite runs against both.
 
 What an implementation must keep (the agent relies on it):
 

@@ -48,13 +48,18 @@ Rules, in order:
    key or current round record makes the leader form a new round above every round number in
    etcd (``round_repair``, not a failure); a malformed master address of the current round,
    while some member has not started, fails the round (``bad_record``, a failure).
+
+Cost: the leader decides on every change of the job, so :func:`decide` stays O(N log N) at N
+nodes (a few ms at 4,096: ``bench/lib/control_plane_micro.py``): what it reads of the state more
+than once is read once per call (``_Seen``), node ids are looked up in dicts, never in lists,
+and stragglers come from :mod:`ftrain.agents.straggler_peers`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +86,7 @@ from ftrain.agents.records import (
     Report,
     RoundRecord,
 )
+from ftrain.agents.straggler_peers import slow_members
 
 _DIGITS = re.compile(r"\d+")
 
@@ -136,9 +142,18 @@ class Policy:
 
     def stages_of(self, node_rank: int, nodes: int) -> frozenset[int]:
         """The pipeline stages node ``node_rank``'s ranks run in a round of ``nodes`` nodes."""
+        first, last = self.stage_spans(nodes, node_rank, node_rank + 1)[0]
+        return frozenset(range(first, last + 1))
+
+    def stage_spans(self, nodes: int, start: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
+        """The first and last pipeline stage of each node rank in ``[start, stop)`` (default:
+        all) of a round of ``nodes`` nodes: a node's ranks are contiguous, so it runs every stage
+        from its first rank's to its last rank's (:meth:`stages_of`)."""
         per_stage = max(1, nodes * self.nproc_per_node // (self.pipeline_at(nodes) or 1))
-        ranks = range(node_rank * self.nproc_per_node, (node_rank + 1) * self.nproc_per_node)
-        return frozenset(r // per_stage for r in ranks)
+        n = self.nproc_per_node
+        return [
+            (k * n // per_stage, ((k + 1) * n - 1) // per_stage) for k in range(start, nodes if stop is None else stop)
+        ]
 
     def usable_nodes(self, count: int) -> int:
         """The most of ``count`` nodes (at most ``max_nodes``) whose ranks make a usable world size."""
@@ -191,8 +206,15 @@ class LeaderMemory:
 
     def observed(self, state: JobState, now: float) -> LeaderMemory:
         """This memory after seeing ``state`` at ``now`` (membership changes restart the quiet time)."""
-        live = frozenset(state.live_members())
-        return self if live == self.live else dataclasses.replace(self, live=live, live_changed_at=now)
+        return self.seen_live(_live_uids(state), state.live_members, now)
+
+    def seen_live(
+        self, live_uids: dict[str, str], live_members: Callable[[], list[Member]], now: float
+    ) -> LeaderMemory:
+        """:meth:`observed`, given the live agents' uids by node id: compared with :attr:`live`
+        member by member, so that the set of members (N objects) is built only when it changed."""
+        same = len(live_uids) == len(self.live) and all(live_uids.get(m.node_id) == m.agent_uid for m in self.live)
+        return self if same else dataclasses.replace(self, live=frozenset(live_members()), live_changed_at=now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +257,51 @@ class _Need:
         return f"{self.reason}|{r.step}|{' / '.join(errors)}"
 
 
+@dataclass(slots=True)
+class _Seen:
+    """What :func:`decide` reads of one state more than once, read once per call: each is O(N)
+    at N nodes, and read again at every use they made up most of a decision at thousands."""
+
+    state: JobState
+    live_uids: dict[str, str]  #: node id -> agent uid of the live agents
+    member_uids: dict[str, str]  #: node id -> agent uid of the current round's members (empty: no round)
+    reports: dict[str, Report]  #: the current round's members' reports (empty: no round)
+    waiting: list[Member]  #: live agents that are not members of the current round, in join order
+    _live: list[Member] | None = None
+
+    @classmethod
+    def of(cls, state: JobState) -> _Seen:
+        cur = state.current
+        member_uids = {m.node_id: m.agent_uid for m in cur.members} if cur else {}
+        waiting = [n for n in state.nodes.values() if member_uids.get(n.node_id) != n.agent_uid]
+        return cls(
+            state,
+            _live_uids(state),
+            member_uids,
+            state.member_reports(cur.round) if cur else {},
+            [n.member() for n in sorted(waiting, key=lambda n: n.create_revision)],
+        )
+
+    def live(self) -> list[Member]:
+        """The registered agents in join order (:meth:`JobState.live_members`), built on first use."""
+        if self._live is None:
+            self._live = self.state.live_members()
+        return self._live
+
+    def is_member(self, member: Member) -> bool:
+        """``member`` (this agent process of its node) is a member of the current round."""
+        return self.member_uids.get(member.node_id) == member.agent_uid
+
+    def is_live(self, member: Member) -> bool:
+        """``member`` (this agent process of its node) is registered."""
+        return self.live_uids.get(member.node_id) == member.agent_uid
+
+
+def _live_uids(state: JobState) -> dict[str, str]:
+    """The registered agents' uids by node id (:meth:`JobState.live_members`, unordered)."""
+    return {n.node_id: n.agent_uid for n in state.nodes.values()}
+
+
 def committed_step(state: JobState, members: list[Member]) -> int:
     ids = {m.node_id for m in members}
     return max((s.committed_step for n, s in state.status.items() if n in ids), default=-1)
@@ -256,7 +323,7 @@ def _warm(state: JobState, member: Member, policy: Policy) -> bool:
     return policy.recovery != "live" or (status is not None and status.workers_ready >= policy.nproc_per_node)
 
 
-def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Member]) -> list[Member]:
+def _without_cold(state: JobState, seen: _Seen, need: _Need, policy: Policy, members: list[Member]) -> list[Member]:
     """Live recovery: the survivors need not wait for a cold start. Left out of the next round,
     while the others go on at the smaller world size — if at least ``min_nodes`` remain — are a
     node whose failed worker has no warm replacement (its report counts fewer warm processes
@@ -268,10 +335,11 @@ def _without_cold(state: JobState, need: _Need, policy: Policy, members: list[Me
     cur = state.current
     if policy.recovery != "live" or cur is None:
         return members
-    cold = {m.node_id for m in members if m not in cur.members and not _warm(state, m, policy)}
+    cold = {m.node_id for m in members if not seen.is_member(m) and not _warm(state, m, policy)}
     if need.reason in (WORKER_EXIT, HANG):
-        reports = state.member_reports(cur.round)
-        cold |= {n for n, r in reports.items() if r.outcome == FAILED and 0 <= r.workers_ready < policy.nproc_per_node}
+        cold |= {
+            n for n, r in seen.reports.items() if r.outcome == FAILED and 0 <= r.workers_ready < policy.nproc_per_node
+        }
     kept = [m for m in members if m.node_id not in cold]
     if not cold or len(kept) < policy.min_nodes:
         return members
@@ -307,27 +375,18 @@ def watch_stragglers(state: JobState, policy: Policy, memory: LeaderMemory, now:
     each agent publishes its busiest rank's busy time per step (about every second); a member
     is slow while that is over ``straggler_factor`` times the median of the other members', and
     a straggler once slow for ``straggler_after_s`` without a break. Under a pipeline a member
-    is compared with the members that run the same stages only (stages differ in cost by design)."""
+    is compared with the members that run the same stages only (stages differ in cost by design;
+    :mod:`ftrain.agents.straggler_peers` finds them in O(N log N))."""
     cur = state.current
     if cur is None or policy.on_straggler == "off":
         return dataclasses.replace(memory, slow_since=(), stragglers=())
-    busy = {}
-    for m in cur.members:
-        status = state.status.get(m.node_id)
-        if status is not None and status.round == cur.round and status.state == "running" and status.busy_s > 0:
-            busy[m.node_id] = status
     previous = dict(memory.slow_since)
     slow_since: dict[str, float] = {}
     stragglers = []
-    stages = {m.node_id: policy.stages_of(k, len(cur.members)) for k, m in enumerate(cur.members)}
-    for node, status in sorted(busy.items()):
-        peers = [s.busy_s for n, s in busy.items() if n != node and stages[n] == stages[node]]
-        others = statistics.median(peers) if peers else 0.0
-        if others <= 0 or status.busy_s <= policy.straggler_factor * others:
-            continue
-        since = slow_since[node] = previous.get(node, now)
+    for slow in slow_members(state, cur, policy.stage_spans(len(cur.members)), policy.straggler_factor):
+        since = slow_since[slow.node] = previous.get(slow.node, now)
         if now - since >= policy.straggler_after_s:
-            stragglers.append(Straggler(node, status.busy_rank, status.busy_s, others, since))
+            stragglers.append(Straggler(slow.node, slow.status.busy_rank, slow.status.busy_s, slow.others_s, since))
     return dataclasses.replace(memory, slow_since=tuple(sorted(slow_since.items())), stragglers=tuple(stragglers))
 
 
@@ -337,31 +396,29 @@ def _excluded(state: JobState, now: float) -> dict[str, float]:
     return {n: t for n, t in (cur.excluded if cur else {}).items() if t > now}
 
 
-def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> tuple[_Need | None, LeaderMemory]:
+def _need(
+    state: JobState, seen: _Seen, policy: Policy, memory: LeaderMemory, now: float
+) -> tuple[_Need | None, LeaderMemory]:
     """Why a new round is needed (None: it is not), and the memory after looking."""
     cur = state.current
     if cur is None:
         if state.round_unreadable or state.round > 0:
             return _Need(ROUND_REPAIR, f"round key or record of round {state.round} unreadable"), memory
         return _Need(START), memory
-    live = {m.node_id: m for m in state.live_members()}
-    reports = state.member_reports(cur.round)
+    reports = seen.reports
     failed = {n: r for n, r in reports.items() if r.outcome == FAILED}
     if failed:
         # the first failure is the cause: a hung rank's agent reports before it kills, and the
         # peers that fail after the kill report later (by node id, a victim could win the race)
         node, report = min(failed.items(), key=lambda kv: (kv[1].time, kv[0]))
+        failing = sorted(failed)
         return _Need(
-            report.reason or WORKER_EXIT,
-            f"{node}: {report.detail}",
-            sorted(failed),
-            report,
-            [failed[n] for n in sorted(failed)],
+            report.reason or WORKER_EXIT, f"{node}: {report.detail}", failing, report, [failed[n] for n in failing]
         ), memory
     stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
     if stopped:
         return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}"), memory
-    gone = [m.node_id for m in cur.members if live.get(m.node_id) != m]
+    gone = [m.node_id for m in cur.members if not seen.is_live(m)]
     if gone:
         return _Need(NODE_LOST, f"agent gone: {', '.join(gone)}"), memory
     started = state.started.get(cur.round, set())
@@ -379,9 +436,7 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
             detail = "; ".join(s.describe(now) for s in evict)
             return _Need(STRAGGLER, f"evicting straggler(s) {detail}", evict=[s.node for s in evict]), memory
     excluded = _excluded(state, now)
-    joiners = [
-        m for m in live.values() if m not in cur.members and m.node_id not in excluded and _warm(state, m, policy)
-    ]
+    joiners = [m for m in seen.waiting if m.node_id not in excluded and _warm(state, m, policy)]
     if not joiners or policy.usable_nodes(len(cur.members) + len(joiners)) <= len(cur.members):
         return None, dataclasses.replace(memory, grow_baseline_step=None)
     joined = ", ".join(m.node_id for m in joiners)
@@ -397,7 +452,7 @@ def _need(state: JobState, policy: Policy, memory: LeaderMemory, now: float) -> 
     return None, memory
 
 
-def _failure_time(state: JobState, need: _Need, policy: Policy, now: float) -> float:
+def _failure_time(state: JobState, seen: _Seen, need: _Need, policy: Policy, now: float) -> float:
     """When the failure happened (fixed, so the backoff after it ends): the failing reports'
     time, or for a start timeout the moment the round ran out of time."""
     cur = state.current
@@ -407,14 +462,13 @@ def _failure_time(state: JobState, need: _Need, policy: Policy, now: float) -> f
         return cur.created_at + policy.start_timeout_s
     if need.reason == BAD_RECORD:
         return now
-    return max((r.time for n, r in state.member_reports(cur.round).items() if n in need.failures), default=now)
+    failing = set(need.failures)
+    return max((r.time for n, r in seen.reports.items() if n in failing), default=now)
 
 
-def _fatal(state: JobState, cur: RoundRecord, now: float) -> Finish | None:
+def _fatal(state: JobState, seen: _Seen, cur: RoundRecord, now: float) -> Finish | None:
     """A member said its workers stopped on an error a restart cannot fix: the job fails now."""
-    fatal = sorted(
-        (n, r) for n, r in state.member_reports(cur.round).items() if r.outcome == FAILED and r.reason == FATAL
-    )
+    fatal = sorted((n, r) for n, r in seen.reports.items() if r.outcome == FAILED and r.reason == FATAL)
     if not fatal:
         return None
     node, report = fatal[0]
@@ -453,20 +507,21 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     never changed: pass the returned one next time)."""
     if state.final is not None:
         return Wait(f"job finished: {state.final.status}"), memory
-    memory = watch_stragglers(state, policy, memory.observed(state, now), now)
+    seen = _Seen.of(state)
+    memory = watch_stragglers(state, policy, memory.seen_live(seen.live_uids, seen.live, now), now)
     cur = state.current
     if cur is not None:
-        reports = state.member_reports(cur.round)
+        reports = seen.reports
         if len(reports) == len(cur.members) and all(r.outcome == SUCCEEDED for r in reports.values()):
             return Finish(
                 FinalStatus(
                     SUCCEEDED, "every node finished training", cur.round, now, committed_step(state, cur.members)
                 )
             ), memory
-        fatal = _fatal(state, cur, now)
+        fatal = _fatal(state, seen, cur, now)
         if fatal is not None:
             return fatal, memory
-    need, memory = _need(state, policy, memory, now)
+    need, memory = _need(state, seen, policy, memory, now)
     if need is None:
         return Wait("round healthy"), memory
 
@@ -474,7 +529,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     failure_times = [t for t in (prev.failure_times if prev else []) if now - t <= policy.restart_window_s]
     signatures = list(prev.failure_signatures if prev else [])
     if need.reason in FAILURE_CAUSES:
-        failure_time = _failure_time(state, need, policy, now)
+        failure_time = _failure_time(state, seen, need, policy, now)
         failure_times.append(failure_time)
         signatures = (signatures + [need.signature()])[-max(1, policy.deterministic_failures) :]
         if len(failure_times) > policy.max_restarts:
@@ -496,8 +551,8 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         if now < ready_at:
             return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}"), memory
 
-    leaving = {n for n, r in state.member_reports(cur.round).items() if r.outcome == STOPPED} if cur else set()
-    live = [m for m in state.live_members() if m.node_id not in leaving]  # drained: its lease goes next
+    leaving = {n for n, r in seen.reports.items() if r.outcome == STOPPED}
+    live = [m for m in seen.live() if m.node_id not in leaving]  # drained: its lease goes next
     excluded = _excluded(state, now) | {node: now + policy.straggler_rejoin_s for node in need.evict}
     eligible = [m for m in live if m.node_id not in excluded]
     if len(eligible) >= policy.min_nodes:  # never let an exclusion stop the job
@@ -505,18 +560,14 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if len(live) < policy.min_nodes:
         return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live"), memory
     members = live[: policy.max_nodes]
-    all_reported = (
-        cur is not None
-        and set(cur.members) == set(members)
-        and len(state.member_reports(cur.round)) == len(cur.members)
-    )
+    all_reported = cur is not None and len(seen.reports) == len(cur.members) and set(cur.members) == set(members)
     # a node lost and nobody joining: no last call to wait for
-    lost_only = need.reason == NODE_LOST and cur is not None and set(members) <= set(cur.members)
+    lost_only = need.reason == NODE_LOST and cur is not None and all(seen.is_member(m) for m in members)
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
     if not (all_reported or lost_only) and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
 
-    members = _without_cold(state, need, policy, members)
+    members = _without_cold(state, seen, need, policy, members)
     members = members[: policy.usable_nodes(len(members))]
     if len(members) < policy.min_nodes:
         return Wait(

@@ -5,6 +5,10 @@ agents skip them; nodes whose workers keep failing to commit checkpoints are cal
 line of their own (``CHECKPOINTS FAILING``); ranks that make no progress (each agent's
 ``stalled``) are judged together on a ``STALLED`` line: who is frozen, where the others wait,
 and a desync when they wait in different collectives (:func:`ftrain.agents.flight_verdict.from_stalls`).
+
+What must stay true: building the output is O(N) at N nodes (a 4,096-node job's keys read,
+parsed and shown in well under 2 s: ``bench/lib/control_plane_micro.py`` times it without the
+read); :func:`status_of` is what the command shows, whatever read the state.
 """
 
 from __future__ import annotations

@@ -35,6 +35,17 @@ What must stay true:
   refuses anything else, so a writer of these keys can disrupt a rendezvous but not run code
   in the agents. Protect the prefix with etcd auth/TLS in shared clusters all the same.
 
+**Cost at N nodes** (torch's dynamic rendezvous keeps the whole job in the one ``state`` key,
+about 70 bytes per node pickled): each node reads the state about once a second (torchrun's
+monitor loop asks for waiting nodes; torch caches a read for 1 s) and compare-and-swaps it every
+``keep_alive_interval`` to record its heartbeat, retried when another node's write won; a
+rendezvous is a few such swaps per node, more as N grows. So per node per second O(N) bytes and,
+per job, O(N²) bytes per second into one key: fine at tens of nodes, not at thousands (use
+``ftrain agent`` there; its workers use no etcd per step). The store is O(1) requests per node per
+rendezvous, O(N/64) for the rank-0 agent (:meth:`EtcdStore.multi_get`, :meth:`EtcdStore.multi_set`);
+but torch's exit barrier is an :meth:`EtcdStore.add` to one key, which N agents finishing at once
+retry about N/4 times each.
+
 This module may import torch (it is its own layer in the import-boundary test: it runs in the
 torchrun launcher); the rest of ``agents`` must not.
 
@@ -88,6 +99,9 @@ _T = TypeVar("_T")
 PASSWORD_ENV = "FTRAIN_ETCD_PASSWORD"
 DEFAULT_PORT = 2379
 
+
+#: Puts per transaction of :meth:`EtcdStore.multi_set` (etcd refuses more than 128 by default).
+PUTS_PER_TXN = 64
 
 #: A rendezvous state is a few hundred bytes per node; anything far larger is not one.
 MAX_STATE_BYTES = 1 << 20
@@ -317,7 +331,8 @@ def cas(
     The client never repeats a transaction whose reply was lost; this one may, because every
     ``build`` here guards on a revision (or on the key's absence): once one copy has applied,
     the guard fails for every other copy, so the swap happens at most once and the caller
-    learns from the failure branch's reads what is there now. Gives up (raising the
+    learns from the failure branch's reads what is there now. (Or it has no guard and only puts
+    values: a copy applied twice leaves the same values.) Gives up (raising the
     :class:`EtcdUnavailableError`) after the client's ``retry_timeout_s``.
     """
     deadline = clock() + client.retry_timeout_s
@@ -522,6 +537,32 @@ class EtcdStore(dist.Store):
                 kv = found[0] if found else None  # type: ignore[index]
         except AgentError as e:
             raise self._fail(f"compare_set({key!r})", e) from e
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Like :meth:`get` for each of ``keys`` (blocking until every one exists), from one read
+        of their common prefix: the rank-0 agent reads every agent's role info this way after
+        each rendezvous, one request for N keys instead of N (torch's default is a ``get`` each)."""
+        return self._wait(keys, self.timeout)  # type: ignore[attr-defined]  # c10d Store's, no stub
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        """Like :meth:`set` for each key and value, :data:`PUTS_PER_TXN` to a transaction: the
+        rank-0 agent writes every agent's assigned ranks this way, N/64 requests instead of N."""
+        if len(keys) != len(values):
+            raise dist.DistStoreError(
+                f"etcd store {self._prefix}: multi_set of {len(keys)} keys and {len(values)} values"
+            )
+        latest = {self._key(k): v for k, v in zip(keys, values, strict=True)}  # one put per key (etcd refuses two)
+        items = list(latest.items())
+        try:
+            for start in range(0, len(items), PUTS_PER_TXN):
+                batch = items[start : start + PUTS_PER_TXN]
+
+                def puts(lease_id: int | None, batch: list[tuple[str, bytes | str]] = batch) -> Transaction:
+                    return [], [Op.put(k, v, lease_id) for k, v in batch], []
+
+                cas(self._client, self._lease, puts)
+        except AgentError as e:
+            raise self._fail(f"multi_set of {len(keys)} keys", e) from e
 
     def delete_key(self, key: str) -> bool:
         try:
