@@ -129,3 +129,26 @@ def test_the_pipeline_bench_smoke_run_measures_each_schedule_beside_its_formula_
             assert r["formula"] == pytest.approx(1 / (8 * (2 if schedule == "interleaved_1f1b" else 1) + 1))
     assert isinstance(summary["plan_within_10pct"], bool) and summary["install_baseline_bytes"] > 100e6
     assert all("plan_error_here_max" in r for r in summary["runs"])
+
+
+@pytest.mark.timeout(240)
+def test_the_control_plane_bench_smoke_run_measures_16_agents_on_a_real_etcd():
+    summary = _smoke("control_plane.py", timeout_s=220)
+    assert summary["bench"] == "control_plane" and summary["smoke"] and summary["nodes_max"] == 16
+    for key in ("agent_cpu_core_per_s", "leader_cpu_core_per_s", "etcd_requests_per_s", "etcd_tx_bytes_per_s"):
+        assert f"{key}_at_1024" in summary and f"old_{key}_at_1024" in summary, key
+    for key in ("node_loss_to_round_s", "join_to_round_s", "status_s"):
+        assert f"{key}_at_1024" in summary and f"old_{key}_at_1024" in summary, key
+    assert "decide_ms_at_4096" in summary
+    run = summary["per_size"]["16"]["new"]
+    assert "error" not in run, run.get("error")
+    assert run["lease_ttl_s"] == 2 and run["layout"].startswith("leader + 4 sampled followers")
+    assert run["leader_cpu_core_per_s"] > 0 and run["follower_cpu_core_per_s"] > 0
+    assert run["hosted_follower_cpu_core_per_s"] > 0
+    assert run["etcd"]["requests_per_s"] > 0 and run["etcd"]["tx_bytes_per_s"] > 0
+    assert run["etcd"]["requests_per_s_by_method"].get("LeaseKeepAlive", 0) > 0  # counted server side
+    assert run["tick_errors"] == 0, run["tick_error_sample"]
+    assert run["status_nodes_shown"] == 16 and run["status_s"] > 0 and run["status_call_s"] > 0
+    # a follower was killed: a round without it; then a new agent joined: a round with it
+    assert run["round_after"] > run["round_before"] and run["node_loss_to_round_s"] > 0
+    assert run["join_round"] > run["round_after"] and run["join_to_round_s"] > 0
