@@ -234,7 +234,7 @@ class MemoryTier:
         self._store_opened = True
         node, local_rank = WorkerEnv.from_env().node, int(os.environ.get("LOCAL_RANK", "0"))
         tier_store = TierStore(self.memory_dir, self.job, node, local_rank)
-        run_id, source = resolve_run_id()
+        run_id, source = resolve_run_id(ask_etcd=dist.get_rank(self._group) == 0)  # the others agree below
         store: TierStore | None = tier_store
         try:
             tier_store.open()

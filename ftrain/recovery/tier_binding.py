@@ -61,15 +61,22 @@ class Binding:
 
 
 def resolve_run_id(
-    environ: Mapping[str, str] | None = None, incarnation: Callable[[], str] | None = None
+    environ: Mapping[str, str] | None = None,
+    incarnation: Callable[[], str] | None = None,
+    *,
+    ask_etcd: bool = True,
 ) -> tuple[str, str]:
     """This launch's run id and where it came from, or ``("", why none)`` (see the module doc).
     ``incarnation``: asks etcd for the job's incarnation (default: through the worker's fence,
-    when its agent gave it one)."""
+    when its agent gave it one). ``ask_etcd=False``: a rank that leaves that question to another
+    (one read per round, not one per rank: 32,768 at a restart of 4,096 nodes of 8) learns
+    nothing from etcd and falls back on nothing else either, so that it never names another id."""
     env = os.environ if environ is None else environ
     worker = WorkerEnv.from_env(env)
     if worker.run_id:
         return worker.run_id, RUN_ID
+    if not ask_etcd and incarnation is None and worker.etcd and worker.fence_key:
+        return "", "rank 0 reads the job's incarnation from etcd"
     if incarnation is None and worker.etcd and worker.fence_key:
         from ftrain.agent_link.fence import from_env
 

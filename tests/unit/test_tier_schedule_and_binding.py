@@ -133,6 +133,9 @@ def test_the_run_id_comes_from_the_launcher_in_order():
 
     run_id, why = resolve_run_id({"TORCHELASTIC_RUN_ID": "t"}, unreachable)
     assert run_id == "" and "etcd down" in why  # under an agent, torchrun's "none" is never taken instead
+    agent = {"FTRAIN_ETCD": "http://etcd.invalid:2379", "FTRAIN_FENCE_KEY": "/ftrain/jobs/j/round"}
+    run_id, why = resolve_run_id({**agent, "TORCHELASTIC_RUN_ID": "t"}, ask_etcd=False)  # no request made
+    assert run_id == "" and "rank 0" in why  # and not torchrun's id, which rank 0's could never match
 
 
 def test_the_ranks_of_a_round_agree_on_one_run_id():
