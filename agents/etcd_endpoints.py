@@ -134,6 +134,10 @@ class HttpTransport:
 
     def __init__(self, tls: TlsFiles = TlsFiles()):
         self._session = requests.Session()
+        # no proxies or ~/.netrc from the environment: the watch stream (http.client) never used
+        # them, so requests and watches reach etcd the same way; and looking for ~/.netrc on every
+        # request was a fifth of an agent's control-plane CPU (bench/control_plane.py)
+        self._session.trust_env = False
         # per request, not on the session: REQUESTS_CA_BUNDLE would override a session's verify
         self._verify: str | bool = tls.ca_cert or True
         self._cert = ((tls.cert, tls.key) if tls.key else tls.cert) if tls.cert else None
