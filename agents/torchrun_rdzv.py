@@ -86,7 +86,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ftrain.agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
+from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult, header_revision, key_range
 from ftrain.agents.etcd_watch import Watcher
 
 #: The backend name torchrun users pass as ``--rdzv-backend``.
@@ -128,6 +128,13 @@ def check_state(key: str, data: bytes) -> bytes:
     """``data`` if it is a pickled rendezvous state and nothing else; RendezvousStateError
     naming the key otherwise. torch unpickles the state with plain ``pickle.loads``: this check
     is what keeps a value written into etcd from running code in every agent."""
+    decode_state(key, data)
+    return data
+
+
+def decode_state(key: str, data: bytes) -> _RendezvousState:
+    """The rendezvous state pickled in ``data``, through the allow-list unpickler (never plain
+    ``pickle``); RendezvousStateError naming ``key`` for anything else."""
     if len(data) > MAX_STATE_BYTES:
         raise RendezvousStateError(
             f"etcd-v3: the rendezvous state under {key} is {len(data)} bytes, more than "
@@ -145,7 +152,7 @@ def check_state(key: str, data: bytes) -> bytes:
         raise RendezvousStateError(
             f"etcd-v3: the value under {key} is a {type(state).__name__}, not a rendezvous state"
         )
-    return data
+    return state
 
 
 # -- configuration ----------------------------------------------------------------------------
