@@ -4,11 +4,13 @@ leases and a cut network; and it says when it cannot be trusted."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -38,8 +40,16 @@ NODES = ["a", "b", "c", "d"]
 MEMBER_MARK, LEADER_MARK = KEYS.prefix + "mark", KEYS.prefix + "status0"
 
 
-def _store(endpoint: str) -> EtcdJobStore:
-    return EtcdJobStore(EtcdClient([endpoint], timeout_s=1.0, retry_timeout_s=2.0))
+@contextlib.contextmanager
+def _following(endpoint: str, **options: Any) -> Iterator[JobView]:
+    """A view of the job through its own client of ``endpoint``, closed with it afterwards."""
+    store = EtcdJobStore(EtcdClient([endpoint], timeout_s=1.0, retry_timeout_s=2.0))
+    view = JobView(store, KEYS, **{"wake": lambda: None, "progress_timeout_s": 5.0, **options})
+    try:
+        yield view
+    finally:
+        view.close()
+        store.close()
 
 
 def _record(rng: random.Random) -> tuple[str, str]:
@@ -132,48 +142,43 @@ def test_after_random_writes_the_view_equals_a_fresh_read_of_its_keys(etcd, clie
     rng = random.Random(seed)
     leases: list[int] = []
     _random_writes(client, rng, 40, leases)  # some state before the first listing
-    store = _store(etcd.endpoint)
-    view = JobView(store, KEYS, wake=lambda: None, progress_timeout_s=5.0)
-    try:
+    with _following(etcd.endpoint) as view:
         for batch in range(6):
             view.follow_leader_keys(batch % 3 != 2)  # the leader's keys come and go
             _random_writes(client, rng, 40, leases)
             _same(_caught_up(view, client), _fresh(client, view))
         assert view.lists() <= 1 + 4  # the member range once; the leader's each time it was taken up again
-    finally:
-        view.close()
-        store.close()
 
 
 def test_a_compacted_watch_lists_again_and_a_cut_network_is_unreachable_until_it_heals(etcd, client) -> None:
     proxy = TcpProxy(int(etcd.endpoint.rsplit(":", 1)[1]))
-    store = _store(proxy.endpoint)
-    view = JobView(store, KEYS, wake=lambda: None, progress_timeout_s=1.0, down_after_s=0.5)
     rng = random.Random(7)
     try:
-        view.follow_leader_keys(True)
-        _random_writes(client, rng, 30, [])
-        _same(_caught_up(view, client), _fresh(client, view))
-        lists = view.lists()
-        proxy.cut()
-        _random_writes(client, rng, 60, [])  # missed by the view...
-        client.compact(client.current_revision())  # ...and gone from etcd's history
-        wait_for(lambda: _raises(view), 10, "the view to say it cannot be trusted while cut off")
-        proxy.restore()
-        _same(_caught_up(view, client), _fresh(client, view))
-        assert view.lists() > lists, "the compacted watch must have listed again"
+        with _following(proxy.endpoint, progress_timeout_s=1.0, down_after_s=0.5) as view:
+            _cut_compacted_and_healed(view, client, proxy, rng)
     finally:
-        view.close()
-        store.close()
         proxy.close()
 
 
+def _cut_compacted_and_healed(view: JobView, client: EtcdClient, proxy: TcpProxy, rng: random.Random) -> None:
+    """Follow, cut the network, write and compact past the view, heal: it lists again."""
+    view.follow_leader_keys(True)
+    _random_writes(client, rng, 30, [])
+    _same(_caught_up(view, client), _fresh(client, view))
+    lists = view.lists()
+    proxy.cut()
+    _random_writes(client, rng, 60, [])  # missed by the view...
+    client.compact(client.current_revision())  # ...and gone from etcd's history
+    wait_for(lambda: _raises(view), 10, "the view to say it cannot be trusted while cut off")
+    proxy.restore()
+    _same(_caught_up(view, client), _fresh(client, view))
+    assert view.lists() > lists, "the compacted watch must have listed again"
+
+
 def test_the_view_follows_through_an_etcd_restart(etcd, client) -> None:
-    store = _store(etcd.endpoint)
     woken = threading.Event()
-    view = JobView(store, KEYS, wake=woken.set, progress_timeout_s=1.0)
     rng = random.Random(11)
-    try:
+    with _following(etcd.endpoint, wake=woken.set, progress_timeout_s=1.0) as view:
         _random_writes(client, rng, 30, [])
         _same(_caught_up(view, client), _fresh(client, view))
         lists = view.lists()
@@ -183,16 +188,11 @@ def test_the_view_follows_through_an_etcd_restart(etcd, client) -> None:
         assert woken.wait(10), "a change in the member range wakes the agent"
         _same(_caught_up(view, client), _fresh(client, view))
         assert view.lists() == lists, "a restart with the same data resumes the watch, no listing again"
-    finally:
-        view.close()
-        store.close()
 
 
 def test_a_status_change_alone_does_not_wake_the_agent_but_is_in_the_next_snapshot(etcd, client) -> None:
-    store = _store(etcd.endpoint)
     woken = threading.Event()
-    view = JobView(store, KEYS, wake=woken.set, progress_timeout_s=5.0)
-    try:
+    with _following(etcd.endpoint, wake=woken.set) as view:
         view.follow_leader_keys(True)
         _caught_up(view, client)
         woken.clear()
@@ -201,9 +201,6 @@ def test_a_status_change_alone_does_not_wake_the_agent_but_is_in_the_next_snapsh
         assert not woken.is_set()
         client.put(KEYS.report(3, "a"), Report("failed", "worker_exit").to_json())
         assert woken.wait(10), "a report wakes the leader"
-    finally:
-        view.close()
-        store.close()
 
 
 def _raises(view: JobView) -> bool:
