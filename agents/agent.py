@@ -1,7 +1,9 @@
 """The node agent: membership, leadership, rounds and supervision of this node's workers.
 
-One loop, level-triggered: every tick (woken early by a watch on the job's keys) the agent
-reads the whole job state from etcd in one range request and acts on it:
+One loop, level-triggered: every tick (woken early when the job's keys change) the agent takes
+the job's state from its local view (:mod:`ftrain.agents.job_view`: listed once, then fed by a
+watch; the membership and round keys for every agent, every node's status for the leader) and
+acts on the whole of it:
 
 - **session**: a lease kept alive; ``nodes/<id>`` on it; while the lease is lost the agent keeps
   its workers, acts on no round, and registers again once etcd answers

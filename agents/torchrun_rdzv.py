@@ -395,7 +395,10 @@ def state_to_store(new: _RendezvousState, stored: _RendezvousState | None, node:
 
 
 def with_heartbeats(
-    stored: _RendezvousState, alive: frozenset[str], node: _NodeDesc | None, own: datetime.datetime | None,
+    stored: _RendezvousState,
+    alive: frozenset[str],
+    node: _NodeDesc | None,
+    own: datetime.datetime | None,
     now: datetime.datetime,
 ) -> _RendezvousState:
     """``stored`` as torch should see it: a node whose liveness key exists beat ``now`` (this node:
@@ -440,7 +443,11 @@ class _Liveness:
             return
         self.lease_id = None
         live = self.lease()
-        cas(self._client, rolling, lambda lease_id: ([], [Op.put(self.key, b"", live), Op.put(self._gen_key, b"", lease_id)], []))
+        cas(
+            self._client,
+            rolling,
+            lambda lease_id: ([], [Op.put(self.key, b"", live), Op.put(self._gen_key, b"", lease_id)], []),
+        )
         self.beat = beat
 
 
@@ -527,7 +534,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         payload = {"compare": compare, "success": [alive_count] if self._node is not None else [], "failure": fetch}
         if not compare:
             payload["success"] = fetch
-        reply = self._client._call("/v3/kv/txn", payload)  # a read: safe to resend
+        # count_only/keys_only ranges, which Op cannot express; a read, so safe to resend
+        reply = self._client._call("/v3/kv/txn", payload)  # noqa: SLF001
         responses = [r.get("response_range", {}) for r in reply.get("responses", [])]
         if compare and reply.get("succeeded"):
             if self._node is not None and int(responses[0].get("count", 0)) != self._alive_count:
@@ -546,8 +554,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             self._set_alive([KeyValue.from_json(k).key for k in responses[2].get("kvs", [])])
 
     def _list_alive(self) -> None:
-        reply = self._client._call("/v3/kv/range", {**key_range(self.alive_prefix, True), "keys_only": True})
-        self._set_alive([KeyValue.from_json(k).key for k in reply.get("kvs", [])])
+        self._set_alive([kv.key for kv in self._client.list_prefix(self.alive_prefix).kvs])  # values are empty
 
     def _set_alive(self, keys: list[str]) -> None:
         self._alive = frozenset(k[len(self.alive_prefix) :] for k in keys)
@@ -559,7 +566,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return None
         if self._node is None or not self._stored.last_heartbeats:
             return self._bytes, self._rev
-        own = self._live.beat if self._live is not None and self._live.key[len(self.alive_prefix) :] in self._alive else None
+        own = self._live.beat if self._live is not None else None
         seen = with_heartbeats(self._stored, self._alive, self._node, own, self._now())
         if seen.last_heartbeats == self._stored.last_heartbeats:
             return self._bytes, self._rev
@@ -588,7 +595,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _set_state(self, state: bytes, token: int | None) -> tuple[bytes, Token, bool] | None:
         expected = token or 0  # an absent key has mod_revision 0
         node, live = self._node, self._live
-        to_store, new = state, None
+        to_store, new, stored_form = state, None, None
         base = self._stored if self._rev == expected and expected else None
         if node is not None and live is not None:
             try:
@@ -604,6 +611,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             stored_form = state_to_store(new, base, node)
             if stored_form is not new:
                 to_store = pickle.dumps(stored_form)
+            else:
+                stored_form = None  # decoded again from the bytes stored
         extra: list[Op] = []
         if new is not None and live is not None and node is not None:
             if node in new.last_heartbeats:
@@ -627,7 +636,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             extra[0] = Op.put(live.key, b"", live.lease())
             result = cas(self._client, self._lease, build, sleep=self._sleep)
         if result.succeeded:
-            self._remember(to_store, result.revision, stored_form if new is not None else None)
+            self._remember(to_store, result.revision, stored_form)
             if live is not None and new is not None and node is not None:
                 live.beat = new.last_heartbeats.get(node)
             return state, result.revision, True
@@ -644,8 +653,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if self._node is not None:
             self._list_alive()
         answer = self._answer()
-        assert answer is not None
-        return (*answer, False)
+        return None if answer is None else (*answer, False)
 
     def _remember(self, data: bytes, rev: int, stored: _RendezvousState | None) -> None:
         self._rev, self._bytes = rev, data
@@ -930,7 +938,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         raise ValueError(
             f"rdzv conf 'keep_alive_max_attempt' must be >= 1, got {params.get('keep_alive_max_attempt')!r}"
         )
-    return DynamicRendezvousHandler.from_backend(
+    handler = DynamicRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -941,3 +949,9 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         keep_alive_interval=int(interval.total_seconds()),
         keep_alive_max_attempt=max_attempt,
     )
+    # torch keeps the node it generated private; without it the backend swaps every heartbeat
+    # into the state, as torch's own backends do
+    node = getattr(handler, "_this_node", None)
+    if isinstance(node, _NodeDesc):
+        backend.bind(node, liveness_ttl_s=int(interval.total_seconds()) * max_attempt)
+    return handler
