@@ -86,7 +86,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ftrain.agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult, header_revision, key_range
+from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
 from ftrain.agents.etcd_watch import Watcher
 
 #: The backend name torchrun users pass as ``--rdzv-backend``.
@@ -128,13 +128,6 @@ def check_state(key: str, data: bytes) -> bytes:
     """``data`` if it is a pickled rendezvous state and nothing else; RendezvousStateError
     naming the key otherwise. torch unpickles the state with plain ``pickle.loads``: this check
     is what keeps a value written into etcd from running code in every agent."""
-    decode_state(key, data)
-    return data
-
-
-def decode_state(key: str, data: bytes) -> _RendezvousState:
-    """The rendezvous state pickled in ``data``, through the allow-list unpickler (never plain
-    ``pickle``); RendezvousStateError naming ``key`` for anything else."""
     if len(data) > MAX_STATE_BYTES:
         raise RendezvousStateError(
             f"etcd-v3: the rendezvous state under {key} is {len(data)} bytes, more than "
@@ -152,7 +145,7 @@ def decode_state(key: str, data: bytes) -> _RendezvousState:
         raise RendezvousStateError(
             f"etcd-v3: the value under {key} is a {type(state).__name__}, not a rendezvous state"
         )
-    return state
+    return data
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -356,114 +349,9 @@ def cas(
 
 
 # -- the rendezvous state ---------------------------------------------------------------------
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-
-
-def _membership(state: _RendezvousState) -> tuple[object, ...]:
-    """Everything in a state but the heartbeats."""
-    return (
-        state.round,
-        state.complete,
-        state.deadline,
-        state.closed,
-        state.participants,
-        state.wait_list,
-        state.redundancy_list,
-        state.last_heartbeats.keys(),
-    )
-
-
-def heartbeat_only(new: _RendezvousState, stored: _RendezvousState) -> bool:
-    """Whether ``new`` differs from ``stored`` in heartbeat times only (torch's keep-alive)."""
-    return _membership(new) == _membership(stored)
-
-
-def state_to_store(new: _RendezvousState, stored: _RendezvousState | None, node: _NodeDesc) -> _RendezvousState:
-    """``new`` as it goes into etcd: ``node``'s own heartbeat as torch set it, every other node's
-    as it was stored (what a reader stamped from the liveness keys never reaches etcd, so a
-    stored heartbeat is always its owner's own and a dead node's is never younger than its death)."""
-    if stored is None:
-        return new
-    out = _RendezvousState()
-    out.round, out.complete, out.deadline, out.closed = new.round, new.complete, new.deadline, new.closed
-    out.participants, out.wait_list, out.redundancy_list = new.participants, new.wait_list, new.redundancy_list
-    out.last_heartbeats = {
-        n: t if n == node or n not in stored.last_heartbeats else stored.last_heartbeats[n]
-        for n, t in new.last_heartbeats.items()
-    }
-    return out
-
-
-def with_heartbeats(
-    stored: _RendezvousState,
-    alive: frozenset[str],
-    node: _NodeDesc | None,
-    own: datetime.datetime | None,
-    now: datetime.datetime,
-) -> _RendezvousState:
-    """``stored`` as torch should see it: a node whose liveness key exists beat ``now`` (this node:
-    at ``own``, its last real keep-alive, so that torch keeps calling keep-alive); every other
-    keeps its stored heartbeat, which torch's ``_sanitize`` drops once it is
-    ``keep_alive_interval * keep_alive_max_attempt`` old. Only nodes already in
-    ``last_heartbeats`` are touched: membership is never changed here."""
-    out = _RendezvousState()
-    out.__dict__.update(stored.__dict__)
-    beats = dict(stored.last_heartbeats)
-    for n in beats:
-        if n == node:
-            if own is not None:
-                beats[n] = own
-        elif repr(n) in alive:
-            beats[n] = now
-    out.last_heartbeats = beats
-    return out
-
-
-class _Liveness:
-    """This node's liveness: a lease of ``ttl_s`` (``keep_alive_interval * keep_alive_max_attempt``)
-    carrying the key ``alive/<node>``; torch's keep-alive renews the lease instead of rewriting
-    the whole state. If this process stops, the lease and the key go, and every reader falls
-    back to the node's stored heartbeat, which torch then finds too old."""
-
-    def __init__(self, client: EtcdClient, key: str, gen_key: str, ttl_s: int):
-        self._client, self.key, self._gen_key, self.ttl_s = client, key, gen_key, ttl_s
-        self.lease_id: int | None = None
-        self.beat: datetime.datetime | None = None  #: the heartbeat time of the last renewal
-
-    def lease(self) -> int:
-        if self.lease_id is None:
-            self.lease_id = self._client.grant(self.ttl_s).id
-        return self.lease_id
-
-    def renew(self, beat: datetime.datetime, rolling: RollingLease) -> None:
-        """Keep the lease alive; if it has gone (this process stalled past its TTL), a new one
-        with the key again, and the generation key bumped so that readers list ``alive/`` anew."""
-        if self.lease_id is not None and self._client.keepalive_once(self.lease_id) > 0:
-            self.beat = beat
-            return
-        self.lease_id = None
-        live = self.lease()
-        cas(
-            self._client,
-            rolling,
-            lambda lease_id: ([], [Op.put(self.key, b"", live), Op.put(self._gen_key, b"", lease_id)], []),
-        )
-        self.beat = beat
-
-
 class EtcdRendezvousBackend(RendezvousBackend):
     """torch's :class:`RendezvousBackend` on etcd v3: the state under ``<prefix>state``, its
-    fencing token the key's ``mod_revision`` (an ``int``).
-
-    Reads are a revision check: one small transaction that compares the state key's
-    ``mod_revision`` with the one last read and fetches the state only if it moved. Once
-    :meth:`bind` tells it whose handler it serves (``create_handler`` does), liveness moves out
-    of the state: a ``set_state`` that changes only heartbeats (torch's keep-alive) renews this
-    node's lease instead of swapping the state, and ``get_state`` stamps every node whose
-    ``alive/`` key exists as having beaten now. Steady state is then O(1) requests and bytes per
-    node per second whatever the job size; the state is rewritten only when membership changes.
-    Every node of a job must run this version (an older one would see the stored heartbeats age).
-    """
+    fencing token the key's ``mod_revision`` (an ``int``)."""
 
     def __init__(
         self,
@@ -473,26 +361,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key_prefix: str = "/ftrain/torchrun",
         lease: RollingLease | None = None,
         sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ):
         self._client = client
-        prefix = run_prefix(key_prefix, run_id)
-        self.key = prefix + "state"
-        self.alive_prefix = prefix + "alive/"
-        self._gen_key = prefix + "alive-gen"
+        self.key = run_prefix(key_prefix, run_id) + "state"
         self._lease = lease or RollingLease(client, 0)
-        self._sleep, self._now = sleep, clock
-        self._lock = threading.RLock()
-        self._node: _NodeDesc | None = None
-        self._live: _Liveness | None = None
-        # the state last read or written: its revision (0: absent), bytes and decoded form
-        self._rev: int | None = None
-        self._bytes: bytes | None = None
-        self._stored: _RendezvousState | None = None
-        # the alive/ keys last listed, their count and the generation key's revision then
-        self._alive: frozenset[str] = frozenset()
-        self._alive_count = 0
-        self._gen_rev = 0
+        self._sleep = sleep
 
     def __repr__(self) -> str:
         return f"EtcdRendezvousBackend({self.key!r}, {self._client!r})"
@@ -501,166 +374,42 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         return BACKEND_NAME
 
-    def bind(self, node: _NodeDesc, *, liveness_ttl_s: int) -> None:
-        """Serve ``node``'s handler: keep its liveness in a lease of ``liveness_ttl_s`` seconds."""
-        with self._lock:
-            self._node = node
-            self._live = _Liveness(
-                self._client, self.alive_prefix + repr(node), self._gen_key, max(1, int(liveness_ttl_s))
-            )
-
-    # -- reads --------------------------------------------------------------------------------
     def get_state(self) -> tuple[bytes, Token] | None:
-        with self._lock:
-            try:
-                self._refresh()
-            except AgentError as e:
-                raise RendezvousConnectionError(f"etcd-v3: reading {self.key} failed: {e}") from e
-            return self._answer()
+        try:
+            kv = self._client.get(self.key)
+        except AgentError as e:
+            raise RendezvousConnectionError(f"etcd-v3: reading {self.key} failed: {e}") from e
+        return None if kv is None else (check_state(self.key, kv.value), kv.mod_revision)
 
-    def _refresh(self) -> None:
-        """Bring the cached state (and, when bound, the alive set) up to date: one request when
-        nothing changed, two when a node's liveness key went."""
-        alive_count = {"request_range": {**key_range(self.alive_prefix, True), "count_only": True}}
-        alive_keys = {"request_range": {**key_range(self.alive_prefix, True), "keys_only": True}}
-        compare = []
-        if self._rev is not None:
-            compare.append(Compare(self.key, "mod_revision", "==", self._rev).to_json())
-            if self._node is not None:
-                compare.append(Compare(self._gen_key, "mod_revision", "==", self._gen_rev).to_json())
-        fetch = [Op.get(self.key).to_json(), Op.get(self._gen_key).to_json()]
-        if self._node is not None:
-            fetch.append(alive_keys)
-        payload = {"compare": compare, "success": [alive_count] if self._node is not None else [], "failure": fetch}
-        if not compare:
-            payload["success"] = fetch
-        # count_only/keys_only ranges, which Op cannot express; a read, so safe to resend
-        reply = self._client._call("/v3/kv/txn", payload)  # noqa: SLF001
-        responses = [r.get("response_range", {}) for r in reply.get("responses", [])]
-        if compare and reply.get("succeeded"):
-            if self._node is not None and int(responses[0].get("count", 0)) != self._alive_count:
-                self._list_alive()
-            return
-        state_kvs = responses[0].get("kvs", [])
-        gen_kvs = responses[1].get("kvs", [])
-        kv = KeyValue.from_json(state_kvs[0]) if state_kvs else None
-        if kv is None:
-            self._rev, self._bytes, self._stored = 0, None, None
-        else:
-            stored = decode_state(self.key, kv.value)  # raises before anything is cached
-            self._rev, self._bytes, self._stored = kv.mod_revision, kv.value, stored
-        self._gen_rev = KeyValue.from_json(gen_kvs[0]).mod_revision if gen_kvs else 0
-        if self._node is not None:
-            self._set_alive([KeyValue.from_json(k).key for k in responses[2].get("kvs", [])])
-
-    def _list_alive(self) -> None:
-        self._set_alive([kv.key for kv in self._client.list_prefix(self.alive_prefix).kvs])  # values are empty
-
-    def _set_alive(self, keys: list[str]) -> None:
-        self._alive = frozenset(k[len(self.alive_prefix) :] for k in keys)
-        self._alive_count = len(keys)
-
-    def _answer(self) -> tuple[bytes, Token] | None:
-        """The cached state as torch should see it."""
-        if self._rev is None or self._bytes is None or self._stored is None:
-            return None
-        if self._node is None or not self._stored.last_heartbeats:
-            return self._bytes, self._rev
-        own = self._live.beat if self._live is not None else None
-        seen = with_heartbeats(self._stored, self._alive, self._node, own, self._now())
-        if seen.last_heartbeats == self._stored.last_heartbeats:
-            return self._bytes, self._rev
-        return pickle.dumps(seen), self._rev
-
-    # -- writes -------------------------------------------------------------------------------
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if the key is still at revision ``token`` (absent, for ``None``):
         ``(state, new token, True)``; otherwise ``(current state, its token, False)``, or None
         if there is no state at all. After a lost reply the same CAS is sent again; if a copy
         had applied, the state found is ours and the answer is True (as with torch's c10d
-        backend, "the state now stored equals what we wrote" is what success means).
-
-        Bound to a node (:meth:`bind`), a write whose only change is this node's heartbeat is
-        a lease keep-alive, answered True with the same token; other writes store the other
-        nodes' heartbeats as they were stored (:func:`state_to_store`)."""
+        backend, "the state now stored equals what we wrote" is what success means)."""
         if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
             current = self.get_state()  # not one of our tokens: it cannot match
             return None if current is None else (*current, False)
-        with self._lock:
-            try:
-                return self._set_state(state, token)
-            except AgentError as e:
-                raise RendezvousConnectionError(f"etcd-v3: writing {self.key} failed: {e}") from e
-
-    def _set_state(self, state: bytes, token: int | None) -> tuple[bytes, Token, bool] | None:
         expected = token or 0  # an absent key has mod_revision 0
-        node, live = self._node, self._live
-        to_store, new, stored_form = state, None, None
-        base = self._stored if self._rev == expected and expected else None
-        if node is not None and live is not None:
-            try:
-                new = decode_state(self.key, state)  # torch's own bytes, still never plain pickle
-            except RendezvousStateError:
-                new = None  # a state this version cannot read: swap it as it is
-        if new is not None and live is not None and node is not None:
-            if base is not None and heartbeat_only(new, base) and node in new.last_heartbeats:
-                beat = new.last_heartbeats[node]
-                if self._live_key_listed():
-                    live.renew(beat, self._lease)
-                    return state, expected, True
-            stored_form = state_to_store(new, base, node)
-            if stored_form is not new:
-                to_store = pickle.dumps(stored_form)
-            else:
-                stored_form = None  # decoded again from the bytes stored
-        extra: list[Op] = []
-        if new is not None and live is not None and node is not None:
-            if node in new.last_heartbeats:
-                extra.append(Op.put(live.key, b"", live.lease()))
-            elif base is not None and node in base.last_heartbeats:
-                extra.append(Op.delete(live.key))
 
-        def build(lease_id: int | None) -> Transaction:
+        def build(lease_id: int | None) -> tuple[list[Compare], list[Op], list[Op]]:
             return (
                 [Compare(self.key, "mod_revision", "==", expected)],
-                [Op.put(self.key, to_store, lease_id), *extra],
+                [Op.put(self.key, state, lease_id)],
                 [Op.get(self.key)],
             )
 
         try:
             result = cas(self._client, self._lease, build, sleep=self._sleep)
-        except LeaseExpiredError:
-            if live is None or not extra or extra[0].kind != "put":
-                raise
-            live.lease_id = None  # the liveness lease expired: once more with a new one
-            extra[0] = Op.put(live.key, b"", live.lease())
-            result = cas(self._client, self._lease, build, sleep=self._sleep)
+        except AgentError as e:
+            raise RendezvousConnectionError(f"etcd-v3: writing {self.key} failed: {e}") from e
         if result.succeeded:
-            self._remember(to_store, result.revision, stored_form)
-            if live is not None and new is not None and node is not None:
-                live.beat = new.last_heartbeats.get(node)
             return state, result.revision, True
         found = result.responses[0]
         if not found:
-            self._rev, self._bytes, self._stored = 0, None, None
             return None
         kv = found[0]  # type: ignore[index]
-        stored = decode_state(self.key, kv.value)
-        mine = kv.value == to_store
-        self._remember(kv.value, kv.mod_revision, stored)
-        if mine:
-            return state, kv.mod_revision, True
-        if self._node is not None:
-            self._list_alive()
-        answer = self._answer()
-        return None if answer is None else (*answer, False)
-
-    def _remember(self, data: bytes, rev: int, stored: _RendezvousState | None) -> None:
-        self._rev, self._bytes = rev, data
-        self._stored = stored if stored is not None else decode_state(self.key, data)
-
-    def _live_key_listed(self) -> bool:
-        return self._live is not None and self._live.lease_id is not None
+        return check_state(self.key, kv.value), kv.mod_revision, kv.value == state
 
 
 # -- the store --------------------------------------------------------------------------------
@@ -938,7 +687,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         raise ValueError(
             f"rdzv conf 'keep_alive_max_attempt' must be >= 1, got {params.get('keep_alive_max_attempt')!r}"
         )
-    handler = DynamicRendezvousHandler.from_backend(
+    return DynamicRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -949,9 +698,3 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         keep_alive_interval=int(interval.total_seconds()),
         keep_alive_max_attempt=max_attempt,
     )
-    # torch keeps the node it generated private; without it the backend swaps every heartbeat
-    # into the state, as torch's own backends do
-    node = getattr(handler, "_this_node", None)
-    if isinstance(node, _NodeDesc):
-        backend.bind(node, liveness_ttl_s=int(interval.total_seconds()) * max_attempt)
-    return handler
