@@ -20,6 +20,8 @@ What it owns, under ``<key_prefix>/<run_id>/`` (``key_prefix`` defaults to ``/ft
   own TCPStore; without it the rank-0 agent hosts one for them, as with every torch backend.)
 - ``adds/...``: one short-lived marker per :meth:`EtcdStore.add`, so that an increment whose
   reply was lost is counted exactly once.
+- ``alive/<node>``: one key per node on that node's liveness lease (TTL
+  ``keep_alive_interval * keep_alive_max_attempt``), gone when the node stops renewing it.
 
 What must stay true:
 
@@ -34,23 +36,34 @@ What must stay true:
   allow-list unpickler first (torch's rendezvous state classes and ``datetime`` only) and
   refuses anything else, so a writer of these keys can disrupt a rendezvous but not run code
   in the agents. Protect the prefix with etcd auth/TLS in shared clusters all the same.
+- Heartbeats stamped from ``alive/`` keys never reach etcd: a state written by a node carries
+  its own heartbeat and every other node's as stored before (:func:`state_to_store`), so a
+  dead node's stored heartbeat is never younger than its last keep-alive and torch's own
+  ``_sanitize`` drops it once its lease has expired. Only the names of ``alive/`` keys are
+  read, never their values.
 
-**Cost at N nodes** (torch's dynamic rendezvous keeps the whole job in the one ``state`` key,
-about 70 bytes per node pickled): each node reads the state about once a second (torchrun's
-monitor loop asks for waiting nodes; torch caches a read for 1 s) and compare-and-swaps it every
-``keep_alive_interval`` to record its heartbeat, retried when another node's write won; a
-rendezvous is a few such swaps per node, more as N grows. So per node per second O(N) bytes and,
-per job, O(N²) bytes per second into one key: fine at tens of nodes, not at thousands (use
-``ftrain agent`` there; its workers use no etcd per step). The store is O(1) requests per node per
-rendezvous, O(N/64) for the rank-0 agent (:meth:`EtcdStore.multi_get`, :meth:`EtcdStore.multi_set`);
-but torch's exit barrier is an :meth:`EtcdStore.add` to one key, which N agents finishing at once
-retry about N/4 times each.
+**Cost at N nodes.** torch's dynamic rendezvous keeps the whole job in the one ``state`` key
+(about 70 bytes per node pickled), reads it about once a second on every node (torchrun's monitor
+loop asks for waiting nodes; torch caches a read for 1 s) and, left alone, compare-and-swaps it
+every ``keep_alive_interval`` on every node only to record a heartbeat: O(N) bytes per node per
+second, O(N²) per job into one key. Here liveness lives beside the state instead
+(:class:`EtcdRendezvousBackend`): each node holds a lease with an ``alive/<node>`` key on it, a
+keep-alive renews the lease, a read is one small transaction that fetches the state only when its
+revision moved (or the ``alive/`` listing only when its count did), and readers stamp every live
+node's heartbeat themselves. Steady state is then about one small read a second and one lease
+renewal per ``keep_alive_interval`` per node, whatever N; a rendezvous still costs each node a
+few O(N) swaps and reads of the state. The store is O(1) requests per node per rendezvous,
+O(N/64) for the rank-0 agent (:meth:`EtcdStore.multi_get`, :meth:`EtcdStore.multi_set`); but
+torch's exit barrier is an :meth:`EtcdStore.add` to one key, which N agents finishing at once
+retry about N/4 times each. (``python -m bench.lib.torchrun_rdzv_cost`` measures it.)
 
 This module may import torch (it is its own layer in the import-boundary test: it runs in the
 torchrun launcher); the rest of ``agents`` must not.
 
-**Size.** Over 600 lines: one implementation of torch's ``RendezvousHandler`` interface, whose
-methods share one etcd protocol (join, barrier, keep-alive, shutdown) read best in one place.
+**Size.** Over 900 lines: one implementation of torch's ``RendezvousHandler`` interface, whose
+methods share one etcd protocol (join, barrier, keep-alive, liveness, shutdown) read best in one
+place; the liveness helpers could move out once the import-boundary table names a second
+torch-side module.
 """
 
 from __future__ import annotations
@@ -86,7 +99,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ftrain.agents.errors import AgentError, EtcdUnavailableError, LeaseExpiredError, WatchCompactedError
-from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult
+from ftrain.agents.etcd import Compare, EtcdClient, KeyValue, Op, TxnResult, header_revision, key_range
 from ftrain.agents.etcd_watch import Watcher
 
 #: The backend name torchrun users pass as ``--rdzv-backend``.
@@ -128,6 +141,13 @@ def check_state(key: str, data: bytes) -> bytes:
     """``data`` if it is a pickled rendezvous state and nothing else; RendezvousStateError
     naming the key otherwise. torch unpickles the state with plain ``pickle.loads``: this check
     is what keeps a value written into etcd from running code in every agent."""
+    decode_state(key, data)
+    return data
+
+
+def decode_state(key: str, data: bytes) -> _RendezvousState:
+    """The rendezvous state pickled in ``data``, through the allow-list unpickler (never plain
+    ``pickle``); RendezvousStateError naming ``key`` for anything else."""
     if len(data) > MAX_STATE_BYTES:
         raise RendezvousStateError(
             f"etcd-v3: the rendezvous state under {key} is {len(data)} bytes, more than "
@@ -145,7 +165,7 @@ def check_state(key: str, data: bytes) -> bytes:
         raise RendezvousStateError(
             f"etcd-v3: the value under {key} is a {type(state).__name__}, not a rendezvous state"
         )
-    return data
+    return state
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -349,9 +369,116 @@ def cas(
 
 
 # -- the rendezvous state ---------------------------------------------------------------------
+def _membership(state: _RendezvousState) -> tuple[object, ...]:
+    """Everything in a state but the heartbeats."""
+    return (
+        state.round,
+        state.complete,
+        state.deadline,
+        state.closed,
+        state.participants,
+        state.wait_list,
+        state.redundancy_list,
+        state.last_heartbeats.keys(),
+    )
+
+
+def heartbeat_only(new: _RendezvousState, stored: _RendezvousState) -> bool:
+    """Whether ``new`` differs from ``stored`` in heartbeat times only (torch's keep-alive)."""
+    return _membership(new) == _membership(stored)
+
+
+def state_to_store(new: _RendezvousState, stored: _RendezvousState | None, node: _NodeDesc) -> _RendezvousState:
+    """``new`` as it goes into etcd: ``node``'s own heartbeat as torch set it, every other node's
+    as it was stored (what a reader stamped from the liveness keys never reaches etcd, so a
+    stored heartbeat is always its owner's own and a dead node's is never younger than its death)."""
+    if stored is None:
+        return new
+    out = _RendezvousState()
+    out.round, out.complete, out.deadline, out.closed = new.round, new.complete, new.deadline, new.closed
+    out.participants, out.wait_list, out.redundancy_list = new.participants, new.wait_list, new.redundancy_list
+    out.last_heartbeats = {
+        n: t if n == node or n not in stored.last_heartbeats else stored.last_heartbeats[n]
+        for n, t in new.last_heartbeats.items()
+    }
+    return out
+
+
+def with_heartbeats(
+    stored: _RendezvousState,
+    alive: frozenset[str],
+    node: _NodeDesc | None,
+    own: datetime.datetime | None,
+    now: datetime.datetime,
+) -> _RendezvousState:
+    """``stored`` as torch should see it: a node whose liveness key exists beat ``now`` (this node:
+    at ``own``, which the backend keeps due for a keep-alive every interval); every other node
+    keeps its stored heartbeat, which torch's ``_sanitize`` drops once it is
+    ``keep_alive_interval * keep_alive_max_attempt`` old. Only nodes already in
+    ``last_heartbeats`` are touched: membership is never changed here."""
+    out = _RendezvousState()
+    out.__dict__.update(stored.__dict__)
+    beats = dict(stored.last_heartbeats)
+    for n in beats:
+        if n == node:
+            if own is not None:
+                beats[n] = own
+        elif repr(n) in alive:
+            beats[n] = now
+    out.last_heartbeats = beats
+    return out
+
+
+class _Liveness:
+    """This node's liveness: a lease of ``ttl_s`` (``keep_alive_interval * keep_alive_max_attempt``)
+    carrying the key ``alive/<node>``; torch's keep-alive renews the lease instead of rewriting
+    the whole state. If this process stops, the lease and the key go, and every reader falls
+    back to the node's stored heartbeat, which torch then finds too old. (Putting a key on a
+    lease does not renew it: a state write that carries this node's heartbeat renews it too.)"""
+
+    def __init__(self, client: EtcdClient, key: str, ttl_s: int, clock: Callable[[], float] = time.monotonic):
+        self._client, self.key, self.ttl_s, self._clock = client, key, ttl_s, clock
+        self.lease_id: int | None = None
+        self._renewed_at = 0.0
+        self.beat: datetime.datetime | None = None  #: the heartbeat time of the last renewal
+
+    def lease(self) -> int:
+        if self.lease_id is None:
+            self.lease_id = self._client.grant(self.ttl_s).id
+            self._renewed_at = self._clock()
+        return self.lease_id
+
+    def renew(self, *, unless_younger_s: float = 0.0) -> None:
+        """Keep the lease alive (not if renewed less than ``unless_younger_s`` ago); if it has
+        gone (this process stalled past its TTL), a new one with the key again (created anew:
+        readers see it among the keys created since their last look)."""
+        if self.lease_id is not None:
+            if self._clock() - self._renewed_at < unless_younger_s:
+                return
+            started = self._clock()
+            if self._client.keepalive_once(self.lease_id) > 0:
+                self._renewed_at = started
+                return
+        self.lease_id = None
+        live = self.lease()
+        self._client.put(self.key, b"", lease=live)
+
+
 class EtcdRendezvousBackend(RendezvousBackend):
     """torch's :class:`RendezvousBackend` on etcd v3: the state under ``<prefix>state``, its
-    fencing token the key's ``mod_revision`` (an ``int``)."""
+    fencing token the key's ``mod_revision`` (an ``int``).
+
+    Reads are a revision check: one small transaction that compares the state key's
+    ``mod_revision`` with the one last read and fetches the state only if it moved. Once
+    :meth:`bind` tells it whose handler it serves (``create_handler`` does), liveness moves out
+    of the state: a ``set_state`` that changes only heartbeats (torch's keep-alive) renews this
+    node's lease instead of swapping the state, and ``get_state`` stamps every node whose
+    ``alive/`` key exists as having beaten now. Steady state is then O(1) requests and bytes per
+    node per second whatever the job size; the state is rewritten only when membership changes.
+    Every node of a job must run this version (an older one would see the stored heartbeats age).
+    Unbound (a backend built on its own), heartbeats are swapped into the state like any change
+    and ``get_state`` returns the stored bytes as they are.
+    """
 
     def __init__(
         self,
@@ -361,11 +488,25 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key_prefix: str = "/ftrain/torchrun",
         lease: RollingLease | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ):
         self._client = client
-        self.key = run_prefix(key_prefix, run_id) + "state"
+        prefix = run_prefix(key_prefix, run_id)
+        self.key = prefix + "state"
+        self.alive_prefix = prefix + "alive/"
         self._lease = lease or RollingLease(client, 0)
-        self._sleep = sleep
+        self._sleep, self._now = sleep, clock
+        self._lock = threading.RLock()
+        self._node: _NodeDesc | None = None
+        self._interval = datetime.timedelta(seconds=5)
+        self._live: _Liveness | None = None
+        # the state last read or written: its revision (0: absent), bytes and decoded form
+        self._rev: int | None = None
+        self._bytes: bytes | None = None
+        self._stored: _RendezvousState | None = None
+        # the alive/ keys (their node names) as of revision _alive_rev
+        self._alive: frozenset[str] = frozenset()
+        self._alive_rev = 0
 
     def __repr__(self) -> str:
         return f"EtcdRendezvousBackend({self.key!r}, {self._client!r})"
@@ -374,42 +515,187 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         return BACKEND_NAME
 
-    def get_state(self) -> tuple[bytes, Token] | None:
-        try:
-            kv = self._client.get(self.key)
-        except AgentError as e:
-            raise RendezvousConnectionError(f"etcd-v3: reading {self.key} failed: {e}") from e
-        return None if kv is None else (check_state(self.key, kv.value), kv.mod_revision)
+    def bind(self, node: _NodeDesc, *, liveness_ttl_s: int, keep_alive_interval_s: float | None = None) -> None:
+        """Serve ``node``'s handler: keep its liveness in a lease of ``liveness_ttl_s`` seconds,
+        renewed every ``keep_alive_interval_s`` (default: a third of the TTL) by torch's keep-alive."""
+        with self._lock:
+            self._node = node
+            self._interval = datetime.timedelta(seconds=keep_alive_interval_s or max(1, int(liveness_ttl_s)) / 3)
+            self._live = _Liveness(self._client, self.alive_prefix + repr(node), max(1, int(liveness_ttl_s)))
 
+    # -- reads --------------------------------------------------------------------------------
+    def get_state(self) -> tuple[bytes, Token] | None:
+        with self._lock:
+            try:
+                self._refresh()
+                if self._live is not None and self._live.lease_id is not None:
+                    # a node that runs keeps its lease, renewed at least every interval, even
+                    # while torch's keep-alive timer is not running (a join waiting for others)
+                    self._live.renew(unless_younger_s=self._interval.total_seconds())
+            except AgentError as e:
+                raise RendezvousConnectionError(f"etcd-v3: reading {self.key} failed: {e}") from e
+            return self._answer()
+
+    def _refresh(self) -> None:
+        """Bring the cached state (and, when bound, the alive set) up to date in one small
+        transaction: the state only if its revision moved; of ``alive/`` its count and the keys
+        created since the last look. Every key alive now existed then (and so is cached) or was
+        created since, so the cache plus the new keys hold every live key, and equal counts
+        mean they hold no dead one; otherwise (a node's lease expired) one listing follows."""
+        alive_ops = []
+        if self._node is not None:
+            where = key_range(self.alive_prefix, True)
+            alive_ops = [
+                {"request_range": {**where, "count_only": True}},
+                {"request_range": {**where, "keys_only": True, "min_create_revision": str(self._alive_rev + 1)}},
+            ]
+        fetch = [Op.get(self.key).to_json(), *alive_ops]
+        if self._rev is None:
+            payload = {"compare": [], "success": fetch, "failure": []}
+        else:
+            compare = [Compare(self.key, "mod_revision", "==", self._rev).to_json()]
+            payload = {"compare": compare, "success": alive_ops, "failure": fetch}
+        # count_only/keys_only ranges, which Op cannot express; a read, so safe to resend
+        reply = self._client._call("/v3/kv/txn", payload)  # noqa: SLF001
+        responses = [r.get("response_range", {}) for r in reply.get("responses", [])]
+        if self._rev is None or not reply.get("succeeded"):
+            state_kvs = responses.pop(0).get("kvs", [])
+            kv = KeyValue.from_json(state_kvs[0]) if state_kvs else None
+            if kv is None:
+                self._rev, self._bytes, self._stored = 0, None, None
+            else:
+                stored = decode_state(self.key, kv.value)  # raises before anything is cached
+                self._rev, self._bytes, self._stored = kv.mod_revision, kv.value, stored
+        if self._node is not None:
+            count = int(responses[0].get("count", 0))
+            created = {KeyValue.from_json(k).key[len(self.alive_prefix) :] for k in responses[1].get("kvs", [])}
+            alive = self._alive | created
+            if len(alive) == count:
+                self._alive, self._alive_rev = alive, header_revision(reply)
+            else:
+                listing = self._client.list_prefix(self.alive_prefix)  # values are empty
+                self._set_alive([kv.key for kv in listing.kvs])
+                self._alive_rev = listing.revision
+
+    def _set_alive(self, keys: list[str]) -> None:
+        self._alive = frozenset(k[len(self.alive_prefix) :] for k in keys)
+
+    def _answer(self) -> tuple[bytes, Token] | None:
+        """The cached state as torch should see it."""
+        if self._rev is None or self._bytes is None or self._stored is None:
+            return None
+        if self._node is None or not self._stored.last_heartbeats:
+            return self._bytes, self._rev
+        now, own = self._now(), self._live.beat if self._live is not None else None
+        if own is not None:
+            # never older than one interval in this node's own eyes (so torch, which drops nodes
+            # whose heartbeat is keep_alive_max_attempt intervals old, never drops itself while it
+            # runs), and always due for a keep-alive once an interval has passed: torch renews
+            # the lease every interval, as it would have rewritten the heartbeat
+            own = max(own, now - self._interval)
+        seen = with_heartbeats(self._stored, self._alive, self._node, own, now)
+        if seen.last_heartbeats == self._stored.last_heartbeats:
+            return self._bytes, self._rev
+        return pickle.dumps(seen), self._rev
+
+    # -- writes -------------------------------------------------------------------------------
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if the key is still at revision ``token`` (absent, for ``None``):
         ``(state, new token, True)``; otherwise ``(current state, its token, False)``, or None
         if there is no state at all. After a lost reply the same CAS is sent again; if a copy
         had applied, the state found is ours and the answer is True (as with torch's c10d
-        backend, "the state now stored equals what we wrote" is what success means)."""
+        backend, "the state now stored equals what we wrote" is what success means).
+
+        Bound to a node (:meth:`bind`), a write whose only change is this node's heartbeat is
+        a lease keep-alive, answered True with the same token; other writes store the other
+        nodes' heartbeats as they were stored (:func:`state_to_store`)."""
         if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
             current = self.get_state()  # not one of our tokens: it cannot match
             return None if current is None else (*current, False)
-        expected = token or 0  # an absent key has mod_revision 0
+        with self._lock:
+            try:
+                return self._set_state(state, token)
+            except AgentError as e:
+                raise RendezvousConnectionError(f"etcd-v3: writing {self.key} failed: {e}") from e
 
-        def build(lease_id: int | None) -> tuple[list[Compare], list[Op], list[Op]]:
+    def _set_state(self, state: bytes, token: int | None) -> tuple[bytes, Token, bool] | None:
+        expected = token or 0  # an absent key has mod_revision 0
+        node, live = self._node, self._live
+        to_store, new, stored_form = state, None, None
+        base = self._stored if self._rev == expected and expected else None
+        if node is not None and live is not None:
+            try:
+                new = decode_state(self.key, state)  # torch's own bytes, still never plain pickle
+            except RendezvousStateError:
+                new = None  # a state this version cannot read: swap it as it is
+        if new is not None and live is not None and node is not None:
+            if base is not None and heartbeat_only(new, base) and node in new.last_heartbeats:
+                beat = new.last_heartbeats[node]
+                if self._live_lease_held():
+                    live.renew(unless_younger_s=self._interval.total_seconds() / 2)
+                    live.beat = beat
+                    return state, expected, True
+            stored_form = state_to_store(new, base, node)
+            if stored_form is not new:
+                to_store = pickle.dumps(stored_form)
+            else:
+                stored_form = None  # decoded again from the bytes stored
+        extra: list[Op] = []
+        if new is not None and live is not None and node is not None:
+            if node in new.last_heartbeats:
+                if live.lease_id is not None and new.last_heartbeats[node] != live.beat:
+                    live.renew(unless_younger_s=self._interval.total_seconds() / 2)
+                extra.append(Op.put(live.key, b"", live.lease()))
+            elif base is not None and node in base.last_heartbeats:
+                extra.append(Op.delete(live.key))
+
+        # alive/ is not read here: a node that joined since carries its own fresh heartbeat in
+        # the state found, and the next read brings the alive set up to date
+        def build(lease_id: int | None) -> Transaction:
             return (
                 [Compare(self.key, "mod_revision", "==", expected)],
-                [Op.put(self.key, state, lease_id)],
+                [Op.put(self.key, to_store, lease_id), *extra],
                 [Op.get(self.key)],
             )
 
         try:
             result = cas(self._client, self._lease, build, sleep=self._sleep)
-        except AgentError as e:
-            raise RendezvousConnectionError(f"etcd-v3: writing {self.key} failed: {e}") from e
+        except LeaseExpiredError:
+            if live is None or not extra or extra[0].kind != "put":
+                raise
+            live.lease_id = None  # the liveness lease expired: once more with a new one
+            extra[0] = Op.put(live.key, b"", live.lease())
+            result = cas(self._client, self._lease, build, sleep=self._sleep)
         if result.succeeded:
+            if live is not None and extra:
+                own_name = live.key[len(self.alive_prefix) :]
+                alive = self._alive | {own_name} if extra[0].kind == "put" else self._alive - {own_name}
+                self._alive = alive
+            self._remember(to_store, result.revision, stored_form)
+            if live is not None and new is not None and node is not None:
+                live.beat = new.last_heartbeats.get(node)
             return state, result.revision, True
         found = result.responses[0]
         if not found:
+            self._rev, self._bytes, self._stored = 0, None, None
             return None
         kv = found[0]  # type: ignore[index]
-        return check_state(self.key, kv.value), kv.mod_revision, kv.value == state
+        stored = decode_state(self.key, kv.value)
+        mine = kv.value == to_store
+        self._remember(kv.value, kv.mod_revision, stored)
+        if mine:
+            if live is not None and new is not None and node is not None:
+                live.beat = new.last_heartbeats.get(node)
+            return state, kv.mod_revision, True
+        answer = self._answer()
+        return None if answer is None else (*answer, False)
+
+    def _remember(self, data: bytes, rev: int, stored: _RendezvousState | None) -> None:
+        self._rev, self._bytes = rev, data
+        self._stored = stored if stored is not None else decode_state(self.key, data)
+
+    def _live_lease_held(self) -> bool:
+        return self._live is not None and self._live.lease_id is not None
 
 
 # -- the store --------------------------------------------------------------------------------
@@ -687,7 +973,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         raise ValueError(
             f"rdzv conf 'keep_alive_max_attempt' must be >= 1, got {params.get('keep_alive_max_attempt')!r}"
         )
-    return DynamicRendezvousHandler.from_backend(
+    handler = DynamicRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -698,3 +984,13 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         keep_alive_interval=int(interval.total_seconds()),
         keep_alive_max_attempt=max_attempt,
     )
+    # torch keeps the node it generated private; without it the backend swaps every heartbeat
+    # into the state, as torch's own backends do
+    node = getattr(handler, "_this_node", None)
+    if isinstance(node, _NodeDesc):
+        backend.bind(
+            node,
+            liveness_ttl_s=int(interval.total_seconds()) * max_attempt,
+            keep_alive_interval_s=interval.total_seconds(),
+        )
+    return handler

@@ -186,6 +186,14 @@ def real_check(tree: Tree, n: int, settings: Settings, args: argparse.Namespace,
     return result
 
 
+def rdzv(sizes: list[int]) -> dict:
+    """The torchrun ``etcd-v3`` backend's etcd traffic per node, this tree's vs 7ea75c8's
+    (bench/lib/torchrun_rdzv_cost.py: N in-process torch rendezvous handlers on a real etcd)."""
+    from bench.lib.torchrun_rdzv_cost import measure_rdzv
+
+    return {version: {str(n): r for n, r in by_n.items()} for version, by_n in measure_rdzv(sizes).items()}
+
+
 def micro(sizes: list[int]) -> dict:
     """``decide``/``parse``/status times on synthetic jobs (bench/lib/control_plane_micro.py)."""
     try:
@@ -274,7 +282,12 @@ def not_run_note(per_size: dict[str, dict[str, dict]]) -> str:
 
 
 def summary(
-    per_size: dict[str, dict[str, dict]], micro_figures: dict, real: dict | None, settings: Settings, args
+    per_size: dict[str, dict[str, dict]],
+    micro_figures: dict,
+    real: dict | None,
+    settings: Settings,
+    args: argparse.Namespace,
+    rdzv_figures: dict | None = None,
 ) -> dict:
     def at(tree: str, n: int, key: Any) -> Any:
         r = per_size.get(str(n), {}).get(tree)
@@ -303,6 +316,13 @@ def summary(
     out[f"decide_ms_at_{MICRO_SIZE}"] = decide.get("decide_ms")
     out[f"parse_ms_at_{MICRO_SIZE}"] = decide.get("parse_ms")
     out[f"old_decide_ms_at_{MICRO_SIZE}"] = None  # the micro module builds jobs with today's records only
+    if rdzv_figures:
+        largest = str(max(int(n) for n in rdzv_figures["after"]))
+        for prefix, version in (("", "after"), ("old_", "before")):
+            steady = rdzv_figures[version][largest]["steady"]
+            out[f"{prefix}torchrun_rdzv_requests_per_node_s_at_{largest}"] = steady["requests_per_node_s"]
+            out[f"{prefix}torchrun_rdzv_tx_bytes_per_node_s_at_{largest}"] = steady["tx_bytes_per_node_s"]
+    out["torchrun_rdzv"] = rdzv_figures
     out["settings"] = {
         "lease_ttl_s": args.lease_ttl_s,
         "settle_s": settings.settle_s,
@@ -350,6 +370,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-old", dest="old", action="store_false")
     p.add_argument("--no-real", dest="real", action="store_false")
     p.add_argument("--no-micro", dest="micro", action="store_false")
+    p.add_argument("--rdzv-sizes", default="8,32,64", help="node counts for the torchrun etcd-v3 backend")
+    p.add_argument("--no-rdzv", dest="rdzv", action="store_false")
     p.add_argument("--new-tree", default=str(REPO), help="the checkout measured as 'new' (default: this one)")
     p.add_argument("--own-process-max", type=int, default=64)
     p.add_argument("--sampled", type=int, default=4)
@@ -359,7 +381,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes, args.seconds, args.warmup_s = "16", 5.0, 2.0
-        args.old = args.real = False
+        args.old = args.real = args.rdzv = False
         args.micro_sizes = [256]
         args.own_process_max = 4
         args.lease_ttl_s = "2"
@@ -405,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             n = sizes[0]
             real = real_check(trees[0], n, settings, args, work, per_size[str(n)]["new"])
         micro_figures = micro(args.micro_sizes) if args.micro else {}
+        rdzv_figures = rdzv([int(n) for n in args.rdzv_sizes.split(",")]) if args.rdzv else None
     finally:
         if args.keep:
             print(f"run directories kept in {work}")
@@ -412,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(per_size))
-    print(json.dumps(summary(per_size, micro_figures, real, settings, args), default=str))
+    print(json.dumps(summary(per_size, micro_figures, real, settings, args, rdzv_figures), default=str))
     return 0 if all("error" not in r.get("new", {}) for r in per_size.values()) or not args.smoke else 1
 
 
