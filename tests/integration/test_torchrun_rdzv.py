@@ -26,7 +26,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from ftrain.agents.errors import EtcdUnavailableError
 from ftrain.agents.etcd import EtcdClient
-from ftrain.agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, EtcdStore, RollingLease, parse_endpoints
+from ftrain.agents.torchrun_rdzv import EtcdRdzvConfig, EtcdRendezvousBackend, parse_endpoints
+from ftrain.agents.torchrun_store import EtcdStore, RollingLease
 from ftrain.testbed.etcd import EtcdServer
 from ftrain.testbed.jobs import worker_env
 from ftrain.testbed.procs import REPO, kill_tree

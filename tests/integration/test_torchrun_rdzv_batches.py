@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from ftrain.agents.etcd import EtcdClient
-from ftrain.agents.torchrun_rdzv import PUTS_PER_TXN, EtcdStore, RollingLease
+from ftrain.agents.torchrun_store import PUTS_PER_TXN, EtcdStore, RollingLease
 
 pytestmark = pytest.mark.timeout(60)
 NODES = 300

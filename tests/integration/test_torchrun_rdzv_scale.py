@@ -16,7 +16,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from bench.lib.control_plane_probe import scrape
-from ftrain.agents.torchrun_rdzv import EtcdRendezvousBackend, RollingLease, create_handler
+from ftrain.agents.torchrun_rdzv import EtcdRendezvousBackend, create_handler
+from ftrain.agents.torchrun_store import RollingLease
 
 pytestmark = pytest.mark.timeout(120)
 UTC = datetime.UTC

@@ -9,7 +9,7 @@ the layers listed for it; there are no per-file exemptions.
 | checkpoint | `ftrain.checkpoint` | contract (+ torch, fsspec, ...) |
 | runtime | `ftrain` | contract, checkpoint (+ torch, numpy) |
 | agents | `ftrain.agents` | contract (never torch) |
-| torchrun plugin | `ftrain.torchrun_plugin`, `ftrain.agents.torchrun_rdzv` (see below) | contract, agents, torch |
+| torchrun plugin | `ftrain.torchrun_plugin`, `ftrain.agents.torchrun_{rdzv,store}` (below) | contract, agents, torch |
 | testbed | `ftrain.testbed` | contract, agents, checkpoint |
 | chaos | `ftrain.chaos` | everything below the CLI |
 | cli | `ftrain.cli`, `ftrain.__main__` | everything |
@@ -57,6 +57,7 @@ LAYER_OF = {
     "ftrain.agents": "agents",
     "ftrain.torchrun_plugin": "torchrun plugin",
     "ftrain.agents.torchrun_rdzv": "torchrun plugin",
+    "ftrain.agents.torchrun_store": "torchrun plugin",
     "ftrain.testbed": "testbed",
     "ftrain.chaos": "chaos",
 }
@@ -209,7 +210,7 @@ def test_agents_and_data_import_without_torch():
         "import ftrain.agents as agents, ftrain.contract as contract\n"
         "for pkg in (agents, contract):\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-        "        if m.name != 'ftrain.agents.torchrun_rdzv':\n"
+        "        if m.name not in ('ftrain.agents.torchrun_rdzv', 'ftrain.agents.torchrun_store'):\n"
         "            importlib.import_module(m.name)\n"
         "print('torch' in sys.modules)"
     )
