@@ -61,7 +61,7 @@ class _RangeFeed:
         self.revision = 0
         self.loaded = False
         self.lists = 0  #: range reads so far (the first one and every re-list)
-        self._sorted: list[Decoded] | None = None  #: the records in key order (None: to sort)
+        self._keys: list[str] | None = None  #: the keys in order (None: to sort, after a key came or went)
         self._pending: collections.deque[tuple[int, WatchEvent]] = collections.deque()
         self._broken: tuple[int, Exception] | None = None  #: (generation, why): list again
         self._generation = 0  #: bumped by each list; events of an older watch are dropped
@@ -74,7 +74,7 @@ class _RangeFeed:
         self.lists += 1
         old = self.records
         self.records = {kv.key: self._decode(kv, old.get(kv.key)) for kv in listing.kvs}
-        self._sorted, self.revision, self.loaded = None, listing.revision, True
+        self._keys, self.revision, self.loaded = None, listing.revision, True
         generation = self._generation
         self._watch = self.store.watch_range(
             *self.bounds,
@@ -99,30 +99,28 @@ class _RangeFeed:
                 continue
             self.revision = max(self.revision, event.mod_revision)
             if event.type == "delete":
-                changed |= self.records.pop(event.key, None) is not None
-                self._sorted = None
+                if self.records.pop(event.key, None) is not None:
+                    changed, self._keys = True, None
                 continue
             kv = KeyValue(event.key, event.value, event.create_revision, event.mod_revision, event.version, event.lease)
             old = self.records.get(event.key)
             if old is None:
-                self._sorted = None
+                self._keys = None
             self.records[event.key] = self._decode(kv, old)
             changed = True
-        if changed and self._sorted is not None:
-            self._sorted = None
         return changed
 
     def in_order(self) -> list[Decoded]:
-        if self._sorted is None:
-            self._sorted = [self.records[k] for k in sorted(self.records)]
-        return self._sorted
+        if self._keys is None:
+            self._keys = sorted(self.records)
+        return [self.records[k] for k in self._keys]
 
     def down_s(self) -> float:
         return self._watch.down_s() if self._watch is not None else float("inf")
 
     def close(self) -> None:
         self._close_watch()
-        self.records, self._sorted, self.loaded = {}, None, False
+        self.records, self._keys, self.loaded = {}, None, False
 
     # -- internals ---------------------------------------------------------------------------
     def _decode(self, kv: KeyValue, old: Decoded | None) -> Decoded:
