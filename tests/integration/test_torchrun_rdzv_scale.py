@@ -131,7 +131,7 @@ def test_steady_state_rewrites_no_state_and_reads_a_constant_number_of_bytes(etc
         for t in threads:
             t.start()
         key = "/ftrain/torchrun/steady/state"
-        time.sleep(1.0)
+        time.sleep(1.0)  # a warm-up, then a window whose traffic is measured (not a wait for a condition)
         before, revision = scrape(etcd.endpoint), client.get(key).mod_revision
         time.sleep(4.0)  # four keep-alive intervals, twice the liveness TTL
         after = scrape(etcd.endpoint)
