@@ -40,6 +40,24 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
+#: the annotation of a free table (``[model.args]``: any keys, read by whoever the section calls)
+TABLE = "dict[str, Any]"
+#: the annotation of an array of tables (``[[data.sources]]``: each checked by its section)
+TABLES = "list[dict[str, Any]]"
+
+
+def opt_table(help: str) -> Any:
+    """A free table key (annotate it :data:`TABLE`): ``[section.key]`` in the file, ``--section.key.name=value``
+    on the command line; its entries are the section's (or its consumer's) to check."""
+    return field(default_factory=dict, metadata={"help": help})
+
+
+def opt_tables(help: str) -> Any:
+    """An array-of-tables key (annotate it :data:`TABLES`): ``[[section.key]]`` in the file,
+    ``--section.key=[{a = 1}, {a = 2}]`` (TOML inline tables) on the command line."""
+    return field(default_factory=list, metadata={"help": help})
+
+
 def positive(key: str, value: int | float) -> None:
     if not value > 0:  # "not >" so that NaN fails too
         raise ConfigError(key, f"must be > 0, got {value}")
@@ -84,6 +102,16 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
+    if f.type == TABLE:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a table ([{key}] in the file), got {type(value).__name__} {value!r}")
+        return dict(value)
+    if f.type == TABLES:
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(
+                key, f"expected an array of tables ([[{key}]] in the file, or [{{...}}, ...]), got {value!r}"
+            )
+        return [dict(v) for v in value]
     expected = _TYPES[str(f.type)]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -97,24 +125,29 @@ def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-def _parse_override(arg: str) -> tuple[str, str, str]:
+def _parse_override(arg: str) -> tuple[str, str, str, str]:
+    """``--section.key=value`` or ``--section.key.entry=value`` (an entry of a free table) ->
+    (section, key, entry or "", value text)."""
     if not arg.startswith("--") or "=" not in arg:
         raise ConfigError("", f"bad override {arg!r}: expected --section.key=value")
     key, _, raw = arg[2:].partition("=")
-    if key.count(".") != 1:
+    parts = key.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(key, f"bad override {arg!r}: expected --section.key=value")
-    section, name = key.split(".")
-    return section, name, raw
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else "", raw
+
+
+def _toml_value(raw: str) -> Any:
+    """An override's text as a TOML value; the text itself (a bare string) if it is not one."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare string; reported as a type error naming the key where one is not allowed
 
 
 def _coerce_raw(f: dataclasses.Field, raw: str) -> Any:
     """Turn an override's text into a value of the field's type (TOML syntax, strings bare)."""
-    if f.type == "str":
-        return raw
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw  # reported as a type error naming the key
+    return raw if f.type == "str" else _toml_value(raw)
 
 
 def read_file(path: str | os.PathLike | None) -> dict[str, Any]:
@@ -163,16 +196,24 @@ def load_sections(
                 raise ConfigError(key, f"unknown key in {origin}{suggest(name, fields)}")
             typed.setdefault(section, {})[name] = _check_type(key, fields[name], value)
     for arg in overrides:
-        section, name, text = _parse_override(arg)
+        section, name, entry, text = _parse_override(arg)
         key = f"{section}.{name}"
         if section not in known:
             raise ConfigError(key, f"unknown section {section!r}{suggest(section, known)}")
         if section in raw:
+            if entry:
+                raise ConfigError(f"{key}.{entry}", f"bad override {arg!r}: expected --{section}.key=value")
             raw[section][name] = text
             continue
         fields = {f.name: f for f in dataclasses.fields(schema[section])}
         if name not in fields:
             raise ConfigError(key, f"unknown key{suggest(name, fields)}")
+        if entry:  # one entry of a free table, merged into what the file gave
+            if fields[name].type != TABLE:
+                raise ConfigError(f"{key}.{entry}", f"{key} is not a table: expected --{key}=value")
+            table = typed.setdefault(section, {}).setdefault(name, {})
+            table[entry] = _toml_value(text)
+            continue
         typed.setdefault(section, {})[name] = _check_type(key, fields[name], _coerce_raw(fields[name], text))
     return {s: cls(**typed.get(s, {})) for s, cls in schema.items()}, raw
 
@@ -183,7 +224,7 @@ def reference_markdown(schema: Mapping[str, type]) -> str:
     for section, cls in schema.items():
         lines += [f"## `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            default = json.dumps(f.default)
+            default = json.dumps(f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
             help_ = f.metadata["help"].replace("|", "\\|")
             lines.append(f"| `{section}.{f.name}` | {f.type} | `{default}` | {help_} |")
         lines.append("")

@@ -21,11 +21,26 @@ from typing import Any
 
 from ftrain.checkpoint.config import CheckpointConfig
 from ftrain.contract import worker_env
-from ftrain.contract.config import ConfigError, at_least, check_floats, int_range, load_sections, opt, positive
+from ftrain.contract.config import (
+    ConfigError,
+    at_least,
+    check_floats,
+    int_range,
+    load_sections,
+    opt,
+    opt_table,
+    opt_tables,
+    positive,
+    suggest,
+)
+from ftrain.models.sizes import LLAMA_SIZES, default_ffn_dim
 from ftrain.parallel.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeline_degrees, stage_blocks
 from ftrain.parallel.strategies import STRATEGIES
 from ftrain.parallel.strategies import check_config as _check_strategy_config
 from ftrain.parallel.strategies import check_parallel as _check_strategy_parallel
+
+#: the values of ``model.arch``
+MODEL_ARCHS = ("gpt", "llama")
 
 #: sections of the shared config file that other processes own (the node agent's)
 OTHER_SECTIONS = ("agent", "accounting")
@@ -48,6 +63,13 @@ class TrainConfig:
         ("auto", "fp32", "bf16"),
     )
     save_final_path: str = opt("", "If set, rank 0 writes the final full model and optimizer state here (torch.save).")
+    on_schedule_change: str = opt(
+        "fail",
+        "Resuming with another train.steps, optim.warmup_steps, optim.lr or optim.min_lr_ratio than the checkpoint "
+        "was trained with: fail (say what changed), keep (the saved schedule goes on), or rescale (the new one, "
+        "from the resumed step).",
+        ("fail", "keep", "rescale"),
+    )
     on_nonfinite: str = opt(
         "skip",
         "A non-finite loss or gradient norm: skip the optimizer step, rollback to the last verified "
@@ -71,30 +93,98 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    arch: str = opt(
+        "gpt",
+        "Built-in model: gpt (the reference GPT: LayerNorm, learned positions, GELU MLP) or llama (RMSNorm, "
+        "rotary embeddings, SwiGLU, grouped-query attention). Ignored when model.factory is set.",
+        MODEL_ARCHS,
+    )
+    size: str = opt(
+        "",
+        "A named size of the llama arch (" + ", ".join(LLAMA_SIZES) + "): sets n_layer, d_model, n_head, "
+        "n_kv_heads, ffn_dim and, for 1B..70B, vocab_size, rope_theta and tie_embeddings. Empty: those keys as given.",
+    )
     factory: str = opt(
         "",
-        'Build a user model: "pkg.module:function", called with this ModelConfig, returning an '
-        "nn.Module whose forward(tokens) returns logits. Empty: the built-in GPT. This imports and runs code: "
+        'Build a user model: "pkg.module:function", called with this ModelConfig (its settings in model.args), '
+        "returning an nn.Module whose forward(tokens) returns logits (or an output with .logits). Shipped: "
+        '"ftrain.models.hf:causal_lm" (Hugging Face). Empty: the built-in model.arch. This imports and runs code: '
         "a config file is as trusted as code.",
+    )
+    args: dict[str, Any] = opt_table(
+        "Settings of model.factory's model (a free table, [model.args] in the file, --model.args.NAME=VALUE on the "
+        "command line): the factory reads them and names any it does not know."
+    )
+    init_from: str = opt(
+        "",
+        "Initial weights: a local Hugging Face checkpoint directory (config.json + *.safetensors, sharded or not), "
+        "loaded before the strategy shards the model; ignored when a checkpoint is resumed.",
     )
     vocab_size: int = opt(256, "Vocabulary size (must exceed every token id of the data).")
     seq_len: int = opt(128, "Tokens per training sequence (context length).")
     n_layer: int = opt(4, "Transformer blocks.")
     n_head: int = opt(4, "Attention heads per block.")
+    n_kv_heads: int = opt(0, "llama: key/value heads (grouped-query attention; divides n_head). 0: n_head.")
     d_model: int = opt(128, "Hidden size (a multiple of n_head).")
-    mlp_ratio: int = opt(4, "MLP hidden size as a multiple of d_model.")
+    mlp_ratio: int = opt(4, "gpt: MLP hidden size as a multiple of d_model.")
+    ffn_dim: int = opt(0, "llama: SwiGLU hidden size. 0: 8/3 x d_model rounded up to a multiple of 64.")
+    rope_theta: float = opt(500000.0, "llama: rotary embedding base.")
+    norm_eps: float = opt(1e-5, "llama: RMSNorm epsilon.")
+    tie_embeddings: bool = opt(False, "llama: the output head shares the token embedding's weight.")
     dropout: float = opt(0.0, "Dropout probability (0 keeps runs bitwise reproducible).")
 
     def __post_init__(self) -> None:
         if self.factory and ":" not in self.factory:
             raise ConfigError("model.factory", f'expected "pkg.module:function", got {self.factory!r}')
+        self._apply_size()
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
             positive(f"model.{name}", getattr(self, name))
+        for name in ("n_kv_heads", "ffn_dim"):
+            at_least(f"model.{name}", getattr(self, name), 0)
         if self.d_model % self.n_head:
             raise ConfigError("model.d_model", f"{self.d_model} is not a multiple of model.n_head={self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ConfigError("model.n_kv_heads", f"{self.n_kv_heads} does not divide model.n_head={self.n_head}")
+        if self.arch == "llama" and (self.d_model // self.n_head) % 2:
+            head = self.d_model // self.n_head
+            raise ConfigError("model.d_model", f"rotary embeddings need an even head size; d_model / n_head = {head}")
         check_floats("model", self)
+        positive("model.rope_theta", self.rope_theta)
+        positive("model.norm_eps", self.norm_eps)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("model.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.args and not self.factory:
+            raise ConfigError("model.args", f"is read by model.factory, which is not set (got {sorted(self.args)})")
+        if self.init_from and not Path(self.init_from, "config.json").is_file():
+            raise ConfigError(
+                "model.init_from",
+                f"{self.init_from!r} is not a Hugging Face checkpoint directory (no config.json in it)",
+            )
+
+    def _apply_size(self) -> None:
+        if not self.size:
+            return
+        if self.size not in LLAMA_SIZES:
+            raise ConfigError("model.size", f"unknown size {self.size!r}{suggest(self.size, LLAMA_SIZES)}")
+        if self.arch != "llama" or self.factory:
+            raise ConfigError("model.size", 'names a size of the built-in llama: set model.arch = "llama" (no factory)')
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in LLAMA_SIZES[self.size].items():
+            given = getattr(self, name)
+            if given != defaults[name] and given != value:
+                why = f"is set by model.size={self.size!r} ({value}); remove one of the two (got {given})"
+                raise ConfigError(f"model.{name}", why)
+            setattr(self, name, value)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``n_kv_heads``, 0 resolved to ``n_head``)."""
+        return self.n_kv_heads or self.n_head
+
+    @property
+    def swiglu_dim(self) -> int:
+        """The llama's SwiGLU hidden size (``ffn_dim``, 0 resolved)."""
+        return self.ffn_dim or default_ffn_dim(self.d_model)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,6 +198,10 @@ class DataConfig:
         "auto",
         "Token file element type; auto: uint16 if vocab_size <= 65536, else uint32.",
         ("auto", "uint16", "uint32"),
+    )
+    sources: list[dict[str, Any]] = opt_tables(
+        "A weighted mixture of token files instead of data.source: [[data.sources]] tables, each with a path and a "
+        "weight (Megatron's blend: each source's share of the samples is its weight over the sum)."
     )
     seed: int = opt(0, "Seed of the synthetic chain and of the per-epoch sample permutation.")
     num_samples: int = opt(1_000_000, "Synthetic source: sequences per epoch.")
@@ -279,7 +373,7 @@ class Config:
     def __post_init__(self) -> None:
         _check_strategy_config(self)  # strategy hook: e.g. zero1 refuses checkpoint.uri
         for pp in pipeline_degrees(self.parallel):  # ConfigError naming the key if the blocks do not split
-            if pp > 1:
+            if pp > 1 and not self.model.factory:  # a factory's model is checked when it is built
                 stage_blocks(dataclasses.replace(self.parallel, pp_size=pp, pp_fallback=""), self.model.n_layer)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
