@@ -200,8 +200,20 @@ class DataConfig:
         ("auto", "uint16", "uint32"),
     )
     sources: list[dict[str, Any]] = opt_tables(
-        "A weighted mixture of token files instead of data.source: [[data.sources]] tables, each with a path and a "
-        "weight (Megatron's blend: each source's share of the samples is its weight over the sum)."
+        "A weighted mixture of token files instead of data.source: [[data.sources]] tables, each with a path, a "
+        "weight > 0 and optionally a token_dtype (default data.token_dtype). Megatron's blend: each source's share "
+        "of the samples is its weight over the sum; a source drawn more often than it has samples repeats them, "
+        "pass after pass in a seeded order (see docs/data.md)."
+    )
+    mixture_samples: int = opt(
+        0,
+        "Samples per epoch of the data.sources mixture; 0: as many as the sources hold together. Set it to "
+        "train.steps x train.global_batch_size for Megatron's sizing (each source walks its own passes once).",
+    )
+    document_token: int = opt(
+        -1,
+        "Token id that `ftrain data tokenize` appends after each document (e.g. the tokenizer's end-of-text id); "
+        "-1: none. Training reads it as an ordinary token: attention is not masked across documents.",
     )
     seed: int = opt(0, "Seed of the synthetic chain and of the per-epoch sample permutation.")
     num_samples: int = opt(1_000_000, "Synthetic source: sequences per epoch.")
@@ -214,17 +226,57 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("data.source", 'must be "synthetic" or a token file path')
+        if self.sources and self.source != "synthetic":
+            raise ConfigError(
+                "data.sources",
+                f"and data.source = {self.source!r} are both set: use data.sources for a mixture of token files "
+                "or data.source for one file (or synthetic), not both",
+            )
         if self.source != "synthetic" and not Path(self.source).is_file():
             raise ConfigError(
                 "data.source",
                 f'token file {self.source!r} does not exist (give a flat uint16/uint32 token file, or "synthetic")',
             )
+        for i, entry in enumerate(self.sources):
+            self._check_source(i, entry)
+        int_range("data.mixture_samples", self.mixture_samples, 0, 2**63 - 1)
+        if self.mixture_samples and not self.sources:
+            raise ConfigError("data.mixture_samples", "sizes a data.sources mixture, and data.sources is empty")
         check_floats("data", self)
         positive("data.num_samples", self.num_samples)
         positive("data.branching", self.branching)
         int_range("data.seed", self.seed, 0, 2**63 - 1)  # the data cursor's permutation seed
+        int_range("data.document_token", self.document_token, -1, 2**32 - 1)  # uint32 is the widest token file
         if self.concentration <= 0:
             raise ConfigError("data.concentration", f"must be > 0, got {self.concentration}")
+
+    def _check_source(self, i: int, entry: dict[str, Any]) -> None:
+        """One ``[[data.sources]]`` table: known keys, an existing file, a finite weight > 0."""
+        where = f"data.sources[{i}]"
+        required, allowed = ("path", "weight"), ("path", "weight", "token_dtype")
+        for key in entry:
+            if key not in allowed:
+                raise ConfigError(
+                    f"{where}.{key}", f"unknown key{suggest(key, allowed)} (a source has {', '.join(allowed)})"
+                )
+        for key in required:
+            if key not in entry:
+                raise ConfigError(
+                    f"{where}.{key}",
+                    'missing: each source needs a path and a weight, e.g. {path = "a.bin", weight = 1.0}',
+                )
+        path = entry["path"]
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.path", f"must be the path of a token file, got {path!r}")
+        if not Path(path).is_file():
+            raise ConfigError(f"{where}.path", f"token file {path!r} does not exist (give a flat uint16/uint32 file)")
+        weight = entry["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise ConfigError(f"{where}.weight", f"must be a finite number > 0, got {weight!r}")
+        dtype = entry.get("token_dtype", self.token_dtype)
+        choices = ("auto", "uint16", "uint32")
+        if dtype not in choices:
+            raise ConfigError(f"{where}.token_dtype", f"{dtype!r} is not one of {', '.join(choices)}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -47,9 +47,7 @@ from ftrain.contract import events as ev
 from ftrain.contract.events import EventLog
 from ftrain.contract.flight import EVENT_TAIL
 from ftrain.contract.worker_env import WorkerEnv
-from ftrain.data import DataCursor, GlobalBatch, Ledger, build_source, micro_batches, micro_block, micro_steps
-from ftrain.data.synthetic import MarkovSource
-from ftrain.data.tokens import TokenFileSource
+from ftrain.data import DataCursor, GlobalBatch, Ledger, Source, build_source, micro_batches, micro_block, micro_steps
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.faults import (
     maybe_crash,
@@ -184,7 +182,7 @@ class Trainer:
         local_world: int,
         hb: heartbeat.Heartbeat | None = None,
         round_ended: Callable[[], bool] | None = None,
-        source: MarkovSource | TokenFileSource | None = None,
+        source: Source | None = None,
         tier: MemoryTier | None = None,
     ):
         cfg = dataclasses.replace(cfg, parallel=at_world(cfg.parallel, world_size))  # its pipeline degree here

@@ -5,6 +5,7 @@
     ftrain plan CONFIG.toml [--world-size N] [--device-memory-gb G] [--section.key=value ...]
     ftrain config CONFIG.toml [--section.key=value ...]  print the resolved configuration
     ftrain config --reference                           print every key as Markdown
+    ftrain data tokenize IN... --tokenizer T --out F    text/JSONL files -> a flat token file
     ftrain ckpt ls|show|verify|gc|export URI ...        inspect and maintain checkpoints
     ftrain agent [options] -- CONFIG.toml [overrides]   this node's agent (see agents/)
     ftrain status --etcd URL --job ID [--json] [--dump] a job's nodes, round, steps and restarts
@@ -42,6 +43,7 @@ COMMANDS = {
     "local": "ftrain.cli.local",
     "chaos": "ftrain.cli.chaos",
     "config": "ftrain.cli.config",
+    "data": "ftrain.cli.data",
 }
 
 

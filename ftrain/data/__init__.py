@@ -11,8 +11,14 @@ What this package owns and what must stay true:
   exactly the remaining ids: none skipped, none repeated.
 - :func:`~ftrain.data.cursor.micro_batches` splits a global batch into contiguous per-rank
   blocks of micro-batches; gradient accumulation adapts so the global batch stays fixed.
+- A mixture of token files (``[[data.sources]]``, :mod:`ftrain.data.mixture`) is one more
+  source: a fixed blend index maps each global id to ``(source, sample)``, so the cursor, the
+  resume and the ledger work on it unchanged.
 - The optional :class:`~ftrain.data.ledger.Ledger` records what each rank consumed, and
-  :func:`~ftrain.data.ledger.check_exactly_once` proves it against a fresh cursor.
+  :func:`~ftrain.data.ledger.check_exactly_once` proves it against a fresh cursor (and, given a
+  mixture, that every sample of every source was read as often as its share says).
+- ``ftrain data tokenize`` (:mod:`ftrain.data.tokenize`, imported only by that command) writes
+  token files from text with a Hugging Face tokenizer.
 
 The package imports numpy and the standard library only (no torch): the training loop turns the
 int64 arrays into tensors.
@@ -37,7 +43,8 @@ from ftrain.data.cursor import (
     micro_steps,
 )
 from ftrain.data.errors import DataError, as_sample_ids
-from ftrain.data.ledger import Ledger, LedgerReport, check_exactly_once, read_ledger
+from ftrain.data.ledger import Ledger, LedgerReport, SourceCoverage, check_exactly_once, read_ledger
+from ftrain.data.mixture import BlendIndex, MixtureSource, SourceSpec, source_specs
 from ftrain.data.synthetic import CHAIN_STREAM, SAMPLE_STREAM, MarkovSource
 from ftrain.data.tokens import TokenFileSource, write_token_file
 
@@ -57,8 +64,21 @@ class SampleSource(Protocol):
         ...
 
 
-def build_source(data: DataConfig, model: ModelConfig) -> MarkovSource | TokenFileSource:
-    """The source named by ``data.source``: the synthetic Markov chain or a token file."""
+#: the sources :func:`build_source` builds (each a :class:`SampleSource`)
+Source = MarkovSource | TokenFileSource | MixtureSource
+
+
+def build_source(data: DataConfig, model: ModelConfig) -> Source:
+    """The source the config names: a ``data.sources`` mixture, else ``data.source`` (the synthetic
+    Markov chain or a token file)."""
+    if data.document_token >= model.vocab_size:
+        raise ConfigError(
+            "data.document_token",
+            f"{data.document_token} is not a token of model.vocab_size={model.vocab_size}; set model.vocab_size "
+            "to the tokenizer's vocabulary size",
+        )
+    if data.sources:
+        return MixtureSource(source_specs(data), model.seq_len, model.vocab_size, data.seed, data.mixture_samples)
     if data.source == "synthetic":
         if data.branching > model.vocab_size:
             raise ConfigError(
@@ -81,6 +101,7 @@ __all__ = [
     "CHAIN_STREAM",
     "PERM_STREAM",
     "SAMPLE_STREAM",
+    "BlendIndex",
     "DataCursor",
     "DataError",
     "GlobalBatch",
@@ -88,7 +109,11 @@ __all__ = [
     "LedgerReport",
     "MarkovSource",
     "MicroBatch",
+    "MixtureSource",
     "SampleSource",
+    "Source",
+    "SourceCoverage",
+    "SourceSpec",
     "TokenFileSource",
     "accumulation_steps",
     "as_sample_ids",
@@ -98,5 +123,6 @@ __all__ = [
     "micro_block",
     "micro_steps",
     "read_ledger",
+    "source_specs",
     "write_token_file",
 ]

@@ -10,6 +10,11 @@ sample ids it consumed.
 every step below ``steps``, compares what the *last* attempt of the step consumed (the highest
 round that ran it; earlier attempts were rolled back by a restart) with what the cursor says
 the step must consume.
+
+Given the run's source as ``sources=`` (a :class:`~ftrain.data.mixture.MixtureSource`, or anything
+that decodes global ids to ``(source, sample)``), it also counts how often each sample of each
+source those final attempts read (:class:`SourceCoverage`): the proof that a mixture read every
+sample of every file exactly once, or as often as its weight says.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
@@ -31,6 +36,60 @@ logger = logging.getLogger(__name__)
 
 _ENTRY_KEYS = ("step", "epoch", "start", "round", "dp_rank", "micro", "sample_ids")
 _SHOW = 10  # ids shown per step in a summary
+
+
+class SourceDecoder(Protocol):
+    """What the checker needs of a multi-source data source (:class:`~ftrain.data.mixture.MixtureSource`)."""
+
+    @property
+    def source_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def source_samples(self) -> tuple[int, ...]: ...
+
+    def decode(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclass
+class SourceCoverage:
+    """How often the checked steps read each sample of one source."""
+
+    name: str
+    num_samples: int
+    #: samples of this source read, counted with repeats
+    reads: int
+    #: samples never read / read once / read more than once
+    unread: int
+    once: int
+    repeated: int
+    #: the most times any one sample was read
+    max_reads: int
+
+    @property
+    def exactly_once(self) -> bool:
+        """Every sample of the source was read, none twice."""
+        return self.unread == 0 and self.repeated == 0
+
+    def line(self) -> str:
+        if self.exactly_once:
+            return f"  {self.name}: all {self.num_samples} samples read exactly once"
+        return (
+            f"  {self.name}: {self.reads} reads of {self.num_samples} samples: {self.unread} unread, "
+            f"{self.once} once, {self.repeated} more than once (at most {self.max_reads} times)"
+        )
+
+    @classmethod
+    def of(cls, name: str, num_samples: int, samples: np.ndarray) -> SourceCoverage:
+        counts = np.bincount(samples, minlength=num_samples)
+        return cls(
+            name=name,
+            num_samples=num_samples,
+            reads=int(samples.size),
+            unread=int((counts == 0).sum()),
+            once=int((counts == 1).sum()),
+            repeated=int((counts > 1).sum()),
+            max_reads=int(counts.max(initial=0)),
+        )
 
 
 class Ledger:
@@ -114,18 +173,29 @@ class LedgerReport:
     out_of_order: list[int] = field(default_factory=list)
     superseded_entries: int = 0
     ignored_entries: int = 0
+    #: per source of a mixture (``check_exactly_once(sources=...)``): how often its samples were read
+    sources: list[SourceCoverage] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         problems = (self.missing_steps, self.missing, self.duplicates, self.unexpected, self.out_of_order)
         return not any(problems)
 
+    @property
+    def every_sample_once(self) -> bool:
+        """:attr:`ok`, and every sample of every source was read exactly once (needs ``sources=``)."""
+        return self.ok and bool(self.sources) and all(c.exactly_once for c in self.sources)
+
     def summary(self) -> str:
+        coverage = [c.line() for c in self.sources]
         if self.ok:
-            return (
-                f"ledger ok: {self.steps_checked} steps, every sample consumed exactly once "
-                f"({self.superseded_entries} superseded attempts, "
-                f"{self.ignored_entries} entries past the checked steps)"
+            return "\n".join(
+                [
+                    f"ledger ok: {self.steps_checked} steps, every sample consumed exactly once "
+                    f"({self.superseded_entries} superseded attempts, "
+                    f"{self.ignored_entries} entries past the checked steps)",
+                    *coverage,
+                ]
             )
         lines = [f"ledger NOT ok over {self.steps_checked} steps:"]
         if self.missing_steps:
@@ -139,7 +209,7 @@ class LedgerReport:
                 lines.append(f"  step {step}: {len(ids)} {label} ids {_ids(ids)}")
         if self.out_of_order:
             lines.append(f"  steps consumed out of global order: {_ids(self.out_of_order)}")
-        return "\n".join(lines)
+        return "\n".join(lines + coverage)
 
 
 def check_exactly_once(
@@ -149,8 +219,12 @@ def check_exactly_once(
     global_batch_size: int,
     seed: int,
     steps: int,
+    sources: SourceDecoder | None = None,
 ) -> LedgerReport:
-    """Check each step ``< steps``: its last attempt consumed exactly the cursor's ids, once each."""
+    """Check each step ``< steps``: its last attempt consumed exactly the cursor's ids, once each.
+
+    With ``sources`` (the run's mixture), the ids of those last attempts are decoded to
+    ``(source, sample)`` and counted per source into :attr:`LedgerReport.sources`."""
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     report = LedgerReport(steps_checked=steps)
     for entry in entries:
@@ -159,6 +233,7 @@ def check_exactly_once(
         else:
             report.ignored_entries += 1
     cursor = DataCursor(num_samples, global_batch_size, seed)
+    read: list[int] = []  # the ids of every step's last attempt
     for step in range(steps):
         expected = cursor.next_global_batch().sample_ids
         attempts = by_step.get(step)
@@ -169,6 +244,8 @@ def check_exactly_once(
         final = [e for e in attempts if int(e["round"]) == last_round]
         report.superseded_entries += len(attempts) - len(final)
         consumed = [int(i) for e in final for i in e["sample_ids"]]
+        if sources is not None:
+            read.extend(consumed)
         counts = Counter(consumed)
         expected_set = set(expected.tolist())
         missing = sorted(expected_set - counts.keys())
@@ -185,7 +262,17 @@ def check_exactly_once(
             in_order = [int(i) for e in by_micro for i in e["sample_ids"]]
             if not np.array_equal(np.asarray(in_order), expected):
                 report.out_of_order.append(step)
+    if sources is not None:
+        report.sources = _coverage(sources, np.asarray(read, dtype=np.int64))
     return report
+
+
+def _coverage(sources: SourceDecoder, ids: np.ndarray) -> list[SourceCoverage]:
+    which, sample = sources.decode(ids)
+    return [
+        SourceCoverage.of(name, size, sample[which == k])
+        for k, (name, size) in enumerate(zip(sources.source_names, sources.source_samples, strict=True))
+    ]
 
 
 def _ids(values: list[int]) -> str:
