@@ -224,7 +224,8 @@ def reference_markdown(schema: Mapping[str, type]) -> str:
     for section, cls in schema.items():
         lines += [f"## `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            default = json.dumps(f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+            made = f.default_factory() if callable(f.default_factory) else None
+            default = json.dumps(f.default if f.default is not dataclasses.MISSING else made)
             help_ = f.metadata["help"].replace("|", "\\|")
             lines.append(f"| `{section}.{f.name}` | {f.type} | `{default}` | {help_} |")
         lines.append("")

@@ -1,4 +1,5 @@
-"""Models: a reference decoder-only GPT, and user models through ``model.factory``.
+"""Models: the reference decoder-only GPT, the built-in Llama (:mod:`ftrain.models.llama`), and
+user models through ``model.factory``.
 
 The GPT is written so every parallel strategy can take it as it is: blocks are the unit of
 FSDP sharding and activation checkpointing, attention reshapes with ``view(B, T, -1, head_dim)``
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.config import ConfigError, ModelConfig
+from ftrain.models.layout import ModelLayout, Parts
 
 
 class CausalSelfAttention(nn.Module):
@@ -83,15 +85,19 @@ class GPT(nn.Module):
                 std = residual_std if name.endswith(("out.weight", "proj.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def tp_plan(self) -> dict[str, str]:
+    def ftrain_layout(self) -> ModelLayout:
         """Tensor-parallel split of each block: columns into attention/MLP, rows out of them."""
-        plan = {}
-        for i in range(len(self.blocks)):
-            for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
-                plan[f"blocks.{i}.{name}"] = "colwise"
-            for name in ("attn.out", "mlp.proj"):
-                plan[f"blocks.{i}.{name}"] = "rowwise"
-        return plan
+        plan = {f"blocks.*.{name}": "colwise" for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+        plan |= {f"blocks.*.{name}": "rowwise" for name in ("attn.out", "mlp.proj")}
+        return ModelLayout(
+            blocks="blocks",
+            embed=("tok_emb", "pos_emb"),
+            head=("ln_f", "head"),
+            tp_plan=plan,
+            call_embed=_embed,
+            call_block=_block,
+            call_head=_head,
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
@@ -117,33 +123,32 @@ def load_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
     return fn
 
 
+def _embed(parts: Parts, tokens: torch.Tensor) -> torch.Tensor:
+    return parts["tok_emb"](tokens) + parts["pos_emb"](torch.arange(tokens.shape[1], device=tokens.device))
+
+
+def _block(parts: Parts, block: nn.Module, x: torch.Tensor, ctx: object) -> torch.Tensor:
+    return block(x)
+
+
+def _head(parts: Parts, x: torch.Tensor) -> torch.Tensor:
+    return parts["head"](parts["ln_f"](x))
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Build the configured model on the CPU in fp32 (strategies move, cast and shard it)."""
-    if not cfg.factory:
-        return GPT(cfg)
-    model = load_factory(cfg.factory)(cfg)
-    if not isinstance(model, nn.Module):
-        raise ConfigError("model.factory", f"{cfg.factory} returned {type(model).__name__}, not an nn.Module")
-    return model
+    if cfg.factory:
+        model = load_factory(cfg.factory)(cfg)
+        if not isinstance(model, nn.Module):
+            raise ConfigError("model.factory", f"{cfg.factory} returned {type(model).__name__}, not an nn.Module")
+        return model
+    if cfg.arch == "llama":
+        from ftrain.models.llama import Llama
 
-
-def block_container(model: nn.Module) -> nn.ModuleList | nn.Sequential | nn.ModuleDict | None:
-    """The container of repeated layers (``blocks``, ``layers`` or ``h``), sharded and
-    checkpointed one by one (a pipeline stage keeps its blocks in a ModuleDict keyed by their
-    index in the whole model); None if the model has none."""
-    for name in ("blocks", "layers", "h"):
-        blocks = getattr(model, name, None)
-        if isinstance(blocks, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            return blocks
-    return None
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = block_container(model)
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.values())
-    return list(blocks or [])
+        return Llama(cfg)
+    return GPT(cfg)
 
 
 def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters())

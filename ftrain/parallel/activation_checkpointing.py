@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from ftrain.model import block_container
+from ftrain.models.layout import block_container
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

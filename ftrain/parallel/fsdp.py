@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ftrain.model import transformer_blocks
+from ftrain.models.layout import block_list
 from ftrain.parallel.base import Parallel
 
 
@@ -29,7 +29,7 @@ def shard_model(
         if compute_dtype != torch.float32
         else MixedPrecisionPolicy()
     )
-    for block in transformer_blocks(model):
+    for block in block_list(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model

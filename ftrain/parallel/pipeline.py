@@ -3,8 +3,10 @@
 
 The job's mesh is ``pp x`` the strategy's own (``dp``, ``tp``), so rank = pp_rank x inner +
 inner_rank. A rank keeps only its stages' parts of the model in one :class:`PipelineModule` (the
-embeddings on stage 0's rank, the norm and head on the last stage's), under the model's own
-parameter names: ``blocks.5.attn.q.weight`` is called that at any ``pp_size`` and without a
+embeddings on stage 0's rank, the norm and head on the last stage's: the model's
+:class:`~ftrain.models.layout.ModelLayout` says which parts those are and how each is called),
+under the model's own parameter names: ``blocks.5.attn.q.weight`` (or a Hugging Face model's
+``model.layers.5.self_attn.q_proj.weight``) is called that at any ``pp_size`` and without a
 pipeline, so DCP checkpoints (``get_state_dict`` of that module, as for every strategy) load
 across layouts and ``ftrain ckpt export`` gives the whole model. Each stage is a
 :class:`PipelineModule` over the same submodules; with ``interleaved_1f1b`` a rank runs several.
@@ -25,6 +27,7 @@ is the step's measured bubble (:attr:`PipelineParallel.last_bubble`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ftrain.config import Config, ConfigError
+from ftrain.models.layout import ModelLayout, Parts, block_list, expand_plan, layout_of, logits_of
 from ftrain.optim import param_groups
 from ftrain.parallel import strategies
 from ftrain.parallel.activation_checkpointing import checkpoint_blocks
@@ -46,45 +50,90 @@ from ftrain.parallel.pipeline_schedule import check_micro_batches
 from ftrain.parallel.pipeline_stages import local_stages, stage_blocks, virtual_stages
 from ftrain.parallel.strategies import Layout, Wrapper
 
-#: what a model needs for a pipeline: the built-in GPT's parts
-PARTS = ("tok_emb", "pos_emb", "blocks", "ln_f", "head")
-
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PipelineModule(nn.Module):
-    """Some of the GPT's parts, under its names: the embeddings (``first``), the blocks
-    ``block_ids`` (keyed by their index in the whole model) and the final norm and head (``last``)."""
+    """Some of a model's parts under their paths in the whole model (its :class:`ModelLayout`
+    says which): the shared parts, the embeddings (``first``), the blocks ``block_ids`` (keyed
+    by their index in the whole model) and the head (``last``)."""
 
-    def __init__(self, source: nn.Module, block_ids: list[int] | range, *, first: bool, last: bool):
+    def __init__(
+        self, source: nn.Module, layout: ModelLayout, block_ids: list[int] | range, *, first: bool, last: bool
+    ):
         super().__init__()
-        blocks = source.get_submodule("blocks")  # an nn.ModuleList in the whole model, a ModuleDict here
-        self.tok_emb: nn.Module | None = source.get_submodule("tok_emb") if first else None
-        self.pos_emb: nn.Module | None = source.get_submodule("pos_emb") if first else None
-        self.blocks = nn.ModuleDict({str(i): blocks.get_submodule(str(i)) for i in block_ids})
-        self.ln_f: nn.Module | None = source.get_submodule("ln_f") if last else None
-        self.head: nn.Module | None = source.get_submodule("head") if last else None
+        self.layout = layout
+        self.first, self.last = first, last
+        for path in (*layout.shared, *(layout.embed if first else ()), *(layout.head if last else ())):
+            _attach(self, path, source)
+        blocks = source.get_submodule(layout.blocks)  # a container in the whole model, a ModuleDict here
+        owner, name = _owner(self, layout.blocks)
+        owner.add_module(name, nn.ModuleDict({str(i): blocks.get_submodule(str(i)) for i in block_ids}))
+
+    def ftrain_layout(self) -> ModelLayout:
+        names = {name for name, _ in self.named_modules()}
+        keys = list(self.get_submodule(self.layout.blocks).keys())  # type: ignore[operator]  # a ModuleDict
+        plan = expand_plan(self.layout.tp_plan, self.layout.blocks, keys) if self.layout.tp_plan else None
+        if plan is not None:
+            plan = {fqn: style for fqn, style in plan.items() if fqn in names}
+        return dataclasses.replace(self.layout, tp_plan=plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_emb is not None:
-            assert self.pos_emb is not None
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.head is not None:
-            assert self.ln_f is not None
-            x = self.head(self.ln_f(x))
+        layout, parts = self.layout, Parts(self)
+        assert layout.call_embed and layout.call_block and layout.call_head  # checked by build_pipeline
+        if self.first:
+            x = layout.call_embed(parts, x)
+        ctx = layout.context(parts, x) if layout.context is not None else None
+        for block in self.get_submodule(layout.blocks).children():
+            x = layout.call_block(parts, block, x, ctx)
+        if self.last:
+            x = logits_of(layout.call_head(parts, x))
         return x
 
 
-def _check_parts(model: nn.Module) -> None:
-    missing = [name for name in PARTS if not hasattr(model, name)]
-    if missing or not isinstance(model.blocks, nn.ModuleList):
+def _owner(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module that holds ``path``'s last name under ``root`` (empty modules made for the
+    owners it lacks), and that name."""
+    owner = root
+    *owners, name = path.split(".")
+    for step in owners:
+        children = dict(owner.named_children())
+        if step not in children:
+            owner.add_module(step, nn.Module())
+        owner = owner.get_submodule(step)
+    return owner, name
+
+
+def _attach(root: nn.Module, path: str, source: nn.Module) -> None:
+    """Put the module or buffer at ``path`` in ``source`` at the same path under ``root``."""
+    owner, name = _owner(root, path)
+    source_owner, _ = _owner(source, path)
+    buffers = dict(source_owner.named_buffers(recurse=False))
+    if name in buffers:
+        persistent = name in source_owner.state_dict(keep_vars=True)
+        owner.register_buffer(name, buffers[name], persistent=persistent)
+    else:
+        owner.add_module(name, source_owner.get_submodule(name))
+
+
+def pipeline_layout(model: nn.Module) -> ModelLayout:
+    """The model's layout, if a pipeline can cut it; ConfigError naming the protocol if not."""
+    layout = layout_of(model)
+    if layout is None or not layout.splittable:
         raise ConfigError(
             "parallel.pp_size",
-            f"{type(model).__name__} cannot be split into pipeline stages: it needs the built-in GPT's parts "
-            f"({', '.join(PARTS)}; blocks an nn.ModuleList), missing {', '.join(missing) or 'a ModuleList of blocks'}",
+            f"{type(model).__name__} cannot be split into pipeline stages: it declares no ftrain_layout() saying how "
+            "its embeddings, blocks and head are called (docs/models.md; Hugging Face causal LMs: "
+            'model.factory = "ftrain.models.hf:causal_lm")',
         )
+    if layout.tied:
+        raise ConfigError(
+            "parallel.pp_size",
+            f"{type(model).__name__} ties {', '.join(layout.tied)} between its embeddings and its head, which a "
+            "pipeline puts on different ranks: untie them (model.tie_embeddings = false; Hugging Face: "
+            "tie_word_embeddings = false in model.args) or use parallel.pp_size = 1",
+        )
+    return layout
 
 
 def job_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
@@ -94,39 +143,29 @@ def job_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMe
     return mesh, mesh[names if len(names) > 1 else names[0]]
 
 
-def _stage_tp_plan(model: nn.Module, kept: PipelineModule) -> Callable[[], dict[str, str]] | None:
-    plan_fn = getattr(model, "tp_plan", None)
-    if plan_fn is None:
-        return None
-    plan = plan_fn()
-    names = {name for name, _ in kept.named_modules()}
-    return lambda: {fqn: style for fqn, style in plan.items() if fqn in names}
-
-
 def build_pipeline(
     model: nn.Module, cfg: Config, layout: Layout, device: torch.device, compute_dtype: torch.dtype, accum: int
 ) -> PipelineParallel:
     """``model`` (whole, on the CPU) cut to this rank's stages, split, sharded and scheduled."""
-    _check_parts(model)
+    parts = pipeline_layout(model)
     parallel = cfg.parallel
     strategy = strategies.get(layout.strategy)
     v = virtual_stages(parallel)
     num_stages = layout.pp_size * v
     check_micro_batches(parallel.pp_schedule, layout.pp_size, accum, v)
-    blocks_of = stage_blocks(parallel, len(model.get_submodule("blocks")))  # type: ignore[arg-type]  # a ModuleList
+    blocks_of = stage_blocks(parallel, len(block_list(model)))
     mine = local_stages(layout.pp_rank, layout.pp_size, v)
     mesh, inner = job_mesh(layout, device)
     kept = PipelineModule(
-        model, [b for s in mine for b in blocks_of[s]], first=0 in mine, last=num_stages - 1 in mine
+        model, parts, [b for s in mine for b in blocks_of[s]], first=0 in mine, last=num_stages - 1 in mine
     ).to(device)
-    plan = _stage_tp_plan(model, kept)
     del model  # what this rank does not run is freed once the caller drops the model too
-    if plan is not None:
-        kept.tp_plan = plan  # type: ignore[assignment]  # the whole model's plan, for the blocks kept
     strategy.apply_tensor_parallel(kept, inner)
     if parallel.activation_checkpointing:
         checkpoint_blocks(kept)
-    chunks: list[nn.Module] = [PipelineModule(kept, blocks_of[s], first=s == 0, last=s == num_stages - 1) for s in mine]
+    chunks: list[nn.Module] = [
+        PipelineModule(kept, parts, blocks_of[s], first=s == 0, last=s == num_stages - 1) for s in mine
+    ]
     if strategy.wrapper is Wrapper.FSDP:
         chunks = [strategy.apply_data_parallel(c, parallel, layout, inner, device, compute_dtype) for c in chunks]
     optimizer = strategy.make_optimizer(param_groups(kept, cfg.optim), cfg.optim)

@@ -1,9 +1,11 @@
 """Tensor parallelism (Megatron-style column/row splits), alone or under FSDP (2-D).
 
-A model opts in by defining ``tp_plan() -> {module_fqn: "colwise" | "rowwise"}``; the
-built-in GPT splits q/k/v and the MLP input by columns and the attention output and MLP
-projection by rows, so each block needs one all-reduce forward and one backward. Embeddings,
-norms and the head stay replicated (their gradients are identical on every TP rank).
+A model opts in with a tensor-parallel plan in its layout (``ModelLayout.tp_plan``, see
+:mod:`ftrain.models.layout`; a ``tp_plan()`` method is honoured too): ``{module_fqn: "colwise" |
+"rowwise"}``, ``*`` standing for each block. The built-in models split q/k/v and the MLP input by
+columns and the attention output and MLP projection by rows, so each block needs one all-reduce
+forward and one backward. Embeddings, norms and the head stay replicated (their gradients are
+identical on every TP rank).
 """
 
 from __future__ import annotations
@@ -13,17 +15,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ftrain.config import ConfigError
+from ftrain.models.layout import tp_plan_of
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    plan_fn = getattr(model, "tp_plan", None)
-    if plan_fn is None:
+    plan = tp_plan_of(model)
+    if plan is None:
         raise ConfigError(
             "parallel.strategy",
-            f"{type(model).__name__} has no tp_plan(); define one returning "
-            '{"module.fqn": "colwise"|"rowwise"} to use tensor parallelism',
+            f"{type(model).__name__} has no tensor-parallel plan: declare one in its ftrain_layout() "
+            '(tp_plan = {"blocks.*.attn.q": "colwise", ...}; see docs/models.md) to use tensor parallelism',
         )
-    plan = {fqn: _STYLES[style]() for fqn, style in plan_fn().items()}
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize_module(model, tp_mesh, {fqn: _STYLES[style]() for fqn, style in plan.items()})

@@ -76,7 +76,8 @@ import torch
 from torch import nn
 
 from ftrain.config import Config, ConfigError, ModelConfig, OptimConfig
-from ftrain.model import build_model, transformer_blocks
+from ftrain.model import build_model
+from ftrain.models.layout import block_list, tp_plan_of
 from ftrain.optim import param_groups
 from ftrain.parallel import strategies
 from ftrain.parallel.strategies import Layout, Strategy, Wrapper, compute_layout
@@ -247,12 +248,12 @@ def model_stats(model_cfg: ModelConfig, optim_cfg: OptimConfig | None = None) ->
 def stats_of(model: nn.Module, optim_cfg: OptimConfig) -> ModelStats:
     names = {id(p): n for n, p in model.named_parameters()}
     groups = {id(p): g for g, group in enumerate(param_groups(model, optim_cfg)) for p in group["params"]}
-    blocks = transformer_blocks(model)
+    blocks = block_list(model)
     unit = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
     tp_dim: dict[int, int] = {}
-    plan_fn = getattr(model, "tp_plan", None)
-    if callable(plan_fn):
-        for fqn, style in plan_fn().items():
+    plan = tp_plan_of(model)
+    if plan is not None:
+        for fqn, style in plan.items():
             module = model.get_submodule(fqn)
             weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
             if weight is not None:
@@ -272,7 +273,7 @@ def stats_of(model: nn.Module, optim_cfg: OptimConfig) -> ModelStats:
         for p in model.parameters()
         if p.requires_grad
     )
-    return ModelStats(params, len(blocks), callable(plan_fn), type(model).__name__)
+    return ModelStats(params, len(blocks), plan is not None, type(model).__name__)
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
 from ftrain.model import build_model
+from ftrain.models.layout import logits_of
 from ftrain.optim import adamw_kwargs
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
@@ -265,7 +266,7 @@ def warm_up(cfg: Config, device: torch.device) -> float:
     model = build_model(cfg.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg.optim))
     tokens = torch.zeros(1, min(8, cfg.model.seq_len) + 1, dtype=torch.long, device=device)
-    logits = model(tokens[:, :-1])
+    logits = logits_of(model(tokens[:, :-1]))
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
     return time.monotonic() - began
