@@ -34,7 +34,9 @@ class Event(StrEnum):
     WORKER_STARTED = "worker_started"  #: a worker process joined its round's process group
     RESUME_STARTED = "resume_started"
     RESUMED = "resumed"
-    RESUME_FAILED = "resume_failed"  #: committed steps exist but none loads (on_no_loadable_step=fail)
+    #: committed steps exist but none loads (on_no_loadable_step=fail), or the step to load would change the LR
+    #: schedule (on_schedule_change=fail)
+    RESUME_FAILED = "resume_failed"
     GRACEFUL_STOP = "graceful_stop"
     NONFINITE = "nonfinite"
     ROLLED_BACK = "rolled_back"
@@ -131,6 +133,10 @@ class Resumed(Record):
     from_world_size: int
     world_size: int
     round: int
+    schedule: dict[str, Any] = field(default_factory=dict)  #: the LR schedule in force from here (optim.Schedule)
+    #: same | kept | rescaled (train.on_schedule_change, after a change) | unrecorded (an older checkpoint's)
+    schedule_outcome: str = ""
+    schedule_changes: list[str] = field(default_factory=list)  #: "key old -> new", saved to configured
 
 
 @_record

@@ -3,8 +3,16 @@
 State: model and optimizer through ``get_state_dict`` (sharded DTensors for FSDP/TP, plain for
 DDP: DCP reshards across world sizes and strategies), each rank's torch/numpy/python RNG
 states as small uint8 tensors under ``rng.rank<r>``, and in the manifest the trainer state
-(step, data cursor), the resolved config and its hash, the layout and the fencing round. The
-LR schedule is a pure function of the step, so it needs no state.
+(step, data cursor, the LR schedule in force), the resolved config and its hash, the layout and
+the fencing round. The LR is a pure function of the step and that schedule, so it needs no
+other state.
+
+A resume compares the schedule a step records with the configured one before it reads any file
+(:func:`ftrain.optim.decide_schedule`, ``train.on_schedule_change``): a change is refused
+(:class:`~ftrain.optim.ScheduleChangeError`, a fatal config error), kept or rescaled, never
+silent; the schedule it goes on with is what the next saves record (so a second resume after a
+``keep`` still knows it). A step that records none (an older ftrain's) is taken as having the
+configured schedule, with a warning.
 
 Resume trusts nothing it reads: before a step is loaded, :func:`validate_trainer_state` checks
 the manifest's trainer state (a cursor of the right shape, at the manifest's step); a step that
@@ -38,6 +46,7 @@ from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import DataCursor, DataError
 from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear, maybe_pause_before_gc
+from ftrain.optim import KEPT, RESCALED, UNRECORDED, Schedule, ScheduleChangeError, ScheduleDecision, decide_schedule
 from ftrain.parallel.base import Parallel
 
 log = logging.getLogger(__name__)
@@ -54,7 +63,8 @@ def current_round() -> int:
 
 def validate_trainer_state(manifest: Manifest) -> None:
     """Raise ManifestError unless ``manifest.trainer`` is state this trainer can resume from:
-    a ``cursor`` that is a well-formed :meth:`DataCursor.state_dict` taken at ``manifest.step``.
+    a ``cursor`` that is a well-formed :meth:`DataCursor.state_dict` taken at ``manifest.step``,
+    and a well-formed ``schedule`` where there is one (:func:`recorded_schedule`).
 
     Whether it fits the current data (num_samples, seed) is not judged here: that is a config
     mismatch, reported by :meth:`DataCursor.load_state_dict`, not a corrupt step.
@@ -68,6 +78,22 @@ def validate_trainer_state(manifest: Manifest) -> None:
         raise ManifestError(f"trainer.cursor: {e}") from e
     if cursor["step"] != manifest.step:
         raise ManifestError(f"trainer.cursor.step={cursor['step']} but the manifest is of step {manifest.step}")
+    recorded_schedule(manifest)
+
+
+#: where a manifest's trainer state records the LR schedule in force (:meth:`Schedule.to_dict`)
+SCHEDULE_KEY = "schedule"
+
+
+def recorded_schedule(manifest: Manifest) -> Schedule | None:
+    """The LR schedule in force when ``manifest``'s step was saved; None if it records none (a step
+    saved before schedules were recorded); ManifestError if the record is malformed."""
+    if SCHEDULE_KEY not in manifest.trainer:
+        return None
+    try:
+        return Schedule.from_dict(manifest.trainer[SCHEDULE_KEY])
+    except ValueError as e:
+        raise ManifestError(f"trainer.{SCHEDULE_KEY}: {e}") from e
 
 
 RNG_BYTES = 64 * 1024
@@ -148,16 +174,20 @@ def load_target(par: Parallel, rank: int, manifest: Manifest) -> dict[str, Any]:
     return sd
 
 
-def manifest_fields(cfg: Config, par: Parallel, cursor: DataCursor, round_: int) -> dict[str, Any]:
-    """The manifest fields of a save besides its files (see :class:`ftrain.checkpoint.manifest.Manifest`)."""
+def manifest_fields(
+    cfg: Config, par: Parallel, cursor: DataCursor, round_: int, *, schedule: Schedule | None = None
+) -> dict[str, Any]:
+    """The manifest fields of a save besides its files (see :class:`ftrain.checkpoint.manifest.Manifest`);
+    ``schedule``: the LR schedule in force (None: the one ``cfg`` configures)."""
     layout = par.layout
+    schedule = schedule if schedule is not None else Schedule.of(cfg)
     return {
         "round": round_,
         "world_size": layout.world_size,
         "layout": {**layout.describe(), OPTIM_FORMAT_KEY: FLAT},
         "config": cfg.to_dict(),
         "config_hash": cfg.digest(),
-        "trainer": {"cursor": cursor.state_dict()},
+        "trainer": {"cursor": cursor.state_dict(), SCHEDULE_KEY: schedule.to_dict()},
     }
 
 
@@ -188,6 +218,9 @@ class Checkpointing:
         self.rank = dist.get_rank()
         self.round = current_round()
         self.job = worker_job_id(cfg)
+        #: the LR schedule in force: the configured one, or what the last resume decided
+        #: (``train.on_schedule_change``); every save records it
+        self.schedule = Schedule.of(cfg)
         c = cfg.checkpoint
         self.manager = CheckpointManager(
             url=c.uri,
@@ -232,7 +265,7 @@ class Checkpointing:
 
     def fields(self) -> dict[str, Any]:
         """The manifest fields of a save now (:func:`manifest_fields`)."""
-        return manifest_fields(self.cfg, self.par, self.cursor, self.round)
+        return manifest_fields(self.cfg, self.par, self.cursor, self.round, schedule=self.schedule)
 
     def due(self, steps_done: int) -> bool:
         interval = self.cfg.checkpoint.interval
@@ -254,11 +287,17 @@ class Checkpointing:
     # -- load ---------------------------------------------------------------------------
     def resume(self) -> Manifest | None:
         """Load the newest verified checkpoint (or checkpoint.load_step) into model, optimizer,
-        cursor and RNG; returns its manifest, or None when starting fresh."""
+        cursor and RNG; returns its manifest, or None when starting fresh. Its LR schedule and
+        the configured one decide :attr:`schedule` (:meth:`schedule_decision`) before any file is
+        read: :class:`~ftrain.optim.ScheduleChangeError` under ``train.on_schedule_change=fail``."""
         holder: dict[str, Any] = {}
         self.events.emit(ev.ResumeStarted())
 
         def build(manifest: Manifest) -> dict[str, Any]:
+            try:
+                holder["decision"] = self.schedule_decision(manifest)
+            except ManifestError:  # a malformed record: validate_trainer_state refuses the step (fall back)
+                holder.pop("decision", None)
             holder["sd"] = load_target(self.par, self.rank, manifest)
             return holder["sd"]
 
@@ -270,9 +309,16 @@ class Checkpointing:
             self.events.emit(ev.ResumeFailed(refused=[str(r)[:1000] for r in e.refusals], load_step=e.load_step))
             log.error("ftrain: cannot resume: %s", e)
             raise
+        except ScheduleChangeError as e:  # train.on_schedule_change=fail: a config error, said by the CLI
+            self.events.emit(
+                ev.ResumeFailed(refused=[f"step {e.step}: {e}"[:1000]], load_step=self.cfg.checkpoint.load_step)
+            )
+            raise
         if manifest is None:
             return None
+        decision: ScheduleDecision = holder.get("decision") or self.schedule_decision(manifest)
         apply_loaded(self.par, self.cursor, self.rank, manifest, holder["sd"])
+        self.schedule = decision.schedule
         if manifest.config_hash != self.cfg.digest():
             log.info(
                 "resuming step %d saved with a different config (hash %s, now %s)",
@@ -280,6 +326,7 @@ class Checkpointing:
                 manifest.config_hash,
                 self.cfg.digest(),
             )
+        self._say_schedule(manifest.step, decision)
         self.manager.status.last_committed_step = max(self.manager.status.last_committed_step, manifest.step)
         self.events.emit(
             ev.Resumed(
@@ -287,9 +334,52 @@ class Checkpointing:
                 from_world_size=manifest.world_size,
                 world_size=self.par.layout.world_size,
                 round=self.round,
+                schedule=decision.schedule.to_dict(),
+                schedule_outcome=decision.outcome,
+                schedule_changes=[str(c) for c in decision.changes],
             )
         )
         return manifest
+
+    def schedule_decision(self, manifest: Manifest) -> ScheduleDecision:
+        """The LR schedule a resume from ``manifest``'s step goes on with (see :func:`ftrain.optim.decide_schedule`)."""
+        return decide_schedule(
+            recorded_schedule(manifest),
+            Schedule.of(self.cfg),
+            self.cfg.train.on_schedule_change,
+            step=manifest.step,
+        )
+
+    def _say_schedule(self, step: int, decision: ScheduleDecision) -> None:
+        """A warning (rank 0) when the resumed step's schedule is not simply the configured one."""
+        if self.rank != 0:
+            return
+        changed = ", ".join(map(str, decision.changes))
+        if decision.outcome == KEPT:
+            log.warning(
+                "resuming step %d: the configured LR schedule differs from the saved one (%s); "
+                "train.on_schedule_change=keep: the saved schedule goes on (it reaches its floor at step %d; "
+                "training runs to train.steps=%d)",
+                step,
+                changed,
+                decision.schedule.total_steps,
+                self.cfg.train.steps,
+            )
+        elif decision.outcome == RESCALED:
+            log.warning(
+                "resuming step %d: the LR schedule changes (%s); train.on_schedule_change=rescale: the configured "
+                "schedule applies from step %d",
+                step,
+                changed,
+                step,
+            )
+        elif decision.outcome == UNRECORDED:
+            log.warning(
+                "resuming step %d: the checkpoint records no LR schedule (saved by an older ftrain): taking it as "
+                "the configured one (%s); the next checkpoints record it",
+                step,
+                decision.schedule,
+            )
 
     def close(self, *, abandon: bool = False) -> None:
         """``abandon``: see :meth:`ftrain.checkpoint.manager.CheckpointManager.close`."""

@@ -61,7 +61,7 @@ from ftrain.model import build_model, count_parameters
 from ftrain.observability.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.observability.progress import Progress
 from ftrain.observability.step_phases import StepPhases
-from ftrain.optim import lr_at, peak_lr, set_lr
+from ftrain.optim import Schedule, peak_lr, set_lr
 from ftrain.parallel import strategies
 from ftrain.parallel.base import Parallel
 from ftrain.parallel.parallelize import parallelize
@@ -380,6 +380,12 @@ class Trainer:
             )
             self._check_consistency(self.cursor.step)
 
+    def lr_schedule(self) -> Schedule:
+        """The LR schedule in force: what the last resume from storage decided (``train.on_schedule_change``:
+        the saved one or the configured one), else the configured one. A memory-tier or live-peer restore
+        (this run's state, under this config) decides nothing: it goes on with the configured schedule."""
+        return self.ckpt.schedule if self.ckpt is not None else Schedule.of(self.cfg)
+
     def _resume_from_tier(self) -> bool:
         """Collective: the newest snapshot the memory tier holds (``checkpoint.memory_dir``: what
         this node and the buddies kept before a restart), if it is not older than the newest
@@ -459,13 +465,7 @@ class Trainer:
             par.reduce_gradients()
             grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
         stats = self._step_stats(step + 1, losses)
-        lr = lr_at(
-            step,
-            peak=self.peak_lr,
-            warmup_steps=cfg.optim.warmup_steps,
-            total_steps=cfg.train.steps,
-            min_lr_ratio=cfg.optim.min_lr_ratio,
-        )
+        lr = self.lr_schedule().lr_at(step, self.layout.dp_size)
         with phases.phase("ckpt_staging"):
             self._wait_staged()
         loss = stats.loss
