@@ -65,9 +65,9 @@ class TrainConfig:
     save_final_path: str = opt("", "If set, rank 0 writes the final full model and optimizer state here (torch.save).")
     on_schedule_change: str = opt(
         "fail",
-        "Resuming with another train.steps, optim.warmup_steps, optim.lr or optim.min_lr_ratio than the checkpoint "
-        "was trained with: fail (say what changed), keep (the saved schedule goes on), or rescale (the new one, "
-        "from the resumed step).",
+        "Resuming with another train.steps, optim.warmup_steps, optim.lr, optim.min_lr_ratio (or LR scaling) than "
+        "the checkpoint was trained with: fail (say what changed), keep (the saved schedule goes on), or rescale "
+        "(the new one, from the resumed step).",
         ("fail", "keep", "rescale"),
     )
     on_nonfinite: str = opt(

@@ -58,10 +58,13 @@ from ftrain.faults import (
     maybe_slow_down,
 )
 from ftrain.model import build_model, count_parameters
+from ftrain.models.checks import check_model
+from ftrain.models.hf_weights import load_hf_weights
+from ftrain.models.layout import logits_of
 from ftrain.observability.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.observability.progress import Progress
 from ftrain.observability.step_phases import StepPhases
-from ftrain.optim import Schedule, peak_lr, set_lr
+from ftrain.optim import Schedule, set_lr
 from ftrain.parallel import strategies
 from ftrain.parallel.base import Parallel
 from ftrain.parallel.parallelize import parallelize
@@ -207,6 +210,9 @@ class Trainer:
         self.source = source if source is not None else build_source(cfg.data, cfg.model)
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
+        check_model(model, cfg)
+        if cfg.model.init_from:
+            load_hf_weights(model, cfg.model)
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
@@ -230,7 +236,6 @@ class Trainer:
             *([self.ckpt.manager.wait_staged] if self.ckpt is not None else []),
             *([self.tier.wait_staged] if self.tier is not None else []),
         ]
-        self.peak_lr = peak_lr(cfg.optim, self.layout.dp_size)
         self.floor = getattr(self.source, "entropy_floor_nats", None)
         self.skipped_steps = 0
         self.max_failed_commits = cfg.checkpoint.max_failed_commits
@@ -492,7 +497,7 @@ class Trainer:
             with par.grad_sync(is_last=i == self.accum - 1):
                 with phases.phase("forward"):
                     with par.autocast():
-                        logits = par.model(tokens[:, :-1])
+                        logits = logits_of(par.model(tokens[:, :-1]))
                     micro_loss = loss_of(logits, tokens[:, 1:])
                 with phases.backward():
                     par.backward(micro_loss, i, self.accum)

@@ -1,0 +1,73 @@
+"""The built-in Llama (``model.arch = "llama"``: RMSNorm, rotary embeddings, SwiGLU, grouped-query
+attention) trains to the same place under every strategy and pipeline schedule as in one process.
+
+The tolerances are test_strategies.py's (fp32 on CPU: strategies differ only in the order of
+floating-point sums). Four blocks, 4 query and 2 key/value heads, so tensor parallelism splits
+both head kinds and every pipeline layout has blocks to place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors
+
+pytestmark = pytest.mark.dist
+
+LLAMA = ("--model.arch=llama", "--model.n_kv_heads=2", "--model.n_layer=4")
+PARAM_ATOL = 2e-4
+LOSS_ATOL = 1e-4
+
+
+def _assert_close(run, ref, what: str) -> None:
+    assert len(run.metrics) == len(ref.metrics) == 10
+    for a, b in zip(run.metrics, ref.metrics, strict=True):
+        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL, f"{what}: step {a['step']} loss {a['loss']} vs {b['loss']}"
+    diff = max_abs_diff(run.final["model"], ref.final["model"])
+    assert diff < PARAM_ATOL, f"{what}: parameters differ by {diff}"
+    odiff = max_abs_diff(optimizer_tensors(run.final["optim"]), optimizer_tensors(ref.final["optim"]))
+    assert odiff < PARAM_ATOL, f"{what}: optimizer state differs by {odiff}"
+
+
+@pytest.fixture
+def reference(golden):
+    return golden(1, *LLAMA)
+
+
+def test_the_llama_learns_and_its_parameters_are_llama_shaped(reference):
+    assert reference.metrics[-1]["loss"] < reference.metrics[0]["loss"] - 0.3
+    model = reference.final["model"]
+    assert model["blocks.0.attn.k.weight"].shape == (16, 32)  # 2 kv heads of 8: grouped-query attention
+    assert model["blocks.0.mlp.gate.weight"].shape == (128, 32)  # SwiGLU: 8/3 x 32 rounded up to 64s
+    assert "pos_emb.weight" not in model and "blocks.0.attn_norm.weight" in model
+
+
+@pytest.mark.parametrize(
+    ("nproc", "overrides"),
+    [
+        (2, ()),
+        (2, ("--parallel.strategy=zero1",)),
+        (2, ("--parallel.strategy=zero2",)),
+        (2, ("--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true")),
+        (4, ("--parallel.strategy=hsdp",)),
+        (2, ("--parallel.strategy=tp",)),
+        (4, ("--parallel.strategy=fsdp+tp",)),
+        (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=gpipe")),
+        (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=1f1b")),
+        (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=interleaved_1f1b")),
+        (4, ("--parallel.pp_size=2", "--parallel.strategy=fsdp")),
+    ],
+    ids=["ddp", "zero1", "zero2", "fsdp+ac", "hsdp", "tp", "fsdp+tp", "gpipe", "1f1b", "interleaved", "pp2xfsdp2"],
+)
+def test_every_strategy_matches_one_process(nproc, overrides, golden, reference):
+    run = golden(nproc, *LLAMA, *overrides)
+    _assert_close(run, reference, " ".join(overrides) or "ddp")
+
+
+def test_deterministic_mode_is_bitwise_at_one_and_two_ranks(golden):
+    det = (*LLAMA, "--parallel.deterministic=true", "--train.global_batch_size=12", "--train.micro_batch_size=1")
+    one, two = golden(1, *det), golden(2, *det)
+    assert [m["loss"] for m in one.metrics] == [m["loss"] for m in two.metrics]
+    for name, tensor in one.final["model"].items():
+        assert torch.equal(two.final["model"][name], tensor), name
