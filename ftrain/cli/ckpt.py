@@ -5,6 +5,7 @@
     ftrain ckpt verify URI [STEP]            re-hash every file; exit 1 on any problem
     ftrain ckpt gc URI [--dry-run] [--keep-last N] [--keep-every M] [--grace-s S]
     ftrain ckpt export URI STEP OUT.pt       one plain torch.save file, loadable without ftrain
+    ftrain ckpt export URI STEP OUT --format hf   a Hugging Face save_pretrained directory
 
 Every subcommand takes ``--endpoint-url`` (else ``AWS_ENDPOINT_URL``) and ``--hmac-key-env NAME``
 (the variable holding the manifest HMAC key). Exit codes: 0 fine, 1 problems found (or the step
@@ -266,8 +267,17 @@ def cmd_gc(args: argparse.Namespace, overrides: list[str]) -> int:
 
 @_guarded
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Write one step as a single plain ``torch.save`` file."""
-    from ftrain.checkpoint.export import export_step  # heavy (torch DCP): imported only here
+    """Write one step as a single plain ``torch.save`` file, or a Hugging Face directory."""
+    from ftrain.checkpoint.export import HfConverter, export_step  # heavy (torch DCP): imported only here
+
+    to_hf: HfConverter | None = None
+    if args.format == "hf":
+        if args.with_optimizer:
+            print("ftrain ckpt export: --with-optimizer does not go with --format hf", file=sys.stderr)
+            return exits.USAGE
+        from ftrain.models import hf_weights
+
+        to_hf = hf_weights.to_hf
 
     storage = _storage(args)
     if not args.hmac_key_env:
@@ -280,6 +290,8 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
             hmac_key_env=args.hmac_key_env,
             job=args.job,
             include_optimizer=args.with_optimizer,
+            fmt=args.format,
+            to_hf=to_hf,
         )
     except (ChecksumMismatchError, UnsafePickleError) as e:
         print(f"ftrain ckpt export: {e}", file=sys.stderr)
@@ -356,9 +368,17 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help=f"uncommitted/corrupt directories younger than this are kept ({Retention().grace_s:g})",
     )
 
-    p = command("export", "write one step as a single torch.save file", cmd_export)
+    p = command("export", "write one step as a single torch.save file or a Hugging Face directory", cmd_export)
     p.add_argument("step", type=_step_arg, help="step number or step directory name")
-    p.add_argument("out", help="output file (.pt)")
+    p.add_argument("out", help="output file (.pt); with --format hf, a directory")
+    p.add_argument(
+        "--format",
+        choices=("torch", "hf"),
+        default="torch",
+        help="torch: one torch.save file of the model's state dict (default); hf: config.json + model.safetensors "
+        "(shards of at most 2 GB and their index above that), loadable with transformers' from_pretrained "
+        "(the built-in llama and model.factory = ftrain.models.hf:causal_lm models)",
+    )
     p.add_argument(
         "--with-optimizer",
         action="store_true",
