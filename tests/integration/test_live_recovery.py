@@ -266,11 +266,13 @@ def test_under_fsdp_a_lost_node_comes_back_healed_from_the_memory_tier(tmp_path,
             job.close()
 
 
-def _lose_and_bring_back(job: Cluster, lost: str, while_gone: Callable[[], None] = lambda: None) -> None:
-    """Node ``lost``'s agent and round-1 workers SIGKILLed, ``while_gone()``, its agent started
-    again (again while the dead agent's lease still holds its registration)."""
+def _lose_and_bring_back(
+    job: Cluster, lost: str, while_gone: Callable[[], None] = lambda: None, worker_round: int = 1
+) -> None:
+    """Node ``lost``'s agent and ``worker_round``'s workers SIGKILLed, ``while_gone()``, its agent
+    started again (again while the dead agent's lease still holds its registration)."""
     job.kill_agent(lost)
-    for pid in _serving(job, lost, 1).values():
+    for pid in _serving(job, lost, worker_round).values():
         if not process_gone(pid):
             os.kill(pid, signal.SIGKILL)
     while_gone()
@@ -530,3 +532,57 @@ def test_no_worker_or_spare_outlives_a_sigkilled_agent(tmp_path, etcd):
         wait_for(lambda: all(process_gone(p) for p in processes), 10, f"{processes} to exit after their agent")
     finally:
         job.close()
+
+
+LLAMA = ("--model.arch=llama", "--model.n_kv_heads=2")
+
+
+@pytest.fixture(scope="module")
+def golden_llama_fsdp(tmp_path_factory):
+    return train_job(tmp_path_factory.mktemp("golden-llama"), 4, f"--train.steps={STEPS}", *FSDP, *LLAMA).final
+
+
+def test_the_llama_under_fsdp_heals_a_killed_worker_and_a_lost_node_from_memory(
+    tmp_path, etcd, seaweed, s3_prefix, golden_llama_fsdp
+):
+    """The built-in Llama (RoPE, GQA, SwiGLU) under fsdp: a worker SIGKILLed, later a whole node
+    lost and brought back; both heal from the memory tier with the others' processes kept, and
+    the job ends bitwise equal to a fault-free run."""
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        job = _cluster(
+            tmp_path,
+            etcd,
+            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
+            *LLAMA,
+            strategy=FSDP,
+            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
+            env=seaweed.env(),
+        )
+        try:
+            job.start("a", *LIVE, nnodes="2:2", nproc=2)
+            job.start("b", *LIVE, nnodes="2:2", nproc=2)
+            job.wait_step(30)
+            _wait_tier_covers_commits(job, 4, 30)
+            node, pid = _node_of(job, 0, 1)
+            other = "b" if node == "a" else "a"
+            kept = _serving(job, other, 1)
+            os.kill(pid, signal.SIGKILL)
+            assert {e["source"] for e in _restored_in_round_2(job, 4)} == {"memory_tier"}
+            assert _serving(job, other, 2) == kept, "the other node's workers were restarted"
+            job.wait_step(70)
+            _wait_tier_covers_commits(job, 4, 70)
+            kept = _serving(job, node, 2)
+            _lose_and_bring_back(job, other, worker_round=2)
+
+            def healed() -> list[dict] | None:
+                rounds = [e["round"] for e in job.events("live_restored") if e["round"] > 2]
+                newest = [e for e in job.events("live_restored") if rounds and e["round"] == max(rounds)]
+                return newest if len(newest) == 4 else None
+
+            restored = wait_for(healed, 120, "a round after the node loss with every rank restored")
+            assert {e["source"] for e in restored} == {"memory_tier"}, restored
+            assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+            assert _serving(job, node, restored[0]["round"]) == kept, "the survivor's workers were restarted"
+            _assert_bitwise_golden(tmp_path / "final.pt", golden_llama_fsdp)
+        finally:
+            job.close()

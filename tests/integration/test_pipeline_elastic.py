@@ -35,8 +35,9 @@ STEPS = 120
         ("live", 2, [], (2, 2, 1)),
         ("restart", 2, [], (2, 2, 1)),
         ("restart", 1, ["--parallel.pp_fallback=1"], (1, 1, 1)),
+        ("live", 2, ["--model.arch=llama", "--model.n_kv_heads=2"], (2, 2, 1)),
     ],
-    ids=["live", "restart", "fallback-to-pp1"],
+    ids=["live", "restart", "fallback-to-pp1", "live-llama"],
 )
 def test_a_node_lost_from_a_pipeline_goes_on_in_the_next_layout_and_consumes_every_sample_once(
     tmp_path, etcd, recovery, nproc, fallback, after
