@@ -42,19 +42,20 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
 - Start-up: the train loop builds the full fp32 model (4Ψ) and moves it to the device before
   sharding it, so 4Ψ plus the local shard is a floor on every rank whatever the world size.
 - Activations (built-in GPT; models from ``model.factory`` are assumed GPT-like with the
-  configured sizes): Korthikanti et al. 2022 count s·b·h·(34 + 5·a·s/h) bytes per layer for
-  2-byte activations with dropout masks and a materialised a·s² attention. ``F.scaled_dot_
-  product_attention`` (flash/memory-efficient on CUDA, the flash kernel on CPU) saves q, k, v,
-  its output and a logsumexp instead of the a·s² scores, and with dropout = 0 no masks are
-  saved, which leaves 4 + 2·mlp_ratio + 4 = 16 saved s·b·h tensors per layer (verified by
-  counting saved tensors: tests/unit/test_plan.py). Of those, the norm inputs/outputs (4) are
-  replicated under TP and the rest (12) split. Bytes per element follow the precision: fp32 4;
-  FSDP2 bf16 2; autocast keeps the residual stream and norm inputs fp32 and casts the norm
-  output once per consuming linear (q, k, v: three copies). CPU SDPA with dropout > 0 falls back
-  to the math path, which does store 3·a·s² values per layer. Plus the final norm, and the
-  logits: b·s·V in the compute dtype held by the loop, fp32 log-softmax output, its gradient and
-  the gradient of the logits (~12 more bytes per logit) at the start of backward. Activation
-  checkpointing keeps each block's input and recomputes one block at a time.
+  configured sizes; the Llama's: :mod:`ftrain.planning.llama_activations`): Korthikanti et al.
+  2022 count s·b·h·(34 + 5·a·s/h) bytes per layer for 2-byte activations with dropout masks and
+  a materialised a·s² attention. ``F.scaled_dot_product_attention`` (flash/memory-efficient on
+  CUDA, the flash kernel on CPU) saves q, k, v, its output and a logsumexp instead of the a·s²
+  scores, and with dropout = 0 no masks are saved, which leaves 4 + 2·mlp_ratio + 4 = 16 saved
+  s·b·h tensors per layer (verified by counting saved tensors: tests/unit/test_plan.py). Of
+  those, the norm inputs/outputs (4) are replicated under TP and the rest (12) split. Bytes per
+  element follow the precision: fp32 4; FSDP2 bf16 2; autocast keeps the residual stream and
+  norm inputs fp32 and casts the norm output once per consuming linear (q, k, v: three copies).
+  CPU SDPA with dropout > 0 falls back to the math path, which does store 3·a·s² values per
+  layer. Plus the final norm, and the logits: b·s·V in the compute dtype held by the loop, fp32
+  log-softmax output, its gradient and the gradient of the logits (~12 more bytes per logit) at
+  the start of backward. Activation checkpointing keeps each block's input and recomputes one
+  block at a time.
 - Overhead: CPU peak RSS has a baseline a tiny run already pays (:data:`CPU_BASELINE_BYTES`,
   measured) plus the data cursor's epoch permutation. On CUDA the metric
   ``torch.cuda.max_memory_allocated`` leaves out the CUDA context, cuBLAS workspaces and NCCL
@@ -81,6 +82,8 @@ from ftrain.models.layout import block_list, tp_plan_of
 from ftrain.optim import param_groups
 from ftrain.parallel import strategies
 from ftrain.parallel.strategies import Layout, Strategy, Wrapper, compute_layout
+from ftrain.planning.activations import Activations
+from ftrain.planning.llama_activations import llama_activations
 
 GiB = 2**30
 
@@ -311,45 +314,17 @@ def precision_mode(strategy: Strategy, target: Target) -> str:
     return "mp" if strategy.wrapper is Wrapper.FSDP else "autocast"
 
 
-@dataclass(frozen=True, slots=True)
-class Activations:
-    """Activation memory of one micro-batch, in bytes, at the two candidate peaks of backward."""
-
-    layers: int
-    """Saved by the blocks at the end of forward (with checkpointing: each block's input)."""
-    final_norm: int
-    """Saved by the final norm and the head (their inputs)."""
-    loss_peak: int
-    """Logits side during the loss's backward: the logits the loop holds (compute dtype), the
-    fp32 log-softmax output cross-entropy saves, its incoming gradient and its result."""
-    logits_held: int
-    """The logits the loop keeps referencing through the rest of backward and the step."""
-    recompute: int
-    """With checkpointing: one block's full activations while its backward recomputes them."""
-
-    @property
-    def saved_bytes(self) -> int:
-        """What autograd holds at the end of forward, the logits side aside."""
-        return self.layers + self.final_norm
-
-    @property
-    def at_loss_backward(self) -> int:
-        """Peak A, when backward starts at the loss (before any FSDP unit is gathered again)."""
-        return self.layers + self.final_norm + self.loss_peak
-
-    @property
-    def at_last_block_backward(self) -> int:
-        """Peak B, when the last block's backward starts (FSDP has gathered the root and blocks)."""
-        return self.layers + self.recompute + self.logits_held
-
-
 def activations(
     model: ModelConfig, *, micro_batch: int, mode: str, tp: int, device: str, checkpointing: bool
 ) -> Activations:
-    """Activation memory of the built-in GPT (see the module docstring for what is counted).
+    """Activation memory of the built-in GPT (the module docstring), or Llama (its own module).
 
     ``mode`` is "fp32", "mp" (FSDP2 bf16: everything bf16) or "autocast" (bf16 matmuls, fp32
     residual stream and norms)."""
+    if model.arch == "llama" and not model.factory:
+        return llama_activations(
+            model, micro_batch=micro_batch, mode=mode, tp=tp, device=device, checkpointing=checkpointing
+        )
     b, s, h, a, L = micro_batch, model.seq_len, model.d_model, model.n_head, model.n_layer
     r = model.mlp_ratio
     sbh = s * b * h

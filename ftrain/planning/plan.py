@@ -68,6 +68,10 @@ def estimate_all(
         except ConfigError as e:
             skipped.append(Skipped(s, str(e)))
             continue
+        kv_heads = cfg.model.kv_heads if cfg.model.arch == "llama" and not cfg.model.factory else layout.tp_size
+        if kv_heads % layout.tp_size:  # each rank runs n_kv_heads / tp key/value heads
+            skipped.append(Skipped(s, f"tp {layout.tp_size} does not divide model.n_kv_heads={kv_heads}"))
+            continue
         if strategy.needs_several_ranks and world_size == 1:
             skipped.append(Skipped(s, "needs more than one rank"))
             continue
