@@ -20,7 +20,7 @@ circle (``scripts/import_graph.py``):
 
 | room | modules | may import (of the runtime) |
 |---|---|---|
-| training | the rest: `ftrain.config`, `train`, `model`, `models`, `data`, ... | parallel, recovery, agent link, observability |
+| training | the rest: `ftrain.config`, `train`, `model(s)`, `data`, ... | parallel, recovery, agent link, observability |
 | parallel | `ftrain.parallel` (strategies, torch mechanisms, pipeline arithmetic) | training |
 | recovery | `ftrain.recovery` | training, parallel, agent link |
 | agent link | `ftrain.agent_link` | nothing |
@@ -148,7 +148,9 @@ def test_every_runtime_module_respects_its_room_and_none_imports_in_a_circle():
     assert room_violations(edges) == []
     assert GRAPH.circles(edges) == []
     rooms = {p.name for p in (REPO / "ftrain").iterdir() if (p / "__init__.py").is_file() and not p.is_symlink()}
-    assert set(ROOM_OF) == {f"ftrain.{name}" for name in rooms - {"cli", "data", "models"}}, "a new room needs its rules"
+    assert set(ROOM_OF) == {f"ftrain.{name}" for name in rooms - {"cli", "data", "models"}}, (
+        "a new room needs its rules"
+    )
 
 
 def test_room_and_circle_checkers_catch_violations():
