@@ -20,7 +20,7 @@ circle (``scripts/import_graph.py``):
 
 | room | modules | may import (of the runtime) |
 |---|---|---|
-| training | the rest: `ftrain.config`, `train`, `model(s)`, `data`, ... | parallel, recovery, agent link, observability |
+| training | the rest: `ftrain.config`, `train`, `models`, `data`, ... | parallel, recovery, agent link, observability |
 | parallel | `ftrain.parallel` (strategies, torch mechanisms, pipeline arithmetic) | training |
 | recovery | `ftrain.recovery` | training, parallel, agent link |
 | agent link | `ftrain.agent_link` | nothing |
