@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, train_job
 
 pytestmark = pytest.mark.dist
 
@@ -71,3 +71,20 @@ def test_deterministic_mode_is_bitwise_at_one_and_two_ranks(golden):
     assert [m["loss"] for m in one.metrics] == [m["loss"] for m in two.metrics]
     for name, tensor in one.final["model"].items():
         assert torch.equal(two.final["model"][name], tensor), name
+
+
+def test_deterministic_mode_resumes_bitwise_at_another_world_size(tmp_path, golden):
+    """Two ranks killed after step 6, resumed on one from the checkpoint of step 4: the final
+    weights and optimizer state equal the uninterrupted run's, bit for bit."""
+    det = (*LLAMA, "--parallel.deterministic=true", "--train.global_batch_size=12", "--train.micro_batch_size=1")
+    ckpt = tmp_path / "ckpt"
+    common = (*det, f"--checkpoint.uri={ckpt}", "--checkpoint.interval=4", "--checkpoint.async_mode=off")
+    crashed = train_job(tmp_path / "w2", 2, *common, env={"FTRAIN_FAULT_SIGKILL": "6:0"}, check=False, save_final=False)
+    assert crashed.returncode != 0 and max(m["step"] for m in crashed.metrics) == 6, crashed.output[-3000:]
+    resumed = train_job(tmp_path / "w1", 1, *common, env={"FTRAIN_ROUND": "1"})
+    assert resumed.metrics[0]["step"] == 5 and resumed.metrics[0]["world_size"] == 1, resumed.output[-3000:]
+    ref = golden(1, *det)
+    for name, tensor in ref.final["model"].items():
+        assert torch.equal(resumed.final["model"][name], tensor), name
+    ref_opt, opt = optimizer_tensors(ref.final["optim"]), optimizer_tensors(resumed.final["optim"])
+    assert opt.keys() == ref_opt.keys() and all(torch.equal(opt[k], v) for k, v in ref_opt.items())
