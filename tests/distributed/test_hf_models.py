@@ -1,0 +1,198 @@
+"""Hugging Face models end to end through ``torchrun -m ftrain train``: ``ftrain.models.hf:causal_lm``
+(llama and qwen2) under ddp, fsdp, tp and a two-stage pipeline, each run resuming the one before
+it from its checkpoint (so every strategy trains, saves, and reads another's step); the first run
+starts from ``model.init_from`` (a ``save_pretrained`` directory: its first loss is the Hugging Face
+model's on that batch), the last step exports with ``ftrain ckpt export --format hf`` and reloads
+in transformers with the logits of ftrain's model. The step directory also reads back with plain
+PyTorch (``dcp_to_torch_save``; ``dcp.load(..., no_dist=True)`` into a fresh model).
+
+Cost: one chain of four 2-rank torchrun jobs per family plus one export (each job ~6-10 s here).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from ftrain.checkpoint.manifest import step_dir_name  # noqa: E402
+from ftrain.config import load_config  # noqa: E402
+from ftrain.contract.events import read_jsonl  # noqa: E402
+from ftrain.model import build_model  # noqa: E402
+from ftrain.models.layout import logits_of  # noqa: E402
+from ftrain.testbed.jobs import TINY_CONFIG, run, train_job, worker_env  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+FAMILIES = ("llama", "qwen2")
+#: [model.args] of a tiny model of each family (vocab_size and max_position_embeddings: TINY's model.*)
+ARGS = """
+[model.args]
+family = "{family}"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 4
+num_attention_heads = 4
+num_key_value_heads = 2
+"""
+#: each run resumes the one before it and trains INTERVAL more steps; (strategy overrides, last step)
+INTERVAL = 2
+CHAIN = (
+    ("ddp", ()),
+    ("fsdp", ("--parallel.strategy=fsdp",)),
+    ("tp", ("--parallel.strategy=tp",)),
+    ("pp", ("--parallel.pp_size=2",)),
+)
+
+
+def config_text(family: str) -> str:
+    """TINY_CONFIG with the factory: its vocab_size and seq_len stay, its other model sizes go unread."""
+    return TINY_CONFIG.replace("[model]\n", '[model]\nfactory = "ftrain.models.hf:causal_lm"\n', 1) + ARGS.format(
+        family=family
+    )
+
+
+def job_config(tmp: Path, family: str, *overrides: str):
+    path = tmp / f"{family}.toml"
+    path.write_text(config_text(family))
+    return load_config(path, overrides)
+
+
+def first_batch(cfg) -> torch.Tensor:
+    """The tokens of step 1's global batch (what every strategy's first step reads)."""
+    from ftrain.data import build_source
+    from ftrain.data.cursor import DataCursor
+
+    source = build_source(cfg.data, cfg.model)
+    ids = DataCursor(source.num_samples, cfg.train.global_batch_size, cfg.data.seed).next_global_batch().sample_ids
+    return torch.from_numpy(source.sample(ids)).long()
+
+
+def mean_loss(model, tokens: torch.Tensor, micro: int) -> float:
+    """The step's loss as the trainer reports it: the mean of the micro-batches' mean losses."""
+    with torch.no_grad():
+        losses = [
+            F.cross_entropy(logits_of(model(t[:, :-1])).float().flatten(0, 1), t[:, 1:].flatten())
+            for t in tokens.split(micro)
+        ]
+    return float(torch.stack(losses).mean())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def chain(request, tmp_path_factory):
+    """Every run of the chain for one family: (cfg, init dir, root, results, events per run)."""
+    family = request.param
+    tmp = tmp_path_factory.mktemp(family)
+    cfg = job_config(tmp, family)
+    torch.manual_seed(11)
+    start = build_model(cfg.model)
+    start.save_pretrained(tmp / "init")
+    root = tmp / "ckpt"
+    runs = []
+    for i, (name, overrides) in enumerate(CHAIN):
+        events = tmp / f"{name}.events.jsonl"
+        extra = [f"--model.init_from={tmp / 'init'}"] if i == 0 else []
+        result = train_job(
+            tmp / name,
+            2,
+            f"--checkpoint.uri={root}",
+            f"--checkpoint.interval={INTERVAL}",
+            f"--train.steps={INTERVAL * (i + 1)}",
+            "--train.on_schedule_change=rescale",
+            f"--logging.events_path={events}",
+            *extra,
+            *overrides,
+            config=config_text(family),
+            timeout_s=180,
+        )
+        runs.append((name, result, read_jsonl(events)))
+    return family, cfg, start, root, runs
+
+
+def test_every_strategy_trains_checkpoints_and_resumes_the_one_before(chain):
+    family, cfg, start, root, runs = chain
+    for i, (name, result, events) in enumerate(runs):
+        steps = [m["step"] for m in result.metrics]
+        assert steps == [INTERVAL * i + 1, INTERVAL * i + 2], f"{family}/{name}: {steps}"
+        resumed = [e for e in events if e["event"] == "resumed" and e["rank"] == 0]
+        if i == 0:
+            assert resumed == [], f"{family}/{name} resumed: {resumed}"
+        else:
+            assert [e["step"] for e in resumed] == [INTERVAL * i], f"{family}/{name}: {resumed}"
+    assert (root / step_dir_name(INTERVAL * len(CHAIN))).is_dir()  # older ones: retention's to delete
+    assert runs[-1][1].final["layout"]["pp_size"] == 2
+    losses = [m["loss"] for _, r, _ in runs for m in r.metrics]
+    assert losses[-1] < losses[0] - 0.1, f"{family}: the loss did not move: {losses}"
+
+
+def test_init_from_starts_at_the_hugging_face_models_loss(chain):
+    family, cfg, start, _, runs = chain
+    first = runs[0][1].metrics[0]
+    expected = mean_loss(start.eval(), first_batch(cfg), cfg.train.micro_batch_size)
+    assert first["loss"] == pytest.approx(expected, abs=1e-5), family
+
+
+def test_export_hf_reloads_in_transformers_with_ftrains_logits(chain, tmp_path):
+    import transformers
+
+    family, cfg, _, root, runs = chain
+    last = INTERVAL * len(CHAIN)
+    out = tmp_path / "hf"
+    proc = run(
+        [sys.executable, "-m", "ftrain", "ckpt", "export", str(root), str(last), str(out), "--format", "hf"],
+        timeout_s=120,
+        env=worker_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    final = runs[-1][1].final["model"]
+    ours = build_model(cfg.model)
+    ours.load_state_dict(final)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+    tokens = first_batch(cfg)[:4, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(hf.eval()(tokens)), logits_of(ours.eval()(tokens)), atol=1e-5, rtol=0)
+
+
+def test_a_step_directory_reads_back_with_plain_pytorch(chain, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    family, cfg, _, root, runs = chain
+    step_dir = root / step_dir_name(INTERVAL * len(CHAIN))
+    final = runs[-1][1].final["model"]
+    dcp_to_torch_save(step_dir, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert {"model", "optim", "rng.rank0", "rng.rank1"} <= set(whole)
+    assert whole["model"].keys() == final.keys()
+    assert all(torch.equal(whole["model"][k], final[k]) for k in final)
+    fresh = build_model(cfg.model)
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    fresh.load_state_dict(state["model"])
+    assert all(torch.equal(fresh.state_dict()[k], final[k]) for k in final)
+
+
+def test_fsdp_shards_each_decoder_layer_as_one_unit(tmp_path):
+    """In process, one rank of gloo: fully_shard wraps every ``model.layers[i]`` and the root, nothing else."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from ftrain.parallel.parallelize import parallelize
+    from ftrain.parallel.strategies import compute_layout
+
+    cfg = job_config(tmp_path, "qwen2", "--parallel.strategy=fsdp")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layout = compute_layout(cfg.parallel, world_size=1, rank=0, local_world_size=1, n_head=None)
+        par = parallelize(build_model(cfg.model), cfg, layout, torch.device("cpu"), torch.float32, 8)
+        units = [path for path, module in par.model.named_modules() if isinstance(module, FSDPModule)]
+        assert units == ["", *(f"model.layers.{i}" for i in range(4))]
+    finally:
+        dist.destroy_process_group()
