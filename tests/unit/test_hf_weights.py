@@ -116,6 +116,13 @@ def test_a_config_mismatch_names_the_setting(tmp_path):
         loaded(factory_cfg("llama", path, hidden_size=64))
 
 
+def test_a_numeric_difference_is_a_warning(tmp_path, caplog):
+    path = saved(hf_model(), tmp_path / "hf")
+    with caplog.at_level("WARNING", logger="ftrain.models.hf_weights"):
+        loaded(llama_cfg(path, norm_eps=1e-6))
+    assert "config.json's rms_norm_eps = 1e-05 but the model uses 1e-06" in caplog.text
+
+
 def rewrite(path: Path, change) -> None:
     """Edit ``path``'s model.safetensors: ``change(tensors)`` in place."""
     file = path / "model.safetensors"
