@@ -38,15 +38,16 @@ KEY = "model.init_from"
 HF_FACTORY = "ftrain.models.hf:causal_lm"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-#: the built-in llama's settings -> config.json's keys (checked before any tensor is read)
+#: config.json's keys -> the built-in llama's (ModelConfig attribute, the setting a user changes);
+#: checked before any tensor is read
 LLAMA_CONFIG_KEYS = {
-    "d_model": "hidden_size",
-    "n_layer": "num_hidden_layers",
-    "n_head": "num_attention_heads",
-    "kv_heads": "num_key_value_heads",
-    "vocab_size": "vocab_size",
-    "swiglu_dim": "intermediate_size",
-    "tie_embeddings": "tie_word_embeddings",
+    "hidden_size": ("d_model", "model.d_model"),
+    "num_hidden_layers": ("n_layer", "model.n_layer"),
+    "num_attention_heads": ("n_head", "model.n_head"),
+    "num_key_value_heads": ("kv_heads", "model.n_kv_heads"),
+    "vocab_size": ("vocab_size", "model.vocab_size"),
+    "intermediate_size": ("swiglu_dim", "model.ffn_dim"),
+    "tie_word_embeddings": ("tie_embeddings", "model.tie_embeddings"),
 }
 #: the config.json keys compared with a Hugging Face model's own config
 HF_CONFIG_KEYS = (
@@ -149,19 +150,12 @@ def _check_config(model: nn.Module, cfg: ModelConfig, theirs: Mapping[str, Any])
             raise ConfigError(
                 KEY, f"config.json's model_type is {theirs['model_type']!r}; the built-in llama reads llama"
             )
-        for ours, key in LLAMA_CONFIG_KEYS.items():
-            if key not in theirs:
-                continue
-            value = theirs[key] if theirs[key] is not None or key != "num_key_value_heads" else cfg.n_head
+        for key, (ours, setting) in LLAMA_CONFIG_KEYS.items():
+            value = theirs.get(key)
+            if value is None:  # absent (or a null num_key_value_heads: as many as the heads)
+                value = cfg.n_head if key == "num_key_value_heads" and key in theirs else None
             mine = getattr(cfg, ours)
-            if value != mine:
-                setting = (
-                    "model.n_kv_heads"
-                    if ours == "kv_heads"
-                    else "model.ffn_dim"
-                    if ours == "swiglu_dim"
-                    else f"model.{ours}"
-                )
+            if value is not None and value != mine:
                 raise ConfigError(KEY, f"config.json's {key} = {value!r} but the model has {mine!r} ({setting})")
         head_dim = theirs.get("head_dim")
         if head_dim is not None and head_dim != cfg.d_model // cfg.n_head:
@@ -199,11 +193,11 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
     target = model.state_dict()
     hf_of = {k: (names[k] if names is not None and k in names else k) for k in target}
     ours_of = {v: k for k, v in hf_of.items()}
-    shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         with st.safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                shapes[key] = (tuple(f.get_slice(key).get_shape()), file)
+                shapes[key] = tuple(f.get_slice(key).get_shape())
     unexpected = sorted(k for k in shapes if k not in ours_of and not _ignorable(k))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -212,9 +206,9 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
     for ours, hf in hf_of.items():
         if hf in shapes:
             shape = tuple(target[ours].shape)
-            if shapes[hf][0] != shape:
+            if shapes[hf] != shape:
                 raise ConfigError(
-                    KEY, f"{hf!r} has shape {list(shapes[hf][0])} in the checkpoint but {list(shape)} in the model"
+                    KEY, f"{hf!r} has shape {list(shapes[hf])} in the checkpoint but {list(shape)} in the model"
                 )
         elif target[ours].untyped_storage().data_ptr() not in present_storage:  # a tied copy is enough
             raise ConfigError(KEY, f"{hf!r} (the model's {ours!r}) is not in the checkpoint")
