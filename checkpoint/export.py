@@ -93,6 +93,9 @@ def export_step(
     manifest = report.manifest
     if not report.ok or manifest is None:  # a report is ok only with the manifest it verified against
         raise ChecksumMismatchError(f"{dirname} does not verify: " + "; ".join(str(p) for p in report.problems))
+    recorded_model = manifest.config.get("model", {})
+    if to_hf is not None and fmt == "hf":
+        to_hf({}, recorded_model)  # no tensors: a model without a Hugging Face form fails before the read
     reader = VerifiedReader(
         storage.child_url(dirname), options=storage.options, files=manifest.files, algorithm=manifest.digest_algorithm
     )
@@ -100,7 +103,7 @@ def export_step(
     model = state.get("model", {})
     if fmt == "hf":
         assert to_hf is not None
-        tensors, config = to_hf(model, manifest.config.get("model", {}))
+        tensors, config = to_hf(model, recorded_model)
         written = write_hf_dir(out_path, tensors, config, max_shard_bytes=max_shard_bytes)
         return {
             "step": step,

@@ -198,3 +198,21 @@ def test_fsdp_shards_each_decoder_layer_as_one_unit(tmp_path):
         assert units == ["", *(f"model.layers.{i}" for i in range(4))]
     finally:
         dist.destroy_process_group()
+
+
+def test_export_hf_of_the_reference_gpt_is_a_clear_error(chain, tmp_path, capsys):
+    """The manifest's recorded model decides; a GPT's step is refused before it is read."""
+    import json
+    import shutil
+
+    family, _, _, root, _ = chain
+    last = INTERVAL * len(CHAIN)
+    copy = Path(shutil.copytree(root / step_dir_name(last), tmp_path / "ckpt" / step_dir_name(last)))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["config"]["model"] |= {"factory": "", "args": {}, "arch": "gpt"}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["ckpt", "export", str(tmp_path / "ckpt"), str(last), str(tmp_path / "hf"), "--format", "hf"]
+    args, rest = build_parser(argv).parse_known_args(argv)
+    assert args.func(args, rest) == exits.USAGE
+    assert "the reference GPT has no Hugging Face equivalent" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
