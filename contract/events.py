@@ -34,6 +34,7 @@ class Event(StrEnum):
     WORKER_STARTED = "worker_started"  #: a worker process joined its round's process group
     RESUME_STARTED = "resume_started"
     RESUMED = "resumed"
+    WEIGHTS_LOADED = "weights_loaded"  #: model.init_from's files were loaded as the initial weights (their sha256)
     #: committed steps exist but none loads (on_no_loadable_step=fail), or the step to load would change the LR
     #: schedule (on_schedule_change=fail)
     RESUME_FAILED = "resume_failed"
@@ -137,6 +138,14 @@ class Resumed(Record):
     #: same | kept | rescaled (train.on_schedule_change, after a change) | unrecorded (an older checkpoint's)
     schedule_outcome: str = ""
     schedule_changes: list[str] = field(default_factory=list)  #: "key old -> new", saved to configured
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded(Record):
+    EVENT = Event.WEIGHTS_LOADED
+    path: str
+    files: dict[str, str]  #: each file's name in ``path`` -> its sha256
 
 
 @_record

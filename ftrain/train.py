@@ -211,14 +211,15 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         check_model(model, cfg)
-        if cfg.model.init_from:
-            load_hf_weights(model, cfg.model)
+        init_files = load_hf_weights(model, cfg.model) if cfg.model.init_from else {}
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
         self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
         self.round = current_round()  #: the round this trainer was built for (a live worker builds one per round)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)
+        if init_files and rank == 0:
+            self.events.emit(ev.WeightsLoaded(path=cfg.model.init_from, files=init_files))
         self.ledger = (
             Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=self.round)
             if cfg.data.ledger_dir and self.layout.reads_data

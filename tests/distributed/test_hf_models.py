@@ -139,6 +139,8 @@ def test_init_from_starts_at_the_hugging_face_models_loss(chain):
     first = runs[0][1].metrics[0]
     expected = mean_loss(start.eval(), first_batch(cfg), cfg.train.micro_batch_size)
     assert first["loss"] == pytest.approx(expected, abs=1e-5), family
+    (loaded,) = [e for e in runs[0][2] if e["event"] == "weights_loaded"]  # rank 0's, with each file's digest
+    assert loaded["files"] and all(len(digest) == 64 for digest in loaded["files"].values()), loaded
 
 
 def test_export_hf_reloads_in_transformers_with_ftrains_logits(chain, tmp_path, capsys):
