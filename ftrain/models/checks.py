@@ -67,11 +67,16 @@ def check_state_dict_names(model: nn.Module) -> None:
     if not extra and not lost:
         return
     culprit = _owner_of(model, (extra or lost)[0])
+    reports = [k.removeprefix(culprit + ".") for k in extra if k.startswith(culprit + ".")]
+    holds = [k.removeprefix(culprit + ".") for k in lost if k.startswith(culprit + ".")]
+    others = len({_owner_of(model, k) for k in (extra or lost)} - {culprit})
     raise ConfigError(
         "model.factory",
         f"the state dict of {type(model).__name__} does not name its parameters: module {culprit!r} "
-        f"({type(model.get_submodule(culprit)).__name__}) reports {', '.join(extra[:4]) or 'nothing'} but holds "
-        f"{', '.join(lost[:4]) or 'nothing'}. Distributed checkpointing maps state-dict keys onto parameters, so the "
+        f"({type(model.get_submodule(culprit)).__name__}) saves {', '.join(reports) or 'nothing'} but holds "
+        f"{', '.join(holds) or 'nothing'}"
+        + (f" (and {others} more module(s) like it)" if others else "")
+        + ". Distributed checkpointing maps state-dict keys onto parameters, so the "
         "first save would fail. Build the model without key-renaming modules (torchtitan: separate wq/wk/wv "
         "projections instead of the fused QKV), or drop the module's state-dict hooks.",
     )

@@ -1,0 +1,33 @@
+"""A torchtitan-shaped model (``tests/titan_model.py``) through ``ftrain.models.titan:causal_lm``:
+trained under tp and a two-stage pipeline to the same place as one process, with no wrapper of
+the user's; and its fused-QKV build refused before the first step with the module named."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrain.testbed.jobs import max_abs_diff, train_job
+
+pytestmark = pytest.mark.dist
+
+TITAN = (
+    "--model.factory=ftrain.models.titan:causal_lm",
+    "--model.args.builder=tests.titan_model:build",
+    "--model.n_layer=4",
+)
+
+
+def test_a_torchtitan_shaped_model_trains_under_tp_and_a_pipeline_like_one_process(golden):
+    ref = golden(1, *TITAN)
+    assert ref.metrics[-1]["loss"] < ref.metrics[0]["loss"] - 0.3
+    assert "layers.3.attention.wq.weight" in ref.final["model"]
+    for overrides in (("--parallel.strategy=tp",), ("--parallel.pp_size=2",)):
+        run = golden(2, *TITAN, *overrides)
+        assert max_abs_diff(run.final["model"], ref.final["model"]) < 2e-4, overrides
+
+
+def test_its_fused_qkv_build_is_refused_at_start_with_the_module_and_the_fix(tmp_path):
+    run = train_job(tmp_path, 1, *TITAN, "--model.args.fused=true", check=False, save_final=False)
+    assert run.returncode != 0 and not run.metrics
+    assert "module 'layers.0.attention.fused' (FusedQKVLinear)" in run.output, run.output[-3000:]
+    assert "separate wq/wk/wv" in run.output
