@@ -324,6 +324,12 @@ class ParallelConfig:
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MB.")
     static_graph: bool = opt(False, "DDP static_graph (same graph every step).")
     activation_checkpointing: bool = opt(False, "Recompute each block's activations in backward.")
+    sequence_parallel: bool = opt(
+        False,
+        "tp and fsdp+tp: norms and residuals run on each rank's slice of the sequence (activations / tp_size, "
+        "reduce-scatter + all-gather instead of all-reduce); the model must declare an sp_plan (the built-in llama "
+        "does). Not with a pipeline.",
+    )
     pp_size: int = opt(
         1,
         "Pipeline-parallel degree: the model's blocks split into stages over this many ranks (1: no pipeline); "
@@ -358,6 +364,14 @@ class ParallelConfig:
         if self.shard_size < 0:
             raise ConfigError("parallel.shard_size", f"must be >= 0, got {self.shard_size}")
         _check_strategy_parallel(self)  # strategy hook: a registered name; deterministic only where supported
+        if self.sequence_parallel and self.strategy not in ("tp", "fsdp+tp"):
+            raise ConfigError(
+                "parallel.sequence_parallel", f"needs tensor parallelism (tp or fsdp+tp), not {self.strategy}"
+            )
+        if self.sequence_parallel and max(pipeline_degrees(self)) > 1:
+            raise ConfigError(
+                "parallel.sequence_parallel", "does not run inside a pipeline stage: use parallel.pp_size = 1"
+            )
         check_pipeline(self)
         if self.bucket_cap_mb <= 0:
             raise ConfigError("parallel.bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")

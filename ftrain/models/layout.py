@@ -31,6 +31,11 @@ from torch import nn
 Blocks = nn.ModuleList | nn.Sequential | nn.ModuleDict
 #: tensor-parallel styles a plan may name
 TP_STYLES = ("colwise", "rowwise")
+#: sequence-parallel roles (``parallel.sequence_parallel``): the module whose output enters the
+#: sequence-sharded region (the embedding), a norm run on its sequence shard, a module whose only
+#: positional input (the hidden states) is gathered back to the whole sequence before its
+#: column-split layers, and the module after the region whose input is gathered (the head)
+SP_STYLES = ("enter", "sequence", "gather", "exit")
 
 
 class Parts:
@@ -62,6 +67,9 @@ class ModelLayout:
     head: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
     tp_plan: Mapping[str, str] | None = None
+    sp_plan: Mapping[str, str] | None = None
+    """Sequence parallelism (module path, ``*`` = each block -> one of :data:`SP_STYLES`); with
+    it, the tp plan's rowwise layers leave their output sharded along the sequence."""
     call_embed: Callable[[Parts, torch.Tensor], torch.Tensor] | None = None
     context: Callable[[Parts, torch.Tensor], Any] | None = None
     call_block: Callable[[Parts, nn.Module, torch.Tensor, Any], torch.Tensor] | None = None
@@ -157,13 +165,24 @@ def expand_plan(plan: Mapping[str, str], blocks: str, block_keys: list[str]) -> 
     return out
 
 
+def _block_keys(model: nn.Module) -> list[str]:
+    blocks = block_container(model)
+    return list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks or []))]
+
+
+def sp_plan_of(model: nn.Module) -> dict[str, str] | None:
+    """The model's sequence-parallel plan with every ``*`` expanded; None if it declares none."""
+    layout = layout_of(model)
+    if layout is None or layout.sp_plan is None:
+        return None
+    return expand_plan(layout.sp_plan, layout.blocks, _block_keys(model))
+
+
 def tp_plan_of(model: nn.Module) -> dict[str, str] | None:
     """The model's tensor-parallel plan with every ``*`` expanded: its layout's, else a ``tp_plan()``
     method's (the older protocol, still honoured); None if it has neither."""
     layout = layout_of(model)
     if layout is not None and layout.tp_plan is not None:
-        blocks = block_container(model)
-        keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks or []))]
-        return expand_plan(layout.tp_plan, layout.blocks, keys)
+        return expand_plan(layout.tp_plan, layout.blocks, _block_keys(model))
     plan_fn = getattr(model, "tp_plan", None)
     return dict(plan_fn()) if callable(plan_fn) else None

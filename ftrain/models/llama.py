@@ -97,7 +97,7 @@ class LlamaBlock(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+        x = x + self.drop(self.attn(self.attn_norm(x), rope=rope))  # one positional input: see sp_plan
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -145,6 +145,15 @@ class Llama(nn.Module):
             head=("norm", "head"),
             shared=("rope",),
             tp_plan=plan,
+            sp_plan={
+                "tok_emb": "enter",
+                "blocks.*.attn_norm": "sequence",
+                "blocks.*.attn": "gather",
+                "blocks.*.mlp_norm": "sequence",
+                "blocks.*.mlp": "gather",
+                "norm": "sequence",
+                "head": "exit",
+            },
             call_embed=_embed,
             context=_rope,
             call_block=_block,

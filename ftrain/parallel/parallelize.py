@@ -37,7 +37,7 @@ def parallelize(
     if layout.mesh_shape is not None:
         shape, names = layout.mesh_shape
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    strategy.apply_tensor_parallel(model, mesh)
+    strategy.apply_tensor_parallel(model, mesh, sequence_parallel=cfg.parallel.sequence_parallel)
     if cfg.parallel.activation_checkpointing:
         checkpoint_blocks(model)
     model = strategy.apply_data_parallel(model, cfg.parallel, layout, mesh, device, compute_dtype)

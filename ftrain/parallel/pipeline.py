@@ -160,7 +160,7 @@ def build_pipeline(
         model, parts, [b for s in mine for b in blocks_of[s]], first=0 in mine, last=num_stages - 1 in mine
     ).to(device)
     del model  # what this rank does not run is freed once the caller drops the model too
-    strategy.apply_tensor_parallel(kept, inner)
+    strategy.apply_tensor_parallel(kept, inner, sequence_parallel=False)  # refused with a pipeline (config)
     if parallel.activation_checkpointing:
         checkpoint_blocks(kept)
     chunks: list[nn.Module] = [

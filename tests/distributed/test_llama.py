@@ -53,12 +53,28 @@ def test_the_llama_learns_and_its_parameters_are_llama_shaped(reference):
         (4, ("--parallel.strategy=hsdp",)),
         (2, ("--parallel.strategy=tp",)),
         (4, ("--parallel.strategy=fsdp+tp",)),
+        (2, ("--parallel.strategy=tp", "--parallel.sequence_parallel=true")),
+        (4, ("--parallel.strategy=fsdp+tp", "--parallel.sequence_parallel=true")),
         (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=gpipe")),
         (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=1f1b")),
         (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=interleaved_1f1b")),
         (4, ("--parallel.pp_size=2", "--parallel.strategy=fsdp")),
     ],
-    ids=["ddp", "zero1", "zero2", "fsdp+ac", "hsdp", "tp", "fsdp+tp", "gpipe", "1f1b", "interleaved", "pp2xfsdp2"],
+    ids=[
+        "ddp",
+        "zero1",
+        "zero2",
+        "fsdp+ac",
+        "hsdp",
+        "tp",
+        "fsdp+tp",
+        "tp+sp",
+        "fsdp+tp+sp",
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "pp2xfsdp2",
+    ],
 )
 def test_every_strategy_matches_one_process(nproc, overrides, golden, reference):
     run = golden(nproc, *LLAMA, *overrides)
@@ -88,3 +104,32 @@ def test_deterministic_mode_resumes_bitwise_at_another_world_size(tmp_path, gold
         assert torch.equal(resumed.final["model"][name], tensor), name
     ref_opt, opt = optimizer_tensors(ref.final["optim"]), optimizer_tensors(resumed.final["optim"])
     assert opt.keys() == ref_opt.keys() and all(torch.equal(opt[k], v) for k, v in ref_opt.items())
+
+
+def test_sequence_parallelism_runs_the_norms_on_sequence_shards(tmp_path):
+    """In one process (a tp mesh of one rank): with parallel.sequence_parallel the norms become
+    torch's SequenceParallel (replicated DTensor weights) and the row-split layers leave their
+    output sharded along the sequence; without it the norms stay plain parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from ftrain.config import ModelConfig
+    from ftrain.models.llama import Llama
+    from ftrain.parallel.tp import apply_tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        plain, sp = (torch.manual_seed(0) and Llama(ModelConfig(arch="llama", size="debug")) for _ in range(2))
+        apply_tensor_parallel(plain, mesh["tp"])
+        apply_tensor_parallel(sp, mesh["tp"], sequence_parallel=True)
+        assert not isinstance(plain.blocks[0].attn_norm.weight, DTensor)
+        assert isinstance(sp.blocks[0].attn_norm.weight, DTensor) and isinstance(sp.norm.weight, DTensor)
+        seen = []
+        sp.blocks[0].attn.o.register_forward_hook(lambda m, i, out: seen.append(out))
+        tokens = torch.randint(0, 256, (2, 16))
+        assert torch.allclose(sp(tokens), plain(tokens), atol=1e-5)
+        assert seen and not isinstance(seen[0], DTensor)  # the local shard (use_local_output)
+    finally:
+        dist.destroy_process_group()

@@ -149,3 +149,12 @@ def test_model_size_and_args_in_config():
     assert cfg.model.args == {"family": "qwen2", "hidden_size": 64}
     with pytest.raises(ConfigError, match="model.n_kv_heads: 3 does not divide model.n_head=4"):
         load_config(None, ["--model.arch=llama", "--model.n_kv_heads=3"])
+
+
+def test_sequence_parallelism_needs_tensor_parallelism_and_no_pipeline():
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: needs tensor parallelism"):
+        load_config(None, ["--parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: does not run inside a pipeline"):
+        load_config(None, ["--parallel.strategy=tp", "--parallel.sequence_parallel=true", "--parallel.pp_size=2"])
+    layout = layout_of(build_model(ModelConfig(arch="llama", size="debug")))
+    assert layout is not None and layout.sp_plan is not None and layout.sp_plan["head"] == "exit"

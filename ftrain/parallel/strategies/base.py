@@ -149,8 +149,11 @@ class Strategy(abc.ABC):
         Settings left at 0 (``tp_size``, ``shard_size``) get the strategy's default here."""
 
     # -- the model (torch; imported lazily) -----------------------------------------------
-    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:  # noqa: B027  (a hook)
-        """Split the model's layers in place, before activation checkpointing (default: nothing)."""
+    def apply_tensor_parallel(  # noqa: B027  (a hook)
+        self, model: nn.Module, mesh: DeviceMesh | None, *, sequence_parallel: bool
+    ) -> None:
+        """Split the model's layers in place, before activation checkpointing (default: nothing);
+        ``sequence_parallel``: ``parallel.sequence_parallel``."""
 
     def apply_data_parallel(
         self,

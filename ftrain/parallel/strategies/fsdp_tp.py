@@ -41,8 +41,8 @@ class FSDPTP(FSDP):
             mesh_shape=((world_size // tp, tp), ("dp", "tp")),
         )
 
-    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
-        split_layers(model, mesh)
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None, *, sequence_parallel: bool) -> None:
+        split_layers(model, mesh, sequence_parallel=sequence_parallel)
 
     def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         return mesh["dp"]

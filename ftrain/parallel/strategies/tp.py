@@ -30,12 +30,12 @@ def tp_degree(tp: int, *, world_size: int, n_head: int | None) -> int:
     return tp
 
 
-def split_layers(model: nn.Module, mesh: DeviceMesh | None) -> None:
-    """Apply the model's ``tp_plan()`` over the mesh's "tp" dimension, in place."""
+def split_layers(model: nn.Module, mesh: DeviceMesh | None, *, sequence_parallel: bool) -> None:
+    """Apply the model's tensor-parallel (and sequence-parallel) plan over the mesh's "tp" dimension, in place."""
     from ftrain.parallel.tp import apply_tensor_parallel
 
     assert mesh is not None, "every tensor-parallel layout has a mesh_shape"
-    apply_tensor_parallel(model, mesh["tp"])
+    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
 
 
 def local_numel(num_params: int, *, tp_split: int, tp: int) -> int:
@@ -66,8 +66,8 @@ class TP(Strategy):
             self.name, world_size, rank, world_size // tp, rank // tp, tp_size=tp, mesh_shape=((tp,), ("tp",))
         )
 
-    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
-        split_layers(model, mesh)
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh | None, *, sequence_parallel: bool) -> None:
+        split_layers(model, mesh, sequence_parallel=sequence_parallel)
 
     def replica_group(self, layout: Layout) -> int | None:
         return 0
