@@ -152,3 +152,21 @@ def test_the_control_plane_bench_smoke_run_measures_16_agents_on_a_real_etcd():
     # a follower was killed: a round without it; then a new agent joined: a round with it
     assert run["round_after"] > run["round_before"] and run["node_loss_to_round_s"] > 0
     assert run["join_round"] > run["round_after"] and run["join_to_round_s"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_the_models_bench_smoke_run_sets_the_llama_under_ftrain_beside_a_plain_loop():
+    summary = _smoke("models.py", timeout_s=180)
+    assert summary["bench"] == "models" and summary["smoke"] and summary["ok"]
+    assert summary["model"]["arch"] == "llama" and summary["num_params"] > 0
+    rows = {r["strategy"]: r for r in summary["results"]}
+    assert list(rows) == ["ddp", "fsdp"]
+    for row in rows.values():
+        [pair] = row["pairs"]
+        for side in ("ftrain", "plain"):
+            assert pair[side]["ok"] and pair[side]["tokens_per_s"] > 0 and len(pair[side]["peak_rss_per_rank"]) == 2
+            assert 0 < pair[side]["final_loss"] < 10
+        assert row["ratio"] == pytest.approx(pair["ftrain"]["tokens_per_s"] / pair["plain"]["tokens_per_s"])
+        assert row["plan_bytes"] > 100e6  # the per-process baseline dominates the debug model
+        assert abs(row["plan_error"]) < 0.2, row
+    assert isinstance(summary["ratio_target_met"], bool) and isinstance(summary["plan_target_met"], bool)
