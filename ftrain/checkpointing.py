@@ -341,6 +341,13 @@ class Checkpointing:
         )
         return manifest
 
+    def adopt_recorded_schedule(self, manifest: Manifest) -> None:
+        """A restore of this run's own state (the memory tier) goes on with the LR schedule its step
+        recorded: what this run's last resume from storage decided (``train.on_schedule_change``)."""
+        recorded = recorded_schedule(manifest)
+        if recorded is not None:
+            self.schedule = recorded
+
     def schedule_decision(self, manifest: Manifest) -> ScheduleDecision:
         """The LR schedule a resume from ``manifest``'s step goes on with (see :func:`ftrain.optim.decide_schedule`)."""
         return decide_schedule(

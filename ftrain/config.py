@@ -39,6 +39,8 @@ from ftrain.parallel.strategies import STRATEGIES
 from ftrain.parallel.strategies import check_config as _check_strategy_config
 from ftrain.parallel.strategies import check_parallel as _check_strategy_parallel
 
+#: the values of ``optim.lr_scaling``
+LR_SCALINGS = ("none", "linear", "sqrt")
 #: the values of ``model.arch``
 MODEL_ARCHS = ("gpt", "llama")
 
@@ -291,7 +293,7 @@ class OptimConfig:
     lr_scaling: str = opt(
         "none",
         "Scale the peak LR with the data-parallel size relative to optim.base_world_size: none, linear or sqrt.",
-        ("none", "linear", "sqrt"),
+        LR_SCALINGS,
     )
     base_world_size: int = opt(1, "Data-parallel size at which optim.lr is the peak LR as given.")
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ftrain.config import LR_SCALINGS
 from ftrain.contract.config import ConfigError
 
 if TYPE_CHECKING:
@@ -76,7 +77,6 @@ def set_lr(param_groups_: Iterable[dict[str, Any]], lr: float) -> None:
         group["lr"] = lr
 
 
-LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULE_POLICIES = ("fail", "keep", "rescale")
 
 

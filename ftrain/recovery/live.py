@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ftrain.agent_link import flight_recorder, heartbeat
 from ftrain.checkpoint.storage import Storage, StorageOptions
-from ftrain.config import Config
+from ftrain.config import LR_SCALINGS, Config
 from ftrain.contract import events as ev
 from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.worker_env import WorkerEnv
@@ -54,7 +54,7 @@ from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
 from ftrain.model import build_model
 from ftrain.models.layout import logits_of
-from ftrain.optim import adamw_kwargs
+from ftrain.optim import Schedule, adamw_kwargs
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
@@ -146,10 +146,11 @@ def hold(trainer: Trainer) -> HeldState:
         trainer.par.optimizer.zero_grad(set_to_none=True)
         trainer.update_applied = True
     committed = trainer.committed_step()
+    schedule = trainer.lr_schedule()
     if not strategies.full_replica(trainer.layout):
-        return HeldState(step=trainer.cursor.step, committed_step=committed)
+        return HeldState(step=trainer.cursor.step, committed_step=committed, schedule=schedule)
     model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
-    return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict())
+    return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict(), schedule)
 
 
 def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) -> Restored:
@@ -183,6 +184,7 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
                 trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim
             )
             trainer.cursor.load_state_dict(state.cursor)
+            _agree_schedule(trainer, held, src)
             _note_committed(trainer, committed)
             return Restored("memory" if everyone_holds else "live_peer", state.step, -1 if everyone_holds else src)
     tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
@@ -191,6 +193,37 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
         return Restored("memory_tier", tier_step)
     manifest = trainer.ckpt.resume() if trainer.ckpt is not None and trainer.cfg.checkpoint.resume else None
     return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
+
+
+def _agree_schedule(trainer: Trainer, held: HeldState | None, src: int) -> None:
+    """Collective: every rank goes on with the LR schedule rank ``src`` trained on (what the run's
+    last resume from storage decided, ``train.on_schedule_change``), not with a new process's
+    configured one. Sent as numbers; a value that is not a schedule leaves the configured one."""
+    numbers = torch.zeros(7, dtype=torch.float64, device=trainer.device)
+    mine = held.schedule if held is not None and trainer.rank == src else None
+    if mine is not None and mine.lr_scaling in LR_SCALINGS:
+        numbers.copy_(
+            torch.tensor(
+                [1, mine.total_steps, mine.warmup_steps, mine.lr, mine.min_lr_ratio,
+                 LR_SCALINGS.index(mine.lr_scaling), mine.base_world_size],
+                dtype=torch.float64,
+            )
+        )  # fmt: skip
+    dist.broadcast(numbers, src)
+    sent, steps, warmup, lr, floor, scaling, base = numbers.tolist()
+    if not sent or trainer.ckpt is None:
+        return
+    try:
+        trainer.ckpt.schedule = Schedule(
+            total_steps=int(steps),
+            warmup_steps=int(warmup),
+            lr=lr,
+            min_lr_ratio=floor,
+            lr_scaling=LR_SCALINGS[int(scaling)],
+            base_world_size=int(base),
+        )
+    except (ValueError, IndexError) as e:
+        log.error("rank %d sent no valid LR schedule (%s): going on with the configured one", src, e)
 
 
 def _note_committed(trainer: Trainer, committed: int) -> None:

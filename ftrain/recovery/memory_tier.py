@@ -356,7 +356,7 @@ class MemoryTier:
         self._outcome = None
         began = time.monotonic()
         state = training_state(trainer.par, trainer.rank)  # views of the live tensors: the thread copies them
-        fields = manifest_fields(self.cfg, trainer.par, trainer.cursor, current_round())
+        fields = manifest_fields(self.cfg, trainer.par, trainer.cursor, current_round(), schedule=trainer.lr_schedule())
         blocked_s = time.monotonic() - began
         self._staged = threading.Event()
         self._thread = threading.Thread(
@@ -573,6 +573,8 @@ class MemoryTier:
             self._refuse(trainer, choice.step, f"the load from the verified bytes failed: {e}")
             return None
         apply_loaded(trainer.par, trainer.cursor, trainer.rank, manifest, target)
+        if trainer.ckpt is not None:
+            trainer.ckpt.adopt_recorded_schedule(manifest)
         return manifest.step
 
     def _collect(

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ftrain.optim import Schedule
 from ftrain.torch_compat import all_gather_single
 
 #: dtypes a header may name (anything else is refused)
@@ -78,6 +79,9 @@ class HeldState:
     model: dict[str, Any] | None = None
     optim: dict[str, Any] | None = None
     cursor: dict[str, int] | None = None
+    schedule: Schedule | None = None
+    """The LR schedule the rank trained on (what the run's last resume decided); not sent with the
+    state: :func:`ftrain.recovery.live.restore` makes the ranks agree on one."""
     _digest: int | None = None
 
     @property

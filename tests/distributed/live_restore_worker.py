@@ -7,6 +7,7 @@ what it got to ``<out>/rank<r>.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -48,8 +49,11 @@ def main(config: str, scenario: str, out: str) -> None:
         held = _ahead(held, 0.5 if rank == 0 else 0.25) if rank != 1 else held
     elif scenario == "joiner":  # rank 2 is a new process: it holds nothing
         held = None if rank == 2 else held
+        if held is not None:  # the others trained on what a resume under on_schedule_change=keep kept
+            held.schedule = dataclasses.replace(first.lr_schedule(), total_steps=7)
+    checkpointed = [f"--checkpoint.uri={out}/ckpt"] if scenario == "joiner" else []
     second = Trainer(
-        load_config(config, ["--train.steps=3", *OVERRIDES]),
+        load_config(config, ["--train.steps=3", *OVERRIDES, *checkpointed]),
         device,
         torch.float32,
         rank,
@@ -68,6 +72,7 @@ def main(config: str, scenario: str, out: str) -> None:
                 "cursor_step": second.cursor.step,
                 "digest": digest,
                 "param_sum": float(sum(float(v.double().sum()) for v in params.values())),
+                "schedule_steps": second.lr_schedule().total_steps,
             },
             fh,
         )

@@ -44,9 +44,11 @@ def test_replicas_that_disagree_on_the_newest_step_make_every_rank_load_from_sto
 
 
 def test_a_new_process_gets_the_state_of_the_ranks_that_hold_it(tmp_path):
+    """... and the LR schedule they trained on (one a resume kept: 7 steps, not the configured 3)."""
     ranks = _restore(tmp_path, "joiner")
     assert {r["source"] for r in ranks} == {"live_peer"} and {r["step"] for r in ranks} == {2}
     assert len({r["digest"] for r in ranks}) == 1
+    assert [r["schedule_steps"] for r in ranks] == [7, 7, 7]
 
 
 def test_ranks_that_all_hold_the_step_keep_it_and_receive_nothing(tmp_path):
