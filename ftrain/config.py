@@ -38,6 +38,7 @@ from ftrain.parallel.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeli
 from ftrain.parallel.strategies import STRATEGIES
 from ftrain.parallel.strategies import check_config as _check_strategy_config
 from ftrain.parallel.strategies import check_parallel as _check_strategy_parallel
+from ftrain.parallel.strategies import get as _strategy
 
 #: the values of ``optim.lr_scaling``
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -312,6 +313,10 @@ class OptimConfig:
             raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         positive("optim.base_world_size", self.base_world_size)
 
+    def adamw_kwargs(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s arguments (weight decay is per parameter group: ftrain.optim.param_groups)."""
+        return {"lr": self.lr, "betas": (self.beta1, self.beta2), "eps": self.eps}
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
@@ -366,9 +371,9 @@ class ParallelConfig:
         if self.shard_size < 0:
             raise ConfigError("parallel.shard_size", f"must be >= 0, got {self.shard_size}")
         _check_strategy_parallel(self)  # strategy hook: a registered name; deterministic only where supported
-        if self.sequence_parallel and self.strategy not in ("tp", "fsdp+tp"):
+        if self.sequence_parallel and not _strategy(self.strategy).needs_tp_plan:
             raise ConfigError(
-                "parallel.sequence_parallel", f"needs tensor parallelism (tp or fsdp+tp), not {self.strategy}"
+                "parallel.sequence_parallel", f"needs a tensor-parallel strategy (tp or fsdp+tp), not {self.strategy}"
             )
         if self.sequence_parallel and max(pipeline_degrees(self)) > 1:
             raise ConfigError(

@@ -44,10 +44,6 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
     return groups
 
 
-def adamw_kwargs(optim: OptimConfig) -> dict[str, Any]:
-    return {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
-
-
 def scaled_lr(lr: float, lr_scaling: str, base_world_size: int, dp_size: int) -> float:
     """``lr`` scaled to ``dp_size`` data-parallel ranks (``optim.lr_scaling``: none, linear, sqrt)."""
     ratio = dp_size / base_world_size

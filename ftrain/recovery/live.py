@@ -54,7 +54,7 @@ from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
 from ftrain.model import build_model
 from ftrain.models.layout import logits_of
-from ftrain.optim import Schedule, adamw_kwargs
+from ftrain.optim import Schedule
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
@@ -297,7 +297,7 @@ def warm_up(cfg: Config, device: torch.device) -> float:
             cfg.checkpoint.uri, StorageOptions(endpoint_url=cfg.checkpoint.endpoint_url, region=cfg.checkpoint.region)
         )
     model = build_model(cfg.model).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg.optim))
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.optim.adamw_kwargs())
     tokens = torch.zeros(1, min(8, cfg.model.seq_len) + 1, dtype=torch.long, device=device)
     logits = logits_of(model(tokens[:, :-1]))
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()

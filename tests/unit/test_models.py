@@ -152,7 +152,7 @@ def test_model_size_and_args_in_config():
 
 
 def test_sequence_parallelism_needs_tensor_parallelism_and_no_pipeline():
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel: needs tensor parallelism"):
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: needs a tensor-parallel strategy"):
         load_config(None, ["--parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: does not run inside a pipeline"):
         load_config(None, ["--parallel.strategy=tp", "--parallel.sequence_parallel=true", "--parallel.pp_size=2"])

@@ -171,9 +171,7 @@ class Strategy(abc.ABC):
         """The optimizer over the wrapped model's parameter groups (default: AdamW)."""
         import torch
 
-        from ftrain.optim import adamw_kwargs
-
-        return torch.optim.AdamW(groups, **adamw_kwargs(optim))
+        return torch.optim.AdamW(groups, **optim.adamw_kwargs())
 
     def make_parallel(
         self,

@@ -52,10 +52,9 @@ class Zero1(DDP):
             )
 
     def make_optimizer(self, groups: list[dict[str, object]], optim: OptimConfig) -> torch.optim.Optimizer:
-        from ftrain.optim import adamw_kwargs
         from ftrain.parallel.ddp import make_zero1_optimizer
 
-        return make_zero1_optimizer(groups, **adamw_kwargs(optim))
+        return make_zero1_optimizer(groups, **optim.adamw_kwargs())
 
     def make_parallel(
         self,
