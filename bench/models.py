@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="pairs per strategy (default 3)")
     p.add_argument("--strategies", default="ddp,fsdp,tp", help="comma-separated among ddp,fsdp,tp")
     p.add_argument("--timeout-s", type=float, default=600, help="per run")
+    p.add_argument("--retries", type=int, default=1, help="re-run a failed run this many times (default 1)")
     p.add_argument("--smoke", action="store_true", help="the test suite's run: debug size, 6 steps, ddp and fsdp")
     args = p.parse_args(argv)
     if args.smoke:
@@ -105,24 +106,33 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("plain", "ftrain") if rep % 2 == 0 else ("ftrain", "plain")
                 pair: dict[str, Any] = {"order": list(order)}
                 for side in order:
-                    if side == "ftrain":
-                        run = ftrain_run(config_path, strategy, nproc, workdir, env=env, timeout_s=args.timeout_s)
-                    else:
-                        run = plain_run(
-                            model,
-                            strategy,
-                            nproc,
-                            workdir,
-                            global_batch=train["global_batch_size"],
-                            micro_batch=args.micro_batch,
-                            steps=args.steps,
-                            env=env,
-                            timeout_s=args.timeout_s,
+                    failures: list[str] = []
+                    while True:  # a failed run goes again up to --retries times, each failure reported
+                        if side == "ftrain":
+                            run = ftrain_run(config_path, strategy, nproc, workdir, env=env, timeout_s=args.timeout_s)
+                        else:
+                            run = plain_run(
+                                model,
+                                strategy,
+                                nproc,
+                                workdir,
+                                global_batch=train["global_batch_size"],
+                                micro_batch=args.micro_batch,
+                                steps=args.steps,
+                                env=env,
+                                timeout_s=args.timeout_s,
+                            )
+                        if run["ok"] or len(failures) >= args.retries:
+                            break
+                        failures.append(run["error"])
+                        print(
+                            f"  {strategy} [{rep}] {side}: failed, running it again: {run['error'][:300]}", flush=True
                         )
                     gap = median_interval_s(run["end_times"], args.warmup) if run["ok"] else None
                     pair[side] = {
                         "ok": run["ok"] and gap is not None,
                         "wall_s": run["wall_s"],
+                        "failed_attempts": failures,
                         **({"error": run["error"]} if not run["ok"] else {}),
                     }
                     if gap is not None:
