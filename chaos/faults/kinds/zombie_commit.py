@@ -55,6 +55,7 @@ def _run_zombie(args: list[str], events_path: Path, env: dict[str, str]) -> dict
             "--checkpoint.interval=1",
             "--checkpoint.async_mode=off",
             "--train.steps=100000",
+            "--train.on_schedule_change=keep",  # another train.steps than the job's: resume all the same
             "--logging.progress=off",
         ],
         stdout=subprocess.DEVNULL,
