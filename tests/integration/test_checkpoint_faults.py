@@ -122,6 +122,7 @@ def test_corruption_is_named_and_training_falls_back(case, seaweed, pristine, s3
         tmp_path / "resume",
         1,
         "--train.steps=9",
+        "--train.on_schedule_change=rescale",  # one step past the saved run's end
         f"--checkpoint.uri={storage.url}",
         "--checkpoint.interval=0",
         "--checkpoint.final_save=false",
@@ -145,6 +146,7 @@ def _resume(seaweed, storage: Storage, workdir: Path, endpoint_url: str, *, chec
         workdir,
         1,
         "--train.steps=9",
+        "--train.on_schedule_change=rescale",  # one step past the saved run's end
         f"--checkpoint.uri={storage.url}",
         f"--checkpoint.endpoint_url={endpoint_url}",
         "--checkpoint.interval=0",

@@ -327,6 +327,7 @@ def test_the_trainer_refuses_a_manifest_without_a_cursor_and_resumes_the_previou
         tmp_path / "again",
         1,
         "--train.steps=9",
+        "--train.on_schedule_change=rescale",  # one step past the saved run's end
         f"--checkpoint.uri={root}",
         "--checkpoint.interval=0",
         "--checkpoint.final_save=false",
