@@ -43,7 +43,8 @@ def main(config: str, scenario: str, out: str, final: str) -> None:
     snapshots = [s.step for s in tier.snapshots]
     if rank in fresh:  # a new process: nothing in memory
         held, tier = None, MemoryTier(cfg)
-    second_cfg = load_config(config, ["--train.steps=6", *OVERRIDES, f"--train.save_final_path={final}"])
+    longer = ["--train.steps=6", "--train.on_schedule_change=rescale"]  # a storage fallback resumes step 4
+    second_cfg = load_config(config, [*longer, *OVERRIDES, f"--train.save_final_path={final}"])
     second = Trainer(second_cfg, device, torch.float32, rank, world, 2, tier=tier)
     restored = restore(second, held)
     cursor_step = second.cursor.step

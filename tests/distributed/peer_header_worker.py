@@ -84,7 +84,8 @@ def main(config: str, out: str, ckpt: str, tampers: str) -> None:
         held: HeldState = _ahead(base, 0.5) if rank != 1 else base
         held.digest()  # what the survey announces: computed before the sender is tampered with
         peer_state.flatten = _tampering(how) if rank == 0 and how != "none" else _flatten
-        second = Trainer(load_config(config, ["--train.steps=3", *common]), device, torch.float32, rank, world, local)
+        longer = load_config(config, ["--train.steps=3", "--train.on_schedule_change=rescale", *common])
+        second = Trainer(longer, device, torch.float32, rank, world, local)
         restored = restore(second, held)
         peer_state.flatten = _flatten
         results.append(

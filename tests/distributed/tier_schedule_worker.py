@@ -62,7 +62,13 @@ def spare(config: str, events: str) -> None:
     else:
         held, tier = None, MemoryTier(cfg)  # a spare: a new process
     second = Trainer(
-        load_config(config, ["--train.steps=12", *overrides]), device, torch.float32, rank, world, 2, tier=tier
+        load_config(config, ["--train.steps=12", "--train.on_schedule_change=rescale", *overrides]),
+        device,
+        torch.float32,
+        rank,
+        world,
+        2,
+        tier=tier,
     )
     restored = restore(second, held)
     with open(f"{events}.rank{rank}.json", "w") as fh:
