@@ -1,7 +1,7 @@
 """The built-in Llama (``model.arch = "llama"``: RMSNorm, rotary embeddings, SwiGLU, grouped-query
 attention) trains to the same place under every strategy and pipeline schedule as in one process.
 
-The tolerances are test_strategies.py's (fp32 on CPU: strategies differ only in the order of
+The tolerances are tests/distributed/parity.py's (fp32 on CPU: strategies differ only in the order of
 floating-point sums). Four blocks, 4 query and 2 key/value heads, so tensor parallelism splits
 both head kinds and every pipeline layout has blocks to place.
 """
@@ -11,23 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, train_job
+from ftrain.testbed.jobs import optimizer_tensors, train_job
+from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
 
 LLAMA = ("--model.arch=llama", "--model.n_kv_heads=2", "--model.n_layer=4")
-PARAM_ATOL = 2e-4
-LOSS_ATOL = 1e-4
-
-
-def _assert_close(run, ref, what: str) -> None:
-    assert len(run.metrics) == len(ref.metrics) == 10
-    for a, b in zip(run.metrics, ref.metrics, strict=True):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL, f"{what}: step {a['step']} loss {a['loss']} vs {b['loss']}"
-    diff = max_abs_diff(run.final["model"], ref.final["model"])
-    assert diff < PARAM_ATOL, f"{what}: parameters differ by {diff}"
-    odiff = max_abs_diff(optimizer_tensors(run.final["optim"]), optimizer_tensors(ref.final["optim"]))
-    assert odiff < PARAM_ATOL, f"{what}: optimizer state differs by {odiff}"
 
 
 @pytest.fixture
@@ -78,7 +67,7 @@ def test_the_llama_learns_and_its_parameters_are_llama_shaped(reference):
 )
 def test_every_strategy_matches_one_process(nproc, overrides, golden, reference):
     run = golden(nproc, *LLAMA, *overrides)
-    _assert_close(run, reference, " ".join(overrides) or "ddp")
+    assert_trains_alike(run, reference, " ".join(overrides) or "ddp")
 
 
 def test_deterministic_mode_is_bitwise_at_one_and_two_ranks(golden):

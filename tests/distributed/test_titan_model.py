@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftrain.testbed.jobs import max_abs_diff, train_job
+from ftrain.testbed.jobs import train_job
+from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
 
@@ -22,8 +23,7 @@ def test_a_torchtitan_shaped_model_trains_under_tp_and_a_pipeline_like_one_proce
     assert ref.metrics[-1]["loss"] < ref.metrics[0]["loss"] - 0.3
     assert "layers.3.attention.wq.weight" in ref.final["model"]
     for overrides in (("--parallel.strategy=tp",), ("--parallel.pp_size=2",)):
-        run = golden(2, *TITAN, *overrides)
-        assert max_abs_diff(run.final["model"], ref.final["model"]) < 2e-4, overrides
+        assert_trains_alike(golden(2, *TITAN, *overrides), ref, " ".join(overrides))
 
 
 def test_its_fused_qkv_build_is_refused_at_start_with_the_module_and_the_fix(tmp_path):

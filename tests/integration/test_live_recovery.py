@@ -159,11 +159,12 @@ def _distcp_reads(proxy: S3FaultProxy, since: float, until: float) -> list[str]:
     return [p for t, method, p in proxy.requests_seen if method == "GET" and ".distcp" in p and since <= t <= until]
 
 
-def _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy: S3FaultProxy) -> Cluster:
+def _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy: S3FaultProxy, *overrides: str) -> Cluster:
     return _cluster(
         tmp_path,
         etcd,
         f"--checkpoint.endpoint_url={proxy.endpoint_url}",
+        *overrides,
         strategy=FSDP,
         ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
         env=seaweed.env(),
@@ -549,15 +550,7 @@ def test_the_llama_under_fsdp_heals_a_killed_worker_and_a_lost_node_from_memory(
     lost and brought back; both heal from the memory tier with the others' processes kept, and
     the job ends bitwise equal to a fault-free run."""
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _cluster(
-            tmp_path,
-            etcd,
-            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
-            *LLAMA,
-            strategy=FSDP,
-            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
-            env=seaweed.env(),
-        )
+        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, *LLAMA)
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2)
             job.start("b", *LIVE, nnodes="2:2", nproc=2)
