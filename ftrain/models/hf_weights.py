@@ -122,7 +122,12 @@ def weight_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(KEY, f"cannot read {str(index)!r}: {e}") from None
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        outside = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
+        if outside or not names:
+            raise ConfigError(
+                KEY, f"{INDEX_NAME} must map tensors to file names in {str(directory)!r}, got {outside or names}"
+            )
         missing = [n for n in names if not (directory / n).is_file()]
         if missing:
             raise ConfigError(KEY, f"{INDEX_NAME} lists {', '.join(missing)}, which {str(directory)!r} lacks")

@@ -173,6 +173,9 @@ def test_the_reference_gpt_and_missing_files_are_errors(tmp_path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
     with pytest.raises(ConfigError, match=r"neither model.safetensors nor .*pytorch_model.bin: only safetensors"):
         loaded(llama_cfg(path))
+    (path / "model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}')
+    with pytest.raises(ConfigError, match=r"must map tensors to file names in .*'../elsewhere.safetensors'"):
+        loaded(llama_cfg(path))  # an index read from disk names no file outside the directory
 
 
 def test_without_safetensors_the_error_names_the_extra(tmp_path, monkeypatch):
