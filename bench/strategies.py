@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ftrain.agents.workers import descendants
 from ftrain.parallel.strategies import STRATEGIES  # the registry's names; torch-free
 
 RANKS = {"hsdp": 4, "fsdp+tp": 4}  # 2 otherwise
@@ -120,6 +117,7 @@ def torchrun_train(
 ) -> Job:
     """One ``torchrun --standalone -m ftrain train`` job; its processes are killed in ``finally``."""
     from ftrain.observability.metrics import read_metrics
+    from ftrain.testbed.jobs import run_within
 
     metrics_path = workdir / f"metrics-{strategy.replace('+', '_')}-{nproc}.jsonl"
     metrics_path.unlink(missing_ok=True)  # the writer appends
@@ -138,23 +136,9 @@ def torchrun_train(
         *overrides,
     ]
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        out = f"timed out after {timeout_s:.0f}s"
-    finally:
-        if proc.poll() is None:
-            for pid in [proc.pid, *descendants(proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+    proc = run_within(cmd, timeout_s=timeout_s, env=env, cwd=workdir)
     metrics = read_metrics(metrics_path) if metrics_path.exists() else []
-    return Job(strategy, nproc, proc.returncode, time.perf_counter() - start, out or "", metrics)
+    return Job(strategy, nproc, proc.returncode, time.perf_counter() - start, proc.stdout or "", metrics)
 
 
 def failure_reason(job: Job) -> str:

@@ -66,6 +66,16 @@ def run(
             kill_tree(proc)
 
 
+def run_within(
+    cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """:func:`run`, with a timeout told in the output (``timed out after N s``, exit code -9) instead of raised."""
+    try:
+        return run(cmd, timeout_s=timeout_s, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, -9, f"timed out after {timeout_s:.0f}s", None)
+
+
 def torchrun_cmd(nproc: int, cfg_path: Path, *args: str) -> list[str]:
     return [
         sys.executable,

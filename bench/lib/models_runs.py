@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,7 +72,7 @@ def plain_run(
     timeout_s: float,
 ) -> dict[str, Any]:
     """One run of bench/lib/models_plain.py under ``torchrun --standalone``."""
-    from ftrain.testbed.procs import kill_tree
+    from ftrain.testbed.jobs import run_within
 
     out = workdir / f"plain-{strategy}.json"
     out.unlink(missing_ok=True)
@@ -92,19 +91,10 @@ def plain_run(
         f"--out={out}",
     ]
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        output = f"timed out after {timeout_s:.0f}s"
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    proc = run_within(cmd, timeout_s=timeout_s, env=env, cwd=workdir)
     wall = round(time.perf_counter() - start, 1)
     if proc.returncode != 0 or not out.exists():
-        lines = [ln for ln in (output or "").splitlines() if ln.strip()]
+        lines = [ln for ln in (proc.stdout or "").splitlines() if ln.strip()]
         return {"ok": False, "error": " / ".join(lines[-4:])[:600] or f"exit {proc.returncode}", "wall_s": wall}
     result = json.loads(out.read_text())
     return {"ok": True, **result, "wall_s": wall}
