@@ -24,6 +24,7 @@ from ftrain.planning.memory import (
 )
 from ftrain.planning.plan import PREFERENCE, estimate, estimate_all, recommend
 from ftrain.planning.plan_report import plan_report
+from tests.unit.saved_activations import saved_bytes
 
 GPU_BF16 = Target("cuda", "bf16")
 CPU_FP32 = Target("cpu", "fp32")
@@ -171,33 +172,11 @@ def test_fsdp_start_up_holds_the_full_model():
 # Activations, checked against the tensors autograd really saves (CPU).
 
 
-def _saved_bytes(model_cfg: ModelConfig, micro: int, autocast: bool) -> int:
-    torch.manual_seed(0)
-    model = build_model(model_cfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and t.is_floating_point():
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    tokens = torch.randint(0, model_cfg.vocab_size, (micro, model_cfg.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(tokens)
-    if autocast:  # cast weight copies are a transient of their own, not activations
-        linear = sum(p.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
-        return sum(storages.values()) - linear
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("mode,dropout", [("fp32", 0.0), ("autocast", 0.0), ("fp32", 0.1)])
 def test_activation_formula_matches_saved_tensors(mode, dropout):
     model = ModelConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=64, dropout=dropout)
     predicted = activations(model, micro_batch=3, mode=mode, tp=1, device="cpu", checkpointing=False).saved_bytes
-    measured = _saved_bytes(model, 3, autocast=mode == "autocast")
+    measured = saved_bytes(model, 3, mode)
     assert predicted == pytest.approx(measured, rel=0.01)
 
 

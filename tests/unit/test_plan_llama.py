@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from ftrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.model import build_model, count_parameters
 from ftrain.planning.memory import CUDA_RUNTIME_BYTES, GiB, Target, activations, layout_for, model_stats
 from ftrain.planning.plan import estimate, estimate_all
 from ftrain.planning.plan_report import plan_report
+from tests.unit.saved_activations import saved_bytes
 
 GPU_BF16 = Target("cuda", "bf16")
 
@@ -56,35 +56,13 @@ def test_small_llama_meta_count_equals_the_real_model():
 # Activations, checked against the tensors autograd really saves (CPU).
 
 
-def _saved_bytes(cfg: ModelConfig, micro: int, mode: str) -> int:
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    if mode == "mp":  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16): bf16 parameters and activations
-        model = model.to(torch.bfloat16)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and t.is_floating_point():
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            model(tokens)
-    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
-    return sum(storages.values()) - (2 * linear if mode == "autocast" else 0)  # autocast's weight copies aside
-
-
 @pytest.mark.parametrize("mode,dropout", [("fp32", 0.0), ("autocast", 0.0), ("mp", 0.0), ("fp32", 0.1)])
 def test_llama_activation_formula_matches_saved_tensors(mode, dropout):
     # GQA (2 kv heads of 4) and an ffn_dim that is no multiple of d_model: every width differs
     shape = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_kv_heads=2, d_model=64, ffn_dim=96)
     cfg = ModelConfig(arch="llama", dropout=dropout, **shape)
     predicted = activations(cfg, micro_batch=3, mode=mode, tp=1, device="cpu", checkpointing=False).saved_bytes
-    assert predicted == _saved_bytes(cfg, 3, mode)
+    assert predicted == saved_bytes(cfg, 3, mode)
 
 
 def test_gpt_and_factory_models_keep_the_gpt_formula():
