@@ -142,11 +142,17 @@ def torchrun_train(
 
 
 def failure_reason(job: Job) -> str:
-    """The worker's own error lines if it printed any, else the end of torchrun's report."""
-    lines = [ln.strip() for ln in job.output.splitlines() if ln.strip()]
-    keys = ("Error", "error:", "terminate called", "what()", "Signal", "Killed", "timed out")
-    picked = [ln for ln in lines if any(k in ln for k in keys) and "error_file" not in ln]
-    return " / ".join((picked or lines)[-4:])[:600] or f"exit {job.returncode}, no output"
+    return output_failure(job.output, job.returncode)
+
+
+def output_failure(output: str, returncode: int) -> str:
+    """What a failed torchrun job said: a worker's own fatal lines first (torchrun's report after
+    them names only the signal), else its error lines, else the end of its output."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    fatal = [ln for ln in lines if ln.startswith(("terminate called", "what()", "Fatal Python error"))]
+    keys = ("Error", "error:", "Signal", "Killed", "timed out")
+    picked = fatal + [ln for ln in lines if any(k in ln for k in keys) and "error_file" not in ln]
+    return " / ".join((picked[:1] + picked[1:][-3:]) if picked else lines[-4:])[:600] or f"exit {returncode}, no output"
 
 
 def run_with_retry(

@@ -70,6 +70,7 @@ def main() -> None:
     args = p.parse_args()
 
     from ftrain.config import ModelConfig
+    from ftrain.distributed import shutdown_distributed
     from ftrain.models.llama import Llama
 
     dist.init_process_group("gloo")
@@ -135,7 +136,7 @@ def main() -> None:
         result = {"end_times": ends, "step_time_s": step_s, "losses": losses, "peak_rss_per_rank": peaks}
         with open(args.out, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
+    shutdown_distributed()  # a barrier first: a rank that destroys its group early can abort its peer
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ def plain_run(
     timeout_s: float,
 ) -> dict[str, Any]:
     """One run of bench/lib/models_plain.py under ``torchrun --standalone``."""
+    from strategies import output_failure
+
     from ftrain.testbed.jobs import run_within
 
     out = workdir / f"plain-{strategy}.json"
@@ -94,7 +96,6 @@ def plain_run(
     proc = run_within(cmd, timeout_s=timeout_s, env=env, cwd=workdir)
     wall = round(time.perf_counter() - start, 1)
     if proc.returncode != 0 or not out.exists():
-        lines = [ln for ln in (proc.stdout or "").splitlines() if ln.strip()]
-        return {"ok": False, "error": " / ".join(lines[-4:])[:600] or f"exit {proc.returncode}", "wall_s": wall}
+        return {"ok": False, "error": output_failure(proc.stdout or "", proc.returncode), "wall_s": wall}
     result = json.loads(out.read_text())
     return {"ok": True, **result, "wall_s": wall}

@@ -25,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ftrain.agent_link import flight_recorder  # noqa: E402
 from ftrain.agent_link.flight_recorder import EXACT_AFTER_S, oldest_in_flight  # noqa: E402
+from ftrain.distributed import shutdown_distributed  # noqa: E402
 
 
 def _until(predicate, what: str, timeout_s: float = 30.0, *, fail: bool = True) -> Any:
@@ -99,13 +100,11 @@ def main(out: str) -> None:
     result["default"] = _held(store, rank, "go-default")
     sub = dist.new_group([0, 1])
     result["subgroup"] = _held(store, rank, "go-sub", group=sub)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     _world(store, rank, "world2")  # a second world: nothing of the first one is in flight
     result["second_world_idle"] = _settled() if rank == 0 else None
     result["second_world"] = _held(store, rank, "go-second")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     if rank == 0:
         Path(out, "in_flight.json").write_text(json.dumps(result))
 

@@ -12,10 +12,9 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device
+from ftrain.distributed import init_distributed, select_device, shutdown_distributed
 from ftrain.recovery.live import hold, restore
 from ftrain.recovery.peer_state import HeldState
 from ftrain.train import Trainer
@@ -76,8 +75,7 @@ def main(config: str, scenario: str, out: str) -> None:
             },
             fh,
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device
+from ftrain.distributed import init_distributed, select_device, shutdown_distributed
 from ftrain.recovery.live import hold, restore
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
@@ -55,8 +54,7 @@ def main(config: str, scenario: str, out: str, final: str) -> None:
             {"source": restored.source, "step": restored.step, "cursor_step": cursor_step, "snapshots": snapshots},
             fh,
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import ftrain.recovery.peer_state as peer_state
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device
+from ftrain.distributed import init_distributed, select_device, shutdown_distributed
 from ftrain.recovery.live import hold, restore
 from ftrain.recovery.peer_state import HeldState
 from ftrain.train import Trainer
@@ -100,8 +99,7 @@ def main(config: str, out: str, ckpt: str, tampers: str) -> None:
         second.close()
     with open(f"{out}/rank{rank}.json", "w") as fh:
         json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device
+from ftrain.distributed import init_distributed, select_device, shutdown_distributed
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
 
@@ -96,8 +96,7 @@ def main(config: str, memory_dir: str, events: str, out: str, defects: str) -> N
         results.append({"defect": defect, "resumed_at": resumed_at, "begin": begin, "end": os.path.getsize(events)})
     with open(f"{out}/rank{rank}.json", "w") as fh:
         json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -24,10 +24,9 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device
+from ftrain.distributed import init_distributed, select_device, shutdown_distributed
 from ftrain.recovery.live import hold, restore
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
@@ -94,5 +93,4 @@ def failures(config: str, events: str) -> None:
 
 if __name__ == "__main__":
     {"spare": spare, "failures": failures}[sys.argv[1]](sys.argv[2], sys.argv[3])
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()

@@ -64,6 +64,7 @@ def main() -> None:
         time.sleep(0.05)  # the workload's pace, not synchronisation
 
     write_json(args.out / f"done-{os.getpid()}.json", {**info, "steps": steps, "time": time.time()})
+    dist.barrier()  # before destroying: a rank that destroys its group early can abort its peer
     dist.destroy_process_group()
 
 
