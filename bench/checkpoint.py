@@ -255,24 +255,19 @@ class Bench:
         return seconds
 
     def verified_load(self, mode: str, step: int) -> float:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from ftrain.checkpointing import apply_loaded, load_target
 
         holder: dict[str, Any] = {}
 
         def build(manifest: Any) -> dict[str, Any]:
-            holder["sd"] = self.ckpt.state()
+            holder["sd"] = load_target(self.trainer.par, self.rank, manifest)
             return holder["sd"]
 
         manifest, seconds = self.timed(lambda: self.manager(mode).load(build, load_step=step))
         if manifest is None or manifest.step != step:
             raise RuntimeError(f"load of step {step} returned {manifest}")
-        sd = holder["sd"]  # as resume() does (outside the timing)
-        set_state_dict(
-            self.trainer.par.model,
-            self.trainer.par.optimizer,
-            model_state_dict=sd["model"],
-            optim_state_dict=sd["optim"],
-        )
+        # as resume() does (outside the timing): the step's state into model, optimizer, cursor, RNG
+        apply_loaded(self.trainer.par, self.trainer.cursor, self.rank, manifest, holder["sd"])
         return seconds
 
     # -- (d) steps with and without an upload in flight -------------------------------------

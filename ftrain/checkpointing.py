@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ftrain import optim_state
 from ftrain.agent_link import fence
 from ftrain.checkpoint.errors import CheckpointError, ManifestError
 from ftrain.checkpoint.loading import NoLoadableStepError
@@ -134,34 +135,27 @@ def _restore_rng(t: torch.Tensor, step: int) -> None:
         ) from e
 
 
-#: How optimizer state is stored: flattened per parameter name, its param-group settings too
-#: (``param_groups.<fqn>.lr``), so that ranks holding different parameters (pipeline stages) write
-#: different keys; one ``param_groups`` list per rank would be one key that DCP keeps once. Steps
-#: saved before it (no such key in the manifest's layout) hold that one list, the same on every
-#: rank then; they still load wherever every rank holds every parameter's group (no pipeline).
-OPTIM_FORMAT_KEY, FLAT = "optimizer_state", "flat"
-_FLAT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _state_options(manifest: Manifest | None) -> StateDictOptions | None:
-    """How ``manifest``'s step stores optimizer state (None: a new save's)."""
-    if manifest is None or manifest.layout.get(OPTIM_FORMAT_KEY) == FLAT:
-        return _FLAT_OPTIONS
-    return None
+def _optim_form(manifest: Manifest | None) -> str | None:
+    """The form ``manifest``'s step stores optimizer state in (:mod:`ftrain.optim_state`; None:
+    the nested form of steps that record none); a new save's is ``per_param``."""
+    return optim_state.PER_PARAM if manifest is None else manifest.layout.get(optim_state.FORMAT_KEY)
 
 
 def training_state(par: Parallel, rank: int, manifest: Manifest | None = None) -> dict[str, Any]:
     """What a checkpoint (or a memory-tier snapshot) of this rank holds: model, optimizer
-    (``get_state_dict``: DTensor shards for FSDP/TP, in :data:`OPTIM_FORMAT_KEY`'s form, or
-    the form ``manifest``'s step was saved in) and this rank's RNG states."""
-    model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=_state_options(manifest))
+    (``get_state_dict``: DTensor shards for FSDP/TP, in :mod:`ftrain.optim_state`'s ``per_param``
+    form, or the form ``manifest``'s step was saved in) and this rank's RNG states."""
+    form = _optim_form(manifest)
+    model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=optim_state.state_options(form))
+    if form == optim_state.PER_PARAM:
+        optim_sd = optim_state.packed(optim_sd)
     return {"model": model_sd, "optim": optim_sd, f"rng.rank{rank}": _rng_tensor()}
 
 
 def load_target(par: Parallel, rank: int, manifest: Manifest) -> dict[str, Any]:
     """The state dict a load of ``manifest``'s step fills (no RNG entry for a rank that did not
     exist when the step was saved); ConfigError if the step's form cannot load at this layout."""
-    if _state_options(manifest) is None and par.layout.pp_size > 1:
+    if optim_state.state_options(_optim_form(manifest)) is None and par.layout.pp_size > 1:
         raise ConfigError(
             "parallel.pp_size",
             f"checkpoint step {manifest.step} was saved by an older ftrain, with one optimizer param_groups "
@@ -184,7 +178,7 @@ def manifest_fields(
     return {
         "round": round_,
         "world_size": layout.world_size,
-        "layout": {**layout.describe(), OPTIM_FORMAT_KEY: FLAT},
+        "layout": {**layout.describe(), optim_state.FORMAT_KEY: optim_state.PER_PARAM},
         "config": cfg.to_dict(),
         "config_hash": cfg.digest(),
         "trainer": {"cursor": cursor.state_dict(), SCHEDULE_KEY: schedule.to_dict()},
@@ -194,12 +188,19 @@ def manifest_fields(
 def apply_loaded(par: Parallel, cursor: DataCursor, rank: int, manifest: Manifest, sd: dict[str, Any]) -> None:
     """Put a loaded state dict (:func:`load_target`, filled) into the model, optimizer, cursor
     and RNG: after a load from storage or from the memory tier alike."""
+    form = _optim_form(manifest)
+    optim_sd = sd["optim"]
+    if form == optim_state.PER_PARAM:
+        try:
+            optim_sd = optim_state.unpacked(optim_sd)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint step {manifest.step}: {e}") from e
     set_state_dict(
         par.model,
         par.optimizer,
         model_state_dict=sd["model"],
-        optim_state_dict=sd["optim"],
-        options=_state_options(manifest),
+        optim_state_dict=optim_sd,
+        options=optim_state.state_options(form),
     )
     cursor.load_state_dict(manifest.trainer["cursor"])
     rng = sd.get(f"rng.rank{rank}")
