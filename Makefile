@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ftrain-installed
 # One intra-op thread per rank: ranks do not fight over cores, and runs are bitwise reproducible.
 RUN_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo test lint format test-unit test-distributed chaos soak bench plan docs clean
+.PHONY: setup demo test lint format test-unit test-distributed chaos soak bench plan gpu-check docs clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,12 @@ bench: setup
 
 plan: setup
 	$(PY) -m ftrain plan configs/demo.toml --world-size 8
+
+# ftrain on one CUDA device in under 8 minutes, one JSON line at the end (docs/gpu.md); without
+# CUDA (or with GPU_CHECK_ARGS=--dry) the dry run: the same checks on the CPU, in under a minute
+GPU_CHECK_ARGS ?=
+gpu-check: setup
+	$(RUN_ENV) $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 docs: setup
 	$(PY) scripts/update_config_reference.py docs/configuration.md
