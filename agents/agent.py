@@ -152,6 +152,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self._held_why = ""  #: why the follower last held (logged once per reason)
         self._ckpt_failures_seen = 0  #: failed commits in a row the workers last reported
         self._ckpt_error = ""  #: the last failed commit's error while failures are in a row
+        self.corruptions = 0  #: times the consistency check found this node's ranks corrupt, all rounds
+        self._corruptions_seen: dict[int, int] = {}  #: worker pid -> the count it last reported
         self.hang_verdict = ""  #: the newest hang's verdict from the flight records (shown by ftrain status)
         self.hang_dumped_round = -1  #: the newest round whose hang this node's workers' records were taken for
         self._held = None  #: a hang found here, its workers kept until the others dumped
@@ -576,6 +578,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))
             self.metrics.heartbeat_age.set(self.clock.monotonic() - min(b.received_at for b in beats.values()))
             self._note_ckpt_failures(workers.round, beats)
+            self._note_corruptions(beats)
             self.metrics.ranks_stepped(workers.round, {b.rank: b.phases_s for b in beats.values() if b.rank >= 0})
         self._stalled = stalls(
             beats,

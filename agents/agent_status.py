@@ -78,6 +78,9 @@ class AgentStatus:
     workers: Workers | None
     pool: LiveWorkers | None
     draining: bool
+    corruptions: int  #: times the consistency check found this node's ranks corrupt, all rounds
+    _corruptions_seen: dict[int, int]  #: worker pid -> the count it last reported
+    drain: Callable[[str], None]
     finished_rounds: set[int]
     committed_step: int
     hang_verdict: str
@@ -231,6 +234,26 @@ class AgentStatus:
             )
         self._ckpt_failures_seen = failures
         self._ckpt_error = error if failures else ""
+
+    def _note_corruptions(self, beats: dict[int, Beat]) -> None:
+        """Silent data corruption: count what the workers report (each process counts the times
+        the consistency check found its rank corrupt), and drain this node once the count reaches
+        ``agent.drain_after_corruptions``."""
+        for beat in beats.values():
+            seen = self._corruptions_seen.get(beat.pid, 0)
+            if beat.corruptions != seen:  # a lower count: the process's trainer started anew
+                self.corruptions += beat.corruptions - seen if beat.corruptions > seen else beat.corruptions
+                self._corruptions_seen[beat.pid] = beat.corruptions
+        limit = self.cfg.drain_after_corruptions
+        if limit and self.corruptions >= limit and not self.draining:
+            log.error(
+                "the consistency check found this node's ranks corrupt %d time(s) (silent data corruption): "
+                "its hardware is suspect, draining (agent.drain_after_corruptions=%d)",
+                self.corruptions,
+                limit,
+            )
+            self.events.emit(ev.NodeSuspect(node=self.cfg.node_id, corruptions=self.corruptions, limit=limit))
+            self.drain(f"{self.corruptions} silent data corruption(s) on this node")
 
 
 __all__ = ["STATUS_INTERVAL_S", "STATUS_WRITES_PER_S", "AgentStatus", "PublishStatus", "status_interval_s"]

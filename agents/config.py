@@ -79,6 +79,11 @@ class AgentConfig:
     )
     straggler_after_s: float = opt(3.0, "Slow for this long without a break: a straggler.")
     straggler_rejoin_s: float = opt(30.0, "on_straggler=evict: an evicted node may join again after this long.")
+    drain_after_corruptions: int = opt(
+        2,
+        "Drain this node (its hardware is suspect) once the consistency check has found its ranks' "
+        "parameters or optimizer state corrupt this many times: silent data corruption (0: never).",
+    )
     metrics_port: int = opt(-1, "Prometheus metrics port (0: any free port, -1: off).")
     run_dir: str = opt("", "Worker logs and stack dumps (default: a new temporary directory).")
 
@@ -98,6 +103,7 @@ class AgentConfig:
         at_least("agent.max_restarts", self.max_restarts, 0)
         at_least("agent.deterministic_failures", self.deterministic_failures, 0)
         at_least("agent.spares", self.spares, 0)
+        at_least("agent.drain_after_corruptions", self.drain_after_corruptions, 0)
         if not self.straggler_factor > 1:
             raise ConfigError("agent.straggler_factor", f"must be > 1, got {self.straggler_factor}")
         positive("agent.straggler_after_s", self.straggler_after_s)

@@ -44,6 +44,7 @@ class Beat:
     ckpt_failures: int = 0  #: checkpoint commits failed in a row (0 after a commit)
     ckpt_failures_total: int = 0  #: failed commits of this worker process
     ckpt_error: str = ""  #: the last failed commit's error
+    corruptions: int = 0  #: times the consistency check found this process's rank corrupt
     phases_s: dict[str, float] = field(default_factory=dict)  #: the step's time by phase (ftrain.contract.heartbeat)
     error: str = ""  #: from the exit message: why the worker failed
     fatal: bool = False  #: from the exit message: a restart cannot help
@@ -74,6 +75,7 @@ def parse_beat(data: bytes, received_at: float) -> tuple[int, str, Beat]:
         ckpt_failures=msg.ckpt_failures,
         ckpt_failures_total=msg.ckpt_failures_total,
         ckpt_error=msg.ckpt_error,
+        corruptions=msg.corruptions,
         phases_s=msg.phases_s,
         error=msg.error,
         fatal=msg.fatal,

@@ -83,6 +83,8 @@ class Event(StrEnum):
     HANG = "hang"
     DUMPED = "dumped"  #: flight records and stacks dumped on request (``ftrain status --dump``), not a hang
     DRAIN = "drain"
+    #: an agent found its node's ranks corrupt (silent data corruption) agent.drain_after_corruptions times: it drains
+    NODE_SUSPECT = "node_suspect"
     STRAGGLER_DETECTED = "straggler_detected"  #: the leader found a member persistently slower than the others
     # chaos (the fault injector)
     CHAOS_FAULT = "chaos_fault"
@@ -263,8 +265,10 @@ class RolledBack(Record):
 class ReplicaMismatch(Record):
     EVENT = Event.REPLICA_MISMATCH
     step: int
-    ranks: list[int]
+    ranks: list[int]  #: the ranks whose copies differ from their replicas' majority (the whole group: no majority)
     policy: str
+    nodes: list[str] = field(default_factory=list)  #: each rank's node ("" outside an agent)
+    decided: bool = True  #: a majority of replicas agreed (False: the culprit is unknown)
 
 
 @_record
@@ -571,6 +575,15 @@ class Drain(Record):
     EVENT = Event.DRAIN
     node: str
     worker_round: int
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class NodeSuspect(Record):
+    EVENT = Event.NODE_SUSPECT
+    node: str
+    corruptions: int  #: times the consistency check found this node's ranks corrupt
+    limit: int  #: agent.drain_after_corruptions
 
 
 # -- chaos ---------------------------------------------------------------------------------------

@@ -64,6 +64,9 @@ class Message:
     ckpt_failures: int = 0  #: commits failed in a row (0 after a commit)
     ckpt_failures_total: int = 0  #: failed commits of this worker process
     ckpt_error: str = ""  #: the last failed commit's error
+    #: times the consistency check found this worker process's rank corrupt (its replicas'
+    #: majority held other values): silent data corruption, counted by the agent per node
+    corruptions: int = 0
     #: this rank's time since its previous beat by phase (STEP_PHASES; beats of the training phase)
     phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
     finished: bool = False  #: exit: the worker completed training
@@ -110,6 +113,7 @@ class Message:
             ckpt_failures=_int(msg, "ckpt_failures", 0, 0, _BIG),
             ckpt_failures_total=_int(msg, "ckpt_failures_total", 0, 0, _BIG),
             ckpt_error=_text(msg, "ckpt_error"),
+            corruptions=_int(msg, "corruptions", 0, 0, _BIG),
             phases_s=_phases(msg),
             finished=_bool(msg, "finished"),
             error=_text(msg, "error"),

@@ -31,7 +31,11 @@ class ConsistencyError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Mismatch:
     group: int
-    ranks: list[int]  # ranks that disagree with their group's majority
+    ranks: list[int]  #: ranks that disagree with their group's majority (every rank of it when there is none)
+    nodes: list[str]  #: the node of each of those ranks ("" where no agent named one)
+    #: a strict majority agreed, so ``ranks`` are the corrupt ones; False: no majority (two
+    #: replicas, or a tie), the culprit is unknown and ``ranks`` is the whole group
+    decided: bool = True
 
 
 def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:
@@ -53,16 +57,18 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def check_replicas(par: Parallel) -> list[Mismatch]:
-    """Collective: every rank calls it; returns the same list of mismatches on every rank."""
+def check_replicas(par: Parallel, node: str = "") -> list[Mismatch]:
+    """Collective: every rank calls it (``node``: this rank's node); returns the same list of
+    mismatches on every rank."""
     mine = _replicated_tensors(par)
-    entry = None if mine is None else (mine[0], _digest(mine[1]))
+    entry = (None, None, node) if mine is None else (mine[0], _digest(mine[1]), node)
     world = dist.get_world_size()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, entry)
     groups: dict[int, dict[int, str]] = defaultdict(dict)
+    nodes = {rank: e[2] for rank, e in enumerate(gathered)}
     for rank, e in enumerate(gathered):
-        if e is not None:
+        if e[0] is not None:
             groups[e[0]][rank] = e[1]
     mismatches = []
     for key, digests in sorted(groups.items()):
@@ -70,6 +76,11 @@ def check_replicas(par: Parallel) -> list[Mismatch]:
         for d in digests.values():
             counts[d] += 1
         if len(counts) > 1:
-            majority = max(counts, key=lambda d: (counts[d], d == digests[min(digests)]))
-            mismatches.append(Mismatch(key, sorted(r for r, d in digests.items() if d != majority)))
+            top = sorted(counts.values(), reverse=True)
+            if top[0] > top[1]:  # a strict majority: the others are the corrupt ones
+                majority = max(counts, key=lambda d: counts[d])
+                ranks = sorted(r for r, d in digests.items() if d != majority)
+            else:
+                ranks = sorted(digests)
+            mismatches.append(Mismatch(key, ranks, [nodes[r] for r in ranks], decided=top[0] > top[1]))
     return mismatches

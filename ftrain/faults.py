@@ -3,8 +3,14 @@
 The chaos suite and tests use them to create faults that cannot be made from outside the
 process; unset, every hook is a no-op.
 
-- ``FTRAIN_FAULT_PERTURB="STEP:RANK"``: after step STEP, rank RANK adds 1e-3 to its first
-  parameter, silently diverging from its replicas.
+- ``FTRAIN_FAULT_BITFLIP="STEP:RANK[:ROUND][,STEP:RANK[:ROUND]...]"``: silent data corruption. After the
+  optimizer update of each STEP, rank RANK flips one bit of one element of its first parameter
+  (``FTRAIN_FAULT_BITFLIP_IN=param``, the default) or of that parameter's first AdamW moment
+  (``exp_avg``): the highest mantissa bit of the element in the middle of its local tensor, so the
+  value stays finite and nothing raises. Each listed step fires once per process.
+  ``FTRAIN_FAULT_BITFLIP_DIR=DIR``: the same at a time chosen from outside (the chaos kind
+  ``bit_flip``): a file ``DIR/<pid>`` (its content: ``param`` or ``exp_avg``) makes that process
+  flip a bit after its next update, and is removed.
 - ``FTRAIN_FAULT_SIGKILL="STEP:RANK"``: after step STEP (and any checkpoint it started), rank
   RANK sends itself SIGKILL — a real crash at a known point.
 - ``FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE="STEP:RANK"``: at step STEP, rank RANK starts the step's
@@ -71,6 +77,18 @@ def _armed(name: str) -> tuple[int, int] | None:
     return int(step), int(rank or 0)
 
 
+def _listed(name: str, step: int, rank: int) -> bool:
+    """Whether ``name`` (a comma-separated list of ``STEP:RANK[:ROUND]``) names this step and
+    rank in this round."""
+    for spec in os.environ.get(name, "").split(","):
+        step_, _, rest = spec.strip().partition(":")
+        rank_, _, round_ = rest.partition(":")
+        if step_ == str(step) and (rank_ or "0") == str(rank):
+            if not round_ or round_ == os.environ.get("FTRAIN_ROUND", ""):
+                return True
+    return False
+
+
 def _fire(name: str, step: int, rank: int) -> bool:
     if _armed(name) == (step, rank):
         _fired.add(name)
@@ -78,13 +96,57 @@ def _fire(name: str, step: int, rank: int) -> bool:
     return False
 
 
-def maybe_perturb_replica(step: int, rank: int, model: nn.Module) -> None:
-    if not _fire("FTRAIN_FAULT_PERTURB", step, rank):
-        return
-    p = next(model.parameters())
+#: The highest mantissa bit of each floating dtype: flipping it changes a value by at most a
+#: factor of two and never makes it non-finite (a silent corruption, not a NaN).
+_MANTISSA_TOP_BIT = {
+    torch.float32: (torch.int32, 22),
+    torch.float64: (torch.int64, 51),
+    torch.bfloat16: (torch.int16, 6),
+    torch.float16: (torch.int16, 9),
+}
+BITFLIP_TARGETS = ("param", "exp_avg")
+
+
+def _flip_requested() -> str | None:
+    """The target a ``FTRAIN_FAULT_BITFLIP_DIR`` request file for this process names (the
+    request is consumed), or None."""
+    where = os.environ.get("FTRAIN_FAULT_BITFLIP_DIR", "")
+    if not where:
+        return None
+    path = os.path.join(where, str(os.getpid()))
+    try:
+        with open(path) as fh:
+            target = fh.read(64).strip()
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return target or "param"
+
+
+def maybe_flip_bit(step: int, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """``FTRAIN_FAULT_BITFLIP`` (or a request in ``FTRAIN_FAULT_BITFLIP_DIR``): flip one bit in
+    memory, as failing hardware does; returns what was flipped (for the log), or None."""
+    key = f"FTRAIN_FAULT_BITFLIP@{step}"
+    target = _flip_requested()
+    if target is None:
+        if key in _fired or not _listed("FTRAIN_FAULT_BITFLIP", step, rank):
+            return None
+        _fired.add(key)
+        target = os.environ.get("FTRAIN_FAULT_BITFLIP_IN", "param") or "param"
+    if target not in BITFLIP_TARGETS:
+        raise ValueError(f"FTRAIN_FAULT_BITFLIP_IN={target!r}: one of {', '.join(BITFLIP_TARGETS)}")
+    param = next(model.parameters())
+    tensor = param if target == "param" else optimizer.state[param][target]
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    flat = local.detach().view(-1)
+    index = flat.numel() // 2
+    int_dtype, bit = _MANTISSA_TOP_BIT[flat.dtype]
     with torch.no_grad():
-        (p.to_local() if isinstance(p, DTensor) else p).add_(1e-3)
-    log.warning("fault injected: perturbed a parameter on rank %d after step %d", rank, step)
+        bits = flat[index : index + 1].view(int_dtype)
+        bits ^= 1 << bit
+    what = f"{target} of the first parameter, element {index}, bit {bit}"
+    log.warning("fault injected: rank %d flipped a bit (%s) after step %d", rank, what, step)
+    return what
 
 
 def maybe_crash(step: int, rank: int) -> None:

@@ -52,7 +52,7 @@ from ftrain.distributed import init_distributed, select_device, select_dtype, sh
 from ftrain.faults import (
     maybe_crash,
     maybe_crash_inside,
-    maybe_perturb_replica,
+    maybe_flip_bit,
     maybe_poison_loss,
     maybe_skip_collective,
     maybe_slow_down,
@@ -191,6 +191,9 @@ class Trainer:
         cfg = dataclasses.replace(cfg, parallel=at_world(cfg.parallel, world_size))  # its pipeline degree here
         self.cfg = cfg
         self.hb = hb
+        self.node = WorkerEnv.from_env().node  #: this worker's node ("" without an agent)
+        #: times the consistency check found this rank's copies corrupt (its replicas' majority differed)
+        self.corruptions = 0
         self.round_ended = round_ended  #: live workers: whether the agent assigned a newer round
         self.update_applied = True  #: the step in progress (if any) got past its optimizer update
         self.last_step_time_s = 0.0  #: wall time of the last completed step
@@ -268,7 +271,7 @@ class Trainer:
             ev.WorkerStarted(
                 world_size=layout.world_size,
                 strategy=layout.strategy,
-                node=WorkerEnv.from_env().node,
+                node=self.node,
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             )
         )
@@ -292,6 +295,11 @@ class Trainer:
             loss = self._step()
             done = self.cursor.step
             checkpointed = self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps
+            interval = cfg.consistency.interval
+            if interval and (done % interval == 0 or checkpointed):  # before a save: nothing corrupt is committed
+                self._check_consistency(done)
+                if self.cursor.step != done:  # rolled back (every rank alike): go on from the checkpoint
+                    continue
             if checkpointed and self.ckpt is not None:
                 # A blocking save, or one that first waits for the previous upload (when_busy =
                 # wait), may take longer than the hang timeout: the agent applies the start
@@ -306,8 +314,6 @@ class Trainer:
                     self.tier.maybe_snapshot(done, self, checkpointed=checkpointed, last=done >= cfg.train.steps)
             maybe_crash(done, self.rank)
             maybe_slow_down()
-            if cfg.consistency.interval and done % cfg.consistency.interval == 0:
-                self._check_consistency(done)
             with self.phases.phase("comm_wait"):
                 stop = self._stop_agreed()
             if stop:
@@ -340,6 +346,7 @@ class Trainer:
                 ckpt_failures=self.consecutive_commit_failures(),
                 ckpt_failures_total=status.saves_failed if status else 0,
                 ckpt_error=status.last_error if status and self.consecutive_commit_failures() else "",
+                corruptions=self.corruptions,
             )
 
     def committed_step(self) -> int:
@@ -480,7 +487,7 @@ class Trainer:
                 set_lr(par.optimizer.param_groups, lr)
                 par.optimizer.step()
                 self.update_applied = True
-                maybe_perturb_replica(step + 1, self.rank, par.model)
+                maybe_flip_bit(step + 1, self.rank, par.model, par.optimizer)
             else:
                 self.update_applied = True  # skipped or rolled back: either way no longer half-done
                 self._on_nonfinite(step + 1, loss, grad_norm)
@@ -530,13 +537,24 @@ class Trainer:
         self.progress.message(f"rolled back to checkpoint step {manifest.step}: {why}")
 
     def _check_consistency(self, step: int) -> None:
-        mismatches = check_replicas(self.par)
+        mismatches = check_replicas(self.par, self.node)
         if not mismatches:
             return
-        ranks = sorted(r for m in mismatches for r in m.ranks)
+        named = sorted((r, n) for m in mismatches for r, n in zip(m.ranks, m.nodes, strict=True))
+        ranks, nodes = [r for r, _ in named], [n for _, n in named]
+        decided = all(m.decided for m in mismatches)
+        if any(m.decided and self.rank in m.ranks for m in mismatches):
+            self.corruptions += 1  # the agent counts them per node (agent.drain_after_corruptions)
         policy = self.cfg.consistency.on_mismatch
-        self.events.emit(ev.ReplicaMismatch(step=step, ranks=ranks, policy=policy))
-        log.error("step %d: replicas differ on ranks %s (policy %s)", step, ranks, policy)
+        self.events.emit(ev.ReplicaMismatch(step=step, ranks=ranks, policy=policy, nodes=nodes, decided=decided))
+        where = ", ".join(f"{r} on {n}" if n else str(r) for r, n in named)
+        log.error(
+            "step %d: replicas differ: rank(s) %s%s (policy %s)",
+            step,
+            where,
+            "" if decided else " (no majority among the replicas: any of them may be the corrupt one)",
+            policy,
+        )
         if policy == "halt":
             raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks} (consistency.on_mismatch=halt)")
         if policy == "rollback":

@@ -91,10 +91,12 @@ class Heartbeat:
         ckpt_failures_total: int = 0,
         ckpt_error: str = "",
         phases_s: dict[str, float] | None = None,
+        corruptions: int = 0,
     ) -> None:
         """``phase``: ``training`` (the agent expects the next beat within its hang timeout) or
         anything else (``starting``, ``loading``, ``saving``: the longer start timeout applies).
-        ``ckpt_failures``: commits failed in a row; ``ckpt_error``: the last one's error."""
+        ``ckpt_failures``: commits failed in a row; ``ckpt_error``: the last one's error;
+        ``corruptions``: times the consistency check found this rank's state corrupt."""
         self._send(
             kind="beat",
             phase=phase,
@@ -106,6 +108,7 @@ class Heartbeat:
             ckpt_failures_total=ckpt_failures_total,
             ckpt_error=ckpt_error,
             phases_s=phases_s or {},
+            corruptions=corruptions,
         )
 
     def exit(

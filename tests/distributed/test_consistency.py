@@ -14,49 +14,69 @@ from ftrain.testbed.jobs import train_job
 pytestmark = pytest.mark.dist
 
 
-def _events(path, name):
-    return [e for e in read_events(str(path)) if e["event"] == name]
+def _events(path, name, rank=None):
+    return [e for e in read_events(str(path)) if e["event"] == name and rank in (None, e["rank"])]
 
 
-def test_perturbed_replica_halts_the_job(tmp_path):
-    ev = tmp_path / "events.jsonl"
-    run = train_job(
-        tmp_path / "job",
-        3,
-        "--consistency.interval=1",
-        "--consistency.on_mismatch=halt",
-        "--train.global_batch_size=12",
-        f"--logging.events_path={ev}",
-        env={"FTRAIN_FAULT_PERTURB": "4:2"},
-        check=False,
-        save_final=False,
-    )
-    assert run.returncode != 0
-    assert "replicas differ on ranks [2]" in run.output
-    mismatch = _events(ev, "replica_mismatch")
-    assert mismatch and mismatch[0]["step"] == 4 and mismatch[0]["ranks"] == [2]
-    assert max(m["step"] for m in run.metrics) == 4
-
-
-def test_perturbed_replica_rolls_back_to_a_verified_checkpoint(tmp_path):
-    """Rollback reloads step 2 on every rank and replays: the result equals a clean run."""
-    ck = ["--checkpoint.interval=2", "--checkpoint.async_mode=off"]
-    golden = train_job(tmp_path / "golden", 2, f"--checkpoint.uri={tmp_path / 'ck0'}", *ck)
+def test_a_corrupt_replica_among_two_halts_the_job_naming_both(tmp_path):
+    """Two replicas that differ have no majority: the check cannot tell which one is corrupt and
+    names both (undecided), rather than blaming one at random."""
     ev = tmp_path / "events.jsonl"
     run = train_job(
         tmp_path / "job",
         2,
         "--consistency.interval=1",
-        "--consistency.on_mismatch=rollback",
-        f"--checkpoint.uri={tmp_path / 'ck1'}",
-        *ck,
+        "--consistency.on_mismatch=halt",
         f"--logging.events_path={ev}",
-        env={"FTRAIN_FAULT_PERTURB": "3:1"},
+        env={"FTRAIN_FAULT_BITFLIP": "4:1"},
+        check=False,
+        save_final=False,
     )
-    rolled = _events(ev, "rolled_back")
-    assert rolled and rolled[0]["step"] == 2
-    assert _events(ev, "replica_mismatch")[0]["ranks"] == [1]
-    for name, tensor in golden.final["model"].items():
+    assert run.returncode != 0
+    assert "replicas differ on ranks [0, 1]" in run.output and "no majority" in run.output
+    mismatch = _events(ev, "replica_mismatch")
+    assert mismatch and mismatch[0]["step"] == 4 and mismatch[0]["ranks"] == [0, 1]
+    assert mismatch[0]["decided"] is False
+    assert max(m["step"] for m in run.metrics) == 4
+
+
+@pytest.fixture(scope="module")
+def golden_three(tmp_path_factory):
+    """The fault-free run the rollbacks must reproduce: 3 ranks, a checkpoint every 2 steps."""
+    tmp = tmp_path_factory.mktemp("golden3")
+    return train_job(tmp / "job", 3, "--train.global_batch_size=12", *_CKPT, f"--checkpoint.uri={tmp / 'ck'}")
+
+
+_CKPT = ("--checkpoint.interval=2", "--checkpoint.async_mode=off")
+
+
+@pytest.mark.parametrize("target", ["param", "exp_avg"])
+def test_a_flipped_bit_is_found_on_its_rank_and_rolled_back_to_a_verified_checkpoint(tmp_path, golden_three, target):
+    """Silent data corruption: one bit of rank 2's parameter (or AdamW moment) flips in memory
+    after steps 3 and 6. The check after each step finds rank 2 (the other two agree: decided),
+    every rank reloads the last verified step and replays: the result equals the clean run. Step
+    6 is a checkpoint step: the check runs before its save, so the corrupt state is never
+    committed (a rollback to it would keep the corruption)."""
+    ev = tmp_path / "events.jsonl"
+    run = train_job(
+        tmp_path / "job",
+        3,
+        "--train.global_batch_size=12",
+        "--consistency.interval=1",
+        "--consistency.on_mismatch=rollback",
+        f"--checkpoint.uri={tmp_path / 'ck'}",
+        *_CKPT,
+        f"--logging.events_path={ev}",
+        env={"FTRAIN_FAULT_BITFLIP": "3:2,6:2", "FTRAIN_FAULT_BITFLIP_IN": target},
+    )
+    assert f"flipped a bit ({target} of the first parameter" in run.output
+    # a flip in a moment shows in the state at once (the check digests the optimizer state too)
+    assert [(m["step"], m["ranks"], m["decided"]) for m in _events(ev, "replica_mismatch", rank=0)] == [
+        (3, [2], True),
+        (6, [2], True),
+    ]
+    assert [r["step"] for r in _events(ev, "rolled_back", rank=0)] == [2, 4]
+    for name, tensor in golden_three.final["model"].items():
         assert torch.equal(run.final["model"][name], tensor), name
 
 

@@ -617,10 +617,12 @@ def test_format_status_calls_out_failing_checkpoints_and_unreadable_records() ->
 # -- checkpoint failures in heartbeats and metrics -------------------------------------------------
 def test_beats_carry_checkpoint_failures_and_the_exit_error(channel: Channel) -> None:
     worker = channel.worker(0)
-    worker.beat(5, committed_step=0, ckpt_failures=2, ckpt_failures_total=4, ckpt_error="FenceAuthError: " + "x" * 5000)
+    error = "FenceAuthError: " + "x" * 5000
+    worker.beat(5, committed_step=0, ckpt_failures=2, ckpt_failures_total=4, ckpt_error=error, corruptions=1)
     assert wait_for(lambda: 0 in channel.server.beats() and channel.server.beats()[0].step == 5, 5.0, "step 5")
     beat = channel.server.beats()[0]
     assert (beat.ckpt_failures, beat.ckpt_failures_total) == (2, 4) and beat.ckpt_error.startswith("FenceAuthError")
+    assert beat.corruptions == 1
     worker.exit(6, finished=False, error="CheckpointFailuresError: 3 in a row", fatal=True)
     assert wait_for(lambda: channel.server.beats()[0].finished is False, 5.0, "the exit message")
     beat = channel.server.beats()[0]
@@ -649,6 +651,8 @@ def test_beats_carry_checkpoint_failures_and_the_exit_error(channel: Channel) ->
         {"fatal": "yes"},
         {"error": 5},
         {"ckpt_failures": -2},
+        {"corruptions": -1},
+        {"corruptions": 1.5},
     ],
 )
 def test_a_beat_with_one_bad_field_is_dropped_whole(channel: Channel, bad: dict) -> None:
