@@ -82,14 +82,14 @@ def model_shape(state_mb: float) -> dict[str, int]:
     for states under ~17 MB, which 4096 cannot reach)."""
     seq = 64
     target = state_mb * 1e6 / 12
-    for vocab, widths in ((4096, (512, 384, 256, 768, 1024, 128)), (1024, (128, 64)), (256, (64,))):
+    for vocab, widths in ((4096, (512, 384, 256, 768, 1024, 1536, 2048, 128)), (1024, (128, 64)), (256, (64,))):
         for d in widths:
             block = 12 * d * d + 13 * d
             embed = 2 * vocab * d + seq * d + 2 * d
             n = round((target - embed) / block)
             if 2 <= n <= 16:
                 return dict(vocab_size=vocab, seq_len=seq, n_layer=n, n_head=d // 64 or 1, d_model=d)
-    raise SystemExit(f"--state-mb {state_mb}: no GPT shape here gives that (try 2-1500)")
+    raise SystemExit(f"--state-mb {state_mb}: no GPT shape here gives that (try 2-10000)")
 
 
 def num_params(shape: dict[str, int]) -> int:
