@@ -102,6 +102,9 @@ class Cluster:
             self.worker_args.append(f"--checkpoint.interval={ckpt_interval}")
         self.worker_args += list(overrides)
         self.env = dict(env or {})
+        # where the bit_flip fault asks a worker for a flip (ftrain/faults.py): nothing happens without a request
+        self.flips_dir = self.workdir / "flips"
+        self.env.setdefault("FTRAIN_FAULT_BITFLIP_DIR", str(self.flips_dir))
         if step_sleep_s:
             self.env["FTRAIN_FAULT_STEP_SLEEP_S"] = str(step_sleep_s)
         self.agent_options = tuple(agent_options)

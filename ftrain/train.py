@@ -533,6 +533,8 @@ class Trainer:
         manifest = self.ckpt.resume()
         if manifest is None:
             raise ConsistencyError(f"{why}, and there is no verified checkpoint to roll back to")
+        if self.ledger is not None:
+            self.ledger.rolled_back()
         self.events.emit(ev.RolledBack(step=manifest.step, reason=why))
         self.progress.message(f"rolled back to checkpoint step {manifest.step}: {why}")
 

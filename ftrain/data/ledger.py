@@ -3,13 +3,13 @@
 Each data-parallel rank of each round appends one JSON line per step to its own file,
 ``ledger-round{round}-rank{dp_rank}-pid{pid}.jsonl``, so writers never share a file and a killed
 writer can tear at most its own last line. A line records the step, its place in the data
-order (epoch, start), the writer (round, dp_rank), the global micro-batch indices it ran and the
-sample ids it consumed.
+order (epoch, start), the writer (round, dp_rank, and ``attempt``: the rollbacks within the
+round before it), the global micro-batch indices it ran and the sample ids it consumed.
 
 :func:`check_exactly_once` replays a fresh :class:`~ftrain.data.cursor.DataCursor` and, for
 every step below ``steps``, compares what the *last* attempt of the step consumed (the highest
-round that ran it; earlier attempts were rolled back by a restart) with what the cursor says
-the step must consume.
+round that ran it, and in that round the highest attempt; earlier attempts were undone by a
+restart or by a rollback to a checkpoint) with what the cursor says the step must consume.
 
 Given the run's source as ``sources=`` (a :class:`~ftrain.data.mixture.MixtureSource`, or anything
 that decodes global ids to ``(source, sample)``), it also counts how often each sample of each
@@ -99,6 +99,7 @@ class Ledger:
         self.directory = Path(directory)
         self.dp_rank = int(dp_rank)
         self.round = int(round_)
+        self.attempt = 0  #: rollbacks to a checkpoint within this round so far (:meth:`rolled_back`)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"ledger-round{self.round}-rank{self.dp_rank}-pid{os.getpid()}.jsonl"
         self._file: TextIO | None = open(self.path, "a", buffering=1, encoding="utf-8")  # line-buffered
@@ -114,12 +115,18 @@ class Ledger:
             "epoch": int(batch.epoch),
             "start": int(batch.start),
             "round": self.round,
+            "attempt": self.attempt,
             "dp_rank": self.dp_rank,
             "micro": [int(m.index) for m in micros],
             "sample_ids": consumed,
         }
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._file.flush()
+
+    def rolled_back(self) -> None:
+        """Training went back to a checkpoint within this round: the steps it runs again
+        supersede what was recorded for them."""
+        self.attempt += 1
 
     def close(self) -> None:
         if self._file is not None:
@@ -240,8 +247,8 @@ def check_exactly_once(
         if not attempts:
             report.missing_steps.append(step)
             continue
-        last_round = max(int(e["round"]) for e in attempts)
-        final = [e for e in attempts if int(e["round"]) == last_round]
+        last = max(_attempt(e) for e in attempts)
+        final = [e for e in attempts if _attempt(e) == last]
         report.superseded_entries += len(attempts) - len(final)
         consumed = [int(i) for e in final for i in e["sample_ids"]]
         if sources is not None:
@@ -265,6 +272,12 @@ def check_exactly_once(
     if sources is not None:
         report.sources = _coverage(sources, np.asarray(read, dtype=np.int64))
     return report
+
+
+def _attempt(entry: dict[str, Any]) -> tuple[int, int]:
+    """(round, attempt) of an entry: later ones supersede earlier ones (entries written before
+    ledgers counted rollbacks have no attempt: 0)."""
+    return int(entry["round"]), int(entry.get("attempt", 0))
 
 
 def _coverage(sources: SourceDecoder, ids: np.ndarray) -> list[SourceCoverage]:

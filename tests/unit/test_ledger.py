@@ -53,6 +53,7 @@ def test_file_names_and_line_format(tmp_path: Path) -> None:
         "epoch": 0,
         "start": 0,
         "round": 5,
+        "attempt": 0,
         "dp_rank": 1,
         "micro": [2, 3],
         "sample_ids": batch.sample_ids[4:8].tolist(),
@@ -123,6 +124,26 @@ def test_later_round_supersedes_earlier_attempt(tmp_path: Path) -> None:
     # Without the re-run, step 5's incomplete round-0 attempt is the last one: reported.
     only_round0 = [e for e in entries if e["round"] == 0]
     assert check_exactly_once(only_round0, steps=6, **PARAMS).missing.keys() == {5}
+
+
+def test_a_rollback_within_a_round_supersedes_the_steps_it_runs_again(tmp_path: Path) -> None:
+    """One rank runs steps 0-5, rolls back to the checkpoint of step 3 (a corrupt replica, a
+    NaN) and runs steps 3-7 again in the same round: the second attempt of 3-5 is the one that counts."""
+    cursor = DataCursor(N, B, SEED)
+    batches = [cursor.next_global_batch() for _ in range(8)]
+    with Ledger(tmp_path, 0, 0) as ledger:
+        for step in range(6):
+            ledger.record(batches[step], micro_batches(batches[step], 0, 1, MICRO))
+        ledger.rolled_back()
+        for step in range(3, 8):
+            ledger.record(batches[step], micro_batches(batches[step], 0, 1, MICRO))
+    entries = read_ledger(tmp_path)
+    report = check_exactly_once(entries, steps=8, **PARAMS)
+    assert report.ok, report.summary()
+    assert report.superseded_entries == 3
+    # without the attempt count, the replayed steps read as duplicates
+    flat = [{k: v for k, v in e.items() if k != "attempt"} for e in entries]
+    assert sorted(check_exactly_once(flat, steps=8, **PARAMS).duplicates) == [3, 4, 5]
 
 
 def test_entries_beyond_checked_steps_are_ignored(tmp_path: Path) -> None:

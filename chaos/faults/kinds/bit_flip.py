@@ -1,0 +1,60 @@
+"""``bit_flip``: silent data corruption. A live worker of the current round flips one bit of its
+first parameter (``target = "param"``, the default) or of that parameter's first AdamW moment
+(``target = "exp_avg"``) after its next optimizer update, in memory, with no error anywhere
+(``FTRAIN_FAULT_BITFLIP_DIR``, ``ftrain/faults.py``: the fault writes a request file named after
+the worker's pid). The job rides it out: the cross-replica consistency check must find it
+(``replica_mismatch``) and roll back to a verified checkpoint, so the scenario's job must set
+``--consistency.interval`` > 0 and ``--consistency.on_mismatch=rollback`` (the fault refuses to
+act otherwise), and a strategy whose replicas are compared (ddp, hsdp; see docs/checkpoints.md).
+The record's ``step`` is the step training had reached when the request was written: the flip
+happens after the first update that follows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
+from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
+from ftrain.chaos.faults.targets import current_round, pick_worker
+from ftrain.contract.events import Event
+from ftrain.faults import BITFLIP_TARGETS
+
+
+def _checked(ctx: Context, spec: FaultSpec) -> str:
+    target = str(spec.params.get("target", "param"))
+    if target not in BITFLIP_TARGETS:
+        raise FaultError(f"{spec.kind}: target {target!r} is not one of {', '.join(BITFLIP_TARGETS)}")
+    args = ctx.cluster.worker_args
+    interval = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("--consistency.interval=")), "0")
+    policy = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("--consistency.on_mismatch=")), "")
+    if interval in ("", "0") or policy != "rollback":
+        raise FaultError(
+            f"{spec.kind}: the job must check its replicas and roll back (add --consistency.interval=1 and "
+            "--consistency.on_mismatch=rollback to the scenario's [job] overrides)"
+        )
+    return target
+
+
+def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
+    target = _checked(ctx, spec)
+    node, pid = pick_worker(ctx, spec.node)
+    started = ctx.cluster.events(Event.WORKER_STARTED, round=current_round(ctx), pid=pid)
+    rank = started[-1]["rank"] if started else -1
+    flips = ctx.cluster.flips_dir
+    flips.mkdir(exist_ok=True)
+    record = ctx.emit(spec.kind, node=node, pid=pid, rank=rank, target=target, step=ctx.cluster.step())
+    tmp = flips / f".{pid}.tmp"
+    tmp.write_text(target)
+    tmp.rename(flips / str(pid))  # whole, at once: the worker reads it at a step boundary
+    return record
+
+
+FAULT = FAULTS.register(
+    Fault(
+        kind="bit_flip",
+        act=_act,
+        outcome=Outcome.RIDDEN_OUT,
+        detected_by=(Event.REPLICA_MISMATCH,),
+        must_be_detected=True,
+    )
+)
