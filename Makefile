@@ -51,8 +51,14 @@ chaos: setup
 # RECOVERY=live|restart to override the agents' default recovery mode (live).
 SEED ?= 1
 RECOVERY ?=
+# make soak [PROFILE=uniform|realistic|stress] [SEED=N] [RECOVERY=live|restart] [FAULT_EVERY_S=S]
+# uniform: chaos/scenarios/soak.toml (every kind alike); realistic, stress: soak-<profile>.toml
+PROFILE ?= uniform
+SOAK_SCENARIO = chaos/scenarios/$(if $(filter uniform,$(PROFILE)),soak,soak-$(PROFILE)).toml
 soak: setup
-	$(RUN_ENV) $(PY) -m ftrain chaos run chaos/scenarios/soak.toml --seed $(SEED) $(if $(RECOVERY),--recovery $(RECOVERY))
+	@test -f $(SOAK_SCENARIO) || { echo "make soak: PROFILE=$(PROFILE): one of uniform, realistic, stress"; exit 2; }
+	$(RUN_ENV) $(PY) -m ftrain chaos run $(SOAK_SCENARIO) --seed $(SEED) $(if $(RECOVERY),--recovery $(RECOVERY)) \
+		$(if $(FAULT_EVERY_S),--fault-every-s $(FAULT_EVERY_S))
 
 bench: setup
 	$(RUN_ENV) $(PY) bench/strategies.py

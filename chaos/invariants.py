@@ -2,13 +2,16 @@
 log, the metrics, the ledger, the checkpoints on storage and the final state.
 
 Each check returns a :class:`Check` (name, ok, detail); :func:`fault_timings` measures each
-fault's detection time, recovery time and lost steps; :func:`goodput` is productive / wall time.
+fault's detection time, recovery time and lost steps; :func:`goodput` is productive / wall time,
+and :func:`lost_time` splits the rest by the fault that cost it.
 What a fault kind owes (a new round, a refusal), which commits it damaged and which events detect
 it come from its :class:`~ftrain.chaos.faults.Fault` in the registry, never from its name.
 """
 
 from __future__ import annotations
 
+import bisect
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -406,21 +409,185 @@ def fault_timings(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -
     return out
 
 
-def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started_at: float) -> dict[str, float]:
-    """Productive time over wall time (first agent start to the job's end). Productive: for the
-    attempt of each step that the final model contains (its last), the time since the step
-    before it completed in the same stretch of training (its step time on the first step of a
-    stretch)."""
-    last: dict[int, float] = {}
+def _attempts(metrics: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """(step, start, end) of each step attempt, in the metrics' order. A stretch of training is
+    consecutive steps of one round: an attempt starts when the step before it in its stretch
+    completed, and the first of a stretch its own step time before it completed (the stall
+    before a round's first step, live recovery's included, is not the step's)."""
+    out = []
     previous: dict[str, Any] | None = None
     for m in metrics:
-        if previous is not None and previous["step"] == m["step"] - 1 and m["time"] >= previous["time"]:
-            last[m["step"]] = m["time"] - previous["time"]
-        else:
-            last[m["step"]] = m["step_time_s"]
+        same_stretch = (
+            previous is not None
+            and previous["step"] == m["step"] - 1
+            and m["time"] >= previous["time"]
+            and previous.get("round") == m.get("round")
+        )
+        start = previous["time"] if same_stretch and previous is not None else m["time"] - m["step_time_s"]
+        out.append((m["step"], start, m["time"]))
         previous = m
+    return out
+
+
+def _job_end(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started_at: float) -> float:
     final = _of(events, Event.JOB_FINAL)
-    end = final[0]["time"] if final else max((m["time"] for m in metrics), default=started_at)
-    wall = max(1e-9, end - started_at)
+    return final[0]["time"] if final else max((m["time"] for m in metrics), default=started_at)
+
+
+def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
+    """Productive time over wall time (first agent start to the job's end). Productive: for the
+    attempt of each step that the final model contains (its last), the time since the step
+    before it completed in the same stretch of training (consecutive steps of one round; its
+    step time on the first step of a stretch). ``lost_s`` is the rest, ``lost_by_cause`` splits
+    it (:func:`lost_time`: by fault kind, ``startup`` and ``shutdown``)."""
+    last = {step: end - start for step, start, end in _attempts(metrics)}
+    wall = max(1e-9, _job_end(events, metrics, started_at) - started_at)
     productive = sum(last.values())
-    return {"productive_s": round(productive, 3), "wall_s": round(wall, 3), "goodput": round(productive / wall, 4)}
+    split = lost_time(events, metrics, started_at)
+    by_cause: dict[str, float] = {"startup": split["startup_s"], "shutdown": split["shutdown_s"]}
+    for f, lost_s in zip(_of(events, Event.CHAOS_FAULT), split["by_fault"], strict=True):
+        by_cause[f["kind"]] = by_cause.get(f["kind"], 0.0) + lost_s
+    if split["unattributed_s"]:
+        by_cause["unattributed"] = split["unattributed_s"]
+    return {
+        "productive_s": round(productive, 3),
+        "wall_s": round(wall, 3),
+        "goodput": round(productive / wall, 4),
+        "lost_s": round(wall - productive, 3),
+        "lost_by_cause": {k: round(v, 3) for k, v in by_cause.items()},
+    }
+
+
+def lost_time(events: list[dict[str, Any]], metrics: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
+    """The wall time that is not productive (:func:`goodput`), split by cause. Each moment of the
+    run is productive (inside the last attempt of a step), wasted (inside an attempt a later one
+    superseded: a rollback or a restart recomputed it) or idle (no step in flight: detection,
+    rendezvous, restarts, loads). Wasted time is the fault's that made the step run again: the
+    newest fault at or before the start of the attempt that superseded it. Idle time is the
+    newest fault's at or before it, except that the idle time before a fault that struck while
+    no step completed (the step in flight it stopped) is that fault's; before any fault it is
+    ``startup``, after the last step ``shutdown``; a superseded attempt with no fault before its
+    redo is ``unattributed``.
+
+    Returns ``by_fault`` (seconds lost, one per ``chaos_fault`` event in order), ``startup_s``,
+    ``shutdown_s`` and ``unattributed_s``; their sum is wall time less productive time."""
+    faults = sorted((e["time"], i) for i, e in enumerate(_of(events, Event.CHAOS_FAULT)))
+    fault_times = [t for t, _ in faults]
+    end = _job_end(events, metrics, started_at)
+    attempts = _attempts(metrics)
+    last_of = {step: i for i, (step, _, _) in enumerate(attempts)}
+    trained_from = min((a[1] for a in attempts), default=end)
+    trained_until = max((a[2] for a in attempts), default=started_at)
+    by_fault = [0.0] * len(faults)
+    other = {"startup": 0.0, "shutdown": 0.0, "unattributed": 0.0}
+
+    def newest_fault(t: float) -> int | None:
+        k = bisect.bisect_right(fault_times, t)
+        return faults[k - 1][1] if k else None
+
+    # the cause of each superseded attempt: the newest fault before its step's next attempt began
+    cause: dict[int, int | None] = {}
+    following: dict[int, float] = {}
+    for i in range(len(attempts) - 1, -1, -1):
+        step, start, _ = attempts[i]
+        if step in following:
+            cause[i] = newest_fault(following[step])
+        following[step] = start
+
+    def idle(p: float, q: float) -> None:
+        """No step in flight from p to q: each piece is the newest fault's at its start; the
+        piece before a fault that struck in the gap is that fault's (the step it stopped)."""
+        inside = [(t, i) for t, i in faults if p < t < q]
+        first = newest_fault(p)
+        if inside and (first is None or p >= trained_from):
+            first = inside[0][1]
+        cuts = [p, *(t for t, _ in inside), q]
+        for k, fault in enumerate([first, *(i for _, i in inside)]):
+            if fault is None:
+                other["startup"] += cuts[k + 1] - cuts[k]
+            else:
+                by_fault[fault] += cuts[k + 1] - cuts[k]
+
+    # sweep the run's time line: at each moment, what is in flight
+    marks = sorted(
+        [(max(started_at, s), 1, i) for i, (_, s, e) in enumerate(attempts) if e > started_at]
+        + [(min(end, e), 0, i) for i, (_, s, e) in enumerate(attempts) if e > started_at]
+    )
+    active: set[int] = set()
+    now = started_at
+    for at, opening, i in [*marks, (end, 0, -1)]:
+        at = min(max(at, now), end)
+        if at > now:
+            span = at - now
+            if any(last_of[attempts[a][0]] == a for a in active):
+                pass  # productive
+            elif active:
+                fault = cause[max(active)]
+                if fault is None:
+                    other["unattributed"] += span
+                else:
+                    by_fault[fault] += span
+            elif now >= trained_until:
+                other["shutdown"] += span
+            else:
+                idle(now, at)
+            now = at
+        if i >= 0:
+            (active.add if opening else active.discard)(i)
+    return {
+        "by_fault": [round(x, 3) for x in by_fault],
+        "startup_s": round(other["startup"], 3),
+        "shutdown_s": round(other["shutdown"], 3),
+        "unattributed_s": round(other["unattributed"], 3),
+    }
+
+
+def lost_by_kind(faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Kind -> how many faults, and the time lost to them (``lost_s`` of each fault's timings):
+    median and worst per fault, and in all."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted({f["kind"] for f in faults}):
+        lost = sorted(f["lost_s"] for f in faults if f["kind"] == kind and f.get("lost_s") is not None)
+        out[kind] = {
+            "faults": sum(1 for f in faults if f["kind"] == kind),
+            "total_s": round(sum(lost), 3),
+            "median_s": round(statistics.median(lost), 3) if lost else None,
+            "worst_s": lost[-1] if lost else None,
+        }
+    return out
+
+
+def corruption_outcomes(events: list[dict[str, Any]], timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each fault detected by the replica check (silent data corruption, its kind's
+    ``detected_by`` is ``replica_mismatch``): whether it was detected, in how many seconds and
+    steps (the mismatch's step less the step training had reached when the fault acted), and the
+    corrupted commits: commits of a step after the fault's, made after it and before the
+    rollback that followed its detection (the run's end if none). The check runs before every
+    save, so this is 0 unless the check missed the flip; it can overcount by a commit in the
+    rare case that the flip landed a step after one that was saved."""
+    commits = _of(events, Event.CKPT_COMMITTED)
+    restores = sorted(e["time"] for e in [*_of(events, Event.ROLLED_BACK), *_of(events, Event.RESUMED)])
+    end = max((e["time"] for e in events), default=0.0)
+    out = []
+    for f, timing in zip(_of(events, Event.CHAOS_FAULT), timings, strict=True):
+        if Event.REPLICA_MISMATCH not in _fault(f).detected_by:
+            continue
+        t0, step = f["time"], f.get("step") or 0
+        mismatch = next(
+            (e for e in sorted(_of(events, Event.REPLICA_MISMATCH), key=lambda e: e["time"]) if e["time"] >= t0), None
+        )
+        detected = timing["detected_by"] == Event.REPLICA_MISMATCH and mismatch is not None
+        until = next((t for t in restores if mismatch is not None and t >= mismatch["time"]), end) if detected else end
+        corrupted = {(c["step"], c["time"]) for c in commits if c["step"] > step and t0 <= c["time"] <= until}
+        out.append(
+            {
+                "index": timing["index"],
+                "kind": f["kind"],
+                "step": step,
+                "detected": detected,
+                "detection_s": timing["detection_s"] if detected else None,
+                "detection_steps": mismatch["step"] - step if detected and mismatch is not None else None,
+                "corrupted_commits": len({s for s, _ in corrupted}),
+            }
+        )
+    return out

@@ -35,7 +35,8 @@ td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
 <div id="timeline"></div>
 <h2>Faults</h2>
 <table id="faults"><thead><tr><th>#</th><th>kind</th><th>at step</th><th>node</th><th>detected by</th>
-<th>detection s</th><th>new round</th><th>recovery s</th><th>resumed step</th><th>lost steps</th></tr></thead>
+<th>detection s</th><th>new round</th><th>recovery s</th><th>resumed step</th><th>lost steps</th>
+<th>lost s</th></tr></thead>
 <tbody></tbody></table>
 <h2>Invariants</h2>
 <table id="checks"><tbody></tbody></table>
@@ -49,7 +50,9 @@ document.getElementById("title").textContent = R.scenario + " (seed " + R.seed +
 document.getElementById("summary").innerHTML =
   "<span class='" + (R.ok ? "ok'>ALL INVARIANTS HOLD" : "fail'>INVARIANTS FAILED") + "</span> &middot; " +
   R.faults.length + " fault(s) &middot; goodput " + (100 * R.goodput.goodput).toFixed(1) + "% (" +
-  R.goodput.productive_s.toFixed(0) + " s productive of " + R.goodput.wall_s.toFixed(0) + " s)";
+  R.goodput.productive_s.toFixed(0) + " s productive of " + R.goodput.wall_s.toFixed(0) + " s)" +
+  (R.goodput.lost_by_cause ? "; time lost: " + Object.entries(R.goodput.lost_by_cause)
+     .sort((a, b) => b[1] - a[1]).map(([k, v]) => k + " " + v.toFixed(1) + " s").join(", ") : "");
 document.getElementById("legend").innerHTML = Object.entries(COLORS).map(([k, c]) =>
   "<span><i class='sw' style='background:" + c + "'></i>" + k + "</span>").join("");
 
@@ -95,7 +98,7 @@ const fb = document.querySelector("#faults tbody");
 R.faults.forEach(f => {
   const tr = document.createElement("tr");
   [f.index, f.kind, f.step, f.node, f.detected_by, f.detection_s, f.new_round, f.recovery_s, f.resumed_step,
-   f.lost_steps].forEach(v => {
+   f.lost_steps, f.lost_s].forEach(v => {
     const td = document.createElement("td"); td.textContent = v ?? "-"; tr.appendChild(td);
   });
   fb.appendChild(tr);

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,11 @@ class _Campaign(threading.Thread):
                 self._fire(spec)
             limit_s = self.scenario.random.duration_s
             gap = self.scenario.random.min_steps_between
+            # every_s: waits drawn from an exponential, counted from the previous fault (a Poisson
+            # process of faults); interval_s: counted from the end of the previous recovery
+            from_previous_fault = self.scenario.random.every_s > 0
             high = self.ctx.cluster.step()
+            previous = time.monotonic()
             for delay_s, spec in self.scenario.random_faults(self.rng):
                 if gap:
                     try:
@@ -147,11 +151,12 @@ class _Campaign(threading.Thread):
                     except WaitTimeout as e:
                         self.errors.append(f"no progress between faults: {e}")
                         return
-                deadline = time.monotonic() + delay_s
+                deadline = (previous if from_previous_fault else time.monotonic()) + delay_s
                 while time.monotonic() < deadline and not self.ctx.stop():
                     time.sleep(0.05)
                 if limit_s and time.time() - self.ctx.started_at > limit_s:
                     break
+                previous = time.monotonic()
                 self._fire(spec)
                 # the high the next fault waits past is where training stood when this one was
                 # done acting: a fault that acts for a while (a save it waits for, a slowdown)
@@ -288,6 +293,8 @@ def run_scenario(
             checks.append(invariants.Check("faults_injected", False, "; ".join(campaign.errors)))
         proxy = hosts.proxy
     timings = invariants.fault_timings(all_events, metrics)
+    for timing, lost_s in zip(timings, invariants.lost_time(all_events, metrics, started_at)["by_fault"], strict=True):
+        timing["lost_s"] = lost_s
     report: dict[str, Any] = {
         "scenario": scenario.name,
         "seed": seed,
@@ -299,6 +306,14 @@ def run_scenario(
         "checks": [c.as_dict() for c in checks],
         "faults": timings,
         "goodput": invariants.goodput(all_events, metrics, started_at),
+        "lost_by_kind": invariants.lost_by_kind(timings),
+        "silent_corruption": invariants.corruption_outcomes(all_events, timings),
+        "campaign": {
+            "mix": scenario.random.mix if scenario.random.count else {},
+            "every_s": scenario.random.every_s or None,
+            "interval_s": None if scenario.random.every_s else list(scenario.random.interval_s),
+            "recovery": recovery,
+        },
         "proxy": {"requests": proxy.requests, "injected": proxy.injected} if proxy is not None else None,
         "events": all_events,
         "metrics": [{k: m[k] for k in ("step", "time", "loss", "world_size")} for m in metrics],
@@ -319,14 +334,36 @@ def print_summary(result: RunResult) -> None:
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for f in r["faults"]:
         by_kind.setdefault(f["kind"], []).append(f)
+    lost_by_kind = r.get("lost_by_kind", {})
     for kind, fs in sorted(by_kind.items()):
         det = sorted(f["detection_s"] for f in fs if f["detection_s"] is not None)
         rec = sorted(f["recovery_s"] for f in fs if f["recovery_s"] is not None)
         lost = [f["lost_steps"] for f in fs if f["lost_steps"] is not None]
         median = lambda xs: xs[len(xs) // 2] if xs else None  # noqa: E731
+        time_lost = lost_by_kind.get(kind, {})
         print(
             f"    {kind:<17} x{len(fs):<3} detection median {_s(median(det))}  recovery median {_s(median(rec))} "
             f"max {_s(rec[-1] if rec else None)}  lost steps {sum(lost)}"
+            + (
+                f"  time lost median {_s(time_lost['median_s'])} worst {_s(time_lost['worst_s'])} "
+                f"total {_s(time_lost['total_s'])}"
+                if time_lost
+                else ""
+            )
+        )
+    causes = r["goodput"].get("lost_by_cause")
+    if causes:
+        split = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(causes.items(), key=lambda kv: -kv[1]))
+        print(f"  time lost {r['goodput']['lost_s']:.0f} s: {split}")
+    for c in r.get("silent_corruption", []):
+        print(
+            f"    {c['kind']} #{c['index']} at step {c['step']}: "
+            + (
+                f"detected in {_s(c['detection_s'])} ({c['detection_steps']} step(s))"
+                if c["detected"]
+                else "NOT detected"
+            )
+            + f", corrupted commits {c['corrupted_commits']}"
         )
     print(f"  report: {result.out_dir / 'report.html'}")
     print("chaos: OK" if result.ok else f"chaos: FAILED ({', '.join(result.failed)})")
@@ -336,9 +373,22 @@ def _s(x: float | None) -> str:
     return f"{x:.1f}s" if x is not None else "-"
 
 
+def with_fault_every_s(scenario: Scenario, every_s: float) -> Scenario:
+    """``scenario`` with its random campaign at a mean of ``every_s`` seconds between faults
+    (``--fault-every-s``); ScenarioError where it has no random campaign to speed up."""
+    if scenario.random.count == 0:
+        raise ScenarioError(f"--fault-every-s: {scenario.path} has no random campaign (random.count = 0)")
+    try:
+        return replace(scenario, random=scenario.random.with_every_s(every_s))
+    except ScenarioError as e:
+        raise ScenarioError(f"--fault-every-s: {e}") from None
+
+
 def run_main(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
+        if args.fault_every_s is not None:
+            scenario = with_fault_every_s(scenario, args.fault_every_s)
     except ScenarioError as e:
         print(f"ftrain chaos: {e}", file=sys.stderr)
         return 2

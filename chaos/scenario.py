@@ -22,17 +22,27 @@ at_step = 30
 
 [random]                   # a seeded random campaign after the listed faults
 count = 100                # faults (0: none)
-kinds = ["worker_kill", "etcd_pause"]
-interval_s = [4.0, 10.0]   # uniform wait between faults
+kinds = ["worker_kill", "etcd_pause"]   # drawn uniformly (a kind listed twice: twice as likely)
+interval_s = [4.0, 10.0]   # uniform wait between faults, once the previous recovery completed
 duration_s = 0             # stop the campaign after this long (0: after count faults)
 min_steps_between = 0      # before each fault, training must pass its pre-fault high by this many steps
+
+# or, instead of kinds and interval_s: a failure mix and a rate
+every_s = 60.0             # mean seconds between faults (exponential, seeded: a Poisson process);
+                           # counted from the previous fault, which still waits for min_steps_between
+[random.weights]           # kind -> relative weight (the kinds drawn with these weights, seeded)
+agent_kill = 60
+worker_kill = 13
 ```
+
+Each key is checked when the file loads; an error names the key and the file. ``ftrain chaos
+run ... --fault-every-s S`` sets ``every_s`` (:meth:`RandomSpec.with_every_s`).
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from random import Random
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -70,13 +80,45 @@ class JobSpec:
 @dataclass(slots=True)
 class RandomSpec:
     count: int = 0
+    #: the kinds drawn uniformly (ignored where ``weights`` is given)
     kinds: list[str] = field(default_factory=lambda: ["worker_kill"])
+    #: uniform wait between faults (ignored where ``every_s`` is given)
     interval_s: tuple[float, float] = (4.0, 10.0)
     duration_s: float = 0.0  #: no new random fault after this many seconds of the run (0: no limit)
     #: each random fault waits until training passed the highest step before the previous one by
     #: this many steps: one recovery completes (recomputation included) before the next fault
     min_steps_between: int = 0
     fault_params: dict[str, dict[str, Any]] = field(default_factory=dict)  #: kind -> params
+    #: kind -> relative weight: the kinds drawn with these weights instead of ``kinds`` (a failure mix)
+    weights: dict[str, float] = field(default_factory=dict)
+    #: mean seconds between faults (> 0: exponential inter-arrival times instead of ``interval_s``),
+    #: counted from the previous fault; a fault still waits for ``min_steps_between``
+    every_s: float = 0.0
+
+    @property
+    def mix(self) -> dict[str, float]:
+        """Kind -> its share of the draws (the weights, or ``kinds`` counted), summing to 1."""
+        counts = dict(self.weights) if self.weights else {k: float(self.kinds.count(k)) for k in self.kinds}
+        total = sum(counts.values())
+        return {k: w / total for k, w in counts.items() if w > 0}
+
+    def with_every_s(self, every_s: float) -> RandomSpec:
+        """The same campaign at a mean of ``every_s`` seconds between faults."""
+        if not every_s > 0:
+            raise ScenarioError(f"every_s: {every_s!r} must be > 0")
+        return replace(self, every_s=float(every_s))
+
+    def draw(self, rng: Random) -> list[tuple[float, str]]:
+        """(wait, kind) for each of the ``count`` faults, seeded by ``rng``. The uniform form
+        draws exactly as it always did (a kind, then its wait), so old seeds replay old campaigns."""
+        out = []
+        kinds, weights = list(self.weights), list(self.weights.values())
+        lo, hi = self.interval_s
+        for _ in range(self.count):
+            kind = rng.choices(kinds, weights)[0] if self.weights else rng.choice(self.kinds)
+            wait_s = rng.expovariate(1.0 / self.every_s) if self.every_s > 0 else rng.uniform(lo, hi)
+            out.append((wait_s, kind))
+        return out
 
 
 @dataclass(slots=True)
@@ -100,12 +142,10 @@ class Scenario:
         return env
 
     def random_faults(self, rng: Random) -> list[tuple[float, FaultSpec]]:
-        """(delay after the previous fault, spec) for the seeded random campaign."""
-        lo, hi = self.random.interval_s
-        return [
-            (rng.uniform(lo, hi), FaultSpec(kind, params=dict(self.random.fault_params.get(kind, {}))))
-            for kind in (rng.choice(self.random.kinds) for _ in range(self.random.count))
-        ]
+        """(wait, spec) for the seeded random campaign: the wait after the previous recovery
+        (``interval_s``) or after the previous fault (``every_s``)."""
+        params = self.random.fault_params
+        return [(wait_s, FaultSpec(kind, params=dict(params.get(kind, {})))) for wait_s, kind in self.random.draw(rng)]
 
 
 def _build(cls: type[_Spec], table: dict[str, Any], where: str) -> _Spec:
@@ -133,15 +173,7 @@ def load_scenario(path: str | Path) -> Scenario:
     job = _build(JobSpec, data.get("job", {}), f"{path}: job")
     if job.network not in NETWORKS:
         raise ScenarioError(f"{path}: job.network: {job.network!r} is not one of {', '.join(NETWORKS)}")
-    rand = dict(data.get("random", {}))
-    if "interval_s" in rand:
-        rand["interval_s"] = tuple(rand["interval_s"])
-    random_spec = _build(RandomSpec, rand, f"{path}: random")
-    for kind in random_spec.kinds:
-        try:
-            FAULTS.get(kind)
-        except UnknownFaultKind as e:
-            raise ScenarioError(f"{path}: random.kinds: {e}") from None
+    random_spec = _random_spec(dict(data.get("random", {})), path)
     faults = []
     for i, table in enumerate(data.get("faults", [])):
         try:
@@ -152,3 +184,50 @@ def load_scenario(path: str | Path) -> Scenario:
     if not scenario.config_path.exists():
         raise ScenarioError(f"{path}: job.config: {scenario.config_path} does not exist")
     return scenario
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _random_spec(rand: dict[str, Any], path: Path) -> RandomSpec:
+    """The ``[random]`` table, checked: an error names the key and the file."""
+
+    def fail(key: str, why: str) -> ScenarioError:
+        return ScenarioError(f"{path}: random.{key}: {why}")
+
+    if "weights" in rand and "kinds" in rand:
+        raise fail("weights", "give random.kinds (drawn uniformly) or random.weights, not both")
+    if "every_s" in rand and "interval_s" in rand:
+        raise fail("every_s", "give random.interval_s (uniform waits) or random.every_s (a mean), not both")
+    if "interval_s" in rand:
+        lo_hi = rand["interval_s"]
+        if not (isinstance(lo_hi, list) and len(lo_hi) == 2 and all(_number(x) for x in lo_hi)):
+            raise fail("interval_s", f"{lo_hi!r} is not [low, high] in seconds")
+        if not 0 <= lo_hi[0] <= lo_hi[1]:
+            raise fail("interval_s", f"{lo_hi!r}: need 0 <= low <= high")
+        rand["interval_s"] = (float(lo_hi[0]), float(lo_hi[1]))
+    if "every_s" in rand and not (_number(rand["every_s"]) and rand["every_s"] > 0):
+        raise fail("every_s", f"{rand['every_s']!r} must be a number of seconds > 0")
+    weights = rand.get("weights", {})
+    if not isinstance(weights, dict):
+        raise fail("weights", "must be a table of kind = weight ([random.weights])")
+    for kind, weight in weights.items():
+        if not (_number(weight) and weight >= 0):
+            raise fail(f"weights.{kind}", f"{weight!r} must be a number >= 0")
+    if "weights" in rand and not any(w > 0 for w in weights.values()):
+        raise fail("weights", "no kind has a weight > 0")
+    for key in ("count", "min_steps_between"):
+        if key in rand and not (isinstance(rand[key], int) and not isinstance(rand[key], bool) and rand[key] >= 0):
+            raise fail(key, f"{rand[key]!r} must be an integer >= 0")
+    if "duration_s" in rand and not (_number(rand["duration_s"]) and rand["duration_s"] >= 0):
+        raise fail("duration_s", f"{rand['duration_s']!r} must be a number of seconds >= 0")
+    spec = _build(RandomSpec, rand, f"{path}: random")
+    named = [("kinds", k) for k in spec.kinds] + [(f"weights.{k}", k) for k in spec.weights]
+    named += [(f"fault_params.{k}", k) for k in spec.fault_params]
+    for key, kind in named:
+        try:
+            FAULTS.get(kind)
+        except UnknownFaultKind as e:
+            raise fail(key.split(".")[0] if key == "kinds" else key, str(e)) from None
+    return spec

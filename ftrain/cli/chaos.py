@@ -27,6 +27,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the agents' recovery mode (default: the scenario's agent options, else the agents' default)",
     )
+    r.add_argument(
+        "--fault-every-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="mean seconds between the random campaign's faults (exponential waits), instead of the scenario's",
+    )
     r.set_defaults(func=_run)
 
 

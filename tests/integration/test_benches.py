@@ -170,3 +170,23 @@ def test_the_models_bench_smoke_run_sets_the_llama_under_ftrain_beside_a_plain_l
         assert row["plan_bytes"] > 100e6  # the per-process baseline dominates the debug model
         assert abs(row["plan_error"]) < 0.2, row
     assert isinstance(summary["ratio_target_met"], bool) and isinstance(summary["plan_target_met"], bool)
+
+
+@pytest.mark.timeout(300)
+def test_the_goodput_bench_smoke_run_splits_the_lost_time_by_fault_kind():
+    summary = _smoke("goodput.py", timeout_s=280)
+    assert summary["bench"] == "goodput" and summary["smoke"] and summary["profile"] == "realistic"
+    assert summary["modes"] == ["live"] and summary["goodput_restart"] is None
+    assert summary["invariants_held"], summary["runs"]["live"]["failed_invariants"]
+    run = summary["runs"]["live"]
+    assert 0 < run["goodput"] == summary["goodput_live"] <= 1 and isinstance(summary["target_met"]["live"], bool)
+    assert run["lost_s"] == pytest.approx(run["wall_s"] - run["productive_s"], abs=0.01)
+    assert sum(run["lost_by_cause"].values()) == pytest.approx(run["lost_s"], abs=0.05)
+    assert {"worker_kill", "bit_flip", "agent_kill", "s3_faults", "etcd_pause"} <= set(run["per_kind"])
+    for kind in run["per_kind"].values():
+        assert kind["faults"] >= 1 and 0 <= kind["median_s"] <= kind["worst_s"] <= kind["total_s"] + 1e-9, kind
+    assert run["per_kind"]["agent_kill"]["total_s"] > 0  # a node lost costs time, whatever recovers it
+    flips = run["bit_flip"]
+    assert flips["occurrences"] >= 1 and flips["detected_every_time"] and summary["bit_flip_detected_every_time"]
+    assert flips["detection_s_max"] is not None and flips["detection_steps_max"] is not None
+    assert flips["corrupted_commits"] == summary["corrupted_commits"] == 0
