@@ -610,7 +610,13 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
                 self.pool = None
             self.finished_rounds.add(workers.round)
             report = exit_report(
-                rc, beats, workers.launch.nproc_per_node, workers.log_path, self.uid, self.clock.time()
+                rc,
+                beats,
+                workers.launch.nproc_per_node,
+                workers.log_path,
+                self.uid,
+                self.clock.time(),
+                draining=self.draining,
             )
             log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
             self.events.emit(
@@ -640,6 +646,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
                 workers.log_path,
                 self.uid,
                 self.clock.time(),
+                draining=self.draining,
                 exited=f"the worker of local rank {local_rank}",
             )
             self.events.emit(

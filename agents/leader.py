@@ -80,6 +80,7 @@ from ftrain.agents.records import (
     STRAGGLER,
     SUCCEEDED,
     WORKER_EXIT,
+    YIELDED,
     FinalStatus,
     JobState,
     Member,
@@ -418,6 +419,9 @@ def _need(
     stopped = sorted(n for n, r in reports.items() if r.outcome == STOPPED)
     if stopped:
         return _Need(NODE_LEFT, f"drained: {', '.join(stopped)}"), memory
+    yielded = sorted(n for n, r in reports.items() if r.outcome == YIELDED)
+    if yielded and set(yielded) >= {m.node_id for m in cur.members}:  # a stop nobody's drain asked for
+        return _Need(NODE_LEFT, f"workers stopped early on {', '.join(yielded)}, no node drained"), memory
     gone = [m.node_id for m in cur.members if not seen.is_live(m)]
     if gone:
         return _Need(NODE_LOST, f"agent gone: {', '.join(gone)}"), memory

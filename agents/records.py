@@ -56,8 +56,10 @@ INTERRUPTING_CAUSES = FAILURE_CAUSES | {NODE_LOST, ROUND_REPAIR}
 #: checkpoint commits in a row); the leader ends the job at once with the report's detail.
 FATAL = "fatal"
 
-# Report outcomes.
-SUCCEEDED, FAILED, STOPPED = "succeeded", "failed", "stopped"
+# Report outcomes. stopped: this node drains (its workers stopped early because it asked them to):
+# it leaves. yielded: its workers stopped early because a peer's drain stopped the whole round
+# (ranks stop together): it stays for the next round.
+SUCCEEDED, FAILED, STOPPED, YIELDED = "succeeded", "failed", "stopped", "yielded"
 
 
 def _dumps(obj: Any) -> str:
@@ -147,7 +149,7 @@ class RoundRecord:
 
 @dataclass(slots=True)
 class Report:
-    outcome: str  #: succeeded | failed | stopped
+    outcome: str  #: succeeded | failed | stopped | yielded
     reason: str = ""  #: for failures: worker_exit | hang | start_timeout | bad_record | fatal
     detail: str = ""
     agent_uid: str = ""

@@ -51,6 +51,7 @@ from ftrain.agents.records import (
     SUCCEEDED,
     WAITING,
     WORKER_EXIT,
+    YIELDED,
     NodeStatus,
     RankStall,
     Report,
@@ -58,19 +59,31 @@ from ftrain.agents.records import (
 
 
 def exit_report(
-    rc: int, beats: dict[int, Beat], nproc: int, log_path: str, agent_uid: str, now: float, *, exited: str = "torchrun"
+    rc: int,
+    beats: dict[int, Beat],
+    nproc: int,
+    log_path: str,
+    agent_uid: str,
+    now: float,
+    *,
+    draining: bool,
+    exited: str = "torchrun",
 ) -> Report:
     """How a round ended on this node, from torchrun's exit code and the workers' last messages.
 
-    Success needs exit code 0 and every local rank's exit message saying it finished. A failure
+    Success needs exit code 0 and every local rank's exit message saying it finished. Exit code 0
+    without that is a graceful stop: this node's drain (``draining``: it leaves) or another's (the
+    ranks stop together: this node yields and stays for the next round). A failure
     carries the newest step any worker reported and the first worker error (by local rank), or a
     stand-in naming the exit code; a worker that said its error is fatal makes the report fatal.
     """
     finished = len(beats) == nproc and all(b.finished for b in beats.values())
     if rc == 0 and finished:
         return Report(SUCCEEDED, agent_uid=agent_uid, time=now)
-    if rc == 0:
+    if rc == 0 and draining:
         return Report(STOPPED, detail="workers stopped early (drain)", agent_uid=agent_uid, time=now)
+    if rc == 0:
+        return Report(YIELDED, detail="workers stopped early (another node drained)", agent_uid=agent_uid, time=now)
     step = max((b.step for b in beats.values()), default=-1)
     errors = [b for _, b in sorted(beats.items()) if b.error]
     fatal = [b for b in errors if b.fatal]

@@ -252,6 +252,11 @@ class Trainer:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._stop_requested = True
 
+    @property
+    def stop_requested(self) -> bool:
+        """This process was asked to stop (SIGTERM: its node drains); its peers stop with it."""
+        return self._stop_requested
+
     def _stop_agreed(self) -> bool:
         """All ranks stop at the same step if any of them was asked to; all leave for a newer
         round (:class:`RoundEnded`) at the same step if any of them was assigned one."""

@@ -29,6 +29,7 @@ SMOKE_FAULTS = (
     ("worker_kill", 30),
     ("bit_flip", 60),
     ("agent_kill", 90),
+    ("node_drain", 120),
     ("s3_faults", 150),
     ("etcd_pause", 190),
 )

@@ -31,6 +31,7 @@ checkpoint fence and the event log read ``FTRAIN_ROUND``, set before the round's
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -39,6 +40,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,6 +153,25 @@ def hold(trainer: Trainer) -> HeldState:
         return HeldState(step=trainer.cursor.step, committed_step=committed, schedule=schedule)
     model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
     return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict(), schedule)
+
+
+def held_on(held: HeldState | None, device: torch.device) -> HeldState | None:
+    """``held`` with its tensors on ``device`` (a process whose local rank, and so its GPU,
+    changed between rounds); the same object where nothing moves."""
+    if held is None or not held.complete:
+        return held
+
+    def moved(tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            return tree if tree.device == device else tree.to(device)
+        if isinstance(tree, dict):
+            return {k: moved(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(moved(v) for v in tree)
+        return tree
+
+    model, optim = moved(held.model), moved(held.optim)
+    return dataclasses.replace(held, model=model, optim=optim)
 
 
 def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) -> Restored:
@@ -328,6 +349,11 @@ def serve(cfg: Config) -> None:
     held: HeldState | None = None
     while not assignment.stop:
         os.environ.update(assignment.env())
+        # this round's device: cuda:<local rank> on a GPU host (a spare learns its local rank only now)
+        device = select_device(cfg.train)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        held = held_on(held, device)
         if hb is not None:
             hb.assign(assignment.round, assignment.rank, assignment.local_rank)
             hb.beat(held.step if held else -1, phase="starting")
@@ -380,9 +406,13 @@ def serve(cfg: Config) -> None:
                 raise
             held = _leave_round(trainer, restored_now, held, assignment, watchdog.fired or e, hb, keep_ports)
         else:
-            finish(trainer, result)
-            tier.close(job_done=not result.stopped_early)
-            return
+            if not (result.stopped_early and not trainer.stop_requested):
+                finish(trainer, result)
+                tier.close(job_done=not result.stopped_early)
+                return
+            # another node's drain stopped the round (ranks stop together, after the step's save):
+            # this process keeps its state and serves the round formed without that node
+            held = _leave_round(trainer, True, held, assignment, "another node drained", hb, keep_ports)
         trainer = None
         try:
             assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=cfg.parallel.timeout_s)

@@ -28,6 +28,7 @@ from ftrain.agents.records import (
     STOPPED,
     SUCCEEDED,
     WORKER_EXIT,
+    YIELDED,
     FinalStatus,
     NodeStatus,
     Report,
@@ -308,6 +309,29 @@ def test_drained_member_still_registered_is_not_in_the_next_round() -> None:
     record, memory = form(job, memory, T0 + 30, policy)
     assert record.reason == NODE_LEFT
     assert record.members == [first.members[1]]
+
+
+def test_a_yielded_member_stays_while_the_drained_one_leaves() -> None:
+    # a drain stops every rank of the round: the drained node reports stopped, the others yielded
+    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, recovery="restart")
+    job, memory, first = running_job("a", "b", policy=policy)
+    job.report(1, "b", YIELDED, time=T0 + 30)
+    decision, memory = decide(job.state(), policy, memory, T0 + 30)
+    assert isinstance(decision, Wait)  # the drained node's report is still to come
+    job.report(1, "a", STOPPED, time=T0 + 31)
+    record, memory = form(job, memory, T0 + 31, policy)
+    assert record.reason == NODE_LEFT
+    assert record.members == [first.members[1]]
+
+
+def test_a_stop_no_drain_asked_for_restarts_the_round_with_everyone() -> None:
+    # every node yielded (a worker got SIGTERM from outside, not through its agent): nobody leaves
+    policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, recovery="restart")
+    job, memory, first = running_job("a", "b", policy=policy)
+    job.report(1, "a", YIELDED, time=T0 + 30)
+    job.report(1, "b", YIELDED, time=T0 + 30)
+    record, memory = form(job, memory, T0 + 30, policy)
+    assert record.reason == NODE_LEFT and record.members == first.members
 
 
 # -- start timeout -----------------------------------------------------------------------------
