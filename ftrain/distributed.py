@@ -23,10 +23,15 @@ log = logging.getLogger(__name__)
 
 
 def select_device(train: TrainConfig) -> torch.device:
+    """``cuda:<local rank>`` on a GPU host (local ranks beyond the devices there are share them,
+    round-robin: more processes than GPUs, as in a one-GPU test of two ranks over gloo), else the CPU."""
     if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda requested but no GPU is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, devices = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= devices:
+            log.warning("local rank %d shares cuda:%d (%d GPU(s) here)", local_rank, local_rank % devices, devices)
+        return torch.device("cuda", local_rank % devices)
     return torch.device("cpu")
 
 

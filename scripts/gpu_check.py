@@ -8,8 +8,7 @@ The checks (docs/gpu.md says what each figure means):
   in bf16 on ``cuda`` over NCCL, for every strategy ``ftrain plan`` accepts at one rank, for the
   reference GPT and the built-in Llama;
 - ``train/<gpt|llama>/<ddp|fsdp>/x2-gloo``: two ranks sharing the one device, gloo carrying CUDA
-  tensors (``scripts/gpu_check_lib/one_device.py`` is their entry: ftrain maps local rank N to
-  ``cuda:N``);
+  tensors (``ftrain.distributed.select_device`` maps local ranks beyond the GPUs round-robin);
 - ``live/gpt/ddp/x2-gloo/worker_kill``: ``ftrain agent --recovery live``, a worker SIGKILLed,
   healed from its live peer by a spare;
 - ``flight_recorder``: a one-rank NCCL group's all_reduces in the recorder's snapshot;

@@ -3,7 +3,7 @@
 - :mod:`.core`: the check's result, the mode (GPU or dry), running checks side by side under one
   time budget, each with a timeout of its own;
 - :mod:`.training`: ``ftrain train`` per model and strategy, at one rank and at two ranks
-  sharing one device (:mod:`.one_device`), and ``ftrain plan`` against measured peak memory;
+  sharing one device, and ``ftrain plan`` against measured peak memory;
 - :mod:`.live`: live recovery of a SIGKILLed worker under ``ftrain agent``;
 - :mod:`.flight`: the flight recorder on a one-rank NCCL group (:mod:`.flight_worker`);
 - :mod:`.ckpt`: ``bench/checkpoint.py`` and the figures of its final JSON line.

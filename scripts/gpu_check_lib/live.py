@@ -5,9 +5,9 @@ tests/integration/test_live_recovery.py runs them. Rank 1 is SIGKILLed mid-run: 
 must keep its process, the spare must take rank 1's place with the state of its live peer, and
 the job must finish every step.
 
-Live workers choose their device before their rank is assigned (``ftrain.recovery.live.serve``
-calls ``select_device`` with no ``LOCAL_RANK`` yet), so both ranks land on ``cuda:0`` here with
-no help; on a host with several GPUs that is a finding, not a feature (see docs/gpu.md).
+Live workers choose their device per round, from the local rank the round assigns them
+(``ftrain.recovery.live.serve``); on a one-GPU host local rank 1 shares ``cuda:0``
+(``ftrain.distributed.select_device``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training checks: ``ftrain train`` of the reference GPT and the built-in Llama, every strategy
 ``ftrain plan`` accepts at one rank (NCCL on the device), two ranks on the one device over gloo
-(:mod:`.one_device` is their torchrun entry), and ``ftrain plan``'s estimate against the peak
+(``ftrain.distributed.select_device`` lets them share the device), and ``ftrain plan``'s estimate against the peak
 memory those jobs measure (``torch.cuda.max_memory_allocated``; peak RSS on the CPU).
 
 Every command line is validated before it runs (its config loaded with its overrides, the
@@ -21,7 +21,6 @@ from typing import Any
 
 from gpu_check_lib.core import Check, CheckFailed, Deadline, Mode, Skip
 
-ONE_DEVICE = Path(__file__).resolve().parent / "one_device.py"
 TWO_RANK_STRATEGIES = ("ddp", "fsdp")
 #: the one job of each kind the dry run runs (the others are validated only)
 DRY_RUNS = {("gpt", 1): "ddp", ("llama", 1): "fsdp", ("gpt", 2): "ddp"}
@@ -60,11 +59,10 @@ def _kind(mode: Mode) -> str:
 
 
 def torchrun_command(nproc: int, config: Path, overrides: list[str]) -> list[str]:
-    """``torchrun --standalone --nproc-per-node=N -m ftrain train``; two ranks on one device go
-    through :mod:`.one_device` (see there why)."""
-    entry = ["-m", "ftrain"] if nproc == 1 else [str(ONE_DEVICE)]
+    """``torchrun --standalone --nproc-per-node=N -m ftrain train`` (two ranks on a one-GPU host
+    share its device: :func:`ftrain.distributed.select_device`)."""
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*head, *entry, "train", str(config), *overrides]
+    return [*head, "-m", "ftrain", "train", str(config), *overrides]
 
 
 def validate(config: Path, overrides: list[str], strategy: str, nproc: int) -> None:
