@@ -6,6 +6,10 @@ the worker's pid). The job rides it out: the cross-replica consistency check mus
 (``replica_mismatch``) and roll back to a verified checkpoint, so the scenario's job must set
 ``--consistency.interval`` > 0 and ``--consistency.on_mismatch=rollback`` (the fault refuses to
 act otherwise), and a strategy whose replicas are compared (ddp, hsdp; see docs/checkpoints.md).
+It waits for a round of more than one rank: in a world of one nothing can be compared, and a
+soak that flipped a bit there kept the corruption to its end (the stress profile, seed 1: a
+flip in a one-node round after a node loss went unseen and the final state differed). A round
+change between that check and the flip can still put the flip in a one-rank world.
 The record's ``step`` is the step training had reached when the request was written: the flip
 happens after the first update that follows."""
 
@@ -18,6 +22,7 @@ from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
 from ftrain.chaos.faults.targets import current_round, pick_worker
 from ftrain.contract.events import Event
 from ftrain.faults import BITFLIP_TARGETS
+from ftrain.testbed.wait import WaitTimeout, wait_for
 
 
 def _checked(ctx: Context, spec: FaultSpec) -> str:
@@ -35,8 +40,21 @@ def _checked(ctx: Context, spec: FaultSpec) -> str:
     return target
 
 
+def _replicated_round(ctx: Context) -> bool:
+    """The current round has more than one rank: a flip has a replica to be compared with (in a
+    world of one nothing can find it, by design: docs/checkpoints.md)."""
+    rounds = ctx.cluster.events(Event.ROUND_FORMED)
+    return bool(rounds) and max(rounds, key=lambda e: e["new_round"]).get("world_size", 0) > 1
+
+
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     target = _checked(ctx, spec)
+    try:
+        wait_for(lambda: ctx.stop() or _replicated_round(ctx), 300, "a round with more than one rank")
+    except WaitTimeout as e:
+        raise FaultError(f"{spec.kind}: {e}") from None
+    if ctx.stop():
+        return ctx.emit(spec.kind, step=ctx.cluster.step(), detection_owed=False, why="the run ended first")
     node, pid = pick_worker(ctx, spec.node)
     started = ctx.cluster.events(Event.WORKER_STARTED, round=current_round(ctx), pid=pid)
     rank = started[-1]["rank"] if started else -1
