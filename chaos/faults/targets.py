@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from ftrain.agent_link.heartbeat import process_gone
+from ftrain.agents.etcd import EtcdClient
+from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.faults.spec import Context, FaultError
+from ftrain.contract import events as ev
 from ftrain.contract.events import Event
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
@@ -73,3 +77,17 @@ def is_stopped(pid: int) -> bool:
 def continue_process(pid: int) -> None:
     """SIGCONT ``pid`` if it is still there."""
     send_signal(pid, signal.SIGCONT)
+
+
+def bring_back(ctx: Context, node: str, after_s: float, *, unless_stopped: bool = False) -> None:
+    """Start ``node``'s agent again once the job has seen it gone (its lease is gone: a node id
+    whose lease is alive is refused), ``after_s`` later; recorded as ``chaos_node_back`` (part of
+    the fault, not a new one). ``unless_stopped``: not once the run is over."""
+    with EtcdClient(ctx.cluster.etcd_endpoints, timeout_s=2.0, retry_timeout_s=10.0) as client:
+        key = JobKeys(ctx.cluster.job).node(node)
+        wait_for(lambda: ctx.stop() or client.get(key) is None, 60, f"node {node}'s lease to go", poll_s=0.1)
+    time.sleep(after_s)  # the time the node stays away: the fault's parameter, not synchronisation
+    if unless_stopped and ctx.stop():
+        return
+    ctx.cluster.restart(node)
+    ctx.events.emit(ev.ChaosNodeBack(node=node))

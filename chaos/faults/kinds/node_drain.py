@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from typing import Any
 
-from ftrain.agents.etcd import EtcdClient
-from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
-from ftrain.chaos.faults.targets import pick_node
-from ftrain.contract import events as ev
+from ftrain.chaos.faults.targets import bring_back, pick_node
 from ftrain.contract.events import Event
-from ftrain.testbed.wait import wait_for
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
@@ -40,15 +35,7 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
         raise FaultError(f"{spec.kind}: the drained agent of {node} exited {exit_code}, not 0")
     restart_after_s = spec.params.get("restart_after_s")
     if restart_after_s is not None and not ctx.stop():
-        # a drained agent revokes its lease on the way out; wait for it all the same (an id whose
-        # lease is alive is refused)
-        with EtcdClient(ctx.cluster.etcd_endpoints, timeout_s=2.0, retry_timeout_s=10.0) as client:
-            key = JobKeys(ctx.cluster.job).node(node)
-            wait_for(lambda: ctx.stop() or client.get(key) is None, 60, f"node {node}'s lease to go", poll_s=0.1)
-        time.sleep(float(restart_after_s))
-        if not ctx.stop():
-            ctx.cluster.restart(node)
-            ctx.events.emit(ev.ChaosNodeBack(node=node))  # part of this fault, not a new one
+        bring_back(ctx, node, float(restart_after_s), unless_stopped=True)
     return record
 
 
