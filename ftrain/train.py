@@ -231,8 +231,10 @@ class Trainer:
         self.metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
         self.progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
         self.ckpt = Checkpointing(cfg, self.par, self.cursor, self.events) if cfg.checkpoint.uri else None
-        #: a live worker's memory tier, for strategies that keep no full replica (ddp heals from a peer)
-        self.tier = tier if tier is not None and tier.enabled and not strategies.full_replica(self.layout) else None
+        #: the memory tier: for strategies that keep no full replica, and with checkpoint.memory_dir for
+        #: every strategy (ddp heals a lost rank from a live peer; a snapshot kept on the node's tmpfs
+        #: outlives the workers when every one of them is lost)
+        self.tier = tier if tier is not None and tier.enabled and self._tier_helps(tier) else None
         if self.tier is not None:
             self.tier.join_round(rank, world_size, local_world, device.type, self.events)
         #: what copies the state in the background between a step boundary and the next update
@@ -403,6 +405,9 @@ class Trainer:
         the saved one or the configured one), else the configured one. A memory-tier or live-peer restore
         (this run's state, under this config) decides nothing: it goes on with the configured schedule."""
         return self.ckpt.schedule if self.ckpt is not None else Schedule.of(self.cfg)
+
+    def _tier_helps(self, tier: MemoryTier) -> bool:
+        return bool(tier.memory_dir) or not strategies.full_replica(self.layout)
 
     def _resume_from_tier(self) -> bool:
         """Collective: the newest snapshot the memory tier holds (``checkpoint.memory_dir``: what

@@ -343,7 +343,9 @@ def serve(cfg: Config) -> None:
     except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
         log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
     source = build_source(cfg.data, cfg.model)  # the same for every round: built once, before any
-    tier = MemoryTier(cfg)  # serves every round of this process (Trainer uses it where it helps)
+    # serves every round of this process (Trainer uses it where it helps); with checkpoint.memory_dir
+    # its snapshots also outlive the process: a round whose every worker is new restores from them
+    tier = MemoryTier(cfg, cfg.checkpoint.memory_dir)
     control.mark_ready()
     assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
     held: HeldState | None = None

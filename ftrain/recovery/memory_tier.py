@@ -212,10 +212,11 @@ class MemoryTier:
         fresh schedule (:mod:`ftrain.recovery.tier_schedule`), and in a new process with
         ``checkpoint.memory_dir``, the node's directory (:meth:`_open_store`)."""
         self.rank, self.world, self.local_world = rank, world, local_world
-        self._group = self._new_group() if world > 1 else None
+        # alone, a rank has no buddy: only snapshots kept in memory_dir outlive its process
+        self._group = self._new_group() if world > 1 or self.memory_dir else None
         self.interval, self._next_step, self._outcome = base_interval(self.setting), 0, None
-        if self.memory_dir and not self._store_opened:
-            self._open_store(events)
+        if self.memory_dir:
+            self._agree_store(events)
         if self._stager is None:  # the snapshot thread copies: a synchronous stager, there
             self._stager = new_stager(device_type, asynchronous=False)
 
@@ -225,32 +226,41 @@ class MemoryTier:
         training collective at the next snapshot, would (see :meth:`maybe_snapshot`)."""
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.parallel.timeout_s / 2))
 
-    def _open_store(self, events: Any) -> None:
-        """Collective, once per process: the node's tier directory (created ``0700`` or checked),
-        the run id the round agrees on, and the snapshots the node kept of this run. A directory
-        that is not safe, or no run id, leaves this worker without the on-disk tier (and the whole
-        tier off when no rank of the round has one: snapshots in a process that will not restart
-        would help nobody)."""
+    def _agree_store(self, events: Any) -> None:
+        """Collective, every round (``checkpoint.memory_dir``): in a new process, the node's tier
+        directory (created ``0700`` or checked), and the snapshots the node kept of this run; on
+        every rank, the run id the round agrees on. A process that served earlier rounds offers
+        the store and run id it already has (live recovery: a spare that replaces a lost worker
+        joins rounds whose other ranks opened theirs long ago). A directory that is not safe, or
+        no run id, leaves this worker without the on-disk tier (and the whole tier off for the
+        round when no rank of it has one: snapshots in a process that will not restart would help
+        nobody)."""
+        first = not self._store_opened
         self._store_opened = True
         node, local_rank = WorkerEnv.from_env().node, int(os.environ.get("LOCAL_RANK", "0"))
-        tier_store = TierStore(self.memory_dir, self.job, node, local_rank)
-        run_id, source = resolve_run_id(ask_etcd=dist.get_rank(self._group) == 0)  # the others agree below
-        store: TierStore | None = tier_store
-        try:
-            tier_store.open()
-        except OSError as e:  # an UnsafeLocalDirError among them
-            self._skipped(events, str(tier_store.tier_dir), f"{e}; this worker keeps no snapshots there")
-            store = None
+        store: TierStore | None = self._store
+        if first:
+            tier_store = TierStore(self.memory_dir, self.job, node, local_rank)
+            run_id, source = resolve_run_id(ask_etcd=dist.get_rank(self._group) == 0)  # the others agree below
+            store = tier_store
+            try:
+                tier_store.open()
+            except OSError as e:  # an UnsafeLocalDirError among them
+                self._skipped(events, str(tier_store.tier_dir), f"{e}; this worker keeps no snapshots there")
+                store = None
+        else:
+            run_id, source = self.binding.run_id, "agreed in an earlier round"
         rows = all_gather_json({"run": run_id, "store": store is not None}, self._group)
         agreed, why = agree_run_id([row["run"] for row in rows])
         if not agreed and store is not None:
             self._skipped(
                 events,
-                str(tier_store.tier_dir),
+                str(store.tier_dir),
                 f"{why} (this worker: {source}): snapshots kept there could not be told from another run's, "
                 f"so the on-disk tier is off; {NO_RUN_ID_FIX}",
             )
             store = None
+        self._store = store
         if not agreed or not any(row["store"] for row in rows):
             self.off_why = f"no rank can keep snapshots in {self.memory_dir}"
             if local_rank == 0:
@@ -258,10 +268,10 @@ class MemoryTier:
                     "memory tier: off for this run (%s): training goes on, restarts load from storage", self.off_why
                 )
             return
+        self.off_why = ""
         self.binding = Binding(agreed, self.binding.config_hash, self.binding.root, self.binding.config)
-        if store is None:
+        if store is None or not first:
             return
-        self._store = store
         if self.hmac_key is None and local_rank == 0:
             log.warning(
                 "memory tier: %s is used WITHOUT an HMAC key (checkpoint.hmac_key_env is empty). Its directory is "

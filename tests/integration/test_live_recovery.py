@@ -336,6 +336,46 @@ def test_under_fsdp_restarted_workers_resume_from_the_snapshots_kept_in_memory_d
             job.close()
 
 
+def test_under_ddp_every_worker_lost_is_healed_from_the_snapshots_kept_in_memory_dir(
+    tmp_path, etcd, seaweed, s3_prefix, golden
+):
+    """Live recovery, ddp, ``checkpoint.memory_dir``: every worker of the round is SIGKILLed at
+    once (what a fault that takes the whole job does: no live replica is left). The warm spares
+    that replace them take the newest snapshot their nodes kept in memory_dir, not the newest
+    checkpoint from S3: no shard is read from S3, and the job ends bitwise equal to golden."""
+    memory_dir = tmp_path / "shm"
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        job = _cluster(
+            tmp_path,
+            etcd,
+            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
+            f"--checkpoint.memory_dir={memory_dir}",
+            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
+            env=seaweed.env(),
+        )
+        try:
+            job.start("a", *LIVE, nnodes="2:2", nproc=2)
+            job.start("b", *LIVE, nnodes="2:2", nproc=2)
+            job.wait_step(45)
+            _wait_tier_covers_commits(job, 4, 40)
+            round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
+            killed_at = time.time()
+            for pid in [p for pids in round1.values() for p in pids.values()]:
+                os.kill(pid, signal.SIGKILL)
+            assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+            last = max(e["round"] for e in job.events("worker_started"))
+            restored = job.events("live_restored", round=last)
+            assert len(restored) == 4 and {e["source"] for e in restored} == {"memory_tier"}, restored
+            assert all(e["pid"] not in round1[e["node"]].values() for e in job.events("worker_started", round=last))
+            assert not [e for e in job.events("ckpt_loaded") if e["round"] > 1], "a new worker loaded from S3"
+            assert not job.events("memory_refused"), job.events("memory_refused")
+            assert not _distcp_reads(proxy, killed_at, max(e["time"] for e in restored)), "the restore read S3"
+            _assert_bitwise_golden(tmp_path / "final.pt", golden)
+            assert not list(memory_dir.rglob("step-*")), "the finished job left snapshots in memory_dir"
+        finally:
+            job.close()
+
+
 def test_a_save_waiting_for_a_slow_upload_is_not_taken_for_a_hang(tmp_path, etcd, seaweed, s3_prefix):
     """Every S3 request 0.6 s late: an upload outlasts the checkpoint interval and the next save
     waits for it (when_busy = wait) far longer than the 2 s hang timeout. The worker says it is
