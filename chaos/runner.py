@@ -6,14 +6,16 @@ and write the report. Exit code 0 only if every invariant holds; the failing one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import random
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -187,17 +189,42 @@ class _Campaign(threading.Thread):
             self.records.append(record)
 
 
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While the run is on, SIGTERM (a ``timeout``, a CI runner giving up) raises SystemExit in
+    the main thread, so the run's ``finally`` blocks remove every process, agent, etcd and S3 it
+    started instead of leaving them behind (Python's default for SIGTERM runs none of them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_scenario(
     scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Path, recovery: str | None = None
 ) -> RunResult:
     """Run ``scenario`` and check its invariants; ``recovery``: the agents' ``--recovery`` (None:
-    the scenario's agent options, else the agents' default)."""
+    the scenario's agent options, else the agents' default). SIGTERM ends it cleanly."""
+    with sigterm_as_exit():
+        return _run_scenario(scenario, seed, out_dir, cache_dir=cache_dir, recovery=recovery)
+
+
+def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Path, recovery: str | None) -> RunResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     golden = golden_run(scenario, cache_dir)
     job = scenario.job
     cfg = load_config(scenario.config_path, worker_overrides(scenario))
     ledger_dir, final_path = out_dir / "ledger", out_dir / "final.pt"
+    memory_dir = out_dir / "shm" if job.memory_tier else None
     nodes = [f"n{i}" for i in range(job.nodes)]
     with open_hosts(job.network, out_dir / "stack", nodes, seed) as hosts:
         s3 = hosts.s3
@@ -217,6 +244,7 @@ def run_scenario(
                 f"--data.ledger_dir={ledger_dir}",
                 f"--train.save_final_path={final_path}",
                 "--checkpoint.on_no_loadable_step=fresh",
+                *([f"--checkpoint.memory_dir={memory_dir}"] if memory_dir is not None else []),
             ],
             env={**hosts.env(), **scenario.worker_env()},
             agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options, *(["--recovery", recovery] if recovery else [])],
@@ -235,6 +263,7 @@ def run_scenario(
             events=events,
             started_at=started_at,
             stop=finished.is_set,
+            memory_dir=memory_dir,
         )
         campaign = _Campaign(ctx, scenario, rng)
         keys = JobKeys(JOB)

@@ -15,6 +15,8 @@ timeout_s = 300
 network = "loopback"       # or "netns": every node, etcd member and S3 on a host (namespace) of its own
 overrides = []             # more --section.key=value for the workers
 agent_options = []         # more options for every agent
+memory_tier = false        # memory-tier snapshots kept per node in <out>/shm (checkpoint.memory_dir, as on a
+                           # node's tmpfs): a round whose every worker died restores from them; a lost node loses its own
 
 [[faults]]                 # fired in order
 kind = "worker_kill"
@@ -75,6 +77,9 @@ class JobSpec:
     network: str = "loopback"  #: one of ftrain.chaos.hosts.NETWORKS
     overrides: list[str] = field(default_factory=list)
     agent_options: list[str] = field(default_factory=list)
+    #: the workers keep memory-tier snapshots in a directory per node (``checkpoint.memory_dir``
+    #: under the run's folder, as a node's tmpfs would); ``agent_kill`` wipes the lost node's
+    memory_tier: bool = False
 
 
 @dataclass(slots=True)
@@ -171,6 +176,8 @@ def load_scenario(path: str | Path) -> Scenario:
     if unknown:
         raise ScenarioError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     job = _build(JobSpec, data.get("job", {}), f"{path}: job")
+    if not isinstance(job.memory_tier, bool):
+        raise ScenarioError(f"{path}: job.memory_tier: {job.memory_tier!r} must be true or false")
     if job.network not in NETWORKS:
         raise ScenarioError(f"{path}: job.network: {job.network!r} is not one of {', '.join(NETWORKS)}")
     random_spec = _random_spec(dict(data.get("random", {})), path)

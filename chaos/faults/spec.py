@@ -6,6 +6,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ftrain.chaos.cluster import Cluster
@@ -62,6 +63,8 @@ class Context:
     started_at: float
     stop: Callable[[], bool] = lambda: False  #: the run is over: stop waiting for triggers
     net: NetnsCluster | None = None  #: the hosts' namespaces (None: everything on loopback)
+    #: the nodes' memory-tier directory (the scenario's ``job.memory_tier``); None: snapshots stay in processes
+    memory_dir: Path | None = None
 
     def need_proxy(self, kind: str) -> S3FaultProxy:
         """The S3 fault proxy; FaultError where S3 is not behind it."""
