@@ -565,8 +565,10 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live"), memory
     members = live[: policy.max_nodes]
     all_reported = cur is not None and len(seen.reports) == len(cur.members) and set(cur.members) == set(members)
-    # a node lost and nobody joining: no last call to wait for
-    lost_only = need.reason == NODE_LOST and cur is not None and all(seen.is_member(m) for m in members)
+    # a node lost or drained and nobody joining: no last call to wait for (a new leader elected
+    # because the drained node led would otherwise wait settle_s, and so would everyone after its
+    # lease went)
+    lost_only = need.reason in (NODE_LOST, NODE_LEFT) and cur is not None and all(seen.is_member(m) for m in members)
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
     if not (all_reported or lost_only) and quiet_s < policy.settle_s:
         return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
