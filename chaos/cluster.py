@@ -17,6 +17,7 @@ from typing import Any
 from ftrain.agents.config import AgentConfig, agent_flags
 from ftrain.agents.launch import agent_command
 from ftrain.contract.events import Event
+from ftrain.faults import REQUESTS_DIR
 from ftrain.testbed.procs import REPO, kill_tree, quiet_env
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
@@ -103,8 +104,8 @@ class Cluster:
         self.worker_args += list(overrides)
         self.env = dict(env or {})
         # where the bit_flip fault asks a worker for a flip (ftrain/faults.py): nothing happens without a request
-        self.flips_dir = self.workdir / "flips"
-        self.env.setdefault("FTRAIN_FAULT_BITFLIP_DIR", str(self.flips_dir))
+        self.requests_dir = self.workdir / "fault-requests"  #: ftrain.faults: faults asked of one worker
+        self.env.setdefault(REQUESTS_DIR, str(self.requests_dir))
         if step_sleep_s:
             self.env["FTRAIN_FAULT_STEP_SLEEP_S"] = str(step_sleep_s)
         self.agent_options = tuple(agent_options)

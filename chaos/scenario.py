@@ -15,8 +15,9 @@ timeout_s = 300
 network = "loopback"       # or "netns": every node, etcd member and S3 on a host (namespace) of its own
 overrides = []             # more --section.key=value for the workers
 agent_options = []         # more options for every agent
-memory_tier = false        # memory-tier snapshots kept per node in <out>/shm (checkpoint.memory_dir, as on a
-                           # node's tmpfs): a round whose every worker died restores from them; a lost node loses its own
+memory_tier = false        # memory-tier snapshots kept per node in <out>/shm (checkpoint.memory_dir, as
+                           # on a node's tmpfs): a round whose every worker died restores from them;
+                           # a lost node loses its own
 
 [[faults]]                 # fired in order
 kind = "worker_kill"

@@ -8,9 +8,13 @@ process; unset, every hook is a no-op.
   (``FTRAIN_FAULT_BITFLIP_IN=param``, the default) or of that parameter's first AdamW moment
   (``exp_avg``): the highest mantissa bit of the element in the middle of its local tensor, so the
   value stays finite and nothing raises. Each listed step fires once per process.
-  ``FTRAIN_FAULT_BITFLIP_DIR=DIR``: the same at a time chosen from outside (the chaos kind
-  ``bit_flip``): a file ``DIR/<pid>`` (its content: ``param`` or ``exp_avg``) makes that process
-  flip a bit after its next update, and is removed.
+- ``FTRAIN_FAULT_REQUESTS_DIR=DIR``: faults at a time chosen from outside (the chaos kinds
+  ``bit_flip`` and ``worker_stuck``): a file ``DIR/<pid>`` makes that process act after its next
+  optimizer update, and is removed. Its content says what: ``param`` or ``exp_avg`` flips a bit
+  as above; ``stuck`` stops the training thread there for good, outside any collective, while
+  the process stays alive and its other threads (the "alive" datagrams among them) run on: a
+  rank stuck in its own code (a deadlocked data loader, a lock never released), which no
+  collective timeout reaches and whose peers wait for it in their next collective.
 - ``FTRAIN_FAULT_SIGKILL="STEP:RANK"``: after step STEP (and any checkpoint it started), rank
   RANK sends itself SIGKILL — a real crash at a known point.
 - ``FTRAIN_FAULT_SIGKILL_IN_COLLECTIVE="STEP:RANK"``: at step STEP, rank RANK starts the step's
@@ -107,27 +111,43 @@ _MANTISSA_TOP_BIT = {
 BITFLIP_TARGETS = ("param", "exp_avg")
 
 
-def _flip_requested() -> str | None:
-    """The target a ``FTRAIN_FAULT_BITFLIP_DIR`` request file for this process names (the
-    request is consumed), or None."""
-    where = os.environ.get("FTRAIN_FAULT_BITFLIP_DIR", "")
+REQUESTS_DIR = "FTRAIN_FAULT_REQUESTS_DIR"
+#: a request that stops the training thread for good (see the module doc)
+STUCK = "stuck"
+
+
+def _requested() -> str | None:
+    """What a ``FTRAIN_FAULT_REQUESTS_DIR`` request file for this process asks for (the request
+    is consumed), or None."""
+    where = os.environ.get(REQUESTS_DIR, "")
     if not where:
         return None
     path = os.path.join(where, str(os.getpid()))
     try:
         with open(path) as fh:
-            target = fh.read(64).strip()
+            request = fh.read(64).strip()
         os.unlink(path)
     except FileNotFoundError:
         return None
-    return target or "param"
+    return request or "param"
 
 
-def maybe_flip_bit(step: int, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
-    """``FTRAIN_FAULT_BITFLIP`` (or a request in ``FTRAIN_FAULT_BITFLIP_DIR``): flip one bit in
-    memory, as failing hardware does; returns what was flipped (for the log), or None."""
+def after_update(step: int, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The faults armed to act after an optimizer update: a bit flip (``FTRAIN_FAULT_BITFLIP`` or a
+    request), or a request to get stuck here."""
+    request = _requested()
+    if request == STUCK:
+        log.warning("fault injected: rank %d stuck after step %d (outside any collective, still alive)", rank, step)
+        threading.Event().wait()  # for good: only a signal ends this process now
+    maybe_flip_bit(step, rank, model, optimizer, request)
+
+
+def maybe_flip_bit(
+    step: int, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, target: str | None = None
+) -> str | None:
+    """``FTRAIN_FAULT_BITFLIP`` (or ``target``: a request's): flip one bit in memory, as failing
+    hardware does; returns what was flipped (for the log), or None."""
     key = f"FTRAIN_FAULT_BITFLIP@{step}"
-    target = _flip_requested()
     if target is None:
         if key in _fired or not _listed("FTRAIN_FAULT_BITFLIP", step, rank):
             return None

@@ -50,9 +50,9 @@ from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import DataCursor, GlobalBatch, Ledger, Source, build_source, micro_batches, micro_block, micro_steps
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.faults import (
+    after_update,
     maybe_crash,
     maybe_crash_inside,
-    maybe_flip_bit,
     maybe_poison_loss,
     maybe_skip_collective,
     maybe_slow_down,
@@ -497,7 +497,7 @@ class Trainer:
                 set_lr(par.optimizer.param_groups, lr)
                 par.optimizer.step()
                 self.update_applied = True
-                maybe_flip_bit(step + 1, self.rank, par.model, par.optimizer)
+                after_update(step + 1, self.rank, par.model, par.optimizer)
             else:
                 self.update_applied = True  # skipped or rolled back: either way no longer half-done
                 self._on_nonfinite(step + 1, loss, grad_norm)

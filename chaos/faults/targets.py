@@ -91,3 +91,13 @@ def bring_back(ctx: Context, node: str, after_s: float, *, unless_stopped: bool 
         return
     ctx.cluster.restart(node)
     ctx.events.emit(ev.ChaosNodeBack(node=node))
+
+
+def ask_worker(ctx: Context, pid: int, request: str) -> None:
+    """Ask worker ``pid`` for a fault it makes itself after its next optimizer update
+    (``FTRAIN_FAULT_REQUESTS_DIR``, :mod:`ftrain.faults`): ``param``, ``exp_avg`` or ``stuck``."""
+    where = ctx.cluster.requests_dir
+    where.mkdir(exist_ok=True)
+    tmp = where / f".{pid}.tmp"
+    tmp.write_text(request)
+    tmp.rename(where / str(pid))  # whole, at once: the worker reads it at a step boundary

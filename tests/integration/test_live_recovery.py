@@ -22,6 +22,7 @@ from ftrain.agent_link.heartbeat import process_gone
 from ftrain.agents.workers import descendants
 from ftrain.chaos.cluster import Cluster
 from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy
+from ftrain.faults import STUCK
 from ftrain.testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 from ftrain.testbed.wait import wait_for
 
@@ -531,31 +532,46 @@ def test_a_paused_node_is_left_behind_and_its_zombies_neither_rejoin_the_old_rou
         job.close()
 
 
-def test_a_hung_worker_is_dumped_and_killed_and_the_others_recover_in_process(tmp_path, etcd, golden):
+@pytest.mark.parametrize("how", ["stopped", "stuck"])
+def test_a_hung_worker_is_dumped_and_killed_and_the_others_recover_in_process(tmp_path, etcd, golden, how):
+    """``stopped``: the worker is frozen (SIGSTOP: it says nothing any more). ``stuck``: its
+    training thread waits for good outside any collective (``FTRAIN_FAULT_REQUESTS_DIR``), while
+    it stays alive and its peers wait for it in their next collective. Either way its node dumps
+    and ends it, naming it in the hang verdict, and everyone else goes on in-process."""
     job = _cluster(tmp_path, etcd)
     try:
         job.start("a", *LIVE, nnodes="2:2", nproc=2)
         job.start("b", *LIVE, nnodes="2:2", nproc=2)
         job.wait_step(30)
         round1 = {n: _serving(job, n, 1) for n in ("a", "b")}
-        stopped = round1["b"][0]
-        stopped_at = time.time()
-        os.kill(stopped, signal.SIGSTOP)
-        # the stopped worker's node ends it (and dumps its stack) once the other node took its
+        hung = round1["b"][0]
+        hung_at = time.time()
+        if how == "stopped":
+            os.kill(hung, signal.SIGSTOP)
+        else:
+            job.requests_dir.mkdir(exist_ok=True)
+            (job.requests_dir / str(hung)).write_text(STUCK)
+        # the hung worker's node ends it (and dumps its stack) once the other node took its
         # workers' records, which it does on seeing the hang reported (a hang event of its own)
         hang = job.wait_event("hang", 30, node="b")
-        assert str(stopped) in hang["stacks"] and "was stopped" in hang["stacks"][str(stopped)]
+        if how == "stopped":
+            assert str(hung) in hang["stacks"] and "was stopped" in hang["stacks"][str(hung)]
+        else:
+            assert "after_update" in hang["stacks"][str(hung)], hang["stacks"]
+        hung_rank = next(e["rank"] for e in job.events("worker_started", round=1) if e["pid"] == hung)
+        assert f"rank {hung_rank}" in hang["verdict"], hang["verdict"]
         wait_for(lambda: len(job.events("live_restored", round=2)) == 4, 60, "round 2")
         assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
         restored_at = max(e["time"] for e in job.events("live_restored", round=2))
         first_step = min(m["time"] for m in job.metrics() if m["time"] > restored_at)
-        print(f"hang -> first step of round 2: {first_step - stopped_at:.2f}s (hang_timeout_s 5)")
+        print(f"{how}: hang -> first step of round 2: {first_step - hung_at:.2f}s (hang_timeout_s 5)")
+        print(f"verdict: {hang['verdict']}")
         assert [e["reason"] for e in sorted(job.events("round_formed"), key=lambda e: e["new_round"])] == [
             "start",
             "hang",
         ]
         assert _serving(job, "a", 2) == round1["a"] and _serving(job, "b", 2)[1] == round1["b"][1]
-        assert stopped not in _serving(job, "b", 2).values()
+        assert hung not in _serving(job, "b", 2).values()
         _assert_bitwise_golden(tmp_path / "final.pt", golden)
     finally:
         job.close()

@@ -116,7 +116,7 @@ GROUPS = {
     "node lost": {"agent_kill"},
     "software crash": {"worker_kill"},
     "drain": {"node_drain"},
-    "hang": {"worker_hang"},
+    "hang": {"worker_hang", "worker_stuck"},
     "silent corruption": {"bit_flip"},
 }
 

@@ -1,7 +1,7 @@
 """``bit_flip``: silent data corruption. A live worker of the current round flips one bit of its
 first parameter (``target = "param"``, the default) or of that parameter's first AdamW moment
 (``target = "exp_avg"``) after its next optimizer update, in memory, with no error anywhere
-(``FTRAIN_FAULT_BITFLIP_DIR``, ``ftrain/faults.py``: the fault writes a request file named after
+(``FTRAIN_FAULT_REQUESTS_DIR``, ``ftrain/faults.py``: the fault writes a request file named after
 the worker's pid). The job rides it out: the cross-replica consistency check must find it
 (``replica_mismatch``) and roll back to a verified checkpoint, so the scenario's job must set
 ``--consistency.interval`` > 0 and ``--consistency.on_mismatch=rollback`` (the fault refuses to
@@ -19,7 +19,7 @@ from typing import Any
 
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
-from ftrain.chaos.faults.targets import current_round, pick_worker
+from ftrain.chaos.faults.targets import ask_worker, current_round, pick_worker
 from ftrain.contract.events import Event
 from ftrain.faults import BITFLIP_TARGETS
 from ftrain.testbed.wait import WaitTimeout, wait_for
@@ -58,12 +58,8 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     node, pid = pick_worker(ctx, spec.node)
     started = ctx.cluster.events(Event.WORKER_STARTED, round=current_round(ctx), pid=pid)
     rank = started[-1]["rank"] if started else -1
-    flips = ctx.cluster.flips_dir
-    flips.mkdir(exist_ok=True)
     record = ctx.emit(spec.kind, node=node, pid=pid, rank=rank, target=target, step=ctx.cluster.step())
-    tmp = flips / f".{pid}.tmp"
-    tmp.write_text(target)
-    tmp.rename(flips / str(pid))  # whole, at once: the worker reads it at a step boundary
+    ask_worker(ctx, pid, target)
     return record
 
 
