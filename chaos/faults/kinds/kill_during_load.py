@@ -2,7 +2,8 @@
 current round is SIGKILLed (the fault starts there): nobody holds the state any more, so under
 either recovery mode the next round loads it from storage; one of the loading workers is killed
 while it loads, recorded as a ``chaos_fault_step`` of the same fault. The job recovers again.
-(Killing one worker would not do: under live recovery its replacement heals from a live peer.)"""
+(Killing one worker would not do: under live recovery its replacement heals from a live peer.
+Nor does a scenario with ``job.memory_tier``: the new workers restore from their nodes' memory.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from typing import Any
 
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
-from ftrain.chaos.faults.spec import Context, FaultSpec
+from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
 from ftrain.chaos.faults.targets import pick_worker, round_workers, send_signal
 from ftrain.chaos.faults.windows import with_slow_storage
 from ftrain.contract import events as ev
@@ -27,6 +28,12 @@ def _loading(ctx: Context, after: float) -> bool:
 
 
 def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
+    if ctx.memory_dir is not None:
+        raise FaultError(
+            f"{spec.kind}: with job.memory_tier the new workers restore from the snapshots their nodes "
+            "kept, not from storage: there is no load to kill during (run it in a scenario without memory_tier)"
+        )
+
     def act() -> dict[str, Any]:
         node, pid = pick_worker(ctx, spec.node)
         everyone = round_workers(ctx)
