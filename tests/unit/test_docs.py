@@ -7,7 +7,8 @@ Each fenced block of README.md, docs/*.md and bench/README.md says what it holds
   what it names: ``ftrain ...`` (or ``python -m ftrain``) with ftrain's own parser, its
   ``--section.key=value`` overrides loaded with the config it names (a chaos scenario loaded as
   ``ftrain chaos run`` loads it); ``torchrun ...`` with
-  torch's parser, then the ``-m ftrain`` part as above; ``make T`` a target of the Makefile;
+  torch's parser, then the ``-m ftrain`` part as above, or the example script it names with the
+  script's own parser; ``make T`` a target of the Makefile;
   ``python bench/x.py ...`` with that benchmark's own parser (its ``main`` stops once the
   arguments are parsed); ``python -m module`` an importable module.
 - ``toml``: configuration, loaded as ``ftrain train`` would load a file holding it.
@@ -69,11 +70,12 @@ def commands(text: str) -> list[list[str]]:
 
 
 class _Parsed(Exception):
-    """Raised by a benchmark's parser once it parsed its arguments: the benchmark does not run."""
+    """Raised by a script's parser once it parsed its arguments: the script does not run."""
 
 
-def _bench_arguments(script: Path, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location(f"doc_bench_{script.stem}", script)
+def _script_arguments(script: Path, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's or an example's ``main(argv)``, stopped once its parser took ``argv``."""
+    spec = importlib.util.spec_from_file_location(f"doc_{script.parent.name}_{script.stem}", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
@@ -116,14 +118,18 @@ def check_command(words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         script = REPO / words[1]
         assert script.is_file(), f"no script {words[1]}"
         if script.parent.name == "bench":
-            _bench_arguments(script, words[2:], monkeypatch)
+            _script_arguments(script, words[2:], monkeypatch)
         return None
     if program == "ftrain":
         return _ftrain_arguments(words[1:])
     if program == "torchrun":
         args = torchrun.get_args_parser().parse_args(words[1:])
-        assert args.module and args.training_script == "ftrain", words
-        return _ftrain_arguments(args.training_script_args)
+        if args.module:
+            assert args.training_script == "ftrain", words
+            return _ftrain_arguments(args.training_script_args)
+        script = REPO / args.training_script  # a script of the repository's: an example
+        assert script.is_file() and script.parts[-3] == "examples", f"no example {args.training_script}"
+        return _script_arguments(script, args.training_script_args, monkeypatch)
     if program == "make":
         targets = re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M)
         for target in (w for w in words[1:] if "=" not in w):

@@ -1,0 +1,391 @@
+"""ftrain in your own training loop: verified, fenced checkpoints, resume at any world size and the
+node agent's supervision, around a loop that ftrain does not own (docs/library.md).
+
+```python
+import ftrain
+
+with ftrain.Session("s3://bucket/my-job", interval_steps=100) as session:   # or a local directory
+    model, optimizer = build()                      # your code: DDP, FSDP2, TP, anything DCP saves
+    state = {"model": model, "optim": optimizer, "sched": scheduler, "sampler": sampler}
+    for step in range(session.load(state), total_steps):   # 0, or the step it resumes after
+        train_one_step(step)
+        session.step(step + 1, state)               # heartbeat; an asynchronous save when due
+    session.finish(total_steps, state)              # the final save, committed before it returns
+```
+
+**What a session is.** It joins the process group the launcher describes (``torchrun``'s
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``, or ``ftrain agent``'s, which adds a heartbeat socket and
+the commit fence), or makes a group of one when nothing launched it; a group already initialised
+is used as it is. Its checkpoints are ``ftrain train``'s: DCP shards with a digest per file and a
+``manifest.json`` committed last (through the agent's etcd fence when there is one: a worker of
+a stale round cannot commit), verified before any byte is used, loaded at any world size and
+sharding (DCP reshards), retained (``keep_last``), the newest corrupt step falling back to the
+one before.
+
+**What it saves** (``state``: name -> object): at most one ``nn.Module`` (DDP, FSDP2 and TP
+modules included) with its optimizers (``torch.optim.Optimizer``), through
+``torch.distributed.checkpoint.state_dict`` (each rank writes its own shards); every other entry
+by its ``state_dict()``/``load_state_dict()`` (an LR scheduler, :class:`ftrain.sampler.ResumableSampler`,
+a ``GradScaler``, your own counters), kept in the manifest as JSON, so they must hold plain
+numbers, strings, lists and dicts (what a scheduler or a sampler holds). Rank 0's are saved: such
+state is the same on every rank of a data-parallel loop. RNG states are the loop's business.
+
+**What it does not do yet.** ``ftrain agent`` starts ``ftrain train`` only (no script of yours
+yet), and live recovery inside a user's loop (survivors rebuilding their process group
+in-process) is ``ftrain worker``'s only: a collective the session cannot abort (any of your
+loop's) is why restart is the safe answer there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+from ftrain import optim_state
+from ftrain.agent_link import fence, heartbeat
+from ftrain.checkpoint.config import DEFAULTS
+from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
+from ftrain.checkpoint.manifest import Manifest
+from ftrain.checkpoint.storage import StorageOptions
+from ftrain.contract.worker_env import WorkerEnv
+
+log = logging.getLogger(__name__)
+
+#: the manifest's ``trainer`` key under which the entries kept as JSON are
+USER_STATE = "user_state"
+#: a manifest's ``layout`` says which kind of loop wrote it
+WRITER = "session"
+DEFAULT_JOB = "own-loop"
+
+
+class SessionError(RuntimeError):
+    """A misuse of the session, or a state it cannot save or restore; the message says the fix."""
+
+
+class Session:
+    """One process's part of a training run in its own loop (see the module doc)."""
+
+    def __init__(
+        self,
+        checkpoint_uri: str,
+        *,
+        job: str = "",
+        interval_steps: int = 0,
+        keep_last: int = DEFAULTS.keep_last,
+        async_save: bool = True,
+        endpoint_url: str = "",
+        region: str = "",
+        hmac_key_env: str = "",
+        on_no_loadable_step: str = DEFAULTS.on_no_loadable_step,
+        backend: str = "auto",
+        timeout_s: float = 600.0,
+    ):
+        """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
+        manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
+        :meth:`step` saves every that many steps (0: only :meth:`save` and :meth:`finish` do);
+        ``async_save``: saves upload in the background (the loop waits only for the copy);
+        ``endpoint_url``/``region``: S3's; ``hmac_key_env``: the variable holding the key that
+        signs manifests; ``on_no_loadable_step``: ``fail`` (default) or ``fresh`` when steps exist
+        and none loads; ``backend``: the process group's when the session makes one (``auto``:
+        nccl on a CUDA device, else gloo)."""
+        if not checkpoint_uri:
+            raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
+        if not isinstance(interval_steps, int) or interval_steps < 0:
+            raise SessionError(f"Session(interval_steps={interval_steps!r}): an int >= 0 (0: no periodic saves)")
+        self.checkpoint_uri = checkpoint_uri
+        self.job = job or WorkerEnv.from_env().job or DEFAULT_JOB
+        self.interval_steps = interval_steps
+        self._options = dict(
+            keep_last=keep_last,
+            async_mode="thread" if async_save else "off",
+            hmac_key_env=hmac_key_env,
+            on_no_loadable_step=on_no_loadable_step,
+        )
+        self._storage = StorageOptions(endpoint_url=endpoint_url, region=region)
+        self._backend = backend
+        self._timeout_s = timeout_s
+        self.rank = self.world_size = self.local_rank = -1
+        self.round = WorkerEnv.from_env().round
+        self._manager: CheckpointManager | None = None
+        self._hb: heartbeat.Heartbeat | None = None
+        self._owns_group = False
+        self._step = -1  #: the last step reported (-1: none yet)
+
+    # -- life ---------------------------------------------------------------------------
+    def start(self) -> Session:
+        """Join (or make) the process group and open the checkpoint service; returns itself."""
+        if self._manager is not None:
+            raise SessionError("Session.start(): already started")
+        if not dist.is_initialized():
+            self._init_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        said = {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE")}
+        if said["RANK"] and (said["RANK"], said["WORLD_SIZE"]) != (str(self.rank), str(self.world_size)):
+            raise SessionError(
+                f"the launcher says RANK={said['RANK']} WORLD_SIZE={said['WORLD_SIZE']}, but the process group "
+                f"this process joined is rank {self.rank} of {self.world_size}: initialise the group from the "
+                "launcher's environment (dist.init_process_group() with no rank/world_size), or let the session do it"
+            )
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._hb = heartbeat.from_env(self.rank, self.local_rank)
+        if self._hb is not None:
+            self._hb.beat(-1, phase="starting")
+        self._manager = CheckpointManager(
+            url=self.checkpoint_uri,
+            options=self._storage,
+            job=self.job,
+            fence=fence.from_env(),
+            round=self.round,
+            device_type=_device_type(self._backend_of_group()),
+            **self._options,  # type: ignore[arg-type]
+        )
+        return self
+
+    def _init_group(self) -> None:
+        backend = self._backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "gloo"
+        timeout = timedelta(seconds=self._timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # nothing launched it: a group of one, so that the same loop runs alone
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        self._owns_group = True
+
+    def _backend_of_group(self) -> str:
+        return str(dist.get_backend())
+
+    def __enter__(self) -> Session:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.close(error=error)
+
+    def close(self, *, error: BaseException | None = None) -> None:
+        """Stop the checkpoint service (a save still uploading is waited for, unless ``error``)
+        and tell the agent how this worker ends. A group the session made is torn down after a
+        success; after an error it is left (peers may be stuck in a collective with this rank)."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close(abandon=error is not None)
+        if self._hb is not None:
+            committed = manager.status.last_committed_step if manager is not None else -1
+            reason = "" if error is None else f"{type(error).__name__}: {error}"
+            self._hb.exit(self._step, finished=error is None, committed_step=committed, error=reason[:2000])
+            self._hb = None
+        if error is None and self._owns_group and dist.is_initialized():
+            dist.barrier()  # no rank tears its pairs down while a peer still uses them
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    @property
+    def started(self) -> bool:
+        return self._manager is not None
+
+    def _need_started(self, what: str) -> CheckpointManager:
+        if self._manager is None:
+            raise SessionError(
+                f"Session.{what}() before Session.start(): call session.start() first (or use `with Session(...)`)"
+            )
+        return self._manager
+
+    # -- steps --------------------------------------------------------------------------
+    def step(self, step: int, state: Mapping[str, Any]) -> bool:
+        """At the end of step ``step`` (steps done): a heartbeat for the agent, the outcome of
+        the save in the background (a failure is logged; training goes on), and a save when
+        ``interval_steps`` says so; True when a save started."""
+        manager = self._need_started("step")
+        self._step = step
+        status = manager.poll()
+        if self._hb is not None:
+            self._hb.beat(step, committed_step=status.last_committed_step)
+        if self.interval_steps and step % self.interval_steps == 0:
+            return self.save(step, state)
+        return False
+
+    def wait_staged(self) -> None:
+        """Until the save in the background has copied the state: call it before the next
+        optimizer update when you overlap a save with the forward and backward pass (:meth:`save`
+        waits for it itself)."""
+        self._need_started("wait_staged").wait_staged()
+
+    # -- save and load ------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], *, sync: bool = False) -> bool:
+        """Save ``state`` as step ``step`` (collective: every rank, the same step). Asynchronous
+        unless ``sync`` or ``async_save=False``: this returns once the state is copied; the
+        commit follows (see :meth:`wait`). False when the save was skipped or failed (logged)."""
+        manager = self._need_started("save")
+        parts = _Parts.of(state)
+        manager.wait_staged()
+        sd = parts.state_dict()
+        fields = {
+            "round": self.round,
+            "world_size": self.world_size,
+            "layout": {"writer": WRITER, optim_state.FORMAT_KEY: optim_state.PER_PARAM},
+            "config": {},
+            "config_hash": "",
+            "trainer": {"step": step, USER_STATE: parts.user_state(step)},
+        }
+        return manager.save(step, sd, fields, sync=sync)
+
+    def wait(self) -> SaveStatus:
+        """Until the save in flight (if any) committed or failed; the service's status."""
+        return self._need_started("wait").wait()
+
+    def finish(self, step: int, state: Mapping[str, Any]) -> SaveStatus:
+        """After the last step: its save (unless step ``step`` is already committed), waited for."""
+        manager = self._need_started("finish")
+        self._step = step
+        status = manager.wait()
+        if status.last_committed_step != step:
+            self.save(step, state, sync=True)
+            status = manager.wait()
+        return status
+
+    def load(self, state: Mapping[str, Any], *, step: int = -1) -> int:
+        """Load the newest verified committed step (or ``step``) into ``state`` (collective);
+        returns the step it was saved at, i.e. the steps done (0 when there is nothing to load)."""
+        manager = self._need_started("load")
+        parts = _Parts.of(state)
+
+        def build(manifest: Manifest) -> dict[str, Any]:
+            parts.check_fits(manifest)  # a step of another shape is no corrupt step: not marked
+            return parts.state_dict(manifest)
+
+        manifest = manager.load(build, load_step=step, validate=_validate)
+        if manifest is None:
+            return 0
+        parts.apply(manifest)
+        self._step = manifest.step
+        manager.status.last_committed_step = max(manager.status.last_committed_step, manifest.step)
+        log.info("resumed from step %d (saved at world size %d)", manifest.step, manifest.world_size)
+        return manifest.step
+
+
+def _validate(manifest: Manifest) -> None:
+    """What a readable step's manifest holds for a session (else it is corrupt: marked, fall back)."""
+    if manifest.layout.get("writer") == WRITER and not isinstance(manifest.trainer.get(USER_STATE), dict):
+        raise ManifestError(f"step {manifest.step}: trainer.{USER_STATE} is not an object")
+
+
+def _device_type(backend: str) -> str:
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+class _Parts:
+    """A state mapping split into what DCP saves (one module, its optimizers) and what goes into
+    the manifest as JSON (everything else with ``state_dict``)."""
+
+    def __init__(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], others: dict[str, Any]):
+        self.module, self.optimizers, self.others = module, optimizers, others
+        self._target: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any]) -> _Parts:
+        if not isinstance(state, Mapping) or not state:
+            raise SessionError("the state: a dict of name -> object to save (model, optimizer, scheduler, ...)")
+        module, module_key, optimizers, others = None, "", [], {}
+        for key, obj in state.items():
+            if not isinstance(key, str) or not key:
+                raise SessionError(f"the state's key {key!r}: a non-empty str")
+            if isinstance(obj, nn.Module):
+                if module is not None:
+                    raise SessionError(
+                        f"the state holds two modules ({module_key!r} and {key!r}): give one (the model; "
+                        "wrap several in one nn.ModuleDict), with its optimizers"
+                    )
+                module, module_key = obj, key
+            elif isinstance(obj, torch.optim.Optimizer):
+                optimizers.append(obj)
+            elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+                others[key] = obj
+            else:
+                raise SessionError(
+                    f"the state's {key!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(): "
+                    "save an object that has them (wrap plain values in one, or keep them out of the state)"
+                )
+        if optimizers and module is None:
+            raise SessionError("the state holds an optimizer but no module: add the model it optimizes")
+        return cls(module, optimizers, others)
+
+    def state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
+        """What DCP saves (or loads into, for ``manifest``'s step)."""
+        if self.module is None:
+            return {}
+        form = optim_state.PER_PARAM if manifest is None else manifest.layout.get(optim_state.FORMAT_KEY)
+        optimizers = self.optimizers or []
+        model_sd, optim_sd = get_state_dict(self.module, optimizers, options=optim_state.state_options(form))
+        sd: dict[str, Any] = {"model": model_sd}
+        if optimizers:
+            sd["optim"] = optim_state.packed(optim_sd) if form == optim_state.PER_PARAM else optim_sd
+        self._target = sd
+        return sd
+
+    def user_state(self, step: int) -> dict[str, Any]:
+        out = {}
+        for key, obj in self.others.items():
+            value = obj.state_dict()
+            try:
+                text = json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise SessionError(
+                    f"the state's {key!r} ({type(obj).__name__}): its state_dict() at step {step} is not plain "
+                    f"JSON ({e}); the session keeps such entries in the manifest: give it numbers, strings, "
+                    "lists and dicts only (tensors belong to the model or the optimizer)"
+                ) from None
+            out[key] = json.loads(text)
+        return out
+
+    def check_fits(self, manifest: Manifest) -> None:
+        """SessionError unless this state can take ``manifest``'s step: written by a session, with
+        an entry for each of ours (a part added since is the caller's to decide about)."""
+        if manifest.layout.get("writer") != WRITER:
+            raise SessionError(
+                f"step {manifest.step} under this checkpoint root was written by `ftrain train`, not by a "
+                "Session: give the session a root of its own"
+            )
+        saved = manifest.trainer[USER_STATE]
+        missing = sorted(set(self.others) - set(saved))
+        if missing:
+            raise SessionError(
+                f"step {manifest.step} holds no {', '.join(repr(m) for m in missing)} (it holds "
+                f"{sorted(saved) or 'no entry besides the model and optimizer'}): it was saved before that part "
+                "joined the state; load without it once (session.load({...})), then save with it"
+            )
+        if self.module is None and manifest.files:
+            log.warning("step %d holds model state that this load has no module for", manifest.step)
+
+    def apply(self, manifest: Manifest) -> None:
+        """Put the loaded step into the objects (after DCP filled :meth:`state_dict`'s target)."""
+        if self.module is not None:
+            sd = self._target
+            form = manifest.layout.get(optim_state.FORMAT_KEY)
+            if not self.optimizers:
+                set_model_state_dict(self.module, sd["model"])
+            else:
+                optim_sd = optim_state.unpacked(sd["optim"]) if form == optim_state.PER_PARAM else sd["optim"]
+                set_state_dict(
+                    self.module,
+                    self.optimizers,
+                    model_state_dict=sd["model"],
+                    optim_state_dict=optim_sd,
+                    options=optim_state.state_options(form),
+                )
+        saved = manifest.trainer[USER_STATE]
+        for key, obj in self.others.items():
+            obj.load_state_dict(saved[key])

@@ -1,0 +1,142 @@
+"""ftrain.Session and ftrain.ResumableSampler in one process (a group of one, as when nothing
+launched the loop): a save and a load give back model, optimizer, scheduler and sampler; misuse
+gets errors that name the fix. The launched, multi-rank form: tests/integration/test_own_loop.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ftrain
+from ftrain.session import SessionError
+
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FTRAIN_HEARTBEAT", "FTRAIN_JOB")
+
+
+@pytest.fixture(autouse=True)
+def alone(monkeypatch):
+    for key in ENV:
+        monkeypatch.delenv(key, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5))
+    return {"model": model, "optim": optim, "sched": sched, "sampler": ftrain.ResumableSampler(100, 10, seed=3)}
+
+
+def _train(state: dict, steps: int) -> None:
+    model, optim, sched, sampler = state["model"], state["optim"], state["sched"], state["sampler"]
+    data = torch.randn(100, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        batch = data[sampler.advance(0, 1)]
+        model(batch).pow(2).mean().backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+
+
+def test_a_saved_step_loads_back_into_every_part_of_the_state(tmp_path):
+    with ftrain.Session(str(tmp_path / "ckpt"), interval_steps=3) as session:
+        state = _state()
+        assert session.load(state) == 0 and (session.rank, session.world_size) == (0, 1)
+        for step in range(1, 7):
+            _train(state, 1)
+            session.step(step, state)
+        status = session.finish(6, state)
+        assert status.last_committed_step == 6
+        saved = {k: v.clone() for k, v in state["model"].state_dict().items()}
+        moments = state["optim"].state_dict()["state"][0]["exp_avg"].clone()
+        manifests = sorted(p.parent.name for p in (tmp_path / "ckpt").glob("step-*/manifest.json"))
+        assert manifests == ["step-000000003", "step-000000006"]
+
+    with ftrain.Session(str(tmp_path / "ckpt")) as session:
+        fresh = _state(seed=1)  # other weights: the load must replace them
+        assert session.load(fresh) == 6
+        for key, value in fresh["model"].state_dict().items():
+            assert torch.equal(value, saved[key]), key
+        assert torch.equal(fresh["optim"].state_dict()["state"][0]["exp_avg"], moments)
+        assert fresh["sched"].last_epoch == 6 and fresh["sampler"].step == 6
+        # the order goes on where it stopped: the next batch is the one a straight run takes next
+        straight = ftrain.ResumableSampler(100, 10, seed=3)
+        for _ in range(6):
+            straight.advance(0, 1)
+        assert fresh["sampler"].advance(0, 1) == straight.advance(0, 1)
+
+
+def test_misuse_is_refused_with_the_fix(tmp_path):
+    session = ftrain.Session(str(tmp_path / "ckpt"))
+    with pytest.raises(SessionError, match=r"before Session.start\(\)"):
+        session.save(1, _state())
+    session.start()
+    try:
+        with pytest.raises(SessionError, match=r"'counter' \(int\) has no state_dict"):
+            session.save(1, {**_state(), "counter": 3})
+        with pytest.raises(SessionError, match="two modules"):
+            session.save(1, {**_state(), "other": torch.nn.Linear(2, 2)})
+        with pytest.raises(SessionError, match="an optimizer but no module"):
+            state = _state()
+            session.save(1, {"optim": state["optim"]})
+
+        class Opaque:
+            def state_dict(self):
+                return {"tensor": torch.zeros(2)}
+
+            def load_state_dict(self, state):
+                pass
+
+        with pytest.raises(SessionError, match=r"'opaque' \(Opaque\).*not plain JSON"):
+            session.save(1, {**_state(), "opaque": Opaque()})
+        with pytest.raises(SessionError, match="already started"):
+            session.start()
+    finally:
+        session.close()
+    with pytest.raises(SessionError, match="interval_steps"):
+        ftrain.Session(str(tmp_path), interval_steps=-1)
+
+
+def test_a_rank_the_launcher_did_not_give_is_refused(tmp_path, monkeypatch):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SessionError, match=r"RANK=1 WORLD_SIZE=2.*rank 0 of 1"):
+        ftrain.Session(str(tmp_path)).start()
+
+
+def test_a_step_missing_a_part_of_the_state_is_not_loaded_into_it(tmp_path):
+    with ftrain.Session(str(tmp_path / "ckpt"), on_no_loadable_step="fail") as session:
+        state = _state()
+        session.finish(2, {"model": state["model"], "optim": state["optim"]})
+    with ftrain.Session(str(tmp_path / "ckpt")) as session:
+        with pytest.raises(SessionError, match="holds no 'sampler', 'sched'"):
+            session.load(_state())
+        state = _state()
+        assert session.load({"model": state["model"], "optim": state["optim"]}) == 2  # still a good step
+    manifest = json.loads(next((tmp_path / "ckpt").glob("step-*/manifest.json")).read_text())
+    assert manifest["layout"]["writer"] == "session"
+    assert not list((tmp_path / "ckpt").rglob("corrupt.json")), "a step of another shape was marked corrupt"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 5])
+def test_the_sampler_gives_each_rank_its_share_of_the_same_global_batches_at_any_world_size(world):
+    one = ftrain.ResumableSampler(50, 20, seed=7)
+    many = ftrain.ResumableSampler(50, 20, seed=7)
+    for _ in range(5):  # past an epoch's end: 50 samples, batches of 20
+        whole = one.advance(0, 1)
+        shares = []
+        for rank in range(world):
+            probe = ftrain.ResumableSampler(50, 20, seed=7)
+            probe.load_state_dict(many.state_dict())
+            shares += probe.advance(rank, world)
+        many.advance(0, world)
+        assert shares == whole
+    with pytest.raises(ValueError, match="does not divide by world size 3"):
+        next(one.batches(0, 3))
