@@ -425,6 +425,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
                 worker_args=tuple(self.opts.worker_args),
                 interrupt=cur.reason in INTERRUPTING_CAUSES,
                 committed_step=state.newest_commit,
+                script=self.opts.script,
             )
         )
 

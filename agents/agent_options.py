@@ -34,7 +34,9 @@ class AgentOptions:
     definition and default is :class:`AgentConfig`) and what is not a key of the config file."""
 
     config: AgentConfig
-    worker_args: list[str]  #: CONFIG.toml and --section.key=value overrides for ``ftrain train``
+    worker_args: list[str]  #: CONFIG.toml and --section.key=value overrides for ``ftrain train`` (or the script's)
+    #: a user's training script run instead of ``ftrain train`` (restart recovery only: docs/library.md)
+    script: str = ""
     events_path: str = ""
     worker_env: dict[str, str] = field(default_factory=dict)
     etcd_username: str | None = None
@@ -63,7 +65,15 @@ class AgentOptions:
         training config, the etcd credentials and TLS files (ValueError naming the option)."""
         validate_id(self.config.job, "--job")
         validate_id(self.config.node_id, "--node-id")
-        if not self.worker_args:
+        if self.script:
+            if not os.path.isfile(self.script):
+                raise ValueError(f"--script: no such file {self.script!r}")
+            if self.config.recovery != "restart":
+                raise ValueError(
+                    "--script runs under --recovery restart only: live recovery moves ftrain's own workers between "
+                    "rounds in-process, which a script's loop cannot do yet (docs/library.md)"
+                )
+        elif not self.worker_args:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
         policy = self.policy()
         if policy.usable_nodes(self.config.max_nodes) < self.config.min_nodes:

@@ -153,12 +153,15 @@ class Launch:
     nproc_per_node: int
     master_addr: str
     master_port: int
-    worker_args: tuple[str, ...]  #: after ``-m ftrain train``: CONFIG.toml and overrides
+    worker_args: tuple[str, ...]  #: after ``-m ftrain train``: CONFIG.toml and overrides (or the script's arguments)
     #: the round replaces one that lost a member (live workers leave that one at once)
     interrupt: bool = False
     #: the newest committed step when the round was launched: live workers holding an older one
     #: must not go on from it (they were left out of the rounds that trained past it)
     committed_step: int = -1
+    #: a user's training script (``ftrain agent --script``: its loop uses ftrain.Session) that
+    #: torchrun runs instead of ``-m ftrain train``
+    script: str = ""
 
     def command(self) -> list[str]:
         return [
@@ -173,9 +176,7 @@ class Launch:
             "--rdzv-backend=static",
             "--max-restarts=0",
             "--monitor-interval=0.2",
-            "-m",
-            "ftrain",
-            "train",
+            *([self.script] if self.script else ["-m", "ftrain", "train"]),
             *self.worker_args,
         ]
 

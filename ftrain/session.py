@@ -30,10 +30,11 @@ a ``GradScaler``, your own counters), kept in the manifest as JSON, so they must
 numbers, strings, lists and dicts (what a scheduler or a sampler holds). Rank 0's are saved: such
 state is the same on every rank of a data-parallel loop. RNG states are the loop's business.
 
-**What it does not do yet.** ``ftrain agent`` starts ``ftrain train`` only (no script of yours
-yet), and live recovery inside a user's loop (survivors rebuilding their process group
-in-process) is ``ftrain worker``'s only: a collective the session cannot abort (any of your
-loop's) is why restart is the safe answer there.
+**Under the node agent** (``ftrain agent --script train.py``): heartbeats at each :meth:`step`,
+"alive" from a background thread, the commit fence and the exit message; recovery is restart.
+Live recovery inside a user's loop (survivors rebuilding their process group in-process) is
+``ftrain worker``'s only: a collective the session cannot abort (any of your loop's) is why
+restart is the safe answer there.
 """
 
 from __future__ import annotations

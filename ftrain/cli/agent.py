@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.assemble import build_agent
@@ -51,7 +52,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd-ca-cert", default=None, help="CA bundle for https etcd endpoints")
     p.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for https etcd endpoints")
     p.add_argument("--etcd-key", default=None, help="the client certificate's private key (PEM)")
-    p.add_argument("worker_args", nargs="*", help="after --: CONFIG.toml and --section.key=value overrides")
+    p.add_argument(
+        "--script",
+        default=None,
+        help="run this training script of yours (its loop uses ftrain.Session, docs/library.md) instead of "
+        "ftrain train; what follows -- are its own arguments; recovery is restart (the default with --script)",
+    )
+    p.add_argument(
+        "worker_args", nargs="*", help="after --: CONFIG.toml and --section.key=value overrides (or the script's)"
+    )
     p.set_defaults(func=agent_main, takes_overrides=True)
 
     p = sub.add_parser("status", help="a job's nodes, leader, round, heartbeats, checkpoints and restarts")
@@ -95,23 +104,46 @@ def resolve_config(file_config: AgentConfig, args: argparse.Namespace) -> AgentC
 
 def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOptions:
     worker_args = [*args.worker_args, *overrides]
+    if getattr(args, "script", None):
+        return _script_options(args, worker_args)
     if not worker_args:
         raise ConfigError("", "no training config: ftrain agent [options] -- CONFIG.toml [--section.key=value ...]")
     cfg = load_job_config(worker_args[0], worker_args[1:])  # fail here, not in every worker
-    password = os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None
     return AgentOptions(
         config=resolve_config(cfg.agent, args),
         worker_args=worker_args,
         events_path=args.events if args.events is not None else cfg.logging.events_path,
-        etcd_username=args.etcd_user,
-        etcd_password=password,
-        etcd_ca_cert=args.etcd_ca_cert,
-        etcd_cert=args.etcd_cert,
-        etcd_key=args.etcd_key,
+        **_etcd_access(args),
         device_hour_price=cfg.accounting.device_hour_price,
         pipeline_degrees=pipeline_degrees(cfg.parallel),
         fixed_tp_size=strategies.fixed_tp_size(cfg.parallel),
     )
+
+
+def _script_options(args: argparse.Namespace, script_args: list[str]) -> AgentOptions:
+    """``--script``: no training config to read (the [agent] keys come from the options alone, the
+    layout is one process per rank), and restart recovery unless the options ask otherwise (then
+    :meth:`AgentOptions.validate` refuses it, naming why)."""
+    if args.recovery is None:
+        args = argparse.Namespace(**{**vars(args), "recovery": "restart"})
+    return AgentOptions(
+        config=resolve_config(AgentConfig(), args),
+        worker_args=script_args,
+        script=args.script,
+        events_path=args.events or "",
+        **_etcd_access(args),
+    )
+
+
+def _etcd_access(args: argparse.Namespace) -> dict[str, Any]:
+    """The agent's etcd credentials and TLS files from its options (the password from the environment)."""
+    return {
+        "etcd_username": args.etcd_user,
+        "etcd_password": os.environ.get("FTRAIN_ETCD_PASSWORD") if args.etcd_user else None,
+        "etcd_ca_cert": args.etcd_ca_cert,
+        "etcd_cert": args.etcd_cert,
+        "etcd_key": args.etcd_key,
+    }
 
 
 def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -2,19 +2,27 @@
 ftrain.Session, run as a user runs it: ``torchrun --standalone`` with its defaults, from a
 directory of its own. Run straight, and stopped then run again, it ends with the same weights
 bit for bit; run again with more steps on another number of processes, it goes on from its
-newest step."""
+newest step. Under two ``ftrain agent --script`` nodes (restart recovery) a SIGKILLed worker
+is restarted with its peer, they resume from the newest commit, and the run ends bitwise equal
+to the straight one."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ftrain.agents.workers import descendants
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env
-from ftrain.testbed.procs import REPO
+from ftrain.testbed.procs import REPO, kill_tree, quiet_env
+from ftrain.testbed.wait import wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -32,11 +40,17 @@ def _committed(cwd: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in (cwd / "runs/own_loop/ckpt").glob("step-*/manifest.json"))
 
 
-def test_the_example_resumes_where_it_stopped_bitwise_and_at_another_world_size(tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    straight.mkdir()
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, str]:
+    """The example with its defaults (60 steps, a save every 20) on 2 processes: its directory and output."""
+    where = tmp_path_factory.mktemp("straight")
+    return where, _torchrun(where, 2, "--final-weights", "final.pt")
+
+
+def test_the_example_resumes_where_it_stopped_bitwise_and_at_another_world_size(tmp_path, straight):
+    straight, out = straight
+    stopped = tmp_path / "stopped"
     stopped.mkdir()
-    out = _torchrun(straight, 2, "--final-weights", "final.pt")  # its defaults: 60 steps, a save every 20
     assert "training steps 1..60 on 2 process(es)" in out and "step 60 loss" in out, out
     assert _committed(straight) == [20, 40, 60]
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out)]
@@ -52,3 +66,55 @@ def test_the_example_resumes_where_it_stopped_bitwise_and_at_another_world_size(
     out = _torchrun(stopped, 1, "--steps", "70")  # one process now: DCP reshards the FSDP state
     assert "resumed after step 60; training steps 61..70 on 1 process(es)" in out and "step 70 loss" in out, out
     assert _committed(stopped)[-1] == 70
+
+
+def _agent(tmp_path: Path, etcd, node: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "ftrain", "agent", "--etcd", etcd.endpoint, "--job", "own", "--nnodes", "2:2",
+        "--nproc-per-node", "1", "--node-id", node, "--run-dir", str(tmp_path / node), "--lease-ttl-s", "2",
+        "--settle-s", "0.5", "--backoff-initial-s", "0.2", "--events", str(tmp_path / "events.jsonl"),
+        "--script", str(EXAMPLE), "--", "--final-weights", "final.pt",
+    ]  # fmt: skip
+    with open(tmp_path / f"agent-{node}.log", "ab") as log:
+        return subprocess.Popen(
+            cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=quiet_env()
+        )
+
+
+def _script_workers(agent: subprocess.Popen) -> list[int]:
+    """The example's processes under ``agent`` (torchrun's children, not torchrun)."""
+    out = []
+    for pid in descendants(agent.pid):
+        try:
+            words = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(w.endswith(b"own_loop/train.py") for w in words) and b"torch.distributed.run" not in words:
+            out.append(pid)
+    return out
+
+
+def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_straight_one(tmp_path, etcd, straight):
+    agents = {n: _agent(tmp_path, etcd, n) for n in ("a", "b")}
+    try:
+        wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
+        victims = _script_workers(agents["b"])
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        for node, agent in agents.items():
+            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        reasons = [
+            e["reason"] for e in sorted(events, key=lambda e: e.get("new_round", 0)) if e["event"] == "round_formed"
+        ]
+        assert reasons == ["start", "worker_exit"], reasons
+        assert [e["status"] for e in events if e["event"] == "job_final"] == ["succeeded"]
+        assert _committed(tmp_path)[-1] == 60
+        manifest = json.loads(next((tmp_path / "runs/own_loop/ckpt").glob("step-000000060/manifest.json")).read_text())
+        assert manifest["job"] == "own" and manifest["round"] == 2  # written through the agent's fence, round 2
+        final = torch.load(tmp_path / "final.pt", weights_only=True)
+        assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)
