@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step + 1} loss {loss.item():.4f}", flush=True)
     session.finish(args.steps, state)  # ftrain: the last step saved and committed
     if rank == 0:
-        print(f"done: {args.steps - start} steps in {time.perf_counter() - began:.1f}s", flush=True)
+        print(f"done: {args.steps - start} steps in {time.perf_counter() - began:.3f}s", flush=True)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0 and args.final_weights:
         torch.save(full, args.final_weights)

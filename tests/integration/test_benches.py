@@ -190,3 +190,11 @@ def test_the_goodput_bench_smoke_run_splits_the_lost_time_by_fault_kind():
     assert flips["occurrences"] >= 1 and flips["detected_every_time"] and summary["bit_flip_detected_every_time"]
     assert flips["detection_s_max"] is not None and flips["detection_steps_max"] is not None
     assert flips["corrupted_commits"] == summary["corrupted_commits"] == 0
+
+
+def test_the_session_bench_smoke_run_times_the_example_with_and_without_the_session():
+    summary = _smoke("session.py", timeout_s=300)
+    assert summary["bench"] == "session" and len(summary["ratios"]) == 1
+    assert summary["session_step_s"] > 0 and summary["plain_step_s"] > 0
+    ratio = summary["session_step_s"] / summary["plain_step_s"]
+    assert summary["session_vs_plain"] == pytest.approx(ratio, abs=1e-3)
