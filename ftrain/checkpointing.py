@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ftrain import optim_state
 from ftrain.agent_link import fence
@@ -145,10 +144,7 @@ def training_state(par: Parallel, rank: int, manifest: Manifest | None = None) -
     """What a checkpoint (or a memory-tier snapshot) of this rank holds: model, optimizer
     (``get_state_dict``: DTensor shards for FSDP/TP, in :mod:`ftrain.optim_state`'s ``per_param``
     form, or the form ``manifest``'s step was saved in) and this rank's RNG states."""
-    form = _optim_form(manifest)
-    model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=optim_state.state_options(form))
-    if form == optim_state.PER_PARAM:
-        optim_sd = optim_state.packed(optim_sd)
+    model_sd, optim_sd = optim_state.model_and_optim(par.model, par.optimizer, _optim_form(manifest))
     return {"model": model_sd, "optim": optim_sd, f"rng.rank{rank}": _rng_tensor()}
 
 
@@ -188,20 +184,10 @@ def manifest_fields(
 def apply_loaded(par: Parallel, cursor: DataCursor, rank: int, manifest: Manifest, sd: dict[str, Any]) -> None:
     """Put a loaded state dict (:func:`load_target`, filled) into the model, optimizer, cursor
     and RNG: after a load from storage or from the memory tier alike."""
-    form = _optim_form(manifest)
-    optim_sd = sd["optim"]
-    if form == optim_state.PER_PARAM:
-        try:
-            optim_sd = optim_state.unpacked(optim_sd)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint step {manifest.step}: {e}") from e
-    set_state_dict(
-        par.model,
-        par.optimizer,
-        model_state_dict=sd["model"],
-        optim_state_dict=optim_sd,
-        options=optim_state.state_options(form),
-    )
+    try:
+        optim_state.load_into(par.model, par.optimizer, sd["model"], sd["optim"], _optim_form(manifest))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint step {manifest.step}: {e}") from e
     cursor.load_state_dict(manifest.trainer["cursor"])
     rng = sd.get(f"rng.rank{rank}")
     if rng is not None:

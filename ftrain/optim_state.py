@@ -20,9 +20,12 @@ unpickler). :func:`packed` and :func:`unpacked` convert between it and torch's f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 #: The manifest's ``layout`` key naming the form a step's optimizer state is in.
 FORMAT_KEY = "optimizer_state"
@@ -40,6 +43,29 @@ def state_options(form: str | None) -> StateDictOptions | None:
     """``get_state_dict``/``set_state_dict`` options for a step in ``form`` (None: the
     nested form of steps that record none)."""
     return _FLAT_OPTIONS if form in FORMATS else None
+
+
+def model_and_optim(
+    model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], form: str | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and its optimizers' state dicts as a step in ``form`` holds them (``get_state_dict``:
+    DTensor shards for FSDP/TP), the optimizer state packed for ``per_param``."""
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=state_options(form))
+    return model_sd, packed(optim_sd) if form == PER_PARAM else optim_sd
+
+
+def load_into(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any],
+    form: str | None,
+) -> None:
+    """Put the state dicts a load of a step in ``form`` filled into the model and its optimizers;
+    ValueError when its optimizer state is not in that form (:func:`unpacked`)."""
+    if form == PER_PARAM:
+        optim_sd = unpacked(optim_sd)
+    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=state_options(form))
 
 
 def packed(flat: dict[str, Any]) -> dict[str, Any]:

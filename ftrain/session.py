@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from ftrain import optim_state
 from ftrain.agent_link import fence, heartbeat
@@ -329,11 +329,8 @@ class _Parts:
         if self.module is None:
             return {}
         form = optim_state.PER_PARAM if manifest is None else manifest.layout.get(optim_state.FORMAT_KEY)
-        optimizers = self.optimizers or []
-        model_sd, optim_sd = get_state_dict(self.module, optimizers, options=optim_state.state_options(form))
-        sd: dict[str, Any] = {"model": model_sd}
-        if optimizers:
-            sd["optim"] = optim_state.packed(optim_sd) if form == optim_state.PER_PARAM else optim_sd
+        model_sd, optim_sd = optim_state.model_and_optim(self.module, self.optimizers, form)
+        sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if self.optimizers else {})}
         self._target = sd
         return sd
 
@@ -375,18 +372,11 @@ class _Parts:
         """Put the loaded step into the objects (after DCP filled :meth:`state_dict`'s target)."""
         if self.module is not None:
             sd = self._target
-            form = manifest.layout.get(optim_state.FORMAT_KEY)
             if not self.optimizers:
                 set_model_state_dict(self.module, sd["model"])
             else:
-                optim_sd = optim_state.unpacked(sd["optim"]) if form == optim_state.PER_PARAM else sd["optim"]
-                set_state_dict(
-                    self.module,
-                    self.optimizers,
-                    model_state_dict=sd["model"],
-                    optim_state_dict=optim_sd,
-                    options=optim_state.state_options(form),
-                )
+                form = manifest.layout.get(optim_state.FORMAT_KEY)
+                optim_state.load_into(self.module, self.optimizers, sd["model"], sd["optim"], form)
         saved = manifest.trainer[USER_STATE]
         for key, obj in self.others.items():
             obj.load_state_dict(saved[key])
