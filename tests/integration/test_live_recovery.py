@@ -160,13 +160,16 @@ def _distcp_reads(proxy: S3FaultProxy, since: float, until: float) -> list[str]:
     return [p for t, method, p in proxy.requests_seen if method == "GET" and ".distcp" in p and since <= t <= until]
 
 
-def _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy: S3FaultProxy, *overrides: str) -> Cluster:
+def _s3_cluster(
+    tmp_path, etcd, seaweed, s3_prefix, proxy: S3FaultProxy, *overrides: str, strategy: tuple[str, ...] = FSDP
+) -> Cluster:
+    """A job (fsdp unless ``strategy`` says otherwise) checkpointing to S3 through ``proxy``."""
     return _cluster(
         tmp_path,
         etcd,
         f"--checkpoint.endpoint_url={proxy.endpoint_url}",
         *overrides,
-        strategy=FSDP,
+        strategy=strategy,
         ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
         env=seaweed.env(),
     )
@@ -195,7 +198,7 @@ def test_under_fsdp_a_killed_worker_heals_from_its_buddys_memory_without_storage
     buddy on the other node keeps in memory (the memory tier), every survivor goes back to that
     snapshot in memory, nothing is read from S3, and the job ends bitwise equal to golden."""
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2)
             job.start("b", *LIVE, nnodes="2:2", nproc=2)
@@ -223,7 +226,7 @@ def test_under_fsdp_a_damaged_memory_copy_is_refused_and_storage_is_used_in_proc
     """The copy of rank 0's shards that rank 2 keeps rots in memory (a fault hook flips a bit of
     it): the restore refuses it, every rank loads the newest checkpoint in-process instead."""
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
         damage = {"FTRAIN_FAULT_DAMAGE_MEMORY_COPY": "2"}
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2, env=damage)
@@ -246,7 +249,7 @@ def test_under_fsdp_a_lost_node_comes_back_healed_from_the_memory_tier(tmp_path,
     waits, then node b's new workers take their shards from the copies node a keeps in memory:
     no S3 read, bitwise equal to golden."""
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2)
             job.start("b", *LIVE, nnodes="2:2", nproc=2)
@@ -301,15 +304,7 @@ def test_under_fsdp_restarted_workers_resume_from_the_snapshots_kept_in_memory_d
     test above and tests/distributed/test_memory_tier.py damage one.)"""
     memory_dir = tmp_path / "shm"
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _cluster(
-            tmp_path,
-            etcd,
-            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
-            f"--checkpoint.memory_dir={memory_dir}",
-            strategy=FSDP,
-            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
-            env=seaweed.env(),
-        )
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, f"--checkpoint.memory_dir={memory_dir}")
         try:
             job.start("a", "--recovery", "restart", nnodes="2:2", nproc=2)
             job.start("b", "--recovery", "restart", nnodes="2:2", nproc=2)
@@ -346,14 +341,8 @@ def test_under_ddp_every_worker_lost_is_healed_from_the_snapshots_kept_in_memory
     checkpoint from S3: no shard is read from S3, and the job ends bitwise equal to golden."""
     memory_dir = tmp_path / "shm"
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _cluster(
-            tmp_path,
-            etcd,
-            f"--checkpoint.endpoint_url={proxy.endpoint_url}",
-            f"--checkpoint.memory_dir={memory_dir}",
-            ckpt_uri=seaweed.url(f"{s3_prefix}/job"),
-            env=seaweed.env(),
-        )
+        memory = f"--checkpoint.memory_dir={memory_dir}"
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, memory, strategy=DETERMINISTIC)
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2)
             job.start("b", *LIVE, nnodes="2:2", nproc=2)
@@ -606,7 +595,7 @@ def test_the_llama_under_fsdp_heals_a_killed_worker_and_a_lost_node_from_memory(
     lost and brought back; both heal from the memory tier with the others' processes kept, and
     the job ends bitwise equal to a fault-free run."""
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _fsdp_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, *LLAMA)
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, *LLAMA)
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2)
             job.start("b", *LIVE, nnodes="2:2", nproc=2)
