@@ -166,10 +166,11 @@ def say_goodbye(hb: heartbeat.Heartbeat | None, trainer: Trainer | None, e: Base
         )
 
 
-def finish(trainer: Trainer, result: TrainResult) -> None:
-    """After a successful run: close, tear the process group down, say so to the agent."""
+def finish(trainer: Trainer, result: TrainResult, teardown: Callable[[], None] = shutdown_distributed) -> None:
+    """After a successful run: close, tear the process group down (``teardown``: with a barrier,
+    unless the peers will not wait in one), say so to the agent."""
     trainer.close()
-    shutdown_distributed()
+    teardown()
     if trainer.hb is not None:
         trainer.hb.exit(result.steps, finished=not result.stopped_early, committed_step=trainer.committed_step())
 

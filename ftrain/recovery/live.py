@@ -408,12 +408,20 @@ def serve(cfg: Config) -> None:
                 raise
             held = _leave_round(trainer, restored_now, held, assignment, watchdog.fired or e, hb, keep_ports)
         else:
-            if not (result.stopped_early and not trainer.stop_requested):
+            if not result.stopped_early:  # the job is done
                 finish(trainer, result)
-                tier.close(job_done=not result.stopped_early)
+                tier.close(job_done=True)
                 return
-            # another node's drain stopped the round (ranks stop together, after the step's save):
-            # this process keeps its state and serves the round formed without that node
+            if trainer.stop_requested:
+                # this node drains (ranks stop together, after the step's save). The other nodes'
+                # workers leave the round without a barrier (below), so this one must not wait in
+                # one for them: it failed there once they were gone, and its node's drain was
+                # taken for a failure (exit 1, a worker_exit round, the restart budget, backoff)
+                finish(trainer, result, teardown=lambda: abort_distributed(keep_ports))
+                tier.close(job_done=False)
+                return
+            # another node's drain stopped the round: this process keeps its state and serves
+            # the round formed without that node
             held = _leave_round(trainer, True, held, assignment, "another node drained", hb, keep_ports)
         trainer = None
         try:

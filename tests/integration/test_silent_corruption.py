@@ -52,6 +52,9 @@ def test_a_rank_found_corrupt_twice_drains_its_node_and_the_job_finishes_without
         suspect = job.wait_event("node_suspect", timeout_s=180)
         assert suspect["node"] == corrupt and suspect["corruptions"] == 2 and suspect["limit"] == 2
         assert job.wait_exit(corrupt) == 0, job.log_tail()  # drained, not failed
+        # its workers stopped (exit 0), the others' yielded: a node_left round, no failure
+        exits = [(e["node"], e["outcome"]) for e in job.events("workers_exited")]
+        assert (corrupt, "stopped") in exits and all(outcome != "failed" for _, outcome in exits), exits
         for node in healthy:
             assert job.wait_exit(node, timeout_s=180) == 0, job.log_tail()
 
@@ -62,6 +65,7 @@ def test_a_rank_found_corrupt_twice_drains_its_node_and_the_job_finishes_without
         assert sorted({e["step"] for e in job.events("rolled_back")}) == [20, 30]
         after = [r for r in job.events("round_formed") if r["new_round"] > 1]
         assert after and sorted(after[-1]["members"]) == healthy and after[-1]["world_size"] == 2
+        assert after[-1]["reason"] == "node_left", after
         assert job.step() == STEPS and job.events("job_final")[0]["status"] == "succeeded"
 
         final = torch.load(tmp_path / "final.pt", weights_only=False)
