@@ -70,10 +70,11 @@ class CheckpointConfig:
     memory_dir: str = opt(
         "",
         "A node-local directory in host memory (a tmpfs such as /dev/shm) where the memory tier "
-        "(checkpoint.memory_interval) keeps its snapshots, so that they outlive the worker processes: with restart "
-        "recovery (agent.recovery=restart) the restarted workers load the newest snapshot their nodes and their "
-        "buddies kept before they read storage. Empty: snapshots live in the worker processes (live recovery only; "
-        "live workers always keep them there). <memory_dir>/ftrain-tier-<job> and everything below it are created "
+        "(checkpoint.memory_interval) keeps its snapshots, so that they outlive the worker processes: restarted "
+        "workers (agent.recovery=restart), and under live recovery a round whose every worker is new, load the "
+        "newest snapshot their nodes and their buddies kept before they read storage. Set, it keeps snapshots for "
+        "every strategy, ddp included. Empty: snapshots live in the worker processes (live recovery, strategies "
+        "without a full replica only). <memory_dir>/ftrain-tier-<job> and everything below it are created "
         "0700 with files 0600; one that another user owns or can write turns the on-disk tier off (said once). A "
         "snapshot is resumed only by the run that took it (run id: FTRAIN_RUN_ID, the agent's job incarnation or "
         "torchrun's run id; the same config hash and checkpoint.uri); another run's are skipped and named.",
