@@ -148,7 +148,7 @@ class Session:
             job=self.job,
             fence=fence.from_env(),
             round=self.round,
-            device_type=_device_type(self._backend_of_group()),
+            device_type="cuda" if dist.get_backend() == "nccl" else "cpu",  # where the async save stages from
             **self._options,  # type: ignore[arg-type]
         )
         return self
@@ -165,9 +165,6 @@ class Session:
         else:  # nothing launched it: a group of one, so that the same loop runs alone
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         self._owns_group = True
-
-    def _backend_of_group(self) -> str:
-        return str(dist.get_backend())
 
     def __enter__(self) -> Session:
         return self.start()
@@ -282,10 +279,6 @@ def _validate(manifest: Manifest) -> None:
     """What a readable step's manifest holds for a session (else it is corrupt: marked, fall back)."""
     if manifest.layout.get("writer") == WRITER and not isinstance(manifest.trainer.get(USER_STATE), dict):
         raise ManifestError(f"step {manifest.step}: trainer.{USER_STATE} is not an object")
-
-
-def _device_type(backend: str) -> str:
-    return "cuda" if backend == "nccl" else "cpu"
 
 
 class _Parts:
