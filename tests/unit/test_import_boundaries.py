@@ -26,6 +26,7 @@ circle (``scripts/import_graph.py``):
 | agent link | `ftrain.agent_link` | nothing |
 | observability | `ftrain.observability` | nothing |
 | planning | `ftrain.planning` | training, parallel |
+| integrations | `ftrain.integrations` (a framework's loop: Hugging Face's `Trainer`) | training |
 
 torch imports ``ftrain.torchrun_plugin`` (the entry point) in every process that imports its
 rendezvous package; that module imports the backend, ``ftrain.agents.torchrun_rdzv``, only when
@@ -114,6 +115,7 @@ ROOM_OF = {
     "ftrain.agent_link": "agent link",
     "ftrain.observability": "observability",
     "ftrain.planning": "planning",
+    "ftrain.integrations": "integrations",
 }
 ROOM_MAY_IMPORT = {
     "training": {"parallel", "recovery", "agent link", "observability"},
@@ -122,6 +124,7 @@ ROOM_MAY_IMPORT = {
     "agent link": set(),
     "observability": set(),
     "planning": {"training", "parallel"},
+    "integrations": {"training"},
 }
 
 

@@ -1,0 +1,129 @@
+"""examples/hf_trainer/train.py, a Hugging Face ``Trainer`` with ftrain's checkpoints through
+``ftrain.integrations.hf_trainer``, run as a user runs it (``torchrun --standalone``, 2 processes,
+DDP on gloo; and plain ``python``). A run SIGKILLed after a commit and started again resumes after
+the newest committed step with the optimizer and scheduler state the straight run had there, and
+ends bitwise equal to it; a Trainer set up to write its own checkpoints is refused."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ftrain.checkpoint.storage import Storage
+from ftrain.testbed.jobs import run, worker_env
+from ftrain.testbed.procs import REPO, kill_tree
+from ftrain.testbed.wait import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLE = REPO / "examples" / "hf_trainer" / "train.py"
+PROBE = REPO / "tests" / "integration" / "hf_trainer_probe.py"
+STEPS, EVERY = 60, 5
+#: 64 sequences are 8 steps of 2 x 4: the run crosses epochs, and resumes inside one
+ARGS = ("--steps", str(STEPS), "--save-every", str(EVERY), "--samples", "64", "--final-weights", "final.pt")
+
+
+def _torchrun(dumps: str, *args: str) -> list[str]:
+    """The example under the probe (it writes the optimizer and scheduler states to ``dumps``)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [*launch, str(PROBE), dumps, str(EVERY), "--", *args]
+
+
+def _finished(cwd: Path, cmd: list[str]) -> str:
+    out = run(cmd, timeout_s=120, cwd=cwd, env=worker_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out.stdout
+
+
+def _committed(cwd: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in (cwd / "runs/hf_trainer/ckpt").glob("step-*/manifest.json"))
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Equal nested state: tensors bit for bit, the rest by ==."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys(), b)
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.dist
+def test_a_killed_run_resumes_after_the_newest_commit_and_ends_as_the_straight_one(tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    straight.mkdir()
+    stopped.mkdir()
+    out = _finished(straight, _torchrun("dumps", *ARGS))
+    assert f"trained steps 1..{STEPS} on 2 process(es)" in out, out
+    assert _committed(straight)[-1] == STEPS
+    losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", out)]
+    assert losses[-1] < losses[0] / 2, losses  # it learns the counting pattern
+
+    proc = subprocess.Popen(
+        _torchrun("dumps-1", *ARGS), cwd=stopped, env=worker_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: 10 in _committed(stopped), 120, "step 10's commit", alive=lambda: proc.poll() is None)
+        kill_tree(proc)  # SIGKILL, every process of the run, while it trains on
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    newest = _committed(stopped)[-1]
+    assert 10 <= newest < STEPS, _committed(stopped)
+
+    out = _finished(stopped, _torchrun("dumps-2", *ARGS))
+    assert f"resumed after step {newest}; trained steps {newest + 1}..{STEPS} on 2 process(es)" in out, out
+    resumed = torch.load(stopped / "dumps-2" / "begin.pt", weights_only=True)  # what training went on from
+    saved = torch.load(straight / "dumps" / f"step-{newest}.pt", weights_only=True)
+    assert resumed["step"] == saved["step"] == newest
+    assert resumed["optim"]["state"], "AdamW's moments were restored"
+    _assert_same(resumed["optim"], saved["optim"], "optim")
+    _assert_same(resumed["sched"], saved["sched"], "sched")  # its step count and learning rate
+    a, b = (torch.load(d / "final.pt", weights_only=True) for d in (straight, stopped))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_plain_python_runs_the_example_as_one_process_with_its_checkpoints_on_s3(tmp_path, seaweed, s3_prefix):
+    cmd = [sys.executable, str(EXAMPLE), "--steps", "10", "--save-every", "5", "--samples", "64"]
+    out = run([*cmd, "--ckpt", seaweed.url(s3_prefix)], timeout_s=120, cwd=tmp_path, env=worker_env(**seaweed.env()))
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "trained steps 1..10 on 1 process(es)" in out.stdout, out.stdout
+    storage = Storage(seaweed.url(s3_prefix), seaweed.storage_options())
+    assert [s for s in (5, 10) if storage.exists(f"step-{s:09d}/manifest.json")] == [5, 10]
+
+
+def test_a_trainer_that_writes_its_own_checkpoints_or_an_unstarted_session_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    import ftrain
+    from ftrain.integrations.hf_trainer import FtrainTrainer, HFTrainerError
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+
+    def args(**more: Any) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **more)
+
+    session = ftrain.Session(str(tmp_path / "ckpt"))  # not started: nothing happens yet
+    with pytest.raises(HFTrainerError, match=r"save_strategy='steps'.*pass save_strategy='no'"):
+        FtrainTrainer(session, model=model, args=args())  # the Trainer's default saves every 500 steps
+    with pytest.raises(HFTrainerError, match=r"not started.*ftrain\.Session\(\.\.\.\)\.start\(\)"):
+        FtrainTrainer(session, model=model, args=args(save_strategy="no"))
+    assert not (tmp_path / "ckpt").exists()
