@@ -71,6 +71,7 @@ from ftrain.parallel.parallelize import parallelize
 from ftrain.parallel.pipeline import PipelineParallel
 from ftrain.parallel.pipeline_stages import at_world
 from ftrain.parallel.strategies import compute_layout
+from ftrain.recovery.round_control import RoundEnded
 from ftrain.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
@@ -81,11 +82,6 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm is not finite and ``train.on_nonfinite = "halt"``."""
-
-
-class RoundEnded(Exception):  # noqa: N818 - a signal to the live worker loop, not an error
-    """A live worker's agent assigned it a newer round: every rank left at the same step boundary
-    (:meth:`Trainer.run` agreed on it), with the step complete."""
 
 
 class CheckpointFailuresError(CheckpointError):

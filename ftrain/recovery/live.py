@@ -35,10 +35,7 @@ import dataclasses
 import importlib
 import logging
 import os
-import socket
 import time
-import urllib.parse
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,30 +57,22 @@ from ftrain.optim import Schedule
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.recovery.round_control import (
+    AssignmentTimeout,
+    RoundEnded,
+    is_peer_failure,
+    newer_round_assigned,
+    service_ports,
+    wait_for_assignment,
+    wait_for_store,
+)
 from ftrain.recovery.round_watchdog import RoundWatchdog
-from ftrain.train import RoundEnded, Trainer, describe_failure, finish, say_goodbye
+from ftrain.train import Trainer, describe_failure, finish, say_goodbye
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.01
 #: what strategies import lazily: a spare imports it before it is needed
 WARM_MODULES = ("ftrain.parallel.ddp", "ftrain.parallel.fsdp", "ftrain.parallel.tp", "ftrain.parallel.deterministic")
-#: substrings of the errors a collective raises when a peer is gone (gloo, NCCL, the store);
-#: any other error is the worker's own and ends it (a peer waiting on it then sees it gone)
-PEER_FAILURE_MARKERS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "connection refused",
-    "socket timeout",
-    "timed out",
-    "nccl",
-    "gloo",
-)
-
-
-class AssignmentTimeout(RuntimeError):
-    """No (newer) assignment arrived in time: the agent gave up on this worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,53 +80,6 @@ class Restored:
     source: str  #: live_peer | memory | storage | fresh
     step: int
     from_rank: int = -1
-
-
-def is_peer_failure(e: BaseException) -> bool:
-    """Whether ``e`` looks like a failed collective (a peer died or left), not a local error."""
-    if isinstance(e, dist.DistError):
-        return True
-    if not isinstance(e, RuntimeError) or isinstance(e, RoundEnded):
-        return False
-    text = str(e).lower()
-    return any(marker in text for marker in PEER_FAILURE_MARKERS)
-
-
-def wait_for_assignment(control: ControlFile, newer_than: int, timeout_s: float | None) -> Assignment:
-    """The first assignment in ``control`` for a round above ``newer_than``; AssignmentTimeout
-    after ``timeout_s`` (None: wait as long as the agent lives; its death ends this process)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    first = True  # the file may have changed before this call (the train loop saw it): read it once
-    while True:
-        if control.changed() or first:
-            first = False
-            try:
-                assignment = control.read()
-            except ValueError as e:  # written by our own agent: log, keep waiting for a good one
-                log.error("unusable assignment in %s: %s", control.path, e)
-                assignment = None
-            if assignment is not None and (assignment.stop or assignment.round > newer_than):
-                return assignment
-        if deadline is not None and time.monotonic() > deadline:
-            raise AssignmentTimeout(f"no assignment for a round after {newer_than} within {timeout_s:.0f}s")
-        time.sleep(POLL_S)
-
-
-def newer_round_assigned(control: ControlFile, current: int) -> Callable[[], bool]:
-    """A cheap check for the train loop (one ``stat`` unless the file changed)."""
-    pending = False
-
-    def check() -> bool:
-        nonlocal pending
-        if not pending and control.changed():
-            try:
-                assignment = control.read()
-            except ValueError:
-                return False
-            pending = assignment is not None and (assignment.stop or assignment.round > current)
-        return pending
-
-    return check
 
 
 def hold(trainer: Trainer) -> HeldState:
@@ -278,32 +220,6 @@ def _receive(trainer: Trainer, held: HeldState | None, src: int, row: tuple[int,
         return None
 
 
-def service_ports(cfg: Config, env: WorkerEnv) -> set[int]:
-    """Remote ports whose connections survive a round change: the checkpoint storage's and
-    etcd's (their clients pool connections across rounds), and HTTP(S)."""
-    ports = {80, 443}
-    for url in (cfg.checkpoint.endpoint_url, *env.etcd):
-        port = urllib.parse.urlsplit(url).port if url else None
-        if port:
-            ports.add(port)
-    return ports
-
-
-def wait_for_store(host: str, port: int, timeout_s: float) -> None:
-    """Until the round's store (hosted by rank 0) accepts connections. torch's store client
-    backs off for about a second after a refused connection, and the ranks of a new round read
-    their assignments within milliseconds of each other, so most would otherwise pay it: measured
-    here, joining a round took 1.1 s that way and a few ms after this wait. On timeout it
-    returns and lets the store client report the error."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.005)
-
-
 def warm_up(cfg: Config, device: torch.device) -> float:
     """Pay, before any assignment, what a process's first trainer would pay on the critical path:
     the lazy imports (the first optimizer imports ``torch._dynamo``: 3 s here), the parallel
@@ -337,7 +253,7 @@ def serve(cfg: Config) -> None:
     device = select_device(cfg.train)
     dtype = select_dtype(cfg.train, device)
     hb = heartbeat.from_env(-1, 0)
-    keep_ports = service_ports(cfg, env)
+    keep_ports = service_ports(cfg.checkpoint.endpoint_url, *env.etcd)
     try:
         log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
     except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.recovery.live import AssignmentTimeout, newer_round_assigned, wait_for_assignment
+from ftrain.recovery.round_control import AssignmentTimeout, newer_round_assigned, wait_for_assignment
 
 GOOD = dict(
     round=3,
