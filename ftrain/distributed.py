@@ -94,8 +94,31 @@ def abort_distributed(keep_ports: Iterable[int] = ()) -> None:
     # ended during its rendezvous) it would name the next round's group "1/" while a fresh
     # spare's is "0/", and their gloo rendezvous would wait on different keys until the timeout.
     dist.distributed_c10d._world.group_count = 0  # noqa: SLF001 - no group is left to collide with
+    forget_sharding_specs()
     severed = sever_connections(set(keep_ports))
     log.debug("left the process groups; shut down %d connection(s)", severed)
+
+
+def forget_sharding_specs() -> None:
+    """Empty DTensor's caches of sharding propagation, once this process's groups are gone.
+
+    They are keyed by specs whose device meshes compare equal across process groups: a mesh's
+    equality covers its shape, ranks and device type, not this process's rank in it. A process
+    that serves a later round under another rank then gets the old round's mesh back from the
+    cache (measured here, torch 2.13: ``fully_shard`` in the new round gave parameters whose mesh
+    still said the old rank), and every shard offset follows from it: DCP saved the same chunk
+    from two ranks ("Failed to validate global plan: invalid fill") and loaded another rank's
+    shard."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001 - no public handle on the cache
+    for cached in (propagator.propagate_op_sharding, type(propagator)._propagate_tensor_meta_cached):  # noqa: SLF001
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # noqa: SLF001 - where torch has it
+    if native is not None:
+        native()
 
 
 _ESTABLISHED = "01"
