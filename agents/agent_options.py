@@ -68,11 +68,6 @@ class AgentOptions:
         if self.script:
             if not os.path.isfile(self.script):
                 raise ValueError(f"--script: no such file {self.script!r}")
-            if self.config.recovery != "restart":
-                raise ValueError(
-                    "--script runs under --recovery restart only: live recovery moves ftrain's own workers between "
-                    "rounds in-process, which a script's loop cannot do yet (docs/library.md)"
-                )
         elif not self.worker_args:
             raise ValueError("no training config: pass it after '--', e.g. -- configs/demo.toml")
         policy = self.policy()

@@ -59,6 +59,7 @@ def build_agent(opts: AgentOptions) -> Agent:
                     worker_args=tuple(opts.worker_args),
                     standby=cfg.nproc_per_node + cfg.spares,
                     spares=cfg.spares,
+                    script=opts.script,
                 )
             )
             if cfg.recovery == "live"

@@ -59,8 +59,20 @@ class LiveWorkers:
     (the node's workers and its spares), so that a node joining a running job is ready when its
     first round comes (:meth:`ready` is in the agent's status; the leader waits for it)."""
 
-    def __init__(self, env: dict[str, str], log_path: str, *, worker_args: tuple[str, ...], standby: int, spares: int):
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: str,
+        *,
+        worker_args: tuple[str, ...],
+        standby: int,
+        spares: int,
+        script: str = "",
+    ):
         self.env = dict(env)
+        #: what each process runs: ``ftrain worker`` with the config, or a user's script (its loop
+        #: serves rounds through ftrain.Session.run) with its arguments
+        self.command = [sys.executable, script] if script else [sys.executable, "-m", "ftrain", "worker"]
         self.log_path = log_path
         self.worker_args = worker_args
         self.spares_wanted = spares
@@ -169,7 +181,7 @@ class LiveWorkers:
         env = {**self.env, CONTROL: control.path}
         with open(self.log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "ftrain", "worker", *self.worker_args],
+                [*self.command, *self.worker_args],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

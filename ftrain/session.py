@@ -42,10 +42,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,21 @@ from ftrain.checkpoint.errors import ManifestError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
+from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.worker_env import WorkerEnv
+from ftrain.distributed import abort_distributed
+from ftrain.recovery.peer_state import HeldState, PeerStateError
+from ftrain.recovery.round_control import (
+    AssignmentTimeout,
+    RoundEnded,
+    is_peer_failure,
+    newer_round_assigned,
+    service_ports,
+    wait_for_assignment,
+    wait_for_store,
+)
+from ftrain.recovery.round_watchdog import RoundWatchdog
+from ftrain.session_live import BoundaryWatch, Restored, restore
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +83,17 @@ USER_STATE = "user_state"
 #: a manifest's ``layout`` says which kind of loop wrote it
 WRITER = "session"
 DEFAULT_JOB = "own-loop"
+T = TypeVar("T")
 
 
 class SessionError(RuntimeError):
     """A misuse of the session, or a state it cannot save or restore; the message says the fix."""
+
+
+class RoundChanged(RoundEnded):
+    """Raised by :meth:`Session.step` at a step boundary, on every rank at the same step, when the
+    node agents formed a new round (a peer was lost, a node joined): :meth:`Session.run` catches
+    it and calls the loop's function again for the new round. Only under :meth:`Session.run`."""
 
 
 class Session:
@@ -122,14 +144,27 @@ class Session:
         self._hb: heartbeat.Heartbeat | None = None
         self._owns_group = False
         self._step = -1  #: the last step reported (-1: none yet)
+        #: where the state of the latest load came from (None before any load)
+        self.restored: Restored | None = None
+        self._round: _Round | None = None  #: the round served under :meth:`run` with live recovery
 
     # -- life ---------------------------------------------------------------------------
     def start(self) -> Session:
         """Join (or make) the process group and open the checkpoint service; returns itself."""
         if self._manager is not None:
             raise SessionError("Session.start(): already started")
+        if WorkerEnv.from_env().control:
+            raise SessionError(
+                "this process was started by `ftrain agent --recovery live`, whose workers serve round after round: "
+                "put the loop in a function and call session.run(train) (docs/library.md), or run the agent with "
+                "--recovery restart"
+            )
         if not dist.is_initialized():
             self._init_group()
+        return self._open()
+
+    def _open(self) -> Session:
+        """In the group joined: the checks, the heartbeat, the checkpoint service (this round's fence)."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         said = {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE")}
         if said["RANK"] and (said["RANK"], said["WORLD_SIZE"]) != (str(self.rank), str(self.world_size)):
@@ -139,7 +174,7 @@ class Session:
                 "launcher's environment (dist.init_process_group() with no rank/world_size), or let the session do it"
             )
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self._hb = heartbeat.from_env(self.rank, self.local_rank)
+        self._hb = heartbeat.from_env(self.rank, self.local_rank) if self._round is None else self._round.hb
         if self._hb is not None:
             self._hb.beat(-1, phase="starting")
         self._manager = CheckpointManager(
@@ -152,6 +187,90 @@ class Session:
             **self._options,  # type: ignore[arg-type]
         )
         return self
+
+    # -- rounds (live recovery) ---------------------------------------------------------
+    def run(self, train: Callable[[Session], T]) -> T | None:
+        """Run ``train(session)``: the loop of one round, from its start (build what depends on
+        the world size, :meth:`load`) to :meth:`finish`; returns what it returns.
+
+        Under ``ftrain agent --script ... --recovery live`` this process serves round after
+        round without restarting: when a peer is lost or a node joins, :meth:`step` raises
+        :class:`RoundChanged` at a step boundary (or a collective fails at once: a peer died), the
+        session keeps what this rank holds, leaves the round's process group, waits for the next
+        round and calls ``train`` again; its :meth:`load` then restores the state from a live peer
+        or from storage (:mod:`ftrain.session_live`). Anywhere else (``torchrun``, restart
+        recovery, alone) it is ``with session: return train(session)``. None when the agent
+        stopped this process before the job was done."""
+        if self._manager is not None or self._round is not None:
+            raise SessionError("Session.run(): the session is started already; run() starts it (per round) itself")
+        env = WorkerEnv.from_env()
+        if not env.control:
+            with self:
+                return train(self)
+        control = ControlFile(env.control)
+        hb = heartbeat.from_env(-1, 0)
+        keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
+        control.mark_ready()  # a spare: imported and built what it could, waiting for its round
+        assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
+        held: HeldState | None = None
+        while not assignment.stop:
+            os.environ.update(assignment.env())
+            if hb is not None:
+                hb.assign(assignment.round, assignment.rank, assignment.local_rank)
+                hb.beat(held.step if held else -1, phase="starting")
+            rnd = self._round = _Round(assignment, hb, newer_round_assigned(control, assignment.round), held)
+            watchdog = RoundWatchdog(env.control, assignment.round, lambda: rnd.step_time_s, keep_ports)  # noqa: B023
+            try:
+                with watchdog:
+                    if assignment.rank != 0:
+                        wait_for_store(assignment.master_addr, assignment.master_port, self._timeout_s)
+                    self.round = assignment.round
+                    self._init_group()
+                    self._open()
+                    result = train(self)
+            except BaseException as e:
+                if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
+                    self.close(error=e)
+                    raise
+                held = self._leave_round(watchdog.fired or e, keep_ports)
+            else:
+                self.close()
+                return result
+            try:
+                assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=self._timeout_s)
+            except AssignmentTimeout as e:
+                self.close(error=e)
+                raise
+        self._round = None
+        return None
+
+    def _leave_round(self, why: BaseException | str, keep_ports: set[int]) -> HeldState | None:
+        """Keep what this rank holds, end the round's process groups at once (no peer stays
+        blocked on this rank), abandon a save in flight (it cannot commit for an old round), and
+        tell the agent this process waits for the next round. What a rank holds is its last step
+        boundary if this round's load completed; else what it held before the round."""
+        rnd = self._round
+        assert rnd is not None
+        manager, self._manager = self._manager, None
+        committed = manager.status.last_committed_step if manager is not None else -1
+        held = rnd.watch.held(committed) if rnd.loaded else rnd.held
+        rnd.watch.release()
+        abort_distributed(keep_ports)
+        self._owns_group = False
+        if manager is not None:
+            manager.close(abandon=True)
+        reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+        log.warning(
+            "round %d ended for rank %d (%s); holding step %s",
+            rnd.assignment.round,
+            self.rank,
+            reason.splitlines()[0][:200] if reason else "",
+            held.step if held else "none",
+        )
+        if rnd.hb is not None:
+            rnd.hb.beat(held.step if held else -1, phase="recovering")
+        self._round = None
+        return held
 
     def _init_group(self) -> None:
         backend = self._backend
@@ -181,6 +300,9 @@ class Session:
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.close(abandon=error is not None)
+        if self._round is not None:
+            self._round.watch.release()
+            self._round = None
         if self._hb is not None:
             committed = manager.status.last_committed_step if manager is not None else -1
             reason = "" if error is None else f"{type(error).__name__}: {error}"
@@ -212,6 +334,8 @@ class Session:
         status = manager.poll()
         if self._hb is not None:
             self._hb.beat(step, committed_step=status.last_committed_step)
+        if self._round is not None:
+            self._round.boundary(step, _Parts.of(state))
         if self.interval_steps and step % self.interval_steps == 0:
             return self.save(step, state)
         return False
@@ -260,6 +384,11 @@ class Session:
         returns the step it was saved at, i.e. the steps done (0 when there is nothing to load)."""
         manager = self._need_started("load")
         parts = _Parts.of(state)
+        rnd = self._round
+        if rnd is not None and not rnd.loaded and step < 0:
+            done = self._restore_live(rnd, manager, parts)
+            if done is not None:
+                return done
 
         def build(manifest: Manifest) -> dict[str, Any]:
             parts.check_fits(manifest)  # a step of another shape is no corrupt step: not marked
@@ -267,12 +396,79 @@ class Session:
 
         manifest = manager.load(build, load_step=step, validate=_validate)
         if manifest is None:
+            self.restored = Restored("fresh", 0)
+            self._loaded(parts, 0)
             return 0
         parts.apply(manifest)
         self._step = manifest.step
         manager.status.last_committed_step = max(manager.status.last_committed_step, manifest.step)
         log.info("resumed from step %d (saved at world size %d)", manifest.step, manifest.world_size)
+        self.restored = Restored("storage", manifest.step)
+        self._loaded(parts, manifest.step)
         return manifest.step
+
+    def _restore_live(self, rnd: _Round, manager: CheckpointManager, parts: _Parts) -> int | None:
+        """The state a live peer (or every rank itself) holds, put into ``parts``: the step it goes
+        on from; None when the ranks agreed to load from storage instead (collective)."""
+        committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
+        got = restore(
+            rnd.held, parts.module, parts.optimizers, lambda: parts.user_state(-1), rnd.device, committed, self.rank
+        )
+        rnd.held = None  # the previous round's objects: free them once this round has its state
+        if got is None:
+            return None
+        held, src = got
+        assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
+        optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
+        for key, obj in parts.others.items():
+            obj.load_state_dict(held.cursor[key])
+        manager.status.last_committed_step = max(manager.status.last_committed_step, committed)
+        self._step = held.step
+        self.restored = Restored("memory" if src < 0 else "live_peer", held.step, src)
+        self._loaded(parts, held.step)
+        return held.step
+
+    def _loaded(self, parts: _Parts, step: int) -> None:
+        """Under :meth:`run`: the state is at a step boundary now (what this rank holds from here)."""
+        if self._round is not None:
+            self._round.loaded = True
+            self._round.boundary(step, parts, check=False)
+
+
+class _Round:
+    """One round that :meth:`Session.run` serves under live recovery."""
+
+    def __init__(
+        self, assignment: Assignment, hb: heartbeat.Heartbeat | None, newer: Callable[[], bool], held: HeldState | None
+    ):
+        self.assignment, self.hb, self.newer = assignment, hb, newer
+        self.held = held  #: what this process held when the round began (until the load uses it)
+        self.watch = BoundaryWatch()
+        self.loaded = False  #: the round's state is restored: what it holds is its last boundary
+        self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
+        self._last_at = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
+
+    def boundary(self, step: int, parts: _Parts, *, check: bool = True) -> None:
+        """Step ``step`` is done: mark it (what this rank holds if the round ends before the next);
+        ``check``: RoundChanged, on every rank at this step, when any rank's agent assigned a
+        newer round (one all-reduce of a flag)."""
+        now = time.monotonic()
+        if self._last_at:
+            self.step_time_s = now - self._last_at
+        self._last_at = now
+        self.watch.mark(step, parts.module, parts.optimizers, parts.user_state(step))
+        if not check:
+            return
+        flag = torch.tensor([float(self.newer())], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise RoundChanged(f"a newer round was assigned: leaving round {self.assignment.round} after step {step}")
 
 
 def _validate(manifest: Manifest) -> None:

@@ -3,19 +3,24 @@
     torchrun --standalone --nproc-per-node=2 examples/own_loop/train.py
 
 It saves every 20 steps to runs/own_loop/ckpt (verified, committed last) and, run again, resumes
-from the newest step that verifies, at any number of processes (--steps 80 goes on from 60). The
-lines marked ``# ftrain`` are all it takes (docs/library.md shows them as a diff).
+from the newest step that verifies, at any number of processes (--steps 80 goes on from 60).
+Under node agents it also recovers in-process (``ftrain agent --recovery live --script
+examples/own_loop/train.py ...``): a lost worker or node costs no restart of the others, whose
+``train`` runs again for the new round. The lines marked ``# ftrain`` are all it takes
+(docs/library.md shows them as a diff).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ftrain  # ftrain
@@ -29,11 +34,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="global batch size (sequences per step)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="how the model is spread over ranks")
     p.add_argument("--final-weights", default="", help="write the full model state here at the end (rank 0)")
     return p.parse_args(argv)
 
 
-def build_model(seq: int) -> LlamaForCausalLM:
+def build_model(seq: int, parallel: str) -> torch.nn.Module:
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=64,
@@ -46,6 +52,8 @@ def build_model(seq: int) -> LlamaForCausalLM:
         attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config)
+    if parallel == "ddp":
+        return DistributedDataParallel(model)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -58,18 +66,20 @@ def dataset(samples: int, seq: int, seed: int) -> torch.Tensor:
     return (starts + torch.arange(seq)) % 256
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    session = ftrain.Session(args.ckpt, interval_steps=args.save_every).start()  # ftrain
+def train(session: ftrain.Session, args: argparse.Namespace) -> None:
+    """One round of training: everything that depends on the world size is built here."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = build_model(args.seq)
+    model = build_model(args.seq, args.parallel)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10))
     data = dataset(4096, args.seq, args.seed)
     sampler = ftrain.ResumableSampler(len(data), args.batch, seed=args.seed)  # ftrain
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler}  # ftrain
-    start = session.load(state)  # ftrain: 0, or the step it goes on from
+    start = session.load(state)  # ftrain: 0, or the step it goes on from (a live peer's, or a checkpoint's)
+    print(
+        f"rank {rank} of {world} (pid {os.getpid()}): state of step {start} from {session.restored.source}", flush=True
+    )
     if rank == 0:
         done = f"resumed after step {start}; " if start else ""
         print(f"{done}training steps {start + 1}..{args.steps} on {world} process(es)", flush=True)
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         optim.step()
         sched.step()
         optim.zero_grad()
-        session.step(step + 1, state)  # ftrain: heartbeat, and a save every --save-every steps
+        session.step(step + 1, state)  # ftrain: heartbeat, a save every --save-every steps, a new round
         if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
             print(f"step {step + 1} loss {loss.item():.4f}", flush=True)
     session.finish(args.steps, state)  # ftrain: the last step saved and committed
@@ -90,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0 and args.final_weights:
         torch.save(full, args.final_weights)
-    session.close()  # ftrain
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    session = ftrain.Session(args.ckpt, interval_steps=args.save_every)  # ftrain
+    session.run(lambda s: train(s, args))  # ftrain: each round of this process (one under torchrun)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--script",
         default=None,
         help="run this training script of yours (its loop uses ftrain.Session, docs/library.md) instead of "
-        "ftrain train; what follows -- are its own arguments; recovery is restart (the default with --script)",
+        "ftrain train; what follows -- are its own arguments; recovery is restart unless --recovery live (then its "
+        "loop must run in ftrain.Session.run, which serves round after round in-process)",
     )
     p.add_argument(
         "worker_args", nargs="*", help="after --: CONFIG.toml and --section.key=value overrides (or the script's)"
@@ -122,8 +123,8 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
 
 def _script_options(args: argparse.Namespace, script_args: list[str]) -> AgentOptions:
     """``--script``: no training config to read (the [agent] keys come from the options alone, the
-    layout is one process per rank), and restart recovery unless the options ask otherwise (then
-    :meth:`AgentOptions.validate` refuses it, naming why)."""
+    layout is one process per rank), and restart recovery unless the options ask for live (the
+    script's loop then serves rounds through :meth:`ftrain.Session.run`)."""
     if args.recovery is None:
         args = argparse.Namespace(**{**vars(args), "recovery": "restart"})
     return AgentOptions(

@@ -78,7 +78,7 @@ class HeldState:
     committed_step: int
     model: dict[str, Any] | None = None
     optim: dict[str, Any] | None = None
-    cursor: dict[str, int] | None = None
+    cursor: dict[str, Any] | None = None  #: the data cursor (a user loop: its plain-JSON entries)
     schedule: Schedule | None = None
     """The LR schedule the rank trained on (what the run's last resume decided); not sent with the
     state: :func:`ftrain.recovery.live.restore` makes the ranks agree on one."""

@@ -4,7 +4,10 @@ directory of its own. Run straight, and stopped then run again, it ends with the
 bit for bit; run again with more steps on another number of processes, it goes on from its
 newest step. Under two ``ftrain agent --script`` nodes (restart recovery) a SIGKILLed worker
 is restarted with its peer, they resume from the newest commit, and the run ends bitwise equal
-to the straight one."""
+to the straight one. Under two ``--recovery live`` agents, a SIGKILLed worker and then a lost node
+cost the surviving process nothing but a new round: it keeps its PID and serves every round, the
+new processes take the state from it (ddp: a live peer) or from the newest commit (fsdp), and the
+run still ends bitwise equal to the straight one."""
 
 from __future__ import annotations
 
@@ -68,12 +71,12 @@ def test_the_example_resumes_where_it_stopped_bitwise_and_at_another_world_size(
     assert _committed(stopped)[-1] == 70
 
 
-def _agent(tmp_path: Path, etcd, node: str) -> subprocess.Popen:
+def _agent(tmp_path: Path, etcd, node: str, *options: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "ftrain", "agent", "--etcd", etcd.endpoint, "--job", "own", "--nnodes", "2:2",
         "--nproc-per-node", "1", "--node-id", node, "--run-dir", str(tmp_path / node), "--lease-ttl-s", "2",
-        "--settle-s", "0.5", "--backoff-initial-s", "0.2", "--events", str(tmp_path / "events.jsonl"),
-        "--script", str(EXAMPLE), "--", "--final-weights", "final.pt",
+        "--settle-s", "0.5", "--backoff-initial-s", "0.2", "--events", str(tmp_path / "events.jsonl"), *options,
+        "--script", str(EXAMPLE), "--", "--final-weights", "final.pt", *script_args,
     ]  # fmt: skip
     with open(tmp_path / f"agent-{node}.log", "ab") as log:
         return subprocess.Popen(
@@ -114,6 +117,61 @@ def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_s
         assert manifest["job"] == "own" and manifest["round"] == 2  # written through the agent's fence, round 2
         final = torch.load(tmp_path / "final.pt", weights_only=True)
         assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)
+
+
+def _served_by(tmp_path: Path, node: str) -> list[tuple[int, list[int]]]:
+    """(round, pids) for each round the node's live agent served, from its log."""
+    text = (tmp_path / f"agent-{node}.log").read_text()
+    return [
+        (int(r), [int(p) for p in pids.split(",")])
+        for r, pids in re.findall(r"round (\d+): local ranks served by pids \[([\d, ]+)\]", text)
+    ]
+
+
+def _rounds_formed(tmp_path: Path) -> list[str]:
+    path = tmp_path / "events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e["reason"] for e in sorted(events, key=lambda e: e.get("new_round", 0)) if e["event"] == "round_formed"]
+
+
+@pytest.mark.parametrize("parallel,source", [("ddp", "live_peer"), ("fsdp", "storage")])
+def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_kill_and_a_node_loss(
+    tmp_path, etcd, straight, parallel, source
+):
+    if parallel == "fsdp":
+        golden = straight[0] / "final.pt"
+    else:
+        (tmp_path / "golden").mkdir()
+        _torchrun(tmp_path / "golden", 2, "--parallel", "ddp", "--final-weights", "final.pt")
+        golden = tmp_path / "golden" / "final.pt"
+    live = ("--recovery", "live")
+    script_args = ("--parallel", parallel, "--save-every", "10")
+    agents = {n: _agent(tmp_path, etcd, n, *live, script_args=script_args) for n in ("a", "b")}
+    try:
+        wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
+        (_, [victim]), *_ = _served_by(tmp_path, "b")[-1:]
+        os.kill(victim, signal.SIGKILL)  # a worker: node b's agent hands its rank to a spare
+        wait_for(lambda: len(_rounds_formed(tmp_path)) >= 2, 60, "the round after the worker's death")
+        wait_for(lambda: max(_committed(tmp_path)) >= 30, 180, "a commit after that round")
+        kill_tree(agents.pop("b"))  # node b is lost (its agent and every process under it)
+        # --nnodes 2:2: node a's process leaves the round and waits until a replacement host joins
+        agents["c"] = _agent(tmp_path, etcd, "c", *live, script_args=script_args)
+        for node, agent in agents.items():
+            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        reasons = _rounds_formed(tmp_path)
+        assert reasons[:2] == ["start", "worker_exit"] and len(reasons) >= 3, reasons
+        served = _served_by(tmp_path, "a")
+        assert len(served) >= 3 and len({pid for _, (pid,) in served}) == 1, served  # one process, every round
+        worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
+        assert worker_logs.count(f"from {source}") >= 2, worker_logs[-4000:]  # both recoveries
+        assert "Traceback" not in worker_logs, worker_logs[-4000:]
+        assert _committed(tmp_path)[-1] == 60
+        final = torch.load(tmp_path / "final.pt", weights_only=True)
+        assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
     finally:
         for agent in agents.values():
             if agent.poll() is None:

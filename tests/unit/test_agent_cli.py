@@ -85,7 +85,7 @@ def test_etcd_and_job_are_required_from_an_option_or_the_file(tmp_path: Path) ->
     assert options(tmp_path, agent_section='etcd = "http://h:1"\njob = "from-file"').config.job == "from-file"
 
 
-def test_a_script_of_the_users_runs_under_restart_recovery_with_its_own_arguments(tmp_path: Path) -> None:
+def test_a_script_of_the_users_runs_under_restart_recovery_by_default_with_its_own_arguments(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
     base = ["agent", "--etcd", "http://h:1", "--job", "j", "--node-id", "n", "--script", str(script)]
@@ -98,9 +98,10 @@ def test_a_script_of_the_users_runs_under_restart_recovery_with_its_own_argument
         ["--steps", "80", "--ckpt", "s3://b/p"],
         "restart",
     )
-    argv = [*base, "--recovery", "live"]
-    with pytest.raises(ValueError, match="--script runs under --recovery restart only"):
-        resolve_options(*build_parser(argv).parse_known_args(argv)).validate()
+    argv = [*base, "--recovery", "live"]  # its loop serves rounds through Session.run
+    live = resolve_options(*build_parser(argv).parse_known_args(argv))
+    live.validate()
+    assert (live.script, live.config.recovery) == (str(script), "live")
     argv = [*base[:-1], str(tmp_path / "missing.py")]
     with pytest.raises(ValueError, match="--script: no such file"):
         resolve_options(*build_parser(argv).parse_known_args(argv)).validate()

@@ -1,0 +1,148 @@
+"""A user's loop under live recovery (:meth:`ftrain.Session.run` under ``ftrain agent --script
+--recovery live``): what a rank holds when its round ends, and how the ranks of the next round
+agree on the state to go on from.
+
+**What a rank holds.** :meth:`ftrain.Session.step` marks each step boundary (:class:`Boundary`:
+the step, the objects of the state, and the plain-JSON entries as they were then). The loop's
+objects move past that boundary as soon as an optimizer steps again, and a round can end anywhere
+in the next step: a peer dies in the backward pass (the update never happens, the objects are
+still at the boundary), or after the update (they are not). Every optimizer of the state carries
+a post-step hook that says which: a rank whose optimizer stepped since the boundary holds no state
+to offer (only its step number), and takes the state from a peer or storage like a new process.
+
+**Which state the next round goes on from** (:func:`restore`, collective): the ranks compare
+what they hold (:func:`ftrain.recovery.peer_state.survey`). When the model is replicated on every
+rank (a plain module or DDP: no parameter is a DTensor), the newest step held, if it is not older
+than the newest commit anyone knows of, comes from its holder over the process group
+(``live_peer``; ``memory`` when every rank holds it), checked against the digest the holder
+announced, never unpickled. Otherwise (FSDP, TP: each rank holds only its shards, and the lost
+rank's are gone; or replicas that disagree; or a transfer any rank refused) every rank loads the
+newest verified checkpoint (``storage``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ftrain import optim_state
+from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Where a round's state came from: ``live_peer``, ``memory``, ``storage`` or ``fresh``."""
+
+    source: str
+    step: int
+    from_rank: int = -1
+
+
+def replicated(module: nn.Module | None) -> bool:
+    """Whether every rank holds the whole of ``module`` (no parameter is a DTensor shard)."""
+    return module is not None and not any(isinstance(p, DTensor) for p in module.parameters())
+
+
+@dataclass(slots=True)
+class Boundary:
+    """The last step boundary of a round: ``step`` done, ``user_state`` the plain-JSON entries as
+    they were then; ``moved``: an optimizer stepped since (the objects are past the boundary)."""
+
+    step: int
+    user_state: dict[str, Any]
+    module: nn.Module | None
+    optimizers: list[torch.optim.Optimizer]
+    moved: bool = False
+
+
+@dataclass
+class BoundaryWatch:
+    """The step boundaries of one round, and whether the loop's optimizers moved past the last."""
+
+    boundary: Boundary | None = None
+    _hooked: dict[int, Any] = field(default_factory=dict)  #: id(optimizer) -> its hook's handle
+
+    def mark(
+        self, step: int, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], user_state: dict[str, Any]
+    ) -> None:
+        for optimizer in optimizers:
+            if id(optimizer) not in self._hooked:
+                self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._moved)
+        self.boundary = Boundary(step, user_state, module, list(optimizers))
+
+    def _moved(self, *_: Any) -> None:
+        if self.boundary is not None:
+            self.boundary.moved = True
+
+    def held(self, committed_step: int) -> HeldState | None:
+        """What this rank offers the next round (None: it reached no boundary this round)."""
+        b = self.boundary
+        if b is None:
+            return None
+        if b.moved or not replicated(b.module):
+            return HeldState(step=b.step, committed_step=committed_step)
+        assert b.module is not None
+        model, optim = optim_state.model_and_optim(b.module, b.optimizers, optim_state.PER_PARAM)
+        return HeldState(b.step, committed_step, model, optim, b.user_state)
+
+    def release(self) -> None:
+        """Drop the hooks (the round is over; its objects may be used again in the next)."""
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self.boundary = None
+
+
+def restore(
+    held: HeldState | None,
+    module: nn.Module | None,
+    optimizers: list[torch.optim.Optimizer],
+    user_state: Callable[[], dict[str, Any]],
+    device: torch.device,
+    committed_step: int,
+    rank: int,
+) -> tuple[HeldState, int] | None:
+    """Collective: the state to go on from when the ranks hold it, as (state, source rank; -1:
+    every rank holds it already), else None (load from storage, on every rank). ``committed_step``:
+    the newest commit this rank knows of (its own, or its agent's record); ``user_state``: this
+    rank's plain-JSON entries now (the reference a transfer's header is checked against)."""
+    full = replicated(module)
+    rows = survey(held, full, device)
+    newest = max(step for step, _, _, _ in rows)
+    holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
+    committed = max(committed_step, *(c for _, _, _, c in rows))
+    if not holders:
+        return None
+    if len({rows[r][2] for r in holders}) > 1:
+        log.error("replicas at step %d differ: loading from storage", newest)
+        return None  # every rank sees the same rows: every rank falls back together
+    if newest < committed:
+        log.warning("the newest step held (%d) is older than committed step %d: loading", newest, committed)
+        return None
+    if len(holders) == len(rows):
+        assert held is not None
+        return held, -1
+    src = holders[0]
+    reference = None
+    if rank != src:
+        model, optim = optim_state.model_and_optim(module, optimizers, optim_state.PER_PARAM)  # type: ignore[arg-type]
+        reference = HeldState(newest, -1, model, optim, user_state())
+    try:
+        got = broadcast(
+            held if rank == src else None, src, rows[src][2], device, expected_step=newest, reference=reference
+        )
+    except PeerStateError as e:
+        log.error("the state of step %d from rank %d was refused (%s): loading from storage", newest, src, e)
+        return None
+    return got, src
+
+
+__all__ = ["Boundary", "BoundaryWatch", "Restored", "replicated", "restore"]
