@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -147,6 +148,8 @@ class Session:
         #: where the state of the latest load came from (None before any load)
         self.restored: Restored | None = None
         self._round: _Round | None = None  #: the round served under :meth:`run` with live recovery
+        self._serving = False  #: inside :meth:`run`: the ranks agree at each step boundary
+        self._stop_requested = False  #: SIGTERM arrived (under :meth:`run`): stop at the next boundary
 
     # -- life ---------------------------------------------------------------------------
     def start(self) -> Session:
@@ -203,10 +206,35 @@ class Session:
         stopped this process before the job was done."""
         if self._manager is not None or self._round is not None:
             raise SessionError("Session.run(): the session is started already; run() starts it (per round) itself")
+        self._serving = True
+        previous = _on_sigterm(self._ask_to_stop)
+        try:
+            return self._run(train)
+        except _Drained as e:
+            committed = self._manager.status.last_committed_step if self._manager is not None else -1
+            log.warning("%s; committed step: %d", e, committed)
+            self._close(None, finished=False)
+            return None
+        finally:
+            self._serving = False
+            _on_sigterm(previous)
+
+    def _ask_to_stop(self, signum: int, frame: object) -> None:
+        self._stop_requested = True
+
+    def _run(self, train: Callable[[Session], T]) -> T | None:
         env = WorkerEnv.from_env()
         if not env.control:
-            with self:
-                return train(self)
+            self.start()
+            try:
+                result = train(self)
+            except _Drained:
+                raise
+            except BaseException as e:
+                self.close(error=e)
+                raise
+            self.close()
+            return result
         control = ControlFile(env.control)
         hb = heartbeat.from_env(-1, 0)
         keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
@@ -228,6 +256,8 @@ class Session:
                     self._init_group()
                     self._open()
                     result = train(self)
+            except _Drained:
+                raise
             except BaseException as e:
                 if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
                     self.close(error=e)
@@ -297,6 +327,10 @@ class Session:
         """Stop the checkpoint service (a save still uploading is waited for, unless ``error``)
         and tell the agent how this worker ends. A group the session made is torn down after a
         success; after an error it is left (peers may be stuck in a collective with this rank)."""
+        self._close(error, finished=error is None)
+
+    def _close(self, error: BaseException | None, *, finished: bool) -> None:
+        """``finished``: the loop ran to its end (else it stopped early: a drain)."""
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.close(abandon=error is not None)
@@ -306,11 +340,14 @@ class Session:
         if self._hb is not None:
             committed = manager.status.last_committed_step if manager is not None else -1
             reason = "" if error is None else f"{type(error).__name__}: {error}"
-            self._hb.exit(self._step, finished=error is None, committed_step=committed, error=reason[:2000])
+            self._hb.exit(self._step, finished=finished, committed_step=committed, error=reason[:2000])
             self._hb = None
         if error is None and self._owns_group and dist.is_initialized():
-            dist.barrier()  # no rank tears its pairs down while a peer still uses them
-            dist.destroy_process_group()
+            if finished:
+                dist.barrier()  # no rank tears its pairs down while a peer still uses them
+                dist.destroy_process_group()
+            else:  # a drain: the other nodes' ranks leave without a barrier (they serve on), so none here
+                abort_distributed()
             self._owns_group = False
 
     @property
@@ -336,9 +373,35 @@ class Session:
             self._hb.beat(step, committed_step=status.last_committed_step)
         if self._round is not None:
             self._round.boundary(step, _Parts.of(state))
+        if self._serving:
+            self._agree(step, state)
         if self.interval_steps and step % self.interval_steps == 0:
             return self.save(step, state)
         return False
+
+    def _agree(self, step: int, state: Mapping[str, Any]) -> None:
+        """Under :meth:`run`, at each step boundary (one all-reduce of two flags): every rank
+        leaves at this step when any rank's agent assigned a newer round (RoundChanged), or stops
+        when any rank was asked to (SIGTERM: its node drains): the step is saved and committed
+        first; the drained ranks end (``_Drained``), those of other nodes keep their state for the
+        round formed without the drained node."""
+        newer = self._round is not None and self._round.newer()
+        flags = torch.tensor([float(newer), float(self._stop_requested)], device=self._device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        newer, stop = (bool(f) for f in flags.tolist())
+        if stop:
+            self.finish(step, state)
+            if self._stop_requested or self._round is None:
+                raise _Drained(f"stopped after step {step}: asked to (SIGTERM)")
+            raise RoundChanged(f"another node drains: leaving round {self.round} after step {step}")
+        if newer:
+            raise RoundChanged(f"a newer round was assigned: leaving round {self.round} after step {step}")
+
+    def _device(self) -> torch.device:
+        """Where this rank's collectives run (the process group's device)."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def wait_staged(self) -> None:
         """Until the save in the background has copied the state: call it before the next
@@ -412,7 +475,7 @@ class Session:
         on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
         got = restore(
-            rnd.held, parts.module, parts.optimizers, lambda: parts.user_state(-1), rnd.device, committed, self.rank
+            rnd.held, parts.module, parts.optimizers, lambda: parts.user_state(-1), self._device(), committed, self.rank
         )
         rnd.held = None  # the previous round's objects: free them once this round has its state
         if got is None:
@@ -432,7 +495,20 @@ class Session:
         """Under :meth:`run`: the state is at a step boundary now (what this rank holds from here)."""
         if self._round is not None:
             self._round.loaded = True
-            self._round.boundary(step, parts, check=False)
+            self._round.boundary(step, parts)
+
+
+class _Drained(Exception):  # noqa: N818 - a signal to Session.run, not an error
+    """This rank stopped at a step boundary, its step committed, because it was asked to."""
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install ``handler`` for SIGTERM; the one it replaces (None where signals cannot be set:
+    not the main thread, whose loop then stops only by the agent's kill)."""
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):
+        return None
 
 
 class _Round:
@@ -448,27 +524,13 @@ class _Round:
         self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
         self._last_at = 0.0
 
-    @property
-    def device(self) -> torch.device:
-        return (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
-
-    def boundary(self, step: int, parts: _Parts, *, check: bool = True) -> None:
-        """Step ``step`` is done: mark it (what this rank holds if the round ends before the next);
-        ``check``: RoundChanged, on every rank at this step, when any rank's agent assigned a
-        newer round (one all-reduce of a flag)."""
+    def boundary(self, step: int, parts: _Parts) -> None:
+        """Step ``step`` is done: mark it (what this rank holds if the round ends before the next)."""
         now = time.monotonic()
         if self._last_at:
             self.step_time_s = now - self._last_at
         self._last_at = now
         self.watch.mark(step, parts.module, parts.optimizers, parts.user_state(step))
-        if not check:
-            return
-        flag = torch.tensor([float(self.newer())], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            raise RoundChanged(f"a newer round was assigned: leaving round {self.assignment.round} after step {step}")
 
 
 def _validate(manifest: Manifest) -> None:

@@ -176,3 +176,32 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         for agent in agents.values():
             if agent.poll() is None:
                 kill_tree(agent)
+
+
+def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_same_process(tmp_path, etcd):
+    """SIGTERM to node b's agent (a drain) under live recovery: b's process saves, commits and
+    exits 0 at a step boundary; node a's process leaves that round with its state and finishes
+    the job alone, in the same process (nnodes 1:2)."""
+    script_args = ("--parallel", "ddp", "--save-every", "10", "--steps", "60")
+    agents = {
+        n: _agent(tmp_path, etcd, n, "--recovery", "live", "--nnodes", "1:2", script_args=script_args) for n in "ab"
+    }
+    try:
+        wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
+        agents["b"].send_signal(signal.SIGTERM)
+        for node, agent in agents.items():
+            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        drained = (tmp_path / "b" / "workers.log").read_text()
+        stopped = re.findall(r"stopped after step (\d+): asked to \(SIGTERM\); committed step: (\d+)", drained)
+        assert len(stopped) == 1 and stopped[0][0] == stopped[0][1], drained[-3000:]  # its last step, committed
+        assert "Traceback" not in drained, drained[-3000:]
+        served = _served_by(tmp_path, "a")
+        assert len(served) >= 2 and len({pid for _, (pid,) in served}) == 1, served
+        assert re.search(
+            r"rank 0 of 1 \(pid \d+\): state of step \d+ from memory", (tmp_path / "a" / "workers.log").read_text()
+        )
+        assert _committed(tmp_path)[-1] == 60
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)

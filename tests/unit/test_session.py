@@ -13,7 +13,16 @@ import torch.distributed as dist
 import ftrain
 from ftrain.session import SessionError
 
-ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FTRAIN_HEARTBEAT", "FTRAIN_JOB")
+ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "FTRAIN_HEARTBEAT",
+    "FTRAIN_JOB",
+    "FTRAIN_CONTROL",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +110,55 @@ def test_misuse_is_refused_with_the_fix(tmp_path):
         session.close()
     with pytest.raises(SessionError, match="interval_steps"):
         ftrain.Session(str(tmp_path), interval_steps=-1)
+
+
+def test_run_outside_an_agent_is_one_round_that_ends_with_the_session(tmp_path):
+    session = ftrain.Session(str(tmp_path / "ckpt"))
+
+    def train(s: ftrain.Session) -> int:
+        state = _state()
+        start = s.load(state)
+        _train(state, 2)
+        s.finish(start + 2, state)
+        return start + 2
+
+    assert session.run(train) == 2 and not session.started and session.restored.source == "fresh"
+    assert ftrain.Session(str(tmp_path / "ckpt")).run(train) == 4  # the next run goes on from step 2
+
+    def broken(s: ftrain.Session) -> None:
+        raise ValueError("a bug in the loop")
+
+    failing = ftrain.Session(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="a bug in the loop"):
+        failing.run(broken)
+    assert not failing.started
+    with pytest.raises(SessionError, match=r"started already; run\(\) starts it"):
+        with ftrain.Session(str(tmp_path / "ckpt")) as started:
+            started.run(train)
+
+
+def test_a_live_agents_worker_must_run_its_loop_in_session_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTRAIN_CONTROL", str(tmp_path / "control.json"))
+    with pytest.raises(SessionError, match=r"--recovery live.*session.run\(train\)"):
+        ftrain.Session(str(tmp_path / "ckpt")).start()
+
+
+def test_what_a_rank_holds_is_its_last_boundary_unless_an_optimizer_stepped_since():
+    from ftrain.session_live import BoundaryWatch
+
+    state, watch = _state(), BoundaryWatch()
+    _train(state, 1)
+    watch.mark(1, state["model"], [state["optim"]], {"sampler": state["sampler"].state_dict()})
+    held = watch.held(committed_step=0)
+    assert held is not None and held.complete and held.step == 1
+    assert held.cursor == {"sampler": state["sampler"].state_dict()} and held.model is not None
+    state["model"](torch.randn(2, 8)).sum().backward()  # a round ending here (a backward's collective) keeps step 1
+    assert watch.held(0).complete
+    state["optim"].step()  # ending after the update: the objects are past step 1, none is offered
+    past = watch.held(0)
+    assert past.step == 1 and not past.complete
+    watch.release()
+    assert watch.held(0) is None and not state["optim"]._optimizer_step_post_hooks
 
 
 def test_a_rank_the_launcher_did_not_give_is_refused(tmp_path, monkeypatch):
