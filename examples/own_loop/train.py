@@ -77,9 +77,8 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
     sampler = ftrain.ResumableSampler(len(data), args.batch, seed=args.seed)  # ftrain
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler}  # ftrain
     start = session.load(state)  # ftrain: 0, or the step it goes on from (a live peer's, or a checkpoint's)
-    print(
-        f"rank {rank} of {world} (pid {os.getpid()}): state of step {start} from {session.restored.source}", flush=True
-    )
+    source = session.restored.source if session.restored else ""  # live_peer, memory, storage or fresh
+    print(f"rank {rank} of {world} (pid {os.getpid()}): state of step {start} from {source}", flush=True)
     if rank == 0:
         done = f"resumed after step {start}; " if start else ""
         print(f"{done}training steps {start + 1}..{args.steps} on {world} process(es)", flush=True)
