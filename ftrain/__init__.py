@@ -7,7 +7,7 @@ The runtime may import ``ftrain.contract``, ``ftrain.checkpoint`` and torch; nev
 ``ftrain.agents`` or ``ftrain.chaos`` (tests/unit/test_import_boundaries.py). Importing this
 package imports nothing else: torch loads ``ftrain.torchrun_plugin`` in every process that imports
 its rendezvous package. The library API for your own loop (docs/library.md) is loaded on first
-use: ``ftrain.Session``, ``ftrain.SessionError``, ``ftrain.ResumableSampler``.
+use: ``ftrain.Session``, ``ftrain.SessionError``, ``ftrain.RoundChanged``, ``ftrain.ResumableSampler``.
 """
 
 from typing import Any
@@ -15,8 +15,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 #: the public names loaded on first use, and the module that defines each
-_LAZY = {"Session": "ftrain.session", "SessionError": "ftrain.session", "ResumableSampler": "ftrain.sampler"}
-__all__ = ["ResumableSampler", "Session", "SessionError", "__version__"]
+_LAZY = {
+    "Session": "ftrain.session",
+    "SessionError": "ftrain.session",
+    "RoundChanged": "ftrain.session",
+    "ResumableSampler": "ftrain.sampler",
+}
+__all__ = ["ResumableSampler", "RoundChanged", "Session", "SessionError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

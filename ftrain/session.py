@@ -31,10 +31,12 @@ numbers, strings, lists and dicts (what a scheduler or a sampler holds). Rank 0'
 state is the same on every rank of a data-parallel loop. RNG states are the loop's business.
 
 **Under the node agent** (``ftrain agent --script train.py``): heartbeats at each :meth:`step`,
-"alive" from a background thread, the commit fence and the exit message; recovery is restart.
-Live recovery inside a user's loop (survivors rebuilding their process group in-process) is
-``ftrain worker``'s only: a collective the session cannot abort (any of your loop's) is why
-restart is the safe answer there.
+"alive" from a background thread, the commit fence and the exit message. Recovery is restart
+(torchrun runs the script again), or with ``--recovery live`` in-process: the loop of one round
+is a function that :meth:`run` calls again for each new round, in the same process; the state
+comes from a live peer when the model is replicated, else from storage (:mod:`ftrain.session_live`).
+A collective that the round's end does not reach is the round watchdog's: it ends the process,
+and its agent replaces it (a restart of that process only).
 """
 
 from __future__ import annotations
