@@ -6,7 +6,9 @@ ends bitwise equal to it; a Trainer set up to write its own checkpoints is refus
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from ftrain.checkpoint.storage import Storage
 from ftrain.testbed.jobs import run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
+from tests.script_agents import rounds_formed, script_workers, start_agent
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,12 +64,17 @@ def _assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, str]:
+    """The probed example on 2 processes without a fault: its directory and output."""
+    where = tmp_path_factory.mktemp("straight")
+    return where, _finished(where, _torchrun("dumps", *ARGS))
+
+
 @pytest.mark.dist
-def test_a_killed_run_resumes_after_the_newest_commit_and_ends_as_the_straight_one(tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    straight.mkdir()
+def test_a_killed_run_resumes_after_the_newest_commit_and_ends_as_the_straight_one(tmp_path, straight):
+    (straight, out), stopped = straight, tmp_path / "stopped"
     stopped.mkdir()
-    out = _finished(straight, _torchrun("dumps", *ARGS))
     assert f"trained steps 1..{STEPS} on 2 process(es)" in out, out
     assert _committed(straight)[-1] == STEPS
     losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", out)]
@@ -95,6 +103,31 @@ def test_a_killed_run_resumes_after_the_newest_commit_and_ends_as_the_straight_o
     _assert_same(resumed["sched"], saved["sched"], "sched")  # its step count and learning rate
     a, b = (torch.load(d / "final.pt", weights_only=True) for d in (straight, stopped))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.dist
+def test_under_two_agents_a_killed_worker_is_restarted_and_the_trainer_resumes(tmp_path, etcd, straight):
+    """Supervision by the node agents (restart recovery): a SIGKILLed worker of node b is seen,
+    both nodes' workers restart, the Trainer resumes after the newest commit, and the run ends
+    bitwise equal to the straight one."""
+    agents = {n: start_agent(tmp_path, etcd.endpoint, n, EXAMPLE, script_args=ARGS[:-2]) for n in "ab"}
+    try:
+        wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
+        victims = script_workers(agents["b"], EXAMPLE)
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        for node, agent in agents.items():
+            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert rounds_formed(tmp_path) == ["start", "worker_exit"]
+        second = "".join(p.read_text() for p in tmp_path.glob("*/round-0002.log"))
+        resumed = re.findall(r"resumed after step (\d+); trained steps", second)
+        assert resumed and 10 <= int(resumed[0]) < STEPS, second[-3000:]
+        a, b = (torch.load(d / "final.pt", weights_only=True) for d in (straight[0], tmp_path))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)
 
 
 def test_plain_python_runs_the_example_as_one_process_with_its_checkpoints_on_s3(tmp_path, seaweed, s3_prefix):

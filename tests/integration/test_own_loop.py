@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftrain.agents.workers import descendants
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env
-from ftrain.testbed.procs import REPO, kill_tree, quiet_env
+from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
+from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -72,46 +72,20 @@ def test_the_example_resumes_where_it_stopped_bitwise_and_at_another_world_size(
 
 
 def _agent(tmp_path: Path, etcd, node: str, *options: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "ftrain", "agent", "--etcd", etcd.endpoint, "--job", "own", "--nnodes", "2:2",
-        "--nproc-per-node", "1", "--node-id", node, "--run-dir", str(tmp_path / node), "--lease-ttl-s", "2",
-        "--settle-s", "0.5", "--backoff-initial-s", "0.2", "--events", str(tmp_path / "events.jsonl"), *options,
-        "--script", str(EXAMPLE), "--", "--final-weights", "final.pt", *script_args,
-    ]  # fmt: skip
-    with open(tmp_path / f"agent-{node}.log", "ab") as log:
-        return subprocess.Popen(
-            cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=quiet_env()
-        )
-
-
-def _script_workers(agent: subprocess.Popen) -> list[int]:
-    """The example's processes under ``agent`` (torchrun's children, not torchrun)."""
-    out = []
-    for pid in descendants(agent.pid):
-        try:
-            words = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if any(w.endswith(b"own_loop/train.py") for w in words) and b"torch.distributed.run" not in words:
-            out.append(pid)
-    return out
+    return start_agent(tmp_path, etcd.endpoint, node, EXAMPLE, *options, script_args=script_args)
 
 
 def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_straight_one(tmp_path, etcd, straight):
     agents = {n: _agent(tmp_path, etcd, n) for n in ("a", "b")}
     try:
         wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
-        victims = _script_workers(agents["b"])
+        victims = script_workers(agents["b"], EXAMPLE)
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         for node, agent in agents.items():
             assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
-        events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-        reasons = [
-            e["reason"] for e in sorted(events, key=lambda e: e.get("new_round", 0)) if e["event"] == "round_formed"
-        ]
-        assert reasons == ["start", "worker_exit"], reasons
-        assert [e["status"] for e in events if e["event"] == "job_final"] == ["succeeded"]
+        assert rounds_formed(tmp_path) == ["start", "worker_exit"]
+        assert [e["status"] for e in events(tmp_path) if e["event"] == "job_final"] == ["succeeded"]
         assert _committed(tmp_path)[-1] == 60
         manifest = json.loads(next((tmp_path / "runs/own_loop/ckpt").glob("step-000000060/manifest.json")).read_text())
         assert manifest["job"] == "own" and manifest["round"] == 2  # written through the agent's fence, round 2
@@ -121,21 +95,6 @@ def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_s
         for agent in agents.values():
             if agent.poll() is None:
                 kill_tree(agent)
-
-
-def _served_by(tmp_path: Path, node: str) -> list[tuple[int, list[int]]]:
-    """(round, pids) for each round the node's live agent served, from its log."""
-    text = (tmp_path / f"agent-{node}.log").read_text()
-    return [
-        (int(r), [int(p) for p in pids.split(",")])
-        for r, pids in re.findall(r"round (\d+): local ranks served by pids \[([\d, ]+)\]", text)
-    ]
-
-
-def _rounds_formed(tmp_path: Path) -> list[str]:
-    path = tmp_path / "events.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [e["reason"] for e in sorted(events, key=lambda e: e.get("new_round", 0)) if e["event"] == "round_formed"]
 
 
 @pytest.mark.parametrize("parallel,source", [("ddp", "live_peer"), ("fsdp", "storage")])
@@ -153,18 +112,18 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
     agents = {n: _agent(tmp_path, etcd, n, *live, script_args=script_args) for n in ("a", "b")}
     try:
         wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
-        (_, [victim]), *_ = _served_by(tmp_path, "b")[-1:]
+        (_, [victim]), *_ = served_by(tmp_path, "b")[-1:]
         os.kill(victim, signal.SIGKILL)  # a worker: node b's agent hands its rank to a spare
-        wait_for(lambda: len(_rounds_formed(tmp_path)) >= 2, 60, "the round after the worker's death")
+        wait_for(lambda: len(rounds_formed(tmp_path)) >= 2, 60, "the round after the worker's death")
         wait_for(lambda: max(_committed(tmp_path)) >= 30, 180, "a commit after that round")
         kill_tree(agents.pop("b"))  # node b is lost (its agent and every process under it)
         # --nnodes 2:2: node a's process leaves the round and waits until a replacement host joins
         agents["c"] = _agent(tmp_path, etcd, "c", *live, script_args=script_args)
         for node, agent in agents.items():
             assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
-        reasons = _rounds_formed(tmp_path)
+        reasons = rounds_formed(tmp_path)
         assert reasons[:2] == ["start", "worker_exit"] and len(reasons) >= 3, reasons
-        served = _served_by(tmp_path, "a")
+        served = served_by(tmp_path, "a")
         assert len(served) >= 3 and len({pid for _, (pid,) in served}) == 1, served  # one process, every round
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
         assert worker_logs.count(f"from {source}") >= 2, worker_logs[-4000:]  # both recoveries
@@ -195,7 +154,7 @@ def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_s
         stopped = re.findall(r"stopped after step (\d+): asked to \(SIGTERM\); committed step: (\d+)", drained)
         assert len(stopped) == 1 and stopped[0][0] == stopped[0][1], drained[-3000:]  # its last step, committed
         assert "Traceback" not in drained, drained[-3000:]
-        served = _served_by(tmp_path, "a")
+        served = served_by(tmp_path, "a")
         assert len(served) >= 2 and len({pid for _, (pid,) in served}) == 1, served
         assert re.search(
             r"rank 0 of 1 \(pid \d+\): state of step \d+ from memory", (tmp_path / "a" / "workers.log").read_text()

@@ -1,0 +1,62 @@
+"""``ftrain agent --script`` nodes for the tests of users' loops (examples/own_loop, examples/hf_trainer):
+start one, find its script's processes, read what it logged about its rounds."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from ftrain.agents.workers import descendants
+from ftrain.testbed.procs import quiet_env
+
+
+def start_agent(
+    where: Path, etcd_endpoint: str, node: str, script: Path, *options: str, script_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """Node ``node`` of job ``own`` (2:2 nodes of one process each, unless ``options`` say otherwise),
+    running ``script`` from ``where`` with ``--final-weights final.pt`` and ``script_args``."""
+    cmd = [
+        sys.executable, "-m", "ftrain", "agent", "--etcd", etcd_endpoint, "--job", "own", "--nnodes", "2:2",
+        "--nproc-per-node", "1", "--node-id", node, "--run-dir", str(where / node), "--lease-ttl-s", "2",
+        "--settle-s", "0.5", "--backoff-initial-s", "0.2", "--events", str(where / "events.jsonl"), *options,
+        "--script", str(script), "--", "--final-weights", "final.pt", *script_args,
+    ]  # fmt: skip
+    with open(where / f"agent-{node}.log", "ab") as log:
+        return subprocess.Popen(
+            cmd, cwd=where, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=quiet_env()
+        )
+
+
+def script_workers(agent: subprocess.Popen, script: Path) -> list[int]:
+    """The script's processes under ``agent`` (torchrun's children, not torchrun)."""
+    tail = f"{script.parent.name}/{script.name}".encode()
+    out = []
+    for pid in descendants(agent.pid):
+        try:
+            words = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(w.endswith(tail) for w in words) and b"torch.distributed.run" not in words:
+            out.append(pid)
+    return out
+
+
+def served_by(where: Path, node: str) -> list[tuple[int, list[int]]]:
+    """(round, pids) for each round the node's live agent served, from its log."""
+    text = (where / f"agent-{node}.log").read_text()
+    found = re.findall(r"round (\d+): local ranks served by pids \[([\d, ]+)\]", text)
+    return [(int(r), [int(p) for p in pids.split(",")]) for r, pids in found]
+
+
+def events(where: Path) -> list[dict]:
+    path = where / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def rounds_formed(where: Path) -> list[str]:
+    """The reason of each round formed, in round order."""
+    formed = [e for e in events(where) if e["event"] == "round_formed"]
+    return [e["reason"] for e in sorted(formed, key=lambda e: e.get("new_round", 0))]
