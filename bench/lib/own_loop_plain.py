@@ -19,8 +19,17 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop" / "train
 class NoSession:
     """What the loop calls on a session, doing nothing but the process group's start and end."""
 
+    restored = None
+
     def __init__(self, *_args: Any, **_kwargs: Any):
         pass
+
+    def run(self, train: Any) -> Any:
+        self.start()
+        try:
+            return train(self)
+        finally:
+            self.close()
 
     def start(self) -> NoSession:
         dist.init_process_group("gloo")
