@@ -1,7 +1,7 @@
 """Recovery time after a fault: ftrain's agents against plain torchrun (c10d), phase by phase.
 
     python bench/recovery.py [--repeats N] [--quick] [--smoke] [--faults worker_kill,node_loss,hang]
-                             [--systems ftrain_live,ftrain_restart,torchrun_default,torchrun_tuned]
+                             [--systems ftrain_live,ftrain_restart,session_live,torchrun_default,torchrun_tuned]
 
 One job everywhere: ``ftrain.testbed.jobs.TINY_CONFIG`` with more steps, DDP over gloo, two "nodes" on
 this host with one worker each, a checkpoint every ``--ckpt-interval`` steps to a local
@@ -25,6 +25,18 @@ Systems: ``ftrain_live`` and ``ftrain_restart`` (an etcd and two ``ftrain agent`
 with ``--rdzv-conf`` short timeouts). The floor is the bare cost of a start from a checkpoint:
 two static-rendezvous torchruns (the command the ftrain agent launches) started fresh, from a
 copy of a checkpoint, no fault.
+
+``session_live`` is a user's loop recovering in-process: two ``ftrain agent --script
+bench/lib/session_loop.py --recovery live`` with the same options, nodes and faults as
+``ftrain_live`` (``--nnodes 1:2``: after a node loss the survivor goes on alone), serving
+examples/own_loop/train.py's own ``train`` (``ftrain.Session.run``) with ``--parallel ddp``, a save
+every ``--ckpt-interval`` steps to a local directory, and the fault after ``--fault-step``. Where
+it differs: the model is the example's tiny Hugging Face Llama (``bench/lib/session_loop.py``), not
+``TINY_CONFIG``'s GPT; the loop sleeps ``--step-sleep-s`` after each step itself (the example
+does not read ``FTRAIN_FAULT_STEP_SLEEP_S``); a collective timeout is the session's (600 s), not
+``--collective-timeout-s``; and its phases are the loop's own marks, not ``ftrain worker``'s
+events (``bench/lib/session_marks.py``: worker start is up to ``session.load``, which includes
+the loop rebuilding its model for the round, and ckpt load is ``session.load`` itself).
 
 A recovery ends at the first step completed after the resume; its phases, each mark taken when
 the last participant reached it:
@@ -240,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="the test suite's run: a worker kill, ftrain_live and ftrain_restart, early, no floor or steady state",
+        help="the test suite's run: a worker kill, ftrain_live, ftrain_restart and session_live, early, no floor "
+        "or steady state",
     )
     args = p.parse_args(argv)
     try:
@@ -248,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         p.error(f"--soak-report: {e}")
     if args.smoke:
-        args.faults, args.systems, args.repeats = "worker_kill", "ftrain_live,ftrain_restart", 1
+        args.faults, args.systems, args.repeats = "worker_kill", "ftrain_live,ftrain_restart,session_live", 1
         args.ckpt_interval, args.fault_step, args.steady_repeats = 10, 40, 0
     faults = [f for f in args.faults.split(",") if f]
     systems = [s for s in args.systems.split(",") if s and not (args.quick and s == "torchrun_default")]
@@ -347,6 +360,16 @@ def main(argv: list[str] | None = None) -> int:
             total("worker_kill", "torchrun_tuned"), total("worker_kill", "ftrain_live")
         ),
         "live_speedup_vs_restart": _ratio(total("worker_kill", "ftrain_restart"), total("worker_kill", "ftrain_live")),
+        # a user's loop (ftrain.Session.run) under the same live agents
+        "session_live_worker_kill_s": total("worker_kill", "session_live"),
+        "session_live_node_loss_s": total("node_loss", "session_live"),
+        "session_live_hang_s": total("hang", "session_live"),
+        "session_live_over_live_worker_kill": _ratio(
+            total("worker_kill", "session_live"), total("worker_kill", "ftrain_live")
+        ),
+        "session_live_over_live_node_loss": _ratio(
+            total("node_loss", "session_live"), total("node_loss", "ftrain_live")
+        ),
         # fault-free runs side by side with torchrun --standalone (bench/steady_state.py)
         "steady_state_vs_torchrun": steady_summary["steady_state_vs_torchrun"] if steady_summary else None,
         # a soak, not this bench (ftrain chaos run chaos/scenarios/soak.toml): given by --soak-report

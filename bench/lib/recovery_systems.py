@@ -1,7 +1,9 @@
 """The systems ``bench/recovery.py`` compares, run for real: an etcd and two ``ftrain agent``
-(live or restart recovery), two torchruns with c10d rendezvous (default or tuned), and the floor
-(two static-rendezvous torchruns started fresh from a checkpoint); the faults injected into them,
-and one scenario's outcome (its marks: :mod:`bench.lib.restart_marks`, :mod:`bench.lib.live_marks`)."""
+(live or restart recovery; or live, serving a user's loop: ``--script`` :mod:`bench.lib.session_loop`),
+two torchruns with c10d rendezvous (default or tuned), and the floor (two static-rendezvous
+torchruns started fresh from a checkpoint); the faults injected into them, and one scenario's
+outcome (its marks: :mod:`bench.lib.restart_marks`, :mod:`bench.lib.live_marks`,
+:mod:`bench.lib.session_marks`)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Any
 
 from bench.lib.live_marks import first_live_step_after, live_marks
 from bench.lib.restart_marks import Marks, first_step_after, read_glog_lines, recovery_marks, stamped
+from bench.lib.session_marks import first_session_step_after, session_marks
+from bench.lib.session_marks import steady_step_s as session_steady_step_s
 from ftrain.agents.config import agent_flags
 from ftrain.agents.workers import (
     Launch,  # the floor runs the agent's own launcher command
@@ -37,7 +41,7 @@ from ftrain.testbed.wait import WaitTimeout, wait_for
 REPO = Path(__file__).resolve().parents[2]
 
 FAULTS = ("worker_kill", "node_loss", "hang")
-SYSTEMS = ("ftrain_live", "ftrain_restart", "torchrun_default", "torchrun_tuned")
+SYSTEMS = ("ftrain_live", "ftrain_restart", "session_live", "torchrun_default", "torchrun_tuned")
 #: FACTS.md: a node loss took 42.7 s with c10d defaults and 2.4 s with these.
 TUNED_RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
 LEASE_TTL_S, HANG_TIMEOUT_S = 2, 4.0
@@ -46,6 +50,7 @@ POLL_S = 0.05
 #: the agents' job id: their workers' manifests carry it, so the floor's workers (started from a
 #: copy of an ftrain run's checkpoint, as an agent would) must have it too
 JOB_ID = "recovery"
+SESSION_LOOP = REPO / "bench" / "lib" / "session_loop.py"
 
 
 class ScenarioError(RuntimeError):
@@ -259,42 +264,24 @@ def inject(job: Job, fault: str, node_of_rank1: Launched) -> tuple[float, str]:
     return t, f"SIGKILL node {node_of_rank1.name}: pids {sorted(pids)}"
 
 
+def agent_command(endpoint: str, node: str, recovery: str, job: Job, tail: list[str]) -> list[str]:
+    """``ftrain agent`` for node ``node`` of the job (one worker per node, ``--nnodes 1:2``), then ``tail``."""
+    return [
+        sys.executable, "-m", "ftrain", "agent", "--etcd", endpoint, "--job", JOB_ID, "--nnodes", "1:2",
+        "--nproc-per-node", "1", "--node-id", node, *AGENT_OPTIONS, "--recovery", recovery,
+        "--run-dir", str(job.dir / f"run-{node}"), "--events", str(job.events.path), *tail,
+    ]  # fmt: skip
+
+
 def run_ftrain(fault: str, workdir: Path, settings: Settings, *, live: bool) -> Outcome:
     out = Outcome("ftrain_live" if live else "ftrain_restart", fault)
     job = Job(workdir, settings)
     try:
         with EtcdServer() as etcd:
             try:
+                recovery, tail = "live" if live else "restart", ["--", *job.train_args()]
                 agents = [
-                    job.start(
-                        f"n{i}",
-                        [
-                            sys.executable,
-                            "-m",
-                            "ftrain",
-                            "agent",
-                            "--etcd",
-                            etcd.endpoint,
-                            "--job",
-                            JOB_ID,
-                            "--nnodes",
-                            "1:2",
-                            "--nproc-per-node",
-                            "1",
-                            "--node-id",
-                            f"n{i}",
-                            *AGENT_OPTIONS,
-                            "--recovery",
-                            "live" if live else "restart",
-                            "--run-dir",
-                            str(workdir / f"run-n{i}"),
-                            "--events",
-                            str(job.events.path),
-                            "--",
-                            *job.train_args(),
-                        ],
-                    )
-                    for i in range(2)
+                    job.start(f"n{i}", agent_command(etcd.endpoint, f"n{i}", recovery, job, tail)) for i in range(2)
                 ]
                 job.wait_training()
                 rank1 = job.worker_pid(1)
@@ -314,6 +301,100 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings, *, live: bool) -> 
                 else:
                     round_logs = read_glog_lines(workdir.glob("run-n*/round-*.log"))
                     out.marks = recovery_marks(fault_t, job.events.poll(), job.metrics.poll(), round_logs, agents=True)
+            finally:
+                job.close()
+    except (ScenarioError, WaitTimeout) as e:
+        out.error = str(e)
+    return out
+
+
+class SessionJob(Job):
+    """A user's loop (examples/own_loop/train.py through :mod:`bench.lib.session_loop`, DDP) under
+    two live agents: its marks are the loop's probe lines, not ``ftrain train``'s events and metrics."""
+
+    def __init__(self, workdir: Path, settings: Settings):
+        super().__init__(workdir, settings)
+        self.probe = JsonlTail(workdir / "probe.jsonl")
+
+    def script_args(self) -> list[str]:
+        s = self.settings
+        return [
+            f"--probe-log={self.probe.path}",
+            f"--step-sleep-s={s.step_sleep_s:g}",
+            "--parallel=ddp",
+            f"--steps={s.steps}",
+            f"--save-every={s.ckpt_interval}",
+            f"--ckpt={self.ckpt}",
+        ]
+
+    def wait_training(self) -> None:
+        fault_step = self.settings.fault_step
+
+        def ready() -> bool:
+            steps = [p for p in self.probe.poll() if p.get("probe") == "step" and p["rank"] == 0]
+            committed = any(self.ckpt.glob("step-*/manifest.json"))
+            return committed and bool(steps) and steps[-1]["world_size"] == 2 and steps[-1]["step"] >= fault_step
+
+        wait_for(
+            ready,
+            self.settings.startup_timeout_s,
+            f"the loop at world size 2 past step {fault_step}",
+            poll_s=POLL_S,
+            alive=self.any_alive,
+        )
+
+    def worker_pid(self, rank: int) -> int:
+        marks = [p for p in self.probe.poll() if p.get("rank") == rank and p.get("world_size") == 2]
+        if not marks:
+            raise ScenarioError(f"no probe line of rank {rank} at world size 2")
+        return marks[-1]["pid"]
+
+    def wait_recovered(self, fault: float, timeout_s: float, *, live: bool = False) -> None:
+        wait_for(
+            lambda: first_session_step_after(fault, self.probe.poll()),
+            timeout_s,
+            "first step after the restore",
+            poll_s=POLL_S,
+            alive=self.any_alive,
+        )
+
+    def close(self) -> None:
+        super().close()
+        for pid in {p["pid"] for p in self.probe.poll()}:  # the agents' processes die with them; in case
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmdline = fh.read()
+            except OSError:
+                continue
+            if SESSION_LOOP.name.encode() in cmdline:
+                sigkill_now([pid])
+
+
+def run_session_live(fault: str, workdir: Path, settings: Settings) -> Outcome:
+    """Two live agents serving a user's loop (``--script``), the job and faults as ``run_ftrain``'s."""
+    out = Outcome("session_live", fault)
+    job = SessionJob(workdir, settings)
+    try:
+        with EtcdServer() as etcd:
+            try:
+                tail = ["--script", str(SESSION_LOOP), "--", *job.script_args()]
+                agents = [
+                    job.start(f"n{i}", agent_command(etcd.endpoint, f"n{i}", "live", job, tail)) for i in range(2)
+                ]
+                job.wait_training()
+                rank1 = job.worker_pid(1)
+                node = next((a for a in agents if rank1 in descendants(a.popen.pid)), None)
+                if node is None:
+                    raise ScenarioError(f"process {rank1} (rank 1) runs under neither agent")
+                leaders = [e["node"] for e in job.events.poll() if e.get("event") == Event.LEADER_ELECTED]
+                fault_t, what = inject(job, fault, node)
+                out.steady_step_s = session_steady_step_s(job.probe.poll(), fault_t)
+                if fault == "node_loss":
+                    what += " (the leader)" if leaders and leaders[-1] == node.name else " (not the leader)"
+                out.notes.append(what)
+                job.wait_recovered(fault_t, settings.cap_s)
+                marks = session_marks(fault_t, job.events.poll(), job.probe.poll())
+                out.marks = Marks(**marks) if marks else None
             finally:
                 job.close()
     except (ScenarioError, WaitTimeout) as e:
@@ -403,6 +484,8 @@ def run_scenario(system: str, fault: str, workdir: Path, settings: Settings) -> 
     try:
         if system.startswith("ftrain"):
             out = run_ftrain(fault, workdir, settings, live=system == "ftrain_live")
+        elif system == "session_live":
+            out = run_session_live(fault, workdir, settings)
         else:
             out = run_torchrun(fault, workdir, settings, TUNED_RDZV_CONF if system == "torchrun_tuned" else "")
     except Exception as e:  # noqa: BLE001 - one broken scenario must not lose the others' numbers

@@ -13,15 +13,19 @@ from ftrain.testbed.jobs import run
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_the_recovery_bench_smoke_run_times_live_and_restart_recovery():
+def test_the_recovery_bench_smoke_run_times_live_and_restart_recovery_and_a_users_loop():
     proc = run([sys.executable, "bench/recovery.py", "--smoke"], timeout_s=380)
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     live = summary["results"]["worker_kill"]["ftrain_live"]
     restart = summary["results"]["worker_kill"]["ftrain_restart"]
-    assert live["recovered"] == restart["recovered"] == 1
+    session = summary["results"]["worker_kill"]["session_live"]
+    assert live["recovered"] == restart["recovered"] == session["recovered"] == 1
     assert live["load_start_by"] == ["live_restored (live_peer)"]  # the replacement healed from its peer
     assert summary["live_worker_kill_s"] == live["total_s"] and summary["live_speedup_vs_restart"] > 1
+    # the user's loop (ftrain.Session.run): the spare took the lost rank and its state from the survivor
+    assert session["load_start_by"] == ["session.load (live_peer)"] and session["world_size_after"] == [2]
+    assert summary["session_live_worker_kill_s"] == session["total_s"] > 0
 
 
 def test_the_steady_state_bench_smoke_run_compares_the_agent_with_torchrun():
