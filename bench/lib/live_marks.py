@@ -39,6 +39,19 @@ def first_live_step_after(
     return None
 
 
+def agents_reaction(fault: float, events: list[dict[str, Any]], round_: int) -> tuple[dict[str, Any], float | None]:
+    """(the agents' first reaction to ``fault``, or {}; when the last agent assigned round
+    ``round_`` to its workers, or None)."""
+    reactions = sorted(
+        (e for e in events if e.get("rank") == -1 and e.get("event") in REACTIONS and e["time"] >= fault),
+        key=lambda e: e["time"],
+    )
+    reassigned = [
+        e["time"] for e in events if e.get("event") == Event.WORKERS_REASSIGNED and e.get("worker_round") == round_
+    ]
+    return (reactions[0] if reactions else {}), max(reassigned, default=None)
+
+
 def live_marks(fault: float, events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The marks of the first live recovery after ``fault`` (as ``bench.recovery.Marks`` fields),
     or None if it has not completed."""
@@ -51,20 +64,11 @@ def live_marks(fault: float, events: list[dict[str, Any]], metrics: list[dict[st
         for e in events
         if e.get("event") == Event.LIVE_RESTORED and e.get("round") == restored0["round"] and e["time"] > fault
     ]
-    reactions = sorted(
-        (e for e in events if e.get("rank") == -1 and e.get("event") in REACTIONS and e["time"] >= fault),
-        key=lambda e: e["time"],
-    )
-    reassigned = [
-        e["time"]
-        for e in events
-        if e.get("event") == Event.WORKERS_REASSIGNED and e.get("worker_round") == restored0["round"]
-    ]
-    first = reactions[0] if reactions else {}
+    first, reassigned = agents_reaction(fault, events, restored0["round"])
     return {
         "fault": fault,
         "detected": first.get("time"),
-        "launched": max(reassigned, default=None),
+        "launched": reassigned,
         "spawned": None,
         "started": max(e["time"] - e["state_s"] for e in generation),
         "resumed": max(e["time"] for e in generation),

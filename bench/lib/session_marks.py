@@ -20,8 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.lib.live_marks import REACTIONS
-from ftrain.contract.events import Event
+from bench.lib.live_marks import agents_reaction
 
 
 def _of(probes: list[dict[str, Any]], kind: str, since: float) -> list[dict[str, Any]]:
@@ -54,20 +53,11 @@ def session_marks(fault: float, events: list[dict[str, Any]], probes: list[dict[
     restored0, line = found
     generation = [p for p in _of(probes, "restored", fault) if p["round"] == restored0["round"]]
     load_starts = [p["time"] for p in _of(probes, "load_started", fault) if p["round"] == restored0["round"]]
-    reactions = sorted(
-        (e for e in events if e.get("rank") == -1 and e.get("event") in REACTIONS and e["time"] >= fault),
-        key=lambda e: e["time"],
-    )
-    reassigned = [
-        e["time"]
-        for e in events
-        if e.get("event") == Event.WORKERS_REASSIGNED and e.get("worker_round") == restored0["round"]
-    ]
-    first = reactions[0] if reactions else {}
+    first, reassigned = agents_reaction(fault, events, restored0["round"])
     return {
         "fault": fault,
         "detected": first.get("time"),
-        "launched": max(reassigned, default=None),
+        "launched": reassigned,
         "spawned": None,
         "started": max(load_starts, default=None),
         "resumed": max(p["time"] for p in generation),
