@@ -129,6 +129,12 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert worker_logs.count(f"from {source}") >= 2, worker_logs[-4000:]  # both recoveries
         assert "Traceback" not in worker_logs, worker_logs[-4000:]
         assert _committed(tmp_path)[-1] == 60
+        ckpt = str(tmp_path / "runs/own_loop/ckpt")
+        for step in _committed(tmp_path):  # every commit kept verifies (each file re-hashed)
+            verified = run(
+                [sys.executable, "-m", "ftrain", "ckpt", "verify", ckpt, str(step)], timeout_s=60, env=worker_env()
+            )
+            assert verified.returncode == 0, verified.stdout[-2000:]
         final = torch.load(tmp_path / "final.pt", weights_only=True)
         assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
     finally:
