@@ -41,7 +41,6 @@ and its agent replaces it (a restart of that process only).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -53,13 +52,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from ftrain import optim_state
 from ftrain.agent_link import fence, heartbeat
 from ftrain.checkpoint.config import DEFAULTS
-from ftrain.checkpoint.errors import ManifestError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
@@ -78,19 +74,12 @@ from ftrain.recovery.round_control import (
 )
 from ftrain.recovery.round_watchdog import RoundWatchdog
 from ftrain.session_live import BoundaryWatch, Restored, restore
+from ftrain.session_state import USER_STATE, WRITER, SessionError, StateParts, validate
 
 log = logging.getLogger(__name__)
 
-#: the manifest's ``trainer`` key under which the entries kept as JSON are
-USER_STATE = "user_state"
-#: a manifest's ``layout`` says which kind of loop wrote it
-WRITER = "session"
 DEFAULT_JOB = "own-loop"
 T = TypeVar("T")
-
-
-class SessionError(RuntimeError):
-    """A misuse of the session, or a state it cannot save or restore; the message says the fix."""
 
 
 class RoundChanged(RoundEnded):
@@ -374,7 +363,7 @@ class Session:
         if self._hb is not None:
             self._hb.beat(step, committed_step=status.last_committed_step)
         if self._round is not None:
-            self._round.boundary(step, _Parts.of(state))
+            self._round.boundary(step, StateParts.of(state))
         if self._serving:
             self._agree(step, state)
         if self.interval_steps and step % self.interval_steps == 0:
@@ -417,7 +406,7 @@ class Session:
         unless ``sync`` or ``async_save=False``: this returns once the state is copied; the
         commit follows (see :meth:`wait`). False when the save was skipped or failed (logged)."""
         manager = self._need_started("save")
-        parts = _Parts.of(state)
+        parts = StateParts.of(state)
         manager.wait_staged()
         sd = parts.state_dict()
         fields = {
@@ -448,7 +437,7 @@ class Session:
         """Load the newest verified committed step (or ``step``) into ``state`` (collective);
         returns the step it was saved at, i.e. the steps done (0 when there is nothing to load)."""
         manager = self._need_started("load")
-        parts = _Parts.of(state)
+        parts = StateParts.of(state)
         rnd = self._round
         if rnd is not None and not rnd.loaded and step < 0:
             done = self._restore_live(rnd, manager, parts)
@@ -459,7 +448,7 @@ class Session:
             parts.check_fits(manifest)  # a step of another shape is no corrupt step: not marked
             return parts.state_dict(manifest)
 
-        manifest = manager.load(build, load_step=step, validate=_validate)
+        manifest = manager.load(build, load_step=step, validate=validate)
         if manifest is None:
             self.restored = Restored("fresh", 0)
             self._loaded(parts, 0)
@@ -472,7 +461,7 @@ class Session:
         self._loaded(parts, manifest.step)
         return manifest.step
 
-    def _restore_live(self, rnd: _Round, manager: CheckpointManager, parts: _Parts) -> int | None:
+    def _restore_live(self, rnd: _Round, manager: CheckpointManager, parts: StateParts) -> int | None:
         """The state a live peer (or every rank itself) holds, put into ``parts``: the step it goes
         on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
@@ -493,7 +482,7 @@ class Session:
         self._loaded(parts, held.step)
         return held.step
 
-    def _loaded(self, parts: _Parts, step: int) -> None:
+    def _loaded(self, parts: StateParts, step: int) -> None:
         """Under :meth:`run`: the state is at a step boundary now (what this rank holds from here)."""
         if self._round is not None:
             self._round.loaded = True
@@ -526,7 +515,7 @@ class _Round:
         self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
         self._last_at = 0.0
 
-    def boundary(self, step: int, parts: _Parts) -> None:
+    def boundary(self, step: int, parts: StateParts) -> None:
         """Step ``step`` is done: mark it (what this rank holds if the round ends before the next)."""
         now = time.monotonic()
         if self._last_at:
@@ -535,101 +524,4 @@ class _Round:
         self.watch.mark(step, parts.module, parts.optimizers, parts.user_state(step))
 
 
-def _validate(manifest: Manifest) -> None:
-    """What a readable step's manifest holds for a session (else it is corrupt: marked, fall back)."""
-    if manifest.layout.get("writer") == WRITER and not isinstance(manifest.trainer.get(USER_STATE), dict):
-        raise ManifestError(f"step {manifest.step}: trainer.{USER_STATE} is not an object")
-
-
-class _Parts:
-    """A state mapping split into what DCP saves (one module, its optimizers) and what goes into
-    the manifest as JSON (everything else with ``state_dict``)."""
-
-    def __init__(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], others: dict[str, Any]):
-        self.module, self.optimizers, self.others = module, optimizers, others
-        self._target: dict[str, Any] = {}
-
-    @classmethod
-    def of(cls, state: Mapping[str, Any]) -> _Parts:
-        if not isinstance(state, Mapping) or not state:
-            raise SessionError("the state: a dict of name -> object to save (model, optimizer, scheduler, ...)")
-        module, module_key, optimizers, others = None, "", [], {}
-        for key, obj in state.items():
-            if not isinstance(key, str) or not key:
-                raise SessionError(f"the state's key {key!r}: a non-empty str")
-            if isinstance(obj, nn.Module):
-                if module is not None:
-                    raise SessionError(
-                        f"the state holds two modules ({module_key!r} and {key!r}): give one (the model; "
-                        "wrap several in one nn.ModuleDict), with its optimizers"
-                    )
-                module, module_key = obj, key
-            elif isinstance(obj, torch.optim.Optimizer):
-                optimizers.append(obj)
-            elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-                others[key] = obj
-            else:
-                raise SessionError(
-                    f"the state's {key!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(): "
-                    "save an object that has them (wrap plain values in one, or keep them out of the state)"
-                )
-        if optimizers and module is None:
-            raise SessionError("the state holds an optimizer but no module: add the model it optimizes")
-        return cls(module, optimizers, others)
-
-    def state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
-        """What DCP saves (or loads into, for ``manifest``'s step)."""
-        if self.module is None:
-            return {}
-        form = optim_state.PER_PARAM if manifest is None else manifest.layout.get(optim_state.FORMAT_KEY)
-        model_sd, optim_sd = optim_state.model_and_optim(self.module, self.optimizers, form)
-        sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if self.optimizers else {})}
-        self._target = sd
-        return sd
-
-    def user_state(self, step: int) -> dict[str, Any]:
-        out = {}
-        for key, obj in self.others.items():
-            value = obj.state_dict()
-            try:
-                text = json.dumps(value, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise SessionError(
-                    f"the state's {key!r} ({type(obj).__name__}): its state_dict() at step {step} is not plain "
-                    f"JSON ({e}); the session keeps such entries in the manifest: give it numbers, strings, "
-                    "lists and dicts only (tensors belong to the model or the optimizer)"
-                ) from None
-            out[key] = json.loads(text)
-        return out
-
-    def check_fits(self, manifest: Manifest) -> None:
-        """SessionError unless this state can take ``manifest``'s step: written by a session, with
-        an entry for each of ours (a part added since is the caller's to decide about)."""
-        if manifest.layout.get("writer") != WRITER:
-            raise SessionError(
-                f"step {manifest.step} under this checkpoint root was written by `ftrain train`, not by a "
-                "Session: give the session a root of its own"
-            )
-        saved = manifest.trainer[USER_STATE]
-        missing = sorted(set(self.others) - set(saved))
-        if missing:
-            raise SessionError(
-                f"step {manifest.step} holds no {', '.join(repr(m) for m in missing)} (it holds "
-                f"{sorted(saved) or 'no entry besides the model and optimizer'}): it was saved before that part "
-                "joined the state; load without it once (session.load({...})), then save with it"
-            )
-        if self.module is None and manifest.files:
-            log.warning("step %d holds model state that this load has no module for", manifest.step)
-
-    def apply(self, manifest: Manifest) -> None:
-        """Put the loaded step into the objects (after DCP filled :meth:`state_dict`'s target)."""
-        if self.module is not None:
-            sd = self._target
-            if not self.optimizers:
-                set_model_state_dict(self.module, sd["model"])
-            else:
-                form = manifest.layout.get(optim_state.FORMAT_KEY)
-                optim_state.load_into(self.module, self.optimizers, sd["model"], sd["optim"], form)
-        saved = manifest.trainer[USER_STATE]
-        for key, obj in self.others.items():
-            obj.load_state_dict(saved[key])
+__all__ = ["Restored", "RoundChanged", "Session", "SessionError", "USER_STATE", "WRITER"]
