@@ -450,6 +450,8 @@ def test_without_a_warm_replacement_the_others_go_on_and_the_node_rejoins_once_w
         os.kill(before[1], signal.SIGKILL)
         went_on = _restored_in_round_2(job, 2, 30, context=lambda: job.log_tail(6000))
         assert {e["world_size"] for e in went_on} == {2} and {e["source"] for e in went_on} == {"memory"}, went_on
+        # a rank's worker_started follows its live_restored: wait for each of the other node's
+        wait_for(lambda: len(_serving(job, other, 2)) == len(kept), 60, "the other node's workers in round 2")
         assert _serving(job, other, 2) == kept and not _serving(job, failing, 2)
         first_step = wait_for(
             lambda: [m["time"] for m in job.metrics() if m["time"] > killed_at and m["world_size"] == 2], 30, "a step"
@@ -606,7 +608,13 @@ def test_the_llama_under_fsdp_heals_a_killed_worker_and_a_lost_node_from_memory(
             kept = _serving(job, other, 1)
             os.kill(pid, signal.SIGKILL)
             assert {e["source"] for e in _restored_in_round_2(job, 4)} == {"memory_tier"}
-            assert _serving(job, other, 2) == kept, "the other node's workers were restarted"
+            # a rank's worker_started follows its live_restored: wait for each of the other node's
+            serving = wait_for(
+                lambda: len(_serving(job, other, 2)) == len(kept) and _serving(job, other, 2),
+                60,
+                "the other node's workers in round 2",
+            )
+            assert serving == kept, "the other node's workers were restarted"
             job.wait_step(70)
             _wait_tier_covers_commits(job, 4, 70)
             kept = _serving(job, node, 2)
