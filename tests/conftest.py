@@ -18,6 +18,9 @@ from ftrain.testbed.etcd import EtcdServer
 from ftrain.testbed.jobs import RunResult, train_job
 from ftrain.testbed.seaweed import SeaweedNotInstalledError, SeaweedS3
 
+#: every process a test starts dies with the run, even on SIGTERM (tests/process_guard.py)
+pytest_plugins = ["tests.process_guard"]
+
 
 @pytest.fixture(scope="session")
 def golden(tmp_path_factory) -> Callable[..., RunResult]:
