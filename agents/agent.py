@@ -163,6 +163,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.dump_verdict = ""  #: what the workers' flight records said when it was answered
         self.started_at_wall = self.clock.time()
         self.straggler_lines: list[str] = []  #: the leader's view of the stragglers (status)
+        self.round_pending = ""  #: the leader's: a round needed and not formed, and why (status)
+        self._pending_said = ""  #: the last pending decision logged and evented (numbers masked)
         self._stragglers_seen: set[tuple[int, str, float]] = set()  #: (round, node, slow since) reported
         self._busy: tuple[int, float] = (-1, 0.0)  #: this node's busiest rank, its busy time per step lately
         self._busy_window = BusyWindow()  #: each local rank's busy time over its last few statuses
@@ -307,6 +309,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.metrics.leader.set(1 if leading else 0)
         if not leading:
             self.memory = None
+            self._note_pending(None)
             return
         if not self.view.following_leader_keys:  # just elected: decide once every status is read
             self.view.follow_leader_keys(True)
@@ -317,6 +320,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.memory = LeaderMemory(leader_since=now, live=frozenset(state.live_members()), live_changed_at=now)
         decision, self.memory = decide(state, self.policy, self.memory, now)
         self._note_stragglers(state, self.memory, now)
+        self._note_pending(decision)
         try:
             if isinstance(decision, FormRound):
                 self._form_round(state, decision)

@@ -77,6 +77,13 @@ class AgentOptions:
                 f"the training layout can use ({policy.layout_needs()}: the pipeline x tensor-parallel degrees): "
                 "change --nnodes or --nproc-per-node, or parallel.pp_size / pp_fallback / tp_size"
             )
+        low = self.config.min_nodes
+        if policy.pipeline_at(low) is None:  # a round of MIN nodes would be formed, and could not run
+            fit = next(n for n in range(low, self.config.max_nodes + 1) if policy.pipeline_at(n) is not None)
+            raise ValueError(
+                f"--nnodes {self.config.nnodes}: a round of the minimum, {policy.cannot_run(low)}; "
+                f"or use --nnodes {fit}:{self.config.max_nodes}, the fewest nodes the layout runs on"
+            )
         if (self.etcd_username is None) != (self.etcd_password is None):
             raise ValueError("--etcd-user needs the password in FTRAIN_ETCD_PASSWORD (set it, or drop --etcd-user)")
         for option, path in (

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,7 +36,7 @@ from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
 from ftrain.agents.heartbeat import Beat, BusyWindow
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.jobstore import JobStore
-from ftrain.agents.leader import LeaderMemory, Policy
+from ftrain.agents.leader import SETTLING, Decision, LeaderMemory, Policy, Wait, waiting_reasons
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
@@ -46,6 +47,7 @@ from ftrain.contract import events as ev
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 1.0  #: the shortest time between two status writes of an agent (unless forced)
+_NUMBERS = re.compile(r"\d+(\.\d+)?")
 #: routine status writes (nothing but steps and timings changed) of a whole job, per second
 STATUS_WRITES_PER_S = 100.0
 
@@ -90,9 +92,12 @@ class AgentStatus:
     _stalled: list[RankStall]
     _registered: Callable[[], bool]
     _leading: Callable[[JobState], bool]
+    memory: LeaderMemory | None
     _lease_id: Callable[[], int]
     # this part's own state
     straggler_lines: list[str]
+    round_pending: str
+    _pending_said: str
     _stragglers_seen: set[tuple[int, str, float]]
     _ckpt_failures_seen: int
     _ckpt_error: str
@@ -117,6 +122,7 @@ class AgentStatus:
             self._ckpt_failures_seen,
             self.pool.ready() if self.pool is not None else 0,
             self.straggler_lines != [],
+            _NUMBERS.sub("#", self.round_pending),
         )
 
     def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
@@ -162,6 +168,8 @@ class AgentStatus:
             busy_s=round(self._busy[1], 6),
             busy_rank=self._busy[0],
             stragglers=self.straggler_lines if self._leading(state) else [],
+            round_pending=self.round_pending[:500],
+            waiting={k: v[:300] for k, v in self._waiting(state).items()},
             dump_nonce=self.dump_nonce,
             dump_verdict=self.dump_verdict[:500],
             stalled=self._stalled if self.workers is not None else [],
@@ -181,6 +189,31 @@ class AgentStatus:
             self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())
         except (EtcdUnavailableError, LeaseExpiredError):
             pass
+
+    def _waiting(self, state: JobState) -> dict[str, str]:
+        """The leader's: why each live node outside the current round waits (``ftrain status``)."""
+        if self.memory is None or not self._leading(state):
+            return {}
+        return waiting_reasons(state, self.policy, self.memory, self.clock.time())
+
+    def _note_pending(self, decision: Decision | None) -> None:
+        """The leader states a round it needs and does not form (``decision``, None: not leading)
+        at once: in its status (``round_pending``, shown by ``ftrain status``) and, unless it only
+        waits for membership to settle, once per state (numbers aside: a backoff that counts down
+        is one state) as a ``round_pending`` event and a log line (an error when it cannot form
+        until the nodes change)."""
+        if not isinstance(decision, Wait) or not decision.need:
+            self.round_pending = self._pending_said = ""
+            return
+        self.round_pending = f"new round needed for {decision.need}; not formed: {decision.why}"
+        said = _NUMBERS.sub("#", self.round_pending)
+        if said == self._pending_said or decision.kind == SETTLING:  # settling: the status says it, briefly
+            return
+        self._pending_said = said
+        (log.error if decision.blocked else log.info)("%s", self.round_pending)
+        self.events.emit(
+            ev.RoundPending(node=self.cfg.node_id, need=decision.need, why=decision.why, blocked=decision.blocked)
+        )
 
     def _note_stragglers(self, state: JobState, memory: LeaderMemory, now: float) -> None:
         """The leader: an event (and an error log) per straggler episode (a member slow without a

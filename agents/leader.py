@@ -168,6 +168,33 @@ class Policy:
         sizes = " or ".join(str(pp * self.fixed_tp_size) for pp in self.pipeline_degrees)
         return f"a multiple of {sizes} ranks"
 
+    def layout_text(self) -> str:
+        """The training layout's settings that decide the usable world sizes, as the user wrote
+        them: ``parallel.pp_size=2`` (with ``parallel.pp_fallback`` and a fixed tensor-parallel
+        degree when there are)."""
+        pp, *fallback = self.pipeline_degrees
+        text = f"parallel.pp_size={pp}"
+        if fallback:
+            text += f', parallel.pp_fallback="{",".join(map(str, fallback))}"'
+        if self.fixed_tp_size > 1:
+            text += f" x tensor-parallel {self.fixed_tp_size}"
+        return text
+
+    def cannot_run(self, nodes: int) -> str:
+        """Why a round of ``nodes`` nodes cannot run (empty: it can), naming what would fix it."""
+        if nodes < 1 or self.pipeline_at(nodes) is not None:
+            return ""
+        ranks = nodes * self.nproc_per_node
+        fix = (
+            "add nodes"
+            if len(self.pipeline_degrees) > 1
+            else 'set parallel.pp_fallback (e.g. "1": no pipeline while too few nodes are left) or add nodes'
+        )
+        return (
+            f"{nodes} node(s) x {self.nproc_per_node} proc = world size {ranks}, which {self.layout_text()} "
+            f"cannot run (it needs {self.layout_needs()}); {fix}"
+        )
+
     def backoff_s(self, recent_failures: int) -> float:
         """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
         if recent_failures <= 1:
@@ -221,6 +248,20 @@ class LeaderMemory:
 @dataclass(frozen=True, slots=True)
 class Wait:
     why: str
+    #: why a new round is needed though none is formed now, as ``reason (detail)`` (empty: none is
+    #: needed: the round is healthy or the job is over); the agent states it (status, event, log)
+    need: str = ""
+    #: what the wait is: SETTLING or BACKOFF end by themselves; BLOCKED lasts until the nodes
+    #: change (too few live, or a layout they cannot run); empty when no round is needed
+    kind: str = ""
+
+    @property
+    def blocked(self) -> bool:
+        return self.kind == BLOCKED
+
+
+#: :attr:`Wait.kind`: membership settles; the backoff owed to recent failures; no round can be formed
+SETTLING, BACKOFF, BLOCKED = "settling", "backoff", "blocked"
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +497,84 @@ def _need(
     return None, memory
 
 
+def _too_few(policy: Policy, live: int) -> str:
+    """Why no round forms with ``live`` nodes, fewer than ``min_nodes`` (and what else would stop it)."""
+    why = (
+        f"cannot form a round: {live} of at least {policy.min_nodes} nodes live "
+        f"(--nnodes {policy.min_nodes}:{policy.max_nodes}); waiting for more nodes to join"
+    )
+    layout = policy.cannot_run(live)
+    return f"{why} (besides, {layout})" if layout else why
+
+
+def _unusable(policy: Policy, nodes: int, usable: int) -> str:
+    """Why no round forms of ``nodes`` live nodes when only ``usable`` of them make a world size
+    the layout can run, fewer than ``min_nodes``."""
+    layout = policy.cannot_run(nodes)
+    if layout:
+        return f"cannot form a round: {layout}"
+    return (
+        f"cannot form a round: of {nodes} live nodes, {usable} make a world size {policy.layout_text()} can run "
+        f"({policy.layout_needs()}), fewer than the {policy.min_nodes} of --nnodes "
+        f"{policy.min_nodes}:{policy.max_nodes}; add nodes"
+    )
+
+
+#: the waiting nodes a leader explains in its status (the rest are counted, not named)
+MAX_WAITING_SHOWN = 64
+
+
+def waiting_reasons(
+    state: JobState, policy: Policy, memory: LeaderMemory, now: float, *, limit: int = MAX_WAITING_SHOWN
+) -> dict[str, str]:
+    """Why each live node outside the current round is not in it (at most ``limit``, oldest
+    first): the rule of :func:`_need` that keeps it waiting, in words (``ftrain status`` shows
+    them). Empty when there is no round (the leader's pending decision says why) or the job is over."""
+    cur = state.current
+    if cur is None or state.final is not None:
+        return {}
+    seen = _Seen.of(state)
+    excluded = _excluded(state, now)
+    members = len(cur.members)
+    joiners = [m for m in seen.waiting if m.node_id not in excluded and _warm(state, m, policy)]
+    grows = policy.usable_nodes(members + len(joiners)) > members
+    out = {}
+    for m in seen.waiting[:limit]:
+        status = state.status.get(m.node_id)
+        if m.node_id in excluded:
+            why = (
+                f"kept out as a straggler for {excluded[m.node_id] - now:.0f}s more (agent.straggler_rejoin_s), "
+                "then it joins like any node"
+            )
+        elif not _warm(state, m, policy):
+            ready = status.workers_ready if status else 0
+            why = (
+                f"its workers are warming ({ready} of {policy.nproc_per_node} warm): under live recovery a node "
+                "joins once they are, so that the running members never wait for a cold start"
+            )
+        elif members >= policy.max_nodes:
+            why = f"the round has the most nodes --nnodes {policy.min_nodes}:{policy.max_nodes} allows"
+        elif not grows:
+            why = (
+                f"with it the nodes would not make a larger world size {policy.layout_text()} can run "
+                f"({policy.layout_needs()}, {policy.nproc_per_node} per node); it joins with more nodes"
+            )
+        elif policy.scale_up == "immediate":
+            why = "joins at the next round, once membership is quiet for settle_s (agent.scale_up=immediate)"
+        elif memory.grow_baseline_step is None:
+            why = (
+                "joins at the next checkpoint commit (agent.scale_up=checkpoint); waiting for the members' status "
+                "to show the newest commit"
+            )
+        else:
+            why = (
+                f"joins at the next checkpoint commit after step {memory.grow_baseline_step} "
+                "(agent.scale_up=checkpoint)"
+            )
+        out[m.node_id] = why
+    return out
+
+
 def _failure_time(state: JobState, seen: _Seen, need: _Need, policy: Policy, now: float) -> float:
     """When the failure happened (fixed, so the backoff after it ends): the failing reports'
     time, or for a start timeout the moment the round ran out of time."""
@@ -528,6 +647,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     need, memory = _need(state, seen, policy, memory, now)
     if need is None:
         return Wait("round healthy"), memory
+    pending = f"{need.reason} ({need.detail})" if need.detail else need.reason
 
     prev = cur or state.newest_record()  # the budget's memory survives an unreadable current record
     failure_times = [t for t in (prev.failure_times if prev else []) if now - t <= policy.restart_window_s]
@@ -553,7 +673,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
             return stop, memory
         ready_at = failure_time + policy.backoff_s(len(failure_times))
         if now < ready_at:
-            return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}"), memory
+            return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}", pending, BACKOFF), memory
 
     leaving = {n for n, r in seen.reports.items() if r.outcome == STOPPED}
     live = [m for m in seen.live() if m.node_id not in leaving]  # drained: its lease goes next
@@ -562,7 +682,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if len(eligible) >= policy.min_nodes:  # never let an exclusion stop the job
         live = eligible
     if len(live) < policy.min_nodes:
-        return Wait(f"{len(live)} of at least {policy.min_nodes} nodes live"), memory
+        return Wait(_too_few(policy, len(live)), pending, BLOCKED), memory
     members = live[: policy.max_nodes]
     all_reported = cur is not None and len(seen.reports) == len(cur.members) and set(cur.members) == set(members)
     # a node lost or drained and nobody joining: no last call to wait for (a new leader elected
@@ -571,15 +691,13 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     lost_only = need.reason in (NODE_LOST, NODE_LEFT) and cur is not None and all(seen.is_member(m) for m in members)
     quiet_s = now - max(memory.live_changed_at, memory.leader_since)
     if not (all_reported or lost_only) and quiet_s < policy.settle_s:
-        return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)"), memory
+        return Wait(f"settling membership ({quiet_s:.1f}s of {policy.settle_s:.1f}s quiet)", pending, SETTLING), memory
 
     members = _without_cold(state, seen, need, policy, members)
-    members = members[: policy.usable_nodes(len(members))]
+    candidates = len(members)
+    members = members[: policy.usable_nodes(candidates)]
     if len(members) < policy.min_nodes:
-        return Wait(
-            f"{len(live)} nodes live, but the job's layout needs {policy.layout_needs()} "
-            f"({policy.nproc_per_node} per node) and at least {policy.min_nodes} nodes"
-        ), memory
+        return Wait(_unusable(policy, candidates, len(members)), pending, BLOCKED), memory
     restarts = dict(prev.restarts_by_cause) if prev else {}
     if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1

@@ -236,6 +236,12 @@ class FinalStatus:
     round: int
     time: float
     committed_step: int = -1  #: newest committed checkpoint the members reported
+    #: the leader's: why a new round is needed and why it is not formed yet (empty: none is needed)
+    round_pending: str = ""
+    #: the leader's: node id -> why that live node is outside the current round (bounded, oldest first)
+    waiting: dict[str, str] = field(default_factory=dict)
+    #: this node's workers cannot start: their processes exit before they are ready, with this error
+    workers_error: str = ""
 
     def to_json(self) -> str:
         return _dumps(self)

@@ -47,6 +47,8 @@ def status_of(state: JobState, job: str, *, now: float) -> dict[str, Any]:
     cur = state.current
     members = [m.node_id for m in cur.members] if cur else []
     node_rank = {node_id: k for k, node_id in enumerate(members)}  # one lookup per node: O(N), not O(N²)
+    leading = state.status.get(state.leader) if state.leader else None  # what the leader decided
+    waiting = leading.waiting if leading else {}
     nodes = []
     for node_id in sorted(set(state.nodes) | set(members) | set(state.status)):
         record, status = state.nodes.get(node_id), state.status.get(node_id)
@@ -85,6 +87,10 @@ def status_of(state: JobState, job: str, *, now: float) -> dict[str, Any]:
                 "dump_verdict": status.dump_verdict[:MAX_SHOWN_CHARS] if status else "",
                 "stalled": [dataclasses.asdict(x) for x in status.stalled[:MAX_STALLS]] if status else [],
                 "hang_dumped_round": status.hang_dumped_round if status else -1,
+                "waiting_for": waiting.get(node_id, "")[:MAX_SHOWN_CHARS]
+                if record is not None and node_id not in node_rank
+                else "",
+                "workers_error": status.workers_error[:MAX_SHOWN_CHARS] if status else "",
             }
         )
     committed = max(
@@ -101,6 +107,7 @@ def status_of(state: JobState, job: str, *, now: float) -> dict[str, Any]:
         "restarts_by_cause": cur.restarts_by_cause if cur else {},
         "restarts": sum(cur.restarts_by_cause.values()) if cur else 0,
         "last_committed_step": committed if committed >= 0 else None,
+        "round_pending": leading.round_pending[:MAX_SHOWN_CHARS] if leading and state.final is None else "",
         "final": None
         if state.final is None
         else {
@@ -136,6 +143,11 @@ def _recovery_text(node: dict[str, Any]) -> str:
 def format_status(s: dict[str, Any]) -> str:
     if s["final"]:
         head = f"job {s['job']}: {s['final']['status'].upper()} ({s['final']['reason']}) at round {s['final']['round']}"
+    elif s["round"] and s.get("round_pending"):
+        head = (
+            f"job {s['job']}: round {s['round']} ({s['round_reason']}), world size {s['world_size']}, is to be "
+            "replaced; the leader has not formed the next"
+        )
     elif s["round"]:
         head = f"job {s['job']}: running round {s['round']} ({s['round_reason']}), world size {s['world_size']}"
     else:
@@ -164,6 +176,12 @@ def format_status(s: dict[str, Any]) -> str:
     rows = [[name for name, _ in cols]] + [[_cell(n[key]) for _, key in cols] for n in nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if s.get("round_pending"):
+        lines += ["", f"ROUND PENDING (leader {s['leader']}): {s['round_pending']}"]
+    waits = [f"WAITING {n['node']}: {n['waiting_for']}" for n in s["nodes"] if n.get("waiting_for")]
+    broken = [f"WORKERS FAILING on {n['node']}: {n['workers_error']}" for n in s["nodes"] if n.get("workers_error")]
+    if waits or broken:
+        lines += ["", *broken, *waits]
     failing = [n for n in s["nodes"] if n.get("ckpt_failures")]
     if failing:
         lines.append("")

@@ -80,6 +80,12 @@ class Event(StrEnum):
     WORKERS_REASSIGNED = "workers_reassigned"  #: an agent moved its live workers to a new round
     WORKERS_EXITED = "workers_exited"
     CHECKPOINT_FAILING = "checkpoint_failing"
+    #: the leader needs a new round and does not form it yet (too few nodes, a layout they cannot run, backoff...)
+    ROUND_PENDING = "round_pending"
+    #: an agent's device time so far by cause (ftrain.contract.accounting): status and report add these up
+    DEVICE_TIME = "device_time"
+    #: this node's worker processes exit before they are ready, time after time (live recovery)
+    WORKERS_FAILING = "workers_failing"
     HANG = "hang"
     DUMPED = "dumped"  #: flight records and stacks dumped on request (``ftrain status --dump``), not a hang
     DRAIN = "drain"
@@ -466,6 +472,36 @@ class JobFinal(Record):
     EVENT = Event.JOB_FINAL
     node: str
     status: str
+@_record
+@dataclass(frozen=True, slots=True)
+class RoundPending(Record):
+    EVENT = Event.ROUND_PENDING
+    node: str  #: the leader
+    need: str  #: why a new round is needed: its reason (and detail)
+    why: str  #: why it is not formed now
+    blocked: bool  #: it cannot form until the nodes change (not a wait that ends by itself)
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class DeviceTime(Record):
+    EVENT = Event.DEVICE_TIME
+    node: str
+    devices: int  #: this node's workers
+    wall_s: float  #: since its first launch
+    seconds: dict[str, float]  #: device-seconds by cause (ftrain.contract.accounting.CAUSES)
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class WorkersFailing(Record):
+    EVENT = Event.WORKERS_FAILING
+    node: str
+    exits: int  #: processes in a row that exited before they were ready
+    exit_code: int  #: the last one's
+    error: str  #: the last one's error, as it said it (or the last error line of its log)
+
+
     reason: str
 
 

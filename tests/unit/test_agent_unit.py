@@ -426,9 +426,21 @@ def test_a_drained_node_leaves_and_the_others_continue_without_it(job: Job) -> N
     assert record.failure_times == []  # a drain is no failure
 
 
-@pytest.mark.parametrize(("nnodes", "nproc", "usable"), [("1:1", 1, False), ("1:2", 1, True), ("1:1", 2, True)])
-def test_an_agent_whose_node_counts_give_no_usable_world_size_is_refused_at_start(nnodes, nproc, usable):
-    """A pipeline of 2 stages needs an even rank count: one node of one worker can never run it."""
+@pytest.mark.parametrize(
+    ("nnodes", "nproc", "degrees", "refused"),
+    [
+        ("1:1", 1, (2,), "a multiple of 2 ranks"),
+        ("1:2", 1, (2,), "or use --nnodes 2:2"),  # its minimum can never run: refused, naming the fix
+        ("1:3", 1, (2,), "or use --nnodes 2:3"),
+        ("1:2", 1, (2, 1), ""),  # a fallback runs one node alone
+        ("2:2", 1, (2,), ""),
+        ("1:1", 2, (2,), ""),
+    ],
+)
+def test_an_agent_whose_node_counts_give_no_usable_world_size_is_refused_at_start(nnodes, nproc, degrees, refused):
+    """A pipeline of 2 stages needs an even rank count: one node of one worker can never run it,
+    so a node range whose minimum is one such node is refused at start (a round of it would be
+    formed after a node loss and stall), naming --nnodes, the layout and the fallback."""
     opts = AgentOptions.of(
         etcd=["http://etcd.invalid:2379"],
         job=JOB,
@@ -436,14 +448,15 @@ def test_an_agent_whose_node_counts_give_no_usable_world_size_is_refused_at_star
         worker_args=["cfg.toml"],
         nnodes=nnodes,
         nproc_per_node=nproc,
-        pipeline_degrees=(2,),
+        pipeline_degrees=degrees,
     )
-    if usable:
+    if not refused:
         opts.validate()
         return
-    with pytest.raises(ValueError, match="a multiple of 2 ranks") as e:
+    with pytest.raises(ValueError, match=refused) as e:
         opts.validate()
     assert "--nnodes" in str(e.value) and "parallel.pp_size" in str(e.value)
+    assert "pp_fallback" in str(e.value)
 
 
 def _rank_beat(workers: FakeWorkers, *, stepped_at: float, in_flight_since: float | None = None) -> None:

@@ -62,7 +62,11 @@ def test_first_round_waits_for_min_nodes() -> None:
     job.join("a")
     memory = memory_at(T0)
     decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
-    assert decision == Wait("1 of at least 2 nodes live")
+    assert decision == Wait(
+        "cannot form a round: 1 of at least 2 nodes live (--nnodes 2:3); waiting for more nodes to join",
+        need=START,
+        kind="blocked",
+    )
 
 
 def test_first_round_waits_until_membership_is_quiet_for_settle_s() -> None:
@@ -245,7 +249,11 @@ def test_lost_members_below_min_nodes_wait() -> None:
     job, memory, _ = running_job("a", "b")
     job.lose("b")
     decision, memory = decide(job.state(), POLICY, memory, T0 + 1000)
-    assert decision == Wait("1 of at least 2 nodes live")
+    assert decision == Wait(
+        "cannot form a round: 1 of at least 2 nodes live (--nnodes 2:3); waiting for more nodes to join",
+        need=f"{NODE_LOST} (agent gone: b)",
+        kind="blocked",
+    )
 
 
 def test_replaced_agent_is_a_lost_member_and_rejoins_last() -> None:
