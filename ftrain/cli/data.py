@@ -2,11 +2,14 @@
 
     ftrain data tokenize INPUT... --tokenizer tokenizer.json --out corpus.bin
         [--text-key text] [--dtype auto|uint16|uint32] [--config CONFIG.toml] [--data.document_token=N]
+        [--batch-chars N] [--max-line-chars N]
 
 ``tokenize`` encodes text and JSONL files (``.gz`` too) with a Hugging Face tokenizer into one flat
-token file that ``data.source`` or a ``[[data.sources]]`` table can name; ``data.document_token``
-(from ``--config`` or an override) is appended after each document. Exit codes: 0 written, 1 bad
-input (nothing written), 2 usage or configuration error.
+token file that ``data.source`` or a ``[[data.sources]]`` table can name, and its record
+``<out>.json`` (dtype, token count, vocabulary, tokenizer digest: checked when training opens it);
+``data.document_token`` (from ``--config`` or an override) is appended after each document.
+Memory stays bounded whatever the input (``--batch-chars``, ``--max-line-chars``). Exit codes:
+0 written, 1 bad input (nothing written), 2 usage or configuration error.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "Overrides such as --data.document_token=N are read like ftrain train's.",
     )
     p.add_argument("inputs", nargs="+", help="text files (one document each) or JSONL files (one per line), .gz too")
-    p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    p.add_argument(
+        "--tokenizer", required=True, help="a Hugging Face tokenizer.json, or a directory holding one (save_pretrained)"
+    )
     p.add_argument("--out", required=True, help="the token file to write (replaced whole, or left untouched)")
     p.add_argument("--text-key", default="text", help="JSONL: the key holding each document's text (default text)")
     p.add_argument(
@@ -39,6 +44,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default="auto",
         choices=("auto", "uint16", "uint32"),
         help="token element type (default auto: uint16 if the vocabulary fits)",
+    )
+    p.add_argument(
+        "--batch-chars",
+        type=int,
+        default=None,
+        help="text characters encoded at once; peak memory is about 40 bytes per one (default 1048576)",
+    )
+    p.add_argument(
+        "--max-line-chars",
+        type=int,
+        default=None,
+        help="JSONL: the longest line read, parsed whole (default 67108864); a longer one is an error naming it",
     )
     p.add_argument("--config", default=None, help="TOML config whose [data] section is read (data.document_token)")
     p.add_argument(
@@ -53,10 +70,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def _cmd_tokenize(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)  # ConfigError -> exit 2, naming the key
     from ftrain.data.errors import DataError
-    from ftrain.data.tokenize import TokenizeProgress, TokenizerMissingError, load_tokenizer, tokenize_files
+    from ftrain.data.files import check_output
+    from ftrain.data.tokenize import (
+        BATCH_CHARS,
+        MAX_LINE_CHARS,
+        TokenizeProgress,
+        TokenizerMissingError,
+        read_tokenizer,
+        tokenize_files,
+    )
 
     try:
-        tokenizer = load_tokenizer(args.tokenizer)
+        check_output(args.out, "--out")  # before the tokenizer is read, let alone the inputs
+        tokenizer, info = read_tokenizer(args.tokenizer)
         total_bytes = sum(_size(p) for p in args.inputs)
         result = tokenize_files(
             args.inputs,
@@ -66,6 +92,9 @@ def _cmd_tokenize(args: argparse.Namespace, overrides: list[str]) -> int:
             dtype=args.dtype,
             document_token=cfg.data.document_token,
             progress=TokenizeProgress(total_bytes, args.progress),
+            tokenizer_info=info,
+            batch_chars=BATCH_CHARS if args.batch_chars is None else args.batch_chars,
+            max_line_chars=MAX_LINE_CHARS if args.max_line_chars is None else args.max_line_chars,
         )
     except TokenizerMissingError as e:
         print(f"ftrain data tokenize: {e}", file=sys.stderr)

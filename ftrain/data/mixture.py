@@ -126,7 +126,10 @@ class MixtureSource:
         if not specs:
             raise ConfigError("data.sources", "a mixture needs at least one [[data.sources]] table")
         self.specs = tuple(specs)
-        self.sources = [TokenFileSource(s.path, seq_len, vocab_size, s.token_dtype) for s in self.specs]
+        self.sources = [
+            TokenFileSource(s.path, seq_len, vocab_size, s.token_dtype, dtype_key=f"data.sources[{k}].token_dtype")
+            for k, s in enumerate(self.specs)
+        ]
         self.seq_len = int(seq_len)
         sizes = [s.num_samples for s in self.sources]
         self.num_samples = int(num_samples) or sum(sizes)

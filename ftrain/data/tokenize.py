@@ -4,20 +4,31 @@ Each input is read as documents -- a JSONL file (``.jsonl``/``.json``, optionall
 line, its text under ``text_key``; any other file one document, its whole text -- encoded with a
 Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``, no special tokens added), and appended
 to one flat token file in the layout :class:`~ftrain.data.tokens.TokenFileSource` reads, followed
-by ``document_token`` after each document when it is not -1.
+by ``document_token`` after each document when it is not -1; then its record ``<out>.json``
+(:mod:`ftrain.data.token_record`: dtype, token count, vocabulary, the tokenizer's sha256).
 
-What must stay true: the output appears whole or not at all (a temporary file beside it, then a
-rename); every id fits the output's dtype (uint16 if the vocabulary fits, else uint32) or
-nothing is written; errors name the file and line.
+Memory is bounded by two settings, whatever the input (a small ``.gz`` can hold gigabytes of
+text): documents are streamed, a text longer than ``batch_chars`` is encoded in pieces of at most
+that many characters, cut at a line end where there is one (else before a space; tokenizers split
+there anyway, so the ids match a whole encoding but for a rare merge across a cut), each
+``encode_batch`` call gets at most ``batch_chars`` characters, and a JSONL line longer than
+``max_line_chars`` is an error naming it (it must be read whole to be parsed).
+
+What must stay true: ``--out`` is checked before any work; the output appears whole or not at
+all (a temporary file beside it, created without following links, then a rename); every id fits
+the output's dtype (uint16 if the vocabulary fits, else uint32) or nothing is written; errors
+name the file and line.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,11 +39,22 @@ from typing import IO, Any, TextIO, cast
 import numpy as np
 
 from ftrain.data.errors import DataError
+from ftrain.data.files import atomic_output, check_output, fingerprint
+from ftrain.data.token_record import TokenFileRecord, write_record
 
 logger = logging.getLogger(__name__)
 
-#: Documents encoded per ``encode_batch`` call (the tokenizer parallelises within a batch).
+#: At most this many documents (or pieces) per ``encode_batch`` call.
 BATCH_DOCUMENTS = 1024
+#: Default ``--batch-chars``: text characters encoded at once (the tokenizer holds ~40 bytes per one).
+BATCH_CHARS = 1 << 20
+#: Default ``--max-line-chars``: the longest JSONL line read (a line is parsed whole).
+MAX_LINE_CHARS = 64 << 20
+#: The largest tokenizer.json read (real ones are a few to a few tens of MB).
+MAX_TOKENIZER_BYTES = 1 << 30
+TOKENIZER_FILE = "tokenizer.json"
+#: UTF-16 surrogates: a JSON ``\\ud800`` without its pair parses into one, which is no text
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
 INSTALL_HINT = "pip install 'ftrain[hf]'"
 _DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -42,7 +64,14 @@ class TokenizerMissingError(DataError):
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``; imported here, not at module import."""
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` (or a directory holding one)."""
+    return read_tokenizer(path)[0]
+
+
+def read_tokenizer(path: str | os.PathLike) -> tuple[Any, dict[str, str]]:
+    """``(tokenizer, {"path", "sha256"})``: the tokenizer from a ``tokenizer.json``, or from a
+    directory holding one (as ``save_pretrained`` writes it), and the digest of the bytes it was
+    built from. ``tokenizers`` is imported here, not at module import."""
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
@@ -50,12 +79,32 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
             f"ftrain data tokenize needs the Hugging Face tokenizers package: {INSTALL_HINT}"
         ) from e
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"tokenizer {str(path)!r} does not exist; give the path of a tokenizer.json")
+    if path.is_dir():
+        inside = path / TOKENIZER_FILE
+        if not inside.is_file():
+            names = sorted(p.name for p in path.iterdir())[:12] if os.access(path, os.R_OK | os.X_OK) else []
+            held = ", ".join(names) if names else "nothing readable"
+            raise DataError(
+                f"tokenizer {str(path)!r} is a directory without a {TOKENIZER_FILE} (it holds: {held}); give the "
+                f"path of a {TOKENIZER_FILE}, or a directory that has one (e.g. from AutoTokenizer.save_pretrained)"
+            )
+        path = inside
+    elif not path.exists():
+        raise DataError(f"tokenizer {str(path)!r} does not exist; give the path of a {TOKENIZER_FILE}")
+    elif not path.is_file():
+        raise DataError(f"tokenizer {str(path)!r} is not a regular file; give the path of a {TOKENIZER_FILE}")
     try:
-        return Tokenizer.from_file(str(path))
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_TOKENIZER_BYTES + 1)
+    except OSError as e:
+        raise DataError(f"tokenizer {str(path)!r} cannot be read: {e}") from e
+    if len(raw) > MAX_TOKENIZER_BYTES:
+        raise DataError(f"tokenizer {str(path)!r} is larger than {MAX_TOKENIZER_BYTES} bytes: not a {TOKENIZER_FILE}")
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-        raise DataError(f"tokenizer {str(path)!r} is not a tokenizer.json tokenizers can read: {e}") from e
+        raise DataError(f"tokenizer {str(path)!r} is not a {TOKENIZER_FILE} tokenizers can read: {e}") from e
+    return tokenizer, {"path": str(path), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
 def output_dtype(vocab_size: int, document_token: int, requested: str = "auto") -> np.dtype:
@@ -117,18 +166,37 @@ def is_jsonl(path: Path) -> bool:
     return bool(suffixes) and suffixes[-1] in (".jsonl", ".json")
 
 
-def documents(path: Path, raw: IO[bytes], text_key: str) -> Iterator[str]:
-    """The documents of one input, read from ``raw`` (its bytes; gunzipped here if ``.gz``)."""
+def pieces(
+    path: Path,
+    raw: IO[bytes],
+    text_key: str,
+    *,
+    piece_chars: int = BATCH_CHARS,
+    max_line_chars: int = MAX_LINE_CHARS,
+) -> Iterator[tuple[str, bool]]:
+    """The text of one input, read from ``raw`` (its bytes; gunzipped here if ``.gz``), as
+    ``(piece, ends_a_document)``: no piece is longer than ``piece_chars`` characters and nothing
+    longer than ``max_line_chars`` (a JSONL line) is ever held."""
     stream = cast(IO[bytes], gzip.GzipFile(fileobj=raw)) if path.suffix.lower() == ".gz" else raw
     text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
     try:
         if not is_jsonl(path):
-            yield text.read()
+            yield from _ends(_split_stream(text, piece_chars))
             return
-        for lineno, line in enumerate(text, start=1):
+        lineno = 0
+        while True:
+            line = text.readline(max_line_chars + 1)
+            if not line:
+                return
+            lineno += 1
+            if len(line) > max_line_chars and not line.endswith("\n"):
+                raise DataError(
+                    f"{path}:{lineno}: a line longer than {max_line_chars:,} characters (--max-line-chars); a JSONL "
+                    "line is parsed whole: raise --max-line-chars if the machine has the memory, or split the document"
+                )
             if not line.strip():
                 continue
-            yield _jsonl_text(path, lineno, line, text_key)
+            yield from _ends(_split_text(_jsonl_text(path, lineno, line, text_key), piece_chars))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e})") from e
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
@@ -137,11 +205,63 @@ def documents(path: Path, raw: IO[bytes], text_key: str) -> Iterator[str]:
         text.detach()  # the caller owns ``raw`` (and reads its position for progress)
 
 
+def _cut(text: str, limit: int) -> int:
+    """Where to end a piece of at most ``limit`` characters of ``text``: after its last line end,
+    else before its last space, else at ``limit``."""
+    newline = text.rfind("\n", 0, limit)
+    if newline >= 0:
+        return newline + 1
+    space = max(text.rfind(" ", 0, limit), text.rfind("\t", 0, limit))
+    return space if space > 0 else limit
+
+
+def _split_text(text: str, limit: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``limit`` characters (at least one piece, maybe empty)."""
+    start = 0
+    while len(text) - start > limit:
+        cut = _cut(text[start : start + limit], limit)
+        yield text[start : start + cut]
+        start += cut
+    yield text[start:]
+
+
+def _split_stream(text: IO[str], limit: int) -> Iterator[str]:
+    """A text stream in pieces of at most ``limit`` characters (at least one piece, maybe empty),
+    reading at most ``limit`` characters ahead."""
+    held = ""
+    while True:
+        more = text.read(limit)
+        held += more
+        while len(held) > limit or (held and not more):
+            if len(held) <= limit:  # the end of the stream: the rest is the last piece
+                yield held
+                return
+            cut = _cut(held, limit)
+            yield held[:cut]
+            held = held[cut:]
+        if not more:
+            yield held  # an empty stream is one empty document
+            return
+
+
+def _ends(parts: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """Each part with whether it is the last (the end of its document)."""
+    previous: str | None = None
+    for part in parts:
+        if previous is not None:
+            yield previous, False
+        previous = part
+    if previous is not None:
+        yield previous, True
+
+
 def _jsonl_text(path: Path, lineno: int, line: str, text_key: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{lineno}: not a JSON object ({e})") from e
+    except RecursionError as e:
+        raise DataError(f"{path}:{lineno}: JSON nested too deeply to parse") from e
     if not isinstance(record, dict):
         raise DataError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} key, got {type(record).__name__}")
     if text_key not in record:
@@ -150,6 +270,13 @@ def _jsonl_text(path: Path, lineno: int, line: str, text_key: str) -> str:
     value = record[text_key]
     if not isinstance(value, str):
         raise DataError(f"{path}:{lineno}: {text_key!r} is a {type(value).__name__}, not a string")
+    bad = _SURROGATE.search(value)
+    if bad is not None:
+        raise DataError(
+            f"{path}:{lineno}: {text_key!r} holds a lone UTF-16 surrogate \\u{ord(bad.group()):04x} at character "
+            f"{bad.start()} (a JSON \\ud800-\\udfff escape without its pair is no text): fix or drop the line, "
+            "e.g. re-export it with the surrogate pairs intact"
+        )
     return value
 
 
@@ -219,8 +346,16 @@ def tokenize_files(
     dtype: str = "auto",
     document_token: int = -1,
     progress: TokenizeProgress | None = None,
+    tokenizer_info: dict[str, str] | None = None,
+    batch_chars: int = BATCH_CHARS,
+    max_line_chars: int = MAX_LINE_CHARS,
 ) -> TokenizeResult:
-    """Encode ``inputs`` in order into the token file ``out`` (written atomically)."""
+    """Encode ``inputs`` in order into the token file ``out`` (written atomically) and its record
+    (``tokenizer_info``: the tokenizer's path and sha256, :func:`read_tokenizer`)."""
+    out = check_output(out, "--out")  # before any work
+    for name, value in (("--batch-chars", batch_chars), ("--max-line-chars", max_line_chars)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DataError(f"{name} must be a positive integer, got {value!r}")
     paths = [Path(p) for p in inputs]
     if not paths:
         raise DataError("no input files: give text or JSONL files to tokenize")
@@ -234,54 +369,69 @@ def tokenize_files(
             "use its end-of-text token's id (tokenizer.token_to_id('<|endoftext|>') or the like)"
         )
     target = output_dtype(vocab_size, document_token, dtype)
-    out = Path(out)
     result = TokenizeResult(out, target.name, vocab_size, document_token)
     progress = progress or TokenizeProgress(sum(p.stat().st_size for p in paths), mode="off")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as sink:
+        with atomic_output(out) as sink:
             done_bytes = 0
             for path in paths:
                 summary = InputSummary(str(path), size_bytes=path.stat().st_size)
                 result.inputs.append(summary)
                 with open(path, "rb") as raw:
-                    for batch in _batches(documents(path, raw, text_key)):
-                        ids = _encode(tokenizer, batch, document_token, target)
-                        ids.tofile(sink)
-                        summary.documents += len(batch)
+                    parts = pieces(path, raw, text_key, piece_chars=batch_chars, max_line_chars=max_line_chars)
+                    for batch, ends in _batches(parts, batch_chars):
+                        ids = _encode(tokenizer, batch, ends, document_token, target)
+                        sink.write(ids.data)
+                        summary.documents += sum(ends)
                         summary.tokens += int(ids.size)
                         progress.update(done_bytes + raw.tell(), result.tokens)
                 done_bytes += summary.size_bytes
                 progress.update(done_bytes, result.tokens)
-            sink.flush()
-            os.fsync(sink.fileno())
-        os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
         progress.close()
+    size_bytes = result.tokens * target.itemsize
+    write_record(
+        out,
+        TokenFileRecord(
+            dtype=target.name,
+            num_tokens=result.tokens,
+            size_bytes=size_bytes,
+            fingerprint=fingerprint(out, size_bytes),
+            vocab_size=vocab_size,
+            document_token=document_token,
+            tokenizer=tokenizer_info,
+        ),
+    )
     logger.info("tokenized %d files into %s: %d tokens (%s)", len(paths), out, result.tokens, target.name)
     return result
 
 
-def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
+def _batches(parts: Iterator[tuple[str, bool]], batch_chars: int) -> Iterator[tuple[list[str], list[bool]]]:
+    """Pieces grouped into ``encode_batch`` calls of at most ``batch_chars`` characters (a piece
+    is never longer) and :data:`BATCH_DOCUMENTS` pieces."""
     batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == BATCH_DOCUMENTS:
-            yield batch
-            batch = []
+    ends: list[bool] = []
+    size = 0
+    for text, end in parts:
+        if batch and (size + len(text) > batch_chars or len(batch) == BATCH_DOCUMENTS):
+            yield batch, ends
+            batch, ends, size = [], [], 0
+        batch.append(text)
+        ends.append(end)
+        size += len(text)
     if batch:
-        yield batch
+        yield batch, ends
 
 
-def _encode(tokenizer: Any, batch: list[str], document_token: int, target: np.dtype) -> np.ndarray:
-    encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
+def _encode(tokenizer: Any, batch: list[str], ends: list[bool], document_token: int, target: np.dtype) -> np.ndarray:
+    encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # fast: no offsets
+    encodings = encode(batch, add_special_tokens=False)
     parts = []
-    for enc in encodings:
+    for enc, end in zip(encodings, ends, strict=True):
         parts.append(np.asarray(enc.ids, dtype=np.int64))
-        if document_token >= 0:
+        if end and document_token >= 0:
             parts.append(np.array([document_token], dtype=np.int64))
     ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
     if ids.size and ids.max() > np.iinfo(target).max:  # an added token beyond get_vocab_size()
         raise DataError(f"token id {int(ids.max())} does not fit {target.name}; pass --dtype uint32")
-    return ids.astype(target)
+    return np.ascontiguousarray(ids.astype(target))

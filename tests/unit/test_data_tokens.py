@@ -29,9 +29,9 @@ def test_round_trip(tmp_path: Path, dtype: str, vocab_size: int, high: int) -> N
     assert src.entropy_floor_nats is None
 
 
-def test_auto_dtype_follows_vocab_size(tmp_path: Path) -> None:
+def test_auto_dtype_follows_vocab_size_without_a_record(tmp_path: Path) -> None:
     path = tmp_path / "t.bin"
-    write_token_file(path, np.arange(64), "uint32")  # 256 bytes: valid as uint16 and uint32
+    np.arange(64, dtype="<u2").tofile(path)  # a raw file, as other tools write them: no record beside it
     assert TokenFileSource(path, 4, vocab_size=65536).dtype == np.uint16
     assert TokenFileSource(path, 4, vocab_size=65537).dtype == np.uint32
 

@@ -4,10 +4,14 @@ on a few strings (nothing is downloaded)."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
+import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ftrain.cli import main
 from ftrain.data import TokenFileSource
 from ftrain.data.errors import DataError
-from ftrain.data.tokenize import TokenizeProgress, load_tokenizer, output_dtype, tokenize_files
+from ftrain.data.token_record import read_record
+from ftrain.data.tokenize import TokenizeProgress, load_tokenizer, output_dtype, pieces, read_tokenizer, tokenize_files
 from ftrain.testbed.procs import REPO
 
 EOT = "<|endoftext|>"
@@ -216,3 +221,177 @@ def test_without_tokenizers_installed_the_command_says_how_to_get_it(tmp_path, t
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'ftrain[hf]'" in proc.stderr
+
+
+# -- bounded memory, safe files, errors said before the work (issue 38: items 10, 11, 12, 19) --
+def test_a_long_text_streams_in_pieces_cut_at_line_ends_and_encodes_as_a_whole(tmp_path, tokenizer_path):
+    """A text longer than --batch-chars is read and encoded a piece at a time, each piece ending
+    at a line end; the ids are those of the whole text encoded at once."""
+    tok = load_tokenizer(tokenizer_path)
+    text = "".join(f"{DOCS[0]} line {i} {DOCS[3]}\n" for i in range(400))
+    source = tmp_path / "long.txt"
+    source.write_text(text)
+    with open(source, "rb") as raw:
+        parts = list(pieces(source, raw, "text", piece_chars=1000))
+    assert len(parts) > len(text) // 1000 and all(len(p) <= 1000 for p, _ in parts)
+    assert [end for _, end in parts] == [False] * (len(parts) - 1) + [True]  # one document
+    assert all(p.endswith("\n") for p, _ in parts) and "".join(p for p, _ in parts) == text
+    out = tmp_path / "long.bin"
+    result = tokenize_files([source], tok, out, document_token=0, batch_chars=1000)
+    whole = tok.encode(text, add_special_tokens=False).ids + [0]
+    assert np.fromfile(out, dtype="<u2").tolist() == whole and result.inputs[0].documents == 1
+
+
+def test_a_gzip_bomb_is_read_a_piece_at_a_time():
+    """A 256 MiB text in a .gz of 800 KB: the first piece comes after reading a little of it."""
+    line = b"The quick brown fox jumps over the lazy dog.\n"
+    member = gzip.compress(line * ((1 << 20) // len(line)), 9)
+    raw = io.BytesIO(member * 256)
+    parts = pieces(Path("bomb.txt.gz"), raw, "text", piece_chars=1 << 16)
+    first, end = next(parts)
+    assert len(first) <= 1 << 16 and not end
+    assert raw.tell() <= 1 << 16  # of 800 KB: the decompressed rest is neither read nor held
+
+
+def test_tokenize_of_a_gzip_bomb_keeps_its_memory_bounded(tmp_path, tokenizer_path):
+    """A 801 KB .gz of 256 MiB of text: the command holds ~1 MiB of text at a time (peak RSS, from
+    the kernel's accounting of the child, stays far below the input; it was 2.8 GB within 4 s
+    before). Stopped once 2 MB of tokens are out: proof enough that it streams."""
+    line = b"The quick brown fox jumps over the lazy dog.\n"
+    member = gzip.compress(line * ((1 << 20) // len(line)), 9)
+    bomb = tmp_path / "bomb.txt.gz"
+    bomb.write_bytes(member * 256)
+    out = tmp_path / "out.bin"
+    argv = [sys.executable, "-m", "ftrain", "data", "tokenize", str(bomb), "--tokenizer", str(tokenizer_path)]
+    limit = 3 << 30  # a cap for the machine's sake, never reached when memory is bounded
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    proc = subprocess.Popen([*argv, "--out", str(out), "--progress=off"], cwd=REPO, preexec_fn=cap)
+    usage = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pid, _, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            usage = None
+            written = sum(p.stat().st_size for p in tmp_path.glob(".out.bin.tmp-*"))
+            if written > 2_000_000:
+                break
+            time.sleep(0.05)  # polling the output's size, not waiting for an event
+    finally:
+        if usage is None:
+            proc.kill()
+            _, _, usage = os.wait4(proc.pid, 0)
+        proc.returncode = -9  # reaped here, not by Popen
+    assert usage.ru_maxrss * 1024 < 400e6, f"peak RSS {usage.ru_maxrss / 1024:.0f} MB"
+
+
+def test_temporary_files_do_not_follow_a_planted_link(tmp_path, tokenizer_path):
+    """The old temporary name (``.<out>.tmp-<pid>``) was predictable: a link planted there in a shared
+    directory made tokenize write through it, over the victim."""
+    tok = load_tokenizer(tokenizer_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "corpus.bin"
+    (tmp_path / f".corpus.bin.tmp-{os.getpid()}").symlink_to(victim)
+    tokenize_files([jsonl(tmp_path / "a.jsonl", DOCS)], tok, out, document_token=0)
+    assert victim.read_bytes() == b"precious"
+    assert len(split_documents(np.fromfile(out, dtype="<u2"), 0)) == len(DOCS)
+
+
+def test_a_lone_surrogate_names_the_file_line_and_fix(tmp_path, tokenizer_path):
+    tok = load_tokenizer(tokenizer_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "half a pair: \\ud83d here"}\n')
+    out = tmp_path / "out.bin"
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: 'text' holds a lone UTF-16 surrogate \\ud83d at character 13"):
+        tokenize_files([bad], tok, out)
+    assert not out.exists()
+    bad.write_text('{"text": "a whole pair: \\ud83d\\ude00"}\n')  # a pair is one character: fine
+    tokenize_files([bad], tok, out)
+    assert tok.decode(np.fromfile(out, dtype="<u2").tolist()) == "a whole pair: \U0001f600"
+
+
+def test_a_jsonl_line_longer_than_the_limit_is_named(tmp_path, tokenizer_path):
+    tok = load_tokenizer(tokenizer_path)
+    big = jsonl(tmp_path / "big.jsonl", ["short", "x" * 5000])
+    with pytest.raises(DataError, match=r"big\.jsonl:2: a line longer than 1,000 characters \(--max-line-chars\)"):
+        tokenize_files([big], tok, tmp_path / "out.bin", max_line_chars=1000)
+
+
+class _Counting:
+    """A tokenizer that counts its encode calls (to prove nothing was encoded)."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=with_added_tokens)
+
+    def encode_batch(self, batch, add_special_tokens=False):
+        self.calls += 1
+        return self.tok.encode_batch(batch, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize(
+    ("out", "words"),
+    [
+        ("missing/corpus.bin", "directory '{tmp}/missing' does not exist; create it (mkdir -p {tmp}/missing)"),
+        ("a_dir", "'{tmp}/a_dir' is an existing directory; give the path of a file"),
+        ("a.jsonl/corpus.bin", "'{tmp}/a.jsonl' is not a directory"),
+    ],
+)
+def test_a_bad_out_is_refused_before_any_work(tmp_path, tokenizer_path, out, words):
+    tok = _Counting(load_tokenizer(tokenizer_path))
+    (tmp_path / "a_dir").mkdir()
+    source = jsonl(tmp_path / "a.jsonl", DOCS)
+    with pytest.raises(DataError, match="^--out ") as info:
+        tokenize_files([source], tok, tmp_path / out)
+    assert words.format(tmp=tmp_path) in str(info.value)
+    assert tok.calls == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_out_in_a_read_only_directory_is_refused_before_any_work(tmp_path, tokenizer_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    tok = _Counting(load_tokenizer(tokenizer_path))
+    with pytest.raises(DataError, match="is not writable by this user"):
+        tokenize_files([jsonl(tmp_path / "a.jsonl", DOCS)], tok, ro / "c.bin")
+    assert tok.calls == 0
+
+
+def test_the_command_checks_out_first_and_takes_a_tokenizer_directory(tmp_path, tokenizer_path, capsys):
+    a = jsonl(tmp_path / "a.jsonl", DOCS)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    argv = ["data", "tokenize", str(a), "--progress=off", "--tokenizer"]
+    assert main([*argv, str(saved), "--out", str(tmp_path / "o.bin")]) == 1
+    err = capsys.readouterr().err
+    assert f"tokenizer '{saved}' is a directory without a tokenizer.json (it holds: nothing readable)" in err
+    (saved / "tokenizer_config.json").write_text("{}")
+    assert main([*argv, str(saved), "--out", str(tmp_path / "o.bin")]) == 1
+    assert "(it holds: tokenizer_config.json)" in capsys.readouterr().err
+    (saved / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
+    assert main([*argv, str(saved), "--out", str(tmp_path / "o.bin")]) == 0
+    assert main([*argv, str(tmp_path / "nothing-here"), "--out", str(tmp_path / "nope" / "o.bin")]) == 1
+    assert "directory" in capsys.readouterr().err  # --out is judged first, before the tokenizer
+
+
+def test_the_output_carries_a_record_of_how_it_was_written(tmp_path, tokenizer_path):
+    tok, info = read_tokenizer(tokenizer_path)
+    assert info == {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()}
+    out = tmp_path / "c.bin"
+    result = tokenize_files(
+        [jsonl(tmp_path / "a.jsonl", DOCS)], tok, out, document_token=0, dtype="uint32", tokenizer_info=info
+    )
+    record = read_record(out)
+    assert record is not None
+    assert (record.dtype, record.num_tokens, record.size_bytes) == ("uint32", result.tokens, out.stat().st_size)
+    assert (record.vocab_size, record.document_token, record.tokenizer) == (tok.get_vocab_size(), 0, info)
+    # a uint32 file of a 300-token vocabulary: auto reads it as uint32 (from the record), not as uint16
+    src = TokenFileSource(out, seq_len=4, vocab_size=tok.get_vocab_size())
+    assert src.dtype.name == "uint32" and src.num_tokens == result.tokens
