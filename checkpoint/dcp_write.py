@@ -8,14 +8,17 @@ memory); on local disk the bytes go straight into the temp file that is renamed 
 file is staged locally first. A failure while writing (in DCP or in storage) aborts that file's
 upload, so no object appears. Each rank's digests ride back to the coordinator on
 DCP's own gather of write results; the coordinator's ``finish`` writes ``.metadata`` (also
-digested) and then hands the complete file table to a committer, which writes the manifest.
-If any rank fails, DCP's gather fails first and no manifest is written.
+digested) and the writer's ``extra_files`` (a caller's own files of the step, e.g. a Session's
+``user_state.json``: written whole and digested like the rest), and then hands the complete file
+table to a committer, which writes the manifest. If any rank fails, DCP's gather fails first and
+no manifest is written.
 
 FACTS.md traps handled here: storage options are passed to the writer and ``checkpoint_id``
 is never set (``reset()`` would drop them); ``sync_files=False`` (S3 files have no fileno, and
 the fallback is a host-wide ``os.sync()``). A step is never overwritten: DCP's own check looks
 only for ``.metadata``, so the publisher's ``prepare`` refuses a committed step and clears a
-torn one before any rank writes (DCP runs with ``overwrite=True`` so it does not re-check).
+torn one before any rank writes (DCP runs with ``overwrite=True`` and its own look for an
+earlier ``.metadata`` is switched off: it would only warn "overwriting" before the publisher refuses).
 On a local filesystem every written file is fsynced and renamed into place, and its directory
 fsynced, before the manifest can commit the step. DCP's ``.metadata.tmp`` is never stored: it
 is held in memory (digested) until DCP renames it, and the rename writes ``.metadata`` whole.
@@ -43,7 +46,7 @@ from torch.futures import Future
 from ftrain.checkpoint.digest import BLOCKS_SUFFIX, BlockHasher, digest_bytes
 from ftrain.checkpoint.errors import ChecksumMismatchError
 from ftrain.checkpoint.local_cache import CacheFile, StepCache
-from ftrain.checkpoint.manifest import FileEntry
+from ftrain.checkpoint.manifest import MANIFEST_NAME, FileEntry
 from ftrain.checkpoint.safe_pickle import METADATA_NAME
 from ftrain.checkpoint.storage import Storage, StorageOptions
 
@@ -198,7 +201,7 @@ class _DigestingFileSystem:
         blocks = stream.block_digests()
         if len(blocks) > 1:  # beside it, what lets a reader verify just the blocks it reads
             listing = json.dumps(blocks).encode()
-            self._write_whole(rel + BLOCKS_SUFFIX, listing)
+            self.write_whole(rel + BLOCKS_SUFFIX, listing)
             entries[name + BLOCKS_SUFFIX] = FileEntry(len(listing), digest_bytes(listing, self._algorithm))
             entries[name] = dataclasses.replace(
                 stream.entry(), block_bytes=stream.block_bytes, blocks_file=name + BLOCKS_SUFFIX
@@ -217,7 +220,7 @@ class _DigestingFileSystem:
         if held is None:
             raise ValueError(f"DCP renamed {rel}, which this writer did not write")
         data, entry = held
-        self._write_whole(new_rel, data)
+        self.write_whole(new_rel, data)
         with self._lock:
             self.files[posixpath.basename(new_rel)] = entry
 
@@ -226,7 +229,7 @@ class _DigestingFileSystem:
         the upload inside it has completed."""
         return contextlib.nullcontext() if self._cache is None else self._cache.writing(name)
 
-    def _write_whole(self, rel: str, data: bytes) -> None:
+    def write_whole(self, rel: str, data: bytes) -> None:
         self._storage.write_bytes(rel, data)
         if self._cache is not None:
             self._cache.write_bytes(posixpath.basename(rel), data)
@@ -278,7 +281,12 @@ class DigestingWriter(FsspecWriter):
         publisher: Publisher,
         thread_count: int = 1,
         cache: StepCache | None = None,
+        extra_files: dict[str, bytes] | None = None,
     ):
+        for name in extra_files or {}:
+            if "/" in name or name in (METADATA_NAME, MANIFEST_NAME) or name.endswith((".distcp", BLOCKS_SUFFIX)):
+                raise ValueError(f"extra file {name!r}: a plain name that no DCP file or the manifest has")
+        self._extra_files = dict(extra_files or {})
         self._storage = Storage(url, options)
         super().__init__(
             url, sync_files=False, overwrite=True, thread_count=thread_count, **self._storage.storage_kwargs
@@ -293,6 +301,11 @@ class DigestingWriter(FsspecWriter):
         # torch infers ``fs`` as its concrete FileSystem class; DCP calls only the FileSystemBase
         # methods on it, which the wrapper provides or delegates.
         self.fs = self._digesting_fs  # type: ignore[assignment]
+
+    def _metadata_exists(self) -> bool:
+        """DCP looks for an earlier ``.metadata`` only to warn that it overwrites it; the publisher's
+        ``prepare`` judges the directory instead (a committed step refused, a torn one cleared)."""
+        return False
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._publisher.prepare()  # coordinator only, before the plan is scattered to writers
@@ -332,4 +345,7 @@ class DigestingWriter(FsspecWriter):
         if meta is None:
             raise ChecksumMismatchError("the .metadata file was written without a digest")
         files[METADATA_NAME] = meta
+        for name, data in self._extra_files.items():  # stored (durably) before the manifest names them
+            self._digesting_fs.write_whole(name, data)
+            files[name] = FileEntry(len(data), digest_bytes(data, self._algorithm))
         self._publisher.commit(files)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -122,6 +122,54 @@ class Refusal:
         return f"step {self.step}: {self.reason}"
 
 
+#: the manifest's ``layout`` key that names the kind of loop that wrote a step; absent: ``ftrain train``
+WRITER_KEY = "writer"
+#: the writer a step without :data:`WRITER_KEY` was written by
+TRAIN_WRITER = "train"
+_WRITER_NAMES = {TRAIN_WRITER: "ftrain train", "session": "a Session"}
+_WRITER_ROOT = {TRAIN_WRITER: "checkpoint.uri", "session": "Session(checkpoint_uri=...)"}
+
+
+def writer_of(manifest: Manifest) -> str:
+    """Which kind of loop wrote ``manifest``'s step (:data:`WRITER_KEY`; ``train`` when absent)."""
+    value = manifest.layout.get(WRITER_KEY, TRAIN_WRITER)
+    return value if isinstance(value, str) else repr(value)[:40]
+
+
+class ForeignStepError(CheckpointError):
+    """An intact step written by another kind of loop (a Session's step under ``ftrain train``, or
+    the reverse): their trainer states differ, so it cannot be loaded, and it is not corrupt
+    either (nothing is marked). Two kinds of writer share one root: a configuration error."""
+
+    #: restarting cannot help: the same step would be refused again (see :class:`NoLoadableStepError`)
+    fatal = True
+
+    def __init__(self, url: str, step: int, found: str, expected: str):
+        self.step, self.found, self.expected = step, found, expected
+        by = f"{_WRITER_NAMES.get(found, repr(found))} ({WRITER_KEY}={found})"
+        super().__init__(
+            f"step {step} under {url} was written by {by}, not by {_WRITER_NAMES.get(expected, expected)}: give "
+            f"this job its own checkpoint root ({_WRITER_ROOT.get(expected, 'another root')}); nothing was marked, "
+            "the step is intact"
+        )
+
+
+class SideFile(Protocol):
+    """A file of a step, listed in its manifest, that the caller reads before the step's state
+    dict is built (a Session's ``user_state.json``): rank 0 fetches it whole and checks its size
+    and digest before a byte of it is parsed, then every rank gets the same verified bytes."""
+
+    #: a larger file is refused unread (the step is corrupt: its writer never writes one)
+    max_bytes: int
+
+    def name(self, manifest: Manifest) -> str | None:
+        """The file of ``manifest``'s step to read (None: this step has none; called on every rank)."""
+
+    def read(self, manifest: Manifest, data: bytes) -> None:
+        """Take the verified bytes; ManifestError (or ValueError/TypeError/KeyError) when they
+        are not what the writer writes: the step is corrupt (marked, fall back)."""
+
+
 class NoLoadableStepError(CheckpointError):
     """Steps with manifests exist under the root but none can be loaded (or a pinned
     ``load_step`` cannot): starting from step 0 over them would lose the run silently."""
@@ -200,6 +248,8 @@ class CheckpointLoading:
         *,
         load_step: int = -1,
         validate: Callable[[Manifest], None] | None = None,
+        writer: str | None = None,
+        side: SideFile | None = None,
     ) -> Manifest | None:
         """Load the newest verified committed step (or ``load_step``) into the state dict that
         ``build_state_dict(manifest)`` returns; None if there is nothing to load (or, with
@@ -208,12 +258,17 @@ class CheckpointLoading:
         ``validate(manifest)`` checks what the caller needs of the manifest (its trainer state)
         before any file is read; a :class:`ManifestError` (or ValueError/TypeError/KeyError) from
         it makes the step corrupt (marked, fall back). ``build_state_dict`` must not judge the
-        manifest: what it raises propagates.
+        manifest: what it raises propagates. ``writer``: the kind of loop loading
+        (:func:`writer_of`); a step of another kind raises :class:`ForeignStepError` on every rank
+        before any file of it is read, and is not marked (it is intact). ``side``: a file of the
+        step read, verified, before ``build_state_dict`` is called (:class:`SideFile`).
         """
         self._stop_gc()  # it must not delete a step that this load falls back to
         candidates, refusals = self._agree_or_raise(lambda: self._survey(load_step))
         for info in candidates:
-            manifest, refusal = self._try_load(info, build_state_dict, validate)
+            if writer is not None and info.manifest is not None and writer_of(info.manifest) != writer:
+                raise ForeignStepError(self.url, info.step, writer_of(info.manifest), writer)
+            manifest, refusal = self._try_load(info, build_state_dict, validate, side)
             if manifest is not None:
                 self._loaded(info, manifest, refusals)
                 return manifest
@@ -242,14 +297,22 @@ class CheckpointLoading:
         info: StepInfo,
         build_state_dict: Callable[[Manifest], dict[str, Any]],
         validate: Callable[[Manifest], None] | None,
+        side: SideFile | None = None,
     ) -> tuple[Manifest | None, Refusal | None]:
         """Verify then read one step: (manifest, None) when loaded, (None, refusal) when the step
         is corrupt (marked). A storage error raises CheckpointError on every rank, marks nothing."""
         manifest = info.manifest
         if manifest is None:  # _survey hands over committed steps only, and their manifests parsed
             raise CheckpointError(f"{info.dirname} has no parsed manifest; only a committed step can be loaded")
+        side_name = side.name(manifest) if side is not None else None
+        if side is not None and side_name is not None:
+            refusal = self._read_side(info, manifest, side, side_name)
+            if refusal is not None:
+                return None, refusal
         state_dict = build_state_dict(manifest)
-        problems, fetched, metadata = self._fetch_everywhere(info, manifest, validate, state_dict)
+        problems, fetched, metadata = self._fetch_everywhere(
+            info, manifest, validate, state_dict, skip={side_name} if side_name else set()
+        )
         if any(p.kind in CORRUPTION_KINDS for p in problems):
             self._reject(info, problems)
             return None, Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
@@ -319,6 +382,57 @@ class CheckpointLoading:
         self.on_event(ev.CkptFreshStart(refused=[str(r)[:1000] for r in refusals]))
         return None
 
+    def _read_side(self, info: StepInfo, manifest: Manifest, side: SideFile, name: str) -> Refusal | None:
+        """Collective: ``side``'s file of ``info`` fetched whole by rank 0 (its size and digest
+        checked before a byte is parsed), judged by ``side.read`` there, then the same bytes read
+        on every other rank. A refusal (the step marked corrupt) for a bad file; CheckpointError
+        on every rank for a storage error (nothing marked)."""
+        problems: list[Problem] = []
+        data = b""
+        if self.rank == 0:
+            entry = manifest.files.get(name)
+            if entry is None:
+                problems.append(Problem(name, "manifest", "named by the manifest's trainer state but not listed"))
+            elif entry.size_bytes > side.max_bytes:
+                problems.append(
+                    Problem(
+                        name, "manifest", f"{entry.size_bytes} bytes, more than the {side.max_bytes} a reader accepts"
+                    )
+                )
+            else:
+                try:
+                    got = fetch_files(
+                        self.storage,
+                        info.dirname,
+                        manifest,
+                        {name: None},
+                        keep={name},
+                        cache=self._step_cache(info.dirname),
+                    )
+                    problems += got.problems
+                    data = got.data[name].whole() if name in got.data and not got.problems else b""
+                except _STORAGE_TYPES as e:
+                    problems.append(
+                        Problem(name, "unreadable", f"storage error, not corruption: {type(e).__name__}: {e}"[:500])
+                    )
+            if not problems:
+                try:
+                    side.read(manifest, data)
+                except (ManifestError, ValueError, TypeError, KeyError, RecursionError) as e:
+                    problems.append(Problem(name, "manifest", f"not usable by this loop: {e}"[:1000]))
+        problems, data = self._agree((problems, b"" if problems else data))
+        if any(p.kind in CORRUPTION_KINDS for p in problems):
+            self._reject(info, problems)
+            return Refusal(info.step, "; ".join(str(p) for p in problems[:5]))
+        if problems:
+            raise CheckpointError(
+                f"{info.dirname}/{name} cannot be read (a storage problem, not corruption; nothing was marked): "
+                + "; ".join(map(str, problems[:5]))
+            )
+        if self.rank != 0:
+            side.read(manifest, data)  # the bytes rank 0 verified and judged
+        return None
+
     def _agree(self, value: Any) -> Any:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return value
@@ -350,6 +464,7 @@ class CheckpointLoading:
         manifest: Manifest,
         validate: Callable[[Manifest], None] | None,
         state_dict: dict[str, Any],
+        skip: set[str] | None = None,
     ) -> tuple[list[Problem], dict[str, SparseFile], Metadata | None]:
         """Fetch and verify ``info`` (whose parsed manifest is ``manifest``) before any byte of it
         is loaded: every rank reads the blocks its own DCP load plan needs, once each (concurrent
@@ -385,7 +500,9 @@ class CheckpointLoading:
             everyone = [mine_pieces]
         wanted = {
             **needed,
-            **verification_share(manifest, everyone, self.rank, world, merge=needed, skip={METADATA_NAME}),
+            **verification_share(
+                manifest, everyone, self.rank, world, merge=needed, skip={METADATA_NAME, *(skip or ())}
+            ),
         }
         try:
             got = fetch_files(self.storage, info.dirname, manifest, wanted, keep=needed, cache=cache)

@@ -24,6 +24,10 @@ What must stay true on load:
   (transient after retries, fatal, any ``OSError``) fails the load attempt with
   :class:`CheckpointError` and writes no marker; every rank gets the same verdict (problems are
   gathered), so no rank waits alone in a collective.
+- A step written by another kind of loop (a Session's step under ``ftrain train``, or the
+  reverse: :data:`~ftrain.checkpoint.loading.WRITER_KEY` in its layout) is intact: the load
+  raises :class:`~ftrain.checkpoint.loading.ForeignStepError` naming it, on every rank, before
+  any file of it is read, and marks nothing.
 - A job never starts from step 0 over steps it could not load: when step directories with
   manifests exist and none loads, ``on_no_loadable_step="fail"`` (the default) raises
   :class:`NoLoadableStepError` naming every step and why it was refused; ``"fresh"`` emits
@@ -167,12 +171,23 @@ class CheckpointManager(CheckpointLoading):
                 self._save_process = SaveProcess(group)
 
     # -- saving --------------------------------------------------------------------------
-    def save(self, step: int, state_dict: dict[str, Any], fields: dict[str, Any], *, sync: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        fields: dict[str, Any],
+        *,
+        sync: bool = False,
+        extra_files: dict[str, bytes] | None = None,
+    ) -> bool:
         """Save ``state_dict`` as step ``step``; returns False when skipped.
 
         ``fields`` are the manifest fields besides files (round, world_size, layout, config,
         config_hash, trainer, digest_algorithm). The training thread is blocked only for staging
         in async modes. ``sync=True`` forces a blocking save (final save on a graceful stop).
+        ``extra_files``: files of the step besides DCP's (name -> bytes; the coordinator's are
+        written, after ``.metadata`` and before the manifest, which lists them with their digests;
+        a load reads one back with ``side``, see :meth:`load`).
         """
         if self._in_flight is not None:
             if self.when_busy == "skip" and not sync:
@@ -203,6 +218,7 @@ class CheckpointManager(CheckpointLoading):
             algorithm=self.digest,
             publisher=publisher,
             cache=self._step_cache(dirname),
+            extra_files=extra_files,
         )
         started = time.monotonic()
         if sync or self.async_mode == "off":

@@ -16,10 +16,13 @@ configured schedule, with a warning.
 
 Resume trusts nothing it reads: before a step is loaded, :func:`validate_trainer_state` checks
 the manifest's trainer state (a cursor of the right shape, at the manifest's step); a step that
-fails is corrupt for the checkpoint service (marked, fall back). When steps exist but none can be
-loaded, :class:`~ftrain.checkpoint.loading.NoLoadableStepError` ends the worker (after a ``resume_failed``
-event and one error line) unless ``checkpoint.on_no_loadable_step=fresh``. Manifests carry the
-job id (:func:`ftrain.config.worker_job_id`) and another job's steps are refused.
+fails is corrupt for the checkpoint service (marked, fall back). A step that a
+:class:`ftrain.Session` wrote (``layout.writer``) is not ftrain train's, and not corrupt either:
+:class:`~ftrain.checkpoint.loading.ForeignStepError` (fatal) names it, and nothing is marked.
+When steps exist but none can be loaded, :class:`~ftrain.checkpoint.loading.NoLoadableStepError`
+ends the worker (after a ``resume_failed`` event and one error line) unless
+``checkpoint.on_no_loadable_step=fresh``. Manifests carry the job id
+(:func:`ftrain.config.worker_job_id`) and another job's steps are refused.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch.distributed as dist
 from ftrain import optim_state
 from ftrain.agent_link import fence
 from ftrain.checkpoint.errors import CheckpointError, ManifestError
-from ftrain.checkpoint.loading import NoLoadableStepError
+from ftrain.checkpoint.loading import TRAIN_WRITER, ForeignStepError, NoLoadableStepError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
@@ -46,6 +49,7 @@ from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import DataCursor, DataError
 from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear, maybe_pause_before_gc
+from ftrain.models.hf_weights import WeightsConfigError, check_resumed_model
 from ftrain.optim import KEPT, RESCALED, UNRECORDED, Schedule, ScheduleChangeError, ScheduleDecision, decide_schedule
 from ftrain.parallel.base import Parallel
 
@@ -59,6 +63,30 @@ def current_round() -> int:
     compared by the fence, so a garbled value is a start-up error, not a silent 0.
     """
     return WorkerEnv.from_env().round
+
+
+def step_to_resume(cfg: Config) -> int:
+    """Collective, before the model is built: the step a resume from storage will load as far as
+    a listing can tell — ``checkpoint.load_step`` when pinned, else the newest committed step
+    under ``checkpoint.uri`` (rank 0 lists it); -1: none, or no resume. The load itself may still
+    refuse it (and fall back, or start fresh under ``checkpoint.on_no_loadable_step = "fresh"``)."""
+    c = cfg.checkpoint
+    if not c.uri or not c.resume:
+        return -1
+    if c.load_step >= 0:
+        return c.load_step
+    lister = CheckpointManager(
+        url=c.uri,
+        options=StorageOptions(endpoint_url=c.endpoint_url, region=c.region),
+        async_mode="off",
+        hmac_key_env=c.hmac_key_env,
+        job=worker_job_id(cfg),
+        fence=fence.from_env(),
+    )
+    try:
+        return lister.newest_committed_step()
+    finally:
+        lister.close()
 
 
 def validate_trainer_state(manifest: Manifest) -> None:
@@ -165,17 +193,28 @@ def load_target(par: Parallel, rank: int, manifest: Manifest) -> dict[str, Any]:
 
 
 def manifest_fields(
-    cfg: Config, par: Parallel, cursor: DataCursor, round_: int, *, schedule: Schedule | None = None
+    cfg: Config,
+    par: Parallel,
+    cursor: DataCursor,
+    round_: int,
+    *,
+    schedule: Schedule | None = None,
+    model_record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest fields of a save besides its files (see :class:`ftrain.checkpoint.manifest.Manifest`);
-    ``schedule``: the LR schedule in force (None: the one ``cfg`` configures)."""
+    ``schedule``: the LR schedule in force (None: the one ``cfg`` configures); ``model_record``: what
+    the model was built from beyond ``[model]`` (:func:`ftrain.models.hf_weights.model_record`), kept
+    in the config's model section so that an export never re-reads ``model.args.config``."""
     layout = par.layout
     schedule = schedule if schedule is not None else Schedule.of(cfg)
+    config = cfg.to_dict()
+    if model_record:
+        config["model"] = {**config["model"], **model_record}
     return {
         "round": round_,
         "world_size": layout.world_size,
         "layout": {**layout.describe(), optim_state.FORMAT_KEY: optim_state.PER_PARAM},
-        "config": cfg.to_dict(),
+        "config": config,
         "config_hash": cfg.digest(),
         "trainer": {"cursor": cursor.state_dict(), SCHEDULE_KEY: schedule.to_dict()},
     }
@@ -197,11 +236,20 @@ def apply_loaded(par: Parallel, cursor: DataCursor, rank: int, manifest: Manifes
 class Checkpointing:
     """Connects a running job (model, optimizer, cursor) to the checkpoint service."""
 
-    def __init__(self, cfg: Config, par: Parallel, cursor: DataCursor, events: EventLog):
+    def __init__(
+        self,
+        cfg: Config,
+        par: Parallel,
+        cursor: DataCursor,
+        events: EventLog,
+        model_record: dict[str, Any] | None = None,
+    ):
         self.cfg = cfg
         self.par = par
         self.cursor = cursor
         self.events = events
+        #: what the model was built from beyond [model]: every save records it, a resume compares it
+        self.model_record = dict(model_record or {})
         self.rank = dist.get_rank()
         self.round = current_round()
         self.job = worker_job_id(cfg)
@@ -252,7 +300,9 @@ class Checkpointing:
 
     def fields(self) -> dict[str, Any]:
         """The manifest fields of a save now (:func:`manifest_fields`)."""
-        return manifest_fields(self.cfg, self.par, self.cursor, self.round, schedule=self.schedule)
+        return manifest_fields(
+            self.cfg, self.par, self.cursor, self.round, schedule=self.schedule, model_record=self.model_record
+        )
 
     def due(self, steps_done: int) -> bool:
         interval = self.cfg.checkpoint.interval
@@ -281,6 +331,10 @@ class Checkpointing:
         self.events.emit(ev.ResumeStarted())
 
         def build(manifest: Manifest) -> dict[str, Any]:
+            recorded = manifest.config.get("model")
+            check_resumed_model(  # WeightsConfigError: the model computes otherwise than the step's did
+                recorded if isinstance(recorded, dict) else {}, self.cfg.model, self.model_record, manifest.step
+            )
             try:
                 holder["decision"] = self.schedule_decision(manifest)
             except ManifestError:  # a malformed record: validate_trainer_state refuses the step (fall back)
@@ -290,11 +344,18 @@ class Checkpointing:
 
         try:
             manifest = self.manager.load(
-                build, load_step=self.cfg.checkpoint.load_step, validate=validate_trainer_state
+                build, load_step=self.cfg.checkpoint.load_step, validate=validate_trainer_state, writer=TRAIN_WRITER
             )
         except NoLoadableStepError as e:
             self.events.emit(ev.ResumeFailed(refused=[str(r)[:1000] for r in e.refusals], load_step=e.load_step))
             log.error("ftrain: cannot resume: %s", e)
+            raise
+        except ForeignStepError as e:  # another kind of loop's step: intact, refused, never marked
+            self.events.emit(ev.ResumeFailed(refused=[str(e)[:1000]], load_step=self.cfg.checkpoint.load_step))
+            log.error("ftrain: cannot resume: %s", e)
+            raise
+        except WeightsConfigError as e:  # the model would compute otherwise than the step's did
+            self.events.emit(ev.ResumeFailed(refused=[str(e)[:1000]], load_step=self.cfg.checkpoint.load_step))
             raise
         except ScheduleChangeError as e:  # train.on_schedule_change=fail: a config error, said by the CLI
             self.events.emit(

@@ -26,9 +26,16 @@ one before.
 modules included) with its optimizers (``torch.optim.Optimizer``), through
 ``torch.distributed.checkpoint.state_dict`` (each rank writes its own shards); every other entry
 by its ``state_dict()``/``load_state_dict()`` (an LR scheduler, :class:`ftrain.sampler.ResumableSampler`,
-a ``GradScaler``, your own counters), kept in the manifest as JSON, so they must hold plain
-numbers, strings, lists and dicts (what a scheduler or a sampler holds). Rank 0's are saved: such
-state is the same on every rank of a data-parallel loop. RNG states are the loop's business.
+a ``GradScaler``, your own counters), kept in the step's own verified file ``user_state.json``
+(:mod:`ftrain.session_state`, :mod:`ftrain.state_codec`): what torch's schedulers and scalers hold
+comes back exactly (``inf``, NaN, int keys, tuples); a value that can never be stored (a tensor,
+an object) is refused at :meth:`load` or the first :meth:`step`, naming it, before any work. Rank
+0's are saved: such state is the same on every rank of a data-parallel loop. RNG states are the
+loop's business.
+
+**What it says.** Rank 0 writes one line to stderr when it restores a step (or starts fresh) and
+one per commit, unless ``verbose=False`` or the program configured logging (handlers on the root
+or ``ftrain`` logger): the lines then go to the ``ftrain.session`` logger at INFO, like the rest.
 
 **Under the node agent** (``ftrain agent --script train.py``): heartbeats at each :meth:`step`,
 "alive" from a background thread, the commit fence and the exit message. Recovery is restart
@@ -43,8 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import time
+import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
@@ -53,13 +59,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftrain import optim_state
+from ftrain import optim_state, state_codec
 from ftrain.agent_link import fence, heartbeat
 from ftrain.checkpoint.config import DEFAULTS
+from ftrain.checkpoint.loading import ForeignStepError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
-from ftrain.contract.control import Assignment, ControlFile
+from ftrain.contract import events as ev
+from ftrain.contract.control import ControlFile
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.distributed import abort_distributed
 from ftrain.recovery.peer_state import HeldState, PeerStateError
@@ -73,8 +81,19 @@ from ftrain.recovery.round_control import (
     wait_for_store,
 )
 from ftrain.recovery.round_watchdog import RoundWatchdog
-from ftrain.session_live import BoundaryWatch, Restored, restore
-from ftrain.session_state import USER_STATE, WRITER, SessionError, StateParts, validate
+from ftrain.session_live import Drained, Restored, Round, on_sigterm, restore
+from ftrain.session_state import (
+    STATE_FILE,
+    USER_STATE,
+    WRITER,
+    SessionError,
+    StateParts,
+    StateReader,
+    logging_configured,
+    manifest_fields,
+    validate,
+    warn_if_large,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +124,7 @@ class Session:
         on_no_loadable_step: str = DEFAULTS.on_no_loadable_step,
         backend: str = "auto",
         timeout_s: float = 600.0,
+        verbose: bool = True,
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -113,7 +133,9 @@ class Session:
         ``endpoint_url``/``region``: S3's; ``hmac_key_env``: the variable holding the key that
         signs manifests; ``on_no_loadable_step``: ``fail`` (default) or ``fresh`` when steps exist
         and none loads; ``backend``: the process group's when the session makes one (``auto``:
-        nccl on a CUDA device, else gloo)."""
+        nccl on a CUDA device, else gloo); ``verbose``: rank 0 says on stderr what it restored and
+        each commit, one line each, unless the program configured logging (then: the
+        ``ftrain.session`` logger at INFO; False: always the logger)."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
@@ -130,6 +152,10 @@ class Session:
         self._storage = StorageOptions(endpoint_url=endpoint_url, region=region)
         self._backend = backend
         self._timeout_s = timeout_s
+        self.verbose = verbose
+        self._closed = False  #: close() ran (a later save says so, not "before start")
+        self._state_checked = False  #: the state's non-tensor entries were seen to be storable
+        self._warned_large = False  #: the non-tensor state passed half its bound (said once)
         self.rank = self.world_size = self.local_rank = -1
         self.round = WorkerEnv.from_env().round
         self._manager: CheckpointManager | None = None
@@ -138,7 +164,7 @@ class Session:
         self._step = -1  #: the last step reported (-1: none yet)
         #: where the state of the latest load came from (None before any load)
         self.restored: Restored | None = None
-        self._round: _Round | None = None  #: the round served under :meth:`run` with live recovery
+        self._round: Round | None = None  #: the round served under :meth:`run` with live recovery
         self._serving = False  #: inside :meth:`run`: the ranks agree at each step boundary
         self._stop_requested = False  #: SIGTERM arrived (under :meth:`run`): stop at the next boundary
 
@@ -147,12 +173,24 @@ class Session:
         """Join (or make) the process group and open the checkpoint service; returns itself."""
         if self._manager is not None:
             raise SessionError("Session.start(): already started")
-        if WorkerEnv.from_env().control:
-            raise SessionError(
+        self._closed = False
+        control = WorkerEnv.from_env().control
+        if control:
+            refused = SessionError(
                 "this process was started by `ftrain agent --recovery live`, whose workers serve round after round: "
                 "put the loop in a function and call session.run(train) (docs/library.md), or run the agent with "
                 "--recovery restart"
             )
+            hb = heartbeat.from_env(-1, 0)
+            if hb is not None:  # tell the agent in the round it gives this process: a restart cannot help
+                try:
+                    got = wait_for_assignment(ControlFile(control), newer_than=-1, timeout_s=self._timeout_s)
+                    hb.assign(got.round, got.rank, got.local_rank)
+                    hb.exit(-1, finished=False, error=f"SessionError: {refused}", fatal=True)
+                except AssignmentTimeout:
+                    pass
+                hb.close()
+            raise refused
         if not dist.is_initialized():
             self._init_group()
         return self._open()
@@ -178,9 +216,24 @@ class Session:
             fence=fence.from_env(),
             round=self.round,
             device_type="cuda" if dist.get_backend() == "nccl" else "cpu",  # where the async save stages from
+            on_event=self._on_event,
             **self._options,  # type: ignore[arg-type]
         )
         return self
+
+    def _on_event(self, record: ev.Record) -> None:
+        """The checkpoint service's events (from the training thread or the save's): each commit, said."""
+        if isinstance(record, ev.CkptCommitted):
+            self._say(f"committed step {record.step} under {self.checkpoint_uri} ({record.duration_s:.1f}s)")
+
+    def _say(self, message: str) -> None:
+        """One line on rank 0 (see the module doc, "What it says")."""
+        if self.rank > 0:
+            return
+        if self.verbose and not logging_configured(log):
+            print(f"ftrain: {message}", file=sys.stderr, flush=True)
+        else:
+            log.info("%s", message)
 
     # -- rounds (live recovery) ---------------------------------------------------------
     def run(self, train: Callable[[Session], T]) -> T | None:
@@ -198,17 +251,17 @@ class Session:
         if self._manager is not None or self._round is not None:
             raise SessionError("Session.run(): the session is started already; run() starts it (per round) itself")
         self._serving = True
-        previous = _on_sigterm(self._ask_to_stop)
+        previous = on_sigterm(self._ask_to_stop)
         try:
             return self._run(train)
-        except _Drained as e:
+        except Drained as e:
             committed = self._manager.status.last_committed_step if self._manager is not None else -1
             log.warning("%s; committed step: %d", e, committed)
             self._close(None, finished=False)
             return None
         finally:
             self._serving = False
-            _on_sigterm(previous)
+            on_sigterm(previous)
 
     def _ask_to_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
@@ -219,7 +272,7 @@ class Session:
             self.start()
             try:
                 result = train(self)
-            except _Drained:
+            except Drained:
                 raise
             except BaseException as e:
                 self.close(error=e)
@@ -237,7 +290,7 @@ class Session:
             if hb is not None:
                 hb.assign(assignment.round, assignment.rank, assignment.local_rank)
                 hb.beat(held.step if held else -1, phase="starting")
-            rnd = self._round = _Round(assignment, hb, newer_round_assigned(control, assignment.round), held)
+            rnd = self._round = Round(assignment, hb, newer_round_assigned(control, assignment.round), held)
             watchdog = RoundWatchdog(env.control, assignment.round, lambda: rnd.step_time_s, keep_ports)  # noqa: B023
             try:
                 with watchdog:
@@ -247,7 +300,7 @@ class Session:
                     self._init_group()
                     self._open()
                     result = train(self)
-            except _Drained:
+            except Drained:
                 raise
             except BaseException as e:
                 if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
@@ -323,7 +376,10 @@ class Session:
     def _close(self, error: BaseException | None, *, finished: bool) -> None:
         """``finished``: the loop ran to its end (else it stopped early: a drain)."""
         manager, self._manager = self._manager, None
+        self._closed = True
         if manager is not None:
+            if error is None and manager.uploading:
+                self._beat("saving")  # close waits for the upload: the agent's save timeout applies
             manager.close(abandon=error is not None)
         if self._round is not None:
             self._round.watch.release()
@@ -346,6 +402,11 @@ class Session:
         return self._manager is not None
 
     def _need_started(self, what: str) -> CheckpointManager:
+        if self._manager is None and self._closed:
+            raise SessionError(
+                f"Session.{what}() after Session.close(): the session is closed (its checkpoint service stopped); "
+                "call it before close(), inside the `with Session(...)` block"
+            )
         if self._manager is None:
             raise SessionError(
                 f"Session.{what}() before Session.start(): call session.start() first (or use `with Session(...)`)"
@@ -362,6 +423,9 @@ class Session:
         status = manager.poll()
         if self._hb is not None:
             self._hb.beat(step, committed_step=status.last_committed_step)
+        if not self._state_checked:  # a loop that never called load(): its first step checks the state
+            StateParts.of(state).user_state(step)  # SessionError now, not at the first save hours later
+            self._state_checked = True
         if self._round is not None:
             self._round.boundary(step, StateParts.of(state))
         if self._serving:
@@ -374,7 +438,7 @@ class Session:
         """Under :meth:`run`, at each step boundary (one all-reduce of two flags): every rank
         leaves at this step when any rank's agent assigned a newer round (RoundChanged), or stops
         when any rank was asked to (SIGTERM: its node drains): the step is saved and committed
-        first; the drained ranks end (``_Drained``), those of other nodes keep their state for the
+        first; the drained ranks end (``Drained``), those of other nodes keep their state for the
         round formed without the drained node."""
         newer = self._round is not None and self._round.newer()
         flags = torch.tensor([float(newer), float(self._stop_requested)], device=self._device())
@@ -383,7 +447,7 @@ class Session:
         if stop:
             self.finish(step, state)
             if self._stop_requested or self._round is None:
-                raise _Drained(f"stopped after step {step}: asked to (SIGTERM)")
+                raise Drained(f"stopped after step {step}: asked to (SIGTERM)")
             raise RoundChanged(f"another node drains: leaving round {self.round} after step {step}")
         if newer:
             raise RoundChanged(f"a newer round was assigned: leaving round {self.round} after step {step}")
@@ -404,32 +468,54 @@ class Session:
     def save(self, step: int, state: Mapping[str, Any], *, sync: bool = False) -> bool:
         """Save ``state`` as step ``step`` (collective: every rank, the same step). Asynchronous
         unless ``sync`` or ``async_save=False``: this returns once the state is copied; the
-        commit follows (see :meth:`wait`). False when the save was skipped or failed (logged)."""
+        commit follows (see :meth:`wait`). False when the save was skipped or failed (logged);
+        a step already committed is not saved again (nothing is written). SessionError, before
+        anything is written, for a state that can never be stored (it names the entry)."""
         manager = self._need_started("save")
         parts = StateParts.of(state)
-        manager.wait_staged()
-        sd = parts.state_dict()
-        fields = {
-            "round": self.round,
-            "world_size": self.world_size,
-            "layout": {"writer": WRITER, optim_state.FORMAT_KEY: optim_state.PER_PARAM},
-            "config": {},
-            "config_hash": "",
-            "trainer": {"step": step, USER_STATE: parts.user_state(step)},
-        }
-        return manager.save(step, sd, fields, sync=sync)
+        entries = parts.user_state(step)  # what cannot be stored is refused here, naming it
+        self._state_checked = True
+        self._warned_large = warn_if_large(entries, step, self._warned_large)
+        if manager.status.last_committed_step == step:
+            log.warning("step %d is committed already under %s: not saved again", step, self.checkpoint_uri)
+            return False
+        self._beat("saving")  # a copy, or a wait for the previous upload, may outlast the hang timeout
+        try:
+            manager.wait_staged()
+            fields = manifest_fields(self.round, self.world_size, step)
+            files = {STATE_FILE: state_codec.file_bytes(entries)}
+            return manager.save(step, parts.state_dict(), fields, sync=sync, extra_files=files)
+        finally:
+            self._beat("training")
+
+    def _beat(self, phase: str) -> None:
+        """A heartbeat in ``phase`` at the last step reported: ``saving`` (and ``loading``) while
+        a long pause is expected, so that the agent applies its save (start) timeout, not its hang
+        timeout; ``training`` once the loop goes on."""
+        if self._hb is not None:
+            committed = self._manager.status.last_committed_step if self._manager is not None else -1
+            self._hb.beat(self._step, phase=phase, committed_step=committed)
 
     def wait(self) -> SaveStatus:
         """Until the save in flight (if any) committed or failed; the service's status."""
-        return self._need_started("wait").wait()
+        manager = self._need_started("wait")
+        uploading = manager.uploading
+        if uploading:
+            self._beat("saving")
+        status = manager.wait()
+        if uploading:
+            self._beat("training")
+        return status
 
     def finish(self, step: int, state: Mapping[str, Any]) -> SaveStatus:
         """After the last step: its save (unless step ``step`` is already committed), waited for."""
         manager = self._need_started("finish")
         self._step = step
+        self._beat("saving")  # the wait for an upload and the final save: the agent's save timeout
         status = manager.wait()
         if status.last_committed_step != step:
             self.save(step, state, sync=True)
+            self._beat("saving")  # the loop is over: what follows is no training step
             status = manager.wait()
         return status
 
@@ -439,29 +525,40 @@ class Session:
         manager = self._need_started("load")
         parts = StateParts.of(state)
         rnd = self._round
+        self._beat("loading")
         if rnd is not None and not rnd.loaded and step < 0:
             done = self._restore_live(rnd, manager, parts)
             if done is not None:
                 return done
+        reader = StateReader()
 
         def build(manifest: Manifest) -> dict[str, Any]:
-            parts.check_fits(manifest)  # a step of another shape is no corrupt step: not marked
+            parts.check_fits(manifest, reader.saved(manifest))  # a step of another shape is not corrupt: not marked
             return parts.state_dict(manifest)
 
-        manifest = manager.load(build, load_step=step, validate=validate)
+        try:
+            manifest = manager.load(build, load_step=step, validate=validate, writer=WRITER, side=reader)
+        except ForeignStepError as e:  # ftrain train's step: intact, refused, never marked
+            raise SessionError(str(e)) from e
         if manifest is None:
             self.restored = Restored("fresh", 0)
             self._loaded(parts, 0)
+            self._say(f"no committed step under {self.checkpoint_uri}: starting from step 0")
             return 0
-        parts.apply(manifest)
+        saved = reader.saved(manifest)
+        assert saved is not None  # validate() refused the step otherwise (it would not have loaded)
+        parts.apply(manifest, saved)
         self._step = manifest.step
         manager.status.last_committed_step = max(manager.status.last_committed_step, manifest.step)
-        log.info("resumed from step %d (saved at world size %d)", manifest.step, manifest.world_size)
         self.restored = Restored("storage", manifest.step)
         self._loaded(parts, manifest.step)
+        self._say(
+            f"resumed after step {manifest.step}, loaded from {self.checkpoint_uri} "
+            f"(saved at world size {manifest.world_size})"
+        )
         return manifest.step
 
-    def _restore_live(self, rnd: _Round, manager: CheckpointManager, parts: StateParts) -> int | None:
+    def _restore_live(self, rnd: Round, manager: CheckpointManager, parts: StateParts) -> int | None:
         """The state a live peer (or every rank itself) holds, put into ``parts``: the step it goes
         on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
@@ -475,53 +572,28 @@ class Session:
         assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
         optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
         for key, obj in parts.others.items():
-            obj.load_state_dict(held.cursor[key])
+            try:  # the encoded entries a rank held (the sender's digest-checked): exact, as from storage
+                value = state_codec.decode(held.cursor[key])
+            except state_codec.StateDecodeError as e:
+                raise SessionError(f"the state's {key!r} held for step {held.step} does not decode: {e}") from e
+            obj.load_state_dict(value)
         manager.status.last_committed_step = max(manager.status.last_committed_step, committed)
         self._step = held.step
         self.restored = Restored("memory" if src < 0 else "live_peer", held.step, src)
         self._loaded(parts, held.step)
+        where = "this process's memory" if src < 0 else f"rank {src}'s memory (a live peer)"
+        self._say(f"resumed after step {held.step}, from {where}")
         return held.step
 
     def _loaded(self, parts: StateParts, step: int) -> None:
-        """Under :meth:`run`: the state is at a step boundary now (what this rank holds from here)."""
+        """The state is at a step boundary now: under :meth:`run`, what this rank holds from here;
+        everywhere, a state whose non-tensor entries could never be saved is refused now."""
         if self._round is not None:
             self._round.loaded = True
-            self._round.boundary(step, parts)
-
-
-class _Drained(Exception):  # noqa: N818 - a signal to Session.run, not an error
-    """This rank stopped at a step boundary, its step committed, because it was asked to."""
-
-
-def _on_sigterm(handler: Any) -> Any:
-    """Install ``handler`` for SIGTERM; the one it replaces (None where signals cannot be set:
-    not the main thread, whose loop then stops only by the agent's kill)."""
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except (ValueError, TypeError):
-        return None
-
-
-class _Round:
-    """One round that :meth:`Session.run` serves under live recovery."""
-
-    def __init__(
-        self, assignment: Assignment, hb: heartbeat.Heartbeat | None, newer: Callable[[], bool], held: HeldState | None
-    ):
-        self.assignment, self.hb, self.newer = assignment, hb, newer
-        self.held = held  #: what this process held when the round began (until the load uses it)
-        self.watch = BoundaryWatch()
-        self.loaded = False  #: the round's state is restored: what it holds is its last boundary
-        self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
-        self._last_at = 0.0
-
-    def boundary(self, step: int, parts: StateParts) -> None:
-        """Step ``step`` is done: mark it (what this rank holds if the round ends before the next)."""
-        now = time.monotonic()
-        if self._last_at:
-            self.step_time_s = now - self._last_at
-        self._last_at = now
-        self.watch.mark(step, parts.module, parts.optimizers, parts.user_state(step))
+            self._round.boundary(step, parts)  # encodes the entries: refuses what cannot be stored
+        else:
+            parts.user_state(step)  # SessionError now, not at the first save hours later
+        self._state_checked = True
 
 
 __all__ = ["Restored", "RoundChanged", "Session", "SessionError", "USER_STATE", "WRITER"]

@@ -23,6 +23,8 @@ newest verified checkpoint (``storage``).
 from __future__ import annotations
 
 import logging
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +34,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ftrain import optim_state
+from ftrain.agent_link.heartbeat import Heartbeat
+from ftrain.contract.control import Assignment
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.session_state import StateParts
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +58,9 @@ def replicated(module: nn.Module | None) -> bool:
 
 @dataclass(slots=True)
 class Boundary:
-    """The last step boundary of a round: ``step`` done, ``user_state`` the plain-JSON entries as
-    they were then; ``moved``: an optimizer stepped since (the objects are past the boundary)."""
+    """The last step boundary of a round: ``step`` done, ``user_state`` the non-tensor entries as
+    they were then (encoded: name -> :func:`ftrain.state_codec.encode` text); ``moved``: an
+    optimizer stepped since (the objects are past the boundary)."""
 
     step: int
     user_state: dict[str, Any]
@@ -113,7 +119,8 @@ def restore(
     """Collective: the state to go on from when the ranks hold it, as (state, source rank; -1:
     every rank holds it already), else None (load from storage, on every rank). ``committed_step``:
     the newest commit this rank knows of (its own, or its agent's record); ``user_state``: this
-    rank's plain-JSON entries now (the reference a transfer's header is checked against)."""
+    rank's encoded non-tensor entries now (the reference a transfer's header is checked against:
+    one string per entry, so entries whose structure changed as they trained still compare)."""
     full = replicated(module)
     rows = survey(held, full, device)
     newest = max(step for step, _, _, _ in rows)
@@ -145,4 +152,40 @@ def restore(
     return got, src
 
 
-__all__ = ["Boundary", "BoundaryWatch", "Restored", "replicated", "restore"]
+class Drained(Exception):  # noqa: N818 - a signal to Session.run, not an error
+    """This rank stopped at a step boundary, its step committed, because it was asked to."""
+
+
+def on_sigterm(handler: Any) -> Any:
+    """Install ``handler`` for SIGTERM; the one it replaces (None where signals cannot be set:
+    not the main thread, whose loop then stops only by the agent's kill)."""
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):
+        return None
+
+
+class Round:
+    """One round that :meth:`ftrain.Session.run` serves under live recovery: its assignment, the
+    heartbeat, whether a newer round was assigned, and the step boundaries it marks."""
+
+    def __init__(self, assignment: Assignment, hb: Heartbeat | None, newer: Callable[[], bool], held: HeldState | None):
+        self.assignment, self.hb, self.newer = assignment, hb, newer
+        self.held = held  #: what this process held when the round began (until the load uses it)
+        self.watch = BoundaryWatch()
+        self.loaded = False  #: the round's state is restored: what it holds is its last boundary
+        self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
+        self._last_at = 0.0
+
+    def boundary(self, step: int, parts: StateParts) -> None:
+        """Step ``step`` is done: mark it (what this rank holds if the round ends before the next);
+        the non-tensor entries are kept encoded (:mod:`ftrain.state_codec`: what a peer receives
+        decodes exactly), which refuses what could never be stored."""
+        now = time.monotonic()
+        if self._last_at:
+            self.step_time_s = now - self._last_at
+        self._last_at = now
+        self.watch.mark(step, parts.module, parts.optimizers, parts.user_state(step))
+
+
+__all__ = ["Boundary", "BoundaryWatch", "Drained", "Restored", "Round", "on_sigterm", "replicated", "restore"]

@@ -2,14 +2,18 @@
 
 A state is a mapping of names to objects. :class:`StateParts` splits it into what DCP saves (at
 most one ``nn.Module`` and its optimizers, through ``torch.distributed.checkpoint.state_dict``:
-each rank its own shards) and what goes into the manifest as plain JSON (every other entry with
-``state_dict()``/``load_state_dict()``: a scheduler, a sampler, counters; rank 0's). Misuse is a
-:class:`SessionError` whose message names the entry and the fix.
+each rank its own shards) and the loop's other objects (every entry with
+``state_dict()``/``load_state_dict()``: a scheduler, a ``GradScaler``, a sampler, counters;
+rank 0's), kept in the step's own file :data:`STATE_FILE` in :mod:`ftrain.state_codec`'s
+encoding (exact round trips of what torch's schedulers hold: ``inf``, NaN, int keys, tuples,
+``Counter``), listed in the manifest with its size and digest like every other file, written
+before the manifest and verified before a byte of it is parsed (:class:`StateReader`). Steps
+saved before that file existed keep the entries in the manifest (``trainer.user_state``, plain
+JSON) and still load. Misuse is a :class:`SessionError` whose message names the entry and the fix.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -18,14 +22,21 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from ftrain import optim_state
+from ftrain import optim_state, state_codec
 from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.loading import WRITER_KEY, writer_of
 from ftrain.checkpoint.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-#: the manifest's ``trainer`` key under which the entries kept as JSON are
+#: the manifest's ``trainer`` key under which steps saved before :data:`STATE_FILE` keep the
+#: entries (plain JSON); newer steps leave it empty (an older reader then asks for the entries
+#: it misses, and marks nothing)
 USER_STATE = "user_state"
+#: the manifest's ``trainer`` key naming the step's state file
+STATE_FILE_KEY = "user_state_file"
+#: the step's file of the loop's non-tensor state (:mod:`ftrain.state_codec`)
+STATE_FILE = "user_state.json"
 #: a manifest's ``layout`` says which kind of loop wrote it
 WRITER = "session"
 
@@ -34,15 +45,63 @@ class SessionError(RuntimeError):
     """A misuse of the session, or a state it cannot save or restore; the message says the fix."""
 
 
+def manifest_fields(round_: int, world_size: int, step: int) -> dict[str, Any]:
+    """A session's manifest fields of a save besides its files: the writer, the optimizer state's
+    form, and the trainer state (the step; its entries in :data:`STATE_FILE`)."""
+    return {
+        "round": round_,
+        "world_size": world_size,
+        "layout": {WRITER_KEY: WRITER, optim_state.FORMAT_KEY: optim_state.PER_PARAM},
+        "config": {},
+        "config_hash": "",
+        "trainer": {"step": step, USER_STATE: {}, STATE_FILE_KEY: STATE_FILE},
+    }
+
+
 def validate(manifest: Manifest) -> None:
     """What a readable step's manifest holds for a session (else it is corrupt: marked, fall back)."""
-    if manifest.layout.get("writer") == WRITER and not isinstance(manifest.trainer.get(USER_STATE), dict):
+    if writer_of(manifest) != WRITER:
+        return  # another kind of loop's step: the load refuses it before this (ForeignStepError)
+    trainer = manifest.trainer
+    if STATE_FILE_KEY in trainer:
+        name = trainer[STATE_FILE_KEY]
+        if not isinstance(name, str) or name not in manifest.files:
+            raise ManifestError(f"step {manifest.step}: trainer.{STATE_FILE_KEY} names no file of the step")
+    elif not isinstance(trainer.get(USER_STATE), dict):
         raise ManifestError(f"step {manifest.step}: trainer.{USER_STATE} is not an object")
+
+
+class StateReader:
+    """The loader's :class:`~ftrain.checkpoint.loading.SideFile` for a session's step: its
+    :data:`STATE_FILE`, verified, decoded; :meth:`saved` gives a step's entries (from that file, or
+    from the manifest for a step saved before it existed)."""
+
+    max_bytes = state_codec.MAX_STATE_BYTES
+
+    def __init__(self) -> None:
+        self._read: dict[int, dict[str, Any]] = {}
+
+    def name(self, manifest: Manifest) -> str | None:
+        name = manifest.trainer.get(STATE_FILE_KEY)
+        return name if isinstance(name, str) and name else None
+
+    def read(self, manifest: Manifest, data: bytes) -> None:
+        try:
+            self._read[manifest.step] = state_codec.load_file(data)
+        except state_codec.StateDecodeError as e:
+            raise ManifestError(f"{STATE_FILE} of step {manifest.step}: {e}") from e
+
+    def saved(self, manifest: Manifest) -> dict[str, Any] | None:
+        """The entries ``manifest``'s step holds (None: none usable; :func:`validate` refuses it)."""
+        if self.name(manifest) is not None:
+            return self._read.get(manifest.step)
+        entries = manifest.trainer.get(USER_STATE)
+        return entries if isinstance(entries, dict) else None
 
 
 class StateParts:
     """A state mapping split into what DCP saves (one module, its optimizers) and what goes into
-    the manifest as JSON (everything else with ``state_dict``)."""
+    the step's state file (everything else with ``state_dict``)."""
 
     def __init__(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], others: dict[str, Any]):
         self.module, self.optimizers, self.others = module, optimizers, others
@@ -86,30 +145,37 @@ class StateParts:
         self._target = sd
         return sd
 
-    def user_state(self, step: int) -> dict[str, Any]:
+    def user_state(self, step: int) -> dict[str, str]:
+        """Each other entry's ``state_dict()``, encoded (:func:`ftrain.state_codec.encode`): name ->
+        JSON text. SessionError, naming the entry and where in it, for what can never be stored
+        (a tensor, a NumPy value, an object; nesting past the bound; a state file past its size)."""
         out = {}
         for key, obj in self.others.items():
-            value = obj.state_dict()
             try:
-                text = json.dumps(value, allow_nan=False)
-            except (TypeError, ValueError) as e:
+                out[key] = state_codec.encode(obj.state_dict())
+            except state_codec.StateEncodeError as e:
                 raise SessionError(
-                    f"the state's {key!r} ({type(obj).__name__}): its state_dict() at step {step} is not plain "
-                    f"JSON ({e}); the session keeps such entries in the manifest: give it numbers, strings, "
-                    "lists and dicts only (tensors belong to the model or the optimizer)"
+                    f"the state's {key!r} ({type(obj).__name__}): its state_dict() at step {step} cannot be saved "
+                    f"({e}); the session stores a loop's non-tensor state (schedulers, scalers, samplers, counters) "
+                    "in a file of the step: docs/library.md, 'What a session stores'"
                 ) from None
-            out[key] = json.loads(text)
+        size = state_codec.entries_size_bytes(out)
+        if size > state_codec.MAX_STATE_BYTES:
+            biggest = sorted(out, key=lambda k: -len(out[k]))[:3]
+            raise SessionError(
+                f"the state's non-tensor entries at step {step} take {size} bytes, more than the "
+                f"{state_codec.MAX_STATE_BYTES} a session stores ("
+                + ", ".join(f"{k!r}: {len(out[k])} bytes" for k in biggest)
+                + "): keep what grows without bound (a metrics log) out of the state, or trim it"
+            )
         return out
 
-    def check_fits(self, manifest: Manifest) -> None:
-        """SessionError unless this state can take ``manifest``'s step: written by a session, with
-        an entry for each of ours (a part added since is the caller's to decide about)."""
-        if manifest.layout.get("writer") != WRITER:
-            raise SessionError(
-                f"step {manifest.step} under this checkpoint root was written by `ftrain train`, not by a "
-                "Session: give the session a root of its own"
-            )
-        saved = manifest.trainer[USER_STATE]
+    def check_fits(self, manifest: Manifest, saved: dict[str, Any] | None) -> None:
+        """SessionError unless this state can take ``manifest``'s step, whose entries are
+        ``saved`` (None: unusable, which :func:`validate` reports as corruption): an entry for
+        each of ours (a part added since is the caller's to decide about)."""
+        if saved is None:
+            return
         missing = sorted(set(self.others) - set(saved))
         if missing:
             raise SessionError(
@@ -120,8 +186,9 @@ class StateParts:
         if self.module is None and manifest.files:
             log.warning("step %d holds model state that this load has no module for", manifest.step)
 
-    def apply(self, manifest: Manifest) -> None:
-        """Put the loaded step into the objects (after DCP filled :meth:`state_dict`'s target)."""
+    def apply(self, manifest: Manifest, saved: dict[str, Any]) -> None:
+        """Put the loaded step into the objects (after DCP filled :meth:`state_dict`'s target);
+        ``saved``: the step's other entries (:meth:`StateReader.saved`)."""
         if self.module is not None:
             sd = self._target
             if not self.optimizers:
@@ -129,9 +196,52 @@ class StateParts:
             else:
                 form = manifest.layout.get(optim_state.FORMAT_KEY)
                 optim_state.load_into(self.module, self.optimizers, sd["model"], sd["optim"], form)
-        saved = manifest.trainer[USER_STATE]
         for key, obj in self.others.items():
             obj.load_state_dict(saved[key])
 
 
-__all__ = ["SessionError", "StateParts", "USER_STATE", "WRITER", "validate"]
+def warn_if_large(entries: dict[str, str], step: int, warned: bool) -> bool:
+    """Warn once (``warned``: already) when the encoded non-tensor ``entries`` pass half of what a
+    session stores: they grow, and a save past the bound is refused. Returns whether it warned."""
+    size = state_codec.entries_size_bytes(entries)
+    if warned or size <= state_codec.MAX_STATE_BYTES // 2:
+        return warned
+    biggest = max(entries, key=lambda k: len(entries[k]))
+    log.warning(
+        "the state's non-tensor entries take %d bytes at step %d (%r: %d), over half of the %d a session stores: "
+        "a save past that is refused; keep what grows without bound out of the state, or trim it",
+        size,
+        step,
+        biggest,
+        len(entries[biggest]),
+        state_codec.MAX_STATE_BYTES,
+    )
+    return True
+
+
+def logging_configured(logger: logging.Logger) -> bool:
+    """Whether the program set up logging that ``logger`` reaches (a handler on it, on ``ftrain``
+    or on the root): then a session says things through it, not on stderr itself."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if current.handlers:
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+__all__ = [
+    "STATE_FILE",
+    "STATE_FILE_KEY",
+    "SessionError",
+    "StateParts",
+    "StateReader",
+    "USER_STATE",
+    "WRITER",
+    "logging_configured",
+    "manifest_fields",
+    "validate",
+    "warn_if_large",
+]

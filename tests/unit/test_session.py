@@ -102,7 +102,7 @@ def test_misuse_is_refused_with_the_fix(tmp_path):
             def load_state_dict(self, state):
                 pass
 
-        with pytest.raises(SessionError, match=r"'opaque' \(Opaque\).*not plain JSON"):
+        with pytest.raises(SessionError, match=r"'opaque' \(Opaque\).*at \['tensor'\]: torch.Tensor values cannot be stored"):
             session.save(1, {**_state(), "opaque": Opaque()})
         with pytest.raises(SessionError, match="already started"):
             session.start()
