@@ -91,6 +91,7 @@ from ftrain.agents.records import (
 )
 from ftrain.agents.supervision import (
     exit_report,
+    last_error_line,
     stalls,
 )
 from ftrain.agents.workers import Launch, Launcher, Workers
@@ -164,6 +165,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.started_at_wall = self.clock.time()
         self.straggler_lines: list[str] = []  #: the leader's view of the stragglers (status)
         self.round_pending = ""  #: the leader's: a round needed and not formed, and why (status)
+        self.workers_error = ""  #: live: this node's worker processes fail at start, and why (status)
         self._pending_said = ""  #: the last pending decision logged and evented (numbers masked)
         self._stragglers_seen: set[tuple[int, str, float]] = set()  #: (round, node, slow since) reported
         self._busy: tuple[int, float] = (-1, 0.0)  #: this node's busiest rank, its busy time per step lately
@@ -560,11 +562,12 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         if workers is self.pool:  # warm up new ones now: a node that is not warm is not let back in
             self.pool = self._standby() if rewarm and not self.draining else None
         self.finished_rounds.add(workers.round)
-        log.info("stopped the workers of round %d (%s), torchrun exit %s", workers.round, why, rc)
+        log.info("stopped the workers of round %d (%s), %s %s", workers.round, why, _ended(workers), rc)
         self.events.emit(ev.WorkersStopped(node=self.cfg.node_id, worker_round=workers.round, why=why))
 
     # -- supervision -------------------------------------------------------------------------
     def _supervise(self) -> None:
+        self._note_startup_failures(self.pool)
         workers = self.workers
         if workers is None:
             self._stalled = []
@@ -622,8 +625,10 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
                 self.uid,
                 self.clock.time(),
                 draining=self.draining,
+                exited=_exited(workers),
+                log_error=self._log_error(rc, beats, workers.log_path),
             )
-            log.info("round %d: workers exited (torchrun %d): %s", workers.round, rc, report.outcome)
+            log.info("round %d: workers exited (%s %d): %s", workers.round, _ended(workers), rc, report.outcome)
             self.events.emit(
                 ev.WorkersExited(
                     node=self.cfg.node_id, worker_round=workers.round, exit_code=rc, outcome=report.outcome
@@ -640,19 +645,30 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         for the next round); once reported, the round is over on this node."""
         if workers.round in self.finished_rounds:
             return
-        crashed = workers.crashed()
+        now = self.clock.monotonic()
+
+        def settled(local_rank: int, pid: int) -> bool:
+            """Its exit message is in, or it had CRASH_GRACE_S to arrive (a death without one)."""
+            beat = beats.get(local_rank)
+            if beat is not None and beat.pid == pid and beat.finished is not None:
+                return True
+            return now - self._gone_since.setdefault(pid, now) >= CRASH_GRACE_S
+
+        crashed = workers.crashed(settled)
         if crashed:
             local_rank, rc = next(iter(crashed.items()))
             log.info("round %d: worker of local rank %d exited with %d; the others stay", workers.round, local_rank, rc)
+            said = {r: b for r, b in beats.items() if r in crashed and b.pid == workers.pids().get(r)}
             report = exit_report(
                 rc,
-                {r: b for r, b in beats.items() if r in crashed},
+                said,
                 len(crashed),
                 workers.log_path,
                 self.uid,
                 self.clock.time(),
                 draining=self.draining,
                 exited=f"the worker of local rank {local_rank}",
+                log_error=self._log_error(rc, said, workers.log_path),
             )
             self.events.emit(
                 ev.WorkersExited(
@@ -668,6 +684,15 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         call = self._judge(workers, beats, live=True)
         if call is not None:
             self._on_hang(workers, call, beats)
+
+    @staticmethod
+    def _log_error(rc: int, beats: dict[int, Beat], log_path: str) -> str:
+        """The last error line of the workers' log, when they failed on their own (an exit code
+        above 0, not a signal) and none of them said why: it died before it could (an import, the
+        first lines of a script)."""
+        if rc <= 0 or any(b.error for b in beats.values()):
+            return ""
+        return last_error_line(log_path)
 
     def _crashed_workers(self, workers: Workers, beats: dict[int, Beat]) -> list[Beat]:
         """Workers gone for CRASH_GRACE_S without the exit message a clean exit sends first (the
@@ -714,6 +739,17 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.exit_code = exits.OK if final.status == SUCCEEDED else exits.FAILED
         log.info("job %s %s: %s", self.cfg.job, final.status, final.reason)
         self._publish_status(state, state_name="done", force=True)
+
+
+def _exited(workers: Workers) -> str:
+    """What ended when a round's workers exit: torchrun (restart recovery), or this node's own
+    worker processes (live recovery: no torchrun there)."""
+    return "the worker processes" if isinstance(workers, LiveWorkers) else "torchrun"
+
+
+def _ended(workers: Workers) -> str:
+    """How the exit status is named in the log: ``torchrun exit 1`` or ``worker processes' exit 0``."""
+    return "worker processes' exit" if isinstance(workers, LiveWorkers) else "torchrun exit"
 
 
 __all__ = ["Agent"]

@@ -41,6 +41,7 @@ from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
 from ftrain.agents.records import JobState, NodeStatus, RankStall
+from ftrain.agents.supervision import last_error_line
 from ftrain.agents.workers import Workers
 from ftrain.contract import events as ev
 
@@ -98,6 +99,7 @@ class AgentStatus:
     straggler_lines: list[str]
     round_pending: str
     _pending_said: str
+    workers_error: str
     _stragglers_seen: set[tuple[int, str, float]]
     _ckpt_failures_seen: int
     _ckpt_error: str
@@ -123,6 +125,7 @@ class AgentStatus:
             self.pool.ready() if self.pool is not None else 0,
             self.straggler_lines != [],
             _NUMBERS.sub("#", self.round_pending),
+            self.workers_error,
         )
 
     def _publish_status(self, state: JobState, *, state_name: str | None = None, force: bool = False) -> None:
@@ -169,6 +172,7 @@ class AgentStatus:
             busy_rank=self._busy[0],
             stragglers=self.straggler_lines if self._leading(state) else [],
             round_pending=self.round_pending[:500],
+            workers_error=self.workers_error[:500],
             waiting={k: v[:300] for k, v in self._waiting(state).items()},
             dump_nonce=self.dump_nonce,
             dump_verdict=self.dump_verdict[:500],
@@ -213,6 +217,29 @@ class AgentStatus:
         (log.error if decision.blocked else log.info)("%s", self.round_pending)
         self.events.emit(
             ev.RoundPending(node=self.cfg.node_id, need=decision.need, why=decision.why, blocked=decision.blocked)
+        )
+
+    def _note_startup_failures(self, pool: LiveWorkers | None) -> None:
+        """Live recovery: once this node's worker processes failed at start
+        ``agent.deterministic_failures`` times in a row (:meth:`LiveWorkers.failing_at_start`: no
+        more spares are started ahead of need), say it once, with their error (the last one of
+        their log): status (``workers_error``), a ``workers_failing`` event and an error log; a
+        process that gets ready clears it."""
+        if pool is None or not pool.failing_at_start():
+            self.workers_error = "" if pool is None or pool.startup_failures == 0 else self.workers_error
+            return
+        if self.workers_error:
+            return
+        error = last_error_line(pool.log_path) or "no error line in their log"
+        self.workers_error = (
+            f"{pool.startup_failures} worker process(es) in a row exited with {pool.startup_exit_code} before they "
+            f"were ready: {error} (log {pool.log_path}); no spare is started ahead of need until one starts"
+        )
+        log.error("%s", self.workers_error)
+        self.events.emit(
+            ev.WorkersFailing(
+                node=self.cfg.node_id, exits=pool.startup_failures, exit_code=pool.startup_exit_code, error=error
+            )
         )
 
     def _note_stragglers(self, state: JobState, memory: LeaderMemory, now: float) -> None:

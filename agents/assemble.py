@@ -60,6 +60,7 @@ def build_agent(opts: AgentOptions) -> Agent:
                     standby=cfg.nproc_per_node + cfg.spares,
                     spares=cfg.spares,
                     script=opts.script,
+                    startup_failure_limit=cfg.deterministic_failures,
                 )
             )
             if cfg.recovery == "live"

@@ -11,6 +11,12 @@ spare (or, with none left, to a process started now), and the spares are topped 
 A worker that dies takes no sibling with it: :meth:`LiveWorkers.crashed` names it, the agent
 reports the failure, and the survivors wait (``recovering``) for the next round's assignment.
 
+A process that exits with an error before it is ready (an import error, a script that fails at
+its first lines) is a **start-up failure**: counted in a row (:attr:`LiveWorkers.startup_failures`,
+back to 0 once a process is ready), and once the count reaches ``startup_failure_limit`` no spare
+is started ahead of need any more (:meth:`LiveWorkers.failing_at_start`: the agent says so): a
+round still gets its processes, whose failure the agent reports like any other.
+
 What must stay true: only processes this object started are ever signalled (they are its
 children, tracked by their :class:`subprocess.Popen`, so a PID cannot be mistaken for another
 process's); every process gets a parent-death signal and watches the agent's PID, so none
@@ -26,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ftrain.agents.workers import Launch, die_with_parent, dump_stacks, signal_pids
@@ -42,6 +48,7 @@ class _Process:
     control: ControlFile
     started_at: float  #: monotonic
     rounds: list[int] = field(default_factory=list)  #: rounds it was assigned
+    counted: bool = False  #: its exit was looked at for a start-up failure
 
     @property
     def pid(self) -> int:
@@ -68,7 +75,10 @@ class LiveWorkers:
         standby: int,
         spares: int,
         script: str = "",
+        startup_failure_limit: int = 0,
     ):
+        """``startup_failure_limit``: start-up failures in a row after which no spare is started
+        ahead of need (0: never stop)."""
         self.env = dict(env)
         #: what each process runs: ``ftrain worker`` with the config, or a user's script (its loop
         #: serves rounds through ftrain.Session.run) with its arguments
@@ -90,6 +100,9 @@ class LiveWorkers:
         self.terminating = False
         self.last_kept: list[int] = []
         self.last_started: list[int] = []
+        self.startup_failure_limit = startup_failure_limit
+        self.startup_failures = 0  #: processes in a row that exited with an error before they were ready
+        self.startup_exit_code = 0  #: the last such process's exit code
         self._spares = [self._start() for _ in range(standby)]
 
     # -- rounds -------------------------------------------------------------------------------
@@ -154,15 +167,47 @@ class LiveWorkers:
 
     def refill(self, nproc: int) -> None:
         """Between rounds: forget processes that died and start new ones, so that ``nproc`` of
-        them (survivors first) can serve the next round with the spares on top."""
+        them (survivors first) can serve the next round with the spares on top (none while
+        :meth:`failing_at_start`)."""
+        for proc in self._assigned.values():
+            if not proc.alive():
+                self._exited(proc)
         self._assigned = {r: p for r, p in self._assigned.items() if p.alive()}
-        self._spares = [p for p in self._spares if p.alive()]
-        while len(self._assigned) + len(self._spares) < nproc + self.spares_wanted:
+        self._prune_spares()
+        while len(self._assigned) + len(self._spares) < nproc + self.spares_wanted and not self.failing_at_start():
             self._spares.append(self._start())
+
+    def failing_at_start(self) -> bool:
+        """``startup_failure_limit`` processes in a row exited with an error before they were ready."""
+        return 0 < self.startup_failure_limit <= self.startup_failures
+
+    def _exited(self, proc: _Process) -> None:
+        """Count ``proc`` (exited) as a start-up failure if it failed before it was ready."""
+        code = proc.popen.poll()
+        if proc.counted or code is None:
+            return
+        proc.counted = True
+        if code and not proc.control.is_ready():
+            self.startup_failures += 1
+            self.startup_exit_code = code
+
+    def _prune_spares(self) -> None:
+        """Forget the spares that exited (counting start-up failures); a ready one ends the count."""
+        alive = []
+        for proc in self._spares:
+            if proc.alive():
+                alive.append(proc)
+            else:
+                self._exited(proc)
+                _unlink(proc.control.path)
+                _unlink(proc.control.ready_path)
+        self._spares = alive
+        if any(p.control.is_ready() for p in self._all()):
+            self.startup_failures = 0
 
     def _take_spare(self) -> _Process:
         """A warm spare if there is one, else the oldest (the nearest to warm), else a new process."""
-        self._spares = [p for p in self._spares if p.alive()]
+        self._prune_spares()
         warm = [p for p in self._spares if p.control.is_ready()]
         if warm or self._spares:
             proc = (warm or self._spares)[0]
@@ -171,8 +216,8 @@ class LiveWorkers:
         return self._start()
 
     def _top_up(self) -> None:
-        self._spares = [p for p in self._spares if p.alive()]
-        while len(self._spares) < self.spares_wanted:
+        self._prune_spares()
+        while len(self._spares) < self.spares_wanted and not self.failing_at_start():
             self._spares.append(self._start())
 
     def _start(self) -> _Process:
@@ -206,14 +251,17 @@ class LiveWorkers:
             return None
         return next((c for c in codes if c), 0)
 
-    def crashed(self) -> dict[int, int]:
+    def crashed(self, settled: Callable[[int, int], bool] | None = None) -> dict[int, int]:
         """Local ranks whose process died (non-zero exit) while the others run, each returned once
-        per round: local rank -> exit code (negative: the signal)."""
+        per round: local rank -> exit code (negative: the signal). ``settled(local_rank, pid)``:
+        whether what the agent knows of that death is complete (its exit message read, or a grace
+        over); one not settled yet is returned by a later call."""
         out = {}
         for local_rank, proc in sorted(self._assigned.items()):
             code = proc.popen.poll()
-            if code and local_rank not in self._reported:
+            if code and local_rank not in self._reported and (settled is None or settled(local_rank, proc.pid)):
                 self._reported.add(local_rank)
+                self._exited(proc)
                 out[local_rank] = code
         return out
 
@@ -236,6 +284,9 @@ class LiveWorkers:
         """SIGKILL the processes serving ``local_ranks`` (a hang: their sockets close, so the
         survivors' collectives fail and they move on); their PIDs."""
         pids = [self._assigned[r].pid for r in local_ranks if r in self._assigned]
+        for r in local_ranks:
+            if r in self._assigned:
+                self._assigned[r].counted = True  # ended by the agent: no start-up failure
         signal_pids(pids, signal.SIGCONT)
         signal_pids(pids, signal.SIGKILL)
         for r in local_ranks:
@@ -246,6 +297,8 @@ class LiveWorkers:
     def kill(self, timeout_s: float = 5.0) -> int | None:
         """SIGKILL every process, spares too; the serving processes' combined exit code."""
         procs = self._all()
+        for proc in procs:
+            proc.counted = True  # ended by the agent: no start-up failure
         pids = [p.pid for p in procs if p.alive()]
         signal_pids(pids, signal.SIGCONT)
         signal_pids(pids, signal.SIGKILL)

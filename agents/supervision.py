@@ -2,7 +2,8 @@
 of the beats, the settings and the time (the agent acts on the answers).
 
 - :func:`exit_report`: how the round ended here, from the launcher's exit code and the workers'
-  last messages.
+  last messages (or, when none gave an error, the last Python error line of their log:
+  :func:`last_error_line`).
 - :func:`hung_ranks`: the local ranks past their limits (no step beat, or no "alive").
 - :func:`frozen_ranks`: which of them are frozen themselves.
 - :func:`stalls`: this node's ranks that are not making progress, as the agent publishes them
@@ -38,6 +39,8 @@ or one stuck outside any collective, is ended (no interruption reaches it).
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -68,14 +71,18 @@ def exit_report(
     *,
     draining: bool,
     exited: str = "torchrun",
+    log_error: str = "",
 ) -> Report:
     """How a round ended on this node, from torchrun's exit code and the workers' last messages.
 
     Success needs exit code 0 and every local rank's exit message saying it finished. Exit code 0
     without that is a graceful stop: this node's drain (``draining``: it leaves) or another's (the
     ranks stop together: this node yields and stays for the next round). A failure
-    carries the newest step any worker reported and the first worker error (by local rank), or a
-    stand-in naming the exit code; a worker that said its error is fatal makes the report fatal.
+    carries the newest step any worker reported and the first worker error (by local rank); when
+    no worker said one (it died before its heartbeat was set up: an import, the script's first
+    lines), ``log_error``, the last error line of their log (:func:`last_error_line`), stands for
+    it, so that the same failure at start, round after round, is told as deterministic; a worker
+    that said its error is fatal makes the report fatal.
     """
     finished = len(beats) == nproc and all(b.finished for b in beats.values())
     if rc == 0 and finished:
@@ -88,11 +95,38 @@ def exit_report(
     errors = [b for _, b in sorted(beats.items()) if b.error]
     fatal = [b for b in errors if b.fatal]
     first = next(iter(fatal or errors), None)
-    error = first.error if first else ""
+    error = first.error if first else log_error
     detail = f"{exited} exited with {rc}; log {log_path}"
     if first:
         detail += f"; local rank {first.local_rank}: {error}"
+    elif error:
+        detail += f"; its log says: {error}"
     return Report(FAILED, FATAL if fatal else WORKER_EXIT, detail[:1000], agent_uid, now, step=step, error=error)
+
+
+#: the end of a worker log read for its last error (a traceback's last line is near the end)
+LOG_TAIL_BYTES = 64 * 1024
+#: the last line of a Python traceback: ``SessionError: message`` (a dotted class name ending in
+#: Error or Exception, then the message); torchrun's own report of a child's failure is not one
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): \S.*$")
+_NOT_THE_WORKERS = ("ChildFailedError",)
+
+
+def last_error_line(log_path: str, *, tail_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last line of ``log_path``'s end that is the last line of a Python traceback
+    (``ValueError: bad value``), cut to 500 characters; empty when there is none or the log
+    cannot be read. The log is the workers' (untrusted): only read, never acted on but as text."""
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - tail_bytes))
+            tail = fh.read(tail_bytes).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    for line in reversed(tail.splitlines()):
+        line = line.rstrip()  # a traceback's last line starts at the margin
+        if _ERROR_LINE.match(line) and not any(name in line for name in _NOT_THE_WORKERS):
+            return line[:500]
+    return ""
 
 
 def hung_ranks(

@@ -25,6 +25,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from ftrain.contract import exits
@@ -63,15 +64,37 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: the exit status of a command whose reader went away (``ftrain status ... | head``): a shell's
+#: for a process ended by SIGPIPE, which is what the command would have met without Python's handler
+BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = build_parser(argv).parse_known_args(argv)
     try:
-        return args.func(args, overrides)
+        code = args.func(args, overrides)
+        sys.stdout.flush()  # here, not at exit: a reader gone is met where it is handled
+        return code
     except ConfigError as e:
         print(f"ftrain: config error: {e}", file=sys.stderr)
         return exits.USAGE
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (``| head`` had enough): end quietly, as a command ended by
+    SIGPIPE does, with no traceback; what is still buffered goes nowhere (Python's own flush at
+    exit would otherwise raise again: the documented way, stdout onto /dev/null)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind stdout (redirected in-process)
+        pass
+    return BROKEN_PIPE
 
 
 if __name__ == "__main__":

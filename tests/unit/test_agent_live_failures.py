@@ -1,0 +1,202 @@
+"""A deterministic failure at start under ``--recovery live`` stops the job with its message
+(issue 38 item 14), as it does in train() and under restart recovery.
+
+Before: a ``with ftrain.Session(...)`` script under ``--script --recovery live`` raised at its
+start, before it had a round to tell its agent in; the agent replaced the process, formed round
+after round with no error to compare, and backed off until killed. Now the session tells the
+agent (fatal: a restart cannot help), and a worker process that dies at start without a word
+is described by its log's last error line, counted as a start-up failure (no spare is started
+ahead of need after ``deterministic_failures`` of them in a row) and judged deterministic like
+any other failure.
+
+Real worker processes (a two-line script, no torch), a real heartbeat socket; the agent on the
+in-memory store and a fake clock that moves one tick per look (waits have real deadlines).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrain.agents.agent import TICK_S, Agent
+from ftrain.agents.agent_options import AgentOptions
+from ftrain.agents.heartbeat import HeartbeatServer
+from ftrain.agents.job_keys import JobKeys
+from ftrain.agents.live_workers import LiveWorkers
+from ftrain.agents.metrics import AgentMetrics
+from ftrain.agents.records import FAILED, FATAL, WORKER_EXIT, JobState
+from ftrain.agents.status import format_status, status_of
+from ftrain.agents.supervision import last_error_line
+from ftrain.agents.workers import Launch, Workers
+from ftrain.chaos.cluster import FAST_AGENT_SETTINGS
+from ftrain.contract.control import Assignment, ControlFile
+from ftrain.contract.events import EventLog, read_jsonl
+from ftrain.contract.worker_env import WorkerEnv
+from ftrain.testbed.wait import wait_for
+from tests.memory_jobstore import FakeClock, MemoryJobStore
+
+JOB = "job"
+KEYS = JobKeys(JOB)
+BOOM = "RuntimeError: boom at start (this script fails the same way every time)"
+
+
+def _failing_script(tmp_path: Path) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(f'raise RuntimeError("{BOOM.removeprefix("RuntimeError: ")}")\n')
+    return script
+
+
+def test_last_error_line_is_a_tracebacks_last_line_never_a_log_line_or_torchruns_report(tmp_path: Path) -> None:
+    log = tmp_path / "workers.log"
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 1, in <module>\n'
+        "    raise ValueError('first')\n"
+        "ValueError: first\n"
+        "2026-01-01 00:00:00,000 ERROR ftrain.x: RuntimeError: a log line, not a traceback\n"
+        "Traceback (most recent call last):\n"
+        "ftrain.session_state.SessionError: put the loop in a function\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "    | nested: OSError: indented, not the last line\n"
+    )
+    assert last_error_line(str(log)) == "ftrain.session_state.SessionError: put the loop in a function"
+    assert last_error_line(str(tmp_path / "absent.log")) == ""
+
+
+def test_processes_that_fail_before_they_are_ready_are_counted_and_no_spare_replaces_them(tmp_path: Path) -> None:
+    pool = LiveWorkers(
+        {**os.environ},
+        str(tmp_path / "workers.log"),
+        worker_args=(),
+        standby=2,
+        spares=1,
+        script=str(_failing_script(tmp_path)),
+        startup_failure_limit=3,
+    )
+    try:
+        wait_for(lambda: (pool.refill(1), pool.failing_at_start())[1], 60, "three start-up failures in a row")
+        assert pool.startup_failures >= 3 and pool.startup_exit_code == 1
+        wait_for(lambda: not pool.spare_pids(), 30, "the last spares gone")
+        pool.refill(1)
+        assert pool.spare_pids() == [], "no spare is started ahead of need any more"
+        assert last_error_line(pool.log_path) == BOOM
+    finally:
+        pool.kill()
+
+
+class _Tick:
+    """The agent, ticked once per look by :func:`wait_for`: the fake clock moves one tick each."""
+
+    def __init__(self, agent: Agent, clock: FakeClock, store: MemoryJobStore):
+        self.agent, self.clock, self.store = agent, clock, store
+
+    def state(self) -> JobState:
+        listing = self.store.list_prefix(KEYS.prefix)
+        return JobState.parse(KEYS, listing.kvs, listing.revision)
+
+    def __call__(self) -> JobState:
+        if self.agent.exit_code is None:
+            self.agent.tick()
+        self.clock.advance(TICK_S)
+        self.store.expire_leases()
+        return self.state()
+
+
+def _no_torchrun(launch: Launch, env: dict[str, str], log_path: str) -> Workers:
+    raise AssertionError("live recovery starts no torchrun")
+
+
+@pytest.mark.timeout(120)
+def test_a_live_worker_that_fails_at_start_without_a_word_stops_the_job_as_deterministic_with_its_error(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(monotonic_s=time.monotonic())  # the live workers' start times are on the real one
+    store = MemoryJobStore(clock)
+    script = _failing_script(tmp_path)
+    opts = AgentOptions.of(
+        etcd=["http://etcd.invalid:2379"],
+        job=JOB,
+        node_id="a",
+        worker_args=[],
+        script=str(script),
+        **{**FAST_AGENT_SETTINGS, "recovery": "live", "nnodes": "1:1", "nproc_per_node": 1, "spares": 1},
+    )
+    events = tmp_path / "events.jsonl"
+    agent = Agent(
+        opts,
+        store=store,
+        clock=clock,
+        heartbeats=HeartbeatServer(str(tmp_path / "hb.sock")),
+        metrics=AgentMetrics(JOB, "a", clock=clock.monotonic),
+        events=EventLog(str(events), rank=-1),
+        launcher=_no_torchrun,
+        run_dir=str(tmp_path),
+        standby=lambda env, log_path: LiveWorkers(
+            env, log_path, worker_args=(), standby=2, spares=1, script=str(script), startup_failure_limit=3
+        ),
+    )
+    tick = _Tick(agent, clock, store)
+    try:
+        agent.start()
+        seen_error: list[str] = []
+
+        def done() -> JobState | None:
+            state = tick()
+            status = state.status.get("a")
+            if status is not None and status.workers_error:
+                seen_error.append(status.workers_error)
+            return state if state.final is not None else None
+
+        state = wait_for(done, 90, "the job's end", poll_s=0.01)
+    finally:
+        agent.close()
+    final = state.final
+    assert final is not None and final.status == FAILED
+    assert final.reason.startswith("deterministic failure: the workers failed 3 times in a row at step -1"), final
+    assert BOOM in final.reason
+    reports = [r for g in sorted(state.reports) for r in state.reports[g].values()]
+    assert reports and all(r.reason == WORKER_EXIT and r.error == BOOM for r in reports)
+    assert seen_error and BOOM in seen_error[0] and "before they were ready" in seen_error[0]
+    [failing] = [e for e in read_jsonl(events) if e["event"] == "workers_failing"]
+    assert failing["error"] == BOOM and failing["exit_code"] == 1
+    shown = format_status(status_of(state, JOB, now=clock.time()))
+    assert shown.startswith("job job: FAILED (deterministic failure") and BOOM in shown
+
+
+def test_a_session_started_under_live_recovery_tells_its_agent_why_before_it_raises(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``with ftrain.Session(...)`` in a live worker: the session waits for the round the agent
+    gives it, says there that it fails and that a restart cannot help (fatal), then raises."""
+    from ftrain.session import Session, SessionError
+
+    server = HeartbeatServer(str(tmp_path / "hb.sock"))
+    try:
+        server.reset(3)
+        control = ControlFile(str(tmp_path / "control.json"))
+        control.write(
+            Assignment(
+                round=3,
+                rank=1,
+                world_size=2,
+                local_rank=0,
+                local_world_size=1,
+                node_rank=1,
+                nnodes=2,
+                master_addr="127.0.0.1",
+                master_port=29500,
+            )
+        )
+        for name, value in WorkerEnv(job=JOB, heartbeat=server.path, control=control.path).to_env().items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SessionError, match=r"session\.run\(train\)"):
+            Session(str(tmp_path / "ckpt")).start()
+        beat = wait_for(lambda: server.beats().get(0), 10, "the exit message")
+    finally:
+        server.close()
+    assert beat.finished is False and beat.fatal and beat.step == -1 and beat.rank == 1
+    assert beat.error.startswith("SessionError: this process was started by `ftrain agent --recovery live`")
+    assert FATAL  # the agent's report of it is fatal (supervision.exit_report): the leader ends the job at once
