@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftrain.contract.bounded_json import printable
 from ftrain.contract.events import Dumped, FlightRecorded, Hang, NodeHost, WorkerStarted, parse
 from ftrain.contract.flight import Collective, FlightRecord
 
@@ -317,8 +318,8 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
     def take(evidence: RoundEvidence, rank: int, raw: Any, where: str) -> None:
         try:
             record = FlightRecord.decode(raw)
-        except (ValueError, TypeError) as e:
-            evidence.problems.append(f"{where}: rank {rank}: {e}")
+        except ValueError as e:  # the only error it raises, whatever the record holds
+            evidence.problems.append(_text(f"{where}: rank {rank}: {e}", 500))
             return
         old = evidence.records.get(rank)
         if old is None or record.taken_at >= old.taken_at:
@@ -328,36 +329,36 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
     for e in events:
         parsed = parse(e)
         if isinstance(parsed, NodeHost):
-            hosts[str(parsed.node)[:100]] = str(parsed.host)[:200]  # the address, as nodes/<id> and agents name it
+            hosts[_text(parsed.node, 100)] = _text(parsed.host, 200)  # the address, as nodes/<id> and agents name it
         elif isinstance(parsed, WorkerStarted) and isinstance(e.get("round"), int) and isinstance(e.get("rank"), int):
-            started.setdefault(e["round"], {})[e["rank"]] = str(parsed.node)[:100]
+            started.setdefault(e["round"], {})[e["rank"]] = _text(parsed.node, 100)
         if isinstance(parsed, Hang) and isinstance(parsed.worker_round, int):
             ev = rounds.setdefault(parsed.worker_round, RoundEvidence(parsed.worker_round))
-            ev.nodes.append(str(parsed.node))
+            ev.nodes.append(_text(parsed.node, 100))
             for key in [
                 *_dict(parsed.flight),
                 *_dict(parsed.missing),
                 *(parsed.frozen if isinstance(parsed.frozen, list) else []),
             ]:
-                if str(key).isdigit():
-                    ev.node_of[int(key)] = str(parsed.node)[:100]
+                if (rank := _rank_of(key)) is not None:
+                    ev.node_of[rank] = _text(parsed.node, 100)
             ev.hung = ev.hung or not isinstance(parsed, Dumped)
-            ev.whys.append(f"{str(parsed.node)[:100]}: {str(parsed.why)[:300]}")
+            ev.whys.append(f"{_text(parsed.node, 100)}: {_text(parsed.why, 300)}")
             frozen = parsed.frozen if isinstance(parsed.frozen, list) else []
             ev.frozen.update(r for r in frozen if isinstance(r, int) and not isinstance(r, bool))
             flight = parsed.flight if isinstance(parsed.flight, dict) else {}
             for key, raw in flight.items():
-                if str(key).isdigit():
-                    take(ev, int(key), raw, f"hang event of {parsed.node}")
+                if (rank := _rank_of(key)) is not None:
+                    take(ev, rank, raw, f"hang event of {_text(parsed.node, 100)}")
             missing = parsed.missing if isinstance(parsed.missing, dict) else {}
             for key, why in missing.items():
-                if str(key).isdigit() and int(key) not in ev.records:
-                    ev.missing[int(key)] = str(why)[:300]
+                if (rank := _rank_of(key)) is not None and rank not in ev.records:
+                    ev.missing[rank] = _text(why, 300)
         elif isinstance(parsed, FlightRecorded) and isinstance(e.get("round"), int):
             ev = rounds.setdefault(e["round"], RoundEvidence(e["round"]))
             rank = e.get("rank")
-            if isinstance(rank, int) and rank >= 0:
-                take(ev, rank, parsed.record, f"flight_recorded event of rank {rank} ({parsed.why})")
+            if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+                take(ev, rank, parsed.record, f"flight_recorded event of rank {rank} ({_text(parsed.why, 200)})")
     for round_, ev in rounds.items():
         ev.node_of = {**started.get(round_, {}), **ev.node_of}
         ev.hosts = {node: hosts[node] for node in set(ev.node_of.values()) if node in hosts}
@@ -366,6 +367,20 @@ def from_events(events: Iterable[dict[str, Any]]) -> list[RoundEvidence]:
 
 def _dict(value: Any) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
+
+
+def _text(value: Any, limit: int) -> str:
+    """``value`` from an event as text to show: cut, and printable (a lone surrogate escaped)."""
+    return printable(str(value)[:limit])
+
+
+def _rank_of(key: Any) -> int | None:
+    """A global rank written as an event's key or list item (``"3"`` or 3); None for anything else
+    (``"²"`` passes ``str.isdigit`` but not ``int``; a 400-digit one is no rank)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if 0 <= key < 2**62 else None
+    text = key if isinstance(key, str) else ""
+    return int(text) if 0 < len(text) <= 18 and text.isascii() and text.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True)

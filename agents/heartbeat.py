@@ -2,7 +2,9 @@
 
 The messages are :class:`ftrain.contract.heartbeat.Message` (``beat`` per step, ``exit`` at the end,
 ``alive`` every second); every datagram is checked field by field there and dropped whole if one
-is wrong. A PID is still only a claim: the agent signals it only while it is a descendant of its
+is wrong: counted (:attr:`HeartbeatServer.dropped`) and logged with why (at most one line a
+second, with the count of the others), and the receiver goes on with the next datagram, whatever
+a datagram holds. A PID is still only a claim: the agent signals it only while it is a descendant of its
 torchrun (:class:`ftrain.agents.workers.WorkerGroup`). Datagrams on a local socket are never torn and a
 full buffer drops the newest ones, so a slow agent costs workers nothing. The agent keeps the
 newest beat of each local rank of the round it is running; beats of other rounds are ignored (a
@@ -16,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -23,6 +26,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ftrain.contract.bounded_json import VALUE_ERRORS
 from ftrain.contract.heartbeat import BUSY_PHASES, MAX_DATAGRAM_BYTES, Message
 
 log = logging.getLogger(__name__)
@@ -138,6 +142,9 @@ class BusyWindow:
         return max(means.items(), key=lambda rank_busy: rank_busy[1]) if means else None
 
 
+DROP_LOG_INTERVAL_S = 1.0  #: malformed datagrams are logged at most this often (a sender may flood)
+
+
 def _after_alive(prev: Beat, alive: Beat) -> Beat:
     """``prev`` (a new object: readers hold the old one) with what an "alive" says: the time, and
     what is in flight; the same collective keeps its earliest sighting (a datagram's delay makes
@@ -188,6 +195,9 @@ class HeartbeatServer:
         self._totals: dict[int, RankTotals] = {}  #: local rank -> since the last take_totals()
         self._training_beats: dict[int, int] = {}  #: local rank -> training beats this round
         self._carried: dict[int, int] = {}  #: local rank -> pid of a kept process not yet heard in this round
+        self.dropped = 0  #: malformed datagrams received so far (each dropped whole)
+        self._drops_unlogged = 0  #: dropped since the last one logged
+        self._drop_logged_at = -math.inf  #: time.monotonic() of the last one logged
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-server", daemon=True)
         self._thread.start()
@@ -239,13 +249,31 @@ class HeartbeatServer:
                 continue
             except OSError:
                 return  # closed
-            self._handle(data)
+            try:
+                self._handle(data)
+            except Exception:  # noqa: BLE001 - one datagram must never end the receiver (later beats would be lost)
+                log.exception("heartbeat receiver: a datagram could not be handled; going on")
+
+    def _dropped(self, data: bytes, why: Exception, now: float) -> None:
+        self.dropped += 1
+        self._drops_unlogged += 1
+        if now - self._drop_logged_at < DROP_LOG_INTERVAL_S:
+            return
+        others = self._drops_unlogged - 1
+        self._drop_logged_at, self._drops_unlogged = now, 0
+        log.warning(
+            "ignoring a malformed heartbeat (%s): %r%s",
+            str(why)[:300],
+            data[:200],
+            f" ({others} more dropped since the last one logged)" if others else "",
+        )
 
     def _handle(self, data: bytes) -> None:
+        now = time.monotonic()
         try:
-            round_, kind, beat = parse_beat(data, time.monotonic())
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            log.warning("ignoring a malformed heartbeat (%s): %r", e, data[:200])
+            round_, kind, beat = parse_beat(data, now)
+        except VALUE_ERRORS as e:
+            self._dropped(data, e, now)
             return
         with self._lock:
             prev = self._beats.get(beat.local_rank)

@@ -1,21 +1,26 @@
 """Strict reading of decoded JSON into the job's record dataclasses (:mod:`ftrain.agents.records`).
 
 What must stay true: a value of the wrong type is refused with a TypeError naming the field
-(ints are widened to floats; bools are never numbers; floats are finite); unknown keys are
-ignored (old agents read new records); a missing required field is refused. Each type hint's
-checker is built once (building it per record, ``typing.get_type_hints`` above all, cost ~1 ms
-a record and made reading a 1,024-node job take ~2 s).
+(ints are widened to floats; bools are never numbers; floats are finite: a 400-digit integer in a
+float field is "not a finite float", never the ``OverflowError`` that ``math.isfinite`` raises on
+it; ints fit in int64, as every writer's do); unknown keys are ignored (old agents read new
+records); a missing required field is refused. Text is kept printable: a lone surrogate (JSON's
+``"\udc80"``) is written as its escape, so that printing or encoding a record never raises. An
+error message shows a hostile value in bounded space (:func:`ftrain.contract.bounded_json.short`).
+Each type hint's checker is built once (building it per record, ``typing.get_type_hints`` above
+all, cost ~1 ms a record and made reading a 1,024-node job take ~2 s).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
+
+from ftrain.contract.bounded_json import is_finite_number, printable, short
 
 #: a checker: the value if it has the hinted type (ints widened to floats), else TypeError naming ``where``
 Checker = Callable[[Any, str], Any]
@@ -25,7 +30,7 @@ def _scalar(accept: Callable[[Any], bool], convert: Callable[[Any], Any], name: 
     def check(value: Any, where: str) -> Any:
         if accept(value):
             return convert(value)
-        raise TypeError(f"{where}: {value!r} is not {name}")
+        raise TypeError(f"{where}: {short(value)} is not {name}")
 
     return check
 
@@ -34,14 +39,20 @@ def _identity(value: Any) -> Any:
     return value
 
 
+#: the largest int a field holds (ints are int64: what every writer's values fit in)
+MAX_INT = 2**63 - 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -MAX_INT - 1 <= v <= MAX_INT
+
+
 _SCALARS: dict[Any, Checker] = {
     type(None): _scalar(lambda v: v is None, _identity, "None"),
     bool: _scalar(lambda v: isinstance(v, bool), _identity, "bool"),
-    int: _scalar(lambda v: isinstance(v, int) and not isinstance(v, bool), _identity, "int"),
-    float: _scalar(
-        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), float, "float"
-    ),
-    str: _scalar(lambda v: isinstance(v, str), _identity, "str"),
+    int: _scalar(_is_int, _identity, "an int64"),
+    float: _scalar(is_finite_number, float, "a finite float"),
+    str: _scalar(lambda v: isinstance(v, str), printable, "str"),
 }
 
 
@@ -61,7 +72,7 @@ def checker(hint: Any) -> Checker:
                     return option(value, where)
                 except TypeError:
                     continue
-            raise TypeError(f"{where}: {value!r} is not {hint}")
+            raise TypeError(f"{where}: {short(value)} is not {hint}")
 
         return union
     if origin is list:
@@ -69,7 +80,7 @@ def checker(hint: Any) -> Checker:
 
         def listed(value: Any, where: str) -> Any:
             if not isinstance(value, list):
-                raise TypeError(f"{where}: {value!r} is not a list")
+                raise TypeError(f"{where}: {short(value)} is not a list")
             return [item(v, f"{where}[]") for v in value]
 
         return listed
@@ -78,8 +89,8 @@ def checker(hint: Any) -> Checker:
 
         def mapping(value: Any, where: str) -> Any:
             if not isinstance(value, dict):
-                raise TypeError(f"{where}: {value!r} is not an object")
-            return {key_check(k, f"{where} key"): value_check(v, f"{where}[{k!r}]") for k, v in value.items()}
+                raise TypeError(f"{where}: {short(value)} is not an object")
+            return {key_check(k, f"{where} key"): value_check(v, f"{where}[{k!r:.60}]") for k, v in value.items()}
 
         return mapping
     if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
@@ -106,4 +117,4 @@ def from_dict(cls: type, d: Any) -> Any:
         raise TypeError(f"{name}: {e}") from e
 
 
-__all__ = ["Checker", "checker", "from_dict"]
+__all__ = ["MAX_INT", "Checker", "checker", "from_dict"]

@@ -6,10 +6,15 @@ equals a fresh :meth:`JobState.parse` of the same keys.
 
 Reading is forgiving per record and strict per field (what must stay true):
 
-- A record that cannot be read (not JSON, not an object, a missing field, a field of the wrong
-  type, a key whose round segment is not a number, a master that is not ``host:port``) is
-  **skipped** and listed in :attr:`JobState.problems`; it never makes :meth:`JobState.parse`
+- A record that cannot be read (not JSON within :mod:`ftrain.contract.bounded_json`'s bounds,
+  not an object, a missing field, a field of the wrong type or out of range, a key whose round
+  segment is not a number, a master that is not ``host:port``) is **skipped** and listed in
+  :attr:`JobState.problems`; whatever a record holds (a 400-digit number in a float field, a
+  list nested 100,000 deep, invalid UTF-8), :func:`decode` and :meth:`JobState.parse` never
   raise. Fields a newer version added are ignored, so old agents read new records.
+- Counts are bounded where they are read: a round of at most :data:`MAX_NPROC_PER_NODE` workers a
+  node and :data:`~ftrain.contract.control.MAX_WORLD_SIZE` ranks (an agent starts that many
+  processes, and builds tables of that many ranks).
 - Skipping never makes anyone act on a wrong round: an unreadable ``round`` key sets
   :attr:`JobState.round_unreadable` (followers hold, the leader forms a new round above every
   round number found in any key), and an unreadable record of the current round leaves
@@ -31,6 +36,10 @@ from typing import Any
 from ftrain.agents.etcd import KeyValue
 from ftrain.agents.job_keys import JobKeys, validate_id
 from ftrain.agents.record_checks import checker, from_dict
+from ftrain.contract.bounded_json import VALUE_ERRORS, loads, printable, short
+from ftrain.contract.control import MAX_WORLD_SIZE
+from ftrain.contract.heartbeat import MAX_LOCAL_RANK
+from ftrain.contract.worker_env import MAX_ROUND
 
 # Round formation reasons. FAILURE_CAUSES count against the restart budget.
 START, WORKER_EXIT, HANG, START_TIMEOUT, NODE_LOST, NODE_LEFT, SCALE_UP = (
@@ -62,6 +71,12 @@ FATAL = "fatal"
 SUCCEEDED, FAILED, STOPPED, YIELDED = "succeeded", "failed", "stopped", "yielded"
 
 
+#: the largest record read (etcd's own limit on a request is 1.5 MiB by default)
+MAX_RECORD_BYTES = 4 << 20
+#: the most workers a round may give a node (a local rank past this cannot send a heartbeat)
+MAX_NPROC_PER_NODE = MAX_LOCAL_RANK + 1
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(asdict(obj), separators=(",", ":"), sort_keys=True)
 
@@ -72,7 +87,7 @@ def parse_master(value: str) -> tuple[str, int]:
     if (
         not sep
         or not host
-        or not port.isdigit()
+        or not _is_decimal(port, 5)
         or not 1 <= int(port) <= 65535
         or len(host) > 255
         or any(c.isspace() or not c.isprintable() for c in host)
@@ -138,11 +153,17 @@ class RoundRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> RoundRecord:
-        record = from_dict(cls, json.loads(raw))
-        if record.round < 1 or record.nproc_per_node < 1 or not record.members:
+        record = from_dict(cls, _json(raw, "RoundRecord"))
+        if (
+            not 1 <= record.round <= MAX_ROUND
+            or not 1 <= record.nproc_per_node <= MAX_NPROC_PER_NODE
+            or not record.members
+            or record.world_size > MAX_WORLD_SIZE
+        ):
             raise ValueError(
                 f"RoundRecord: round {record.round}, nproc_per_node {record.nproc_per_node} and "
-                f"{len(record.members)} members: need round >= 1, nproc >= 1 and a member"
+                f"{len(record.members)} members: need round 1..{MAX_ROUND}, nproc 1..{MAX_NPROC_PER_NODE}, "
+                f"a member and a world size of at most {MAX_WORLD_SIZE}"
             )
         return record
 
@@ -215,6 +236,12 @@ class NodeStatus:
     #: this node's ranks that are not making progress (none while the round runs well)
     stalled: list[RankStall] = field(default_factory=list)
     hang_dumped_round: int = -1  #: the newest round whose hang this agent's workers' flight records were dumped for
+    #: the leader's: why a new round is needed and why it is not formed yet (empty: none is needed)
+    round_pending: str = ""
+    #: the leader's: node id -> why that live node is outside the current round (bounded, oldest first)
+    waiting: dict[str, str] = field(default_factory=dict)
+    #: this node's workers cannot start: their processes exit before they are ready, with this error
+    workers_error: str = ""
 
     def to_json(self) -> str:
         return _dumps(self)
@@ -236,19 +263,18 @@ class FinalStatus:
     round: int
     time: float
     committed_step: int = -1  #: newest committed checkpoint the members reported
-    #: the leader's: why a new round is needed and why it is not formed yet (empty: none is needed)
-    round_pending: str = ""
-    #: the leader's: node id -> why that live node is outside the current round (bounded, oldest first)
-    waiting: dict[str, str] = field(default_factory=dict)
-    #: this node's workers cannot start: their processes exit before they are ready, with this error
-    workers_error: str = ""
 
     def to_json(self) -> str:
         return _dumps(self)
 
 
+def _json(raw: bytes | str, what: str) -> Any:
+    """A record's JSON, bounded (:func:`ftrain.contract.bounded_json.loads`): JsonInputError otherwise."""
+    return loads(raw, max_bytes=MAX_RECORD_BYTES, what=what)
+
+
 def _load(cls: type, raw: bytes) -> Any:
-    return from_dict(cls, json.loads(raw))
+    return from_dict(cls, _json(raw, cls.__name__))
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,12 +286,18 @@ class Problem:
     error: str
 
     def __str__(self) -> str:
-        return f"unreadable job record {self.key} (revision {self.mod_revision}): {self.error}"
+        return printable(f"unreadable job record {self.key} (revision {self.mod_revision}): {self.error}")
+
+
+def _is_decimal(text: str, max_digits: int) -> bool:
+    """``text`` is 1 to ``max_digits`` ASCII digits (``str.isdigit`` also takes ``"²"``, which
+    ``int`` refuses, and other scripts' digits)."""
+    return 0 < len(text) <= max_digits and text.isascii() and text.isdigit()
 
 
 def _round_number(text: str) -> int:
-    if not text.isdigit() or len(text) > 18:
-        raise ValueError(f"round segment {text[:40]!r} is not a round number")
+    if not _is_decimal(text, 18):
+        raise ValueError(f"round segment {short(text)} is not a round number")
     return int(text)
 
 
@@ -347,7 +379,7 @@ class JobState:
         round_mod_revision = 0
         for record in records:
             parts = record.parts
-            if parts[0] in ("rounds", "tally") and len(parts) >= 2 and parts[1].isdigit() and len(parts[1]) <= 18:
+            if parts[0] in ("rounds", "tally") and len(parts) >= 2 and _is_decimal(parts[1], 18):
                 highest_round = max(highest_round, int(parts[1]))
             if record.rel == "round":
                 round_mod_revision = record.kv.mod_revision
@@ -402,9 +434,9 @@ class JobState:
             self.leader_mod_revision = kv.mod_revision
         elif kind == "final":
             self.final_mod_revision = kv.mod_revision
-        elif kind == "master" and parts[1].isdigit():
+        elif kind == "master" and _is_decimal(parts[1], 18):
             self.bad_masters[int(parts[1])] = f"{kv.key}: {record.error}"
-        elif kind == "report" and parts[1].isdigit():
+        elif kind == "report" and _is_decimal(parts[1], 18):
             self.reports.setdefault(int(parts[1]), {})[parts[3]] = Report(
                 FAILED, WORKER_EXIT, f"unreadable report {kv.key}: {record.error}"[:300], _UNREADABLE_UID, 0.0
             )
@@ -442,7 +474,7 @@ def _kind(rel: str, parts: tuple[str, ...]) -> str:
         return "started"
     if top == "tally" and n == 4 and parts[2] == "reports":
         return "report"
-    if top == "commits" and n == 2 and parts[1].isdigit() and len(parts[1]) <= 18:
+    if top == "commits" and n == 2 and _is_decimal(parts[1], 18):
         return "commit"
     if rel in ("leader", "round", "dump", "final"):
         return rel
@@ -451,7 +483,8 @@ def _kind(rel: str, parts: tuple[str, ...]) -> str:
 
 def decode(keys: JobKeys, kv: KeyValue) -> Decoded:
     """Decode one of the job's records (``kv`` under ``keys.prefix``); never raises on what is in
-    etcd: an unreadable record comes back with its ``error``."""
+    etcd: an unreadable record comes back with its ``error`` (any exception a value raises:
+    :data:`ftrain.contract.bounded_json.VALUE_ERRORS`)."""
     rel = kv.key[len(keys.prefix) :]
     parts = tuple(rel.split("/"))
     kind = _kind(rel, parts)
@@ -459,7 +492,7 @@ def decode(keys: JobKeys, kv: KeyValue) -> Decoded:
         if parts[0] in ("rounds", "tally") and len(parts) >= 2:
             _round_number(parts[1])
         return Decoded(kv, rel, parts, kind, _decode_value(kind, kv, parts))
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+    except VALUE_ERRORS as e:
         return Decoded(kv, rel, parts, kind, error=f"{type(e).__name__}: {e}"[:300])
 
 
@@ -492,7 +525,7 @@ def _decode_value(kind: str, kv: KeyValue, parts: tuple[str, ...]) -> Any:
     if kind == "hang":
         return validate_id(kv.value.decode(), "hang reporter")
     if kind == "stragglers":
-        nodes = checker(list[str])(json.loads(kv.value), "stragglers")
+        nodes = checker(list[str])(_json(kv.value, "stragglers"), "stragglers")
         return [validate_id(n, "straggler") for n in nodes[:MAX_STRAGGLERS]]
     if kind == "report":
         return _load(Report, kv.value)

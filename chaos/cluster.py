@@ -4,7 +4,6 @@ and the metrics, wait on conditions with deadlines. The chaos runner and the age
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from typing import Any
 
 from ftrain.agents.config import AgentConfig, agent_flags
 from ftrain.agents.launch import agent_command
-from ftrain.contract.events import Event
+from ftrain.contract.events import Event, parse_line
 from ftrain.faults import REQUESTS_DIR
 from ftrain.testbed.procs import REPO, kill_tree, quiet_env
 from ftrain.testbed.wait import WaitTimeout, wait_for
@@ -56,10 +55,9 @@ class JsonlTail:
             complete = chunk[: chunk.rfind(b"\n") + 1]
             self._offset += len(complete)
             for line in complete.splitlines():
-                try:
-                    self._records.append(json.loads(line))
-                except ValueError:
-                    continue
+                record = parse_line(line)  # torn, hostile or not an object: skipped
+                if record is not None:
+                    self._records.append(record)
             return self._records
 
 

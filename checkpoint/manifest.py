@@ -45,6 +45,7 @@ from typing import Any
 
 from ftrain.checkpoint.digest import ALGORITHMS
 from ftrain.checkpoint.errors import ManifestError
+from ftrain.contract import bounded_json
 
 FORMAT_VERSION = 2
 #: Formats a reader accepts (format 1 only without an HMAC key; see the module doc).
@@ -54,9 +55,12 @@ HMAC_DOMAIN = b"ftrain-manifest-v2\n"
 #: A manifest larger than this is refused unparsed (a real one is KiBs: one entry per file).
 MAX_MANIFEST_BYTES = 16 << 20
 #: Deepest JSON nesting accepted (config and layout sections are a few levels deep).
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = bounded_json.MAX_DEPTH
 #: Longest number literal accepted: int64 has 19 digits; floats print in <= 24 characters.
-MAX_NUMBER_CHARS = 40
+MAX_NUMBER_CHARS = bounded_json.MAX_NUMBER_CHARS
+#: Largest file size (and block size) a manifest may list: a reader sizes buffers and reads by it,
+#: and a 40-digit size overflows every int64 on the way.
+MAX_FILE_BYTES = 1 << 62
 #: Longest job id accepted.
 MAX_JOB_CHARS = 256
 #: The DCP metadata file: every committed step lists it (it is what a reader opens first).
@@ -128,70 +132,15 @@ def job_problem(job: Any) -> str | None:
     return None
 
 
-def _json_depth_exceeds(data: bytes, limit: int) -> bool:
-    """True if ``data``'s brackets nest deeper than ``limit`` (strings skipped). Linear, no
-    recursion; stops at the first bracket past the limit."""
-    brackets = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", data).translate(None, _NOT_BRACKETS)
-    if brackets.count(b"[") + brackets.count(b"{") <= limit:
-        return False
-    depth = 0
-    for byte in brackets:
-        depth += 1 if byte in _OPENERS else -1
-        if depth > limit:
-            return True
-    return False
-
-
-_OPENERS = b"[{"
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_NUMBER_CHARS:
-        raise ManifestError(f"manifest number {text[:20]}... has more than {MAX_NUMBER_CHARS} digits")
-    return int(text)
-
-
-def _bounded_float(text: str) -> float:
-    value = float(text) if len(text) <= MAX_NUMBER_CHARS else math.inf
-    if not math.isfinite(value):
-        raise ManifestError(f"manifest number {text[:20]!r} is too long or not finite")
-    return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ManifestError(f"manifest holds {text}, which JSON does not allow")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ManifestError(f"manifest repeats the key {key!r}")
-            seen.add(key)
-    return obj
-
-
 def parse_json_bounded(data: bytes, what: str = "manifest") -> Any:
-    """``json.loads(data)`` within the bounds of the module doc; ManifestError for anything else."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what} is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a reader accepts")
-    if _json_depth_exceeds(data, MAX_JSON_DEPTH):
-        raise ManifestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    """``json.loads(data)`` within the bounds of the module doc (the bounded reader of every
+    untrusted JSON, :func:`ftrain.contract.bounded_json.loads`); ManifestError for anything else."""
     try:
-        return json.loads(
-            data,
-            parse_int=_bounded_int,
-            parse_float=_bounded_float,
-            parse_constant=_no_constant,
-            object_pairs_hook=_unique_keys,
+        return bounded_json.loads(
+            data, max_bytes=MAX_MANIFEST_BYTES, what=what, max_depth=MAX_JSON_DEPTH, max_number_chars=MAX_NUMBER_CHARS
         )
-    except ManifestError:
-        raise
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{what} is not valid JSON: {e}") from e
+    except bounded_json.JsonInputError as e:
+        raise ManifestError(str(e)) from e
 
 
 def hmac_key_from_env(var_name: str) -> bytes | None:
@@ -314,8 +263,9 @@ class Manifest:
                 return f"bad file entry {name!r}: name {why}"
             if not isinstance(entry, FileEntry):
                 return f"bad file entry {name!r}: not a FileEntry"
-            if isinstance(entry.size_bytes, bool) or not isinstance(entry.size_bytes, int) or entry.size_bytes < 0:
-                return f"bad file entry {name!r}: size_bytes must be a non-negative int, got {entry.size_bytes!r}"
+            size = entry.size_bytes
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+                return f"bad file entry {name!r}: size_bytes must be an int in 0..2**62, got {size!r}"
             if not isinstance(entry.digest, str) or len(entry.digest) != hex_len or not _HEX.fullmatch(entry.digest):
                 return (
                     f"bad file entry {name!r}: digest must be {hex_len} lower-case hex digits "
@@ -427,8 +377,8 @@ _WITH_BLOCKS = {"size_bytes", "digest", "block_bytes", "blocks_file"}
 def _blocks_problem(entry: FileEntry, files: dict[str, FileEntry]) -> str | None:
     """Why ``entry``'s block digests are unusable (None if they are fine or absent)."""
     b = entry.block_bytes
-    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-        return f"block_bytes must be a non-negative int, got {b!r}"
+    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_FILE_BYTES:
+        return f"block_bytes must be an int in 0..2**62, got {b!r}"
     if not isinstance(entry.blocks_file, str):
         return "blocks_file must be a string"
     if b == 0:

@@ -9,7 +9,9 @@ moves to a newer round at the next step boundary, or at once when its collective
 
 What must stay true: a worker acts only on an assignment whose round is newer than the one it
 serves (an old or replayed file changes nothing); :meth:`Assignment.decode` checks every field and
-refuses the whole file if one is wrong (:class:`ValueError`); a file is replaced whole
+refuses the whole file if one is wrong, with :class:`ValueError` and nothing else whatever the file
+holds (:meth:`ControlFile.read` too: a file that is not a regular one, or cannot be read, is a
+ValueError, so that the worker's loop goes on waiting for a good one); a file is replaced whole
 (write to a temporary name, then ``rename``), so a reader never sees half of one. The worker side
 of the channel is the heartbeat datagrams (:mod:`ftrain.contract.heartbeat`).
 """
@@ -23,9 +25,12 @@ import os
 import re
 from dataclasses import dataclass
 
+from ftrain.contract.bounded_json import VALUE_ERRORS, loads, short
+from ftrain.contract.local_files import read_regular
 from ftrain.contract.worker_env import MAX_ROUND
 
 MAX_WORLD_SIZE = 1 << 20
+MAX_FILE_BYTES = 64 << 10  #: an assignment is a few hundred bytes
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,252}$")
 
 
@@ -63,21 +68,31 @@ class Assignment:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: need true or false")
         if not isinstance(self.master_addr, str) or not _valid_host(self.master_addr):
-            raise ValueError(f"master_addr={self.master_addr!r}: need a host name or IP address")
+            raise ValueError(f"master_addr={short(self.master_addr)}: need a host name or IP address")
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Assignment:
-        """The assignment in ``data``; ValueError naming the field if any is missing or wrong."""
-        raw = json.loads(data)
+        """The assignment in ``data``; ValueError (and nothing else) naming the field if any is
+        missing or wrong."""
+        try:
+            return cls._decode(data)
+        except ValueError:
+            raise
+        except VALUE_ERRORS as e:
+            raise ValueError(f"{type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _decode(cls, data: bytes) -> Assignment:
+        raw = loads(data, max_bytes=MAX_FILE_BYTES, what="assignment")
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - names)
         if unknown:
-            raise ValueError(f"unknown field(s) {unknown}")
+            raise ValueError(f"unknown field(s) {short(unknown)}")
         missing = sorted(n for n in names - set(raw) if n not in ("stop", "interrupt", "committed_step"))
         if missing:
             raise ValueError(f"missing field(s) {missing}")
@@ -101,7 +116,7 @@ class Assignment:
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r}: need an int in [{low}, {high}]")
+        raise ValueError(f"{name}={short(value)}: need an int in [{low}, {high}]")
 
 
 def _valid_host(host: str) -> bool:
@@ -109,7 +124,7 @@ def _valid_host(host: str) -> bool:
         ipaddress.ip_address(host)
         return True
     except ValueError:
-        return bool(_HOST.match(host))
+        return bool(_HOST.fullmatch(host))
 
 
 class ControlFile:
@@ -129,12 +144,14 @@ class ControlFile:
         os.replace(tmp, self.path)
 
     def read(self) -> Assignment | None:
-        """The assignment in the file, None while there is none; ValueError if it is unusable."""
+        """The assignment in the file, None while there is none; ValueError if it is unusable
+        (not a regular file, unreadable, too long, or not an assignment)."""
         try:
-            with open(self.path, "rb") as fh:
-                data = fh.read(64 * 1024)
+            data = read_regular(self.path, MAX_FILE_BYTES)  # a FIFO or link planted there is refused, not waited on
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise ValueError(f"control file {self.path}: {e}") from e
         return Assignment.decode(data)
 
     @property

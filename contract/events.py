@@ -8,7 +8,11 @@ invariants read them. Each event is one JSON line: the envelope (``time``, ``eve
 What must stay true: an event name appears once, here; a writer emits a record of this module
 (never a bare name), so every field an event can carry is declared on its record. Readers compare
 ``e["event"]`` with :class:`Event` members (a ``str`` enum) or turn lines into records with
-:func:`parse`.
+:func:`parse`. A log is read as untrusted input (any process of the job, or anyone who can write
+the file, may have written a line): :func:`read_jsonl` keeps only lines that are JSON objects
+within :mod:`ftrain.contract.bounded_json`'s bounds and skips the rest (a torn line, invalid
+UTF-8, a 400-digit number, nesting 100,000 deep), and :func:`parse` never raises; what a record's
+fields hold is still only what the line said (check a value's type before use).
 
 **Size.** Over 600 lines: the catalogue of every event a job writes, one record per event: the
 vocabulary is read (and reviewed) in one place.
@@ -25,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
+
+from ftrain.contract.bounded_json import VALUE_ERRORS, JsonInputError, loads
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +80,18 @@ class Event(StrEnum):
     LEADER_ELECTED = "leader_elected"
     ROUND_FORMED = "round_formed"
     ROUND_HELD = "round_held"
-    JOB_FINAL = "job_final"
-    WORKERS_STARTED = "workers_started"  #: an agent launched its node's workers (torchrun) for a round
-    WORKERS_STOPPED = "workers_stopped"
-    WORKERS_REASSIGNED = "workers_reassigned"  #: an agent moved its live workers to a new round
-    WORKERS_EXITED = "workers_exited"
-    CHECKPOINT_FAILING = "checkpoint_failing"
     #: the leader needs a new round and does not form it yet (too few nodes, a layout they cannot run, backoff...)
     ROUND_PENDING = "round_pending"
     #: an agent's device time so far by cause (ftrain.contract.accounting): status and report add these up
     DEVICE_TIME = "device_time"
     #: this node's worker processes exit before they are ready, time after time (live recovery)
     WORKERS_FAILING = "workers_failing"
+    JOB_FINAL = "job_final"
+    WORKERS_STARTED = "workers_started"  #: an agent launched its node's workers (torchrun) for a round
+    WORKERS_STOPPED = "workers_stopped"
+    WORKERS_REASSIGNED = "workers_reassigned"  #: an agent moved its live workers to a new round
+    WORKERS_EXITED = "workers_exited"
+    CHECKPOINT_FAILING = "checkpoint_failing"
     HANG = "hang"
     DUMPED = "dumped"  #: flight records and stacks dumped on request (``ftrain status --dump``), not a hang
     DRAIN = "drain"
@@ -468,12 +474,6 @@ class RoundHeld(Record):
 
 @_record
 @dataclass(frozen=True, slots=True)
-class JobFinal(Record):
-    EVENT = Event.JOB_FINAL
-    node: str
-    status: str
-@_record
-@dataclass(frozen=True, slots=True)
 class RoundPending(Record):
     EVENT = Event.ROUND_PENDING
     node: str  #: the leader
@@ -502,6 +502,12 @@ class WorkersFailing(Record):
     error: str  #: the last one's error, as it said it (or the last error line of its log)
 
 
+@_record
+@dataclass(frozen=True, slots=True)
+class JobFinal(Record):
+    EVENT = Event.JOB_FINAL
+    node: str
+    status: str
     reason: str
 
 
@@ -671,10 +677,13 @@ ENVELOPE = ("time", "event", "rank", "round", "pid")
 
 
 def parse(line: dict[str, Any]) -> Record | None:
-    """The record of one read event (None for an unknown event name or fields that do not fit)."""
+    """The record of one read event (None for an unknown event name, fields that do not fit or a
+    line that is not an object); never raises."""
+    if not isinstance(line, dict) or not isinstance(line.get("event"), str):
+        return None
     try:
-        cls = RECORDS[Event(str(line.get("event")))]
-    except (ValueError, KeyError):
+        cls = RECORDS[Event(line["event"])]
+    except VALUE_ERRORS:
         return None
     if cls in (ChaosFault, ChaosFaultDone):  # their detail is written flat beside the kind
         detail = {k: v for k, v in line.items() if k not in (*ENVELOPE, "kind")}
@@ -682,7 +691,7 @@ def parse(line: dict[str, Any]) -> Record | None:
     names = {f.name for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in line.items() if k in names})
-    except TypeError:  # a field is missing: written by another version
+    except VALUE_ERRORS:  # a field is missing (written by another version), or refused
         return None
 
 
@@ -720,15 +729,34 @@ class EventLog:
             self._fd = -1
 
 
+#: the longest line read (a hang event carries the flight records of a node's ranks)
+MAX_LINE_BYTES = 64 << 20
+
+
+def parse_line(line: bytes | str) -> dict[str, Any] | None:
+    """One line of a JSON-lines file as an object; None for anything else (a torn line left by a
+    killed writer, invalid UTF-8, JSON past :mod:`ftrain.contract.bounded_json`'s bounds, a value
+    that is not an object). Never raises."""
+    try:
+        record = loads(line, max_bytes=MAX_LINE_BYTES, what="line")
+    except JsonInputError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a JSON-lines file (metrics, events), skipping a torn line left by a killed writer."""
+    """The objects of a JSON-lines file (metrics, events), one per line; every other line is
+    skipped (:func:`parse_line`). OSError if the file cannot be read."""
     records = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+    with open(path, "rb") as fh:
+        while line := fh.readline(MAX_LINE_BYTES + 1):
+            if len(line) > MAX_LINE_BYTES:  # too long to be one of ours: skipped unread
+                while line and not line.endswith(b"\n"):
+                    line = fh.readline(MAX_LINE_BYTES + 1)
                 continue
+            record = parse_line(line)
+            if record is not None:
+                records.append(record)
     return records
 
 

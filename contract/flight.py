@@ -16,18 +16,21 @@ back from the event log. One :class:`Collective` per entry, newest last:
 What must stay true: the agent reads these files from a worker directory, so they are untrusted
 input: :meth:`FlightRecord.decode` checks every field, bounds every list and string, and
 refuses the whole record if one entry is wrong (a record that lies about one collective cannot be
-used to blame a rank). Names carry no control characters: they are printed to logs and terminals
-(``ftrain status``, ``ftrain analyze``), where an escape sequence would rewrite what is shown.
+used to blame a rank), with ValueError and nothing else, whatever it holds (a 400-digit time, a
+list nested 100,000 deep, invalid UTF-8). Names carry no control characters and no lone
+surrogates: they are printed to logs and terminals (``ftrain status``, ``ftrain analyze``), where
+an escape sequence would rewrite what is shown and a surrogate cannot be encoded.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ftrain.contract.bounded_json import VALUE_ERRORS, is_finite_number, loads, short
 
 MAX_ENTRIES = 4096  #: the most collectives a record may hold
 MAX_GROUPS = 1024
@@ -40,7 +43,7 @@ EVENT_TAIL = 32  #: collectives per group and rank kept in an event (the newest:
 UNEVEN_OPS = frozenset({"scatter", "gather", "alltoall", "alltoall_base", "all_to_all", "allgather_uneven"})
 STATES = frozenset({"scheduled", "started", "completed"})
 _BIG = 2**62
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 def socket_name(pid: int) -> bytes:
@@ -112,15 +115,19 @@ class FlightRecord:
 
     @classmethod
     def decode(cls, data: bytes | str | dict[str, Any]) -> FlightRecord:
-        """The record in ``data`` (bytes, text or an already parsed object); ValueError if any
-        field is wrong (see the module doc)."""
+        """The record in ``data`` (bytes, text or an already parsed object); ValueError, and
+        nothing else, if any field is wrong (see the module doc)."""
+        try:
+            return cls._decode(data)
+        except ValueError:
+            raise
+        except VALUE_ERRORS as e:  # whatever a value raises is a refused record, never a crash
+            raise ValueError(f"{type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _decode(cls, data: bytes | str | dict[str, Any]) -> FlightRecord:
         if isinstance(data, (bytes, str)):
-            if len(data) > MAX_RECORD_BYTES:
-                raise ValueError(f"a flight record of {len(data)} bytes (at most {MAX_RECORD_BYTES})")
-            try:
-                data = json.loads(data)
-            except RecursionError:  # nested deeper than the parser goes: not a record either
-                raise ValueError("a flight record nested too deeply to be one") from None
+            data = loads(data, max_bytes=MAX_RECORD_BYTES, what="a flight record")
         if not isinstance(data, dict):
             raise ValueError("a flight record must be a JSON object")
         entries = data.get("entries", [])
@@ -170,29 +177,29 @@ def _collective(raw: Any, index: int) -> Collective:
 def _int(raw: dict[str, Any], key: str, low: int, high: int, where: str = "") -> int:
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{where + '.' if where else ''}{key}={value!r}: need an int in [{low}, {high}]")
+        raise ValueError(f"{where + '.' if where else ''}{key}={short(value)}: need an int in [{low}, {high}]")
     return value
 
 
 def _float(raw: dict[str, Any], key: str, where: str = "") -> float:
     value = raw.get(key, 0.0)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where + '.' if where else ''}{key}={value!r}: need a finite number >= 0")
+    if not is_finite_number(value) or value < 0:
+        raise ValueError(f"{where + '.' if where else ''}{key}={short(value)}: need a finite number >= 0")
     return float(value)
 
 
 def _bool(raw: dict[str, Any], key: str, default: bool, where: str = "") -> bool:
     value = raw.get(key, default)
     if not isinstance(value, bool):
-        raise ValueError(f"{where + '.' if where else ''}{key}={value!r}: need a boolean")
+        raise ValueError(f"{where + '.' if where else ''}{key}={short(value)}: need a boolean")
     return value
 
 
 def _name(value: Any, where: str) -> str:
     if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
-        raise ValueError(f"{where}={value!r:.80}: need a string of at most {MAX_NAME_CHARS} characters")
+        raise ValueError(f"{where}={short(value)}: need a string of at most {MAX_NAME_CHARS} characters")
     if _CONTROL.search(value):  # names end up in logs, events and terminals: no escape sequences
-        raise ValueError(f"{where}={value!r:.80}: control characters are not allowed")
+        raise ValueError(f"{where}={short(value)}: control characters and lone surrogates are not allowed")
     return value
 
 
@@ -202,7 +209,7 @@ def _shape(value: Any, where: str) -> list[int]:
         or len(value) > MAX_DIMS
         or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _BIG for d in value)
     ):
-        raise ValueError(f"{where}: {value!r:.80} is not a shape (at most {MAX_DIMS} sizes >= 0)")
+        raise ValueError(f"{where}: {short(value)} is not a shape (at most {MAX_DIMS} sizes >= 0)")
     return value
 
 

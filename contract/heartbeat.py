@@ -20,16 +20,20 @@ id (2 .. :data:`PID_MAX`: never 0, 1 or negative, which ``kill`` reads as proces
 everything), ``local_rank`` 0 .. :data:`MAX_LOCAL_RANK`, times finite and non-negative, strings
 cut to :data:`MAX_TEXT_CHARS` (the in-flight description and group to :data:`MAX_IN_FLIGHT_CHARS`),
 an in-flight age at most :data:`MAX_IN_FLIGHT_S`, and the in-flight fields consistent (set only
-by a recording worker, and all together). A decoded pid is still only a claim.
+by a recording worker, and all together). Whatever a datagram holds (a 400-digit number, a list
+nested 10,000 deep, invalid UTF-8), :meth:`Message.decode` raises ValueError and nothing else, so
+one hostile datagram never ends the receiver's thread; text is kept printable (a lone surrogate
+is written as its escape). A decoded pid is still only a claim.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from ftrain.contract.bounded_json import VALUE_ERRORS, is_finite_number, loads, printable, short
 
 KINDS = frozenset({"beat", "exit", "alive"})
 #: where a step's time goes on a rank (ftrain.observability.step_phases), in the order they are shown
@@ -88,16 +92,26 @@ class Message:
 
     @classmethod
     def decode(cls, data: bytes) -> Message:
-        """The message in ``data``; ValueError if it is not one (see the module doc)."""
-        msg = json.loads(data)
+        """The message in ``data``; ValueError, and nothing else, if it is not one (see the module doc)."""
+        try:
+            return cls._decode(data)
+        except ValueError:
+            raise
+        except VALUE_ERRORS as e:  # whatever a value raises is a bad datagram, never a dead receiver
+            raise ValueError(f"{type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _decode(cls, data: bytes) -> Message:
+        # the receiver reads at most MAX_DATAGRAM_BYTES; this bound is for bytes handed in otherwise
+        msg = loads(data, max_bytes=16 * MAX_DATAGRAM_BYTES, what="heartbeat datagram")
         if not isinstance(msg, dict):
             raise ValueError("not a JSON object")
         kind = _text(msg, "kind", "beat")
         if kind not in KINDS:
-            raise ValueError(f"kind={kind!r}")
+            raise ValueError(f"kind={short(kind)}")
         phase = _text(msg, "phase", "training")
         if phase not in PHASES:
-            raise ValueError(f"phase={phase!r}")
+            raise ValueError(f"phase={short(phase)}")
         return cls(
             kind=kind,
             round=_int(msg, "round", None, 0, _BIG),
@@ -131,7 +145,7 @@ def _in_flight(msg: dict[str, Any]) -> dict[str, Any]:
     what = _text(msg, "in_flight")[:MAX_IN_FLIGHT_CHARS]
     age_s = _float(msg, "in_flight_s")
     if age_s > MAX_IN_FLIGHT_S:
-        raise ValueError(f"in_flight_s={age_s!r}: need at most {MAX_IN_FLIGHT_S:g}")
+        raise ValueError(f"in_flight_s={age_s}: need at most {MAX_IN_FLIGHT_S:g}")
     if seq < 0 and (group or what or age_s):
         raise ValueError("in_flight_group, in_flight and in_flight_s need a collective (in_flight_seq >= 0)")
     if seq >= 0 and not recording:
@@ -148,33 +162,33 @@ def _in_flight(msg: dict[str, Any]) -> dict[str, Any]:
 def _int(msg: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int:
     value = msg.get(name, default)
     if value is None or not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r}: need an int in [{low}, {high}]")
+        raise ValueError(f"{name}={short(value)}: need an int in [{low}, {high}]")
     return value
 
 
 def _float(msg: dict[str, Any], name: str) -> float:
     value = msg.get(name, 0.0)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r}: need a finite number >= 0")
+    if not is_finite_number(value) or value < 0:
+        raise ValueError(f"{name}={short(value)}: need a finite number >= 0")
     return float(value)
 
 
 def _text(msg: dict[str, Any], name: str, default: str = "") -> str:
     value = msg.get(name, default)
     if not isinstance(value, str):
-        raise ValueError(f"{name}={value!r}: need a string")
-    return value[:MAX_TEXT_CHARS]
+        raise ValueError(f"{name}={short(value)}: need a string")
+    return printable(value[:MAX_TEXT_CHARS])
 
 
 def _phases(msg: dict[str, Any]) -> dict[str, float]:
     value = msg.get("phases_s", {})
     if not isinstance(value, dict) or not set(value) <= set(STEP_PHASES):
-        raise ValueError(f"phases_s={value!r:.200}: need an object with keys among {STEP_PHASES}")
+        raise ValueError(f"phases_s={short(value)}: need an object with keys among {STEP_PHASES}")
     return {name: _float(value, name) for name in value}
 
 
 def _bool(msg: dict[str, Any], name: str) -> bool:
     value = msg.get(name, False)
     if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: need a boolean")
+        raise ValueError(f"{name}={short(value)}: need a boolean")
     return value
