@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftrain.checkpoint.errors import CheckpointError, StaleRoundError
+from ftrain.contract import bounded_json
 from ftrain.contract.worker_env import ETCD_CLIENT_FILE, WorkerEnv
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ FAILOVER_TIMEOUT_S = 1.0
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 #: commit records read at most (a job keeps a few steps; retention forgets the others' records)
 MAX_RECORDS = 100_000
+MAX_RECORD_BYTES = 64 << 10  #: a commit record is a digest and a round (~100 bytes)
 _UNAUTHENTICATED, _INVALID_ARGUMENT, _PERMISSION_DENIED = 16, 3, 7
 _TOKEN_REJECTED = ("invalid auth token", "auth store is old", "user name is empty", "token")
 
@@ -420,21 +422,23 @@ class EtcdRoundFence:
 def _is_natural(value: Any) -> bool:
     """A positive integer as etcd's JSON gateway writes int64 fields (a decimal string) or a number."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
-    return text.isdigit() and len(text) <= 20 and int(text) > 0
+    return text.isascii() and text.isdigit() and len(text) <= 20 and int(text) > 0
 
 
 def _parse_record(prefix: str, kv: Any) -> tuple[int, str, int] | None:
     """(step, digest, mod revision) of one commit record as etcd returned it; None (logged) when
-    malformed."""
+    malformed, whatever it holds (a commit record is under the job's prefix: anyone who can write
+    there wrote it)."""
     try:
         key = base64.b64decode(kv["key"]).decode()
-        value = json.loads(base64.b64decode(kv.get("value", "")))
-        step = int(key[len(prefix) :]) if key.startswith(prefix) and key[len(prefix) :].isdigit() else -1
+        value = bounded_json.loads(base64.b64decode(kv.get("value", "")), max_bytes=MAX_RECORD_BYTES, what="value")
+        text = key[len(prefix) :] if key.startswith(prefix) else ""
+        step = int(text) if 0 < len(text) <= 18 and text.isascii() and text.isdigit() else -1
         digest = value.get("digest") if isinstance(value, dict) else None
         revision = int(kv.get("mod_revision", 0))
         if step < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest) or revision <= 0:
             raise ValueError(f"key {key!r}, value {str(value)[:200]!r}")
-    except (KeyError, TypeError, ValueError) as e:
+    except bounded_json.VALUE_ERRORS as e:
         log.warning("ignoring a malformed commit record: %s", e)
         return None
     return step, digest, revision

@@ -2,9 +2,14 @@
 names and holdings as JSON), and the digest check of what arrives.
 
 Every function here is collective over ``group`` (None: a world of one, nothing is sent) except
-:func:`matches`, and none of them raises on what a peer sent: a peer is a rank of the same job,
-but what it sends may come from a damaged directory, so the caller checks every byte against a
-manifest before it is used.
+:func:`matches`. A peer is a rank of the same job, but what it sends may come from a damaged
+directory, so the caller checks every byte against a manifest before it is used, and nothing is
+allocated from a peer's numbers past a bound: a size announced beyond :data:`MAX_BYTES` (or
+below 0) is bytes that are never sent (:func:`broadcast_bytes` returns ``b""`` on every rank),
+and a JSON row past :data:`MAX_JSON_BYTES`, or not JSON within
+:mod:`ftrain.contract.bounded_json`'s bounds, is a :class:`WireError` raised on every rank at
+the same point (every rank holds the same gathered bytes), so no rank is left in a collective
+its peers abandoned.
 """
 
 from __future__ import annotations
@@ -17,6 +22,16 @@ import torch.distributed as dist
 
 from ftrain.checkpoint.digest import new_hasher
 from ftrain.checkpoint.manifest import FileEntry
+from ftrain.contract.bounded_json import JsonInputError, loads
+
+#: the most bytes one broadcast carries (a manifest, a DCP ``.metadata``)
+MAX_BYTES = 1 << 30
+#: the longest JSON row one rank sends (names and holdings of the snapshots it keeps)
+MAX_JSON_BYTES = 64 << 20
+
+
+class WireError(ValueError):
+    """What the ranks gathered is not usable (raised on every rank alike)."""
 
 
 def as_tensor(data: bytes) -> torch.Tensor:
@@ -35,21 +50,26 @@ def split(buf: torch.Tensor, names: list[str], sizes: list[int]) -> dict[str, by
     return out
 
 
-def broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
-    """``src``'s bytes on every rank (``None`` at ``src``: empty bytes everywhere)."""
+def broadcast_bytes(data: bytes | None, src: int, group: Any, *, max_bytes: int = MAX_BYTES) -> bytes:
+    """``src``'s bytes on every rank (``None`` at ``src``, or more than ``max_bytes``: empty bytes
+    everywhere: the size is broadcast first, so every rank decides alike)."""
     if group is None:
-        return data or b""
+        return data if data is not None and len(data) <= max_bytes else b""
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     dist.broadcast(size, src, group=group)
+    n = int(size.item())
+    if not 0 <= n <= max_bytes:  # never allocated: the caller refuses empty bytes (no manifest)
+        return b""
     mine = dist.get_rank() == src
-    buf = as_tensor(data) if mine and data else torch.empty(int(size.item()), dtype=torch.uint8)
+    buf = as_tensor(data) if mine and data else torch.empty(n, dtype=torch.uint8)
     if buf.numel():
         dist.broadcast(buf, src, group=group)
     return data if mine and data is not None else buf.numpy().tobytes()
 
 
-def all_gather_json(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj`` (JSON-able), by rank."""
+def all_gather_json(obj: Any, group: Any, *, max_bytes: int = MAX_JSON_BYTES) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), by rank; :class:`WireError` on every rank when a rank's
+    row is longer than ``max_bytes`` or not bounded JSON (see the module doc)."""
     if group is None:
         return [obj]
     blob = json.dumps(obj).encode()
@@ -57,12 +77,21 @@ def all_gather_json(obj: Any, group: Any) -> list[Any]:
     size = torch.tensor([len(blob)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
+    lengths = [int(s.item()) for s in sizes]
+    if not all(0 <= n <= max_bytes for n in lengths):  # every rank sees the same sizes: all raise here
+        raise WireError(f"a rank's row of {max(lengths)} bytes (at most {max_bytes}): {lengths[:8]}")
+    longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else padded[:0]
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(out, padded, group=group)
-    return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+    rows = []
+    for rank, (t, n) in enumerate(zip(out, lengths, strict=True)):
+        try:
+            rows.append(loads(t[:n].numpy().tobytes(), max_bytes=max_bytes, what=f"rank {rank}'s row"))
+        except JsonInputError as e:  # the same bytes on every rank: every rank raises here
+            raise WireError(str(e)) from e
+    return rows
 
 
 def max_over(group: Any, values: list[float]) -> list[float]:
@@ -96,6 +125,9 @@ def matches(data: bytes, entry: FileEntry, algorithm: str) -> bool:
 
 
 __all__ = [
+    "MAX_BYTES",
+    "MAX_JSON_BYTES",
+    "WireError",
     "all_gather_json",
     "any_rank",
     "any_ranks",

@@ -16,6 +16,7 @@ control file of :mod:`ftrain.contract.control`, flight records and event logs.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -558,3 +559,44 @@ def test_a_manifest_is_refused_with_a_manifest_error_whatever_it_holds():
             Manifest.from_json(raw)
 
     check()
+
+
+# -- the checkpoint fence's commit records and the memory tier's wire ------------------------------------
+def test_a_hostile_commit_record_is_ignored_never_raised():
+    from ftrain.agent_link.fence import _parse_record  # noqa: PLC0415 - the worker side of the fence
+
+    prefix = KEYS.commits
+
+    def record(key: str, value: bytes, revision: Any = "3") -> dict[str, Any]:
+        b64 = base64.b64encode
+        return {"key": b64(key.encode()).decode(), "value": b64(value).decode(), "mod_revision": revision}
+
+    good = json.dumps({"digest": "a" * 64}).encode()
+    assert _parse_record(prefix, record(prefix + "5", good)) == (5, "a" * 64, 3)
+    for bad in (
+        record(prefix + "5", b"[" * 100_000),  # a RecursionError out of the worker's commit before
+        record(prefix + "5", b'{"digest": ' + HUGE.encode() + b"}"),
+        record(prefix + "5", b'{"digest": "\xff"}'),
+        record(prefix + "²", good),
+        record(prefix + "5", good, revision=[1]),
+    ):
+        assert _parse_record(prefix, bad) is None
+
+
+def test_the_memory_tier_wire_allocates_nothing_past_its_bounds():
+    import torch.distributed as dist  # noqa: PLC0415 - the one test here that needs torch
+
+    from ftrain.recovery.tier_wire import WireError, all_gather_json, broadcast_bytes  # noqa: PLC0415
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert broadcast_bytes(b"x" * 100, 0, group, max_bytes=10) == b""  # never allocated on a receiver
+        assert broadcast_bytes(b"x" * 10, 0, group, max_bytes=10) == b"x" * 10
+        with pytest.raises(WireError, match="at most 10"):
+            all_gather_json({"a": "x" * 100}, group, max_bytes=10)
+        with pytest.raises(WireError, match="40 digits"):
+            all_gather_json({"step": 10**400}, group)
+        assert all_gather_json({"step": 3, "files": ["a"]}, group) == [{"step": 3, "files": ["a"]}]
+    finally:
+        dist.destroy_process_group()

@@ -11,7 +11,6 @@ a slowdown just before: each slowdown is a straggler episode of its own). The fa
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 import time
@@ -22,9 +21,11 @@ from ftrain.agents.config import settings_of_flags
 from ftrain.agents.etcd import EtcdClient
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.leader import Policy, slowdown_flagged
+from ftrain.agents.records import MAX_RECORD_BYTES
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultSpec
 from ftrain.chaos.faults.targets import current_round, pick_worker, running_nodes, send_signal
+from ftrain.contract.bounded_json import VALUE_ERRORS, loads
 from ftrain.contract.events import Event
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
@@ -44,9 +45,9 @@ def _judged(ctx: Context, node: str, policy: Policy) -> bool:
         for n in running_nodes(ctx):
             kv = client.get(keys.status(n))
             try:
-                status = json.loads(kv.value) if kv is not None else {}
+                status = loads(kv.value, max_bytes=MAX_RECORD_BYTES, what="status") if kv is not None else {}
                 busy_s = float(status.get("busy_s", 0))
-            except (ValueError, TypeError, AttributeError):  # not a status object, or no number in it
+            except VALUE_ERRORS:  # not a status object, or no number in it (a 400-digit one: OverflowError)
                 continue
             if status.get("round") == g and status.get("state") == "running" and busy_s > 0:
                 busy[n] = busy_s
