@@ -26,7 +26,7 @@ from ftrain.checkpoint.storage import Storage
 from ftrain.checkpoint.verify import verify_step
 from ftrain.config import Config
 from ftrain.contract.events import Event
-from ftrain.data import build_source
+from ftrain.data import build_source, data_digest, identity_of
 from ftrain.data.ledger import check_exactly_once, read_ledger
 
 
@@ -223,6 +223,7 @@ def exactly_once(ledger_dir: Path, cfg: Config, steps: int) -> Check:
         global_batch_size=cfg.train.global_batch_size,
         seed=cfg.data.seed,
         steps=steps,
+        data=data_digest(identity_of(source, cfg.data.seed)) or None,  # every step drawn from this data
     )
     return Check("samples_consumed_exactly_once", report.ok, report.summary())
 

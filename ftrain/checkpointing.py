@@ -47,7 +47,7 @@ from ftrain.config import Config, ConfigError, worker_job_id
 from ftrain.contract import events as ev
 from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
-from ftrain.data import DataCursor, DataError
+from ftrain.data import DataChangeError, DataCursor, DataError
 from ftrain.faults import maybe_pause_after_fence, maybe_pause_before_clear, maybe_pause_before_gc
 from ftrain.models.hf_weights import WeightsConfigError, check_resumed_model
 from ftrain.optim import KEPT, RESCALED, UNRECORDED, Schedule, ScheduleChangeError, ScheduleDecision, decide_schedule
@@ -339,6 +339,12 @@ class Checkpointing:
                 holder["decision"] = self.schedule_decision(manifest)
             except ManifestError:  # a malformed record: validate_trainer_state refuses the step (fall back)
                 holder.pop("decision", None)
+            try:  # other data than the step's: DataChangeError under data.on_mixture_change=fail, before any read
+                self.cursor.check_resume(manifest.trainer.get("cursor"))
+            except DataChangeError:
+                raise
+            except DataError:  # a malformed cursor: validate_trainer_state refuses the step (fall back)
+                pass
             holder["sd"] = load_target(self.par, self.rank, manifest)
             return holder["sd"]
 
@@ -357,7 +363,7 @@ class Checkpointing:
         except WeightsConfigError as e:  # the model would compute otherwise than the step's did
             self.events.emit(ev.ResumeFailed(refused=[str(e)[:1000]], load_step=self.cfg.checkpoint.load_step))
             raise
-        except ScheduleChangeError as e:  # train.on_schedule_change=fail: a config error, said by the CLI
+        except (ScheduleChangeError, DataChangeError) as e:  # *.on_*_change=fail: said by the CLI, fatal
             self.events.emit(
                 ev.ResumeFailed(refused=[f"step {e.step}: {e}"[:1000]], load_step=self.cfg.checkpoint.load_step)
             )

@@ -233,6 +233,14 @@ class DataConfig:
             raise ConfigError(
                 "data.sources",
                 f"and data.source = {self.source!r} are both set: use data.sources for a mixture of token files "
+    on_mixture_change: str = opt(
+        "fail",
+        "Resuming on other data than the checkpoint was trained on (data.sources reordered, reweighted, added, "
+        "removed or rewritten; data.source, data.seed, data.mixture_samples): fail (say what changed), or new_blend "
+        "(the data as configured takes over at the resumed step; no sample read so far in the epoch is read again "
+        "in it).",
+        ("fail", "new_blend"),
+    )
                 "or data.source for one file (or synthetic), not both",
             )
         if self.source != "synthetic" and not Path(self.source).is_file():

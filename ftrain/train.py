@@ -47,7 +47,17 @@ from ftrain.contract import events as ev
 from ftrain.contract.events import EventLog
 from ftrain.contract.flight import EVENT_TAIL
 from ftrain.contract.worker_env import WorkerEnv
-from ftrain.data import DataCursor, GlobalBatch, Ledger, Source, build_source, micro_batches, micro_block, micro_steps
+from ftrain.data import (
+    DataCursor,
+    GlobalBatch,
+    Ledger,
+    Source,
+    build_source,
+    identity_of,
+    micro_batches,
+    micro_block,
+    micro_steps,
+)
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.faults import (
     after_update,
@@ -215,13 +225,19 @@ class Trainer:
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
-        self.cursor = DataCursor(self.source.num_samples, cfg.train.global_batch_size, cfg.data.seed)
+        self.cursor = DataCursor(
+            self.source.num_samples,
+            cfg.train.global_batch_size,
+            cfg.data.seed,
+            data=identity_of(self.source, cfg.data.seed),  # checked on resume (data.on_mixture_change)
+            on_change=cfg.data.on_mixture_change,
+        )
         self.round = current_round()  #: the round this trainer was built for (a live worker builds one per round)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)
         if init_files and rank == 0:
             self.events.emit(ev.WeightsLoaded(path=cfg.model.init_from, files=init_files))
         self.ledger = (
-            Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=self.round)
+            Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=self.round, data=self.cursor.data_digest)
             if cfg.data.ledger_dir and self.layout.reads_data
             else None
         )

@@ -14,6 +14,11 @@ What this package owns and what must stay true:
 - A mixture of token files (``[[data.sources]]``, :mod:`ftrain.data.mixture`) is one more
   source: a fixed blend index maps each global id to ``(source, sample)``, so the cursor, the
   resume and the ledger work on it unchanged.
+- The data's identity (:mod:`ftrain.data.identity`: sources by content, weights, order, seed)
+  rides in the cursor's checkpoint: a resume on other data is refused, or, with
+  ``data.on_mixture_change = "new_blend"``, goes on without re-reading what this epoch read.
+- A token file carries a record beside it (:mod:`ftrain.data.token_record`: dtype, token count,
+  vocabulary), checked when it is opened.
 - The optional :class:`~ftrain.data.ledger.Ledger` records what each rank consumed, and
   :func:`~ftrain.data.ledger.check_exactly_once` proves it against a fresh cursor (and, given a
   mixture, that every sample of every source was read as often as its share says).
@@ -43,6 +48,7 @@ from ftrain.data.cursor import (
     micro_steps,
 )
 from ftrain.data.errors import DataError, as_sample_ids
+from ftrain.data.identity import DataChangeError, data_digest, identity_of
 from ftrain.data.ledger import Ledger, LedgerReport, SourceCoverage, check_exactly_once, read_ledger
 from ftrain.data.mixture import BlendIndex, MixtureSource, SourceSpec, source_specs
 from ftrain.data.synthetic import CHAIN_STREAM, SAMPLE_STREAM, MarkovSource
@@ -102,6 +108,7 @@ __all__ = [
     "PERM_STREAM",
     "SAMPLE_STREAM",
     "BlendIndex",
+    "DataChangeError",
     "DataCursor",
     "DataError",
     "GlobalBatch",
@@ -119,6 +126,8 @@ __all__ = [
     "as_sample_ids",
     "build_source",
     "check_exactly_once",
+    "data_digest",
+    "identity_of",
     "micro_batches",
     "micro_block",
     "micro_steps",

@@ -15,6 +15,14 @@ Given the run's source as ``sources=`` (a :class:`~ftrain.data.mixture.MixtureSo
 that decodes global ids to ``(source, sample)``), it also counts how often each sample of each
 source those final attempts read (:class:`SourceCoverage`): the proof that a mixture read every
 sample of every file exactly once, or as often as its weight says.
+
+A global id means a sample only under the blend it was drawn from, so each line also carries the
+``data`` digest of that blend (:func:`~ftrain.data.identity.data_digest`). Steps drawn from
+another blend than the check replays are reported (:attr:`LedgerReport.data_mismatch`), never
+passed: a run resumed on reordered or reweighted sources fails the check. A run that changed its
+data on purpose (``data.on_mixture_change=new_blend``) is checked by replaying its ``blends`` (the
+cursor state of its last checkpoint): the cursor replays each change as its resume did, and the
+coverage counts each source by content across the blends.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import numpy as np
 
 from ftrain.data.cursor import DataCursor, GlobalBatch, MicroBatch
 from ftrain.data.errors import DataError
+from ftrain.data.identity import blend_of, content_key, data_digest
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +104,12 @@ class SourceCoverage:
 class Ledger:
     """Appends one JSON line per step for one rank of one round; flushed every step."""
 
-    def __init__(self, directory: str | os.PathLike, dp_rank: int, round_: int):
+    def __init__(self, directory: str | os.PathLike, dp_rank: int, round_: int, *, data: str = ""):
+        """``data``: the digest of the blend the ids are drawn from (:attr:`DataCursor.data_digest`)."""
         self.directory = Path(directory)
         self.dp_rank = int(dp_rank)
         self.round = int(round_)
+        self.data = str(data)
         self.attempt = 0  #: rollbacks to a checkpoint within this round so far (:meth:`rolled_back`)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"ledger-round{self.round}-rank{self.dp_rank}-pid{os.getpid()}.jsonl"
@@ -120,6 +131,8 @@ class Ledger:
             "micro": [int(m.index) for m in micros],
             "sample_ids": consumed,
         }
+        if self.data:
+            line["data"] = self.data
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._file.flush()
 
@@ -182,10 +195,19 @@ class LedgerReport:
     ignored_entries: int = 0
     #: per source of a mixture (``check_exactly_once(sources=...)``): how often its samples were read
     sources: list[SourceCoverage] = field(default_factory=list)
+    #: step -> (the data digest its entries carry, the one the replay expected): drawn from another blend
+    data_mismatch: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        problems = (self.missing_steps, self.missing, self.duplicates, self.unexpected, self.out_of_order)
+        problems = (
+            self.missing_steps,
+            self.missing,
+            self.duplicates,
+            self.unexpected,
+            self.out_of_order,
+            self.data_mismatch,
+        )
         return not any(problems)
 
     @property
@@ -216,6 +238,14 @@ class LedgerReport:
                 lines.append(f"  step {step}: {len(ids)} {label} ids {_ids(ids)}")
         if self.out_of_order:
             lines.append(f"  steps consumed out of global order: {_ids(self.out_of_order)}")
+        if self.data_mismatch:
+            first = min(self.data_mismatch)
+            found, expected = self.data_mismatch[first]
+            lines.append(
+                f"  steps drawn from another data blend than the check replays: {_ids(sorted(self.data_mismatch))} "
+                f"(step {first}: data {found}, expected {expected}); their ids are other samples. A run resumed with "
+                "data.on_mixture_change=new_blend is checked with blends= (its last checkpoint's cursor state)"
+            )
         return "\n".join(lines + coverage)
 
 
@@ -227,11 +257,19 @@ def check_exactly_once(
     seed: int,
     steps: int,
     sources: SourceDecoder | None = None,
+    data: str | None = None,
+    blends: list[dict[str, Any]] | None = None,
 ) -> LedgerReport:
-    """Check each step ``< steps``: its last attempt consumed exactly the cursor's ids, once each.
+    """Check each step ``< steps``: its last attempt consumed exactly the cursor's ids, once each,
+    drawn from the blend the replay is at.
 
-    With ``sources`` (the run's mixture), the ids of those last attempts are decoded to
-    ``(source, sample)`` and counted per source into :attr:`LedgerReport.sources`."""
+    ``data``: the digest every step's entries must carry (:attr:`DataCursor.data_digest` of the
+    run's data; None: they must all carry the same one). ``blends``: the ``blends`` of the run's
+    last cursor state, to replay its data changes (then ``num_samples`` and ``seed`` are the
+    first blend's, and ``data`` is not used). Entries that carry no digest (an older ledger's) are
+    not judged by it. With ``sources`` (the run's mixture), the ids of those last attempts are
+    decoded to ``(source, sample)`` and counted per source into :attr:`LedgerReport.sources`
+    (with ``blends``: each step's through its own blend, counted per file content)."""
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     report = LedgerReport(steps_checked=steps)
     for entry in entries:
@@ -239,10 +277,12 @@ def check_exactly_once(
             by_step[int(entry["step"])].append(entry)
         else:
             report.ignored_entries += 1
-    cursor = DataCursor(num_samples, global_batch_size, seed)
+    replay = _Replay(num_samples, global_batch_size, seed, blends)
     read: list[int] = []  # the ids of every step's last attempt
+    read_by_blend: dict[int, list[int]] = defaultdict(list)
+    expected_data = data
     for step in range(steps):
-        expected = cursor.next_global_batch().sample_ids
+        expected = replay.next_batch(step).sample_ids
         attempts = by_step.get(step)
         if not attempts:
             report.missing_steps.append(step)
@@ -251,8 +291,16 @@ def check_exactly_once(
         final = [e for e in attempts if _attempt(e) == last]
         report.superseded_entries += len(attempts) - len(final)
         consumed = [int(i) for e in final for i in e["sample_ids"]]
+        digests = {str(e["data"]) for e in final if e.get("data")}
+        want = replay.digest if blends else expected_data
+        if want is None and digests:
+            want = expected_data = min(digests)  # without a reference: the first one recorded
+        wrong = sorted(d for d in digests if d != want)
+        if wrong and want is not None:
+            report.data_mismatch[step] = (wrong[0], want)
         if sources is not None:
             read.extend(consumed)
+            read_by_blend[replay.blend].extend(consumed)
         counts = Counter(consumed)
         expected_set = set(expected.tolist())
         missing = sorted(expected_set - counts.keys())
@@ -269,9 +317,39 @@ def check_exactly_once(
             in_order = [int(i) for e in by_micro for i in e["sample_ids"]]
             if not np.array_equal(np.asarray(in_order), expected):
                 report.out_of_order.append(step)
-    if sources is not None:
+    if sources is not None and blends:
+        report.sources = _coverage_by_content(replay.cursor.blends, read_by_blend)
+    elif sources is not None:
         report.sources = _coverage(sources, np.asarray(read, dtype=np.int64))
     return report
+
+
+class _Replay:
+    """The cursor a run's steps followed: a plain one, or, given its ``blends``, one that changes
+    its data at each blend's first step exactly as a resume with ``data.on_mixture_change=new_blend``
+    does (through :meth:`DataCursor.load_state_dict`)."""
+
+    def __init__(self, num_samples: int, batch: int, seed: int, blends: list[dict[str, Any]] | None):
+        self.batch = batch
+        self.blends = list(blends or [])
+        first = self.blends[0]["data"] if self.blends else None
+        if first is not None:
+            num_samples, seed = int(first["num_samples"]), int(first["seed"])
+        self.cursor = DataCursor(num_samples, batch, seed, data=first, on_change="new_blend")
+        self.blend = 0  #: index in ``blends`` of the blend in force
+        self.digest = data_digest(first)
+
+    def next_batch(self, step: int) -> GlobalBatch:
+        while self.blend + 1 < len(self.blends) and int(self.blends[self.blend + 1]["step"]) <= step:
+            self.blend += 1
+            identity = self.blends[self.blend]["data"]
+            changed = DataCursor(
+                int(identity["num_samples"]), self.batch, int(identity["seed"]), data=identity, on_change="new_blend"
+            )
+            changed.load_state_dict(self.cursor.state_dict())
+            self.cursor = changed
+            self.digest = data_digest(identity)
+        return self.cursor.next_global_batch()
 
 
 def _attempt(entry: dict[str, Any]) -> tuple[int, int]:
@@ -285,6 +363,26 @@ def _coverage(sources: SourceDecoder, ids: np.ndarray) -> list[SourceCoverage]:
     return [
         SourceCoverage.of(name, size, sample[which == k])
         for k, (name, size) in enumerate(zip(sources.source_names, sources.source_samples, strict=True))
+    ]
+
+
+def _coverage_by_content(blends: list[dict[str, Any]], read: dict[int, list[int]]) -> list[SourceCoverage]:
+    """Reads per file content across blends: each blend's ids decoded through that blend."""
+    samples: dict[str, list[np.ndarray]] = defaultdict(list)
+    names: dict[str, tuple[str, int]] = {}
+    for k, blend in enumerate(blends):
+        identity = blend["data"]
+        keys = [content_key(e, identity["seq_len"]) for e in identity["sources"]]
+        for key, entry in zip(keys, identity["sources"], strict=True):
+            names[key] = (entry["path"], int(entry["num_samples"]))  # the latest blend's path
+        ids = np.asarray(read.get(k, []), dtype=np.int64)
+        if ids.size:
+            which, sample = blend_of(identity).decode(ids)
+            for i, key in enumerate(keys):
+                samples[key].append(sample[which == i])
+    return [
+        SourceCoverage.of(name, size, np.concatenate(samples[key]) if samples[key] else np.empty(0, np.int64))
+        for key, (name, size) in names.items()
     ]
 
 

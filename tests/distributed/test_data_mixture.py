@@ -6,7 +6,9 @@ The weights equal the files' sizes (48, 32 and 16 samples of ``seq_len`` 16), so
 of 96 samples is one pass over each file, and six steps of 16 are that epoch. Rank 0 SIGKILLs
 itself after step 4; the checkpoint of step 3 is the newest, so the resumed job, in round 1,
 re-runs steps 4-6 (ledger steps 3-5, 0-based) at world size 1 and supersedes what round 0
-recorded of them.
+recorded of them. A last resume with the sources listed in another order (the same files, sizes
+and epoch: the sample count and seed the cursor checked before all agree) is refused before any
+file of the step is read, naming ``data.sources`` and the option.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ pytestmark = pytest.mark.dist
 SEQ_LEN, SIZES, BATCH, STEPS = 16, (48, 32, 16), 16, 6
 
 
-def _sources(tmp_path: Path) -> str:
+def _sources(tmp_path: Path, order: tuple[int, ...] = (0, 1, 2)) -> str:
     """Three token files (each in its own band of the 64-token vocabulary) as [[data.sources]] tables."""
     tables = []
-    for k, samples in enumerate(SIZES):
+    for k in order:
+        samples = SIZES[k]
         path = tmp_path / f"source{k}.bin"
-        rng = np.random.default_rng(k)
-        write_token_file(path, k * 20 + rng.integers(0, 20, size=samples * SEQ_LEN + 1), "uint16")
+        if not path.exists():
+            rng = np.random.default_rng(k)
+            write_token_file(path, k * 20 + rng.integers(0, 20, size=samples * SEQ_LEN + 1), "uint16")
         tables.append(f'[[data.sources]]\npath = "{path}"\nweight = {samples}\n')
     return "\n".join(tables)
 
@@ -76,3 +80,9 @@ def test_mixture_resumed_at_another_world_size_reads_every_sample_of_every_sourc
     assert report.ok and report.superseded_entries >= 2, report.summary()  # step 4 ran in both rounds
     assert report.every_sample_once, report.summary()
     assert [(c.num_samples, c.reads) for c in report.sources] == [(n, n) for n in SIZES]
+
+    reordered = TINY_CONFIG + "\n" + _sources(tmp_path, order=(1, 0, 2))
+    refused = train_job(tmp_path / "reordered", 1, *common, config=reordered, check=False, save_final=False)
+    assert refused.returncode != 0 and not refused.metrics, refused.output[-3000:]
+    assert "data.sources[0] is" in refused.output and "which was data.sources[1]" in refused.output
+    assert "--data.on_mixture_change=new_blend" in refused.output
