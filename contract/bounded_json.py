@@ -36,7 +36,7 @@ MAX_DEPTH = 64
 MAX_NUMBER_CHARS = 40
 #: What a value can raise in a decoder (``math.isfinite`` of a huge int, a recursion, a wrong
 #: type, a missing key, undecodable text): each is a bad record, never a crash.
-VALUE_ERRORS: tuple[type[BaseException], ...] = (
+VALUE_ERRORS: tuple[type[Exception], ...] = (
     ValueError,  # UnicodeError and json.JSONDecodeError among them
     TypeError,
     ArithmeticError,  # OverflowError
@@ -94,14 +94,14 @@ def _decoder(max_number_chars: int) -> json.JSONDecoder:
     """The parser with the number bound (built once: building one per call doubled the cost of
     reading a small record)."""
 
-    def bounded_int(text: str) -> int:
-        if len(text.lstrip("-")) > max_number_chars:
+    def bounded_int(text: str) -> int:  # called for every int: the common case costs one len()
+        if len(text) > max_number_chars and len(text.lstrip("-")) > max_number_chars:
             raise _Refused(f"number {text[:20]}... has more than {max_number_chars} digits", text)
         return int(text)
 
     def bounded_float(text: str) -> float:
         value = float(text) if len(text) <= max_number_chars else math.inf
-        if not math.isfinite(value):
+        if value - value != 0.0:  # inf or nan
             raise _Refused(f"number {text[:20]!r} is too long or not finite", text)
         return value
 
