@@ -166,6 +166,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         self.straggler_lines: list[str] = []  #: the leader's view of the stragglers (status)
         self.round_pending = ""  #: the leader's: a round needed and not formed, and why (status)
         self.workers_error = ""  #: live: this node's worker processes fail at start, and why (status)
+        self._device_time_said_at: float | None = None  #: monotonic: the last device_time event
         self._pending_said = ""  #: the last pending decision logged and evented (numbers masked)
         self._stragglers_seen: set[tuple[int, str, float]] = set()  #: (round, node, slow since) reported
         self._busy: tuple[int, float] = (-1, 0.0)  #: this node's busiest rank, its busy time per step lately
@@ -243,6 +244,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.session.close(revoke=True)
         self.heartbeats.close()
         self.metrics.close()
+        if self._state is None or self._state.final is None:  # at the job's end, its final status said it
+            self._say_device_time()
         self.events.emit(ev.AgentExit(node=self.cfg.node_id, exit_code=self.exit_code))
         self.events.close()
         self.store.close()
@@ -274,7 +277,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         except EtcdUnavailableError as e:  # etcd went away mid-tick: the next tick re-reads
             log.warning("etcd request failed, retrying next tick: %s", e)
         self._release_held()  # last: a leader forms the hang's round before the stacks are dumped
-        self.metrics.tick()
+        self.metrics.tick(serving=self.workers is not None)
 
     def _wants_leader_keys(self) -> bool:
         """Follow every node's status (and every round's per-node keys) while leading, and while
@@ -492,6 +495,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.workers = pool
             pool.reassign(launch)
             self._carry_beats(pool, last_beats, launch)
+            self.metrics.launched()
             self.metrics.workers_kept.set(len(pool.last_kept))
             self.metrics.workers_new.set(len(pool.last_started))
             self.events.emit(
@@ -580,7 +584,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             newest = max(beats.values(), key=lambda b: b.step)
             if newest.phase == "training":
                 interval_s = sum(newest.phases_s.values()) if newest.phases_s else None
-                self.metrics.stepped(newest.step, newest.step_time_s, interval_s)
+                self.metrics.stepped(newest.step, newest.step_time_s, interval_s, at=newest.received_at)
             self.committed_step = max(self.committed_step, *(b.committed_step for b in beats.values()))
             self.metrics.committed_step.set(self.committed_step)
             self.metrics.ckpt_duration.set(max(b.ckpt_duration_s for b in beats.values()))

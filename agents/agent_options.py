@@ -25,7 +25,7 @@ from typing import Any
 
 from ftrain.agents.config import AgentConfig
 from ftrain.agents.job_keys import validate_id
-from ftrain.agents.leader import Policy
+from ftrain.agents.policy import Policy
 
 
 @dataclass(kw_only=True)

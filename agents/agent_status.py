@@ -36,10 +36,11 @@ from ftrain.agents.errors import EtcdUnavailableError, LeaseExpiredError
 from ftrain.agents.heartbeat import Beat, BusyWindow
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.jobstore import JobStore
-from ftrain.agents.leader import SETTLING, Decision, LeaderMemory, Policy, Wait, waiting_reasons
+from ftrain.agents.leader import SETTLING, Decision, LeaderMemory, Wait, waiting_reasons
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
+from ftrain.agents.policy import Policy
 from ftrain.agents.records import JobState, NodeStatus, RankStall
 from ftrain.agents.supervision import last_error_line
 from ftrain.agents.workers import Workers
@@ -48,6 +49,9 @@ from ftrain.contract import events as ev
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 1.0  #: the shortest time between two status writes of an agent (unless forced)
+#: the longest between two ``device_time`` events of an agent (also one with every status that
+#: changes what it says, and at its end): ``ftrain report`` adds up each node's newest
+DEVICE_TIME_EVENT_S = 60.0
 _NUMBERS = re.compile(r"\d+(\.\d+)?")
 #: routine status writes (nothing but steps and timings changed) of a whole job, per second
 STATUS_WRITES_PER_S = 100.0
@@ -100,6 +104,7 @@ class AgentStatus:
     round_pending: str
     _pending_said: str
     workers_error: str
+    _device_time_said_at: float | None
     _stragglers_seen: set[tuple[int, str, float]]
     _ckpt_failures_seen: int
     _ckpt_error: str
@@ -137,6 +142,7 @@ class AgentStatus:
         routine_s = status_interval_s(len(state.nodes))
         if not force and gist == self._last_status_gist and now - self._last_status_at < routine_s:
             return
+        changed = force or gist != self._last_status_gist
         self._last_status_at, self._last_status_gist = now, gist
         beats = self.heartbeats.beats() if self.workers is not None else {}
         totals = self.heartbeats.take_totals() if self.workers is not None else {}
@@ -148,6 +154,9 @@ class AgentStatus:
         else:
             self._busy_window.add(totals.values())
         self._busy = self._busy_window.busiest() or (-1, 0.0)
+        device_s = self.metrics.device_seconds()
+        if changed or self._device_time_said_at is None or now - self._device_time_said_at >= DEVICE_TIME_EVENT_S:
+            self._say_device_time(device_s)
         status = NodeStatus(
             round=self.workers.round if self.workers else max(self.finished_rounds, default=0),
             state=name,
@@ -165,7 +174,7 @@ class AgentStatus:
             hang_verdict=self.hang_verdict[:500],
             productive_s=round(self.metrics.productive_s(), 3),
             lost_s=round(self.metrics.lost_s(), 3),
-            device_hours={k: round(v / 3600, 6) for k, v in self.metrics.device_seconds().items()},
+            device_hours={k: round(v / 3600, 6) for k, v in device_s.items()},
             devices=self.cfg.nproc_per_node,
             device_hour_price=self.opts.device_hour_price,
             busy_s=round(self._busy[1], 6),
@@ -193,6 +202,22 @@ class AgentStatus:
             self.store.put(self.keys.status(self.cfg.node_id), status.to_json(), lease=self._lease_id())
         except (EtcdUnavailableError, LeaseExpiredError):
             pass
+
+    def _say_device_time(self, device_s: dict[str, float] | None = None) -> None:
+        """A ``device_time`` event: this node's device time so far by cause (what its status
+        says; ``ftrain report`` adds up each node's newest). None before the first launch."""
+        if not self.metrics.device_time.started:
+            return
+        device_s = self.metrics.device_seconds() if device_s is None else device_s
+        self._device_time_said_at = self.clock.monotonic()
+        self.events.emit(
+            ev.DeviceTime(
+                node=self.cfg.node_id,
+                devices=self.cfg.nproc_per_node,
+                wall_s=round(sum(device_s.values()) / max(1, self.cfg.nproc_per_node), 3),
+                seconds={k: round(v, 3) for k, v in device_s.items()},
+            )
+        )
 
     def _waiting(self, state: JobState) -> dict[str, str]:
         """The leader's: why each live node outside the current round waits (``ftrain status``)."""

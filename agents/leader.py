@@ -49,6 +49,14 @@ Rules, in order:
    etcd (``round_repair``, not a failure); a malformed master address of the current round,
    while some member has not started, fails the round (``bad_record``, a failure).
 
+8. **A round needed and not formed is a decision, stated at once**: the :class:`Wait` carries
+   why a round is needed (``need``) and what the wait is (``kind``: settling, backoff, or blocked:
+   too few nodes, or nodes whose world size the layout cannot run, said with the layout and the
+   fix, e.g. ``parallel.pp_fallback``); the agent puts it in its status and, unless it only
+   settles, an event and the log. :func:`waiting_reasons` says why each live node outside the
+   round waits (warming, the next commit, a size the layout cannot use, kept out as a straggler).
+   The settings and their words are :class:`~ftrain.agents.policy.Policy`'s.
+
 Cost: the leader decides on every change of the job, so :func:`decide` stays O(N log N) at N
 nodes (a few ms at 4,096: ``bench/lib/control_plane_micro.py``): what it reads of the state more
 than once is read once per call (``_Seen``), node ids are looked up in dicts, never in lists,
@@ -61,9 +69,8 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from ftrain.agents.config import AgentConfig
+from ftrain.agents.policy import Policy
 from ftrain.agents.records import (
     BAD_RECORD,
     FAILED,
@@ -90,116 +97,6 @@ from ftrain.agents.records import (
 from ftrain.agents.straggler_peers import slow_members
 
 _DIGITS = re.compile(r"\d+")
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """The settings :func:`decide` follows, derived from the ``[agent]`` section
-    (:class:`~ftrain.agents.config.AgentConfig` holds their one definition and default: none here)."""
-
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
-    settle_s: float
-    start_timeout_s: float
-    max_restarts: int
-    restart_window_s: float
-    backoff_initial_s: float
-    backoff_max_s: float
-    scale_up: str  #: checkpoint | immediate
-    #: the same worker error at the same step this many times in a row ends the job (0: never)
-    deterministic_failures: int
-    recovery: str  #: live | restart: under live, a joining node enters once its workers are warm
-    on_straggler: str  #: off | warn | evict
-    straggler_factor: float  #: slow: busy per step this many times the other nodes' median
-    straggler_after_s: float  #: slow this long without a break: a straggler
-    straggler_rejoin_s: float  #: evict: how long an evicted node is kept out
-    #: not ``[agent]`` keys: the training config's say (``ftrain.parallel.pipeline_stages.pipeline_degrees``,
-    #: ``ftrain.parallel.strategies.fixed_tp_size``): a world size runs at the first pipeline degree whose
-    #: stages of ``fixed_tp_size``-rank groups tile it, and a size none tiles cannot run
-    pipeline_degrees: tuple[int, ...] = (1,)
-    fixed_tp_size: int = 1
-
-    @classmethod
-    def from_config(
-        cls, config: AgentConfig, *, pipeline_degrees: tuple[int, ...] = (1,), fixed_tp_size: int = 1
-    ) -> Policy:
-        keys = {f.name for f in dataclasses.fields(cls)} - {"pipeline_degrees", "fixed_tp_size"}
-        return cls(
-            **{k: getattr(config, k) for k in keys}, pipeline_degrees=pipeline_degrees, fixed_tp_size=fixed_tp_size
-        )
-
-    @classmethod
-    def of(cls, pipeline_degrees: tuple[int, ...] = (1,), fixed_tp_size: int = 1, **settings: Any) -> Policy:
-        """From ``[agent]`` keys as keyword arguments (see :meth:`AgentConfig.of`); the rest default."""
-        return cls.from_config(
-            AgentConfig.of(**settings), pipeline_degrees=pipeline_degrees, fixed_tp_size=fixed_tp_size
-        )
-
-    def pipeline_at(self, nodes: int) -> int | None:
-        """The pipeline degree a round of ``nodes`` nodes runs at; None: it cannot run."""
-        ranks = nodes * self.nproc_per_node
-        return next((pp for pp in self.pipeline_degrees if ranks % (pp * self.fixed_tp_size) == 0), None)
-
-    def stages_of(self, node_rank: int, nodes: int) -> frozenset[int]:
-        """The pipeline stages node ``node_rank``'s ranks run in a round of ``nodes`` nodes."""
-        first, last = self.stage_spans(nodes, node_rank, node_rank + 1)[0]
-        return frozenset(range(first, last + 1))
-
-    def stage_spans(self, nodes: int, start: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
-        """The first and last pipeline stage of each node rank in ``[start, stop)`` (default:
-        all) of a round of ``nodes`` nodes: a node's ranks are contiguous, so it runs every stage
-        from its first rank's to its last rank's (:meth:`stages_of`)."""
-        per_stage = max(1, nodes * self.nproc_per_node // (self.pipeline_at(nodes) or 1))
-        n = self.nproc_per_node
-        return [
-            (k * n // per_stage, ((k + 1) * n - 1) // per_stage) for k in range(start, nodes if stop is None else stop)
-        ]
-
-    def usable_nodes(self, count: int) -> int:
-        """The most of ``count`` nodes (at most ``max_nodes``) whose ranks make a usable world size."""
-        count = min(count, self.max_nodes)
-        while count > 0 and self.pipeline_at(count) is None:
-            count -= 1
-        return count
-
-    def layout_needs(self) -> str:
-        """What a usable world size is, in words."""
-        sizes = " or ".join(str(pp * self.fixed_tp_size) for pp in self.pipeline_degrees)
-        return f"a multiple of {sizes} ranks"
-
-    def layout_text(self) -> str:
-        """The training layout's settings that decide the usable world sizes, as the user wrote
-        them: ``parallel.pp_size=2`` (with ``parallel.pp_fallback`` and a fixed tensor-parallel
-        degree when there are)."""
-        pp, *fallback = self.pipeline_degrees
-        text = f"parallel.pp_size={pp}"
-        if fallback:
-            text += f', parallel.pp_fallback="{",".join(map(str, fallback))}"'
-        if self.fixed_tp_size > 1:
-            text += f" x tensor-parallel {self.fixed_tp_size}"
-        return text
-
-    def cannot_run(self, nodes: int) -> str:
-        """Why a round of ``nodes`` nodes cannot run (empty: it can), naming what would fix it."""
-        if nodes < 1 or self.pipeline_at(nodes) is not None:
-            return ""
-        ranks = nodes * self.nproc_per_node
-        fix = (
-            "add nodes"
-            if len(self.pipeline_degrees) > 1
-            else 'set parallel.pp_fallback (e.g. "1": no pipeline while too few nodes are left) or add nodes'
-        )
-        return (
-            f"{nodes} node(s) x {self.nproc_per_node} proc = world size {ranks}, which {self.layout_text()} "
-            f"cannot run (it needs {self.layout_needs()}); {fix}"
-        )
-
-    def backoff_s(self, recent_failures: int) -> float:
-        """No wait for the first failure in the window, then initial, 2x initial, ... capped."""
-        if recent_failures <= 1:
-            return 0.0
-        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** (recent_failures - 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,29 +394,6 @@ def _need(
     return None, memory
 
 
-def _too_few(policy: Policy, live: int) -> str:
-    """Why no round forms with ``live`` nodes, fewer than ``min_nodes`` (and what else would stop it)."""
-    why = (
-        f"cannot form a round: {live} of at least {policy.min_nodes} nodes live "
-        f"(--nnodes {policy.min_nodes}:{policy.max_nodes}); waiting for more nodes to join"
-    )
-    layout = policy.cannot_run(live)
-    return f"{why} (besides, {layout})" if layout else why
-
-
-def _unusable(policy: Policy, nodes: int, usable: int) -> str:
-    """Why no round forms of ``nodes`` live nodes when only ``usable`` of them make a world size
-    the layout can run, fewer than ``min_nodes``."""
-    layout = policy.cannot_run(nodes)
-    if layout:
-        return f"cannot form a round: {layout}"
-    return (
-        f"cannot form a round: of {nodes} live nodes, {usable} make a world size {policy.layout_text()} can run "
-        f"({policy.layout_needs()}), fewer than the {policy.min_nodes} of --nnodes "
-        f"{policy.min_nodes}:{policy.max_nodes}; add nodes"
-    )
-
-
 #: the waiting nodes a leader explains in its status (the rest are counted, not named)
 MAX_WAITING_SHOWN = 64
 
@@ -682,7 +556,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if len(eligible) >= policy.min_nodes:  # never let an exclusion stop the job
         live = eligible
     if len(live) < policy.min_nodes:
-        return Wait(_too_few(policy, len(live)), pending, BLOCKED), memory
+        return Wait(policy.too_few(len(live)), pending, BLOCKED), memory
     members = live[: policy.max_nodes]
     all_reported = cur is not None and len(seen.reports) == len(cur.members) and set(cur.members) == set(members)
     # a node lost or drained and nobody joining: no last call to wait for (a new leader elected
@@ -697,7 +571,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     candidates = len(members)
     members = members[: policy.usable_nodes(candidates)]
     if len(members) < policy.min_nodes:
-        return Wait(_unusable(policy, candidates, len(members)), pending, BLOCKED), memory
+        return Wait(policy.unusable(candidates, len(members)), pending, BLOCKED), memory
     restarts = dict(prev.restarts_by_cause) if prev else {}
     if prev is not None:
         restarts[need.reason] = restarts.get(need.reason, 0) + 1

@@ -8,9 +8,12 @@ reported (each worker process counts from zero; the agent adds what is new per r
 step (``ftrain.observability.step_phases``): a straggler has more ``data``/``forward``/``backward``, its
 peers more ``comm_wait``.
 
-Productive time is the step time of steps this node had not completed before (the first time
-step n finishes); everything else since the first launch — detection, rendezvous, process start,
-checkpoint load, and steps recomputed after a rollback to a checkpoint — is lost time.
+Device time by cause (``ftrain_device_hours{cause}``, and this node's status for ``ftrain
+status``) is :class:`ftrain.contract.accounting.DeviceTime`'s, the one accounting ``ftrain report``
+uses too: productive time is the interval of steps this node had not completed before (from the
+workers' step phases, else their step time, else measured between their step beats: a
+``ftrain.Session`` loop sends only its step), everything else since the first launch is split
+into recomputation, checkpoint stalls, stragglers, start-up, recovery and idle.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from ftrain.contract.accounting import CAUSES, DeviceTime
 
 
 class AgentMetrics:
@@ -81,8 +86,8 @@ class AgentMetrics:
         self._ckpt_failures_by_round: dict[int, int] = {}
         self._device_hours = Gauge(
             "ftrain_device_hours",
-            "This node's device time since the first launch by cause: productive, recomputation, "
-            "checkpoint_stalls, stragglers, restarts (see agents/metrics.py).",
+            f"This node's device time since the first launch by cause: {', '.join(CAUSES)} "
+            "(see ftrain/contract/accounting.py).",
             [*names, "cause"],
             registry=self.registry,
         )
@@ -92,8 +97,10 @@ class AgentMetrics:
             [*names, "cause"],
             registry=self.registry,
         )
-        self._measured_s = dict.fromkeys(("recomputation", "checkpoint_stalls", "stragglers"), 0.0)  #: device-s
-        self._last_step = -1
+        self.device_time = DeviceTime(devices)
+        self._fresh_round = True  #: the next step is a round's first: its interval is not known
+        self._beat: tuple[int, float] = (-1, 0.0)  #: the last new step seen and when (to measure intervals)
+        self._last_tick: float | None = None
         self._restarts = Counter(
             "ftrain_restarts", "Rounds after the first, by cause.", [*names, "cause"], registry=self.registry
         )
@@ -107,9 +114,6 @@ class AgentMetrics:
         self._phases_round = -1
         self._labels = labels
         self._counted_rounds: set[int] = set()
-        self._best_step = -1
-        self._productive_s = 0.0
-        self._first_launch: float | None = None
         self._server: WSGIServer | None = None
         self.port = 0
 
@@ -139,43 +143,41 @@ class AgentMetrics:
         return len(self._counted_rounds)
 
     def launched(self) -> None:
-        if self._first_launch is None:
-            self._first_launch = self._clock()
+        """This node's workers start serving a round: the first launch starts the accounting,
+        and a round's first step is not counted as a step (it warms up; its interval is unknown)."""
+        self.device_time.start(self._clock())
+        self._fresh_round = True
 
-    def stepped(self, step: int, step_time_s: float, interval_s: float | None = None) -> None:
-        """The newest step of this node's workers; ``interval_s``: its whole interval since the
-        step before (the phases' sum; the step time when unknown)."""
+    def stepped(self, step: int, step_time_s: float, interval_s: float | None = None, *, at: float = 0.0) -> None:
+        """The newest step of this node's workers, beaten at ``at`` (the agent's monotonic clock);
+        ``interval_s``: its whole interval since the step before (the phases' sum), else its
+        step time, else measured from the beats: the time since the last new step seen over the
+        steps between (a loop that sends only its step number)."""
         self.step.set(step)
         self.step_time.set(step_time_s)
-        per_step_s = interval_s if interval_s is not None else step_time_s
-        if step > self._best_step:
-            if self._best_step >= 0:
-                self._productive_s += per_step_s * (step - self._best_step)
-            self._best_step = step
-        elif 0 <= self._last_step < step:  # going over steps done before (after going back)
-            self._measured_s["recomputation"] += per_step_s * (step - self._last_step) * self._devices
-        self._last_step = step
-        self.productive.set(self._productive_s)
+        last_step, last_at = self._beat
+        if step == last_step:
+            return
+        per_step_s = interval_s if interval_s is not None else step_time_s if step_time_s > 0 else None
+        if per_step_s is None and 0 <= last_step < step and at > last_at:
+            per_step_s = (at - last_at) / (step - last_step)
+        if self._fresh_round:
+            per_step_s, self._fresh_round = None, False
+        self._beat = (step, at)
+        self.device_time.step(step, per_step_s, self._clock())
+        self.productive.set(self.productive_s())
 
     def phases_taken(self, seconds: list[dict[str, float]], *, straggling: bool) -> None:
         """The local ranks' phase totals since the last call: checkpoint staging, and the time
         they waited while the leader saw a straggler, are device time lost to those causes."""
-        self._measured_s["checkpoint_stalls"] += sum(s.get("ckpt_staging", 0.0) for s in seconds)
+        self.device_time.staged(sum(s.get("ckpt_staging", 0.0) for s in seconds))
         if straggling:
-            self._measured_s["stragglers"] += sum(s.get("comm_wait", 0.0) for s in seconds)
+            self.device_time.waited(sum(s.get("comm_wait", 0.0) for s in seconds))
 
     def device_seconds(self) -> dict[str, float]:
-        """This node's device time since its first launch, by cause (they add up to its devices'
-        wall time): ``productive`` (first-time steps, less their staging and waiting for a
-        straggler), ``recomputation``, ``checkpoint_stalls``, ``stragglers``, and ``restarts``
-        (the rest: detection, rendezvous, start-up, loads, waiting without a round)."""
-        wall = (self._clock() - self._first_launch) * self._devices if self._first_launch is not None else 0.0
-        measured = dict(self._measured_s)
-        productive = max(
-            0.0, self._productive_s * self._devices - measured["checkpoint_stalls"] - measured["stragglers"]
-        )
-        restarts = max(0.0, wall - productive - sum(measured.values()))
-        return {"productive": productive, **measured, "restarts": restarts}
+        """This node's device time since its first launch, by cause
+        (:data:`ftrain.contract.accounting.CAUSES`; they add up to its devices' wall time)."""
+        return self.device_time.seconds(self._clock())
 
     def ranks_stepped(self, round_: int, phases: dict[int, dict[str, float]]) -> None:
         """Each rank's newest step breakdown; a new round drops the ranks of the old one."""
@@ -187,16 +189,21 @@ class AgentMetrics:
                 self._phases.labels(**self._labels, rank=str(rank), phase=phase).set(seconds)
 
     def productive_s(self) -> float:
-        return self._productive_s
+        """Productive device time over this node's devices: wall seconds of first-time steps."""
+        return self.device_seconds()["productive"] / max(1, self._devices)
 
     def lost_s(self) -> float:
         """Wall time since the first launch that was not productive (0 before it)."""
-        if self._first_launch is None:
-            return 0.0
-        return max(0.0, self._clock() - self._first_launch - self._productive_s)
+        return max(0.0, sum(self.device_seconds().values()) / max(1, self._devices) - self.productive_s())
 
-    def tick(self) -> None:
-        if self._first_launch is not None:
+    def tick(self, *, serving: bool = True) -> None:
+        """Once per agent tick; ``serving``: this node's workers serve a round (else the time
+        since the last tick is idle, once the first step is done)."""
+        now = self._clock()
+        if not serving and self._last_tick is not None:
+            self.device_time.outside(now - self._last_tick)
+        self._last_tick = now
+        if self.device_time.started:
             lost = self.lost_s()
             self.lost.set(lost)
             self.lost_device_hours.set(lost * self._devices / 3600)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import secrets
 import time
 from typing import Any
@@ -24,9 +25,11 @@ from ftrain.agents.flight_verdict import Stall, from_stalls
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.records import DumpRequest, JobState
 from ftrain.agents.supervision import MAX_STALLS
+from ftrain.contract.accounting import describe, summary
 
 MAX_SHOWN_CHARS = 1000  #: of one text an agent put in its status (agents write at most 500; etcd allows MBs)
 MAX_SHOWN_LINES = 100
+MAX_DEVICES = 1 << 16  #: of one node's status (it is read from etcd)
 
 
 def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
@@ -118,8 +121,28 @@ def status_of(state: JobState, job: str, *, now: float) -> dict[str, Any]:
             "committed_step": state.final.committed_step,
         },
         "nodes": nodes,
+        "accounting": device_time(nodes),
         "problems": [str(p) for p in state.problems],
     }
+
+
+def device_time(nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's device time by cause: each node's (its agent's, published in its status) added
+    up, in :func:`ftrain.contract.accounting.summary`'s shape, as ``ftrain report`` shows the
+    same agents' ``device_time`` events; None before any node launched workers."""
+    counted = [n for n in nodes if n.get("devices") and n.get("device_hours")]
+    if not counted:
+        return None
+    seconds: dict[str, float] = {}
+    wall = 0.0
+    for n in counted:
+        hours = {c: h for c, h in n["device_hours"].items() if isinstance(h, (int, float)) and math.isfinite(h)}
+        for cause, h in hours.items():
+            seconds[cause] = seconds.get(cause, 0.0) + h * 3600
+        wall = max(wall, sum(hours.values()) * 3600 / n["devices"])
+    devices = sum(min(n["devices"], MAX_DEVICES) for n in counted)
+    price = max(n.get("device_hour_price", 0.0) for n in counted)
+    return summary(seconds, devices=devices, wall_s=wall, device_hour_price=price)
 
 
 def _cell(value: Any) -> str:
@@ -190,21 +213,8 @@ def format_status(s: dict[str, Any]) -> str:
             f"({n.get('ckpt_failures_total', 0)} in all); last error: {n.get('ckpt_error') or '-'}"
             for n in failing
         ]
-    priced = [n for n in s["nodes"] if n.get("devices")]
-    if priced:
-        by_cause: dict[str, float] = {}
-        for n in priced:
-            for cause, hours in n.get("device_hours", {}).items():
-                by_cause[cause] = by_cause.get(cause, 0.0) + hours
-        lost_h = sum(h for cause, h in by_cause.items() if cause != "productive")
-        price = max(n.get("device_hour_price", 0.0) for n in priced)
-        cost = f" (cost {lost_h * price:.2f} at {price:g} per device-hour)" if price else ""
-        causes = ", ".join(f"{c} {h:.4f}" for c, h in by_cause.items() if c != "productive")
-        lines.append("")
-        lines.append(
-            f"device time: {by_cause.get('productive', 0.0):.4f} device-hours productive, {lost_h:.4f} lost{cost}"
-            + (f": {causes}" if causes else "")
-        )
+    if s.get("accounting"):
+        lines += ["", describe(s["accounting"])]
     stragglers = [line for n in s["nodes"] if n.get("leader") for line in n.get("stragglers", [])]
     if stragglers:
         lines.append("")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -23,9 +22,8 @@ from typing import Any
 
 from ftrain.agents.flight_verdict import RoundEvidence, from_events
 from ftrain.contract import exits
-from ftrain.contract.events import Event, read_jsonl
-
-MAX_DECISIONS_SHOWN = 50  #: the newest decisions listed (a long stall repeats few, but logs are untrusted)
+from ftrain.contract.events import read_jsonl
+from ftrain.observability.decisions import decisions, event_time
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +48,7 @@ def _analyze(args: argparse.Namespace, overrides: list[str]) -> int:
     if not files:
         print(f"ftrain analyze: no events*.jsonl under {path}", file=sys.stderr)
         return exits.USAGE
-    events = sorted((e for f in files for e in read_jsonl(f)), key=lambda e: _time(e.get("time")))
+    events = sorted((e for f in files for e in read_jsonl(f)), key=lambda e: event_time(e.get("time")))
     rounds = from_events(events)
     decided = decisions(events)
     if args.json:
@@ -68,49 +66,11 @@ def _analyze(args: argparse.Namespace, overrides: list[str]) -> int:
     return exits.OK
 
 
-def decisions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the control plane decided that a user must know, oldest first (the newest
-    :data:`MAX_DECISIONS_SHOWN`): each ``round_pending`` (a new round needed and not formed, and
-    why), ``workers_failing`` (a node's worker processes exit before they are ready, with their
-    error) and ``job_final`` (how the job ended, and why), as ``{"decision", "time", "node", "text"}``."""
-    out = []
-    for e in events:
-        name, node = e.get("event"), str(e.get("node", ""))[:100]
-        if name == Event.ROUND_PENDING:
-            text = f"leader {node}: new round needed for {_text(e.get('need'))}; not formed: {_text(e.get('why'))}"
-        elif name == Event.WORKERS_FAILING:
-            text = (
-                f"{node}: {_text(e.get('exits'))} worker process(es) in a row exited before they were ready "
-                f"(exit code {_text(e.get('exit_code'))}): {_text(e.get('error'))}"
-            )
-        elif name == Event.JOB_FINAL:
-            text = f"job {_text(e.get('status'))} (decided by {node}): {_text(e.get('reason'))}"
-        else:
-            continue
-        out.append({"decision": name, "time": _time(e.get("time")), "node": node, "text": text})
-    return out[-MAX_DECISIONS_SHOWN:]
-
-
-def _time(value: Any) -> float:
-    """An event's time, if it is a number a float holds (logs are untrusted), else 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0
-    try:
-        t = float(value)
-    except OverflowError:
-        return 0.0
-    return t if math.isfinite(t) else 0.0
-
-
 def _clock(t: float) -> str:
     try:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
     except (OverflowError, OSError, ValueError):
         return "?"
-
-
-def _text(value: Any) -> str:
-    return str(value)[:1000]
 
 
 def as_dict(evidence: RoundEvidence) -> dict[str, Any]:

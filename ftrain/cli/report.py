@@ -53,9 +53,14 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
     html = write(out, report)
     a = report["accounting"]
     print(f"report: {html} ({len(files)} file(s), {len(metrics)} step line(s), {len(events)} event(s))")
+    if report["final"]:
+        print(f"job {report['final']['status']}: {report['final']['reason']}")
+    print(f"device time (accounted from the {a['source']}), goodput {100 * a['goodput']:.1f}%:")
     for c in a["causes"]:
         cost = f"  cost {c['cost']:.4f}" if c["cost"] is not None else ""
         print(f"  {c['cause']:18s} {c['device_hours']:10.5f} device-hours  {100 * c['share']:5.1f}%{cost}")
+    for d in report["decisions"]:
+        print(f"decision: {d['text']}")
     if args.json:
         print(json.dumps(a))
     return exits.OK

@@ -1,10 +1,11 @@
 """The run report's page: one self-contained HTML file (the data embedded as JSON, drawn by a
 small script into SVG), the same in any browser and in headless Chromium.
 
-Sections: a summary (steps, final loss, goodput, device-hours and cost), one timeline (lanes:
-rounds, faults, hangs, checkpoints, stragglers, steps), the loss, gradient-norm and throughput
-curves, a per-rank heatmap of busy time per step (the straggler's row stands out), and tables of
-the lost time by cause, the rounds, the stragglers, the hangs and the commits. Every lane and
+Sections: a summary (steps, final loss, goodput, device-hours and cost, and how the job ended
+and why), one timeline (lanes: rounds, faults, hangs, checkpoints, stragglers, steps), the loss,
+gradient-norm and throughput curves, a per-rank heatmap of busy time per step (the straggler's
+row stands out), and tables of the device time by cause, what the control plane decided, the
+rounds, the stragglers, the hangs and the commits. Every lane and
 table carries a ``data-lane`` / ``id`` the tests look for; ``body[data-rendered]`` counts the
 lanes drawn.
 
@@ -69,12 +70,15 @@ td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
 <body>
 <h1>ftrain run: <span id="title"></span></h1>
 <div id="summary"></div>
+<p id="final"></p>
 <h2>Timeline</h2><div id="timeline"></div>
 <h2>Training</h2><div class="charts" id="charts"></div>
 <h2>Busy time per step, by rank</h2><div id="heatmap"></div>
 <h2>Where the device time went</h2>
 <table id="lost"><thead><tr><th>cause</th><th>device-hours</th><th>share</th><th>cost</th></tr></thead>
 <tbody></tbody></table>
+<h2>Decisions</h2>
+<table id="decisions"><thead><tr><th>at s</th><th>what</th></tr></thead><tbody></tbody></table>
 <h2>Rounds</h2>
 <table id="rounds"><thead><tr><th>round</th><th>at s</th><th>reason</th><th>members</th><th>world size</th></tr></thead>
 <tbody></tbody></table>
@@ -99,7 +103,8 @@ const cost = A.device_hour_price ? " (" + (lost * A.device_hour_price).toFixed(2
 document.getElementById("summary").textContent = (last ? "step " + last.step + ", loss " +
   (last.loss ?? NaN).toFixed(4) : "no step") + " · " + R.rounds.length + " round(s) · " + A.devices +
   " device(s) for " + A.wall_s.toFixed(0) + " s · goodput " + (100 * A.goodput).toFixed(1) + "% · lost " +
-  lost.toFixed(4) + " device-hours" + cost;
+  lost.toFixed(4) + " device-hours" + cost + " (accounted from the " + (A.source || "metrics") + ")";
+if (R.final) document.getElementById("final").textContent = "job " + R.final.status + ": " + R.final.reason;
 
 // one timeline
 const lanes = ["rounds", "faults", "hangs", "checkpoints", "stragglers", "steps"];
@@ -176,6 +181,7 @@ function table(id, rowsData, cells) {
 const at = t => (t - t0).toFixed(1);
 table("lost", A.causes, c => [c.cause, c.device_hours.toFixed(5), (100 * c.share).toFixed(1) + "%",
   c.cost === null ? "-" : c.cost.toFixed(4)]);
+table("decisions", R.decisions || [], d => [at(d.time), d.text]);
 table("rounds", R.rounds, r => [r.round, at(r.time), r.reason, r.members.join(", "), r.world_size]);
 table("stragglers", R.stragglers, s => [at(s.time), s.node, s.rank, s.busy_s.toFixed(4), s.others_s.toFixed(4),
   s.policy]);

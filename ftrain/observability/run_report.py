@@ -7,19 +7,17 @@ data: the steps (loss, gradient norm, throughput, phases, per-rank busy and wait
 rounds, faults, hangs with their verdicts, commits, stragglers, goodput, and where the
 device time went (:func:`lost_time`).
 
-Device time is counted on the job's largest world size (the devices it holds), from its first
-round to its last step, split into:
-
-- ``productive``: first-time steps (the interval since the previous step's line, where the line
-  has its phases), less their checkpoint staging and their waiting for stragglers;
-- ``recomputation``: steps done again after going back to an older state;
-- ``checkpoint_stalls``: staging state for checkpoints and the memory tier (every rank alike);
-- ``stragglers``: ranks waiting for the slowest rank of a step (each step's waiting beyond its
-  least-waiting rank's, summed over ranks);
-- ``restarts``: the rest: detection, rendezvous, start-up, loads, and devices left idle by a
-  smaller round.
+Device time is :mod:`ftrain.contract.accounting`'s, the one accounting of ``ftrain status`` and
+the agents' metrics, with the same causes (productive, recomputation, checkpoint_stalls,
+stragglers, startup, recovery, idle): when the agents wrote ``device_time`` events, the newest of
+each node, added up (what ``ftrain status`` showed, whatever ran the loop: a ``ftrain.Session``
+script writes no metrics lines); for a job without agents, the metrics lines fed to the same
+:class:`~ftrain.contract.accounting.DeviceTime` on the job's largest world size, from its first
+round to its last step (a smaller round's unused devices are idle).
 
 With a price per device-hour (``accounting.device_hour_price``), each cause also has its cost.
+The report also lists what the control plane decided (``ftrain analyze``'s decisions: a round
+the leader could not form, workers failing at start, how the job ended and why).
 """
 
 from __future__ import annotations
@@ -29,9 +27,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ftrain.contract.accounting import CAUSES, DeviceTime, summary
 from ftrain.contract.events import Event, read_jsonl
+from ftrain.observability.decisions import decisions
 
-CAUSES = ("productive", "recomputation", "checkpoint_stalls", "stragglers", "restarts")
 MAX_WORLD_SIZE = 1 << 24  #: a larger world size in a log line is not believed (it would overflow the sums)
 MAX_STEPS_SHOWN = 2000  #: steps kept for the curves and the heatmap (evenly thinned beyond)
 
@@ -107,54 +106,77 @@ def build(
             }
             for e in _of(events, Event.STRAGGLER_DETECTED)
         ],
-        "accounting": lost_time(metrics, started, ended, device_hour_price=device_hour_price),
+        "accounting": agents_time(events, device_hour_price=device_hour_price)
+        or lost_time(metrics, started, ended, device_hour_price=device_hour_price),
+        "final": _final(events),
+        "decisions": decisions(events),
     }
     return report
+
+
+def _final(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the job ended and why (the newest ``job_final`` event), if it did."""
+    final = _of(events, Event.JOB_FINAL)
+    if not final:
+        return None
+    e = final[-1]
+    return {
+        "time": _num(e.get("time")),
+        "status": str(e.get("status", ""))[:50],
+        "reason": str(e.get("reason", ""))[:2000],
+    }
+
+
+def agents_time(events: list[dict[str, Any]], *, device_hour_price: float = 0.0) -> dict[str, Any] | None:
+    """The device time the agents accounted (each node's newest ``device_time`` event, added up:
+    what ``ftrain status`` showed from their statuses); None when no agent wrote one."""
+    newest: dict[str, dict[str, Any]] = {}
+    for e in _of(events, Event.DEVICE_TIME):  # in time order: the later wins
+        if isinstance(e.get("seconds"), dict) and _int(e.get("devices")) is not None:
+            newest[str(e.get("node", ""))[:200]] = e
+    if not newest:
+        return None
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    for e in newest.values():
+        for cause, value in e["seconds"].items():
+            if isinstance(cause, str) and _is_num(value):
+                seconds[cause] = seconds.get(cause, 0.0) + float(value)
+    devices = sum(min(MAX_WORLD_SIZE, max(0, e["devices"])) for e in newest.values())
+    wall = max(_num(e.get("wall_s")) for e in newest.values())
+    return {**summary(seconds, devices=devices, wall_s=wall, device_hour_price=device_hour_price), "source": "agents"}
 
 
 def lost_time(
     metrics: list[dict[str, Any]], started: float, ended: float, *, device_hour_price: float = 0.0
 ) -> dict[str, Any]:
-    """Device-seconds by cause (see the module doc), with device-hours and cost."""
+    """Device time by cause from the metrics lines (a job without agents; see the module doc)."""
     devices = max((w for m in metrics if (w := _world(m)) is not None), default=0)
-    seconds = dict.fromkeys(CAUSES, 0.0)
-    best = -1
+    account = DeviceTime(devices)
+    account.start(started)
+    last_round, last_at = object(), started
     for m in metrics:
         world = _world(m) or devices
+        at = _num(m.get("time"))
         raw = m.get("phases_s")
         phases: dict[str, Any] = raw if isinstance(raw, dict) else {}
-        # the whole interval since the previous line (phases add up to it), else the step alone
+        # the whole interval since the previous line (phases add up to it), else the step alone;
+        # the first line of a round is its warm-up (not counted as a step: recovery or start-up)
         step_s = sum(_num(v) for v in phases.values()) if phases else _num(m.get("step_time_s"))
+        first = m.get("round") != last_round
         staging = _num(phases.get("ckpt_staging"))
-        seconds["checkpoint_stalls"] += staging * world
-        waits = [_num(w) for w in m.get("rank_comm_wait_s", [])] if isinstance(m.get("rank_comm_wait_s"), list) else []
-        if waits:
-            seconds["stragglers"] += sum(w - min(waits) for w in waits)
-        if m["step"] > best:
-            seconds["productive"] += max(0.0, step_s - staging) * world
-            best = m["step"]
-        else:
-            seconds["recomputation"] += max(0.0, step_s - staging) * world
-    wall_device_s = max(0.0, ended - started) * devices
-    seconds["productive"] = max(0.0, seconds["productive"] - seconds["stragglers"])
-    accounted = sum(v for k, v in seconds.items() if k != "restarts")
-    seconds["restarts"] = max(0.0, wall_device_s - accounted)
-    total = max(wall_device_s, accounted)
-    return {
-        "devices": devices,
-        "wall_s": round(ended - started, 3),
-        "device_hour_price": device_hour_price,
-        "goodput": round(seconds["productive"] / total, 4) if total else 0.0,
-        "causes": [
-            {
-                "cause": cause,
-                "device_hours": round(seconds[cause] / 3600, 6),
-                "share": round(seconds[cause] / total, 4) if total else 0.0,
-                "cost": round(seconds[cause] / 3600 * device_hour_price, 4) if device_hour_price else None,
-            }
-            for cause in CAUSES
-        ],
-    }
+        if not first:
+            account.staged(staging * world)
+            waits = m.get("rank_comm_wait_s")
+            waits = [_num(w) for w in waits] if isinstance(waits, list) else []
+            if waits:
+                account.waited(sum(w - min(waits) for w in waits))
+        account.step_done(m["step"], None if first else step_s, at, devices=world)
+        if world < devices:
+            account.outside(max(0.0, at - last_at), devices=devices - world)
+        last_round, last_at = m.get("round"), at
+    seconds = account.seconds(max(ended, started))
+    return {**summary(seconds, devices=devices, wall_s=ended - started, device_hour_price=device_hour_price),
+            "source": "metrics"}  # fmt: skip
 
 
 def _step(m: dict[str, Any]) -> dict[str, Any]:

@@ -164,6 +164,10 @@ def test_a_live_worker_that_fails_at_start_without_a_word_stops_the_job_as_deter
     assert failing["error"] == BOOM and failing["exit_code"] == 1
     shown = format_status(status_of(state, JOB, now=clock.time()))
     assert shown.startswith("job job: FAILED (deterministic failure") and BOOM in shown
+    # its device time counts from the first round its live workers served (before: never, under
+    # live recovery: 0 device-hours whatever happened); no step was ever done: all of it start-up
+    hours = state.status["a"].device_hours
+    assert hours["startup"] > 0 and sum(hours.values()) == pytest.approx(hours["startup"], abs=1e-6)
 
 
 def test_a_session_started_under_live_recovery_tells_its_agent_why_before_it_raises(

@@ -48,6 +48,7 @@ from ftrain.agents.records import (
 )
 from ftrain.agents.status import format_status
 from ftrain.agents.workers import PidTracker
+from ftrain.contract.accounting import CAUSES
 from ftrain.testbed.wait import wait_for
 
 KEYS = JobKeys("job-7")
@@ -724,10 +725,12 @@ def test_device_time_by_cause_adds_up_to_the_nodes_devices_wall_time_and_is_pric
         metrics.stepped(step, 0.4, interval_s=0.5)
     now[0] = 120.0
     seconds = metrics.device_seconds()
-    assert list(seconds) == ["productive", "recomputation", "checkpoint_stalls", "stragglers", "restarts"]
+    assert list(seconds) == list(CAUSES)
     assert seconds["recomputation"] == pytest.approx(2 * 0.5 * 2)  # 7 -> 8 -> 9: the first is not counted
     assert seconds["checkpoint_stalls"] == pytest.approx(0.4) and seconds["stragglers"] == pytest.approx(0.75)
-    assert seconds["productive"] == pytest.approx(9 * 0.5 * 2 - 0.4 - 0.75)  # steps 2..10 after the first
+    assert seconds["productive"] == pytest.approx(9 * 0.5 * 2 - 0.4 - 0.75)  # steps 2..10: the first warms up
+    assert seconds["startup"] == pytest.approx(10.0 * 2) and seconds["idle"] == 0.0  # launch to the first step
+    assert seconds["recovery"] == pytest.approx(20.0 * 2 - 20.0 - 2.0 - 0.4 - 0.75 - 7.85)
     assert sum(seconds.values()) == pytest.approx(20.0 * 2)
     metrics.tick()
     port = metrics.serve(0)

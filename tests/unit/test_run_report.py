@@ -75,16 +75,28 @@ def test_the_device_time_by_cause_adds_up_to_the_devices_wall_time_and_is_priced
     metrics, events = _job()
     a = build(metrics, events, device_hour_price=3.0)["accounting"]
     causes = {c["cause"]: c for c in a["causes"]}
-    assert list(causes) == list(CAUSES) and a["devices"] == 2 and a["wall_s"] == 3.0
+    assert list(causes) == list(CAUSES) and a["devices"] == 2 and a["wall_s"] == 3.0 and a["source"] == "metrics"
     assert sum(c["device_hours"] for c in causes.values()) == pytest.approx(3.0 * 2 / 3600, abs=1e-6)
-    assert causes["recomputation"]["device_hours"] == pytest.approx(0.10 * 2 / 3600, abs=1e-6)  # step 5 redone
+    assert causes["recomputation"]["device_hours"] == pytest.approx(0.14 * 2 / 3600, abs=1e-6)  # step 5 redone
     assert causes["checkpoint_stalls"]["device_hours"] == pytest.approx(0.04 * 2 / 3600, abs=1e-6)
     assert causes["stragglers"]["device_hours"] == pytest.approx(0.05 / 3600, abs=1e-6)  # rank 1 waited once
-    productive = (5 * 0.10 * 2 - 0.05) / 3600
+    productive = (4 * 0.10 * 2 - 0.04 * 2 - 0.05) / 3600  # steps 2-5: the round's first is its warm-up
     assert causes["productive"]["device_hours"] == pytest.approx(productive, abs=1e-6)
+    assert causes["startup"]["device_hours"] == pytest.approx(1.1 * 2 / 3600, abs=1e-6)  # to the first step
+    assert causes["idle"]["device_hours"] == 0.0
     assert a["goodput"] == pytest.approx(productive / (3.0 * 2 / 3600), abs=1e-3)
     assert all(c["cost"] == pytest.approx(c["device_hours"] * 3.0, abs=1e-4) for c in causes.values())
     assert all(c["cost"] is None for c in build(metrics, events)["accounting"]["causes"]), "no price, no cost"
+
+
+def test_a_smaller_round_leaves_the_largest_worlds_other_devices_idle():
+    metrics = [_line(s, T0 + 0.1 * s, world=2) for s in range(1, 4)]
+    metrics += [{**_line(s, T0 + 1 + 0.1 * s, world=1), "round": 2} for s in range(3, 8)]
+    a = build(metrics, [])["accounting"]
+    causes = {c["cause"]: c["device_hours"] for c in a["causes"]}
+    # 1 of 2 devices from the end of round 1 on: the gap to round 2's first step (1.0 s), then its 4 steps
+    assert causes["idle"] == pytest.approx((1.0 + 4 * 0.1) / 3600, abs=1e-6)
+    assert sum(causes.values()) == pytest.approx((1.7 - 0.1) * 2 / 3600, abs=1e-6)
 
 
 def test_logs_are_untrusted_input_wrong_types_count_as_nothing(tmp_path):
@@ -119,7 +131,7 @@ def test_the_command_writes_the_report_and_names_a_missing_directory(tmp_path):
     out = ftrain(str(tmp_path), "--device-hour-price", "2", "--json")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "report.html").exists() and json.loads(out.stdout.splitlines()[-1])["device_hour_price"] == 2
-    assert "restarts" in out.stdout and "device-hours" in out.stdout
+    assert "recovery" in out.stdout and "device-hours" in out.stdout and "restarts" not in out.stdout
     missing = ftrain(str(tmp_path / "nope"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     negative = ftrain(str(tmp_path), "--device-hour-price", "-1")
