@@ -33,6 +33,7 @@ from ftrain.contract.config import (
     positive,
     suggest,
 )
+from ftrain.models.config_match import parse_override
 from ftrain.models.sizes import LLAMA_SIZES, default_ffn_dim
 from ftrain.parallel.pipeline_stages import PP_SCHEDULES, check_pipeline, pipeline_degrees, stage_blocks
 from ftrain.parallel.strategies import STRATEGIES
@@ -121,7 +122,15 @@ class ModelConfig:
     init_from: str = opt(
         "",
         "Initial weights: a local Hugging Face checkpoint directory (config.json + *.safetensors, sharded or not), "
-        "loaded before the strategy shards the model; ignored when a checkpoint is resumed.",
+        "read by rank 0 and sent to the others before the strategy shards the model; not read (nor needed) when "
+        "checkpoint.uri holds a committed step to resume.",
+    )
+    override_weights_config: str = opt(
+        "",
+        "Comma-separated settings (rope_theta, rope_parameters, rms_norm_eps, hidden_act, sliding_window, "
+        "layer_types) in which this model is meant to differ from the config its starting weights were trained "
+        "with: model.init_from's config.json, or on a resume the model config the checkpoint recorded (e.g. "
+        "rope_theta for a longer context). Any other difference is an error naming the setting.",
     )
     vocab_size: int = opt(256, "Vocabulary size (must exceed every token id of the data).")
     seq_len: int = opt(128, "Tokens per training sequence (context length).")
@@ -158,11 +167,10 @@ class ModelConfig:
             raise ConfigError("model.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.args and not self.factory:
             raise ConfigError("model.args", f"is read by model.factory, which is not set (got {sorted(self.args)})")
-        if self.init_from and not Path(self.init_from, "config.json").is_file():
-            raise ConfigError(
-                "model.init_from",
-                f"{self.init_from!r} is not a Hugging Face checkpoint directory (no config.json in it)",
-            )
+        try:  # init_from itself is checked where it is read: a resume does not need it
+            parse_override(self.override_weights_config)
+        except ValueError as e:
+            raise ConfigError("model.override_weights_config", str(e)) from None
 
     def _apply_size(self) -> None:
         if not self.size:

@@ -8,8 +8,10 @@ so it runs on tensor-parallel local heads, and every linear layer is a plain ``n
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
+import pkgutil
 from collections.abc import Callable
 
 import torch
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.config import ConfigError, ModelConfig
+from ftrain.contract.config import suggest
 from ftrain.models.layout import ModelLayout, Parts
 
 
@@ -116,11 +119,27 @@ def load_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError("model.factory", f"cannot import module {module_name!r}: {e}") from e
+        raise ConfigError("model.factory", f"cannot import module {module_name!r}: {e}{_module_hint(e)}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError("model.factory", f"{module_name!r} has no callable {attr!r}")
+        callables = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        raise ConfigError("model.factory", f"{module_name!r} has no callable {attr!r}{suggest(attr, callables)}")
     return fn
+
+
+def _module_hint(e: ImportError) -> str:
+    """A hint (" (did you mean 'pkg.model'?)") when the missing module has a sibling of a close name."""
+    missing = getattr(e, "name", None) or ""
+    parent, _, leaf = missing.rpartition(".")
+    if not parent or not leaf:
+        return ""
+    try:
+        path = getattr(importlib.import_module(parent), "__path__", None)
+    except ImportError:
+        return ""
+    siblings = [m.name for m in pkgutil.iter_modules(path)] if path else []
+    close = difflib.get_close_matches(leaf, siblings, n=1)
+    return f" (did you mean {f'{parent}.{close[0]}'!r}?)" if close else ""
 
 
 def _embed(parts: Parts, tokens: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ftrain.agent_link import flight_recorder, heartbeat
 from ftrain.checkpoint.errors import CheckpointError
-from ftrain.checkpointing import Checkpointing, current_round
+from ftrain.checkpointing import Checkpointing, current_round, step_to_resume
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
 from ftrain.contract import events as ev
@@ -69,7 +69,8 @@ from ftrain.faults import (
 )
 from ftrain.model import build_model, count_parameters
 from ftrain.models.checks import check_model
-from ftrain.models.hf_weights import load_hf_weights
+from ftrain.models.hf_weights import model_record
+from ftrain.models.init_weights import InitFromNotReadError, load_initial_weights
 from ftrain.models.layout import logits_of
 from ftrain.observability.metrics import MetricsWriter, peak_memory_bytes
 from ftrain.observability.progress import Progress
@@ -221,7 +222,18 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         check_model(model, cfg)
-        init_files = load_hf_weights(model, cfg.model) if cfg.model.init_from else {}
+        self.model_record = model_record(model, cfg.model)  #: what every checkpoint records of the model
+        #: the step a resume was to load instead of model.init_from (-1: init_from read, or not set)
+        self.init_from_skipped_for = step_to_resume(cfg) if cfg.model.init_from else -1
+        init_files = (
+            load_initial_weights(model, cfg.model) if cfg.model.init_from and self.init_from_skipped_for < 0 else {}
+        )
+        if self.init_from_skipped_for >= 0 and rank == 0:
+            log.info(
+                "model.init_from is not read: checkpoint step %d under %s is to be resumed",
+                self.init_from_skipped_for,
+                cfg.checkpoint.uri,
+            )
         self.num_params = count_parameters(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
@@ -243,7 +255,9 @@ class Trainer:
         )
         self.metrics = MetricsWriter(cfg.logging.metrics_path) if cfg.logging.metrics_path and rank == 0 else None
         self.progress = Progress(cfg.train.steps, cfg.logging.progress if rank == 0 else "off", cfg.logging.log_every)
-        self.ckpt = Checkpointing(cfg, self.par, self.cursor, self.events) if cfg.checkpoint.uri else None
+        self.ckpt = (
+            Checkpointing(cfg, self.par, self.cursor, self.events, self.model_record) if cfg.checkpoint.uri else None
+        )
         #: the memory tier: for strategies that keep no full replica, and with checkpoint.memory_dir for
         #: every strategy (ddp heals a lost rank from a live peer; a snapshot kept on the node's tmpfs
         #: outlives the workers when every one of them is lost)
@@ -297,6 +311,8 @@ class Trainer:
         )
         if resume and (self.ckpt is not None or self.tier is not None) and cfg.checkpoint.resume:
             self._resume()
+        if self.init_from_skipped_for >= 0 and self.cursor.step == 0:  # nothing restored (saves follow a step)
+            raise InitFromNotReadError(self.init_from_skipped_for, cfg.checkpoint.uri)
         self.progress.message(
             f"ftrain: {self.num_params / 1e6:.2f}M params, {layout.strategy} on {layout.world_size} rank(s) "
             f"(dp={layout.dp_size} tp={layout.tp_size}"

@@ -6,6 +6,7 @@
     ftrain ckpt gc URI [--dry-run] [--keep-last N] [--keep-every M] [--grace-s S]
     ftrain ckpt export URI STEP OUT.pt       one plain torch.save file, loadable without ftrain
     ftrain ckpt export URI STEP OUT --format hf   a Hugging Face save_pretrained directory
+                                             (a new OUT; --replace swaps an existing one out whole)
 
 Every subcommand takes ``--endpoint-url`` (else ``AWS_ENDPOINT_URL``) and ``--hmac-key-env NAME``
 (the variable holding the manifest HMAC key). Exit codes: 0 fine, 1 problems found (or the step
@@ -292,6 +293,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
             include_optimizer=args.with_optimizer,
             fmt=args.format,
             to_hf=to_hf,
+            replace=args.replace,
         )
     except (ChecksumMismatchError, UnsafePickleError) as e:
         print(f"ftrain ckpt export: {e}", file=sys.stderr)
@@ -375,9 +377,16 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "--format",
         choices=("torch", "hf"),
         default="torch",
-        help="torch: one torch.save file of the model's state dict (default); hf: config.json + model.safetensors "
+        help="torch: one torch.save file of the model's state dict (default); hf: config.json, "
+        "generation_config.json + model.safetensors "
         "(shards of at most 2 GB and their index above that), loadable with transformers' from_pretrained "
         "(the built-in llama and model.factory = ftrain.models.hf:causal_lm models)",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace an existing OUT whole (written beside it, swapped in once complete); default: refuse an "
+        "existing file or a directory that is not empty",
     )
     p.add_argument(
         "--with-optimizer",

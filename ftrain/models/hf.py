@@ -3,7 +3,8 @@
 ``[model.args]`` says which model: ``config`` (a ``config.json`` or a directory holding one: its
 ``model_type`` picks the family) or ``family`` (one of :data:`FAMILIES`), and any setting of that
 family's config (``hidden_size = 64``, ``num_key_value_heads = 2``, ...; a setting the family does
-not have is an error naming it). ``model.vocab_size`` and ``model.seq_len`` fill ``vocab_size`` and
+not have is an error naming it; ``rope_theta`` and ``rope_scaling``, transformers 4's names, go into
+transformers 5's ``rope_parameters``). ``model.vocab_size`` and ``model.seq_len`` fill ``vocab_size`` and
 ``max_position_embeddings`` when the args leave them out. The model is built from its config with
 fresh weights (``model.init_from`` loads a checkpoint's) and SDPA attention, without a KV cache.
 
@@ -35,6 +36,9 @@ FAMILIES = {
 }
 #: the args this factory reads itself (the rest are the family config's settings)
 OWN_ARGS = ("config", "family")
+#: transformers 4's rotary settings, which transformers 5 keeps in ``rope_parameters``: accepted in
+#: ``[model.args]`` and put there
+LEGACY_ROPE_ARGS = ("rope_theta", "rope_scaling")
 
 
 def transformers_module() -> Any:
@@ -55,7 +59,7 @@ def read_config_json(path: str | Path, key: str = "model.args.config") -> dict[s
         data = json.loads(file.read_text())
     except FileNotFoundError:
         raise ConfigError(key, f"{str(file)!r} does not exist (give a config.json or a directory with one)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(key, f"cannot read {str(file)!r} as JSON: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(key, f"{str(file)!r} is not a JSON object")
@@ -90,21 +94,28 @@ def hf_model_config(cfg: ModelConfig) -> Any:
         )
     config_cls = getattr(transformers, FAMILIES[family][0])
     known = set(config_cls().to_dict())
+    rope: dict[str, Any] = {}  #: rope_theta / rope_scaling given in the args (transformers 4's names)
     for name, value in args.items():
         if name in OWN_ARGS:
             continue
+        if name in LEGACY_ROPE_ARGS and name not in known and "rope_parameters" in known:
+            rope[name] = value
+            continue
         if name not in known:
             hint = difflib.get_close_matches(name, sorted(known), n=1)
+            where = " (transformers 5 keeps the rotary settings in rope_parameters)" if name.startswith("rope") else ""
             raise ConfigError(
                 f"model.args.{name}",
-                f"not a setting of {config_cls.__name__}" + (f" (did you mean {hint[0]!r}?)" if hint else ""),
+                f"not a setting of {config_cls.__name__}" + (f" (did you mean {hint[0]!r}?)" if hint else "") + where,
             )
         settings[name] = value
     settings.setdefault("vocab_size", cfg.vocab_size)
     settings.setdefault("max_position_embeddings", cfg.seq_len)
     settings.pop("model_type", None)
     settings.pop("architectures", None)
-    config = config_cls(**settings)
+    if rope:
+        settings["rope_parameters"] = _with_rope_args(config_cls, settings, rope, given="rope_parameters" in args)
+    config = _construct(config_cls, settings, "model.args.config" if "config" in args else "model.args")
     if config.vocab_size < cfg.vocab_size:
         raise ConfigError(
             "model.vocab_size",
@@ -117,6 +128,38 @@ def hf_model_config(cfg: ModelConfig) -> Any:
         )
     config.use_cache = False
     return config
+
+
+def _construct(config_cls: Any, settings: dict[str, Any], key: str) -> Any:
+    """``config_cls(**settings)``; what transformers refuses (its own exception types) as a ConfigError."""
+    try:
+        return config_cls(**settings)
+    except Exception as e:  # noqa: BLE001 - transformers raises huggingface_hub's own (non-ValueError) errors
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(key, f"{config_cls.__name__} refuses these settings: {first[:300]}") from e
+
+
+def _with_rope_args(config_cls: Any, settings: dict[str, Any], rope: dict[str, Any], *, given: bool) -> dict[str, Any]:
+    """The family's ``rope_parameters`` with the args' ``rope_theta`` / ``rope_scaling`` (the keys a
+    transformers 4 config used) put into it: what ``config_cls(rope_theta=...)`` would take, except
+    that a value given here wins over one in the config file."""
+    if given:
+        raise ConfigError(
+            f"model.args.{next(iter(rope))}",
+            "and model.args.rope_parameters are both given: put the rotary settings in rope_parameters only",
+        )
+    base = dict(_construct(config_cls, settings, "model.args").rope_parameters or {})
+    scaling = rope.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ConfigError("model.args.rope_scaling", f"must be a table, got {scaling!r}")
+        scaling = dict(scaling)
+        if "type" in scaling:
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        base = {"rope_theta": base.get("rope_theta"), **scaling}
+    if "rope_theta" in rope:
+        base["rope_theta"] = rope["rope_theta"]
+    return base
 
 
 def causal_lm(cfg: ModelConfig) -> nn.Module:

@@ -7,14 +7,22 @@ the CPU, before the strategy shards it (so any strategy or pipeline layout takes
 they are). Names map by the model's kind (:func:`name_map`): a model of :mod:`ftrain.models.hf` (or
 any with a transformers ``config``) has the Hugging Face names already; the built-in llama maps
 through :func:`ftrain.models.llama.hf_name_map`; the reference GPT has no Hugging Face equivalent.
-Every tensor of the model must be in the files with its shape, and nothing else may be (rotary
-``inv_freq`` buffers that older checkpoints carry excepted); a tied head may be absent. The
-config.json's sizes are checked against the model first, so a mismatch names the setting rather
-than a tensor. The sha256 of each file read is logged and returned.
+Before any tensor is read: the config.json's sizes equal the model's (a mismatch names the
+setting rather than a tensor), and so do the settings that change what the same tensors compute
+(:mod:`ftrain.models.config_match`: ``rope_theta``, ``rms_norm_eps``, ...) unless
+``model.override_weights_config`` names them; every tensor of the model is in the files with its
+shape and a dtype that can be a weight (a float for a float parameter: an int8 or bool tensor is
+a quantized or foreign checkpoint, refused), and nothing else is (rotary ``inv_freq`` buffers
+that older checkpoints carry excepted); a tied head may be absent. Each file is then read once
+(:mod:`ftrain.models.safetensors_file`: checked as untrusted input), hashed as read, and loaded
+from those bytes: the sha256 logged and returned is of what was loaded.
 
 Out: :func:`to_hf` turns a checkpoint's model state (its parameter names) and the model config
-the manifest recorded into the tensors and ``config.json`` of a ``save_pretrained`` directory;
-:func:`ftrain.checkpoint.export.write_hf_dir` writes them.
+the manifest recorded into the tensors, ``config.json`` and ``generation_config.json`` of a
+``save_pretrained`` directory (what transformers writes for the same config, without the
+classification heads' ``id2label`` defaults); :func:`ftrain.checkpoint.export.write_hf_dir` writes
+them. A model of :mod:`ftrain.models.hf` is exported with the config it was built from, recorded in
+every checkpoint (:func:`model_record`), not with what ``model.args.config`` holds by then.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import torch
 from torch import nn
 
 from ftrain.config import ConfigError, ModelConfig
+from ftrain.models import config_match
+from ftrain.models.safetensors_file import Entry, SafetensorsFileError, read_file, read_header
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,8 @@ LLAMA_CONFIG_KEYS = {
     "intermediate_size": ("swiglu_dim", "model.ffn_dim"),
     "tie_word_embeddings": ("tie_embeddings", "model.tie_embeddings"),
 }
+#: the built-in llama's settings of the behaviour keys it has (the others it cannot change)
+LLAMA_BEHAVIOUR_SETTINGS = {"rope_theta": "model.rope_theta", "rms_norm_eps": "model.norm_eps"}
 #: the config.json keys compared with a Hugging Face model's own config
 HF_CONFIG_KEYS = (
     "model_type",
@@ -60,29 +72,21 @@ HF_CONFIG_KEYS = (
     "vocab_size",
     "tie_word_embeddings",
 )
-#: numbers that change what the model computes but not its tensors: a difference is logged, not refused
-HF_NUMERIC_KEYS = ("rms_norm_eps", "rope_theta")
+#: where a checkpoint's manifest keeps the config a model of :mod:`ftrain.models.hf` was built from
+#: (in its ``config["model"]``, beside the settings), and the sha256 of that config's canonical JSON
+RECORD_KEY = "hf_config"
+RECORD_DIGEST_KEY = "hf_config_sha256"
 
 
-def _rope_theta(config: Mapping[str, Any]) -> Any:
-    rope = config.get("rope_parameters") or {}
-    return rope.get("rope_theta", config.get("rope_theta")) if isinstance(rope, Mapping) else config.get("rope_theta")
+#: how an init_from mismatch names the weights' side
+INIT_FROM_SIDE = "its config.json"
 
 
-def _warn_numeric(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    for key in HF_NUMERIC_KEYS:
-        a, b = (_rope_theta(c) if key == "rope_theta" else c.get(key) for c in (theirs, mine))
-        if a is not None and b is not None and a != b:
-            log.warning("model.init_from: config.json's %s = %r but the model uses %r", key, a, b)
+class WeightsConfigError(ConfigError):
+    """The model's config and the config its starting weights were trained with differ in a
+    setting that changes what it computes. Restarting cannot help: the agent ends the job."""
 
-
-def safetensors_module() -> Any:
-    """``safetensors.torch``, or a ConfigError naming the extra that installs it."""
-    try:
-        import safetensors.torch
-    except ImportError as e:
-        raise ConfigError(KEY, f"Hugging Face weights need the hf extra: pip install 'ftrain[hf]' ({e})") from None
-    return safetensors
+    fatal = True
 
 
 # -- which kind of model ----------------------------------------------------------------------
@@ -113,6 +117,93 @@ def name_map(cfg: ModelConfig) -> dict[str, str] | None:
     return None
 
 
+# -- the settings that change what the weights compute ----------------------------------------
+def _mismatch(differs: list[tuple[str, Any, Any]], setting_of: Mapping[str, str], where: str, fix: str) -> None:
+    """Raise :class:`WeightsConfigError` for the first of ``differs`` (key, theirs, mine)."""
+    key, theirs, mine = differs[0]
+    more = f" (and {', '.join(d[0] for d in differs[1:])})" if len(differs) > 1 else ""
+    setting = setting_of.get(key, "")
+    from_init = where == INIT_FROM_SIDE
+    raise WeightsConfigError(
+        KEY if from_init else "model",
+        f"{where} {'has' if from_init else 'was trained with'} {key} = {theirs!r} but the model has {mine!r}"
+        f"{f' ({setting})' if setting else ''}{more}: {fix}, or name {key!r} in {config_match.OVERRIDE_KEY} "
+        "to train with the model's value",
+    )
+
+
+def _behaviour_check(
+    theirs: Mapping[str, Any], mine: Mapping[str, Any], cfg: ModelConfig, where: str, fix: str
+) -> None:
+    """Refuse a difference the override does not name; log those it names."""
+    differs = config_match.differences(theirs, mine)
+    override = config_match.parse_override(cfg.override_weights_config)
+    for key, a, b in differs:
+        if key in override:
+            log.warning("%s: %s = %r there; the model keeps %r (%s)", where, key, a, b, config_match.OVERRIDE_KEY)
+    refused = config_match.refused(differs, override)
+    if refused:
+        llama = kind_of(cfg) == "llama"
+        setting_of = LLAMA_BEHAVIOUR_SETTINGS if llama else {k: f"model.args.{k}" for k, *_ in refused}
+        _mismatch(refused, setting_of, where, fix)
+
+
+def _hf_behaviour(config_cls: type, config: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The behaviour keys of ``config`` as transformers reads it (old names mapped to new)."""
+    try:
+        normalized = config_cls.from_dict(dict(config)).to_dict()  # type: ignore[attr-defined]
+    except Exception as e:  # noqa: BLE001 - transformers raises huggingface_hub's own errors
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(KEY, f"{what} is not a valid {config_cls.__name__}: {first[:300]}") from e
+    return config_match.behaviour_of_hf(normalized)
+
+
+def _check_config(model: nn.Module, cfg: ModelConfig, theirs: Mapping[str, Any]) -> None:
+    """The config.json's sizes and behaviour settings against the model's; a ConfigError names
+    the first that differs."""
+    kind = kind_of(cfg)
+    if kind == "llama":
+        if theirs.get("model_type", "llama") != "llama":
+            raise ConfigError(
+                KEY, f"config.json's model_type is {theirs['model_type']!r}; the built-in llama reads llama"
+            )
+        for key, (ours, setting) in LLAMA_CONFIG_KEYS.items():
+            value = theirs.get(key)
+            if value is None:  # absent (or a null num_key_value_heads: as many as the heads)
+                value = cfg.n_head if key == "num_key_value_heads" and key in theirs else None
+            mine = getattr(cfg, ours)
+            if value is not None and value != mine:
+                raise ConfigError(KEY, f"config.json's {key} = {value!r} but the model has {mine!r} ({setting})")
+        head_dim = theirs.get("head_dim")
+        if head_dim is not None and head_dim != cfg.d_model // cfg.n_head:
+            raise ConfigError(KEY, f"config.json's head_dim = {head_dim} but the model has {cfg.d_model // cfg.n_head}")
+        _behaviour_check(
+            config_match.behaviour_of_hf(theirs),
+            config_match.behaviour_of_llama(cfg.rope_theta, cfg.norm_eps),
+            cfg,
+            INIT_FROM_SIDE,
+            "set the model's value to the checkpoint's (the built-in llama computes default rotary embeddings and "
+            f'SiLU only: for another, use model.factory = "{HF_FACTORY}" with config = the directory)',
+        )
+        return
+    own = getattr(model, "config", None)
+    if own is None or not callable(getattr(own, "to_dict", None)):
+        return
+    mine_all = own.to_dict()
+    for key in HF_CONFIG_KEYS:
+        if key in theirs and key in mine_all and theirs[key] != mine_all[key]:
+            raise ConfigError(
+                KEY, f"config.json's {key} = {theirs[key]!r} but the model has {mine_all[key]!r} (model.args.{key})"
+            )
+    _behaviour_check(
+        _hf_behaviour(type(own), theirs, "init_from's config.json"),
+        config_match.behaviour_of_hf(mine_all),
+        cfg,
+        INIT_FROM_SIDE,
+        "give the model the checkpoint's value (simplest: model.args.config = the init_from directory)",
+    )
+
+
 # -- in ----------------------------------------------------------------------------------------
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a ``save_pretrained`` directory, sharded or not."""
@@ -120,7 +211,7 @@ def weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ConfigError(KEY, f"cannot read {str(index)!r}: {e}") from None
         names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
         outside = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
@@ -147,36 +238,11 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_config(model: nn.Module, cfg: ModelConfig, theirs: Mapping[str, Any]) -> None:
-    """The config.json's sizes against the model's; a ConfigError names the first that differs."""
-    kind = kind_of(cfg)
-    if kind == "llama":
-        if theirs.get("model_type", "llama") != "llama":
-            raise ConfigError(
-                KEY, f"config.json's model_type is {theirs['model_type']!r}; the built-in llama reads llama"
-            )
-        for key, (ours, setting) in LLAMA_CONFIG_KEYS.items():
-            value = theirs.get(key)
-            if value is None:  # absent (or a null num_key_value_heads: as many as the heads)
-                value = cfg.n_head if key == "num_key_value_heads" and key in theirs else None
-            mine = getattr(cfg, ours)
-            if value is not None and value != mine:
-                raise ConfigError(KEY, f"config.json's {key} = {value!r} but the model has {mine!r} ({setting})")
-        head_dim = theirs.get("head_dim")
-        if head_dim is not None and head_dim != cfg.d_model // cfg.n_head:
-            raise ConfigError(KEY, f"config.json's head_dim = {head_dim} but the model has {cfg.d_model // cfg.n_head}")
-        _warn_numeric(theirs, {"rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta})
-        return
-    own = getattr(model, "config", None)
-    if own is None or not callable(getattr(own, "to_dict", None)):
-        return
-    mine_all = own.to_dict()
-    for key in HF_CONFIG_KEYS:
-        if key in theirs and key in mine_all and theirs[key] != mine_all[key]:
-            raise ConfigError(
-                KEY, f"config.json's {key} = {theirs[key]!r} but the model has {mine_all[key]!r} (model.args.{key})"
-            )
-    _warn_numeric(theirs, mine_all)
+def _damaged(e: Exception) -> ConfigError:
+    return ConfigError(
+        KEY,
+        f"{e}. Download or copy the file again (or write the directory again with save_pretrained)",
+    )
 
 
 def _ignorable(hf_name: str) -> bool:
@@ -184,48 +250,96 @@ def _ignorable(hf_name: str) -> bool:
     return hf_name.rsplit(".", 1)[-1] == "inv_freq"
 
 
+def _dtype_problem(entry: Entry, target: torch.Tensor) -> str:
+    """Why a tensor stored as ``entry`` cannot fill ``target`` ("" if it can)."""
+    source = entry.torch_dtype
+    if target.is_floating_point():
+        if source.is_floating_point:
+            return ""
+        return (
+            f"is {entry.dtype}, which cannot be the model's {str(target.dtype).removeprefix('torch.')} weight "
+            "(a quantized or non-float checkpoint: give unquantized float weights)"
+        )
+    if source != target.dtype:
+        return f"is {entry.dtype} but the model's buffer is {str(target.dtype).removeprefix('torch.')}"
+    return ""
+
+
+def _survey(files: list[Path]) -> dict[str, tuple[Path, Entry]]:
+    """Every tensor the files' headers name -> (its file, its entry); a name in two files is an error."""
+    found: dict[str, tuple[Path, Entry]] = {}
+    for file in files:
+        try:
+            entries = read_header(file)
+        except (SafetensorsFileError, OSError) as e:
+            raise _damaged(e) from e
+        for name, entry in entries.items():
+            if name in found:
+                raise ConfigError(KEY, f"{name!r} is in both {found[name][0].name} and {file.name}")
+            found[name] = (file, entry)
+    return found
+
+
+def _check_tensors(target: Mapping[str, torch.Tensor], hf_of: Mapping[str, str], found: Mapping[str, Any]) -> None:
+    ours_of = {v: k for k, v in hf_of.items()}
+    unexpected = sorted(k for k in found if k not in ours_of and not _ignorable(k))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConfigError(KEY, f"{unexpected[0]!r}{more} is in the checkpoint but not a tensor of the model")
+    present_storage = {target[ours_of[k]].untyped_storage().data_ptr() for k in found if k in ours_of}
+    for ours, hf in hf_of.items():
+        if hf in found:
+            file, entry = found[hf]
+            shape = tuple(target[ours].shape)
+            if entry.shape != shape:
+                raise ConfigError(
+                    KEY, f"{hf!r} has shape {list(entry.shape)} in the checkpoint but {list(shape)} in the model"
+                )
+            problem = _dtype_problem(entry, target[ours])
+            if problem:
+                raise ConfigError(KEY, f"{hf!r} in {file.name} {problem}")
+        elif target[ours].untyped_storage().data_ptr() not in present_storage:  # a tied copy is enough
+            raise ConfigError(KEY, f"{hf!r} (the model's {ours!r}) is not in the checkpoint")
+
+
 def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
     """Load ``cfg.init_from``'s safetensors into ``model`` (whole, on the CPU, before sharding);
-    returns each file read (its name in the directory) -> its sha256."""
+    returns each file read (its name in the directory) -> the sha256 of the bytes loaded from it."""
     directory = Path(cfg.init_from)
+    if not (directory / "config.json").is_file():
+        what = "does not exist" if not directory.exists() else "has no config.json"
+        raise ConfigError(
+            KEY,
+            f"{cfg.init_from!r} {what}: it is read because no checkpoint step is there to resume; give a "
+            "Hugging Face save_pretrained directory (config.json + model.safetensors), or leave model.init_from empty",
+        )
     from ftrain.models.hf import read_config_json
 
     theirs = read_config_json(directory, KEY)
     names = name_map(cfg)
     _check_config(model, cfg, theirs)
-    st = safetensors_module()
     files = weight_files(directory)
     target = model.state_dict()
     hf_of = {k: (names[k] if names is not None and k in names else k) for k in target}
     ours_of = {v: k for k, v in hf_of.items()}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with st.safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    unexpected = sorted(k for k in shapes if k not in ours_of and not _ignorable(k))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConfigError(KEY, f"{unexpected[0]!r}{more} is in the checkpoint but not a tensor of the model")
-    present_storage = {target[ours_of[k]].untyped_storage().data_ptr() for k in shapes if k in ours_of}
-    for ours, hf in hf_of.items():
-        if hf in shapes:
-            shape = tuple(target[ours].shape)
-            if shapes[hf] != shape:
-                raise ConfigError(
-                    KEY, f"{hf!r} has shape {list(shapes[hf])} in the checkpoint but {list(shape)} in the model"
-                )
-        elif target[ours].untyped_storage().data_ptr() not in present_storage:  # a tied copy is enough
-            raise ConfigError(KEY, f"{hf!r} (the model's {ours!r}) is not in the checkpoint")
+    found = _survey(files)
+    _check_tensors(target, hf_of, found)
     loaded = 0
+    digests: dict[str, str] = {}
     with torch.no_grad():
         for file in files:
-            with st.safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118
-                    if key in ours_of:
-                        target[ours_of[key]].copy_(f.get_tensor(key))
-                        loaded += 1
-    digests = {file.name: sha256_of(file) for file in files}
+            try:
+                whole = read_file(file)
+            except (SafetensorsFileError, OSError) as e:
+                raise _damaged(e) from e
+            for key, tensor in whole.tensors.items():
+                if key not in ours_of:
+                    continue
+                if found.get(key, (None, None))[1] != whole.entries[key]:
+                    raise _damaged(SafetensorsFileError(f"{str(file)!r} changed while it was read ({key!r})"))
+                target[ours_of[key]].copy_(tensor)
+                loaded += 1
+            digests[file.name] = whole.sha256
     log.info(
         "model.init_from: %d tensors from %s (%s)",
         loaded,
@@ -233,6 +347,67 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
         ", ".join(f"{name} sha256={digest}" for name, digest in digests.items()),
     )
     return digests
+
+
+# -- what a checkpoint records -----------------------------------------------------------------
+def _canonical_sha256(config: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_record(model: nn.Module, cfg: ModelConfig) -> dict[str, Any]:
+    """What a checkpoint's manifest keeps (in its ``config["model"]``) of the model as built: for a
+    model of :mod:`ftrain.models.hf`, the config it was built from (``model.args.config``'s content
+    as it was read, with the args applied) and its digest; nothing for the other kinds, whose
+    settings are all in ``[model]``."""
+    own = getattr(model, "config", None)
+    if cfg.factory != HF_FACTORY or own is None or not callable(getattr(own, "to_dict", None)):
+        return {}
+    config = json.loads(json.dumps(own.to_dict(), default=str))  # plain JSON, as the manifest keeps it
+    return {RECORD_KEY: config, RECORD_DIGEST_KEY: _canonical_sha256(config)}
+
+
+def recorded_hf_config(recorded: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The config a manifest's ``config["model"]`` recorded (:func:`model_record`); None for a step
+    saved before ftrain recorded it; a ConfigError when the record is malformed."""
+    if RECORD_KEY not in recorded:
+        return None
+    config, digest = recorded.get(RECORD_KEY), recorded.get(RECORD_DIGEST_KEY)
+    if not isinstance(config, dict) or not isinstance(digest, str):
+        raise ConfigError("model", f"the checkpoint's record of the model config ({RECORD_KEY}) is malformed")
+    if _canonical_sha256(config) != digest:
+        raise ConfigError(
+            "model", f"the checkpoint's {RECORD_KEY} does not match its {RECORD_DIGEST_KEY}: the manifest was altered"
+        )
+    return config
+
+
+def check_resumed_model(recorded: Mapping[str, Any], cfg: ModelConfig, record: Mapping[str, Any], step: int) -> None:
+    """Before a resume reads any file: the model's behaviour settings equal those the checkpoint's
+    step was trained with (``recorded``: its manifest's ``config["model"]``; ``record``: this
+    model's :func:`model_record`); :class:`WeightsConfigError` naming the first that differs."""
+    where = f"checkpoint step {step}"
+    if kind_of(cfg) == "llama" and not recorded.get("factory") and recorded.get("arch") == "llama":
+        theirs_values = (recorded.get("rope_theta"), recorded.get("norm_eps"))
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in theirs_values):
+            _behaviour_check(
+                config_match.behaviour_of_llama(*theirs_values),  # type: ignore[arg-type]
+                config_match.behaviour_of_llama(cfg.rope_theta, cfg.norm_eps),
+                cfg,
+                where,
+                "resume with the value it was trained with",
+            )
+        return
+    theirs = recorded_hf_config(recorded) if recorded.get("factory") == HF_FACTORY else None
+    mine = record.get(RECORD_KEY)
+    if theirs is None or not isinstance(mine, Mapping):
+        return
+    _behaviour_check(
+        config_match.behaviour_of_hf(theirs),
+        config_match.behaviour_of_hf(mine),
+        cfg,
+        where,
+        "resume with the model.args (and model.args.config file) it was trained with",
+    )
 
 
 # -- out ---------------------------------------------------------------------------------------
@@ -245,37 +420,67 @@ def model_config_from(recorded: Mapping[str, Any]) -> ModelConfig:
     return ModelConfig(**values)
 
 
-def hf_config_of(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` of the Hugging Face model that computes what ``cfg``'s model does."""
+def _hf_config_object(cfg: ModelConfig, recorded: Mapping[str, Any]) -> Any:
+    """The transformers config of the model ``recorded`` describes (for export)."""
+    from ftrain.models.hf import FAMILIES, family_of, transformers_module
+
     kind = kind_of(cfg)
     if kind == "gpt":
         raise _no_hf_form("no Hugging Face config")
+    transformers = transformers_module()
     if kind == "llama":
         from ftrain.models.llama import hf_config
 
-        return hf_config(cfg)
+        return transformers.LlamaConfig.from_dict(hf_config(cfg))
     if cfg.factory != HF_FACTORY:
         raise ConfigError("model.factory", f"{cfg.factory}: only {HF_FACTORY} models export to Hugging Face")
-    from ftrain.models.hf import FAMILIES, hf_model_config
+    built_from = recorded_hf_config(recorded)
+    if built_from is None:
+        from ftrain.models.hf import hf_model_config
 
-    config = hf_model_config(cfg)
+        log.warning(
+            "this step records no model config (saved by an older ftrain): exporting the config that "
+            "model.args%s describes now; if %s changed since the step was trained, this is another model's config",
+            f" (and {cfg.args['config']!r})" if "config" in cfg.args else "",
+            "that file or transformers' defaults" if "config" in cfg.args else "transformers' defaults",
+        )
+        return hf_model_config(cfg)
+    family = family_of(str(built_from.get("model_type", "")), "model")
+    config_cls = getattr(transformers, FAMILIES[family][0])
+    try:
+        return config_cls.from_dict(dict(built_from))
+    except Exception as e:  # noqa: BLE001 - transformers raises huggingface_hub's own errors
+        raise ConfigError("model", f"the checkpoint's recorded {config_cls.__name__} does not load: {e}") from e
+
+
+def hf_files_of(config: Any) -> dict[str, dict[str, Any]]:
+    """``config.json`` and ``generation_config.json`` of a model with the transformers ``config``, as
+    ``save_pretrained`` writes them (only what differs from transformers' defaults: no
+    ``id2label``/``label2id`` of a classification head the model does not have)."""
+    from ftrain.models.hf import FAMILIES, transformers_module
+
+    transformers = transformers_module()
     config.use_cache = True
-    out: dict[str, Any] = config.to_dict()
-    out["architectures"] = [FAMILIES[config.model_type][1]]
+    config.architectures = [FAMILIES[config.model_type][1]]
+    out = config.to_diff_dict()
+    for noise in ("id2label", "label2id", "_name_or_path", "torch_dtype"):
+        out.pop(noise, None)
     out["dtype"] = "float32"
-    out.pop("torch_dtype", None)
-    return out
+    generation = transformers.GenerationConfig.from_model_config(config)
+    return {"config.json": out, "generation_config.json": json.loads(generation.to_json_string(use_diff=True))}
 
 
 def to_hf(
     model_state: Mapping[str, Any], recorded: Mapping[str, Any]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A checkpoint's model state and recorded ``[model]`` config -> Hugging Face tensors and config.json.
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """A checkpoint's model state and recorded ``[model]`` config -> Hugging Face tensors and the
+    JSON files beside them (``config.json``, ``generation_config.json``).
 
     A tied head is written once (as ``save_pretrained`` does): ``lm_head.weight`` is left out when
     the config ties word embeddings."""
     cfg = model_config_from(recorded)
-    config = hf_config_of(cfg)
+    config = _hf_config_object(cfg, recorded)
+    files = hf_files_of(config)
     names = name_map(cfg)
     tensors: dict[str, torch.Tensor] = {}
     for name, value in model_state.items():
@@ -285,6 +490,6 @@ def to_hf(
         if names is not None and name not in names:
             raise ConfigError("model", f"the checkpoint's {name!r} has no Hugging Face name")
         tensors[hf] = value
-    if config.get("tie_word_embeddings"):
+    if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return tensors, config
+    return tensors, files

@@ -1,9 +1,11 @@
 """Hugging Face models end to end through ``torchrun -m ftrain train``: ``ftrain.models.hf:causal_lm``
 (llama and qwen2) under ddp, fsdp, tp and a two-stage pipeline, each run resuming the one before
 it from its checkpoint (so every strategy trains, saves, and reads another's step); the first run
-starts from ``model.init_from`` (a ``save_pretrained`` directory: its first loss is the Hugging Face
-model's on that batch), the last step exports with ``ftrain ckpt export --format hf`` and reloads
-in transformers with the logits of ftrain's model. The step directory also reads back with plain
+starts from ``model.init_from`` (a ``save_pretrained`` directory, read on rank 0 and sent to rank 1:
+its first loss is the Hugging Face model's on that batch; the runs after it keep the setting while
+the directory is gone, as a resume does not read it), the last step exports with ``ftrain ckpt
+export --format hf`` (again: refused without ``--replace``) and reloads in transformers with the
+logits of ftrain's model. The step directory also reads back with plain
 PyTorch (``dcp_to_torch_save``; ``dcp.load(..., no_dist=True)`` into a fresh model).
 
 Cost: one chain of four 2-rank torchrun jobs per family (each ~8 s here); the export runs in process.
@@ -44,9 +46,10 @@ num_key_value_heads = 2
 """
 #: each run resumes the one before it and trains INTERVAL more steps; (strategy overrides, last step)
 INTERVAL = 2
-CHAIN = (
-    ("ddp", ()),
+CHAIN = (  # fsdp first: it keeps each rank's own copy (ddp would broadcast rank 0's), so rank 1 trains on
+    # what rank 0 read from model.init_from and sent it
     ("fsdp", ("--parallel.strategy=fsdp",)),
+    ("ddp", ()),
     ("tp", ("--parallel.strategy=tp",)),
     ("pp", ("--parallel.pp_size=2",)),
 )
@@ -98,7 +101,9 @@ def chain(request, tmp_path_factory):
     runs = []
     for i, (name, overrides) in enumerate(CHAIN):
         events = tmp / f"{name}.events.jsonl"
-        extra = [f"--model.init_from={tmp / 'init'}"] if i == 0 else []
+        if i == 1:  # a resume reads its checkpoint: model.init_from may be gone (docs/models.md)
+            (tmp / "init").rename(tmp / "init.moved")
+        extra = [f"--model.init_from={tmp / 'init'}"]
         result = train_job(
             tmp / name,
             2,
@@ -141,6 +146,8 @@ def test_init_from_starts_at_the_hugging_face_models_loss(chain):
     assert first["loss"] == pytest.approx(expected, abs=1e-5), family
     (loaded,) = [e for e in runs[0][2] if e["event"] == "weights_loaded"]  # rank 0's, with each file's digest
     assert loaded["files"] and all(len(digest) == 64 for digest in loaded["files"].values()), loaded
+    # the resumes ran with model.init_from pointing at a directory that was gone: not read, not needed
+    assert [e for _, _, events in runs[1:] for e in events if e["event"] == "weights_loaded"] == []
 
 
 def test_export_hf_reloads_in_transformers_with_ftrains_logits(chain, tmp_path, capsys):
@@ -153,7 +160,12 @@ def test_export_hf_reloads_in_transformers_with_ftrains_logits(chain, tmp_path, 
     args, rest = build_parser(argv).parse_known_args(argv)  # in process: the command, not a new interpreter
     assert args.func(args, rest) == exits.OK
     assert f"exported step {last}: " in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert args.func(args, rest) == exits.USAGE  # an export there already: refused, untouched
+    assert "--replace to replace it whole" in capsys.readouterr().err
+    again = [*argv, "--replace"]
+    args, rest = build_parser(again).parse_known_args(again)
+    assert args.func(args, rest) == exits.OK
     final = runs[-1][1].final["model"]
     ours = build_model(cfg.model)
     ours.load_state_dict(final)

@@ -106,6 +106,13 @@ def test_hf_args_are_checked_by_name():
         _hf(family="gpt2")
 
 
+def test_a_typo_in_the_factory_gets_a_suggestion():
+    with pytest.raises(ConfigError, match=r"'tests.user_model' has no callable 'buidl' \(did you mean 'build'\?\)"):
+        build_model(ModelConfig(factory="tests.user_model:buidl"))
+    with pytest.raises(ConfigError, match=r"cannot import module 'tests.user_modle': .*did you mean 'tests.user_model'"):
+        build_model(ModelConfig(factory="tests.user_modle:build"))
+
+
 def test_a_tp_plan_naming_a_missing_module_is_an_error():
     model = build_model(ModelConfig(arch="llama", size="debug"))
     layout = layout_of(model)
