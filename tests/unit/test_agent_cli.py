@@ -105,3 +105,25 @@ def test_a_script_of_the_users_runs_under_restart_recovery_by_default_with_its_o
     argv = [*base[:-1], str(tmp_path / "missing.py")]
     with pytest.raises(ValueError, match="--script: no such file"):
         resolve_options(*build_parser(argv).parse_known_args(argv)).validate()
+
+
+def test_a_node_range_whose_minimum_the_pipeline_cannot_run_is_refused_at_start_naming_the_fallback(
+    tmp_path: Path, capsys
+) -> None:
+    """Issue 38 item 13, as a user runs it: ``--nnodes 1:2`` of one worker each at
+    ``parallel.pp_size=2``. Before: accepted, and after a node loss the survivor's round could
+    never be formed. Now ``ftrain agent`` exits 2 before it joins, and with a fallback it starts."""
+    from ftrain.cli.agent import agent_main
+    from ftrain.contract import exits
+
+    argv = ["--etcd", "http://h:1", "--job", "j", "--node-id", "n", "--nnodes", "1:2", "--nproc-per-node", "1"]
+    config = tmp_path / "job.toml"
+    config.write_text(f'[checkpoint]\nuri = "{tmp_path / "ckpt"}"\n')
+    full = ["agent", *argv, "--", str(config), "--parallel.pp_size=2"]
+    assert agent_main(*build_parser(full).parse_known_args(full)) == exits.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("ftrain agent: --nnodes 1:2: a round of the minimum, 1 node(s) x 1 proc = world size 1")
+    assert "parallel.pp_size=2 cannot run" in err and "parallel.pp_fallback" in err and "--nnodes 2:2" in err
+    fallback = options(tmp_path, *argv, "--parallel.pp_size=2", "--parallel.pp_fallback=1")
+    fallback.validate()
+    assert fallback.pipeline_degrees == (2, 1)
