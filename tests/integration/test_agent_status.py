@@ -145,3 +145,42 @@ def test_status_command_prints_the_table_or_json(
 def test_status_of_a_job_nobody_joined_fails(etcd: EtcdServer, capsys: pytest.CaptureFixture[str]) -> None:
     assert status_main([etcd.endpoint], "nobody", as_json=False) == 1
     assert "nothing in etcd" in capsys.readouterr().out
+
+
+def test_status_command_says_what_the_leader_decided_why_a_node_waits_and_where_the_device_time_went(
+    etcd: EtcdServer, client: EtcdClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The leader's status says a round it needs and cannot form, and why c waits; each agent
+    its device time by cause: ``ftrain status`` shows all three (issue 38 items 13, 17, 19)."""
+    lease = write_job(client)
+    pending = (
+        "new round needed for node_lost (agent gone: b); not formed: cannot form a round: 1 of at least 2 nodes live"
+    )
+    hours = {"productive": 0.01, "recovery": 0.002, "startup": 0.001, "restarts": 0.001}  # an older agent's name too
+    client.put(
+        KEYS.status("a"),
+        NodeStatus(
+            round=3,
+            state="running",
+            host="host-a",
+            pid=111,
+            updated_at=time.time(),
+            round_pending=pending,
+            waiting={"c": "joins at the next checkpoint commit after step 30 (agent.scale_up=checkpoint)"},
+            devices=2,
+            device_hours=hours,
+        ).to_json(),
+        lease=lease,
+    )
+    assert status_main([etcd.endpoint], JOB, as_json=False) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("job status-job: round 3 (node_lost), world size 4, is to be replaced")
+    assert f"ROUND PENDING (leader a): {pending}" in lines
+    assert "WAITING c: joins at the next checkpoint commit after step 30 (agent.scale_up=checkpoint)" in lines
+    [device] = [line for line in lines if line.startswith("device time:")]
+    assert device.startswith("device time: 0.0140 device-hours on 2 device(s), goodput 71.4%; lost 0.0040")
+    assert "recovery 0.0030" in device and "restarts" not in device
+    assert status_main([etcd.endpoint], JOB, as_json=True) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["round_pending"] == pending and shown["accounting"]["goodput"] == pytest.approx(0.7143, abs=1e-4)
