@@ -16,6 +16,7 @@ from typing import Any
 from ftrain.agents.config import AgentConfig, agent_flags
 from ftrain.agents.launch import agent_command
 from ftrain.contract.events import Event, parse_line
+from ftrain.contract.local_files import open_append
 from ftrain.faults import REQUESTS_DIR
 from ftrain.testbed.procs import REPO, kill_tree, quiet_env
 from ftrain.testbed.wait import WaitTimeout, wait_for
@@ -133,7 +134,7 @@ class Cluster:
             "-m",
             *self.command(node_id, *agent_args, nnodes=nnodes, nproc=nproc, host=host),
         ]
-        with open(self.workdir / f"agent-{node_id}.log", "ab") as log:
+        with os.fdopen(open_append(self.workdir / f"agent-{node_id}.log"), "ab") as log:  # never through a link
             proc = subprocess.Popen(
                 cmd,
                 stdout=log,

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ftrain.contract.local_files import replace_file
 from ftrain.observability.browser import dump_dom, find_browser, screenshot
 from ftrain.observability.report_page import TIMELINE_JS, embed_json
 
@@ -128,7 +129,7 @@ def render_html(report: dict[str, Any]) -> str:
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    replace_file(out_dir / "report.json", json.dumps(report, indent=1, default=str).encode())  # never through a link
     html = out_dir / "report.html"
-    html.write_text(render_html(report))
+    replace_file(html, render_html(report).encode())
     screenshot(html, out_dir / "report.png")

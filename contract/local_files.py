@@ -14,6 +14,10 @@ anyone can predict, so nothing found there is trusted:
   Anything else is a :class:`UnsafeLocalDirError` that names the setting, the path and the fix.
 - :func:`create_new` opens a new file ``0600`` with ``O_CREAT | O_EXCL | O_NOFOLLOW``: a link or
   a file planted under the name makes it fail instead of writing through it.
+- :func:`replace_file` writes a whole file through such a new file under a random name beside it,
+  then renames it over the name (a rename replaces a link, it never follows one).
+- :func:`open_append` opens a log to append to without following a link: a regular file of this
+  user's, created if missing; a link, a FIFO or someone else's file there is an OSError.
 - :func:`read_regular` reads at most ``limit_bytes + 1`` bytes of a regular file opened with
   ``O_NOFOLLOW | O_NONBLOCK``: a link, FIFO, device or directory is an :class:`OSError`, never
   a hang or an unbounded read.
@@ -25,6 +29,7 @@ itself, and every read is bounded by a size the caller already trusts (a manifes
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -99,6 +104,51 @@ def create_new(path: str | Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
 
 
+def replace_file(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` as the whole of ``path``, at once: a new file beside it (:func:`create_new`,
+    a random name), given ``mode`` (less the umask's bits is the caller's business), then renamed
+    over ``path``. Nothing is written through a link planted under either name."""
+    path = Path(path)
+    for _ in range(8):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = create_new(tmp)
+            break
+        except FileExistsError:
+            continue  # someone else's name: never touched
+    else:
+        raise FileExistsError(f"no free temporary name beside {path}")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            os.fchmod(fh.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def open_append(path: str | Path, mode: int = 0o644) -> int:
+    """A file descriptor appending to ``path``: created (``mode``) if missing, else a regular file
+    this user owns; OSError for a link, a FIFO, a device or another user's file."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_regular(path: str | Path) -> int:
     """A file descriptor for reading the regular file ``path``; OSError for a link, a FIFO, a
     device, a directory or a missing file."""
@@ -129,4 +179,12 @@ def read_regular(path: str | Path, limit_bytes: int) -> bytes:
         os.close(fd)
 
 
-__all__ = ["UnsafeLocalDirError", "create_new", "open_regular", "private_dir", "read_regular"]
+__all__ = [
+    "UnsafeLocalDirError",
+    "create_new",
+    "open_append",
+    "open_regular",
+    "private_dir",
+    "read_regular",
+    "replace_file",
+]

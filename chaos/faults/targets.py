@@ -13,6 +13,7 @@ from ftrain.agents.job_keys import JobKeys
 from ftrain.chaos.faults.spec import Context, FaultError
 from ftrain.contract import events as ev
 from ftrain.contract.events import Event
+from ftrain.contract.local_files import replace_file
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
 
@@ -98,6 +99,4 @@ def ask_worker(ctx: Context, pid: int, request: str) -> None:
     (``FTRAIN_FAULT_REQUESTS_DIR``, :mod:`ftrain.faults`): ``param``, ``exp_avg`` or ``stuck``."""
     where = ctx.cluster.requests_dir
     where.mkdir(exist_ok=True)
-    tmp = where / f".{pid}.tmp"
-    tmp.write_text(request)
-    tmp.rename(where / str(pid))  # whole, at once: the worker reads it at a step boundary
+    replace_file(where / str(pid), request.encode())  # whole, at once: the worker reads it at a step boundary

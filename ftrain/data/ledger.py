@@ -37,6 +37,7 @@ from typing import Any, Protocol, TextIO
 
 import numpy as np
 
+from ftrain.contract.local_files import open_append
 from ftrain.data.cursor import DataCursor, GlobalBatch, MicroBatch
 from ftrain.data.errors import DataError
 from ftrain.data.identity import blend_of, content_key, data_digest
@@ -113,7 +114,8 @@ class Ledger:
         self.attempt = 0  #: rollbacks to a checkpoint within this round so far (:meth:`rolled_back`)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"ledger-round{self.round}-rank{self.dp_rank}-pid{os.getpid()}.jsonl"
-        self._file: TextIO | None = open(self.path, "a", buffering=1, encoding="utf-8")  # line-buffered
+        # line-buffered; a regular file of this user's, never a link planted in a shared directory
+        self._file: TextIO | None = os.fdopen(open_append(self.path), "a", buffering=1, encoding="utf-8")
         logger.debug("ledger %s opened", self.path)
 
     def record(self, batch: GlobalBatch, micros: list[MicroBatch]) -> None:

@@ -8,6 +8,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ftrain.contract.local_files import replace_file
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 HEADLESS_FLAGS = (
     "--headless",
@@ -31,23 +33,30 @@ def find_browser() -> str | None:
 
 
 def screenshot(html_path: Path, png_path: Path, *, width: int = 1200, height: int = 900, timeout_s: float = 60) -> bool:
+    """A PNG of the page at ``png_path``: Chromium writes it in its own private directory, and it
+    replaces ``png_path`` whole (:func:`~ftrain.contract.local_files.replace_file`: a link planted
+    there in a shared directory is not written through)."""
     browser = find_browser()
     if browser is None:
         return False
     with tempfile.TemporaryDirectory(prefix="ftrain-chromium-") as profile:
+        shot = Path(profile) / "shot.png"
         out = subprocess.run(
             [
                 browser,
                 *HEADLESS_FLAGS,
                 f"--user-data-dir={profile}",
-                f"--screenshot={png_path}",
+                f"--screenshot={shot}",
                 f"--window-size={width},{height}",
                 html_path.resolve().as_uri(),
             ],
             capture_output=True,
             timeout=timeout_s,
         )
-    return out.returncode == 0 and png_path.exists()
+        if out.returncode != 0 or not shot.is_file():
+            return False
+        replace_file(png_path, shot.read_bytes())
+    return True
 
 
 def dump_dom(html_path: Path, *, timeout_s: float = 60) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftrain.contract.events import read_jsonl
+from ftrain.contract.local_files import open_append
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +33,8 @@ class MetricsWriter:
 
     def __init__(self, path: str | os.PathLike):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "a", buffering=1)
+        # a regular file of this user's, never a link planted in a shared directory (open_append)
+        self._fh = os.fdopen(open_append(path), "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")

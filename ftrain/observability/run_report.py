@@ -29,6 +29,7 @@ from typing import Any
 
 from ftrain.contract.accounting import CAUSES, DeviceTime, summary
 from ftrain.contract.events import Event, read_jsonl
+from ftrain.contract.local_files import replace_file
 from ftrain.observability.decisions import decisions
 
 MAX_WORLD_SIZE = 1 << 24  #: a larger world size in a log line is not believed (it would overflow the sums)
@@ -236,8 +237,8 @@ def write(out_dir: Path, report: dict[str, Any]) -> Path:
     from ftrain.observability.report_page import render
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    replace_file(out_dir / "report.json", json.dumps(report, indent=1).encode())  # never through a planted link
     html = out_dir / "report.html"
-    html.write_text(render(report))
+    replace_file(html, render(report).encode())
     screenshot(html, out_dir / "report.png", height=1400)
     return html
