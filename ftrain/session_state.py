@@ -45,6 +45,23 @@ class SessionError(RuntimeError):
     """A misuse of the session, or a state it cannot save or restore; the message says the fix."""
 
 
+def _one_optimizer_per_parameter(state: Mapping[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    """SessionError when two optimizers of the state update one parameter: torch's distributed
+    state dict keys optimizer state by parameter name, so theirs would be mixed on load."""
+    owner: dict[int, str] = {}
+    names = {id(obj): key for key, obj in state.items()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                other = owner.setdefault(id(param), names[id(optimizer)])
+                if other != names[id(optimizer)]:
+                    raise SessionError(
+                        f"the state's optimizers {other!r} and {names[id(optimizer)]!r} update the same parameter: "
+                        "their states are saved by parameter name and would be mixed on load; give each parameter "
+                        "one optimizer"
+                    )
+
+
 def manifest_fields(round_: int, world_size: int, step: int) -> dict[str, Any]:
     """A session's manifest fields of a save besides its files: the writer, the optimizer state's
     form, and the trainer state (the step; its entries in :data:`STATE_FILE`)."""
@@ -133,6 +150,7 @@ class StateParts:
                 )
         if optimizers and module is None:
             raise SessionError("the state holds an optimizer but no module: add the model it optimizes")
+        _one_optimizer_per_parameter(state, optimizers)
         return cls(module, optimizers, others)
 
     def state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:

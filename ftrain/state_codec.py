@@ -22,8 +22,10 @@ is pickled: decoding builds only the kinds above.
 **Bounds** (what a save refuses is exactly what a reader would refuse): a state file of at most
 :data:`MAX_STATE_BYTES`, values nested at most :data:`MAX_STATE_DEPTH` levels, integers of at most
 :data:`MAX_INT_DIGITS` digits. A file read back (from storage, digest-verified, or from a peer) is
-parsed within the same bounds, with no NaN/Infinity literals and no repeated keys; anything else is
-a :class:`StateDecodeError`.
+parsed within the same bounds (integers within Python's own limit of int conversion, which is
+:data:`MAX_INT_DIGITS` unless the program changed it), with no NaN/Infinity literals; anything else
+is a :class:`StateDecodeError`. The file is digest-checked against its manifest before it is parsed:
+what is read is what its writer wrote, or the step is corrupt.
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ _MAX_INT_BITS = math.floor(MAX_INT_DIGITS * math.log2(10))
 FORMAT = 1
 #: nesting of the encoded JSON: a ``$dict`` level is three JSON levels (object, pairs, pair)
 _MAX_JSON_DEPTH = 3 * MAX_STATE_DEPTH + 4
-#: a float literal longer than this is no float the encoder wrote (repr is at most 24 characters)
-_MAX_FLOAT_CHARS = 64
 
 _TAGS = ("$float", "$tuple", "$dict", "$counter", "$ordereddict", "$set", "$frozenset", "$bytes")
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -101,10 +101,13 @@ def _pairs(items: Any, depth: int) -> list[list[Any]]:
     return out
 
 
+#: ints inside this range need no digit check (int64's). The loops below check plain scalars
+#: inline (a call per value would double the time of a long metrics log).
+_SMALL_INT = 1 << 63
+
+
 def _encode(value: Any, depth: int) -> Any:
     """``value`` as JSON-able data (plain parts returned as they are, not copied)."""
-    if depth > MAX_STATE_DEPTH:
-        raise StateEncodeError(f"nested deeper than {MAX_STATE_DEPTH} levels (or a structure that contains itself)")
     if value is None or isinstance(value, (str, bool)):
         return value
     if isinstance(value, int):
@@ -115,14 +118,22 @@ def _encode(value: Any, depth: int) -> Any:
         if math.isfinite(value):
             return value
         return {"$float": "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"}
+    if depth >= MAX_STATE_DEPTH:  # containers only: the levels of nesting are containers in containers
+        raise StateEncodeError(f"nested deeper than {MAX_STATE_DEPTH} levels (or a structure that contains itself)")
     if isinstance(value, list):
         out: list[Any] | None = None
         for i, item in enumerate(value):
-            try:
-                got = _encode(item, depth + 1)
-            except StateEncodeError as e:
-                e.where = f"[{i}]{e.where}"
-                raise
+            kind = type(item)
+            if kind is str or kind is bool or item is None or (kind is float and item - item == 0.0):
+                got = item  # a plain scalar: exact in JSON as it is
+            elif kind is int and -_SMALL_INT < item < _SMALL_INT:
+                got = item
+            else:
+                try:
+                    got = _encode(item, depth + 1)
+                except StateEncodeError as e:
+                    e.where = f"[{i}]{e.where}"
+                    raise
             if out is None and got is not item:
                 out = list(value[:i])
             if out is not None:
@@ -135,15 +146,22 @@ def _encode(value: Any, depth: int) -> Any:
     if isinstance(value, collections.OrderedDict):
         return {"$ordereddict": _pairs(value.items(), depth)}
     if isinstance(value, Mapping):
-        if not all(type(k) is str and not k.startswith("$") for k in value):
-            return {"$dict": _pairs(value.items(), depth)}
+        for key in value:
+            if type(key) is not str or key[:1] == "$":
+                return {"$dict": _pairs(value.items(), depth)}
         copy: dict[str, Any] | None = None
         for key, item in value.items():
-            try:
-                got = _encode(item, depth + 1)
-            except StateEncodeError as e:
-                e.where = f"[{key!r}]{e.where}"
-                raise
+            kind = type(item)
+            if kind is str or kind is bool or item is None or (kind is float and item - item == 0.0):
+                got = item  # a plain scalar: exact in JSON as it is
+            elif kind is int and -_SMALL_INT < item < _SMALL_INT:
+                got = item
+            else:
+                try:
+                    got = _encode(item, depth + 1)
+                except StateEncodeError as e:
+                    e.where = f"[{key!r}]{e.where}"
+                    raise
             if copy is None and got is not item:
                 copy = {}
             if copy is not None:
@@ -188,35 +206,17 @@ def entries_size_bytes(entries: Mapping[str, str]) -> int:
 
 
 # -- reading ---------------------------------------------------------------------------------
-def _int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise StateDecodeError(f"a number of more than {MAX_INT_DIGITS} digits")
-    return int(text)
-
-
-def _float(text: str) -> float:
-    value = float(text) if len(text) <= _MAX_FLOAT_CHARS else math.inf
-    if not math.isfinite(value):
-        raise StateDecodeError(f"the number {text[:20]!r} is too long or not finite")
-    return value
-
-
 def _constant(text: str) -> Any:
     raise StateDecodeError(f"{text} is not JSON (non-finite floats are written as {{'$float': ...}})")
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise StateDecodeError("an object repeats a key")
-    return obj
 
 
 def _parse(data: bytes | str, what: str) -> Any:
     if len(data) > MAX_STATE_BYTES:
         raise StateDecodeError(f"{what} is {len(data)} bytes, more than the {MAX_STATE_BYTES} a state may have")
     try:
-        return json.loads(data, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_unique)
+        # only NaN/Infinity literals call back into Python: a hook per number or object would
+        # triple the time of a long metrics log; an int past MAX_INT_DIGITS digits fails in int()
+        return json.loads(data, parse_constant=_constant)
     except StateDecodeError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -237,7 +237,7 @@ def _decode(node: Any, depth: int) -> Any:
         raise StateDecodeError(f"an object with the key {tagged[0][:40]!r} is not of this encoding")
     tag, body = tagged[0], node[tagged[0]]
     if tag == "$float":
-        if body not in _NONFINITE:
+        if not isinstance(body, str) or body not in _NONFINITE:
             raise StateDecodeError(f"$float holds {str(body)[:40]!r}, not inf, -inf or nan")
         return _NONFINITE[body]
     if tag == "$bytes":
@@ -274,9 +274,16 @@ def _bad(tag: str) -> Any:
     raise StateDecodeError(f"{tag} does not hold what this encoding writes there")
 
 
+def _tagged(data: bytes | str) -> bool:
+    """Whether ``data`` may hold a tag (an object key starting with ``$``): without one, what JSON
+    parses is the value itself, and the walk that decodes tags is skipped."""
+    return (b'"$' if isinstance(data, bytes) else '"$') in data
+
+
 def decode(text: bytes | str) -> Any:
     """The value :func:`encode` made ``text`` of (:class:`StateDecodeError` for anything else)."""
-    return _decode(_parse(text, "a state value"), 0)
+    parsed = _parse(text, "a state value")
+    return _decode(parsed, 0) if _tagged(text) else parsed
 
 
 def load_file(data: bytes) -> dict[str, Any]:
@@ -289,6 +296,8 @@ def load_file(data: bytes) -> dict[str, Any]:
     entries = obj["entries"]
     if not isinstance(entries, dict):
         raise StateDecodeError("the state file's 'entries' is not an object")
+    if not _tagged(data):
+        return entries
     return {name: _decode(node, 1) for name, node in entries.items()}
 
 

@@ -91,6 +91,9 @@ def test_misuse_is_refused_with_the_fix(tmp_path):
             session.save(1, {**_state(), "counter": 3})
         with pytest.raises(SessionError, match="two modules"):
             session.save(1, {**_state(), "other": torch.nn.Linear(2, 2)})
+        with pytest.raises(SessionError, match=r"optimizers 'optim' and 'sgd' update the same parameter"):
+            state = _state()
+            session.save(1, {**state, "sgd": torch.optim.SGD(state["model"][0].parameters(), lr=0.1)})
         with pytest.raises(SessionError, match="an optimizer but no module"):
             state = _state()
             session.save(1, {"optim": state["optim"]})
@@ -102,7 +105,7 @@ def test_misuse_is_refused_with_the_fix(tmp_path):
             def load_state_dict(self, state):
                 pass
 
-        with pytest.raises(SessionError, match=r"'opaque' \(Opaque\).*at \['tensor'\]: torch.Tensor values cannot be stored"):
+        with pytest.raises(SessionError, match=r"'opaque' \(Opaque\).*\['tensor'\]: torch.Tensor values cannot"):
             session.save(1, {**_state(), "opaque": Opaque()})
         with pytest.raises(SessionError, match="already started"):
             session.start()
