@@ -233,14 +233,6 @@ class DataConfig:
         0.5, "Synthetic source: Dirichlet concentration of transition probabilities (lower = less entropy)."
     )
     ledger_dir: str = opt("", "If set, each data-parallel rank appends the sample ids it consumed per step here.")
-
-    def __post_init__(self) -> None:
-        if not self.source:
-            raise ConfigError("data.source", 'must be "synthetic" or a token file path')
-        if self.sources and self.source != "synthetic":
-            raise ConfigError(
-                "data.sources",
-                f"and data.source = {self.source!r} are both set: use data.sources for a mixture of token files "
     on_mixture_change: str = opt(
         "fail",
         "Resuming on other data than the checkpoint was trained on (data.sources reordered, reweighted, added, "
@@ -249,6 +241,14 @@ class DataConfig:
         "in it).",
         ("fail", "new_blend"),
     )
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("data.source", 'must be "synthetic" or a token file path')
+        if self.sources and self.source != "synthetic":
+            raise ConfigError(
+                "data.sources",
+                f"and data.source = {self.source!r} are both set: use data.sources for a mixture of token files "
                 "or data.source for one file (or synthetic), not both",
             )
         if self.source != "synthetic" and not Path(self.source).is_file():
@@ -290,8 +290,10 @@ class DataConfig:
         if not Path(path).is_file():
             raise ConfigError(f"{where}.path", f"token file {path!r} does not exist (give a flat uint16/uint32 file)")
         weight = entry["weight"]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-            raise ConfigError(f"{where}.weight", f"must be a finite number > 0, got {weight!r}")
+        huge = isinstance(weight, int) and weight.bit_length() > 1000  # float() of it would overflow
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or huge or not 0 < weight < float("inf"):
+            shown = "an integer of more than 1000 bits" if huge else repr(weight)[:40]
+            raise ConfigError(f"{where}.weight", f"must be a finite number > 0, got {shown}")
         dtype = entry.get("token_dtype", self.token_dtype)
         choices = ("auto", "uint16", "uint32")
         if dtype not in choices:
