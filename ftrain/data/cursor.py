@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,29 @@ class MicroBatch:
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The order in which epoch ``epoch`` visits sample ids (a pure function of its arguments)."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, PERM_STREAM, epoch]))
-    return rng.permutation(num_samples)
+    try:
+        return rng.permutation(num_samples)
+    except (MemoryError, ValueError) as e:  # numpy: "array is too big" beyond what it can address
+        raise DataError(_too_big(num_samples, f"it cannot be allocated ({e})")) from e
+
+
+def _too_big(num_samples: int, why: str) -> str:
+    return (
+        f"an epoch of {num_samples:,} samples: its permutation takes 8 bytes a sample "
+        f"({8 * num_samples / 2**30:,.1f} GiB) and {why}; lower data.mixture_samples (a mixture) or "
+        "data.num_samples (synthetic)"
+    )
+
+
+def _check_permutation_fits(num_samples: int) -> None:
+    """DataError at start, rather than a MemoryError at the first step, for an epoch whose
+    permutation cannot fit this machine's memory."""
+    try:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not every system says
+        return
+    if 8 * num_samples > memory_bytes > 0:
+        raise DataError(_too_big(num_samples, f"this machine has {memory_bytes / 2**30:,.1f} GiB of memory"))
 
 
 class DataCursor:
@@ -110,6 +133,7 @@ class DataCursor:
                 f"train.global_batch_size={global_batch_size} is larger than the data "
                 f"({num_samples} samples per epoch); lower the batch size or use more data"
             )
+        _check_permutation_fits(num_samples)
         if on_change not in ON_CHANGE:
             raise ConfigError("data.on_mixture_change", f"must be one of {', '.join(ON_CHANGE)}, got {on_change!r}")
         if data is not None:

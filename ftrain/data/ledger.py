@@ -156,13 +156,17 @@ class Ledger:
 
 
 def read_ledger(directory: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every entry of every ledger file in ``directory``; a torn last line is skipped."""
+    """Every entry of every ledger file in ``directory``; a torn last line is skipped. Each entry
+    is checked (the files sit where others may write): DataError naming the file and line."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"ledger directory {str(directory)!r} does not exist; check data.ledger_dir")
     entries: list[dict[str, Any]] = []
     for path in sorted(directory.glob("ledger-*.jsonl")):
-        lines = path.read_text(encoding="utf-8").splitlines()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"ledger {path} cannot be read ({e})") from e
         for lineno, text in enumerate(lines, start=1):
             if not text.strip():
                 continue
@@ -173,10 +177,33 @@ def read_ledger(directory: str | os.PathLike) -> list[dict[str, Any]]:
                     logger.warning("ledger %s: skipping torn last line %d", path, lineno)
                     continue
                 raise DataError(f"ledger {path}:{lineno} is not valid JSON ({e}); the file is corrupt") from e
-            if not isinstance(entry, dict) or any(k not in entry for k in _ENTRY_KEYS):
-                raise DataError(f"ledger {path}:{lineno} is not a ledger entry (needs {', '.join(_ENTRY_KEYS)})")
+            except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+                raise DataError(f"ledger {path}:{lineno} is not a ledger entry ({str(e)[:200]})") from e
+            problem = _entry_problem(entry)
+            if problem:
+                raise DataError(f"ledger {path}:{lineno} is not a ledger entry: {problem}")
             entries.append(entry)
     return entries
+
+
+def _entry_problem(entry: Any) -> str:
+    """Why ``entry`` is not a line :meth:`Ledger.record` writes ("" if it is one)."""
+    if not isinstance(entry, dict) or any(k not in entry for k in _ENTRY_KEYS):
+        return f"needs {', '.join(_ENTRY_KEYS)}"
+    for key in ("step", "epoch", "start", "round", "dp_rank", "attempt"):
+        if key in entry and not _index(entry[key]):
+            return f"{key} must be an integer in [0, 2**63), got {str(entry[key])[:40]}"
+    for key in ("micro", "sample_ids"):
+        values = entry[key]
+        if not isinstance(values, list) or not all(_index(v) for v in values):
+            return f"{key} must be a list of integers in [0, 2**63)"
+    if not isinstance(entry.get("data", ""), str) or len(entry.get("data", "")) > 64:
+        return "data must be a blend digest (a short string)"
+    return ""
+
+
+def _index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 @dataclass

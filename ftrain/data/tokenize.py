@@ -260,6 +260,8 @@ def _jsonl_text(path: Path, lineno: int, line: str, text_key: str) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{lineno}: not a JSON object ({e})") from e
+    except ValueError as e:  # a number too long to convert (Python's 4300-digit limit)
+        raise DataError(f"{path}:{lineno}: cannot be parsed ({str(e)[:200]}); fix or drop the line") from e
     except RecursionError as e:
         raise DataError(f"{path}:{lineno}: JSON nested too deeply to parse") from e
     if not isinstance(record, dict):

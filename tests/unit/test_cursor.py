@@ -289,3 +289,11 @@ def test_check_state_accepts_every_real_state() -> None:
         cursor.next_global_batch()
         DataCursor.check_state(json.loads(json.dumps(cursor.state_dict())))
     assert cursor.state_dict()["epoch"] == 3  # two batches per epoch: the epochs advanced
+
+
+def test_an_epoch_too_large_for_memory_is_named_at_start() -> None:
+    """Its permutation (8 bytes a sample) was a raw MemoryError (or numpy's "array is too big") at
+    the first step, after the model was built."""
+    for num_samples in (2**50, 2**62):
+        with pytest.raises(DataError, match=r"its permutation takes 8 bytes a sample .* lower data\.mixture_samples"):
+            DataCursor(num_samples, 8, 0)

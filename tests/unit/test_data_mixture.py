@@ -236,6 +236,8 @@ def test_sources_from_a_file_and_from_the_command_line(files, tmp_path):
         ('[{path="s0.bin", weight=inf}]', "data.sources[0].weight", "finite number > 0"),
         ('[{path="s0.bin", weight=true}]', "data.sources[0].weight", "finite number > 0"),
         ('[{path="s0.bin", weight="1"}]', "data.sources[0].weight", "finite number > 0"),
+        # a TOML integer float() cannot hold: refused here, not an OverflowError in the blend
+        (f'[{{path="s0.bin", weight={10**400}}}]', "data.sources[0].weight", "an integer of more than 1000 bits"),
         ('[{path="s0.bin", weight=1, token_dtype="int8"}]', "data.sources[0].token_dtype", "not one of"),
         ('{path="s0.bin", weight=1}', "data.sources", "array of tables"),
     ],

@@ -192,3 +192,38 @@ def test_closed_ledger_refuses_records(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="closed"):
         ledger.record(batch, micro_batches(batch, 0, 1, MICRO))
     assert len(read_ledger(tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        (
+            '{"step": "3", "epoch": 0, "start": 0, "round": 0, "dp_rank": 0, "micro": [], "sample_ids": []}',
+            "step must be",
+        ),
+        (
+            '{"step": 1, "epoch": 0, "start": 0, "round": 0, "dp_rank": 0, "micro": [], "sample_ids": [1, -1]}',
+            "sample_ids",
+        ),
+        (
+            '{"step": 1, "epoch": 0, "start": 0, "round": 0, "dp_rank": 0, "micro": [], "sample_ids": [1e400]}',
+            "sample_ids",
+        ),
+        ('{"step": 1, "epoch": 0, "start": 0, "round": 0, "dp_rank": 0, "micro": 7, "sample_ids": []}', "micro must"),
+        (
+            '{"step": 1, "epoch": 0, "start": 0, "round": true, "dp_rank": 0, "micro": [], "sample_ids": []}',
+            "round must",
+        ),
+        ('{"step": ' + "9" * 5000 + "}", "is not a ledger entry"),
+        ("[" * 100_000 + "]" * 100_000, "is not a ledger entry"),
+    ],
+)
+def test_a_hostile_line_is_named_not_raised(tmp_path: Path, line: str, words: str) -> None:
+    """A ledger directory is where others may write: a line of another shape is a DataError naming
+    the file and line, never a TypeError or OverflowError from the checker."""
+    _run(tmp_path, world=1, round_=0, steps=range(2))
+    path = next(tmp_path.glob("ledger-*.jsonl"))
+    path.write_text(line + "\n" + path.read_text())
+    with pytest.raises(DataError, match=r"\.jsonl:1 is not a ledger entry") as info:
+        read_ledger(tmp_path)
+    assert words in str(info.value)

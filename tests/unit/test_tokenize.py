@@ -395,3 +395,11 @@ def test_the_output_carries_a_record_of_how_it_was_written(tmp_path, tokenizer_p
     # a uint32 file of a 300-token vocabulary: auto reads it as uint32 (from the record), not as uint16
     src = TokenFileSource(out, seq_len=4, vocab_size=tok.get_vocab_size())
     assert src.dtype.name == "uint32" and src.num_tokens == result.tokens
+
+
+def test_a_number_too_long_to_parse_names_the_line(tmp_path, tokenizer_path):
+    """json.loads raises a plain ValueError (not a JSONDecodeError) past Python's 4300 digits."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "x", "id": ' + "7" * 5000 + "}\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: cannot be parsed .*fix or drop the line"):
+        tokenize_files([bad], load_tokenizer(tokenizer_path), tmp_path / "out.bin")
