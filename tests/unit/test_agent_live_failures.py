@@ -15,6 +15,7 @@ in-memory store and a fake clock that moves one tick per look (waits have real d
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -109,13 +110,10 @@ def _no_torchrun(launch: Launch, env: dict[str, str], log_path: str) -> Workers:
     raise AssertionError("live recovery starts no torchrun")
 
 
-@pytest.mark.timeout(120)
-def test_a_live_worker_that_fails_at_start_without_a_word_stops_the_job_as_deterministic_with_its_error(
-    tmp_path: Path,
-) -> None:
+def _live_agent(tmp_path: Path, script: Path) -> tuple[Agent, _Tick]:
+    """One agent (``--nnodes 1:1``, one worker, one spare) under live recovery, running ``script``."""
     clock = FakeClock(monotonic_s=time.monotonic())  # the live workers' start times are on the real one
     store = MemoryJobStore(clock)
-    script = _failing_script(tmp_path)
     opts = AgentOptions.of(
         etcd=["http://etcd.invalid:2379"],
         job=JOB,
@@ -124,21 +122,28 @@ def test_a_live_worker_that_fails_at_start_without_a_word_stops_the_job_as_deter
         script=str(script),
         **{**FAST_AGENT_SETTINGS, "recovery": "live", "nnodes": "1:1", "nproc_per_node": 1, "spares": 1},
     )
-    events = tmp_path / "events.jsonl"
     agent = Agent(
         opts,
         store=store,
         clock=clock,
         heartbeats=HeartbeatServer(str(tmp_path / "hb.sock")),
         metrics=AgentMetrics(JOB, "a", clock=clock.monotonic),
-        events=EventLog(str(events), rank=-1),
+        events=EventLog(str(tmp_path / "events.jsonl"), rank=-1),
         launcher=_no_torchrun,
         run_dir=str(tmp_path),
         standby=lambda env, log_path: LiveWorkers(
             env, log_path, worker_args=(), standby=2, spares=1, script=str(script), startup_failure_limit=3
         ),
     )
-    tick = _Tick(agent, clock, store)
+    return agent, _Tick(agent, clock, store)
+
+
+@pytest.mark.timeout(120)
+def test_a_live_worker_that_fails_at_start_without_a_word_stops_the_job_as_deterministic_with_its_error(
+    tmp_path: Path,
+) -> None:
+    agent, tick = _live_agent(tmp_path, _failing_script(tmp_path))
+    clock, events = tick.clock, tmp_path / "events.jsonl"
     try:
         agent.start()
         seen_error: list[str] = []
@@ -168,6 +173,22 @@ def test_a_live_worker_that_fails_at_start_without_a_word_stops_the_job_as_deter
     # live recovery: 0 device-hours whatever happened); no step was ever done: all of it start-up
     hours = state.status["a"].device_hours
     assert hours["startup"] > 0 and sum(hours.values()) == pytest.approx(hours["startup"], abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_under_live_recovery_the_agent_names_its_worker_processes_not_torchrun(tmp_path: Path, caplog) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")  # its processes exit 0 at once: the round's workers stopped early
+    agent, tick = _live_agent(tmp_path, script)
+    caplog.set_level(logging.INFO, logger="ftrain.agents.agent")
+    try:
+        agent.start()
+        wait_for(lambda: tick() and "workers exited" in caplog.text, 60, "the round's workers exited")
+    finally:
+        agent.close()
+    [line] = [r.getMessage() for r in caplog.records if "workers exited" in r.getMessage()][:1]
+    assert line == "round 1: workers exited (worker processes' exit 0): yielded", line
+    assert "torchrun" not in caplog.text
 
 
 def test_a_session_started_under_live_recovery_tells_its_agent_why_before_it_raises(
