@@ -104,7 +104,7 @@ def create_new(path: str | Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
 
 
-def replace_file(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+def replace_file(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` as the whole of ``path``, at once: a new file beside it (:func:`create_new`,
     a random name), given ``mode`` (less the umask's bits is the caller's business), then renamed
     over ``path``. Nothing is written through a link planted under either name."""
@@ -131,7 +131,7 @@ def replace_file(path: str | Path, data: bytes, mode: int = 0o644) -> None:
         raise
 
 
-def open_append(path: str | Path, mode: int = 0o644) -> int:
+def open_append(path: str | os.PathLike[str], mode: int = 0o644) -> int:
     """A file descriptor appending to ``path``: created (``mode``) if missing, else a regular file
     this user owns; OSError for a link, a FIFO, a device or another user's file."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)

@@ -251,7 +251,7 @@ class DataCursor:
         old, new = saved[-1]["data"], self.blends[-1]["data"]
         return [] if old == new else describe_changes(old, new)
 
-    def check_resume(self, state: dict[str, Any]) -> list[str]:
+    def check_resume(self, state: Any) -> list[str]:
         """Whether this cursor may resume from ``state`` (before anything else is loaded): raises
         DataError if ``state`` is malformed, :class:`~ftrain.data.identity.DataChangeError` if its
         data differ and ``data.on_mixture_change=fail``; returns the changes (empty: none)."""
