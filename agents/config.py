@@ -48,7 +48,8 @@ class AgentConfig:
     deterministic_failures: int = opt(
         3,
         "The workers failed with the same error at the same step this many times in a row: stop the job "
-        "with that error instead of spending the restart budget (0: never).",
+        "with that error instead of spending the restart budget (0: never). Under live recovery, also the worker "
+        "processes failing before they are ready in a row after which no spare is started ahead of need.",
     )
     scale_up: str = opt(
         "checkpoint",
