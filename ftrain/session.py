@@ -33,9 +33,8 @@ an object) is refused at :meth:`load` or the first :meth:`step`, naming it, befo
 0's are saved: such state is the same on every rank of a data-parallel loop. RNG states are the
 loop's business.
 
-**What it says.** Rank 0 writes one line to stderr when it restores a step (or starts fresh) and
-one per commit, unless ``verbose=False`` or the program configured logging (handlers on the root
-or ``ftrain`` logger): the lines then go to the ``ftrain.session`` logger at INFO, like the rest.
+**What it says.** Rank 0 writes one line to stderr per restore (or fresh start) and per commit, unless
+``verbose=False`` or the program configured logging: then to the ``ftrain.session`` logger (INFO).
 
 **Under the node agent** (``ftrain agent --script train.py``): heartbeats at each :meth:`step`,
 "alive" from a background thread, the commit fence and the exit message. Recovery is restart
@@ -50,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
@@ -89,8 +87,8 @@ from ftrain.session_state import (
     SessionError,
     StateParts,
     StateReader,
-    logging_configured,
     manifest_fields,
+    say,
     validate,
     warn_if_large,
 )
@@ -227,13 +225,7 @@ class Session:
             self._say(f"committed step {record.step} under {self.checkpoint_uri} ({record.duration_s:.1f}s)")
 
     def _say(self, message: str) -> None:
-        """One line on rank 0 (see the module doc, "What it says")."""
-        if self.rank > 0:
-            return
-        if self.verbose and not logging_configured(log):
-            print(f"ftrain: {message}", file=sys.stderr, flush=True)
-        else:
-            log.info("%s", message)
+        say(message, rank=self.rank, verbose=self.verbose, logger=log)
 
     # -- rounds (live recovery) ---------------------------------------------------------
     def run(self, train: Callable[[Session], T]) -> T | None:
@@ -388,6 +380,7 @@ class Session:
             committed = manager.status.last_committed_step if manager is not None else -1
             reason = "" if error is None else f"{type(error).__name__}: {error}"
             self._hb.exit(self._step, finished=finished, committed_step=committed, error=reason[:2000])
+            self._hb.close()  # its "alive" thread and socket: said goodbye, nothing more to say
             self._hb = None
         if error is None and self._owns_group and dist.is_initialized():
             if finished:
@@ -424,7 +417,7 @@ class Session:
         if self._hb is not None:
             self._hb.beat(step, committed_step=status.last_committed_step)
         if not self._state_checked:  # a loop that never called load(): its first step checks the state
-            StateParts.of(state).user_state(step)  # SessionError now, not at the first save hours later
+            StateParts.of(state).check_storable(step)  # SessionError now, not at the first save hours later
             self._state_checked = True
         if self._round is not None:
             self._round.boundary(step, StateParts.of(state))
@@ -489,9 +482,7 @@ class Session:
             self._beat("training")
 
     def _beat(self, phase: str) -> None:
-        """A heartbeat in ``phase`` at the last step reported: ``saving`` (and ``loading``) while
-        a long pause is expected, so that the agent applies its save (start) timeout, not its hang
-        timeout; ``training`` once the loop goes on."""
+        """A heartbeat: ``saving``/``loading`` get the agent's save (start) timeout, ``training`` its hang timeout."""
         if self._hb is not None:
             committed = self._manager.status.last_committed_step if self._manager is not None else -1
             self._hb.beat(self._step, phase=phase, committed_step=committed)
@@ -499,12 +490,11 @@ class Session:
     def wait(self) -> SaveStatus:
         """Until the save in flight (if any) committed or failed; the service's status."""
         manager = self._need_started("wait")
-        uploading = manager.uploading
-        if uploading:
-            self._beat("saving")
+        if not manager.uploading:
+            return manager.wait()
+        self._beat("saving")
         status = manager.wait()
-        if uploading:
-            self._beat("training")
+        self._beat("training")
         return status
 
     def finish(self, step: int, state: Mapping[str, Any]) -> SaveStatus:
@@ -592,7 +582,7 @@ class Session:
             self._round.loaded = True
             self._round.boundary(step, parts)  # encodes the entries: refuses what cannot be stored
         else:
-            parts.user_state(step)  # SessionError now, not at the first save hours later
+            parts.check_storable(step)  # SessionError now, not at the first save hours later
         self._state_checked = True
 
 

@@ -15,6 +15,7 @@ JSON) and still load. Misuse is a :class:`SessionError` whose message names the 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,14 @@ WRITER = "session"
 
 class SessionError(RuntimeError):
     """A misuse of the session, or a state it cannot save or restore; the message says the fix."""
+
+
+def _unstorable(key: str, obj: Any, step: int, e: state_codec.StateEncodeError) -> SessionError:
+    return SessionError(
+        f"the state's {key!r} ({type(obj).__name__}): its state_dict() at step {step} cannot be saved ({e}); the "
+        "session stores a loop's non-tensor state (schedulers, scalers, samplers, counters) in a file of the step: "
+        "docs/library.md, 'What a session stores'"
+    )
 
 
 def _one_optimizer_per_parameter(state: Mapping[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -163,6 +172,15 @@ class StateParts:
         self._target = sd
         return sd
 
+    def check_storable(self, step: int) -> None:
+        """SessionError, as :meth:`user_state` raises it, for an entry that could never be stored
+        (its size aside: that grows as the loop runs), without encoding it."""
+        for key, obj in self.others.items():
+            try:
+                state_codec.check(obj.state_dict())
+            except state_codec.StateEncodeError as e:
+                raise _unstorable(key, obj, step, e) from None
+
     def user_state(self, step: int) -> dict[str, str]:
         """Each other entry's ``state_dict()``, encoded (:func:`ftrain.state_codec.encode`): name ->
         JSON text. SessionError, naming the entry and where in it, for what can never be stored
@@ -172,11 +190,7 @@ class StateParts:
             try:
                 out[key] = state_codec.encode(obj.state_dict())
             except state_codec.StateEncodeError as e:
-                raise SessionError(
-                    f"the state's {key!r} ({type(obj).__name__}): its state_dict() at step {step} cannot be saved "
-                    f"({e}); the session stores a loop's non-tensor state (schedulers, scalers, samplers, counters) "
-                    "in a file of the step: docs/library.md, 'What a session stores'"
-                ) from None
+                raise _unstorable(key, obj, step, e) from None
         size = state_codec.entries_size_bytes(out)
         if size > state_codec.MAX_STATE_BYTES:
             biggest = sorted(out, key=lambda k: -len(out[k]))[:3]
@@ -237,6 +251,17 @@ def warn_if_large(entries: dict[str, str], step: int, warned: bool) -> bool:
     return True
 
 
+def say(message: str, *, rank: int, verbose: bool, logger: logging.Logger) -> None:
+    """A session's line about what it restored or committed, on rank 0: on stderr when ``verbose``
+    and the program configured no logging that ``logger`` reaches, else to ``logger`` at INFO."""
+    if rank > 0:
+        return
+    if verbose and not logging_configured(logger):
+        print(f"ftrain: {message}", file=sys.stderr, flush=True)
+    else:
+        logger.info("%s", message)
+
+
 def logging_configured(logger: logging.Logger) -> bool:
     """Whether the program set up logging that ``logger`` reaches (a handler on it, on ``ftrain``
     or on the root): then a session says things through it, not on stderr itself."""
@@ -260,6 +285,7 @@ __all__ = [
     "WRITER",
     "logging_configured",
     "manifest_fields",
+    "say",
     "validate",
     "warn_if_large",
 ]

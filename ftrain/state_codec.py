@@ -189,6 +189,15 @@ def encode(value: Any) -> str:
         raise StateEncodeError(f"nested deeper than {MAX_STATE_DEPTH} levels") from e
 
 
+def check(value: Any) -> None:
+    """:class:`StateEncodeError` where :func:`encode` would raise one, without writing the text
+    (half the time): whether a state can be stored at all, checked before the work it would hold."""
+    try:
+        _encode(value, 0)
+    except RecursionError as e:
+        raise StateEncodeError(f"nested deeper than {MAX_STATE_DEPTH} levels") from e
+
+
 def file_bytes(entries: Mapping[str, str]) -> bytes:
     """A state file: ``entries`` (name -> :func:`encode` text) and the format."""
     body = ",".join(f"{json.dumps(name, ensure_ascii=True)}:{text}" for name, text in entries.items())
@@ -308,6 +317,7 @@ __all__ = [
     "MAX_STATE_DEPTH",
     "StateDecodeError",
     "StateEncodeError",
+    "check",
     "decode",
     "encode",
     "entries_size_bytes",

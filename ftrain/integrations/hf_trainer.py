@@ -26,9 +26,11 @@ files are told that this directory holds nothing for them (ftrain loaded those i
 **What is saved** (every ``interval_steps`` and after the last step, as a session saves): the
 model (DCP, each rank its part), the optimizer (AdamW's moments), the LR scheduler, fp16's
 ``GradScaler``, and the ``TrainerState`` (``global_step``, epoch, log history, the states of
-stateful callbacks) as JSON in the manifest. ``global_step`` is the data position: the Trainer's
-sampler is seeded (``accelerator_config.use_seedable_sampler``, on by default), so the batches
-after it are the same in a new process at the same global batch size. Not saved: RNG states
+stateful callbacks) in the step's state file (:mod:`ftrain.session_state`: exact, NaN losses too;
+a log history of every step stays loadable far past the 16 MiB that the manifest once bounded).
+``global_step`` is the data position: the Trainer's sampler is seeded
+(``accelerator_config.use_seedable_sampler``, on by default), so the batches after it are the same
+in a new process at the same global batch size. Not saved: RNG states
 (dropout draws other masks after a resume; a model that draws none resumes bitwise).
 
 **Invariants.** ``session.step`` runs once per optimizer update with ``global_step``; a manifest's
@@ -44,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -186,7 +187,7 @@ def _check_supported(trainer: Trainer) -> None:
 
 class _TrainerStateEntry:
     """The session's ``trainer`` entry: the TrainerState (and the global batch size it was
-    trained at) as plain JSON; ``loaded`` is what :meth:`load_state_dict` got."""
+    trained at); ``loaded`` is what :meth:`load_state_dict` got."""
 
     def __init__(self, trainer: FtrainTrainer):
         self.trainer = trainer
@@ -194,7 +195,9 @@ class _TrainerStateEntry:
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self.trainer
-        state = dataclasses.asdict(trainer.state)
+        # its fields as they are, not dataclasses.asdict's deep copy (9 s for 160k log entries on a
+        # busy box): the session encodes them at once, and the encoding is the copy it keeps
+        state = {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(trainer.state)}
         exported: dict[str, Any] = {}
         for callback in trainer.callback_handler.callbacks:  # as the Trainer saves them
             if isinstance(callback, ExportableState):
@@ -205,7 +208,7 @@ class _TrainerStateEntry:
             **{name: states[0] if len(states) == 1 else states for name, states in exported.items()},
         }
         return {
-            "trainer_state": _finite(state),
+            "trainer_state": state,
             "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args),
         }
 
@@ -233,17 +236,6 @@ class _TrainerStateEntry:
                 step,
             )
         return saved
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with NaN and infinities (a diverged loss in the log history) as None: JSON holds neither."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 class _SessionCallback(TrainerCallback):

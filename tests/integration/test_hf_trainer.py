@@ -95,6 +95,7 @@ def test_a_killed_run_resumes_after_the_newest_commit_and_ends_as_the_straight_o
 
     out = _finished(stopped, _torchrun("dumps-2", *ARGS))
     assert f"resumed after step {newest}; trained steps {newest + 1}..{STEPS} on 2 process(es)" in out, out
+    assert out.count(f"ftrain: resumed after step {newest}, loaded from") == 1, out  # rank 0 says it, once
     resumed = torch.load(stopped / "dumps-2" / "begin.pt", weights_only=True)  # what training went on from
     saved = torch.load(straight / "dumps" / f"step-{newest}.pt", weights_only=True)
     assert resumed["step"] == saved["step"] == newest
@@ -160,3 +161,56 @@ def test_a_trainer_that_writes_its_own_checkpoints_or_an_unstarted_session_is_re
     with pytest.raises(HFTrainerError, match=r"not started.*ftrain\.Session\(\.\.\.\)\.start\(\)"):
         FtrainTrainer(session, model=model, args=args(save_strategy="no"))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_log_history_past_16_mib_with_a_nan_loss_is_committed_and_comes_back(tmp_path, monkeypatch):
+    """``logging_steps=1`` for 160k steps: a TrainerState past the 16 MiB that a manifest holds,
+    committed and loaded back exactly (a NaN loss too), in one process."""
+    import math
+
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    import ftrain
+    from ftrain.checkpoint.manifest import MAX_MANIFEST_BYTES
+    from ftrain.integrations.hf_trainer import FtrainTrainer, _TrainerStateEntry
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FTRAIN_HEARTBEAT", "FTRAIN_JOB", "FTRAIN_CONTROL"):
+        monkeypatch.delenv(key, raising=False)
+    steps = 160_000
+    history: list[dict[str, Any]] = [
+        {
+            "loss": 2.5 - i * 1e-5,
+            "grad_norm": 1.0 + i * 1e-7,
+            "learning_rate": 3e-4 * (1 - i / steps),
+            "epoch": i / 4096,
+            "step": i,
+        }
+        for i in range(1, steps)
+    ]
+    history.append(
+        {"loss": math.nan, "grad_norm": math.inf, "learning_rate": 0.0, "epoch": steps / 4096, "step": steps}
+    )
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path), save_strategy="no", report_to="none", use_cpu=True, logging_steps=1
+    )
+    try:
+        with ftrain.Session(str(tmp_path / "ckpt"), verbose=False) as session:
+            trainer = FtrainTrainer(session, model=LlamaForCausalLM(config), args=args)
+            trainer.state.global_step, trainer.state.log_history = steps, history
+            assert session.finish(steps, {"trainer": _TrainerStateEntry(trainer)}).last_committed_step == steps
+        state_file = tmp_path / "ckpt" / f"step-{steps:09d}" / "user_state.json"
+        assert state_file.stat().st_size > MAX_MANIFEST_BYTES
+        with ftrain.Session(str(tmp_path / "ckpt"), verbose=False) as session:
+            back = _TrainerStateEntry(FtrainTrainer(session, model=LlamaForCausalLM(config), args=args))
+            assert session.load({"trainer": back}) == steps
+            got = back.trainer_state_to_resume(steps)["log_history"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert got[:-1] == history[:-1]
+    assert math.isnan(got[-1]["loss"]) and got[-1]["grad_norm"] == math.inf

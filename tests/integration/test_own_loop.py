@@ -63,6 +63,8 @@ def test_the_example_resumes_where_it_stopped_bitwise_and_at_another_world_size(
     assert _committed(stopped) == [20, 30]
     out = _torchrun(stopped, 2, "--final-weights", "final.pt")
     assert "resumed after step 30; training steps 31..60" in out, out
+    said = [line for line in out.splitlines() if line.startswith("ftrain: ")]  # the session's own lines, rank 0's
+    assert said[0].startswith("ftrain: resumed after step 30, loaded from") and len(said) == 3, said  # + 40, 60
     a, b = (torch.load(d / "final.pt", weights_only=True) for d in (straight, stopped))
     assert max_abs_diff(a, b) == 0.0
 
