@@ -255,21 +255,31 @@ def text_of(value: Any) -> str:
 
 @st.composite
 def hostile_doc(draw: st.DrawFn, valid: Any) -> Any:
-    """``valid`` with one field (or item) replaced by a hostile value, removed or added."""
+    """``valid`` with one field or item, at any depth, replaced by a hostile value, removed, or
+    given a hostile sibling."""
     doc = copy.deepcopy(valid)
-    if isinstance(doc, dict) and doc:
-        key = draw(st.sampled_from(sorted(doc)))
-        action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
-        if action == "replace":
-            doc[key] = draw(replacements)
-        elif action == "delete":
-            del doc[key]
-        else:
-            doc[draw(st.text(max_size=6))] = draw(replacements)
-    elif isinstance(doc, list) and doc:
-        doc[draw(st.integers(0, len(doc) - 1))] = draw(replacements)
+    if not isinstance(doc, (dict, list)) or not doc:
+        return draw(replacements)
+    container: Any = doc
+
+    def pick(c: Any) -> Any:
+        return draw(st.sampled_from(sorted(c))) if isinstance(c, dict) else draw(st.integers(0, len(c) - 1))
+
+    key = pick(container)
+    for _ in range(6):  # down a random path, through non-empty containers
+        child = container[key]
+        if not isinstance(child, (dict, list)) or not child or not draw(st.booleans()):
+            break
+        container, key = child, pick(child)
+    action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
+    if action == "replace":
+        container[key] = draw(replacements)
+    elif action == "delete":
+        del container[key]
+    elif isinstance(container, dict):
+        container[draw(st.text(max_size=6))] = draw(replacements)
     else:
-        doc = draw(hostile_values)
+        container.append(draw(replacements))
     return doc
 
 
