@@ -286,7 +286,7 @@ def _bad(tag: str) -> Any:
 def _tagged(data: bytes | str) -> bool:
     """Whether ``data`` may hold a tag (an object key starting with ``$``): without one, what JSON
     parses is the value itself, and the walk that decodes tags is skipped."""
-    return (b'"$' if isinstance(data, bytes) else '"$') in data
+    return b'"$' in data if isinstance(data, bytes) else '"$' in data
 
 
 def decode(text: bytes | str) -> Any:
