@@ -659,6 +659,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             return now - self._gone_since.setdefault(pid, now) >= CRASH_GRACE_S
 
         crashed = workers.crashed(settled)
+        for local_rank in crashed:
+            self._gone_since.pop(workers.pids().get(local_rank, -1), None)
         if crashed:
             local_rank, rc = next(iter(crashed.items()))
             log.info("round %d: worker of local rank %d exited with %d; the others stay", workers.round, local_rank, rc)

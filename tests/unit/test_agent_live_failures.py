@@ -38,6 +38,7 @@ from ftrain.contract.events import EventLog, read_jsonl
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.testbed.wait import wait_for
 from tests.memory_jobstore import FakeClock, MemoryJobStore
+from tests.unit.test_agent_unit import Job, start_round_1
 
 JOB = "job"
 KEYS = JobKeys(JOB)
@@ -225,3 +226,31 @@ def test_a_session_started_under_live_recovery_tells_its_agent_why_before_it_rai
     assert beat.finished is False and beat.fatal and beat.step == -1 and beat.rank == 1
     assert beat.error.startswith("SessionError: this process was started by `ftrain agent --recovery live`")
     assert FATAL  # the agent's report of it is fatal (supervision.exit_report): the leader ends the job at once
+
+
+def test_under_restart_recovery_workers_that_die_before_saying_why_are_described_by_their_logs_error(
+    tmp_path: Path,
+) -> None:
+    """torchrun exits 1 and no worker sent an exit message (it failed importing the training
+    code): the report carries the log's last error line, so the same failure round after round
+    is told as deterministic; a signal death (negative exit code) is not read from the log."""
+    job = Job(tmp_path)
+    try:
+        start_round_1(job, "a", nnodes="1:1")
+        workers = job.nodes["a"].workers
+        Path(workers.log_path).write_text(
+            "Traceback (most recent call last):\nModuleNotFoundError: No module named 'x'\n"
+        )
+        workers.rc = 1
+        job.run_until(lambda: "a" in job.state().reports.get(1, {}), "a's report of round 1")
+        report = job.state().reports[1]["a"]
+        assert report.error == "ModuleNotFoundError: No module named 'x'"
+        assert "its log says: ModuleNotFoundError" in report.detail
+        job.run_until(lambda: job.running(2, "a"), "round 2")
+        killed = job.nodes["a"].workers
+        Path(killed.log_path).write_text("ValueError: not this one\n")
+        killed.rc = -9
+        job.run_until(lambda: "a" in job.state().reports.get(2, {}), "a's report of round 2")
+        assert job.state().reports[2]["a"].error == ""
+    finally:
+        job.close()
