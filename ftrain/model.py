@@ -113,17 +113,18 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def load_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
-    """Resolve ``"pkg.module:function"``; errors name ``model.factory`` and what was missing."""
+def load_factory(spec: str, key: str = "model.factory") -> Callable[[ModelConfig], nn.Module]:
+    """Resolve ``"pkg.module:function"``; errors name ``key`` and what was missing (with the
+    closest name there is)."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError("model.factory", f"cannot import module {module_name!r}: {e}{_module_hint(e)}") from e
+        raise ConfigError(key, f"cannot import module {module_name!r}: {e}{_module_hint(e)}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         callables = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n, None))]
-        raise ConfigError("model.factory", f"{module_name!r} has no callable {attr!r}{suggest(attr, callables)}")
+        raise ConfigError(key, f"{module_name!r} has no callable {attr!r}{suggest(attr, callables)}")
     return fn
 
 

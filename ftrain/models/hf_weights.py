@@ -414,10 +414,17 @@ def check_resumed_model(recorded: Mapping[str, Any], cfg: ModelConfig, record: M
 def model_config_from(recorded: Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig a manifest recorded (its ``config["model"]``); ``init_from`` dropped (the
     weights are the checkpoint's, and the directory need not exist here)."""
+    if not isinstance(recorded, Mapping):
+        raise ConfigError("model", f"the checkpoint records a {type(recorded).__name__} as its [model] section")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     values = {k: v for k, v in recorded.items() if k in known}
     values["init_from"] = ""
-    return ModelConfig(**values)
+    try:
+        return ModelConfig(**values)
+    except (TypeError, ValueError) as e:  # a ConfigError names the key already; a wrong type does not
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError("model", f"the checkpoint's recorded [model] section is not a model config: {e}") from e
 
 
 def _hf_config_object(cfg: ModelConfig, recorded: Mapping[str, Any]) -> Any:

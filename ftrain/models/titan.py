@@ -31,7 +31,7 @@ def causal_lm(cfg: ModelConfig) -> nn.Module:
     builder = cfg.args.get("builder")
     if not isinstance(builder, str) or ":" not in builder:
         raise ConfigError("model.args.builder", f'expected "pkg.module:function" building the model, got {builder!r}')
-    model = load_factory(builder)(cfg)
+    model = load_factory(builder, "model.args.builder")(cfg)
     if not isinstance(model, nn.Module):
         raise ConfigError("model.args.builder", f"{builder} returned {type(model).__name__}, not an nn.Module")
     return declare_layout(model)

@@ -432,3 +432,11 @@ def test_a_resume_refuses_a_model_that_computes_otherwise(caplog):
     llama = dataclasses.asdict(llama_cfg())
     with pytest.raises(WeightsConfigError, match=r"rms_norm_eps = 1e-05 but the model has 1e-06 \(model.norm_eps\)"):
         check_resumed_model(llama, llama_cfg(norm_eps=1e-6), {}, 8)
+
+
+@pytest.mark.parametrize(
+    "recorded", ["a string", {"arch": "llama", "n_layer": "four"}], ids=["not-a-table", "bad-type"]
+)
+def test_a_malformed_recorded_model_section_is_named(recorded):
+    with pytest.raises(ConfigError, match=r"^model: the checkpoint"):
+        to_hf({}, recorded)

@@ -109,8 +109,13 @@ def test_hf_args_are_checked_by_name():
 def test_a_typo_in_the_factory_gets_a_suggestion():
     with pytest.raises(ConfigError, match=r"'tests.user_model' has no callable 'buidl' \(did you mean 'build'\?\)"):
         build_model(ModelConfig(factory="tests.user_model:buidl"))
-    with pytest.raises(ConfigError, match=r"cannot import module 'tests.user_modle': .*did you mean 'tests.user_model'"):
+    with pytest.raises(
+        ConfigError, match=r"cannot import module 'tests.user_modle': .*did you mean 'tests.user_model'"
+    ):
         build_model(ModelConfig(factory="tests.user_modle:build"))
+    builder = ModelConfig(factory="ftrain.models.titan:causal_lm", args={"builder": "tests.titan_model:buld"})
+    with pytest.raises(ConfigError, match=r"model.args.builder: .* no callable 'buld' \(did you mean 'build'\?\)"):
+        titan_lm(builder)
 
 
 def test_a_tp_plan_naming_a_missing_module_is_an_error():
