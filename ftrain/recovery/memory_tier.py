@@ -95,6 +95,7 @@ from ftrain.recovery.tier_binding import (
 from ftrain.recovery.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
 from ftrain.recovery.tier_store import DirFiles, Snapshot, TierStore
 from ftrain.recovery.tier_wire import (
+    WireError,
     all_gather_json,
     any_rank,
     any_ranks,
@@ -129,6 +130,28 @@ class _Outcome:
 
     ok: bool
     figures: Figures | None = None
+
+
+def _too_big_to_receive(size_bytes: int, rank: int) -> str:
+    """Why this rank cannot take ``size_bytes`` from its peers ("" when it can): the sizes come
+    from a snapshot's manifest, read from a node-local directory, and buffers are allocated from
+    them before any byte arrives; more than the host's available memory is refused, not tried."""
+    available = _available_memory_bytes()
+    if available is not None and size_bytes > available:
+        return f"rank {rank} would receive {size_bytes} bytes, more than its host's {available} available"
+    return ""
+
+
+def _available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class _Refused(Exception):  # noqa: N818 - every rank gives up the same snapshot or restore
@@ -556,7 +579,11 @@ class MemoryTier:
         group = self._group
         with self._lock:
             mine = list(self.snapshots)
-        holdings = all_gather_json([s.holdings() for s in mine], group)
+        try:
+            holdings = all_gather_json([s.holdings() for s in mine], group)
+        except WireError as e:  # raised on every rank alike: a rank's listing is past the wire's bounds
+            self._refuse(trainer, -1, f"the ranks' snapshot listings: {e}")
+            return None
         choice = choose(holdings, committed_step)
         if choice is None:
             newest = max((s["step"] for held in holdings for s in held), default=-1)
@@ -567,7 +594,7 @@ class MemoryTier:
         snap = next((s for s in mine if s.key == choice.key), None)
         try:
             manifest, files, target = self._collect(trainer, snap, choice, holdings, group)
-        except _Refused as e:
+        except (_Refused, WireError) as e:  # each the same on every rank
             self._refuse(trainer, choice.step, str(e))
             return None
         reader = VerifiedReader(
@@ -632,6 +659,7 @@ class MemoryTier:
             local[name] = data
         missing = [n for n in needed if n not in local and n not in plan.receives]
         problem = problem or (f"no live rank holds {missing[0]}" if missing else "")
+        problem = problem or _too_big_to_receive(sum(manifest.files[n].size_bytes for n in plan.receives), self.rank)
         bad = _problems(all_gather_json(problem, group))
         if bad:
             raise _Refused("; ".join(bad)[:1000])

@@ -261,3 +261,14 @@ def test_a_worker_killed_while_it_deletes_a_superseded_snapshot_leaves_nothing_a
     found, skipped = restarted.discover(KEY, JOB, RUN)
     assert skipped == [] and [s.key for s in found] == [new.key] and old.key != new.key
     assert sorted(p.name for p in restarted.own_dir.iterdir()) == [f"step-000000020-{new.key}"]
+
+
+def test_a_snapshot_announcing_more_than_the_host_holds_is_refused_before_any_buffer_is_allocated():
+    """The sizes of a restore's receive buffers come from a snapshot's manifest (a node-local
+    file): more than the host's available memory is a problem every rank learns, not a
+    RuntimeError on one rank that leaves its peers blocked in the exchange."""
+    from ftrain.recovery.memory_tier import _too_big_to_receive
+
+    assert _too_big_to_receive(1 << 20, 3) == ""
+    why = _too_big_to_receive(1 << 62, 3)
+    assert why.startswith("rank 3 would receive 4611686018427387904 bytes"), why
