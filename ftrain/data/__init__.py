@@ -25,7 +25,7 @@ What this package owns and what must stay true:
 - ``ftrain data tokenize`` (:mod:`ftrain.data.tokenize`, imported only by that command) writes
   token files from text with a Hugging Face tokenizer.
 
-The package imports numpy and the standard library only (no torch): the training loop turns the
+The package imports numpy, xxhash and the standard library only (no torch): the training loop turns the
 int64 arrays into tensors.
 """
 

@@ -82,8 +82,9 @@ def read_tokenizer(path: str | os.PathLike) -> tuple[Any, dict[str, str]]:
     if path.is_dir():
         inside = path / TOKENIZER_FILE
         if not inside.is_file():
-            names = sorted(p.name for p in path.iterdir())[:12] if os.access(path, os.R_OK | os.X_OK) else []
-            held = ", ".join(names) if names else "nothing readable"
+            readable = os.access(path, os.R_OK | os.X_OK)
+            names = sorted(p.name for p in path.iterdir())[:12] if readable else []
+            held = ", ".join(names) if names else "nothing" if readable else "nothing readable"
             raise DataError(
                 f"tokenizer {str(path)!r} is a directory without a {TOKENIZER_FILE} (it holds: {held}); give the "
                 f"path of a {TOKENIZER_FILE}, or a directory that has one (e.g. from AutoTokenizer.save_pretrained)"
