@@ -389,7 +389,14 @@ class MemoryTier:
         self._outcome = None
         began = time.monotonic()
         state = training_state(trainer.par, trainer.rank)  # views of the live tensors: the thread copies them
-        fields = manifest_fields(self.cfg, trainer.par, trainer.cursor, current_round(), schedule=trainer.lr_schedule())
+        fields = manifest_fields(
+            self.cfg,
+            trainer.par,
+            trainer.cursor,
+            current_round(),
+            schedule=trainer.lr_schedule(),
+            model_record=trainer.model_record,
+        )
         blocked_s = time.monotonic() - began
         self._staged = threading.Event()
         self._thread = threading.Thread(
