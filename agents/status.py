@@ -130,7 +130,7 @@ def device_time(nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The job's device time by cause: each node's (its agent's, published in its status) added
     up, in :func:`ftrain.contract.accounting.summary`'s shape, as ``ftrain report`` shows the
     same agents' ``device_time`` events; None before any node launched workers."""
-    counted = [n for n in nodes if n.get("devices") and n.get("device_hours")]
+    counted = [n for n in nodes if isinstance(n.get("devices"), int) and n["devices"] > 0 and n.get("device_hours")]
     if not counted:
         return None
     seconds: dict[str, float] = {}
@@ -142,6 +142,7 @@ def device_time(nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
         wall = max(wall, sum(hours.values()) * 3600 / n["devices"])
     devices = sum(min(n["devices"], MAX_DEVICES) for n in counted)
     price = max(n.get("device_hour_price", 0.0) for n in counted)
+    price = price if isinstance(price, (int, float)) and math.isfinite(price) and price > 0 else 0.0
     return summary(seconds, devices=devices, wall_s=wall, device_hour_price=price)
 
 
