@@ -147,6 +147,8 @@ class ForeignStepError(CheckpointError):
     def __init__(self, url: str, step: int, found: str, expected: str):
         self.step, self.found, self.expected = step, found, expected
         by = f"{_WRITER_NAMES.get(found, repr(found))} ({WRITER_KEY}={found})"
+        if found == TRAIN_WRITER:
+            by = f"ftrain train (its layout names no {WRITER_KEY})"
         super().__init__(
             f"step {step} under {url} was written by {by}, not by {_WRITER_NAMES.get(expected, expected)}: give "
             f"this job its own checkpoint root ({_WRITER_ROOT.get(expected, 'another root')}); nothing was marked, "

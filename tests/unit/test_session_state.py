@@ -323,7 +323,8 @@ def test_a_step_of_ftrain_train_is_refused_by_name_and_not_marked(tmp_path):
     train.close()
     with ftrain.Session(str(tmp_path / "ckpt"), job="shared") as session:
         with pytest.raises(
-            SessionError, match=r"step 4 under .* was written by ftrain train \(writer=train\), not by a"
+            SessionError,
+            match=r"step 4 under .* was written by ftrain train \(its layout names no writer\), not by a Session",
         ):
             session.load({"model": model})
     assert not list((tmp_path / "ckpt").rglob(CORRUPT_NAME))
