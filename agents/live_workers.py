@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from ftrain.agents.workers import Launch, die_with_parent, dump_stacks, signal_pids
 from ftrain.contract.control import Assignment, ControlFile
+from ftrain.contract.local_files import private_dir
 from ftrain.contract.worker_env import CONTROL
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,11 @@ class LiveWorkers:
         self.log_path = log_path
         self.worker_args = worker_args
         self.spares_wanted = spares
-        self.control_dir = os.path.join(os.path.dirname(os.path.abspath(log_path)), "control")
-        os.makedirs(self.control_dir, mode=0o700, exist_ok=True)
+        # the agent writes each process's assignment there: a directory someone else could plant
+        # files or links in is refused (UnsafeLocalDirError names agent.run_dir)
+        self.control_dir = str(
+            private_dir(os.path.join(os.path.dirname(os.path.abspath(log_path)), "control"), "agent.run_dir")
+        )
         self._slots = itertools.count()
         self._spares: list[_Process] = []
         self._assigned: dict[int, _Process] = {}

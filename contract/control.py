@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from ftrain.contract.bounded_json import VALUE_ERRORS, loads, short
-from ftrain.contract.local_files import read_regular
+from ftrain.contract.local_files import create_new, read_regular, replace_file
 from ftrain.contract.worker_env import MAX_ROUND
 
 MAX_WORLD_SIZE = 1 << 20
@@ -135,13 +135,7 @@ class ControlFile:
         self._seen: tuple[int, int] | None = None  #: (inode, mtime_ns) of the file last read
 
     def write(self, assignment: Assignment) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, assignment.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        replace_file(self.path, assignment.encode(), 0o600)  # never through a link planted there
 
     def read(self) -> Assignment | None:
         """The assignment in the file, None while there is none; ValueError if it is unusable
@@ -161,7 +155,9 @@ class ControlFile:
         return self.path + ".ready"
 
     def mark_ready(self) -> None:
-        with open(self.ready_path, "w"):
+        try:
+            os.close(create_new(self.ready_path))
+        except FileExistsError:  # marked before, or something planted there: never written through
             pass
 
     def is_ready(self) -> bool:

@@ -302,11 +302,9 @@ class Session:
             else:
                 self.close()
                 return result
-            try:
-                assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=self._timeout_s)
-            except AssignmentTimeout as e:
-                self.close(error=e)
-                raise
+            # as long as the agent lives (its death ends this process): a leader that cannot form
+            # the next round yet says why, and this rank keeps what it holds meanwhile
+            assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=None)
         self._round = None
         return None
 

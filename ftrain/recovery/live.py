@@ -58,7 +58,6 @@ from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
 from ftrain.recovery.round_control import (
-    AssignmentTimeout,
     RoundEnded,
     is_peer_failure,
     newer_round_assigned,
@@ -340,11 +339,9 @@ def serve(cfg: Config) -> None:
             # the round formed without that node
             held = _leave_round(trainer, True, held, assignment, "another node drained", hb, keep_ports)
         trainer = None
-        try:
-            assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=cfg.parallel.timeout_s)
-        except AssignmentTimeout as timeout:
-            say_goodbye(hb, None, timeout)
-            raise
+        # as long as the agent lives (its death ends this process): a leader that cannot form the
+        # next round yet says why (status, events), and this process keeps what it holds meanwhile
+        assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=None)
 
 
 def _leave_round(

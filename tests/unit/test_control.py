@@ -88,3 +88,27 @@ def test_a_spare_marks_itself_ready(tmp_path):
     assert not control.is_ready()
     control.mark_ready()
     assert control.is_ready()
+
+
+def test_the_agent_never_writes_through_a_link_planted_in_the_control_directory(tmp_path):
+    """The old writer opened ``<file>.<pid>.tmp`` with O_TRUNC, following a link planted under
+    that predictable name (and the ready marker under its fixed one) into a victim file."""
+    import os
+
+    from ftrain.agents.live_workers import LiveWorkers
+    from ftrain.contract.local_files import UnsafeLocalDirError
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    control = ControlFile(str(tmp_path / "w.json"))
+    os.symlink(victim, f"{control.path}.{os.getpid()}.tmp")
+    os.symlink(victim, control.ready_path)
+    control.write(Assignment(**GOOD))
+    control.mark_ready()
+    assert victim.read_text() == "precious"
+    assert control.read() == Assignment(**GOOD)
+    run_dir = tmp_path / "run"
+    (run_dir / "control").mkdir(parents=True)
+    os.chmod(run_dir / "control", 0o777)  # others could plant files and links there
+    with pytest.raises(UnsafeLocalDirError, match="agent.run_dir"):
+        LiveWorkers({}, str(run_dir / "round-0001.log"), worker_args=(), standby=0, spares=0)

@@ -201,3 +201,52 @@ def test_the_sampler_gives_each_rank_its_share_of_the_same_global_batches_at_any
         assert shares == whole
     with pytest.raises(ValueError, match="does not divide by world size 3"):
         next(one.batches(0, 3))
+
+
+def test_a_live_rank_waits_for_the_next_round_as_long_as_its_agent_lives(tmp_path, monkeypatch):
+    """Between rounds a rank keeps what it holds while the leader cannot form the next round
+    (a node short, say): it used to give up after the session's timeout (AssignmentTimeout),
+    exiting with the state it held. Its agent's death is what ends it (the heartbeat watchdog)."""
+    import threading
+    import time
+
+    from ftrain.contract.control import Assignment, ControlFile
+    from ftrain.recovery.round_control import RoundEnded
+    from ftrain.testbed.etcd import free_ports
+
+    control = ControlFile(str(tmp_path / "control.json"))
+    monkeypatch.setenv("FTRAIN_CONTROL", control.path)
+    ports = free_ports(2)
+    rounds: list[int] = []
+
+    def assignment(round_: int) -> Assignment:
+        return Assignment(
+            round=round_, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, nnodes=1,
+            master_addr="127.0.0.1", master_port=ports[round_ - 1],
+        )  # fmt: skip
+
+    def train(s: ftrain.Session) -> int:
+        rounds.append(s.round)
+        state = _state()
+        start = s.load(state)
+        _train(state, 1)
+        s.step(start + 1, state)
+        if s.round == 1:
+            raise RoundEnded("the round lost a member")  # as a failed collective would end it
+        return start + 1
+
+    session = ftrain.Session(str(tmp_path / "ckpt"), timeout_s=0.2)
+
+    def agent() -> None:
+        control.write(assignment(1))
+        deadline = time.monotonic() + 60
+        while not (rounds == [1] and session._round is None) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until round 1 trained and its rank left it
+        time.sleep(1.0)  # the session's timeout is 0.2 s: the next round comes five timeouts later
+        control.write(assignment(2))
+
+    writer = threading.Thread(target=agent, daemon=True)
+    writer.start()
+    assert session.run(train) == 2
+    assert rounds == [1, 2] and session.restored.source == "memory" and session.restored.step == 1
+    writer.join(timeout=10)
