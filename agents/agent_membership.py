@@ -24,7 +24,6 @@ that it uses (set up in ``Agent.__init__``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -38,8 +37,9 @@ from ftrain.agents.job_view import JobView
 from ftrain.agents.jobstore import JobStore, LeaseSession
 from ftrain.agents.leader import LeaderMemory
 from ftrain.agents.parts import Clock, EventSink
-from ftrain.agents.records import JobState, NodeRecord, Problem
+from ftrain.agents.records import MAX_RECORD_BYTES, JobState, NodeRecord, Problem
 from ftrain.contract import events as ev
+from ftrain.contract.bounded_json import loads, printable
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class AgentMembership:
         if not created:
             session.close(revoke=True)
             holder = self.store.get(self.keys.node(self.cfg.node_id))
-            detail = holder.value.decode() if holder else "(gone since)"
+            detail = printable(holder.value[:200].decode("utf-8", "replace")) if holder else "(gone since)"
             raise NodeIdTakenError(
                 f"node id {self.cfg.node_id!r} is already registered in job {self.cfg.job!r} "
                 f"by a live agent: {detail}; pick another --node-id or stop that agent"
@@ -130,7 +130,7 @@ class AgentMembership:
         if holder is None:
             return True
         try:
-            record = json.loads(holder.value)
+            record = loads(holder.value, max_bytes=MAX_RECORD_BYTES, what=key)
         except ValueError:  # not ours (we never write garbage); the key is someone else's problem
             return False
         ours = isinstance(record, dict) and record.get("agent_uid") == self.uid

@@ -8,9 +8,9 @@ Events are untrusted input: every field is turned into bounded text, never trust
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from ftrain.contract.bounded_json import is_finite_number, printable
 from ftrain.contract.events import Event
 
 MAX_DECISIONS_SHOWN = 50  #: the newest decisions listed (a long stall repeats few, but logs are untrusted)
@@ -41,18 +41,13 @@ def decisions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def event_time(value: Any) -> float:
     """An event's time, if it is a number a float holds (logs are untrusted), else 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0
-    try:
-        t = float(value)
-    except OverflowError:
-        return 0.0
-    return t if math.isfinite(t) else 0.0
+    return float(value) if is_finite_number(value) else 0.0
 
 
 def _text(value: Any) -> str:
-    """A field as bounded text, whatever it holds (an int too long for ``str``: a placeholder)."""
+    """A field as bounded, printable text, whatever it holds (an int too long for ``str``: a
+    placeholder; a lone surrogate: its escape, so that printing it never raises)."""
     try:
-        return str(value)[:1000]
+        return printable(str(value)[:1000])
     except ValueError:
         return "?"

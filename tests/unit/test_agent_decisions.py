@@ -125,3 +125,12 @@ def test_the_survivor_leader_states_a_round_it_cannot_form_in_its_status_an_even
     assert event["node"] == "b" and event["blocked"] is True and event["need"] == f"{NODE_LOST} (agent gone: a)"
     [said] = [d for d in decisions(read_jsonl(job.tmp_path / "events.jsonl")) if d["decision"] == "round_pending"]
     assert said["text"].startswith("leader b: new round needed for node_lost (agent gone: a); not formed: cannot")
+
+
+def test_a_decision_from_a_hostile_event_prints_as_utf8():
+    """An event's text with a lone surrogate (a JSON log may hold "\\udc80") made ``print`` in
+    ``ftrain analyze`` raise UnicodeEncodeError; a time past a float's range is no time."""
+    events = [{"event": "job_final", "status": "failed", "node": "a\udc80", "reason": "boom \ud800", "time": 10**400}]
+    [d] = decisions(events)
+    d["text"].encode("utf-8")
+    assert d["node"] == "a\\udc80" and d["time"] == 0.0

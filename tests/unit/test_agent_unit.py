@@ -557,3 +557,16 @@ def test_a_status_goes_out_at_once_when_it_changes_and_otherwise_at_the_rate_the
     workers.beat(41, committed_step=40)  # a commit is news: out within a second
     job.run_until(lambda: job.state().status["b"].committed_step == 40, "the commit in b's status", within_s=1.2)
     assert writes() == before + 1
+
+
+@pytest.mark.parametrize("held_by", [b"[" * 100_000, b"\xff\xfe not utf-8"], ids=["deep", "bytes"])
+def test_a_node_id_held_by_a_hostile_value_is_refused_by_name_never_a_crash(job: Job, held_by: bytes):
+    """``nodes/<id>`` held by another lease with a value nested 100,000 deep (RecursionError out
+    of json.loads) or bytes that are not UTF-8 (UnicodeDecodeError in the message) ended the
+    agent with a traceback; it is someone else's key: NodeIdTakenError names it."""
+    from ftrain.agents.errors import NodeIdTakenError
+
+    other = job.store.session(60, on_lost=lambda why: None)
+    job.store.put(KEYS.node("a"), held_by, lease=other.lease_id)
+    with pytest.raises(NodeIdTakenError, match="node id 'a' is already registered"):
+        job.join("a")
