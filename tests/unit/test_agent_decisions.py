@@ -16,8 +16,8 @@ import pytest
 from ftrain.agents.leader import Policy, Wait, decide, waiting_reasons
 from ftrain.agents.records import NODE_LOST, NodeStatus
 from ftrain.agents.status import format_status, status_of
-from ftrain.observability.decisions import decisions
 from ftrain.contract.events import read_jsonl
+from ftrain.observability.decisions import decisions
 from tests.leader_support import POLICY, T0, running_job
 from tests.unit.test_agent_unit import JOB, Job, start_round_1
 
