@@ -26,6 +26,7 @@ from typing import Any
 from ftrain.agents.config import AgentConfig
 from ftrain.agents.job_keys import validate_id
 from ftrain.agents.policy import Policy
+from ftrain.contract.local_files import replace_file
 
 
 @dataclass(kw_only=True)
@@ -113,14 +114,7 @@ def write_client_file(run_dir: str, settings: dict[str, str]) -> str | None:
     if not settings:
         return None
     path = os.path.join(run_dir, "etcd-client.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, json.dumps(settings).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(settings).encode(), 0o600)  # a new file under a random name, renamed over
     return path
 
 

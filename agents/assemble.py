@@ -16,6 +16,7 @@ from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.parts import SystemClock
 from ftrain.agents.workers import WorkerGroup
 from ftrain.contract.events import EventLog
+from ftrain.contract.local_files import private_dir
 
 
 def build_agent(opts: AgentOptions) -> Agent:
@@ -35,8 +36,10 @@ def build_agent(opts: AgentOptions) -> Agent:
         cert=opts.etcd_cert,
         key=opts.etcd_key,
     )
-    run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="ftrain-agent-")
-    os.makedirs(run_dir, exist_ok=True)
+    # worker logs, control files and stack dumps: a directory only this user can write
+    run_dir = (
+        str(private_dir(cfg.run_dir, "agent.run_dir")) if cfg.run_dir else tempfile.mkdtemp(prefix="ftrain-agent-")
+    )
     return Agent(
         opts,
         store=EtcdJobStore(client),

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ftrain.agents.workers import Launch, die_with_parent, dump_stacks, signal_pids
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.contract.local_files import private_dir
+from ftrain.contract.local_files import open_append, private_dir
 from ftrain.contract.worker_env import CONTROL
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class LiveWorkers:
         slot = next(self._slots)
         control = ControlFile(os.path.join(self.control_dir, f"worker-{os.getpid()}-{slot}.json"))
         env = {**self.env, CONTROL: control.path}
-        with open(self.log_path, "ab") as out:
+        with os.fdopen(open_append(self.log_path), "ab") as out:  # never through a planted link
             popen = subprocess.Popen(
                 [*self.command, *self.worker_args],
                 env=env,

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ftrain.contract.local_files import open_append
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
@@ -238,7 +240,7 @@ class WorkerGroup:
         self.log_path = log_path
         self.started_at = time.monotonic()
         self.terminating = False  #: terminate() was called: a graceful stop is under way
-        with open(log_path, "ab") as out:
+        with os.fdopen(open_append(log_path), "ab") as out:  # never through a planted link
             self.proc = subprocess.Popen(
                 launch.command(),
                 env=env,

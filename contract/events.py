@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from ftrain.contract.bounded_json import VALUE_ERRORS, JsonInputError, loads
+from ftrain.contract.local_files import open_append
 
 log = logging.getLogger(__name__)
 
@@ -704,7 +705,7 @@ class EventLog:
         self._fd = -1
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = open_append(path)  # never through a link planted there
 
     def emit(self, record: Record) -> dict[str, Any]:
         """Append ``record`` with the envelope; the line as written (also without a file)."""

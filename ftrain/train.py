@@ -58,6 +58,7 @@ from ftrain.data import (
     micro_block,
     micro_steps,
 )
+from ftrain.data.files import atomic_output
 from ftrain.distributed import init_distributed, select_device, select_dtype, shutdown_distributed
 from ftrain.faults import (
     after_update,
@@ -691,13 +692,14 @@ class Trainer:
     def _save_final(self) -> None:
         model_sd, optim_sd = self.par.full_state_dict()
         if dist.get_rank() == 0:
-            torch.save(
-                {
-                    "model": model_sd,
-                    "optim": optim_sd,
-                    "cursor": self.cursor.state_dict(),
-                    "config": self.cfg.to_dict(),
-                    "layout": self.layout.describe(),
-                },
-                self.cfg.train.save_final_path,
-            )
+            with atomic_output(self.cfg.train.save_final_path) as fh:  # whole or not at all; no planted link followed
+                torch.save(
+                    {
+                        "model": model_sd,
+                        "optim": optim_sd,
+                        "cursor": self.cursor.state_dict(),
+                        "config": self.cfg.to_dict(),
+                        "layout": self.layout.describe(),
+                    },
+                    fh,
+                )

@@ -40,6 +40,7 @@ from typing import Any, TextIO
 from ftrain.agent_link import flight_recorder
 from ftrain.agent_link.flight_recorder import FlightServer
 from ftrain.contract.heartbeat import Message
+from ftrain.contract.local_files import open_append, private_dir
 from ftrain.contract.worker_env import WorkerEnv
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,10 @@ class Heartbeat:
             self._dropped += 1
 
     def enable_stack_dumps(self, stack_dir: str) -> None:
-        os.makedirs(stack_dir, exist_ok=True)
-        self._stack_file = open(os.path.join(stack_dir, f"{os.getpid()}.txt"), "w")  # kept open for the handler
+        # the agent's run dir: never written through a link planted there (nor in another's directory)
+        fd = open_append(private_dir(stack_dir, "agent.run_dir") / f"{os.getpid()}.txt")
+        os.ftruncate(fd, 0)
+        self._stack_file = os.fdopen(fd, "w")  # kept open for the handler
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True, chain=False)
 
     def start_alive(self, interval_s: float = ALIVE_INTERVAL_S) -> None:

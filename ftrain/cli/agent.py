@@ -17,6 +17,7 @@ from ftrain.agents.errors import AgentError, EtcdUnavailableError, NodeIdTakenEr
 from ftrain.cli.config import load_job_config
 from ftrain.contract import exits
 from ftrain.contract.config import ConfigError
+from ftrain.contract.local_files import UnsafeLocalDirError
 from ftrain.parallel import strategies
 from ftrain.parallel.pipeline_stages import pipeline_degrees
 
@@ -151,7 +152,7 @@ def agent_main(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = resolve_options(args, overrides)
     try:
         agent = build_agent(opts)
-    except ValueError as e:
+    except (ValueError, UnsafeLocalDirError) as e:  # a bad option; a run dir others could write
         print(f"ftrain agent: {e}", file=sys.stderr)
         return exits.USAGE
     try:

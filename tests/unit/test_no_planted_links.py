@@ -81,3 +81,35 @@ def test_report_files_replace_a_planted_link(tmp_path, victim, monkeypatch):
         tmp_path / "report.json"
     ).is_symlink()
     assert (tmp_path / "report.html").read_text() == "<html></html>"
+
+
+def test_the_agents_files_are_never_written_through_a_planted_link(tmp_path, victim):
+    """The event log, the etcd client settings (a temporary under a predictable name, O_TRUNC),
+    a worker's stack-dump file (``<pid>.txt``) and its log: each followed a link planted under
+    its name into the victim before."""
+    from ftrain.agent_link.heartbeat import Heartbeat
+    from ftrain.agents.agent_options import write_client_file
+    from ftrain.agents.live_workers import LiveWorkers
+    from ftrain.contract.events import EventLog
+
+    (tmp_path / "events.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        EventLog(str(tmp_path / "events.jsonl"), rank=-1)
+    (tmp_path / f"etcd-client.json.{os.getpid()}.tmp").symlink_to(victim)
+    write_client_file(str(tmp_path), {"username": "u"})
+    assert (tmp_path / "etcd-client.json").read_text() == '{"username": "u"}'
+    stacks = tmp_path / "stacks"
+    stacks.mkdir(mode=0o700)
+    (stacks / f"{os.getpid()}.txt").symlink_to(victim)
+    hb = Heartbeat(str(tmp_path / "no-agent.sock"), round_=1, rank=0, local_rank=0)
+    try:
+        with pytest.raises(OSError):
+            hb.enable_stack_dumps(str(stacks))
+    finally:
+        hb.close()
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "round-0001.log").symlink_to(victim)
+    with pytest.raises(OSError):  # its first process is started at once, its output to that log
+        LiveWorkers({}, str(run / "round-0001.log"), worker_args=(), standby=1, spares=0, script="x.py")
+    assert victim.read_bytes() == b"precious"
