@@ -7,11 +7,7 @@ store and fake clock of tests/unit/test_agent_unit.py (nothing sleeps).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
-
-import pytest
 
 from ftrain.agents.leader import Policy, Wait, decide, waiting_reasons
 from ftrain.agents.records import NODE_LOST, NodeStatus
@@ -24,15 +20,6 @@ from tests.unit.test_agent_unit import JOB, Job, start_round_1
 PIPELINE = Policy.of(
     min_nodes=1, max_nodes=2, nproc_per_node=1, settle_s=1.0, recovery="restart", pipeline_degrees=(2,)
 )
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path)
-    try:
-        yield j
-    finally:
-        j.close()
 
 
 def test_a_node_loss_that_leaves_a_world_the_layout_cannot_run_is_a_blocked_decision_naming_the_fallback() -> None:

@@ -129,8 +129,9 @@ class FakeWorkers:
         return {self.worker_pid(r): "File train.py, line 1, in step" for r in range(self.launch.nproc_per_node)}
 
     # -- what the test makes them do ------------------------------------------------------------
-    def beat(self, step: int, *, committed_step: int = -1, **fields: object) -> None:
-        """Every local rank finished ``step`` (and knows ``committed_step`` is committed)."""
+    def beat(self, step: int, *, committed_step: int = -1, step_time_s: float = 0.1, **fields: object) -> None:
+        """Every local rank finished ``step`` (and knows ``committed_step`` is committed); a
+        ``ftrain.Session`` loop's beats carry no step time (``step_time_s=0``)."""
         for r in range(self.launch.nproc_per_node):
             now = self.clock.monotonic()
             self.heartbeats.receive(
@@ -140,7 +141,7 @@ class FakeWorkers:
                     rank=r,
                     pid=self.worker_pid(r),
                     step=step,
-                    step_time_s=0.1,
+                    step_time_s=step_time_s,
                     committed_step=committed_step,
                     received_at=now,
                     alive_at=now,
@@ -286,15 +287,6 @@ class Job:
     def close(self) -> None:
         for node in self.nodes.values():
             node.close()
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path)
-    try:
-        yield j
-    finally:
-        j.close()
 
 
 def start_round_1(job: Job, *node_ids: str, **settings: object) -> None:

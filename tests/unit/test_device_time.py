@@ -12,54 +12,21 @@ in-memory store and fake clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from ftrain.agents.heartbeat import Beat
 from ftrain.agents.records import SUCCEEDED
 from ftrain.agents.status import format_status, status_of
 from ftrain.contract.accounting import CAUSES, DeviceTime, describe, summary
 from ftrain.contract.events import read_jsonl
 from ftrain.observability.run_report import build
-from tests.unit.test_agent_unit import JOB, FakeWorkers, Job, start_round_1
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path)
-    try:
-        yield j
-    finally:
-        j.close()
-
-
-def _session_beat(workers: FakeWorkers, step: int, **fields: object) -> None:
-    """What a ``ftrain.Session`` loop sends: its step number, no step time, no phases."""
-    now = workers.clock.monotonic()
-    for r in range(workers.launch.nproc_per_node):
-        workers.heartbeats.receive(
-            workers.round,
-            Beat(
-                local_rank=r,
-                rank=r,
-                pid=workers.worker_pid(r),
-                step=step,
-                step_time_s=0.0,
-                committed_step=-1,
-                received_at=now,
-                alive_at=now,
-                **fields,
-            ),  # type: ignore[arg-type]
-        )
+from tests.unit.test_agent_unit import JOB, Job, start_round_1
 
 
 def _train(job: Job, steps: range, *nodes: str) -> None:
     """Each node's loop does one step per tick (0.2 s of the fake clock)."""
     for step in steps:
         for node in nodes:
-            _session_beat(job.nodes[node].workers, step)
+            job.nodes[node].workers.beat(step, step_time_s=0.0)  # a Session loop's: no step time, no phases
         job.tick()
 
 

@@ -13,25 +13,7 @@ import torch.distributed as dist
 import ftrain
 from ftrain.session import SessionError
 
-ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "FTRAIN_HEARTBEAT",
-    "FTRAIN_JOB",
-    "FTRAIN_CONTROL",
-)
-
-
-@pytest.fixture(autouse=True)
-def alone(monkeypatch):
-    for key in ENV:
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("alone")  # tests/unit/conftest.py: no launcher's variables, no group left
 
 
 def _state(seed: int = 0) -> dict:

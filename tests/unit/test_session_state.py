@@ -44,17 +44,7 @@ from ftrain.session_state import STATE_FILE
 from ftrain.testbed.wait import wait_for
 from tests.unit.test_state_codec import same
 
-ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FTRAIN_HEARTBEAT", "FTRAIN_JOB")
-ENV += ("FTRAIN_CONTROL", "FTRAIN_ROUND", "FTRAIN_AGENT_PID", "FTRAIN_STACK_DIR", "FTRAIN_ETCD", "FTRAIN_FENCE_KEY")
-
-
-@pytest.fixture(autouse=True)
-def alone(monkeypatch):
-    for key in ENV:
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("alone")  # tests/unit/conftest.py: no launcher's variables, no group left
 
 
 class Holder:
