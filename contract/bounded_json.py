@@ -57,16 +57,19 @@ def loads(
     what: str = "JSON",
     max_depth: int = MAX_DEPTH,
     max_number_chars: int = MAX_NUMBER_CHARS,
+    nonfinite: bool = False,
 ) -> Any:
     """``json.loads(data)`` within the bounds of the module doc; :class:`JsonInputError` naming
-    ``what`` for anything else."""
+    ``what`` for anything else. ``nonfinite``: ``NaN``, ``Infinity`` and ``-Infinity`` (and a
+    float literal that overflows) are read as the floats they name, as Python's ``json`` writes
+    them (a metrics line's NaN loss); their readers must expect non-finite numbers."""
     if len(data) > max_bytes:
         raise JsonInputError(f"{what} is {len(data)} bytes, more than the {max_bytes} a reader accepts")
     if nesting_exceeds(data, max_depth):
         raise JsonInputError(f"{what} nests deeper than {max_depth} levels")
     try:
         text = data if isinstance(data, str) else data.decode(json.detect_encoding(data), "surrogatepass")
-        return _decoder(max_number_chars).decode(text)
+        return _decoder(max_number_chars, nonfinite).decode(text)
     except _Refused as e:
         raise JsonInputError(f"{what}: {e}{_near(text, e.token)}") from None
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8 (UnicodeDecodeError is a ValueError)
@@ -90,7 +93,7 @@ def _near(text: str, token: str) -> str:
 
 
 @functools.cache
-def _decoder(max_number_chars: int) -> json.JSONDecoder:
+def _decoder(max_number_chars: int, nonfinite: bool) -> json.JSONDecoder:
     """The parser with the number bound (built once: building one per call doubled the cost of
     reading a small record)."""
 
@@ -101,11 +104,13 @@ def _decoder(max_number_chars: int) -> json.JSONDecoder:
 
     def bounded_float(text: str) -> float:
         value = float(text) if len(text) <= max_number_chars else math.inf
-        if value - value != 0.0:  # inf or nan
+        if value - value != 0.0 and not nonfinite:  # inf or nan
             raise _Refused(f"number {text[:20]!r} is too long or not finite", text)
         return value
 
     def no_constant(text: str) -> Any:
+        if nonfinite:
+            return float(text)  # NaN, Infinity, -Infinity
         raise _Refused(f"holds {text}, which JSON does not allow", text)
 
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -737,9 +737,11 @@ MAX_LINE_BYTES = 64 << 20
 def parse_line(line: bytes | str) -> dict[str, Any] | None:
     """One line of a JSON-lines file as an object; None for anything else (a torn line left by a
     killed writer, invalid UTF-8, JSON past :mod:`ftrain.contract.bounded_json`'s bounds, a value
-    that is not an object). Never raises."""
+    that is not an object). Never raises. ``NaN`` and ``Infinity`` are read as floats: Python's
+    ``json`` writes them (a metrics line of a step whose loss was NaN), so readers of these files
+    check that a number they use is finite."""
     try:
-        record = loads(line, max_bytes=MAX_LINE_BYTES, what="line")
+        record = loads(line, max_bytes=MAX_LINE_BYTES, what="line", nonfinite=True)
     except JsonInputError:
         return None
     return record if isinstance(record, dict) else None
