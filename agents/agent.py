@@ -651,10 +651,12 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             return
         now = self.clock.monotonic()
 
-        def settled(local_rank: int, pid: int) -> bool:
-            """Its exit message is in, or it had CRASH_GRACE_S to arrive (a death without one)."""
+        def settled(local_rank: int, pid: int, code: int) -> bool:
+            """Its exit message is in, or it had CRASH_GRACE_S to arrive (a death without one). A
+            process a signal ended (a SIGKILL: the most common fault) said nothing: no wait, the
+            others go on at once."""
             beat = beats.get(local_rank)
-            if beat is not None and beat.pid == pid and beat.finished is not None:
+            if code < 0 or (beat is not None and beat.pid == pid and beat.finished is not None):
                 return True
             return now - self._gone_since.setdefault(pid, now) >= CRASH_GRACE_S
 

@@ -255,15 +255,15 @@ class LiveWorkers:
             return None
         return next((c for c in codes if c), 0)
 
-    def crashed(self, settled: Callable[[int, int], bool] | None = None) -> dict[int, int]:
+    def crashed(self, settled: Callable[[int, int, int], bool] | None = None) -> dict[int, int]:
         """Local ranks whose process died (non-zero exit) while the others run, each returned once
-        per round: local rank -> exit code (negative: the signal). ``settled(local_rank, pid)``:
-        whether what the agent knows of that death is complete (its exit message read, or a grace
-        over); one not settled yet is returned by a later call."""
+        per round: local rank -> exit code (negative: the signal). ``settled(local_rank, pid,
+        code)``: whether what the agent knows of that death is complete (its exit message read, or
+        a grace over); one not settled yet is returned by a later call."""
         out = {}
         for local_rank, proc in sorted(self._assigned.items()):
             code = proc.popen.poll()
-            if code and local_rank not in self._reported and (settled is None or settled(local_rank, proc.pid)):
+            if code and local_rank not in self._reported and (settled is None or settled(local_rank, proc.pid, code)):
                 self._reported.add(local_rank)
                 self._exited(proc)
                 out[local_rank] = code

@@ -254,3 +254,34 @@ def test_under_restart_recovery_workers_that_die_before_saying_why_are_described
         assert job.state().reports[2]["a"].error == ""
     finally:
         job.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_live_worker_killed_by_a_signal_is_reported_at_the_first_look_without_a_grace(tmp_path: Path) -> None:
+    """A SIGKILLed worker (the most common fault) sends no exit message: the agent reports its
+    death at the first tick that sees it, instead of waiting CRASH_GRACE_S (0.3 s) for a
+    message that cannot come, which every worker kill paid in time to the next step."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "path = os.environ['FTRAIN_CONTROL']\n"
+        "while not os.path.exists(path):\n"
+        "    time.sleep(0.01)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # killed once it serves a round\n"
+    )
+    agent, tick = _live_agent(tmp_path, script)
+    try:
+        agent.start()
+        wait_for(lambda: tick() and agent.workers is not None and agent.workers.round == 1, 60, "round 1")
+        workers = agent.workers
+        assert isinstance(workers, LiveWorkers)
+        [proc] = workers._assigned.values()
+        proc.popen.wait(timeout=60)  # dead now, and not looked at by the agent yet
+        looks = 0
+        while not any(e["event"] == "workers_exited" for e in read_jsonl(tmp_path / "events.jsonl")):
+            tick()
+            looks += 1
+            assert looks < 20, "the death was never reported"
+    finally:
+        agent.close()
+    assert looks == 1, f"reported after {looks} ticks of {TICK_S} s"
