@@ -97,6 +97,34 @@ def num_params(shape: dict[str, int]) -> int:
     return n * (12 * d * d + 13 * d) + 2 * v * d + s * d + 2 * d
 
 
+def _host_bytes() -> tuple[int, int]:
+    """This process's resident set and its peak since the last :func:`_reset_peak` (VmRSS, VmHWM)."""
+    fields = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def _reset_peak() -> bool:
+    """Start VmHWM afresh (Linux's clear_refs 5); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _own_bytes(tier: Any, rank: int) -> int:
+    """The bytes of this rank's own files of the tier's newest snapshot (DCP names a rank's
+    shard files ``__<rank>_<n>.distcp``): the state the tier's host memory is measured against."""
+    files = tier.snapshots[-1].manifest.files
+    return max(1, sum(e.size_bytes for name, e in files.items() if name.startswith(f"__{rank}_")))
+
+
 # -- worker (one per rank, under torchrun) --------------------------------------------------
 class Bench:
     """Runs every measurement in lockstep on all ranks; rank 0 collects the results."""
@@ -412,12 +440,15 @@ class Bench:
         cfg = load_config(self.args.config, ["--checkpoint.memory_interval=1"])
         tier = MemoryTier(cfg)
         tier.join_round(self.rank, self.world, 1, "cpu")
-        blocked, seconds = [], []
+        blocked, seconds, peaks, between = [], [], [], []
+        self.dist.barrier()
+        base = _host_bytes()[0]  # this rank's RSS before the tier holds anything
         for _ in range(repeats + 1):  # the first is a warm-up (stager buffers, DCP caches)
             step, self.next_step = self.next_step, self.next_step + 1
             waited: list[float] = []
             self.trainer.staging_waits[:] = [lambda w=waited: w.append(tier.wait_staged())]
             self.dist.barrier()
+            peak_known = _reset_peak()
             t0 = time.perf_counter()
             tier.maybe_snapshot(step, self.trainer, checkpointed=True)
             b = time.perf_counter() - t0
@@ -427,6 +458,11 @@ class Bench:
             tier.wait()
             blocked.append(max(self.gather(b)))
             seconds.append(max(self.gather(time.perf_counter() - t0)))
+            rss, hwm = _host_bytes()
+            own = _own_bytes(tier, self.rank)
+            # host bytes over the state (this rank's own files of a snapshot), the worst rank's
+            between.append(max(self.gather((rss - base) / own)))
+            peaks.append(max(self.gather((hwm - base) / own if peak_known else float("nan"))))
         restores = []
         for _ in range(repeats):
             held = [s.step for s in tier.snapshots]
@@ -443,7 +479,18 @@ class Bench:
             f"memory tier: snapshot blocked {statistics.median(blocked[1:]):.3f}s, complete in "
             f"{statistics.median(seconds[1:]):.2f}s; restore with rank 1 empty {statistics.median(restores):.2f}s"
         )
-        return {"blocked_s": blocked[1:], "seconds": seconds[1:], "restore_s": restores, "warmup_s": seconds[0]}
+        self.say(
+            f"memory tier host memory over the state (own files {_own_bytes(tier, self.rank) / 1e6:.0f} MB): "
+            f"{statistics.median(between):.2f}x between snapshots, {max(peaks):.2f}x at the peak of one"
+        )
+        return {
+            "blocked_s": blocked[1:],
+            "seconds": seconds[1:],
+            "restore_s": restores,
+            "warmup_s": seconds[0],
+            "host_between_x": between,
+            "host_peak_x": peaks,
+        }
 
     def _drop_mode(self, mode: str, err: BaseException, async_modes: list[str]) -> None:
         from ftrain.checkpoint.loading import describe_error

@@ -87,6 +87,9 @@ def summarise(res: dict[str, Any], state_mb: float) -> dict[str, Any]:
             "snapshot_blocked_s": _median(tier["blocked_s"]),
             "snapshot_s": _median(tier["seconds"]),
             "restore_s": restore,
+            # host memory over the rank's state (RSS; its own files of a snapshot)
+            "host_between_x": _median(tier["host_between_x"]),
+            "host_peak_x": max(tier["host_peak_x"]),
             "snapshot_blocked_vs_step": _median(tier["blocked_s"]) / out["modes"][head]["step_idle_s"]
             if head
             else None,
@@ -253,7 +256,8 @@ def report(s: dict[str, Any]) -> str:
             f"(e) memory tier: a snapshot blocks {t['snapshot_blocked_s'] * 1e3:.0f} ms{share}, is complete "
             f"(buddy copy checked) in {t['snapshot_s']:.2f} s; a restore with one rank's memory empty takes "
             f"{t['restore_s']:.2f} s against {s['load_s']:.2f} s from S3: "
-            f"memory_tier_load_speedup_vs_s3 = {s['memory_tier_load_speedup_vs_s3']:.1f}x"
+            f"memory_tier_load_speedup_vs_s3 = {s['memory_tier_load_speedup_vs_s3']:.1f}x; host memory "
+            f"{t['host_between_x']:.2f}x the rank's state between snapshots, {t['host_peak_x']:.2f}x at a peak"
         )
     c = s["local_cache"]
     out.append(

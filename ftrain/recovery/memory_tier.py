@@ -55,6 +55,8 @@ schedule, wire format and run binding are modules of their own.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -63,7 +65,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import torch
@@ -101,10 +103,9 @@ from ftrain.recovery.tier_wire import (
     any_ranks,
     as_tensor,
     broadcast_bytes,
-    concat,
+    exchange_files,
     matches,
     max_over,
-    split,
 )
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,24 @@ def _too_big_to_receive(size_bytes: int, rank: int) -> str:
     if available is not None and size_bytes > available:
         return f"rank {rank} would receive {size_bytes} bytes, more than its host's {available} available"
     return ""
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _give_back_freed() -> None:
+    """Hand the heap's free pages back to the OS. A staged copy of the state is many tensors,
+    most below glibc's mmap threshold: freed, they stay in malloc's arenas, resident, and the
+    host would count a third copy of the state that the tier no longer holds."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _available_memory_bytes() -> int | None:
@@ -209,7 +228,7 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._group: Any = None
-        self._stager: Any = None
+        self._device_type = "cpu"  #: where the state lives: how a snapshot stages it
         self._root = f"memory://ftrain-tier-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._store: TierStore | None = None  #: checkpoint.memory_dir: snapshots kept there
         self._store_opened = False  #: the first round settled whether there is one
@@ -240,8 +259,7 @@ class MemoryTier:
         self.interval, self._next_step, self._outcome = base_interval(self.setting), 0, None
         if self.memory_dir:
             self._agree_store(events)
-        if self._stager is None:  # the snapshot thread copies: a synchronous stager, there
-            self._stager = new_stager(device_type, asynchronous=False)
+        self._device_type = device_type
 
     def _new_group(self) -> Any:
         """Its own gloo group (its collectives run beside training's), with half training's
@@ -335,9 +353,6 @@ class MemoryTier:
         """``job_done``: the job ended normally; the snapshots this worker kept in
         ``checkpoint.memory_dir`` are deleted (otherwise they stay for a restarted worker)."""
         self.leave_round()
-        if self._stager is not None:
-            self._stager.release()
-            self._stager = None
         if job_done and self._store is not None:
             self._store.discard()
 
@@ -449,14 +464,22 @@ class MemoryTier:
     ) -> None:
         outcome, size = _Outcome(False), 0
         try:
-            staged, problem = None, ""
+            staged: list[Any] = []  # a box: the save's callee drops the staged copy when it is serialized
+            problem = ""
+            # a stager of this snapshot's own: its buffers are freed once the save has serialized
+            # them (a stager kept across snapshots would hold a third copy of the state between
+            # them, beside this rank's files and its buddy's)
+            stager = new_stager(self._device_type, asynchronous=False)
             try:
-                staged = self._stager.stage(state_box.pop())  # into the stager's buffers, reused from the last
-            except Exception as e:  # noqa: BLE001 - told to every rank below
-                problem = f"could not copy the state: {e}"
+                try:
+                    staged.append(stager.stage(state_box.pop()))
+                except Exception as e:  # noqa: BLE001 - told to every rank below
+                    problem = f"could not copy the state: {e}"
+                finally:
+                    self._staged.set()
+                outcome, size = self._exchange(step, staged, stager, problem, fields, began, blocked_s, step_time_s)
             finally:
-                self._staged.set()
-            outcome, size = self._exchange(step, staged, problem, fields, began, blocked_s, step_time_s)
+                stager.release()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the previous one stays; training goes on
             log.warning("memory-tier snapshot of step %d failed (the previous one stays): %s", step, e)
         finally:
@@ -477,7 +500,8 @@ class MemoryTier:
     def _exchange(
         self,
         step: int,
-        staged: Any,
+        staged_box: list[Any],
+        stager: Any,
         problem: str,
         fields: dict[str, Any],
         began: float,
@@ -485,7 +509,13 @@ class MemoryTier:
         step_time_s: float,
     ) -> tuple[_Outcome, int]:
         """The collective part of a snapshot (see the module doc): every local failure is told
-        to every rank before the next exchange; _Refused (the same on every rank) ends it."""
+        to every rank before the next exchange; _Refused (the same on every rank) ends it.
+
+        Host memory (``S``: this rank's files of a snapshot; what must stay true): besides the
+        previous snapshot (kept until every rank holds this one), at most two copies of ``S``
+        at any time: the staged state and the files the save serialized it into, until the save
+        returns (then the staged copy and ``stager``'s buffers are freed); the files and the
+        buddy's copy, received file by file into its final buffers, after that."""
         group = self._group
         if any_rank(bool(problem), torch.device("cpu"), group):
             raise _Refused(problem or "another rank could not copy its state")
@@ -501,8 +531,11 @@ class MemoryTier:
             self.hmac_key,
         )
         writer = DigestingWriter(url, options=StorageOptions(), algorithm=self.algorithm, publisher=publisher)
+        staged = staged_box.pop()
         dcp.save(staged, storage_writer=writer, process_group=group)  # DCP raises on every rank if one fails
         del staged
+        stager.release()  # the staged copy is in the files now: its buffers go before the buddy's copy comes
+        _give_back_freed()
         own: dict[str, bytes] = {}
         try:
             own = _take_files(url)
@@ -516,6 +549,11 @@ class MemoryTier:
             entry = manifest.files.get(METADATA_NAME)
             if entry is None or not matches(metadata, entry, manifest.digest_algorithm):
                 raise ManifestError(f"{METADATA_NAME} from rank 0 does not match the manifest")
+            # the buddy cuts its receive buffers from the manifest's sizes: this rank's files
+            # must have them, or the two ends of the exchange would not pair up
+            odd = [n for n, data in own.items() if n in manifest.files and len(data) != manifest.files[n].size_bytes]
+            if odd:
+                raise ManifestError(f"rank {self.rank}'s {odd[0]} is not of the size the manifest lists")
         except ManifestError as e:
             problem = problem or f"the manifest of step {step}: {e}"
         rows = all_gather_json({"names": sorted(own), "problem": problem}, group)
@@ -526,7 +564,9 @@ class MemoryTier:
         theirs = _verified(self._swap_with_buddy(own, rows[self._keeper_of()]["names"], manifest, group), manifest)
         kept_here = ""
         try:
-            files = maybe_damage_memory_copy(self.rank, {METADATA_NAME: metadata, **own, **theirs}, sorted(theirs))
+            held: dict[str, bytes | bytearray] = {METADATA_NAME: metadata, **own, **theirs}
+            files = maybe_damage_memory_copy(self.rank, cast(dict[str, bytes], held), sorted(theirs))
+            del held
             snap = self._kept(Snapshot(step, manifest, manifest_bytes, files))
             with self._lock:
                 self.snapshots = [*self.snapshots, snap][-KEPT:]
@@ -560,22 +600,16 @@ class MemoryTier:
 
     def _swap_with_buddy(
         self, own: dict[str, bytes], theirs_names: list[str], manifest: Manifest, group: Any
-    ) -> dict[str, bytes]:
+    ) -> dict[str, bytearray]:
         """Send this rank's shard files to its buddy, receive its keeper's (``theirs_names``,
-        every one listed in ``manifest``: checked by every rank before)."""
+        every one listed in ``manifest``: checked by every rank before, as every rank's own
+        files' sizes were) into buffers of the manifest's sizes, which the snapshot then keeps:
+        file by file, in bounded messages (:func:`ftrain.recovery.tier_wire.exchange_files`)."""
         if self.world < 2:
             return {}
-        out_buf = concat([own[n] for n in sorted(own)])
-        sizes = [manifest.files[n].size_bytes for n in theirs_names]
-        in_buf = torch.empty(sum(sizes), dtype=torch.uint8)
-        ops = []
-        if out_buf.numel():
-            ops.append(dist.P2POp(dist.isend, out_buf, self.buddy(), group))
-        if in_buf.numel():
-            ops.append(dist.P2POp(dist.irecv, in_buf, self._keeper_of(), group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        return split(in_buf, theirs_names, sizes)
+        theirs = {name: bytearray(manifest.files[name].size_bytes) for name in theirs_names}
+        exchange_files([own[n] for n in sorted(own)], self.buddy(), list(theirs.values()), self._keeper_of(), group)
+        return theirs
 
     # -- restore ------------------------------------------------------------------------
     def restore(self, trainer: Any, committed_step: int) -> int | None:
@@ -657,7 +691,7 @@ class MemoryTier:
             raise _Refused("; ".join(bad)[:1000])
         plan = _Plan.of(self.rank, [w["needed"] for w in wants], holdings, choice)
         # read (and check) everything this rank sends or uses before anything is sent
-        local: dict[str, bytes] = {}
+        local: dict[str, bytes | bytearray] = {}
         for name in sorted(plan.reads(needed)):
             data, problem = _read_held(snap, name, manifest, self.rank) if snap is not None else (None, "")
             if problem or data is None:
@@ -678,7 +712,8 @@ class MemoryTier:
         files = {METADATA_NAME: metadata}
         problem = ""
         for name in needed:
-            data = incoming[name].numpy().tobytes() if name in incoming else local[name]
+            held = incoming[name].numpy().tobytes() if name in incoming else local[name]
+            data = held if isinstance(held, bytes) else bytes(held)  # a buddy's copy is kept in a bytearray
             if not matches(data, manifest.files[name], manifest.digest_algorithm):
                 problem = (
                     problem or f"{name} from rank {plan.receives.get(name, self.rank)} does not match the manifest"
@@ -722,7 +757,7 @@ class _Plan:
         return {name for name, _ in self.sends} | (set(needed) & self.held)
 
 
-def _read_held(snap: Snapshot, name: str, manifest: Manifest, rank: int) -> tuple[bytes | None, str]:
+def _read_held(snap: Snapshot, name: str, manifest: Manifest, rank: int) -> tuple[bytes | bytearray | None, str]:
     """The bytes of ``name`` that ``snap`` holds, checked against ``manifest``; or None and the
     problem, naming the file (a tier directory's path)."""
     files = snap.files
@@ -753,10 +788,16 @@ class _Publisher:
 
 
 def _take_files(url: str) -> dict[str, bytes]:
-    """The files this process wrote under ``url`` (memory://), removed from the memory filesystem."""
+    """The files this process wrote under ``url`` (memory://), taken out of the memory
+    filesystem: a file's bytes are handed over, not copied (a copy of a rank's files beside
+    them is the memory the tier must not hold)."""
     fs, path = fsspec.core.url_to_fs(url)
     names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)] if fs.exists(path) else []
-    files = {name: fs.cat_file(f"{path}/{name}") for name in names}
+    files = {}
+    for name in names:
+        held = getattr(fs, "store", {}).pop(f"{path}/{name}", None)
+        # a MemoryFile is a BytesIO: getvalue() hands over its buffer while nothing else views it
+        files[name] = held.getvalue() if held is not None else fs.cat_file(f"{path}/{name}")
     fs.rm(path, recursive=True)
     return files
 
@@ -771,7 +812,7 @@ def _drop_files(url: str) -> None:
         log.debug("memory tier: could not drop %s: %s", url, e)
 
 
-def _verified(files: dict[str, bytes], manifest: Manifest) -> dict[str, bytes]:
+def _verified(files: dict[str, bytearray], manifest: Manifest) -> dict[str, bytearray]:
     good = {}
     for name, data in files.items():
         entry = manifest.files.get(name)

@@ -78,7 +78,7 @@ class Snapshot:
     step: int
     manifest: Manifest
     manifest_bytes: bytes
-    files: Mapping[str, bytes]
+    files: Mapping[str, bytes | bytearray]
 
     @property
     def key(self) -> str:
@@ -196,7 +196,7 @@ def _remove(step_dir: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes | bytearray) -> None:
     fd = create_new(path)
     try:
         view = memoryview(data)

@@ -10,6 +10,10 @@ and a JSON row past :data:`MAX_JSON_BYTES`, or not JSON within
 :mod:`ftrain.contract.bounded_json`'s bounds, is a :class:`WireError` raised on every rank at
 the same point (every rank holds the same gathered bytes), so no rank is left in a collective
 its peers abandoned.
+
+A buddy copy travels file by file in messages of at most :data:`CHUNK_BYTES`
+(:func:`exchange_files`): read straight from the sender's files and received straight into the
+receiver's final buffers, so an exchange holds no serialized blob of a rank's files beside them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,6 +31,8 @@ from ftrain.contract.bounded_json import JsonInputError, loads
 
 #: the most bytes one broadcast carries (a manifest, a DCP ``.metadata``)
 MAX_BYTES = 1 << 30
+#: the most bytes one message of a buddy exchange carries (the sender's one extra buffer)
+CHUNK_BYTES = 64 << 20
 #: the longest JSON row one rank sends (names and holdings of the snapshots it keeps)
 MAX_JSON_BYTES = 64 << 20
 
@@ -34,25 +41,60 @@ class WireError(ValueError):
     """What the ranks gathered is not usable (raised on every rank alike)."""
 
 
-def as_tensor(data: bytes) -> torch.Tensor:
+def as_tensor(data: bytes | bytearray) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def concat(parts: list[bytes]) -> torch.Tensor:
-    return as_tensor(b"".join(parts))
+def pieces(sizes: list[int], chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """Pure: ``(file index, start, end)`` of each message that carries files of ``sizes``, in
+    order, at most ``chunk_bytes`` each (an empty file is no message). Sender and receiver cut
+    the same sizes alike, so their messages pair up one by one."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    return [(i, a, min(a + chunk_bytes, n)) for i, n in enumerate(sizes) for a in range(0, n, chunk_bytes)]
 
 
-def split(buf: torch.Tensor, names: list[str], sizes: list[int]) -> dict[str, bytes]:
-    out, offset, raw = {}, 0, buf.numpy().tobytes()
-    for name, size in zip(names, sizes, strict=True):
-        out[name] = raw[offset : offset + size]
-        offset += size
-    return out
+def exchange_files(
+    out: list[bytes | bytearray],
+    to: int,
+    into: list[bytearray],
+    src: int,
+    group: Any,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """Collective over pairs: send ``out`` (in order) to rank ``to`` while receiving ``into``
+    (buffers of the sizes the receiver expects, in order) from rank ``src``, in messages of at
+    most ``chunk_bytes``, one each way in flight at a time. A message goes out from one reused
+    buffer of ``chunk_bytes`` (gloo sends tensors; the sender's bytes are immutable) and comes
+    in straight into its place in ``into``: no other copy is made. Both ends must cut the same
+    sizes (the receiver's come from a manifest the sender checked its files against first):
+    then every rank's i-th messages pair with its peers' i-th, and no rank waits on one that
+    is never posted."""
+    sends = pieces([len(b) for b in out], chunk_bytes)
+    receives = pieces([len(b) for b in into], chunk_bytes)
+    buf = torch.empty(max((b - a for _, a, b in sends), default=0), dtype=torch.uint8)
+    views = [torch.frombuffer(b, dtype=torch.uint8) if len(b) else None for b in into]
+    for i in range(max(len(sends), len(receives))):
+        ops = []
+        if i < len(sends):
+            k, a, b = sends[i]
+            piece = buf[: b - a]
+            piece.numpy()[:] = np.frombuffer(out[k], dtype=np.uint8, count=b - a, offset=a)
+            ops.append(dist.P2POp(dist.isend, piece, to, group))
+        if i < len(receives):
+            k, a, b = receives[i]
+            view = views[k]
+            if view is not None:
+                ops.append(dist.P2POp(dist.irecv, view[a:b], src, group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
-def broadcast_bytes(data: bytes | None, src: int, group: Any, *, max_bytes: int = MAX_BYTES) -> bytes:
+def broadcast_bytes(data: bytes | bytearray | None, src: int, group: Any, *, max_bytes: int = MAX_BYTES) -> bytes:
     """``src``'s bytes on every rank (``None`` at ``src``, or more than ``max_bytes``: empty bytes
     everywhere: the size is broadcast first, so every rank decides alike)."""
+    data = bytes(data) if isinstance(data, bytearray) else data  # a manifest or .metadata: small
     if group is None:
         return data if data is not None and len(data) <= max_bytes else b""
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
@@ -118,13 +160,14 @@ def any_ranks(flags: list[bool], device: torch.device, group: Any = None) -> lis
     return [bool(v) for v in t.tolist()]
 
 
-def matches(data: bytes, entry: FileEntry, algorithm: str) -> bool:
+def matches(data: bytes | bytearray, entry: FileEntry, algorithm: str) -> bool:
     hasher = new_hasher(algorithm)
     hasher.update(data)
     return len(data) == entry.size_bytes and hasher.hexdigest() == entry.digest
 
 
 __all__ = [
+    "CHUNK_BYTES",
     "MAX_BYTES",
     "MAX_JSON_BYTES",
     "WireError",
@@ -133,8 +176,8 @@ __all__ = [
     "any_ranks",
     "as_tensor",
     "broadcast_bytes",
-    "concat",
     "matches",
+    "exchange_files",
     "max_over",
-    "split",
+    "pieces",
 ]
