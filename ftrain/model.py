@@ -100,6 +100,8 @@ class GPT(nn.Module):
             call_embed=_embed,
             call_block=_block,
             call_head=_head,
+            heads=self.cfg.n_head,
+            kv_heads=self.cfg.n_head,  # one key/value head per query head
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ a pipeline stage, inside torch's tensor parallelism) fails at start with the mod
   (torchtitan's fused QKV) breaks the first save.
 - Its layout's paths exist: the blocks are a container of modules; the embeddings, head and
   shared parts are there; every module a tensor-parallel plan names exists and is a linear layer.
+- The tensor-parallel degree divides the attention heads and key/value heads the layout declares
+  (else the first forward fails on a reshape, naming neither the setting nor the fix).
 - A layout that a pipeline splits reproduces the model's own forward (one short sequence).
 - FSDP or activation checkpointing with no repeated blocks found is a warning naming the fix.
 """
@@ -18,15 +20,26 @@ import torch
 from torch import nn
 
 from ftrain.config import Config, ConfigError
-from ftrain.models.layout import TP_STYLES, Blocks, ModelLayout, Parts, layout_of, logits_of, tp_plan_of
+from ftrain.models.layout import (
+    TP_STYLES,
+    Blocks,
+    ModelLayout,
+    Parts,
+    layout_of,
+    logits_of,
+    tp_head_problem,
+    tp_plan_of,
+)
 from ftrain.parallel import strategies
 from ftrain.parallel.strategies import Wrapper
 
 log = logging.getLogger(__name__)
 
 
-def check_model(model: nn.Module, cfg: Config) -> None:
-    """Every check above for ``model`` as ``cfg`` will train it; ConfigError naming the problem."""
+def check_model(model: nn.Module, cfg: Config, *, tp_size: int | None = None) -> None:
+    """Every check above for ``model`` as ``cfg`` will train it; ConfigError naming the problem.
+    ``tp_size``: the job's tensor-parallel degree (the rank layout's); None: the one ``cfg`` fixes
+    whatever the world size (:func:`configured_tp_size`)."""
     check_state_dict_names(model)
     layout = layout_of(model)
     if layout is not None:
@@ -34,6 +47,8 @@ def check_model(model: nn.Module, cfg: Config) -> None:
     strategy = strategies.get(cfg.parallel.strategy)
     if strategy.needs_tp_plan:
         check_tp_plan(model, cfg)
+        if layout is not None:
+            check_tp_heads(layout, tp_size if tp_size is not None else configured_tp_size(cfg))
     if layout is None or layout.source == "found":
         wants = [
             *(["parallel.strategy = " + cfg.parallel.strategy] if strategy.wrapper is Wrapper.FSDP else []),
@@ -136,6 +151,19 @@ def check_tp_plan(model: nn.Module, cfg: Config) -> None:
                 "parallel.strategy",
                 f"the tensor-parallel plan names {fqn!r}, a {type(module).__name__}: only nn.Linear splits",
             )
+
+
+def configured_tp_size(cfg: Config) -> int:
+    """The tensor-parallel degree ``cfg`` sets whatever the world size: ``parallel.tp_size``, or
+    fsdp+tp's default of 2; 1 where it is the world size (tp with ``parallel.tp_size`` = 0)."""
+    return cfg.parallel.tp_size or strategies.fixed_tp_size(cfg.parallel)
+
+
+def check_tp_heads(layout: ModelLayout, tp_size: int) -> None:
+    """``tp_size`` divides the heads and key/value heads the layout declares (unknown ones pass)."""
+    problem = tp_head_problem(tp_size, layout.heads, layout.kv_heads)
+    if problem is not None:
+        raise ConfigError("parallel.tp_size", problem)
 
 
 def check_pipeline_calls(model: nn.Module, layout: ModelLayout, seq_len: int) -> None:

@@ -199,6 +199,9 @@ def hf_layout(model: nn.Module, seq_len: int) -> ModelLayout:
         if set(base_plan.values()) <= set(TP_STYLES)
         else None
     )
+    heads = getattr(config, "num_attention_heads", None)
+    # num_key_value_heads unset: one key/value head per query head, as transformers reads it
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     window = getattr(config, "sliding_window", None)
     splittable = window is None or window >= seq_len  # a narrower window needs its own mask in every stage
     return ModelLayout(
@@ -212,6 +215,8 @@ def hf_layout(model: nn.Module, seq_len: int) -> ModelLayout:
         call_block=_layer if splittable else None,
         call_head=_head if splittable else None,
         tied=("lm_head.weight",) if getattr(config, "tie_word_embeddings", False) else (),
+        heads=heads,
+        kv_heads=kv_heads,
     )
 
 

@@ -20,6 +20,7 @@ parameter names (checkpoints load across pipeline layouts).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,12 @@ class ModelLayout:
     """Parameters the embeddings and the head share (a pipeline cannot put them on two ranks)."""
     source: str = "declared"
     """Where the layout came from: declared (``ftrain_layout()``), or found (blocks only)."""
+    heads: int | None = None
+    """Attention (query) heads per block; None: unknown. Tensor parallelism gives each rank
+    ``heads / tp`` of them, so the tp degree must divide it (checked at start and in the plan)."""
+    kv_heads: int | None = None
+    """Key/value heads per block (fewer than ``heads`` under grouped-query attention); None: unknown.
+    Each tensor-parallel rank runs ``kv_heads / tp`` of them."""
 
     @property
     def splittable(self) -> bool:
@@ -86,6 +93,22 @@ class ModelLayout:
 
     def with_blocks_only(self, blocks: str) -> ModelLayout:
         return dataclasses.replace(self, blocks=blocks)
+
+
+def tp_head_problem(tp: int, heads: int | None, kv_heads: int | None) -> str | None:
+    """Why ``tp`` tensor-parallel ranks cannot split attention with these heads (each rank runs
+    an equal share of the query and of the key/value heads), with the degrees that would; None if
+    they can, or if the heads are unknown."""
+    known = [n for n in (heads, kv_heads) if n is not None]
+    if tp <= 1 or all(n % tp == 0 for n in known):
+        return None
+    common = math.gcd(*known)
+    fits = [str(d) for d in range(1, common + 1) if common % d == 0]
+    counts = ", ".join(f"{name}={n}" for name, n in (("n_head", heads), ("n_kv_heads", kv_heads)) if n is not None)
+    return (
+        f"{tp} does not divide the model's attention heads ({counts}): each tensor-parallel rank runs an "
+        f"equal share of them; a degree of {', '.join(fits[:-1]) + ' or ' if len(fits) > 1 else ''}{fits[-1]} would"
+    )
 
 
 def layout_of(model: nn.Module) -> ModelLayout | None:

@@ -159,6 +159,8 @@ class Llama(nn.Module):
             call_block=_block,
             call_head=_head,
             tied=("tok_emb.weight",) if self.cfg.tie_embeddings else (),
+            heads=self.cfg.n_head,
+            kv_heads=self.cfg.kv_heads,
         )
 
 

@@ -5,7 +5,8 @@ A torchtitan-style decoder (torchtitan's llama3 ``Transformer`` and models writt
 the rotary table ``freqs_cis`` as a buffer of the root; each layer is called as
 ``layer(h, freqs_cis)`` and has ``attention.{wq,wk,wv,wo}`` and ``feed_forward.{w1,w2,w3}``.
 ``[model.args] builder = "pkg.module:function"`` names the function that builds it (called with
-the ModelConfig, like any factory); this module declares its layout (:func:`titan_layout`).
+the ModelConfig, like any factory); this module declares its layout (:func:`titan_layout`), its
+heads read from what the model exposes (:func:`titan_heads`).
 
 torchtitan's default build fuses q, k and v into one module whose state-dict keys are not its
 attributes; the start-up check (:mod:`ftrain.models.checks`) refuses it with the fix.
@@ -54,6 +55,7 @@ def titan_layout(model: nn.Module) -> ModelLayout:
     plan |= {"layers.*.attention.wo": "rowwise", "layers.*.feed_forward.w2": "rowwise"}
     plan |= {f"layers.*.feed_forward.{w}": "colwise" for w in ("w1", "w3")}
     tied = getattr(model.output, "weight", None) is getattr(model.tok_embeddings, "weight", 0)
+    heads, kv_heads = titan_heads(model)
     return ModelLayout(
         blocks="layers",
         embed=("tok_embeddings",),
@@ -64,7 +66,31 @@ def titan_layout(model: nn.Module) -> ModelLayout:
         call_block=_layer,
         call_head=_head,
         tied=("output.weight",) if tied else (),
+        heads=heads,
+        kv_heads=kv_heads,
     )
+
+
+def titan_heads(model: nn.Module) -> tuple[int | None, int | None]:
+    """The attention and key/value heads of a torchtitan-style model: its first layer's
+    ``attention.n_heads`` / ``n_kv_heads`` (torchtitan's ``Attention``), else its ``model_args``'
+    (``n_kv_heads`` None: one per query head, as torchtitan reads it), else the widths of
+    ``attention.wq`` / ``wk`` over ``attention.head_dim``; None for what none of them tells."""
+    attention = getattr(next(iter(model.get_submodule("layers").children()), None), "attention", None)
+    args = getattr(model, "model_args", None)
+    for owner in (attention, args):
+        heads = _count(getattr(owner, "n_heads", None))
+        if heads is not None:
+            return heads, _count(getattr(owner, "n_kv_heads", None)) or heads
+    head_dim = _count(getattr(attention, "head_dim", None))
+    wq, wk = getattr(attention, "wq", None), getattr(attention, "wk", None)
+    if head_dim and isinstance(wq, nn.Linear) and isinstance(wk, nn.Linear):
+        return wq.out_features // head_dim, wk.out_features // head_dim
+    return None, None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _embed(parts: Parts, tokens: torch.Tensor) -> torch.Tensor:

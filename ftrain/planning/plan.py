@@ -6,6 +6,8 @@ which to recommend.
   (:mod:`ftrain.planning.memory`) on the strategy's activations, or, under pipeline parallelism
   (``parallel.pp_size`` > 1), one pipeline rank's (:mod:`ftrain.planning.stages`);
 - :func:`estimate_all` estimates every registered strategy that can run;
+- :func:`attention_heads` reads the heads a tensor-parallel degree must divide from the model's
+  layout (a meta-device build, once per model configuration);
 - :func:`recommend` picks the fitting strategy with the least communication;
 - :mod:`ftrain.planning.plan_report` renders the table ``ftrain plan`` prints, and what would make
   a job fit when nothing does.
@@ -13,9 +15,14 @@ which to recommend.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
-from ftrain.config import Config, ConfigError
+import torch
+
+from ftrain.config import Config, ConfigError, ModelConfig
+from ftrain.model import build_model
+from ftrain.models.layout import layout_of, tp_head_problem
 from ftrain.parallel import strategies
 from ftrain.parallel.strategies import Layout
 from ftrain.planning.memory import (
@@ -33,6 +40,11 @@ from ftrain.planning.stages import stage_estimate
 #: Least communication first (``Strategy.preference``): the recommendation is the first
 #: strategy in this order that fits.
 PREFERENCE = tuple(s.name for s in strategies.by_preference())
+#: :func:`attention_heads` by ``repr(ModelConfig)``: the plan asks once per strategy and world size
+_HEADS: dict[str, tuple[int | None, int | None]] = {}
+_HEADS_KEPT = 16
+
+log = logging.getLogger(__name__)
 
 
 def estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Target) -> MemoryEstimate:
@@ -68,15 +80,34 @@ def estimate_all(
         except ConfigError as e:
             skipped.append(Skipped(s, str(e)))
             continue
-        kv_heads = cfg.model.kv_heads if cfg.model.arch == "llama" and not cfg.model.factory else layout.tp_size
-        if kv_heads % layout.tp_size:  # each rank runs n_kv_heads / tp key/value heads
-            skipped.append(Skipped(s, f"tp {layout.tp_size} does not divide model.n_kv_heads={kv_heads}"))
+        # each tensor-parallel rank runs heads / tp query and kv_heads / tp key/value heads
+        problem = tp_head_problem(layout.tp_size, *attention_heads(cfg.model)) if layout.tp_size > 1 else None
+        if problem is not None:
+            skipped.append(Skipped(s, f"parallel.tp_size: {problem}"))
             continue
         if strategy.needs_several_ranks and world_size == 1:
             skipped.append(Skipped(s, "needs more than one rank"))
             continue
         estimates.append(estimate(stats, cfg, layout, target))
     return estimates, skipped
+
+
+def attention_heads(model_cfg: ModelConfig) -> tuple[int | None, int | None]:
+    """The attention and key/value heads the model's layout declares (``ModelLayout.heads``,
+    ``kv_heads``), from a meta-device build; None for each it does not declare, or when the model
+    cannot be built there (:func:`~ftrain.planning.memory.model_stats` reports that)."""
+    key = repr(model_cfg)
+    if key not in _HEADS:
+        try:
+            with torch.device("meta"):
+                layout = layout_of(build_model(model_cfg))
+        except Exception as e:  # noqa: BLE001 - a user factory's failure; the plan counts parameters without it
+            log.debug("cannot build the model on the meta device to read its heads: %s", e)
+            layout = None
+        if len(_HEADS) >= _HEADS_KEPT:
+            _HEADS.clear()
+        _HEADS[key] = (layout.heads, layout.kv_heads) if layout is not None else (None, None)
+    return _HEADS[key]
 
 
 def recommend(
