@@ -40,6 +40,7 @@ from ftrain.parallel.strategies import STRATEGIES
 from ftrain.parallel.strategies import check_config as _check_strategy_config
 from ftrain.parallel.strategies import check_parallel as _check_strategy_parallel
 from ftrain.parallel.strategies import get as _strategy
+from ftrain.parallel.strategies._gradient_reduce import EVERY_MICRO_BATCH, GRADIENT_REDUCE_MODES
 
 #: the values of ``optim.lr_scaling``
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -349,6 +350,16 @@ class ParallelConfig:
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MB.")
     static_graph: bool = opt(False, "DDP static_graph (same graph every step).")
     activation_checkpointing: bool = opt(False, "Recompute each block's activations in backward.")
+    gradient_reduce: str = opt(
+        "auto",
+        "FSDP strategies (zero2, fsdp, hsdp, fsdp+tp) under gradient accumulation: last_micro_batch reduce-scatters "
+        "once per step and keeps the whole model's unsharded fp32 gradients between micro-batches (+4 bytes per "
+        "parameter per rank); every_micro_batch reduce-scatters after every micro-batch into sharded gradients (one "
+        "reduction per micro-batch). auto: last_micro_batch if it fits the device's memory (a CPU's always), else "
+        "every_micro_batch; ftrain plan names the choice. ddp, zero1 and tp, and pipeline stages, reduce once per step "
+        "whatever this says.",
+        GRADIENT_REDUCE_MODES,
+    )
     sequence_parallel: bool = opt(
         False,
         "tp and fsdp+tp: norms and residuals run on each rank's slice of the sequence (activations / tp_size, "
@@ -398,6 +409,16 @@ class ParallelConfig:
                 "parallel.sequence_parallel", "does not run inside a pipeline stage: use parallel.pp_size = 1"
             )
         check_pipeline(self)
+        if self.gradient_reduce not in GRADIENT_REDUCE_MODES:
+            raise ConfigError(
+                "parallel.gradient_reduce", f"{self.gradient_reduce!r} is not one of {', '.join(GRADIENT_REDUCE_MODES)}"
+            )
+        if self.gradient_reduce == EVERY_MICRO_BATCH and max(pipeline_degrees(self)) > 1:
+            raise ConfigError(
+                "parallel.gradient_reduce",
+                f"{EVERY_MICRO_BATCH} does not apply inside a pipeline stage (torch's PipelineStage reduces once "
+                "per step): use auto or last_micro_batch with parallel.pp_size > 1",
+            )
         if self.bucket_cap_mb <= 0:
             raise ConfigError("parallel.bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         if self.timeout_s <= 0:

@@ -31,10 +31,15 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
   backward as activations are freed, so they are not in the backward peak.
 - Gradient accumulation (global batch > micro batch x dp) costs memory in our implementation:
   DDP's ``no_sync`` micro-batches accumulate into fresh gradients beside the buckets (+4Ψ,
-  measured), and FSDP2 with ``set_requires_gradient_sync(False)`` keeps unsharded fp32
+  measured). FSDP2 follows ``parallel.gradient_reduce``: ``last_micro_batch``
+  (``set_requires_gradient_sync(False)`` until the last micro-batch) keeps unsharded fp32
   gradients of the whole (TP-local) model between micro-batches (+4Ψ: sharding no longer
-  saves gradient memory). bf16 autocast (ddp, zero1, tp) keeps a bf16 copy of every
-  ``nn.Linear`` parameter until backward has used it (+2 bytes per such parameter).
+  saves gradient memory); ``every_micro_batch`` reduce-scatters each micro-batch and keeps only
+  the gradient shards (+4Ψ/N); ``auto`` is the first when its running peak fits the target's
+  memory (:attr:`Target.memory_bytes`; a CPU plan, like a CPU run, treats memory as fitting),
+  else the second (:func:`~ftrain.parallel.strategies._gradient_reduce.choose_gradient_reduce`).
+  bf16 autocast (ddp, zero1, tp) keeps a bf16 copy of every ``nn.Linear`` parameter until
+  backward has used it (+2 bytes per such parameter).
 - Optimizer step: AdamW's foreach path (CUDA, plain tensors: ddp, zero1) allocates
   ``sqrt(v)`` for a whole parameter group (4 bytes per local parameter); the per-tensor path
   (CPU, and DTensor parameters: FSDP2, TP) two temporaries of the largest parameter. The
@@ -65,6 +70,10 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
   MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 (within ~2-3% for ddp, zero1, zero2, fsdp,
   tp, checkpointing, on a 34M-parameter GPT: bench/plan_vs_measured.py); glibc's defaults added
   10% (ddp) to 50% (fsdp) of fragmentation there.
+
+**Size.** Over 600 lines because the model is one piece of arithmetic whose terms depend on each
+other (the wrapper, the shard count, accumulation and its gradient reduction mode, the phases'
+peaks); this docstring, which says what each term models, is a quarter of it.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ from ftrain.models.layout import block_list, tp_plan_of
 from ftrain.optim import param_groups
 from ftrain.parallel import strategies
 from ftrain.parallel.strategies import Layout, Strategy, Wrapper, compute_layout
+from ftrain.parallel.strategies._gradient_reduce import EVERY_MICRO_BATCH, LAST_MICRO_BATCH, choose_gradient_reduce
 from ftrain.planning.activations import Activations
 from ftrain.planning.llama_activations import llama_activations
 
@@ -152,6 +162,9 @@ class Target:
 
     device: str  # "cuda" or "cpu"
     dtype: str  # "bf16" or "fp32"
+    memory_bytes: int | None = None
+    """The device's memory, which ``parallel.gradient_reduce=auto`` is judged against on CUDA
+    (None: not judged, ``last_micro_batch``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +204,9 @@ class MemoryEstimate:
     """The schedule's idle fraction of every rank's step (``ftrain.parallel.pipeline_schedule.simulate``)."""
     in_flight: int = 0
     """(micro-batch, stage) activation sets this rank holds at its schedule's peak."""
+    gradient_reduce: str = ""
+    """FSDP strategies: the ``parallel.gradient_reduce`` mode counted (``auto`` resolved; a
+    pipeline stage's is ``last_micro_batch``, torch's); empty for the others."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -414,10 +430,19 @@ class StageTerms:
     in_flight: int
 
 
+def accumulation_steps(cfg: Config, layout: Layout) -> int:
+    """Micro-batches per data-parallel rank and step."""
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
+
+
 def estimate_with(
     stats: ModelStats, cfg: Config, layout: Layout, target: Target, acts: Activations, stage: StageTerms | None = None
 ) -> MemoryEstimate:
     """:func:`estimate` for these parameters (``stats``: a pipeline rank's alone) and activations.
+
+    FSDP strategies count the gradients of ``parallel.gradient_reduce``'s mode, ``auto`` resolved:
+    ``last_micro_batch`` if its running peak fits ``target.memory_bytes`` on CUDA (or memory is not
+    judged: no memory given, a CPU), else ``every_micro_batch``; the estimate names the mode.
 
     With ``stage`` (a pipeline rank, as ``ftrain.parallel.pipeline`` builds it): FSDP2 keeps its
     units and their fp32 gradients unsharded from each micro-batch's backward until the step
@@ -427,13 +452,43 @@ def estimate_with(
     is all-reduced after the schedule); the P2P buffers come on top of backward and step; start-up
     holds ``stage.model_numel`` parameters plus the first shards or splits."""
     strategy = strategies.get(layout.strategy)
+    if strategy.wrapper is not Wrapper.FSDP:
+        return _estimate(stats, cfg, layout, target, acts, stage, reduce="")
+    if stage is not None:  # torch's PipelineStage reduces once per step, after the schedule
+        return _estimate(stats, cfg, layout, target, acts, stage, reduce=LAST_MICRO_BATCH)
+    setting = cfg.parallel.gradient_reduce
+    if setting != "auto":
+        return _estimate(stats, cfg, layout, target, acts, stage, reduce=setting)
+    last = _estimate(stats, cfg, layout, target, acts, stage, reduce=LAST_MICRO_BATCH)
+    judged = target.device == "cuda" and target.memory_bytes is not None
+    mode = choose_gradient_reduce(
+        "auto",
+        accum_steps=accumulation_steps(cfg, layout),
+        last_bytes=last.running_bytes if judged else None,
+        memory_bytes=target.memory_bytes if judged else None,
+    )
+    return last if mode == LAST_MICRO_BATCH else _estimate(stats, cfg, layout, target, acts, stage, reduce=mode)
+
+
+def _estimate(
+    stats: ModelStats,
+    cfg: Config,
+    layout: Layout,
+    target: Target,
+    acts: Activations,
+    stage: StageTerms | None,
+    *,
+    reduce: str,
+) -> MemoryEstimate:
+    """:func:`estimate_with` for one gradient reduction mode (``reduce``: "" for non-FSDP strategies)."""
+    strategy = strategies.get(layout.strategy)
     s, ddp, fsdp = strategy.name, strategy.wrapper is Wrapper.DDP, strategy.wrapper is Wrapper.FSDP
     psi = stats.num_params
     tp = layout.tp_size
     shard = strategy.shard_count(layout)
     mode = precision_mode(strategy, target)
     e = 4 if target.dtype == "fp32" else 2  # compute dtype
-    accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size))
+    accum = accumulation_steps(cfg, layout)
     notes: list[str] = []
 
     def tp_local(p: ParamInfo) -> int:
@@ -467,6 +522,13 @@ def estimate_with(
                 f"{s}: {accum} accumulation steps: no_sync micro-batches accumulate into fresh "
                 f"gradients beside DDP's buckets, {gib(4 * psi)} per rank"
             )
+        elif fsdp and reduce == EVERY_MICRO_BATCH and not pipelined_fsdp:
+            extra_a += 4 * local  # every micro-batch reduce-scatters into the gradient shards
+            notes.append(
+                f"{s}: {accum} accumulation steps, gradient_reduce={EVERY_MICRO_BATCH}: a reduce-scatter per "
+                f"micro-batch, sharded gradients held between micro-batches ({gib(4 * local)} per rank; "
+                f"{LAST_MICRO_BATCH} would hold {gib(4 * unsharded)})"
+            )
         elif fsdp:
             extra_a += 4 * unsharded  # no-sync micro-batches accumulate unsharded fp32 gradients
             notes.append(
@@ -474,8 +536,9 @@ def estimate_with(
                 "first backward to the step (set_reshard_after_backward(False), set_requires_gradient_sync(False)): "
                 f"{4 + e} bytes per parameter of the rank's stages, in backward extra"
                 if pipelined_fsdp
-                else f"{s}: {accum} accumulation steps: FSDP2 keeps unsharded fp32 gradients between "
-                f"micro-batches (set_requires_gradient_sync(False)), {gib(4 * unsharded)} per rank"
+                else f"{s}: {accum} accumulation steps, gradient_reduce={LAST_MICRO_BATCH}: FSDP2 keeps unsharded "
+                f"fp32 gradients between micro-batches (set_requires_gradient_sync(False)), {gib(4 * unsharded)} "
+                f"per rank ({EVERY_MICRO_BATCH} would hold {gib(4 * local)}, a reduce-scatter per micro-batch)"
             )
         elif layout.deterministic:
             extra_a += 4 * psi * accum.bit_length()  # the streaming tree's partial sums
@@ -544,6 +607,7 @@ def estimate_with(
         overhead_bytes=overhead_bytes(cfg, target),
         textbook_model_state_bytes=textbook,
         notes=tuple(notes),
+        gradient_reduce=reduce,
     )
     if stage is None:
         return out

@@ -7,6 +7,7 @@ and says it. Torch is used only to read the device's memory when planning for th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +29,7 @@ from ftrain.planning.memory import (
 )
 from ftrain.planning.plan import best_fitting, estimate_all, recommend
 from ftrain.planning.plan_pipeline import pipeline_report, pipeline_suggestion
-from ftrain.planning.tables import memory_cells, memory_header, table_lines
+from ftrain.planning.tables import gradient_reduce_cell, memory_cells, memory_header, table_lines
 
 
 def suggestions(
@@ -148,6 +149,7 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         raise ConfigError("", f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     target = resolve_target(cfg)
     memory = device_memory_bytes if device_memory_bytes is not None else default_device_memory_bytes(target)
+    target = dataclasses.replace(target, memory_bytes=memory)  # parallel.gradient_reduce=auto is judged against it
     stats = model_stats(cfg.model, cfg.optim)
     psi = stats.num_params
     lines = [
@@ -170,9 +172,12 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         )
         return "\n".join(lines)
     estimates, skipped = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
-    rows = [["strategy", "layout", *memory_header(memory)]]
-    rows += [[e.strategy, strategies.get(e.strategy).layout_text(e), *memory_cells(e, memory)] for e in estimates]
-    lines += table_lines(rows)
+    rows = [["strategy", "layout", "gradient_reduce", *memory_header(memory)]]
+    rows += [
+        [e.strategy, strategies.get(e.strategy).layout_text(e), gradient_reduce_cell(e), *memory_cells(e, memory)]
+        for e in estimates
+    ]
+    lines += table_lines(rows, text_columns=3)
     for sk in skipped:
         lines.append(f"skipped {sk.strategy}: {sk.reason}")
     lines.append("")
@@ -206,6 +211,13 @@ def plan_report(cfg: Config, *, world_size: int, device_memory_bytes: int | None
         "  - backward extra: unsharded FSDP units and buffers, bf16 autocast weight copies, gradients "
         "accumulated between micro-batches; step extra: AdamW temporaries and the last logits"
     )
+    if any(e.gradient_reduce for e in estimates):
+        lines.append(
+            f"  - gradient_reduce (parallel.gradient_reduce={cfg.parallel.gradient_reduce}): when FSDP strategies "
+            "reduce-scatter under accumulation; last_micro_batch (once per step) holds the whole model's unsharded "
+            "fp32 gradients between micro-batches, every_micro_batch (per micro-batch) only their shards; auto "
+            "takes last_micro_batch where it fits" + (" (a CPU plan: always)" if target.device == "cpu" else "")
+        )
     for e in estimates:
         if e.model_state_bytes != e.textbook_model_state_bytes:
             why = strategies.get(e.strategy).textbook_difference

@@ -7,13 +7,16 @@ from collections.abc import Sequence
 from ftrain.planning.memory import TIGHT_FRACTION, MemoryEstimate, gib
 
 
-def table_lines(rows: Sequence[Sequence[str]]) -> list[str]:
+def table_lines(rows: Sequence[Sequence[str]], *, text_columns: int = 2) -> list[str]:
+    """Markdown rows, the first ``text_columns`` columns left-aligned and the numbers right-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
         lines.append(
             "| "
-            + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            + " | ".join(
+                c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
             + " |"
         )
         if j == 0:
@@ -47,3 +50,8 @@ def memory_cells(e: MemoryEstimate, memory: int) -> list[str]:
         gib(e.total_bytes) + ("" if e.phase == "backward" else f" ({e.phase})"),
         f"{fit} ({use:.0%})",
     ]
+
+
+def gradient_reduce_cell(e: MemoryEstimate) -> str:
+    """The ``parallel.gradient_reduce`` mode an FSDP strategy's estimate counts ("-" for the others)."""
+    return e.gradient_reduce or "-"

@@ -3,6 +3,14 @@ every rank; each transformer block is a unit, then the root; a unit is gathered 
 and again for its backward, and gradients are reduce-scattered. bf16 runs as a
 MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction). No rank holds a replica.
 
+Under gradient accumulation ``parallel.gradient_reduce`` says when gradients are reduced:
+``last_micro_batch`` keeps the whole (TP-local) model's unsharded fp32 gradients from the first
+micro-batch's backward to the last one's, which reduce-scatters once (4 bytes per parameter more
+than the shards, the least communication); ``every_micro_batch`` reduce-scatters after every
+micro-batch into the sharded gradients (one reduction per micro-batch, sharded memory); ``auto``
+picks by the rule ``ftrain plan`` applies to its estimates too
+(:mod:`ftrain.parallel.strategies._gradient_reduce`).
+
 zero2, hsdp and fsdp+tp build on :class:`FSDP`.
 """
 
@@ -10,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ftrain.parallel.strategies._gradient_reduce import GRADIENT_REDUCE_ATTR, LAST_MICRO_BATCH
 from ftrain.parallel.strategies.base import Layout, Strategy, Wrapper
 
 if TYPE_CHECKING:
@@ -51,6 +60,7 @@ class FSDP(Strategy):
         shard_model(
             model, self.shard_mesh(mesh), reshard_after_forward=self.reshard_after_forward, compute_dtype=compute_dtype
         )
+        setattr(model, GRADIENT_REDUCE_ATTR, parallel.gradient_reduce)
         return model
 
     def make_parallel(
@@ -64,7 +74,16 @@ class FSDP(Strategy):
     ) -> Parallel:
         from ftrain.parallel.fsdp import FSDPParallel
 
-        return FSDPParallel(model, optimizer, layout, device, compute_dtype)
+        return FSDPParallel(
+            model,
+            optimizer,
+            layout,
+            device,
+            compute_dtype,
+            gradient_reduce=getattr(model, GRADIENT_REDUCE_ATTR, LAST_MICRO_BATCH),
+            accum_steps=-(-micro_per_step // layout.dp_size),  # this rank's micro-batches (the largest block)
+            shard_count=self.shard_count(layout),
+        )
 
     def replica_group(self, layout: Layout) -> int | None:
         return None
