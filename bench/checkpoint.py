@@ -98,7 +98,15 @@ def num_params(shape: dict[str, int]) -> int:
 
 
 def _host_bytes() -> tuple[int, int]:
-    """This process's resident set and its peak since the last :func:`_reset_peak` (VmRSS, VmHWM)."""
+    """This process's resident set and its peak since the last :func:`_reset_peak` (VmRSS, VmHWM),
+    the heap's free pages handed back first (glibc's ``malloc_trim``): what is held, not what
+    malloc kept of what was freed."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     fields = {}
     with open("/proc/self/status") as fh:
         for line in fh:
