@@ -42,6 +42,7 @@ class Event(StrEnum):
     RESUME_STARTED = "resume_started"
     RESUMED = "resumed"
     WEIGHTS_LOADED = "weights_loaded"  #: model.init_from's files were loaded as the initial weights (their sha256)
+    MODEL_BUILT = "model_built"  #: the model is built and made parallel: what the start-up cost in memory
     #: committed steps exist but none loads (on_no_loadable_step=fail), or the step to load would change the LR
     #: schedule (on_schedule_change=fail)
     RESUME_FAILED = "resume_failed"
@@ -161,6 +162,17 @@ class WeightsLoaded(Record):
     EVENT = Event.WEIGHTS_LOADED
     path: str
     files: dict[str, str]  #: each file's name in ``path`` -> its sha256
+
+
+@_record
+@dataclass(frozen=True, slots=True)
+class ModelBuilt(Record):
+    EVENT = Event.MODEL_BUILT
+    model_fp32_bytes: int  #: the whole model's parameters in fp32
+    deferred: bool  #: built on the meta device, each rank materializing its part (ftrain.models.deferred_init)
+    host_before_bytes: int  #: the process's resident memory before the build
+    host_peak_bytes: int  #: its peak resident memory once the model is parallel (the start-up phase included)
+    device_peak_bytes: int  #: peak allocated GPU memory then (0 on the CPU)
 
 
 @_record

@@ -68,18 +68,19 @@ from ftrain.faults import (
     maybe_skip_collective,
     maybe_slow_down,
 )
-from ftrain.model import build_model, count_parameters
+from ftrain.model import count_parameters
 from ftrain.models.checks import check_model
+from ftrain.models.deferred_init import is_deferred, materialize
 from ftrain.models.hf_weights import model_record
 from ftrain.models.init_weights import InitFromNotReadError, load_initial_weights
 from ftrain.models.layout import logits_of
-from ftrain.observability.metrics import MetricsWriter, peak_memory_bytes
+from ftrain.observability.metrics import MetricsWriter, peak_memory_bytes, resident_bytes
 from ftrain.observability.progress import Progress
 from ftrain.observability.step_phases import StepPhases
 from ftrain.optim import Schedule, set_lr
 from ftrain.parallel import strategies
 from ftrain.parallel.base import Parallel
-from ftrain.parallel.parallelize import parallelize
+from ftrain.parallel.parallelize import build_for, parallelize
 from ftrain.parallel.pipeline import PipelineParallel
 from ftrain.parallel.pipeline_stages import at_world
 from ftrain.parallel.strategies import compute_layout
@@ -220,15 +221,18 @@ class Trainer:
         lo, hi = micro_block(self.micro_per_step, self.layout.dp_rank, self.layout.dp_size)
         self.accum = hi - lo  #: this rank's micro-batches per step
         self.source = source if source is not None else build_source(cfg.data, cfg.model)
+        host_before = resident_bytes()
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model)
-        check_model(model, cfg)
+        model = build_for(cfg.model, self.layout)  # parameters left on meta where this rank holds part of them
+        check_model(model, cfg, tp_size=self.layout.tp_size)
         self.model_record = model_record(model, cfg.model)  #: what every checkpoint records of the model
         #: the step a resume was to load instead of model.init_from (-1: init_from read, or not set)
         self.init_from_skipped_for = step_to_resume(cfg) if cfg.model.init_from else -1
-        init_files = (
-            load_initial_weights(model, cfg.model) if cfg.model.init_from and self.init_from_skipped_for < 0 else {}
-        )
+        init_files: dict[str, str] = {}
+        if cfg.model.init_from and self.init_from_skipped_for < 0:
+            if is_deferred(model):  # read whole on rank 0 and sent (not yet straight into the shards)
+                model = materialize(model, torch.device("cpu"))
+            init_files = load_initial_weights(model, cfg.model)
         if self.init_from_skipped_for >= 0 and rank == 0:
             log.info(
                 "model.init_from is not read: checkpoint step %d under %s is to be resumed",
@@ -236,6 +240,7 @@ class Trainer:
                 cfg.checkpoint.uri,
             )
         self.num_params = count_parameters(model)
+        deferred = is_deferred(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
         self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
         self.cursor = DataCursor(
@@ -247,6 +252,15 @@ class Trainer:
         )
         self.round = current_round()  #: the round this trainer was built for (a live worker builds one per round)
         self.events = EventLog(cfg.logging.events_path, rank=rank, round_=self.round)
+        self.events.emit(
+            ev.ModelBuilt(
+                model_fp32_bytes=4 * self.num_params,
+                deferred=deferred,
+                host_before_bytes=host_before,
+                host_peak_bytes=resident_bytes(peak=True),
+                device_peak_bytes=peak_memory_bytes(device) if device.type == "cuda" else 0,
+            )
+        )
         if init_files and rank == 0:
             self.events.emit(ev.WeightsLoaded(path=cfg.model.init_from, files=init_files))
         self.ledger = (

@@ -28,6 +28,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def resident_bytes(*, peak: bool = False) -> int:
+    """This process's resident memory now (or its peak since it started: ``peak``), from
+    /proc/self/status (VmRSS, VmHWM: counted from exec, unlike getrusage's, which a forked
+    child inherits from its parent); getrusage's peak where /proc is missing."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class MetricsWriter:
     """Appends JSON lines; each line is flushed so a killed run keeps every completed step."""
 

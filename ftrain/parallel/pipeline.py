@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ftrain.config import Config, ConfigError
+from ftrain.models.deferred_init import RECIPES, materialize
 from ftrain.models.layout import ModelLayout, Parts, block_list, expand_plan, layout_of, logits_of
 from ftrain.optim import param_groups
 from ftrain.parallel import strategies
@@ -156,9 +157,12 @@ def build_pipeline(
     blocks_of = stage_blocks(parallel, len(block_list(model)))
     mine = local_stages(layout.pp_rank, layout.pp_size, v)
     mesh, inner = job_mesh(layout, device)
+    recipes = getattr(model, RECIPES, None)  # a deferred model: this rank's stages materialized below
     kept = PipelineModule(
         model, parts, [b for s in mine for b in blocks_of[s]], first=0 in mine, last=num_stages - 1 in mine
-    ).to(device)
+    )
+    if recipes is None:
+        kept = kept.to(device)
     del model  # what this rank does not run is freed once the caller drops the model too
     strategy.apply_tensor_parallel(kept, inner, sequence_parallel=False)  # refused with a pipeline (config)
     if parallel.activation_checkpointing:
@@ -168,6 +172,10 @@ def build_pipeline(
     ]
     if strategy.wrapper is Wrapper.FSDP:
         chunks = [strategy.apply_data_parallel(c, parallel, layout, inner, device, compute_dtype) for c in chunks]
+    if recipes is not None:
+        for chunk in chunks:  # each FSDP unit resets its shards as it is materialized
+            materialize(chunk, device, recipes)
+        materialize(kept, device, recipes)  # what no chunk holds (buffers), moved
     optimizer = strategy.make_optimizer(param_groups(kept, cfg.optim), cfg.optim)
     pp_group = mesh.get_group("pp")
     dp_group = inner.get_group("dp") if "dp" in (inner.mesh_dim_names or ()) else None

@@ -41,17 +41,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ftrain.agent_link import flight_recorder, heartbeat
 from ftrain.checkpoint.storage import Storage, StorageOptions
-from ftrain.config import LR_SCALINGS, Config
+from ftrain.config import LR_SCALINGS, Config, ModelConfig
 from ftrain.contract import events as ev
 from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
-from ftrain.model import build_model
+from ftrain.model import build_model, count_parameters
 from ftrain.models.layout import logits_of
 from ftrain.optim import Schedule
 from ftrain.parallel import strategies
@@ -219,6 +220,26 @@ def _receive(trainer: Trainer, held: HeldState | None, src: int, row: tuple[int,
         return None
 
 
+#: a model larger than this in fp32 is not what a spare warms up with: it is trained only under a
+#: layout that gives each rank part of it (a 70B Llama), and a whole copy could not fit
+WARM_UP_MODEL_MAX_BYTES = 1 << 30
+
+
+def warm_up_model(cfg: ModelConfig) -> nn.Module:
+    """The model a spare warms up with, on the CPU: the configured one up to
+    :data:`WARM_UP_MODEL_MAX_BYTES`, else the built-in GPT of the default sizes (its kernels are
+    not the model's, but the imports, the allocator and the CUDA context are paid as well)."""
+    try:
+        with torch.device("meta"):
+            size_bytes = 4 * count_parameters(build_model(cfg))
+    except Exception:  # noqa: BLE001 - a factory that cannot build on the meta device: count it built
+        size_bytes = 0
+    if size_bytes <= WARM_UP_MODEL_MAX_BYTES:
+        return build_model(cfg)
+    log.info("warming up with the built-in GPT: the model (%.1f GiB in fp32) is trained sharded", size_bytes / 2**30)
+    return build_model(ModelConfig())
+
+
 def warm_up(cfg: Config, device: torch.device) -> float:
     """Pay, before any assignment, what a process's first trainer would pay on the critical path:
     the lazy imports (the first optimizer imports ``torch._dynamo``: 3 s here), the parallel
@@ -232,7 +253,7 @@ def warm_up(cfg: Config, device: torch.device) -> float:
         Storage(
             cfg.checkpoint.uri, StorageOptions(endpoint_url=cfg.checkpoint.endpoint_url, region=cfg.checkpoint.region)
         )
-    model = build_model(cfg.model).to(device)
+    model = warm_up_model(cfg.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.optim.adamw_kwargs())
     tokens = torch.zeros(1, min(8, cfg.model.seq_len) + 1, dtype=torch.long, device=device)
     logits = logits_of(model(tokens[:, :-1]))
