@@ -44,8 +44,10 @@ What the numbers model (our implementation, not the textbook; see ``textbook_mod
   ``sqrt(v)`` for a whole parameter group (4 bytes per local parameter); the per-tensor path
   (CPU, and DTensor parameters: FSDP2, TP) two temporaries of the largest parameter. The
   fixed-order reduction (``parallel.deterministic``) gathers world_size flattened gradients.
-- Start-up: the train loop builds the full fp32 model (4Ψ) and moves it to the device before
-  sharding it, so 4Ψ plus the local shard is a floor on every rank whatever the world size.
+- Start-up: ddp and zero1 build the full fp32 model (4Ψ) and move it to the device. Every other
+  layout (and any pipeline) builds it on the meta device and makes each parameter whole once to
+  copy this rank's part to the device (:mod:`ftrain.models.deferred_init`): the local part plus
+  the largest parameter.
 - Activations (built-in GPT; models from ``model.factory`` are assumed GPT-like with the
   configured sizes; the Llama's: :mod:`ftrain.planning.llama_activations`): Korthikanti et al.
   2022 count s·b·h·(34 + 5·a·s/h) bytes per layer for 2-byte activations with dropout masks and
@@ -238,8 +240,8 @@ class MemoryEstimate:
             "init": self.init_bytes,
         }
 
-    def fits(self, device_memory_bytes: int, *, include_init: bool = True) -> bool:
-        return (self.total_bytes if include_init else self.running_bytes) <= device_memory_bytes
+    def fits(self, device_memory_bytes: int) -> bool:
+        return self.total_bytes <= device_memory_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,9 +420,6 @@ def overhead_bytes(cfg: Config, target: Target) -> int:
 class StageTerms:
     """What one pipeline rank changes in :func:`estimate_with` (``ftrain.planning.plan_pipeline`` computes it)."""
 
-    model_numel: int
-    """Parameters start-up puts in this memory: the whole model on a CPU (the train loop builds
-    it there), the rank's stages alone on a GPU (only they move to the device)."""
     buffer_bytes: int
     """torch's P2P buffers: held from the first step on, through backward and the step."""
     pp_size: int
@@ -449,8 +448,7 @@ def estimate_with(
     (torch's ``PipelineStage`` sets ``set_reshard_after_backward(False)`` and
     ``set_requires_gradient_sync(False)`` for every backward), whatever the accumulation; ddp
     has no DDP wrapper (no buckets: gradients accumulate in ``p.grad``, and one flat copy of them
-    is all-reduced after the schedule); the P2P buffers come on top of backward and step; start-up
-    holds ``stage.model_numel`` parameters plus the first shards or splits."""
+    is all-reduced after the schedule); the P2P buffers come on top of backward and step."""
     strategy = strategies.get(layout.strategy)
     if strategy.wrapper is not Wrapper.FSDP:
         return _estimate(stats, cfg, layout, target, acts, stage, reduce="")
@@ -582,11 +580,13 @@ def _estimate(
         step = max(step, 4 * local)  # the stage's gradients flattened for its one all-reduce
     step += acts.logits_held + buffers
 
-    # Start-up: the full fp32 model (plus DDP's buckets, or the first shards/splits).
-    if stage is None:
-        init = 4 * psi + (4 * psi if ddp else 4 * local)
+    # Start-up (ftrain.parallel.parallelize.build_for): where a rank holds part of the model, it is
+    # built on the meta device and each parameter made whole once, on the CPU then on the device,
+    # to copy this rank's part out; ddp and zero1 build the full fp32 model (plus DDP's buckets).
+    if stage is not None or tp > 1 or fsdp:
+        init = 4 * local + 4 * max((p.numel for p in stats.params), default=0)
     else:
-        init = 4 * stage.model_numel + (0 if ddp else 4 * local)
+        init = 4 * psi + (4 * psi if ddp else 4 * local)
 
     tp_split = sum(p.numel for p in stats.params if p.tp_dim is not None)
     textbook = strategy.textbook_model_state_bytes(psi, shard=shard, tp_split=tp_split, tp=tp)

@@ -110,14 +110,9 @@ def attention_heads(model_cfg: ModelConfig) -> tuple[int | None, int | None]:
     return _HEADS[key]
 
 
-def recommend(
-    estimates: Iterable[MemoryEstimate], device_memory_bytes: int, *, include_init: bool = True
-) -> MemoryEstimate | None:
-    """The fitting strategy with the least communication (:data:`PREFERENCE` order), or None.
-
-    ``include_init=False`` ignores the start-up peak of the full fp32 model (as if the model
-    were initialised on the meta device and materialised shard by shard)."""
-    fitting = {e.strategy: e for e in estimates if e.fits(device_memory_bytes, include_init=include_init)}
+def recommend(estimates: Iterable[MemoryEstimate], device_memory_bytes: int) -> MemoryEstimate | None:
+    """The fitting strategy with the least communication (:data:`PREFERENCE` order), or None."""
+    fitting = {e.strategy: e for e in estimates if e.fits(device_memory_bytes)}
     for s in PREFERENCE:
         if s in fitting:
             return fitting[s]
@@ -131,7 +126,6 @@ def best_fitting(
     gpus_per_node: int,
     target: Target,
     memory: int,
-    include_init: bool = True,
 ) -> MemoryEstimate | None:
     estimates, _ = estimate_all(stats, cfg, world_size=world_size, gpus_per_node=gpus_per_node, target=target)
-    return recommend(estimates, memory, include_init=include_init)
+    return recommend(estimates, memory)

@@ -145,7 +145,6 @@ def stage_estimate(stats: ModelStats, cfg: Config, layout: Layout, target: Targe
     )
     sub = stage_stats(stats, blocks, mine)
     terms = StageTerms(
-        model_numel=stats.num_params if target.device == "cpu" else sub.num_params,
         buffer_bytes=p2p_buffer_bytes(cfg, mode, mine, len(blocks), m),
         pp_size=pp,
         pp_rank=layout.pp_rank,
