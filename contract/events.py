@@ -162,6 +162,9 @@ class WeightsLoaded(Record):
     EVENT = Event.WEIGHTS_LOADED
     path: str
     files: dict[str, str]  #: each file's name in ``path`` -> its sha256
+    #: bytes each rank read from the files, where each read only its part (ftrain.models.init_shards);
+    #: empty where rank 0 read them whole and sent the weights
+    read_bytes_by_rank: list[int] = field(default_factory=list)
 
 
 @_record

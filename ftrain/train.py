@@ -69,6 +69,7 @@ from ftrain.faults import (
     maybe_slow_down,
 )
 from ftrain.model import count_parameters
+from ftrain.models import init_shards
 from ftrain.models.checks import check_model
 from ftrain.models.deferred_init import is_deferred, materialize
 from ftrain.models.hf_weights import model_record
@@ -229,10 +230,14 @@ class Trainer:
         #: the step a resume was to load instead of model.init_from (-1: init_from read, or not set)
         self.init_from_skipped_for = step_to_resume(cfg) if cfg.model.init_from else -1
         init_files: dict[str, str] = {}
+        init_into_parts: init_shards.Surveyed | None = None  #: read into each rank's part once parallel
         if cfg.model.init_from and self.init_from_skipped_for < 0:
-            if is_deferred(model):  # read whole on rank 0 and sent (not yet straight into the shards)
-                model = materialize(model, torch.device("cpu"))
-            init_files = load_initial_weights(model, cfg.model)
+            if is_deferred(model) and dist.is_initialized():
+                init_into_parts = init_shards.survey(model, cfg.model)  # checked on every rank before any read
+            else:
+                if is_deferred(model):
+                    model = materialize(model, torch.device("cpu"))
+                init_files = load_initial_weights(model, cfg.model)  # read whole on rank 0, sent to the others
         if self.init_from_skipped_for >= 0 and rank == 0:
             log.info(
                 "model.init_from is not read: checkpoint step %d under %s is to be resumed",
@@ -242,6 +247,10 @@ class Trainer:
         self.num_params = count_parameters(model)
         deferred = is_deferred(model)
         self.par: Parallel = parallelize(model, cfg, self.layout, device, dtype, self.micro_per_step)
+        init_read_bytes: list[int] = []
+        if init_into_parts is not None:
+            loaded = init_shards.load(init_into_parts, self.par.model)
+            init_files, init_read_bytes = loaded.files, loaded.read_bytes_by_rank
         self.phases = StepPhases(self.par.model)  #: where this rank's time goes (ftrain.observability.step_phases)
         self.cursor = DataCursor(
             self.source.num_samples,
@@ -262,7 +271,9 @@ class Trainer:
             )
         )
         if init_files and rank == 0:
-            self.events.emit(ev.WeightsLoaded(path=cfg.model.init_from, files=init_files))
+            self.events.emit(
+                ev.WeightsLoaded(path=cfg.model.init_from, files=init_files, read_bytes_by_rank=init_read_bytes)
+            )
         self.ledger = (
             Ledger(cfg.data.ledger_dir, self.layout.dp_rank, round_=self.round, data=self.cursor.data_digest)
             if cfg.data.ledger_dir and self.layout.reads_data

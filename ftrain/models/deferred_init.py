@@ -113,7 +113,8 @@ class Scratch:
         return buffer[:numel].view(shape)
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage's identity (tied weights share one), for real and meta tensors alike."""
     return t.untyped_storage()._cdata  # noqa: SLF001 - the storage's identity (a meta tensor has no address)
 
 
@@ -138,7 +139,7 @@ class _Recorder(TorchDispatchMode):
         if param.is_meta:
             return None  # already deferred (a tied weight assigned again), or the user's own meta
         meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-        self.recipes[_storage_key(meta)] = (meta, Recipe(param.shape, param.dtype, param.detach()))
+        self.recipes[storage_key(meta)] = (meta, Recipe(param.shape, param.dtype, param.detach()))
         return meta
 
     def wrap(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -146,7 +147,7 @@ class _Recorder(TorchDispatchMode):
         takes_generator = "generator" in inspect.signature(fn).parameters
 
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            entry = self.recipes.get(_storage_key(tensor)) if tensor.is_meta else None
+            entry = self.recipes.get(storage_key(tensor)) if tensor.is_meta else None
             if entry is None or self.failure is not None:
                 return fn(tensor, *args, **kwargs)
             param, recipe = entry
@@ -175,7 +176,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         metas = [t for t in flat if isinstance(t, torch.Tensor) and t.is_meta]
-        touched = [self.recipes.get(_storage_key(t)) for t in metas]
+        touched = [self.recipes.get(storage_key(t)) for t in metas]
         if self.failure is None and any(touched):
             schema = func._schema  # noqa: SLF001 - an op's schema, as dispatch modes read it
             first = schema.arguments[0] if schema.arguments else None
@@ -188,7 +189,7 @@ class _Recorder(TorchDispatchMode):
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
         target = args[0]
-        entry = self.recipes.get(_storage_key(target))
+        entry = self.recipes.get(storage_key(target))
         if entry is None:
             self._fail(f"{func} writes a parameter's value into another meta tensor")
             return
@@ -242,7 +243,7 @@ def build_deferred(build: Callable[[], nn.Module]) -> nn.Module:
     with _recording() as recorder:
         model = build()
     if recorder.failure is None:
-        by_key = {_storage_key(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        by_key = {storage_key(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         missing = [name for key, name in by_key.items() if key not in recorder.recipes]
         if missing:
             recorder.failure = f"parameter {missing[0]} was not made through a module's register_parameter"
@@ -250,7 +251,7 @@ def build_deferred(build: Callable[[], nn.Module]) -> nn.Module:
         log.info("building the whole model on every rank (its build cannot be deferred: %s)", recorder.failure)
         torch.set_rng_state(state)
         return build()
-    recipes = {name: recorder.recipes[_storage_key(p)][1] for name, p in model.named_parameters(remove_duplicate=False)}
+    recipes = {name: recorder.recipes[storage_key(p)][1] for name, p in model.named_parameters(remove_duplicate=False)}
     setattr(model, RECIPES, recipes)
     return model
 

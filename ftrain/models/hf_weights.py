@@ -40,6 +40,7 @@ from torch import nn
 
 from ftrain.config import ConfigError, ModelConfig
 from ftrain.models import config_match
+from ftrain.models.deferred_init import storage_key
 from ftrain.models.safetensors_file import Entry, SafetensorsFileError, read_file, read_header
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _damaged(e: Exception) -> ConfigError:
+def damaged(e: Exception) -> ConfigError:
     return ConfigError(
         KEY,
         f"{e}. Download or copy the file again (or write the directory again with save_pretrained)",
@@ -272,7 +273,7 @@ def _survey(files: list[Path]) -> dict[str, tuple[Path, Entry]]:
         try:
             entries = read_header(file)
         except (SafetensorsFileError, OSError) as e:
-            raise _damaged(e) from e
+            raise damaged(e) from e
         for name, entry in entries.items():
             if name in found:
                 raise ConfigError(KEY, f"{name!r} is in both {found[name][0].name} and {file.name}")
@@ -286,7 +287,7 @@ def _check_tensors(target: Mapping[str, torch.Tensor], hf_of: Mapping[str, str],
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ConfigError(KEY, f"{unexpected[0]!r}{more} is in the checkpoint but not a tensor of the model")
-    present_storage = {target[ours_of[k]].untyped_storage().data_ptr() for k in found if k in ours_of}
+    present_storage = {storage_key(target[ours_of[k]]) for k in found if k in ours_of}
     for ours, hf in hf_of.items():
         if hf in found:
             file, entry = found[hf]
@@ -298,13 +299,23 @@ def _check_tensors(target: Mapping[str, torch.Tensor], hf_of: Mapping[str, str],
             problem = _dtype_problem(entry, target[ours])
             if problem:
                 raise ConfigError(KEY, f"{hf!r} in {file.name} {problem}")
-        elif target[ours].untyped_storage().data_ptr() not in present_storage:  # a tied copy is enough
+        elif storage_key(target[ours]) not in present_storage:  # a tied copy is enough
             raise ConfigError(KEY, f"{hf!r} (the model's {ours!r}) is not in the checkpoint")
 
 
-def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
-    """Load ``cfg.init_from``'s safetensors into ``model`` (whole, on the CPU, before sharding);
-    returns each file read (its name in the directory) -> the sha256 of the bytes loaded from it."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class InitFrom:
+    """``model.init_from`` checked against a model (headers read, no tensor): what to read from where."""
+
+    directory: Path
+    files: list[Path]
+    found: dict[str, tuple[Path, Entry]]  #: every tensor the files hold -> (its file, its entry)
+    hf_of: dict[str, str]  #: each of the model's state-dict names -> its name in the files
+
+
+def survey_init_from(model: nn.Module, cfg: ModelConfig) -> InitFrom:
+    """Check ``cfg.init_from`` against ``model`` (whole, or built on the meta device) before any
+    tensor is read: the directory, its config.json, every tensor's presence, shape and dtype."""
     directory = Path(cfg.init_from)
     if not (directory / "config.json").is_file():
         what = "does not exist" if not directory.exists() else "has no config.json"
@@ -321,9 +332,18 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
     files = weight_files(directory)
     target = model.state_dict()
     hf_of = {k: (names[k] if names is not None and k in names else k) for k in target}
-    ours_of = {v: k for k, v in hf_of.items()}
     found = _survey(files)
     _check_tensors(target, hf_of, found)
+    return InitFrom(directory, files, found, hf_of)
+
+
+def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
+    """Load ``cfg.init_from``'s safetensors into ``model`` (whole, on the CPU, before sharding);
+    returns each file read (its name in the directory) -> the sha256 of the bytes loaded from it."""
+    init = survey_init_from(model, cfg)
+    directory, files, found = init.directory, init.files, init.found
+    target = model.state_dict()
+    ours_of = {v: k for k, v in init.hf_of.items()}
     loaded = 0
     digests: dict[str, str] = {}
     with torch.no_grad():
@@ -331,12 +351,12 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
             try:
                 whole = read_file(file)
             except (SafetensorsFileError, OSError) as e:
-                raise _damaged(e) from e
+                raise damaged(e) from e
             for key, tensor in whole.tensors.items():
                 if key not in ours_of:
                     continue
                 if found.get(key, (None, None))[1] != whole.entries[key]:
-                    raise _damaged(SafetensorsFileError(f"{str(file)!r} changed while it was read ({key!r})"))
+                    raise damaged(SafetensorsFileError(f"{str(file)!r} changed while it was read ({key!r})"))
                 target[ours_of[key]].copy_(tensor)
                 loaded += 1
             digests[file.name] = whole.sha256

@@ -147,6 +147,29 @@ def read_header(path: Path) -> dict[str, Entry]:
     return parse_header(path, header, size_bytes - 8 - length)
 
 
+def read_rows(path: Path, entry: Entry, first: int, count: int) -> torch.Tensor:
+    """Rows ``first .. first + count - 1`` (along dim 0) of the tensor ``entry`` describes in
+    ``path``, read alone; a 0-dim tensor is read whole (``first`` 0, ``count`` 1)."""
+    if sys.byteorder != "little":
+        raise SafetensorsFileError("safetensors files are little-endian; this host is not")
+    rows = entry.shape[0] if entry.shape else 1
+    if not 0 <= first <= first + count <= rows:
+        raise ValueError(f"rows {first}..{first + count} of a tensor of {rows}")
+    row_bytes = (entry.end - entry.begin) // max(rows, 1)
+    with path.open("rb") as f:
+        size_bytes = f.seek(0, 2)
+        f.seek(0)
+        start = 8 + _header_length(path, f.read(8), size_bytes)
+        f.seek(start + entry.begin + first * row_bytes)
+        data = bytearray(count * row_bytes)
+        if f.readinto(data) != len(data):
+            raise _fail(path, "it ended inside a tensor's data (truncated, or changed while it was read)")
+    shape = (count, *entry.shape[1:]) if entry.shape else ()
+    if not data:
+        return torch.empty(shape, dtype=entry.torch_dtype)
+    return torch.frombuffer(data, dtype=entry.torch_dtype).view(shape)
+
+
 def read_file(path: Path) -> Loaded:
     """All of ``path``, read once and hashed (sha256) as read; its tensors are views of those bytes."""
     if sys.byteorder != "little":

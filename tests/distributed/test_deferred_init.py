@@ -68,3 +68,29 @@ def test_a_rank_builds_its_share_of_the_model_not_the_whole_model(tmp_path, layo
     print({rank: f"{grew / 1e6:.0f} MB" for rank, grew in growth.items()}, f"model {model_bytes / 1e6:.0f} MB")
     assert all(grew < model_bytes / 2 for grew in growth.values()), (growth, model_bytes)
     assert [m["step"] for m in job.metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in job.metrics)
+
+
+def test_a_damaged_init_from_file_stops_every_rank_with_its_name(tmp_path):
+    """Each rank reads its own part of ``model.init_from`` (ftrain.models.init_shards): a file
+    cut short is named, on every rank, and no rank is left waiting in a collective."""
+    import torch
+
+    from ftrain.model import build_model
+    from tests.distributed.test_hf_models import config_text, job_config
+
+    cfg = job_config(tmp_path, "llama")
+    torch.manual_seed(1)
+    build_model(cfg.model).save_pretrained(tmp_path / "init")
+    weights = tmp_path / "init" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    job = train_job(
+        tmp_path / "job",
+        2,
+        f"--model.init_from={tmp_path / 'init'}",
+        "--parallel.strategy=fsdp",
+        config=config_text("llama"),
+        check=False,
+        timeout_s=180,
+    )
+    assert job.returncode != 0
+    assert job.output.count("model.safetensors") >= 2 and "model.init_from" in job.output, job.output[-3000:]

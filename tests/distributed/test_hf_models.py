@@ -1,8 +1,9 @@
 """Hugging Face models end to end through ``torchrun -m ftrain train``: ``ftrain.models.hf:causal_lm``
 (llama and qwen2) under ddp, fsdp, tp and a two-stage pipeline, each run resuming the one before
 it from its checkpoint (so every strategy trains, saves, and reads another's step); the first run
-starts from ``model.init_from`` (a ``save_pretrained`` directory, read on rank 0 and sent to rank 1:
-its first loss is the Hugging Face model's on that batch; the runs after it keep the setting while
+starts from ``model.init_from`` (a ``save_pretrained`` directory; under fsdp each rank reads only
+the rows of its own shards, about half the bytes each: its first loss is the Hugging Face model's
+on that batch; the runs after it keep the setting while
 the directory is gone, as a resume does not read it), the last step exports with ``ftrain ckpt
 export --format hf`` (again: refused without ``--replace``) and reloads in transformers with the
 logits of ftrain's model. The step directory also reads back with plain
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from ftrain.models.safetensors_file import read_header
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -139,6 +142,10 @@ def test_every_strategy_trains_checkpoints_and_resumes_the_one_before(chain):
     assert losses[-1] < losses[0] - 0.1, f"{family}: the loss did not move: {losses}"
 
 
+def start_dir(chain) -> Path:
+    return chain[3].parent / "init.moved"  # moved away after the first run (see chain)
+
+
 def test_init_from_starts_at_the_hugging_face_models_loss(chain):
     family, cfg, start, _, runs = chain
     first = runs[0][1].metrics[0]
@@ -146,6 +153,10 @@ def test_init_from_starts_at_the_hugging_face_models_loss(chain):
     assert first["loss"] == pytest.approx(expected, abs=1e-5), family
     (loaded,) = [e for e in runs[0][2] if e["event"] == "weights_loaded"]  # rank 0's, with each file's digest
     assert loaded["files"] and all(len(digest) == 64 for digest in loaded["files"].values()), loaded
+    # fsdp: each rank read the rows of its own shards, about half of the tensors' bytes, not the file
+    data_bytes = sum(e.end - e.begin for e in read_header(start_dir(chain) / "model.safetensors").values())
+    read = loaded["read_bytes_by_rank"]
+    assert len(read) == 2 and sum(read) >= data_bytes and all(r < 0.6 * data_bytes for r in read), (read, data_bytes)
     # the resumes ran with model.init_from pointing at a directory that was gone: not read, not needed
     assert [e for _, _, events in runs[1:] for e in events if e["event"] == "weights_loaded"] == []
 
