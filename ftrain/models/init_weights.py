@@ -1,4 +1,6 @@
-"""``model.init_from`` in a job of several ranks: read once, on rank 0, and sent to the others.
+"""``model.init_from`` in a job of several ranks whose model is built whole (ddp, zero1): read
+once, on rank 0, and sent to the others (the layouts that give each rank part of the model read
+it into the parts: :mod:`ftrain.models.init_shards`).
 
 Rank 0 reads and checks the directory (:func:`ftrain.models.hf_weights.load_hf_weights`: every
 file read once and hashed as read) into its copy of the model, then sends each tensor of the
