@@ -55,10 +55,26 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_worker_kill_restarts_from_the_last_checkpoint_and_the_metrics_show_it(job):
+def test_a_killed_worker_then_a_hung_one_restart_from_the_last_checkpoint_past_garbage_records(job, client):
+    """Restart recovery of two worker faults in one job, with garbage in etcd all along.
+
+    At step 20 records no agent wrote land in the job's keys (not JSON, a wrong type, a newer
+    version's extra field, a malformed round key): they are skipped, each logged once (not every
+    tick), and ``ftrain status`` warns about them. At step 50 node b's worker is SIGKILLed: both
+    nodes restart (round 2, ``worker_exit``) from the newest commit, and node a's metrics show
+    the round, the restart and its own rank's step breakdown. Then node b's worker of round 2
+    is frozen (SIGSTOP): it is taken for a hang, every worker's stack is dumped (the stopped
+    one's too, continued just long enough to dump), and the job restarts again (round 3,
+    ``hang``) and finishes. (Was three tests: a worker kill, a hang, garbage records.)"""
+    keys = JobKeys(job.job)
     job.start("a", "--metrics-port", "0")
     job.start("b")
     port = job.wait_event("agent_metrics", node="a")["port"]
+    job.wait_step(20)
+    client.put(keys.status("x"), "not json")
+    client.put(keys.node("ghost"), '{"node_id": "ghost", "pid": "1"}')  # wrong type: not a live member
+    client.put(keys.status("a"), json.dumps({"round": 1, "state": "running", "from_v9": True}))  # a newer version's
+    client.put(keys.prefix + "rounds/1x", "{")
     job.wait_step(50)
     wait_for(lambda: (_metric(_scrape(port), "ftrain_step") or 0) >= 50, 10, "step 50 in the metrics")
     text = _scrape(port)
@@ -83,22 +99,66 @@ def test_worker_kill_restarts_from_the_last_checkpoint_and_the_metrics_show_it(j
     text = wait_for(round_2_scraped, 30, "round 2 in the metrics")
     assert _metric(text, "ftrain_restarts_total", cause="worker_exit") == 1.0
     assert _metric(text, "ftrain_productive_seconds") > 0
-    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
-    assert [r["reason"] for r in _rounds(job)] == ["start", "worker_exit"]
     assert len({e["step"] for e in resumed}) == 1
     assert resumed[0]["step"] >= max(committed), "resumed from an older step than the last committed one"
     assert resumed[0]["step"] in job.committed_steps()
+
+    job.wait_step(resumed[0]["step"] + 5)  # round 2 trains: a step past its resume
+    stopped = job.worker_pids("b", 2)[0]
+    os.kill(stopped, signal.SIGSTOP)
+    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
+    assert [r["reason"] for r in _rounds(job)] == ["start", "worker_exit", "hang"]
+    # whichever agent noticed first, every worker's stack was dumped before the restart,
+    # the stopped one's included (continued just long enough to dump)
+    stacks = {int(pid): text for e in job.events("hang") for pid, text in e["stacks"].items()}
+    assert stopped in stacks and "was stopped" in stacks[stopped], stacks
+    assert all('File "' in text and "ftrain/train.py" in text for text in stacks.values()), stacks
     assert job.step() == 120
     assert job.events("job_final")[0]["status"] == "succeeded"
 
-
-def test_node_loss_shrinks_the_job_within_ttl_plus_settle_and_reshards(job):
-    job.start("a")
-    job.start("b")
-    job.wait_step(40)
+    # the garbage: skipped by every agent, logged once by the one that reads statuses (the leader)
     leader = job.events("leader_elected")[0]["node"]
-    lost = leader  # lose the leader, which is also node rank 0: both roles must migrate
-    survivor = "b" if lost == "a" else "a"
+    bad = {e["key"] for e in job.events("bad_record", node=leader)}
+    assert bad == {keys.status("x"), keys.node("ghost"), keys.prefix + "rounds/1x"}, bad
+    assert {e["key"] for e in job.events("bad_record")} == bad, "a record of a newer version was refused"
+    assert len(job.events("bad_record", node=leader, key=keys.status("x"))) == 1, "logged once, not every tick"
+    status = subprocess.run(
+        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        env=worker_env(),
+    )
+    assert status.returncode == 0, status.stderr
+    assert "SUCCEEDED" in status.stdout and f"warning: unreadable job record {keys.status('x')}" in status.stdout
+
+
+def test_a_joining_node_enters_at_the_next_checkpoint_and_losing_the_leader_shrinks_within_ttl_plus_settle(job):
+    """Node a trains alone; node b joins at step 15 and enters at the next committed checkpoint
+    (round 2, ``scale_up``, resharded from world size 1 to 2). Then node a, the leader and node
+    rank 0, is lost with its workers: both roles migrate, and node b goes on alone (round 3, world
+    size 1) within the lease TTL plus settle, resharded from world size 2, to the last step.
+    (Was two tests: a node joining, a node lost.)"""
+    job.start("a")
+    job.wait_step(15)
+    job.start("b")
+    joined_at = job.wait_event("agent_registered", node="b")["time"]
+    resumed = wait_for(
+        lambda: len(job.events("resumed", round=2)) == 2 and job.events("resumed", round=2), 90, "round 2"
+    )
+    rounds = _rounds(job)
+    assert [r["reason"] for r in rounds] == ["start", "scale_up"]
+    assert rounds[1]["members"] == ["a", "b"]
+    first_commit_after_join = min(e["time"] for e in job.events("ckpt_committed") if e["time"] > joined_at)
+    assert rounds[1]["time"] >= first_commit_after_join, "grew before a checkpoint was committed"
+    assert {e["world_size"] for e in resumed} == {2} and {e["from_world_size"] for e in resumed} == {1}
+
+    # a step committed by the round of two, so the round after the loss reshards from world size 2
+    wait_for(lambda: job.events("ckpt_committed", round=2), 90, "a commit in round 2")
+    lost = job.events("leader_elected")[0]["node"]  # lose the leader, which is also node rank 0: both roles migrate
+    assert lost == "a" == rounds[1]["members"][0], (lost, rounds[1])
+    survivor = "b"
     killed_at = time.time()
     job.kill_agent(lost)
     for pid in job.worker_pids(lost):  # the whole host goes: its workers too
@@ -107,42 +167,12 @@ def test_node_loss_shrinks_the_job_within_ttl_plus_settle_and_reshards(job):
         except ProcessLookupError:
             pass
     assert job.wait_exit(survivor) == 0, job.log_tail()
-    second = _rounds(job)[1]
-    assert second["members"] == [survivor] and second["world_size"] == 1
-    assert second["time"] - killed_at < 2 + 1 + 2.5, "smaller round took longer than TTL + settle (+ slack)"
-    resumed = job.events("resumed", round=2)
-    assert len(resumed) == 1 and resumed[0]["from_world_size"] == 2 and resumed[0]["world_size"] == 1
-    assert job.step() == 120
-
-
-def test_a_joining_node_enters_at_the_next_checkpoint(job):
-    job.start("a")
-    job.wait_step(15)
-    job.start("b")
-    joined_at = job.wait_event("agent_registered", node="b")["time"]
-    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
     rounds = _rounds(job)
-    assert [r["reason"] for r in rounds] == ["start", "scale_up"]
-    assert rounds[1]["members"] == ["a", "b"]
-    first_commit_after_join = min(e["time"] for e in job.events("ckpt_committed") if e["time"] > joined_at)
-    assert rounds[1]["time"] >= first_commit_after_join, "grew before a checkpoint was committed"
-    resumed = job.events("resumed", round=2)
-    assert {e["world_size"] for e in resumed} == {2} and {e["from_world_size"] for e in resumed} == {1}
-
-
-def test_a_hung_worker_is_dumped_and_restarted(job):
-    job.start("a")
-    job.start("b")
-    job.wait_step(40)
-    stopped = job.worker_pids("b")[0]
-    os.kill(stopped, signal.SIGSTOP)
-    assert job.wait_exit("a") == 0 and job.wait_exit("b") == 0, job.log_tail()
-    assert _rounds(job)[1]["reason"] == "hang"
-    # whichever agent noticed first, every worker's stack was dumped before the restart,
-    # the stopped one's included (continued just long enough to dump)
-    stacks = {int(pid): text for e in job.events("hang") for pid, text in e["stacks"].items()}
-    assert stopped in stacks and "was stopped" in stacks[stopped], stacks
-    assert all('File "' in text and "ftrain/train.py" in text for text in stacks.values()), stacks
+    assert len(rounds) == 3, rounds
+    assert rounds[2]["members"] == [survivor] and rounds[2]["world_size"] == 1
+    assert rounds[2]["time"] - killed_at < 2 + 1 + 2.5, "smaller round took longer than TTL + settle (+ slack)"
+    resumed = job.events("resumed", round=3)
+    assert len(resumed) == 1 and resumed[0]["from_world_size"] == 2 and resumed[0]["world_size"] == 1
     assert job.step() == 120
 
 
@@ -302,31 +332,6 @@ def test_sigterm_drains_the_node(job):
     assert stop, job.log_tail()
     assert stop[0]["step"] in job.committed_steps(), "the drained step was not saved"
     assert not job.events("job_final"), "a drained node does not end the job"
-
-
-def test_garbage_records_in_etcd_are_skipped_and_the_job_finishes(job, client):
-    keys = JobKeys(job.job)
-    job.start("a", nnodes="1:1")
-    job.wait_step(20)
-    client.put(keys.status("x"), "not json")
-    client.put(keys.node("ghost"), '{"node_id": "ghost", "pid": "1"}')  # wrong type: not a live member
-    client.put(keys.status("a"), json.dumps({"round": 1, "state": "running", "from_v9": True}))  # a newer version's
-    client.put(keys.prefix + "rounds/1x", "{")
-    assert job.wait_exit("a") == 0, job.log_tail()
-    assert job.step() == 120 and job.events("job_final")[0]["status"] == "succeeded"
-    bad = {e["key"] for e in job.events("bad_record", node="a")}
-    assert bad == {keys.status("x"), keys.node("ghost"), keys.prefix + "rounds/1x"}, bad
-    assert len(job.events("bad_record", node="a", key=keys.status("x"))) == 1, "logged once, not every tick"
-    status = subprocess.run(
-        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-        env=worker_env(),
-    )
-    assert status.returncode == 0, status.stderr
-    assert "SUCCEEDED" in status.stdout and f"warning: unreadable job record {keys.status('x')}" in status.stdout
 
 
 def test_a_job_whose_commits_keep_failing_stops_with_the_error(job, tmp_path):

@@ -1,5 +1,6 @@
 """Checkpoints on a real S3 server (SeaweedFS): bitwise resume after a real SIGKILL, and
-resharding fsdp x4 -> ddp x2 / x1 and across pipeline layouts with an exact data cursor."""
+resharding fsdp x4 -> ddp x2 / x1 and across pipeline layouts with an exact data cursor; a step
+exported whole (``ftrain ckpt export``) is the trained model."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def assert_bitwise(a: dict, b: dict) -> None:
     ("strategy", "layout"), [("ddp", []), ("fsdp", []), ("ddp", ["--parallel.pp_size=2"])], ids=["ddp", "fsdp", "pp2"]
 )
 def test_sigkill_then_resume_is_bitwise_identical(strategy, layout, seaweed, s3_prefix, tmp_path, golden):
+    """A run SIGKILLed after step 9 resumes from its newest commit and ends bitwise equal to an
+    uninterrupted run, loss for loss. Under fsdp the resumed run's last step (saved sharded) also
+    exports whole with ``ftrain ckpt export``, equal to its final weights, and ``ftrain ckpt show``
+    lists its files (was a test of its own, with a job of its own)."""
     env = seaweed.env()
     golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]), *layout)
     url = seaweed.url(f"{s3_prefix}/job")
@@ -76,6 +81,25 @@ def test_sigkill_then_resume_is_bitwise_identical(strategy, layout, seaweed, s3_
     # the resumed run's losses are the golden run's, step for step
     golden_losses = {m["step"]: m["loss"] for m in golden.metrics}
     assert all(m["loss"] == golden_losses[m["step"]] for m in resumed.metrics)
+    if strategy == "fsdp":  # what fsdp saved (sharded) exports whole, and shows its files
+        _assert_export_is_the_trained_model(url, 10, resumed.final["model"], env, tmp_path)
+
+
+def _assert_export_is_the_trained_model(url: str, step: int, model: dict, env: dict[str, str], tmp_path) -> None:
+    """``ftrain ckpt export`` of ``step`` is ``model`` exactly; ``ftrain ckpt show`` lists its files."""
+    out = tmp_path / "model.pt"
+    proc = run(
+        [sys.executable, "-m", "ftrain", "ckpt", "export", url, str(step), str(out)],
+        timeout_s=120,
+        env=worker_env(**env),
+    )
+    assert proc.returncode == 0, proc.stdout
+    exported = torch.load(out)
+    assert exported.keys() == model.keys()
+    assert all(torch.equal(exported[k], model[k]) for k in exported)
+    show = run([sys.executable, "-m", "ftrain", "ckpt", "show", url, str(step)], timeout_s=60, env=worker_env(**env))
+    assert show.returncode == 0, show.stdout
+    assert "__0_0.distcp" in show.stdout and ".metadata" in show.stdout
 
 
 def test_reshard_fsdp4_to_ddp2_and_ddp1(seaweed, s3_prefix, tmp_path, golden):
@@ -215,20 +239,3 @@ def test_deterministic_reshard_is_bitwise(seaweed, s3_prefix, tmp_path, golden):
     run = train_job(tmp_path / "w2", 2, *DETERMINISTIC, *ck, env=env)
     assert run.metrics[0]["step"] == 3
     assert_bitwise(run.final, golden.final)
-
-
-def test_export_writes_the_trained_model(seaweed, s3_prefix, tmp_path):
-    env = seaweed.env()
-    url = seaweed.url(f"{s3_prefix}/job")
-    job = train_job(tmp_path / "job", 2, "--parallel.strategy=fsdp", *ckpt_args(url), env=env)
-    out = tmp_path / "model.pt"
-    proc = run(
-        [sys.executable, "-m", "ftrain", "ckpt", "export", url, "10", str(out)], timeout_s=120, env=worker_env(**env)
-    )
-    assert proc.returncode == 0, proc.stdout
-    exported = torch.load(out)
-    assert exported.keys() == job.final["model"].keys()
-    assert all(torch.equal(exported[k], job.final["model"][k]) for k in exported)
-    show = run([sys.executable, "-m", "ftrain", "ckpt", "show", url, "10"], timeout_s=60, env=worker_env(**env))
-    assert show.returncode == 0, show.stdout
-    assert "__0_0.distcp" in show.stdout and ".metadata" in show.stdout
