@@ -107,13 +107,9 @@ def _host_bytes() -> tuple[int, int]:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    fields = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["VmRSS"], fields["VmHWM"]
+    from ftrain.observability.metrics import resident_bytes
+
+    return resident_bytes(), resident_bytes(peak=True)
 
 
 def _reset_peak() -> bool:

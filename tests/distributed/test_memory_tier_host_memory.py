@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from ftrain.observability.metrics import resident_bytes
+
 #: a GPT of ~61 MB of params + AdamW state, fsdp over 2 ranks: ~30 MB of files a rank
 MODEL = ["--model.vocab_size=4096", "--model.d_model=384", "--model.n_head=6", "--model.n_layer=4"]
 OVERRIDES = ["--parallel.strategy=fsdp", "--checkpoint.memory_interval=1", *MODEL]
@@ -23,13 +25,7 @@ SNAPSHOTS = 3
 
 def _status() -> tuple[int, int]:
     """VmRSS and VmHWM of this process, in bytes."""
-    fields = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["VmRSS"], fields["VmHWM"]
+    return resident_bytes(), resident_bytes(peak=True)
 
 
 def _trim() -> None:

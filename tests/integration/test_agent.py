@@ -55,6 +55,18 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def _ftrain_status(job) -> subprocess.CompletedProcess:
+    """``ftrain status`` of ``job``, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        env=worker_env(),
+    )
+
+
 def test_a_killed_worker_then_a_hung_one_restart_from_the_last_checkpoint_past_garbage_records(job, client):
     """Restart recovery of two worker faults in one job, with garbage in etcd all along.
 
@@ -122,14 +134,7 @@ def test_a_killed_worker_then_a_hung_one_restart_from_the_last_checkpoint_past_g
     assert bad == {keys.status("x"), keys.node("ghost"), keys.prefix + "rounds/1x"}, bad
     assert {e["key"] for e in job.events("bad_record")} == bad, "a record of a newer version was refused"
     assert len(job.events("bad_record", node=leader, key=keys.status("x"))) == 1, "logged once, not every tick"
-    status = subprocess.run(
-        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-        env=worker_env(),
-    )
+    status = _ftrain_status(job)
     assert status.returncode == 0, status.stderr
     assert "SUCCEEDED" in status.stdout and f"warning: unreadable job record {keys.status('x')}" in status.stdout
 
@@ -301,14 +306,7 @@ def test_a_crash_loop_stops_at_the_restart_budget(job):
     final = job.events("job_final")[0]
     assert final["status"] == "failed" and "restart budget" in final["reason"]
     assert len(_rounds(job)) == 3  # the first round and two restarts
-    status = subprocess.run(
-        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-        env=worker_env(),
-    )
+    status = _ftrain_status(job)
     assert status.returncode == 0 and "FAILED" in status.stdout and "restart budget" in status.stdout, status.stdout
     as_json = json.loads(
         subprocess.run(
@@ -353,14 +351,7 @@ def test_a_job_whose_commits_keep_failing_stops_with_the_error(job, tmp_path):
     assert "CheckpointFailuresError" in final["reason"] and "checkpoint.max_failed_commits=3" in final["reason"]
     assert "Not a directory" in final["reason"], "the final status must name the last error"
     assert len(_rounds(job)) == 3, "stopped after 3 identical failures, not at the restart budget"
-    status = subprocess.run(
-        [sys.executable, "-m", "ftrain", "status", "--etcd", job.etcd, "--job", job.job],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-        env=worker_env(),
-    )
+    status = _ftrain_status(job)
     assert "FAILED" in status.stdout and "CheckpointFailuresError" in status.stdout, status.stdout
 
 
