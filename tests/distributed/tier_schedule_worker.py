@@ -27,6 +27,7 @@ import torch
 
 from ftrain.config import load_config
 from ftrain.distributed import init_distributed, select_device, shutdown_distributed
+from ftrain.recovery import memory_tier
 from ftrain.recovery.live import hold, restore
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
@@ -44,6 +45,20 @@ def _failing_once(call: Any, fail_at_call: int, what: str) -> Any:
         return call(*args, **kwargs)
 
     return wrapper
+
+
+def _stagers_failing_once(new_stager: Any, fail_at_call: int) -> Any:
+    """``new_stager`` whose stagers' ``stage`` calls, counted together, fail once (the tier makes a
+    stager per snapshot)."""
+    stage = _failing_once(lambda real, *args, **kwargs: real(*args, **kwargs), fail_at_call, "staging")
+
+    def made(*args: Any, **kwargs: Any) -> Any:
+        stager = new_stager(*args, **kwargs)
+        real = stager.stage
+        stager.stage = lambda *a, **k: stage(real, *a, **k)
+        return stager
+
+    return made
 
 
 def spare(config: str, events: str) -> None:
@@ -85,7 +100,7 @@ def failures(config: str, events: str) -> None:
     tier = MemoryTier(cfg)
     trainer = Trainer(cfg, device, torch.float32, rank, world, 2, tier=tier)
     if rank == 1:  # snapshots at steps 1, 3, 5, 7, ...: the 2nd cannot stage, the 4th breaks off
-        tier._stager.stage = _failing_once(tier._stager.stage, 2, "staging")  # noqa: SLF001
+        memory_tier.new_stager = _stagers_failing_once(memory_tier.new_stager, 2)
         tier._swap_with_buddy = _failing_once(tier._swap_with_buddy, 3, "the exchange")  # type: ignore[method-assign]  # noqa: SLF001
     trainer.run(resume=False)
     trainer.close()
