@@ -156,12 +156,20 @@ def output_failure(output: str, returncode: int) -> str:
 
 
 def run_with_retry(
-    config_path: Path, nproc: int, strategy: str, workdir: Path, *, env: dict[str, str], timeout_s: float, retries: int
+    config_path: Path,
+    nproc: int,
+    strategy: str,
+    workdir: Path,
+    *,
+    env: dict[str, str],
+    timeout_s: float,
+    retries: int,
+    overrides: tuple[str, ...] = (),
 ) -> tuple[Job, list[str]]:
     """Run a job; a failed one is run again up to ``retries`` times and each failure reported."""
     failures = []
     while True:
-        job = torchrun_train(config_path, nproc, strategy, workdir, env=env, timeout_s=timeout_s)
+        job = torchrun_train(config_path, nproc, strategy, workdir, env=env, timeout_s=timeout_s, overrides=overrides)
         if job.returncode == 0 or len(failures) >= retries:
             return job, failures
         failures.append(failure_reason(job))

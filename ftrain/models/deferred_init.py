@@ -28,7 +28,7 @@ model's buffers, the largest single parameter and this rank's share — not the 
 
 A build this cannot record (an in-place op on part of a parameter, an op that mixes a parameter
 with another meta tensor, a parameter whose value comes from another parameter) is built the
-normal way instead, from the same random state, and a log line says why (:class:`Unrecordable`).
+normal way instead, from the same random state, and a log line says why.
 """
 
 from __future__ import annotations
@@ -50,12 +50,8 @@ log = logging.getLogger(__name__)
 
 #: the attribute of a deferred model that holds its recipes (parameter name -> Recipe)
 RECIPES = "_ftrain_deferred_recipes"
-#: module wrappers' prefixes that are not part of a parameter's own name
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
-class Unrecordable(Exception):
-    """The model's build does something to a parameter that cannot be replayed shard by shard."""
+#: the names module wrappers put into a parameter's path (activation checkpointing, torch.compile)
+WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 @dataclass
@@ -261,10 +257,8 @@ def is_deferred(model: nn.Module) -> bool:
 
 
 def own_name(name: str) -> str:
-    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile, DDP)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """A parameter's name without the wrappers' parts (activation checkpointing, torch.compile)."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
 def materialize(model: nn.Module, device: torch.device, recipes: dict[str, Recipe] | None = None) -> nn.Module:

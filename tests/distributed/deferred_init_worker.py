@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ftrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ftrain.model import build_model
-from ftrain.models.deferred_init import is_deferred
+from ftrain.models.deferred_init import is_deferred, own_name
 from ftrain.parallel.parallelize import build_for, parallelize
 from ftrain.parallel.strategies import compute_layout
 
@@ -41,7 +41,7 @@ def check(name: str, model_cfg: ModelConfig) -> dict:
     par = parallelize(model, cfg, layout, torch.device("cpu"), torch.float32, 8 // layout.dp_size)
     different, seen = [], 0
     for fqn, param in par.model.named_parameters():
-        own = fqn.replace("_checkpoint_wrapped_module.", "").replace("module.", "")
+        own = own_name(fqn)
         value = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         seen += 1
         if not torch.equal(value, whole[own].detach()):

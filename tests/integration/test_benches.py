@@ -77,6 +77,8 @@ def test_the_plan_vs_measured_bench_smoke_run_compares_the_estimate_with_the_pea
             (row["estimate_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
         )
         assert abs(row["relative_error"]) < 0.2, row
+        # the start-up phase, from each rank's model_built event, beside the plan's init term
+        assert row["startup_measured_bytes"] > 0 and row["startup_estimate_bytes"] == row["init_bytes"], row
     # fsdp shards the model states across the 2 ranks: the plan gives it less than ddp
     assert rows["fsdp"]["model_state_bytes"] < rows["ddp"]["model_state_bytes"]
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from ftrain.config import ModelConfig
 from ftrain.model import build_model
-from ftrain.models.deferred_init import build_deferred, is_deferred, materialize
+from ftrain.models.deferred_init import build_deferred, is_deferred, materialize, own_name
 
 HF_ARGS = {
     "family": "llama",
@@ -97,3 +97,9 @@ def test_a_build_that_writes_part_of_a_parameter_is_built_whole_from_the_same_ra
     assert "cannot be deferred" in caplog.text and "part of a parameter" in caplog.text, caplog.text
     assert torch.equal(after, after_reference)
     _assert_same(model, reference)
+
+
+def test_only_the_wrappers_parts_leave_a_parameters_name():
+    assert own_name("blocks.0._checkpoint_wrapped_module.attn.q.weight") == "blocks.0.attn.q.weight"
+    assert own_name("_orig_mod.head.weight") == "head.weight"
+    assert own_name("submodule.weight") == "submodule.weight" and own_name("module.x.weight") == "module.x.weight"
