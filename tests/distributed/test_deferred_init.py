@@ -4,8 +4,9 @@ Every layout that leaves a rank part of the model (fsdp, zero2, hsdp, tp, fsdp+t
 under fsdp and ddp) materializes each rank's part with the weights of a whole build, bitwise
 (the worker gathers them back), for the built-in GPT and Llama. And the start-up memory is
 bounded by a rank's share: a model of ~400 MB in fp32 starts on 4 ranks under fsdp and fsdp+tp
-with each rank's resident memory growing by less than half the model while it is built and made
-parallel (a whole build grows it by the whole model: today's code before this fails), then trains.
+with each rank's resident memory growing by well under the model (a quarter of it is the rank's
+share) while it is built and made parallel, then trains. A whole build grew it by more than the
+model (455 MB here): the code before deferred builds fails this test.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def test_a_rank_builds_its_share_of_the_model_not_the_whole_model(tmp_path, layo
     assert model_bytes > 400e6
     growth = {e["rank"]: e["host_peak_bytes"] - e["host_before_bytes"] for e in built}
     print({rank: f"{grew / 1e6:.0f} MB" for rank, grew in growth.items()}, f"model {model_bytes / 1e6:.0f} MB")
-    assert all(grew < model_bytes / 2 for grew in growth.values()), (growth, model_bytes)
+    # a quarter of the model is the rank's share; one parameter made whole, torch's wrapper imports
+    # and the mesh add ~30-75 MB here (133-175 MB measured); a whole build adds the model and more
+    assert all(grew < 0.6 * model_bytes for grew in growth.values()), (growth, model_bytes)
     assert [m["step"] for m in job.metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in job.metrics)
 
 
