@@ -101,14 +101,10 @@ def _host_bytes() -> tuple[int, int]:
     """This process's resident set and its peak since the last :func:`_reset_peak` (VmRSS, VmHWM),
     the heap's free pages handed back first (glibc's ``malloc_trim``): what is held, not what
     malloc kept of what was freed."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
     from ftrain.observability.metrics import resident_bytes
+    from ftrain.recovery.tier_host import give_back_freed
 
+    give_back_freed()
     return resident_bytes(), resident_bytes(peak=True)
 
 

@@ -55,8 +55,6 @@ schedule, wire format and run binding are modules of their own.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import logging
 import os
@@ -67,7 +65,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -76,7 +73,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ftrain.checkpoint.dcp_read import METADATA_NAME, VerifiedReader, needed_files
 from ftrain.checkpoint.dcp_write import DigestingWriter
 from ftrain.checkpoint.errors import CheckpointError, ManifestError
-from ftrain.checkpoint.manifest import FileEntry, Manifest, hmac_key_from_env
+from ftrain.checkpoint.manifest import Manifest, hmac_key_from_env
 from ftrain.checkpoint.safe_pickle import SafeLoadPlanner
 from ftrain.checkpoint.staging import new_stager
 from ftrain.checkpoint.storage import StorageOptions
@@ -94,6 +91,7 @@ from ftrain.recovery.tier_binding import (
     binding_problem,
     resolve_run_id,
 )
+from ftrain.recovery.tier_host import Publisher, drop_files, give_back_freed, take_files, too_big_to_receive
 from ftrain.recovery.tier_schedule import Figures, base_interval, is_due, next_interval, put_off
 from ftrain.recovery.tier_store import DirFiles, Snapshot, TierStore
 from ftrain.recovery.tier_wire import (
@@ -131,46 +129,6 @@ class _Outcome:
 
     ok: bool
     figures: Figures | None = None
-
-
-def _too_big_to_receive(size_bytes: int, rank: int) -> str:
-    """Why this rank cannot take ``size_bytes`` from its peers ("" when it can): the sizes come
-    from a snapshot's manifest, read from a node-local directory, and buffers are allocated from
-    them before any byte arrives; more than the host's available memory is refused, not tried."""
-    available = _available_memory_bytes()
-    if available is not None and size_bytes > available:
-        return f"rank {rank} would receive {size_bytes} bytes, more than its host's {available} available"
-    return ""
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim`` (None elsewhere)."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def _give_back_freed() -> None:
-    """Hand the heap's free pages back to the OS. A staged copy of the state is many tensors,
-    most below glibc's mmap threshold: freed, they stay in malloc's arenas, resident, and the
-    host would count a third copy of the state that the tier no longer holds."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class _Refused(Exception):  # noqa: N818 - every rank gives up the same snapshot or restore
@@ -484,7 +442,7 @@ class MemoryTier:
             log.warning("memory-tier snapshot of step %d failed (the previous one stays): %s", step, e)
         finally:
             self._outcome = outcome  # read when the next snapshot starts, after this thread was joined
-            _drop_files(f"{self._root}/step-{step:09d}")  # what a save that failed midway left in memory
+            drop_files(f"{self._root}/step-{step:09d}")  # what a save that failed midway left in memory
         if outcome.ok and outcome.figures is not None:
             events.emit(
                 ev.MemorySnapshot(
@@ -520,7 +478,7 @@ class MemoryTier:
         if any_rank(bool(problem), torch.device("cpu"), group):
             raise _Refused(problem or "another rank could not copy its state")
         url = f"{self._root}/step-{step:09d}"
-        publisher = _Publisher(
+        publisher = Publisher(
             {
                 **fields,
                 "step": step,
@@ -535,10 +493,10 @@ class MemoryTier:
         dcp.save(staged, storage_writer=writer, process_group=group)  # DCP raises on every rank if one fails
         del staged
         stager.release()  # the staged copy is in the files now: its buffers go before the buddy's copy comes
-        _give_back_freed()
+        give_back_freed()
         own: dict[str, bytes] = {}
         try:
-            own = _take_files(url)
+            own = take_files(url)
         except Exception as e:  # noqa: BLE001 - told to every rank below
             problem = f"its files of the save could not be read back: {e}"
         manifest_bytes = broadcast_bytes(publisher.manifest_bytes, 0, group)
@@ -700,7 +658,7 @@ class MemoryTier:
             local[name] = data
         missing = [n for n in needed if n not in local and n not in plan.receives]
         problem = problem or (f"no live rank holds {missing[0]}" if missing else "")
-        problem = problem or _too_big_to_receive(sum(manifest.files[n].size_bytes for n in plan.receives), self.rank)
+        problem = problem or too_big_to_receive(sum(manifest.files[n].size_bytes for n in plan.receives), self.rank)
         bad = _problems(all_gather_json(problem, group))
         if bad:
             raise _Refused("; ".join(bad)[:1000])
@@ -770,46 +728,6 @@ def _read_held(snap: Snapshot, name: str, manifest: Manifest, rank: int) -> tupl
     if entry is None or not matches(data, entry, manifest.digest_algorithm):
         return None, f"{where} does not match the manifest of step {manifest.step}"[:600]
     return data, ""
-
-
-class _Publisher:
-    """The coordinator's end of a snapshot's DCP save: the manifest, in memory (picklable)."""
-
-    def __init__(self, fields: dict[str, Any], hmac_key: bytes | None = None):
-        self.fields = fields
-        self.hmac_key = hmac_key
-        self.manifest_bytes: bytes | None = None
-
-    def prepare(self) -> None:
-        return None
-
-    def commit(self, files: dict[str, FileEntry]) -> None:
-        self.manifest_bytes = Manifest(files=files, created_time=time.time(), **self.fields).to_json(self.hmac_key)
-
-
-def _take_files(url: str) -> dict[str, bytes]:
-    """The files this process wrote under ``url`` (memory://), taken out of the memory
-    filesystem: a file's bytes are handed over, not copied (a copy of a rank's files beside
-    them is the memory the tier must not hold)."""
-    fs, path = fsspec.core.url_to_fs(url)
-    names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)] if fs.exists(path) else []
-    files = {}
-    for name in names:
-        held = getattr(fs, "store", {}).pop(f"{path}/{name}", None)
-        # a MemoryFile is a BytesIO: getvalue() hands over its buffer while nothing else views it
-        files[name] = held.getvalue() if held is not None else fs.cat_file(f"{path}/{name}")
-    fs.rm(path, recursive=True)
-    return files
-
-
-def _drop_files(url: str) -> None:
-    """Remove what is left under ``url`` (memory://), if anything; best effort."""
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-    except Exception as e:  # noqa: BLE001 - memory it may keep; nothing else depends on it
-        log.debug("memory tier: could not drop %s: %s", url, e)
 
 
 def _verified(files: dict[str, bytearray], manifest: Manifest) -> dict[str, bytearray]:

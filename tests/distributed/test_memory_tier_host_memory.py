@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from ftrain.observability.metrics import resident_bytes
+from ftrain.recovery.tier_host import give_back_freed
 
 #: a GPT of ~61 MB of params + AdamW state, fsdp over 2 ranks: ~30 MB of files a rank
 MODEL = ["--model.vocab_size=4096", "--model.d_model=384", "--model.n_head=6", "--model.n_layer=4"]
@@ -26,14 +27,6 @@ SNAPSHOTS = 3
 def _status() -> tuple[int, int]:
     """VmRSS and VmHWM of this process, in bytes."""
     return resident_bytes(), resident_bytes(peak=True)
-
-
-def _trim() -> None:
-    """Free heap pages back to the OS first (glibc), so that the resident set counts what is
-    held, not what malloc kept of what was freed."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _reset_peak() -> None:
@@ -60,7 +53,7 @@ def main(config: str, out: str) -> None:
     tier = MemoryTier(cfg)
     tier.join_round(rank, world, 1, "cpu")
     gc.collect()
-    _trim()
+    give_back_freed()
     dist.barrier()
     base = _status()[0]
     between, peaks = [], []
@@ -70,7 +63,7 @@ def main(config: str, out: str) -> None:
         tier.maybe_snapshot(step, trainer, checkpointed=True)
         tier.wait()
         gc.collect()
-        _trim()
+        give_back_freed()
         rss, hwm = _status()
         between.append(rss - base)
         peaks.append(hwm - base)

@@ -267,8 +267,8 @@ def test_a_snapshot_announcing_more_than_the_host_holds_is_refused_before_any_bu
     """The sizes of a restore's receive buffers come from a snapshot's manifest (a node-local
     file): more than the host's available memory is a problem every rank learns, not a
     RuntimeError on one rank that leaves its peers blocked in the exchange."""
-    from ftrain.recovery.memory_tier import _too_big_to_receive
+    from ftrain.recovery.tier_host import too_big_to_receive
 
-    assert _too_big_to_receive(1 << 20, 3) == ""
-    why = _too_big_to_receive(1 << 62, 3)
+    assert too_big_to_receive(1 << 20, 3) == ""
+    why = too_big_to_receive(1 << 62, 3)
     assert why.startswith("rank 3 would receive 4611686018427387904 bytes"), why
