@@ -21,10 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,11 +31,10 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ftrain.config import ConfigError, ModelConfig
 from ftrain.models.hf_weights import KEY, InitFrom, damaged, sha256_of, survey_init_from
+from ftrain.models.init_weights import agreed
 from ftrain.models.safetensors_file import SafetensorsFileError, read_rows
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,31 +53,6 @@ def _stats(files: list[Path]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _agreed(work: Callable[[], T]) -> list[T]:
-    """``work()`` on every rank, over a gloo group; each rank's result, or any rank's error raised
-    on every rank (its own where it has one)."""
-    outcome: tuple[str, Any]
-    error: Exception | None = None
-    try:
-        outcome = ("ok", work())
-    except Exception as e:  # noqa: BLE001 - raised below, on every rank
-        error = e
-        outcome = ("error", f"{e}" if isinstance(e, ConfigError) else f"{KEY}: {type(e).__name__}: {e}")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    try:
-        dist.all_gather_object(gathered, outcome, group=group)
-    finally:
-        if group is not None:
-            dist.destroy_process_group(group)
-    for rank, (status, value) in enumerate(gathered):
-        if status != "ok":
-            if error is not None:
-                raise error
-            raise ConfigError("", f"{value} (on rank {rank})")
-    return [value for _, value in gathered]
-
-
 @dataclass(frozen=True, slots=True)
 class Surveyed:
     """:func:`survey`'s outcome: what to read, and the files as every rank saw them then."""
@@ -96,7 +68,7 @@ def survey(model: nn.Module, cfg: ModelConfig) -> Surveyed:
         init = survey_init_from(model, cfg)
         return Surveyed(init, _stats(init.files))
 
-    surveys = _agreed(check)
+    surveys = agreed(check)
     _same_files([s.stats for s in surveys], f"rank {{rank}} sees other files in {cfg.init_from!r} than rank 0")
     return surveys[dist.get_rank()]
 
@@ -180,7 +152,7 @@ def load(surveyed: Surveyed, model: nn.Module) -> Loaded:
             raise damaged(Exception(str(hash_error[0])))
         return read, _stats(init.files), digests
 
-    results = _agreed(read_mine)
+    results = agreed(read_mine)
     _same_files(
         [surveyed.stats] + [s for _, s, _ in results],
         f"the files of {str(init.directory)!r} changed while the ranks read them (rank {{rank}} saw it): "

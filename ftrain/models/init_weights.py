@@ -17,7 +17,8 @@ The trainer calls this only when no checkpoint step will be loaded
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,34 @@ class InitFromNotReadError(RuntimeError):
         )
 
 
+T = TypeVar("T")
+
+
+def agreed(work: Callable[[], T]) -> list[T]:
+    """Collective: ``work()`` on every rank, over a gloo group; each rank's result, or any rank's
+    error raised on every rank (its own where it has one), none left waiting in a collective."""
+    outcome: tuple[str, Any]
+    error: Exception | None = None
+    try:
+        outcome = ("ok", work())
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+        outcome = ("error", f"{e}" if isinstance(e, ConfigError) else f"{KEY}: {type(e).__name__}: {e}")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    try:
+        dist.all_gather_object(gathered, outcome, group=group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    for rank, (status, value) in enumerate(gathered):
+        if status != "ok":
+            if error is not None:
+                raise error
+            raise ConfigError("", f"{value} (on rank {rank})")
+    return [value for _, value in gathered]
+
+
 def load_initial_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
     """Collective over the default group: ``cfg.init_from`` into ``model`` on every rank, read on
     rank 0 only; returns the files read -> their sha256 (on every rank)."""
@@ -58,21 +87,7 @@ def load_initial_weights(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
 
 
 def _load_and_send(model: nn.Module, cfg: ModelConfig, group: dist.ProcessGroup | None) -> dict[str, str]:
-    outcome: list[object] = [None]
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = ("ok", load_hf_weights(model, cfg))
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-            outcome[0] = ("error", f"{e}" if isinstance(e, ConfigError) else f"{KEY}: {type(e).__name__}: {e}")
-    dist.broadcast_object_list(outcome, src=0, group=group)
-    agreed: tuple[str, Any] = outcome[0]  # type: ignore[assignment]
-    status, value = agreed
-    if status != "ok":
-        if error is not None:
-            raise error
-        raise ConfigError("", f"{value} (read on rank 0)")
+    files = agreed(lambda: load_hf_weights(model, cfg) if dist.get_rank() == 0 else {})[0]
     sent: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     with torch.no_grad():
         for tensor in model.state_dict().values():
@@ -86,4 +101,4 @@ def _load_and_send(model: nn.Module, cfg: ModelConfig, group: dist.ProcessGroup 
                 whole = tensor.contiguous()
                 dist.broadcast(whole, src=0, group=group)
                 tensor.copy_(whole)
-    return dict(value)
+    return files

@@ -21,22 +21,16 @@ from ftrain.optim import param_groups
 from ftrain.parallel import strategies
 from ftrain.parallel.activation_checkpointing import checkpoint_blocks
 from ftrain.parallel.base import Parallel
-from ftrain.parallel.strategies import Layout, Wrapper
+from ftrain.parallel.strategies import Layout
 
 __all__ = ["build_for", "parallelize"]
-
-
-def shards_model(layout: Layout) -> bool:
-    """Whether ``layout`` leaves a rank only part of the model's parameters (sharded, split or
-    staged), so the model is built without them and each rank materializes its part."""
-    return layout.pp_size > 1 or layout.tp_size > 1 or strategies.get(layout.strategy).wrapper is Wrapper.FSDP
 
 
 def build_for(cfg: ModelConfig, layout: Layout) -> nn.Module:
     """The model ``cfg`` describes, as :func:`parallelize` takes it for ``layout``: parameters on the
     meta device where the layout shards them (:mod:`ftrain.models.deferred_init`; the same weights
     come out), a whole CPU fp32 model otherwise. Seed the CPU generator first."""
-    if shards_model(layout):
+    if strategies.shards_model(layout):
         return build_deferred(lambda: build_model(cfg))
     return build_model(cfg)
 

@@ -583,7 +583,7 @@ def _estimate(
     # Start-up (ftrain.parallel.parallelize.build_for): where a rank holds part of the model, it is
     # built on the meta device and each parameter made whole once, on the CPU then on the device,
     # to copy this rank's part out; ddp and zero1 build the full fp32 model (plus DDP's buckets).
-    if stage is not None or tp > 1 or fsdp:
+    if strategies.shards_model(layout):
         init = 4 * local + 4 * max((p.numel for p in stats.params), default=0)
     else:
         init = 4 * psi + (4 * psi if ddp else 4 * local)

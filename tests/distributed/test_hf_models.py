@@ -241,3 +241,26 @@ def test_export_hf_of_the_reference_gpt_is_a_clear_error(chain, tmp_path, capsys
     assert args.func(args, rest) == exits.USAGE
     assert "the reference GPT has no Hugging Face equivalent" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_under_ddp_init_from_is_read_on_rank_0_and_sent(tmp_path):
+    """ddp keeps a whole replica: rank 0 reads ``model.init_from`` and sends the weights (the other
+    rank reads nothing); the first loss is the Hugging Face model's."""
+    cfg = job_config(tmp_path, "llama")
+    torch.manual_seed(11)
+    start = build_model(cfg.model)
+    start.save_pretrained(tmp_path / "init")
+    events = tmp_path / "events.jsonl"
+    run = train_job(
+        tmp_path / "job",
+        2,
+        f"--model.init_from={tmp_path / 'init'}",
+        "--train.steps=1",
+        f"--logging.events_path={events}",
+        config=config_text("llama"),
+        timeout_s=180,
+    )
+    expected = mean_loss(start.eval(), first_batch(cfg), cfg.train.micro_batch_size)
+    assert run.metrics[0]["loss"] == pytest.approx(expected, abs=1e-5)
+    (loaded,) = [e for e in read_jsonl(events) if e["event"] == "weights_loaded"]
+    assert loaded["rank"] == 0 and loaded["files"] and loaded["read_bytes_by_rank"] == [], loaded

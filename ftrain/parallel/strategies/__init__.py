@@ -37,6 +37,7 @@ __all__ = [
     "get",
     "fixed_tp_size",
     "registered",
+    "shards_model",
 ]
 
 
@@ -114,6 +115,13 @@ def full_replica(layout: Layout) -> bool:
     """Whether every rank of ``layout`` holds the whole model and optimizer state (a survivor can
     hand a joiner everything): the strategy's say, and no pipeline (a stage holds its part)."""
     return get(layout.strategy).full_replica and layout.pp_size == 1
+
+
+def shards_model(layout: Layout) -> bool:
+    """Whether ``layout`` leaves a rank only part of the model's parameters (sharded, split or
+    staged): the model is then built on the meta device and each rank materializes its part
+    (:func:`ftrain.parallel.parallelize.build_for`), and ``ftrain plan`` counts that start-up."""
+    return layout.pp_size > 1 or layout.tp_size > 1 or get(layout.strategy).wrapper is Wrapper.FSDP
 
 
 def fixed_tp_size(parallel: ParallelConfig) -> int:
