@@ -29,8 +29,9 @@ a unit test drives it tick by tick on a fake clock (:meth:`Agent.start`, :meth:`
 (the modules named above): one class, one state (set up in ``Agent.__init__``), the methods
 kept by responsibility; each mixin declares the state it uses, so that mypy checks it.
 
-Exit codes: 0 when the job succeeded or this agent drained on SIGTERM, 1 when the job failed
-(restart budget, a deterministic or fatal worker error), 2 for bad arguments or a node id in use.
+Exit codes (:mod:`ftrain.contract.exits`): 0 when the job succeeded, 75 when this agent drained on
+SIGTERM before the job's end (start it again to go on), 1 when the job failed (restart budget, a
+deterministic or fatal worker error), 2 for bad arguments or a node id in use.
 
 What is read from etcd, the heartbeat socket or the environment is checked, never trusted:
 
@@ -225,7 +226,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         """Drain: the workers finish the step, save and exit; a second call stops at once."""
         if self.draining:
             log.warning("asked again (%s): killing workers and leaving", why)
-            self.exit_code = exits.OK
+            self.exit_code = exits.DRAINED
         else:
             log.info("%s: draining (workers finish the step, save, exit)", why)
             self.draining = True
@@ -712,14 +713,14 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
 
     def _drain_step(self) -> None:
         if self.workers is None:
-            self.exit_code = exits.OK  # the report of the drained round is flushed on the way out
+            self.exit_code = exits.DRAINED  # the report of the drained round is flushed on the way out
             return
         if not self.workers.terminating:
             self.workers.terminate()
             self.events.emit(ev.Drain(node=self.cfg.node_id, worker_round=self.workers.round))
         elif self.clock.monotonic() > self.drain_deadline:
             self._stop_workers(self.workers, "drain timed out")
-            self.exit_code = exits.OK
+            self.exit_code = exits.DRAINED
 
     def _flush_reports(self) -> None:
         """Write the reports of ended rounds; a hang's also names its finder in ``rounds/<g>/hang``

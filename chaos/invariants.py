@@ -25,6 +25,7 @@ from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.storage import Storage
 from ftrain.checkpoint.verify import verify_step
 from ftrain.config import Config
+from ftrain.contract import exits
 from ftrain.contract.events import Event
 from ftrain.data import build_source, data_digest, identity_of
 from ftrain.data.ledger import check_exactly_once, read_ledger
@@ -54,7 +55,8 @@ def job_finished(
 ) -> Check:
     final = _of(events, Event.JOB_FINAL)
     last = max((m["step"] for m in metrics), default=0)
-    bad = {n: c for n, c in exit_codes.items() if c != 0}
+    # an agent ends with the job (0) or drained before it (75: a node suspected of silent corruption)
+    bad = {n: c for n, c in exit_codes.items() if c not in (exits.OK, exits.DRAINED)}
     ok = bool(final) and final[0]["status"] == "succeeded" and last == steps and not bad
     status = final[0]["status"] if final else "none"
     return Check("job_finished", ok, f"final status {status}, step {last}/{steps}, agent exit codes {exit_codes}")

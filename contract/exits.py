@@ -12,3 +12,7 @@ STUCK = 4
 """A live worker that its round watchdog could not free from a round its agent had left (blocked
 where no socket shutdown reaches, e.g. a rendezvous retrying a dead peer) ended itself; its agent
 replaces it like any failed worker."""
+DRAINED = 75
+"""``ftrain agent`` drained on SIGTERM (its workers finished a step and saved) before the job
+ended: start it again to go on (sysexits' EX_TEMPFAIL). A Kubernetes failure policy or a
+scheduler's requeue tells this from the job's end (``OK``) and from its failure (``FAILED``)."""

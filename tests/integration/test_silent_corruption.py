@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ftrain.chaos.cluster import Cluster
+from ftrain.contract.exits import DRAINED
 from ftrain.testbed.jobs import TINY_CONFIG, max_abs_diff, optimizer_tensors, train_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,7 +52,7 @@ def test_a_rank_found_corrupt_twice_drains_its_node_and_the_job_finishes_without
 
         suspect = job.wait_event("node_suspect", timeout_s=180)
         assert suspect["node"] == corrupt and suspect["corruptions"] == 2 and suspect["limit"] == 2
-        assert job.wait_exit(corrupt) == 0, job.log_tail()  # drained, not failed
+        assert job.wait_exit(corrupt) == DRAINED, job.log_tail()  # drained, not failed
         # its workers stopped (exit 0), the others' yielded: a node_left round, no failure
         exits = [(e["node"], e["outcome"]) for e in job.events("workers_exited")]
         assert (corrupt, "stopped") in exits and all(outcome != "failed" for _, outcome in exits), exits

@@ -407,7 +407,7 @@ def test_a_drained_node_leaves_and_the_others_continue_without_it(job: Job) -> N
     b.workers.stop(step=40)  # they did, and exited 0 before the end of training
     job.nodes["a"].workers.stop(step=40)  # a's too: the ranks agree to stop together
     job.run_until(lambda: b.agent.exit_code is not None, "b drained")
-    assert b.agent.exit_code == exits.OK
+    assert b.agent.exit_code == exits.DRAINED
     assert job.state().reports[1]["b"].outcome == STOPPED
     job.run_until(lambda: "a" in job.state().reports.get(1, {}), "a's report")
     assert job.state().reports[1]["a"].outcome == YIELDED  # stopped for b's drain: a stays

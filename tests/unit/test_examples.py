@@ -38,11 +38,8 @@ def _kubernetes_command() -> list[str]:
     return json.loads(line.split("command:", 1)[1])
 
 
-def _fill(command: list[str], pattern: str, values: dict[str, str], sizes: dict[str, str]) -> list[str]:
-    filled = [re.sub(pattern, lambda m: values[m.group(1)], word) for word in command]
-    for option, value in sizes.items():
-        filled[filled.index(option) + 1] = value
-    return filled
+def _fill(command: list[str], pattern: str, values: dict[str, str]) -> list[str]:
+    return [re.sub(pattern, lambda m: values[m.group(1)], word) for word in command]
 
 
 def _without_test_only(command: list[str]) -> list[str]:
@@ -75,10 +72,12 @@ def test_an_example_is_the_command_the_namespace_tests_run(tmp_path, read, patte
         "FTRAIN_HOST": "198.18.0.12",
         "FTRAIN_CONFIG": str(TINY_CONFIG),
         "FTRAIN_CHECKPOINT_URI": "s3://ftrain/chaos",
+        "FTRAIN_NNODES": "2:3",
+        "FTRAIN_NPROC_PER_NODE": "1",
     }
     example = read()
     assert example[:2] == ["ftrain", "agent"]
-    assert _fill(example, pattern, values, {"--nnodes": "2:3", "--nproc-per-node": "1"}) == _without_test_only(tested)
+    assert _fill(example, pattern, values) == _without_test_only(tested)
 
 
 def test_the_slurm_script_is_valid_shell():
