@@ -363,6 +363,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             return
         members = [m.node_id for m in record.members]
         log.info("formed round %d (%s): %s, world size %d", record.round, record.reason, members, record.world_size)
+        if decision.note:
+            log.warning("round %d: %s", record.round, decision.note)
         self.events.emit(
             ev.RoundFormed(
                 node=self.cfg.node_id,

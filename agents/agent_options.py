@@ -6,8 +6,8 @@ What must stay true:
 
 - :meth:`AgentOptions.validate` refuses, with a ValueError naming the option, what
   :class:`ftrain.agents.config.AgentConfig` cannot check alone: ids that are not safe in key paths, no
-  training config, a node count the training layout cannot use, a user without a password, TLS
-  files that do not exist.
+  training config, a node range whose minimum (or every count) the training layout cannot use, a
+  user without a password, TLS files that do not exist.
 - workers reach etcd (the checkpoint fence) with the agent's credentials and TLS files through
   a 0600 file in the run dir (:func:`write_client_file`, named to them by
   ``FTRAIN_ETCD_CLIENT_FILE``): no secret on a command line, and ``FTRAIN_ETCD_PASSWORD`` is
@@ -48,6 +48,9 @@ class AgentOptions:
     device_hour_price: float = 0.0  #: accounting.device_hour_price: lost time's cost in the metrics and status
     pipeline_degrees: tuple[int, ...] = (1,)  #: the training layout's pipeline degrees (see :class:`Policy`)
     fixed_tp_size: int = 1  #: and its fixed tensor-parallel degree
+    #: node counts of ``--nnodes`` the training config cannot run, each with why (naming the
+    #: setting: ``ftrain.parallel.world_sizes``): rounds of these are never formed
+    refused_nodes: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def of(cls, **kwargs: Any) -> AgentOptions:
@@ -59,7 +62,12 @@ class AgentOptions:
         return cls(config=AgentConfig.of(**settings), **{k: v for k, v in kwargs.items() if k in own})
 
     def policy(self) -> Policy:
-        return Policy.from_config(self.config, pipeline_degrees=self.pipeline_degrees, fixed_tp_size=self.fixed_tp_size)
+        return Policy.from_config(
+            self.config,
+            pipeline_degrees=self.pipeline_degrees,
+            fixed_tp_size=self.fixed_tp_size,
+            refused=self.refused_nodes,
+        )
 
     def validate(self) -> None:
         """What :class:`AgentConfig` cannot check alone: the ids as they reach key paths, the
@@ -75,12 +83,13 @@ class AgentOptions:
         if policy.usable_nodes(self.config.max_nodes) < self.config.min_nodes:
             raise ValueError(
                 f"--nnodes {self.config.nnodes} with --nproc-per-node {self.config.nproc_per_node} gives no world size "
-                f"the training layout can use ({policy.layout_needs()}: the pipeline x tensor-parallel degrees): "
-                "change --nnodes or --nproc-per-node, or parallel.pp_size / pp_fallback / tp_size"
+                f"the training layout can use ({policy.layout_needs()}: the pipeline x tensor-parallel degrees"
+                f"{policy.refused_text()}): change --nnodes or --nproc-per-node, or parallel.pp_size / pp_fallback / "
+                "tp_size"
             )
         low = self.config.min_nodes
-        if policy.pipeline_at(low) is None:  # a round of MIN nodes would be formed, and could not run
-            fit = next(n for n in range(low, self.config.max_nodes + 1) if policy.pipeline_at(n) is not None)
+        if not policy.runs(low):  # a round of MIN nodes would be formed, and could not run
+            fit = next(n for n in range(low, self.config.max_nodes + 1) if policy.runs(n))
             raise ValueError(
                 f"--nnodes {self.config.nnodes}: a round of the minimum, {policy.cannot_run(low)}; "
                 f"or use --nnodes {fit}:{self.config.max_nodes}, the fewest nodes the layout runs on"

@@ -56,6 +56,13 @@ Rules, in order:
    settles, an event and the log. :func:`waiting_reasons` says why each live node outside the
    round waits (warming, the next commit, a size the layout cannot use, kept out as a straggler).
    The settings and their words are :class:`~ftrain.agents.policy.Policy`'s.
+9. **A world size the job cannot run is refused once** (``Policy.refused``: no round of it, rule 5),
+   and so is one whose workers stop on a config error (``LeaderMemory.refused``, said once in
+   :attr:`FormRound.note`): with no node count of ``--nnodes`` left, the job fails naming the setting.
+
+**Size.** Over 600 lines: the rules above are one decision over one read of the state, kept
+together so that their order reads top to bottom; their words are :class:`Policy`'s and the
+straggler arithmetic :mod:`ftrain.agents.straggler_peers`'s.
 
 Cost: the leader decides on every change of the job, so :func:`decide` stays O(N log N) at N
 nodes (a few ms at 4,096: ``bench/lib/control_plane_micro.py``): what it reads of the state more
@@ -70,7 +77,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ftrain.agents.policy import Policy
+from ftrain.agents.policy import Policy, workers_refused
 from ftrain.agents.records import (
     BAD_RECORD,
     FAILED,
@@ -128,6 +135,8 @@ class LeaderMemory:
     grow_baseline_step: int | None = None
     slow_since: tuple[tuple[str, float], ...] = ()  #: (node, since): members slow without a break
     stragglers: tuple[Straggler, ...] = ()  #: members slow for straggler_after_s or longer
+    #: (nodes, why): node counts whose workers stopped on a config error at that world size (rule 9)
+    refused: tuple[tuple[int, str], ...] = ()
 
     def observed(self, state: JobState, now: float) -> LeaderMemory:
         """This memory after seeing ``state`` at ``now`` (membership changes restart the quiet time)."""
@@ -164,6 +173,7 @@ SETTLING, BACKOFF, BLOCKED = "settling", "backoff", "blocked"
 @dataclass(frozen=True, slots=True)
 class FormRound:
     record: RoundRecord
+    note: str = ""  #: what the agent says once with it (a world size the workers refused: rule 9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +417,7 @@ def waiting_reasons(
     cur = state.current
     if cur is None or state.final is not None:
         return {}
+    policy = policy.refusing(*memory.refused)
     seen = _Seen.of(state)
     excluded = _excluded(state, now)
     members = len(cur.members)
@@ -428,6 +439,8 @@ def waiting_reasons(
             )
         elif members >= policy.max_nodes:
             why = f"the round has the most nodes --nnodes {policy.min_nodes}:{policy.max_nodes} allows"
+        elif not grows and (refused := policy.refused_round(members + len(joiners))):
+            why = refused
         elif not grows:
             why = (
                 f"with it the nodes would not make a larger world size {policy.layout_text()} can run "
@@ -504,6 +517,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     never changed: pass the returned one next time)."""
     if state.final is not None:
         return Wait(f"job finished: {state.final.status}"), memory
+    policy = policy.refusing(*memory.refused)
     seen = _Seen.of(state)
     memory = watch_stragglers(state, policy, memory.seen_live(seen.live_uids, seen.live, now), now)
     cur = state.current
@@ -522,6 +536,16 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if need is None:
         return Wait("round healthy"), memory
     pending = f"{need.reason} ({need.detail})" if need.detail else need.reason
+    note, refused = "", (0, "")
+    if cur is not None and need.reason == WORKER_EXIT:  # rule 9: did the workers refuse this world size?
+        refused = (len(cur.members), workers_refused(need.reports))
+        note = policy.refused_note(*refused) if refused[1] else ""
+    if cur is not None and note:
+        memory = dataclasses.replace(memory, refused=(*memory.refused, refused))
+        policy = policy.refusing(refused)
+        if policy.usable_nodes(policy.max_nodes) < policy.min_nodes:
+            why = f"{note}, and no other node count of --nnodes {policy.min_nodes}:{policy.max_nodes} can run the job"
+            return Finish(FinalStatus(FAILED, why, cur.round, now, committed_step(state, cur.members))), memory
 
     prev = cur or state.newest_record()  # the budget's memory survives an unreadable current record
     failure_times = [t for t in (prev.failure_times if prev else []) if now - t <= policy.restart_window_s]
@@ -586,5 +610,6 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
             restarts_by_cause=restarts,
             failure_signatures=signatures,
             excluded=excluded,
-        )
+        ),
+        note,
     ), memory

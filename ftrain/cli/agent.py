@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.assemble import build_agent
@@ -20,6 +20,9 @@ from ftrain.contract.config import ConfigError
 from ftrain.contract.local_files import UnsafeLocalDirError
 from ftrain.parallel import strategies
 from ftrain.parallel.pipeline_stages import pipeline_degrees
+
+if TYPE_CHECKING:
+    from ftrain.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +114,76 @@ def resolve_options(args: argparse.Namespace, overrides: list[str]) -> AgentOpti
     if not worker_args:
         raise ConfigError("", "no training config: ftrain agent [options] -- CONFIG.toml [--section.key=value ...]")
     cfg = load_job_config(worker_args[0], worker_args[1:])  # fail here, not in every worker
+    config = resolve_config(cfg.agent, args)
     return AgentOptions(
-        config=resolve_config(cfg.agent, args),
+        config=config,
         worker_args=worker_args,
         events_path=args.events if args.events is not None else cfg.logging.events_path,
         **_etcd_access(args),
         device_hour_price=cfg.accounting.device_hour_price,
         pipeline_degrees=pipeline_degrees(cfg.parallel),
         fixed_tp_size=strategies.fixed_tp_size(cfg.parallel),
+        refused_nodes=refused_node_counts(cfg, config),
+    )
+
+
+def refused_node_counts(cfg: Config, agent: AgentConfig) -> tuple[tuple[int, str], ...]:
+    """The node counts of ``--nnodes MIN:MAX`` whose world size the job's config cannot run
+    (:mod:`ftrain.parallel.world_sizes`: what a worker would stop on at start), each with why,
+    logged once: the leader never forms a round of them. None that can: a :class:`ConfigError`
+    naming the setting and the node counts that would run it. A check that cannot be made here
+    (e.g. a strategy this host cannot import) is logged and skipped: the leader then learns a
+    refused size from the workers' config error, at the first round of it."""
+    from ftrain.parallel import world_sizes  # numpy and the data package: only for an agent that starts
+
+    counts = range(agent.min_nodes, agent.max_nodes + 1)
+    nproc = agent.nproc_per_node
+    try:
+        refused = world_sizes.node_count_refusals(cfg, counts, nproc)
+    except Exception as e:  # noqa: BLE001 - anything but a verdict: the workers will give theirs
+        log.warning(
+            "cannot tell which node counts of --nnodes %s the training config runs at (%s: %s): rounds take any "
+            "count, and one the workers refuse with a config error is not formed again",
+            agent.nnodes,
+            type(e).__name__,
+            e,
+        )
+        return ()
+    if len(refused) == len(counts):
+        raise _nothing_runs(cfg, agent, refused)
+    if refused:
+        log.warning(
+            "--nnodes %s with --nproc-per-node %d: rounds of %s node(s) are never formed (the job cannot run at "
+            "that world size: %s); with that many nodes live, a round takes the most that can run and the others "
+            "wait as spares",
+            agent.nnodes,
+            nproc,
+            ", ".join(map(str, refused)),
+            "; ".join(f"{n * nproc} ranks: {e}" for n, e in refused.items()),
+        )
+    return tuple((n, f"{e}") for n, e in sorted(refused.items()))
+
+
+def _nothing_runs(cfg: Config, agent: AgentConfig, refused: dict[int, ConfigError]) -> ConfigError:
+    """No node count of ``--nnodes`` runs: the error names the setting (the largest count's) and
+    the node counts that would."""
+    from ftrain.parallel import world_sizes
+
+    nproc = agent.nproc_per_node
+    up_to = max(64, 4 * agent.max_nodes)
+    fits = world_sizes.workable_node_counts(cfg, nproc, up_to)
+    counts = ", ".join(map(str, fits)) + (", ..." if len(fits) == world_sizes.SHOWN else "")
+    where = (
+        f"node counts that would run it at --nproc-per-node {nproc}: {counts}"
+        if fits
+        else f"no node count up to {up_to} runs it at --nproc-per-node {nproc}"
+    )
+    why = "; ".join(f"{n} node(s) = {n * nproc} ranks: {e}" for n, e in sorted(refused.items()))
+    key = refused[agent.max_nodes].key or "agent.nnodes"
+    return ConfigError(
+        key,
+        f"no node count of --nnodes {agent.nnodes} can run this job ({why}); {where}: change --nnodes or "
+        "the setting named",
     )
 
 
