@@ -339,6 +339,13 @@ def watch_stragglers(state: JobState, policy: Policy, memory: LeaderMemory, now:
     return dataclasses.replace(memory, slow_since=tuple(sorted(slow_since.items())), stragglers=tuple(stragglers))
 
 
+def _came_back(seen: _Seen, node: str, report: Report) -> bool:
+    """``node`` drained (``report``) and a new agent of it registered since: a resubmitted or
+    requeued job, a restarted pod. It is not leaving: it joins the next round."""
+    uid = seen.live_uids.get(node)
+    return bool(report.agent_uid) and uid is not None and uid != report.agent_uid
+
+
 def _excluded(state: JobState, now: float) -> dict[str, float]:
     """Nodes the current round keeps out (evicted stragglers), until when."""
     cur = state.current
@@ -573,7 +580,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
         if now < ready_at:
             return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}", pending, BACKOFF), memory
 
-    leaving = {n for n, r in seen.reports.items() if r.outcome == STOPPED}
+    leaving = {n for n, r in seen.reports.items() if r.outcome == STOPPED and not _came_back(seen, n, r)}
     live = [m for m in seen.live() if m.node_id not in leaving]  # drained: its lease goes next
     excluded = _excluded(state, now) | {node: now + policy.straggler_rejoin_s for node in need.evict}
     eligible = [m for m in live if m.node_id not in excluded]

@@ -72,6 +72,7 @@ from ftrain.recovery.peer_state import HeldState, PeerStateError
 from ftrain.recovery.round_control import (
     AssignmentTimeout,
     RoundEnded,
+    StopRequested,
     is_peer_failure,
     newer_round_assigned,
     service_ports,
@@ -275,8 +276,12 @@ class Session:
         hb = heartbeat.from_env(-1, 0)
         keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
         control.mark_ready()  # a spare: imported and built what it could, waiting for its round
-        assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
         held: HeldState | None = None
+        asked = lambda: self._stop_requested  # noqa: E731 - SIGTERM between rounds: leave, nothing to save
+        try:
+            assignment = wait_for_assignment(control, -1, None, asked)
+        except StopRequested:
+            return None
         while not assignment.stop:
             os.environ.update(assignment.env())
             if hb is not None:
@@ -304,7 +309,11 @@ class Session:
                 return result
             # as long as the agent lives (its death ends this process): a leader that cannot form
             # the next round yet says why, and this rank keeps what it holds meanwhile
-            assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=None)
+            try:
+                assignment = wait_for_assignment(control, assignment.round, None, asked)
+            except StopRequested:
+                log.warning("asked to stop between rounds (SIGTERM): leaving; the other ranks hold the state")
+                break
         self._round = None
         return None
 

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ftrain.agent_link import flight_recorder, heartbeat
+from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.errors import CheckpointError
 from ftrain.checkpointing import Checkpointing, current_round, step_to_resume
 from ftrain.config import Config
@@ -300,23 +299,21 @@ class Trainer:
         self.max_failed_commits = cfg.checkpoint.max_failed_commits
         self._failures_at_last_commit = 0  #: saves_failed when a commit last succeeded
         self._last_commit_seen = -1
-        self._stop_requested = False
         self.dtype = dtype
 
     # -- lifecycle --------------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._stop_requested = True
-
     @property
     def stop_requested(self) -> bool:
-        """This process was asked to stop (SIGTERM: its node drains); its peers stop with it."""
-        return self._stop_requested
+        """This process was asked to stop (SIGTERM: its node drains); its peers stop with it. The
+        request is the process's (:mod:`ftrain.agent_link.stop_request`), so one that arrived
+        before this trainer existed (a live worker between rounds) is not lost."""
+        return stop_request.requested()
 
     def _stop_agreed(self) -> bool:
         """All ranks stop at the same step if any of them was asked to; all leave for a newer
         round (:class:`RoundEnded`) at the same step if any of them was assigned one."""
         ended = self.round_ended is not None and self.round_ended()
-        flags = torch.tensor([float(self._stop_requested), float(ended)], device=self.device)
+        flags = torch.tensor([float(self.stop_requested), float(ended)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1].item():
             raise RoundEnded(f"a newer round was assigned: leaving after step {self.cursor.step}")
@@ -325,7 +322,7 @@ class Trainer:
     def run(self, *, resume: bool = True) -> TrainResult:
         """Train to ``train.steps`` (or a graceful stop); ``resume=False``: the state is already
         in place (a live worker restored it from its peers)."""
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        stop_request.install()
         cfg, layout = self.cfg, self.layout
         self.events.emit(
             ev.WorkerStarted(

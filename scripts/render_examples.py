@@ -53,8 +53,14 @@ def _shell_word(arg: str) -> str:
     return '"' + PLACEHOLDER.sub(r"${\1}", arg) + '"'
 
 
+#: Slurm's own options: a drain must end before Slurm SIGKILLs the step (KillWait after its SIGTERM)
+SLURM_OPTIONS = ["--drain-timeout-s", "@FTRAIN_DRAIN_TIMEOUT_S@"]
+
+
 def slurm_script() -> str:
-    words = [_shell_word(a) for a in node_command()]
+    command = node_command()
+    split = command.index("--")
+    words = [_shell_word(a) for a in (*command[:split], *SLURM_OPTIONS, *command[split:])]
     lines = ["exec " + " ".join(words[:2])]
     rest = words[2:]
     while rest:  # one option and its value per line

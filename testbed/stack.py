@@ -1,4 +1,4 @@
-"""A local etcd and SeaweedFS S3 on loopback, as one context manager.
+"""A local etcd and SeaweedFS S3 on loopback (or another address of this host), as one context manager.
 
 The demo, the benchmarks, the chaos runner, the tests and ``ftrain local up`` use it: free ports,
 fast etcd elections, random S3 credentials handed to children only through the environment.
@@ -10,16 +10,19 @@ import os
 import tempfile
 from pathlib import Path
 
-from ftrain.testbed.etcd import EtcdServer
+from ftrain.testbed.etcd import HOST, EtcdServer
 from ftrain.testbed.seaweed import SeaweedS3
 
 
 class LocalStack:
-    def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, with_s3: bool = True):
+    def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, with_s3: bool = True, host: str = HOST):
+        """``host``: the address both servers listen on (127.0.0.1: this machine only; an address
+        of an interface that other hosts or network namespaces reach, for a trial across them)."""
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="ftrain-local-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer(self.base_dir / "etcd")
-        self.s3 = SeaweedS3(self.base_dir / "s3") if with_s3 else None
+        self.host = host
+        self.etcd = EtcdServer(self.base_dir / "etcd", host=host)
+        self.s3 = SeaweedS3(self.base_dir / "s3", host=host) if with_s3 else None
 
     def start(self, timeout_s: float = 60.0) -> LocalStack:
         try:

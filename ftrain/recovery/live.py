@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ftrain.agent_link import flight_recorder, heartbeat
+from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.config import LR_SCALINGS, Config, ModelConfig
 from ftrain.contract import events as ev
@@ -60,6 +60,7 @@ from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
 from ftrain.recovery.round_control import (
     RoundEnded,
+    StopRequested,
     is_peer_failure,
     newer_round_assigned,
     service_ports,
@@ -273,6 +274,7 @@ def serve(cfg: Config) -> None:
     device = select_device(cfg.train)
     dtype = select_dtype(cfg.train, device)
     hb = heartbeat.from_env(-1, 0)
+    stop_request.install()  # before anything slow: a SIGTERM from here on is kept (see that module)
     keep_ports = service_ports(cfg.checkpoint.endpoint_url, *env.etcd)
     try:
         log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
@@ -283,8 +285,11 @@ def serve(cfg: Config) -> None:
     # its snapshots also outlive the process: a round whose every worker is new restores from them
     tier = MemoryTier(cfg, cfg.checkpoint.memory_dir)
     control.mark_ready()
-    assignment = wait_for_assignment(control, newer_than=-1, timeout_s=None)
     held: HeldState | None = None
+    try:
+        assignment = wait_for_assignment(control, -1, None, stop_request.requested)
+    except StopRequested as e:
+        return _stopped_between_rounds(tier, e)
     while not assignment.stop:
         os.environ.update(assignment.env())
         # this round's device: cuda:<local rank> on a GPU host (a spare learns its local rank only now)
@@ -361,8 +366,19 @@ def serve(cfg: Config) -> None:
             held = _leave_round(trainer, True, held, assignment, "another node drained", hb, keep_ports)
         trainer = None
         # as long as the agent lives (its death ends this process): a leader that cannot form the
-        # next round yet says why (status, events), and this process keeps what it holds meanwhile
-        assignment = wait_for_assignment(control, newer_than=assignment.round, timeout_s=None)
+        # next round yet says why (status, events), and this process keeps what it holds meanwhile;
+        # asked to stop (its node drains), it leaves: the others hold the same state
+        try:
+            assignment = wait_for_assignment(control, assignment.round, None, stop_request.requested)
+        except StopRequested as e:
+            return _stopped_between_rounds(tier, e)
+
+
+def _stopped_between_rounds(tier: MemoryTier, why: StopRequested) -> None:
+    """This worker was asked to stop while in no round: nothing to save (a round's drain saves);
+    it exits 0 and its agent, draining, sees it stop."""
+    log.warning("%s: leaving", why)
+    tier.close(job_done=False)
 
 
 def _leave_round(

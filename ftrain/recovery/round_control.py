@@ -52,12 +52,24 @@ def is_peer_failure(e: BaseException) -> bool:
     return any(marker in text for marker in PEER_FAILURE_MARKERS)
 
 
-def wait_for_assignment(control: ControlFile, newer_than: int, timeout_s: float | None) -> Assignment:
+class StopRequested(Exception):  # noqa: N818 - not an error: the process was asked to stop
+    """This process was asked to stop (SIGTERM) while it waited for an assignment."""
+
+
+def wait_for_assignment(
+    control: ControlFile,
+    newer_than: int,
+    timeout_s: float | None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> Assignment:
     """The first assignment in ``control`` for a round above ``newer_than``; AssignmentTimeout
-    after ``timeout_s`` (None: wait as long as the agent lives; its death ends this process)."""
+    after ``timeout_s`` (None: wait as long as the agent lives; its death ends this process);
+    StopRequested as soon as ``stop_requested()`` says so."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     first = True  # the file may have changed before this call (the train loop saw it): read it once
     while True:
+        if stop_requested():
+            raise StopRequested(f"asked to stop while waiting for a round after {newer_than}")
         if control.changed() or first:
             first = False
             try:

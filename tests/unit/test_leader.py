@@ -318,6 +318,23 @@ def test_drained_member_still_registered_is_not_in_the_next_round() -> None:
     assert record.members == [first.members[1]]
 
 
+def test_every_node_drained_and_back_under_new_agents_forms_the_next_round() -> None:
+    # scancel drained every node; the resubmitted (or requeued) job's agents register the same
+    # node ids anew while the drained round's STOPPED reports are still the newest: they are back
+    policy = Policy.of(min_nodes=1, max_nodes=2, nproc_per_node=2, recovery="live")
+    job, memory, first = running_job("a", "b", policy=policy)
+    for node in ("a", "b"):
+        job.report(1, node, STOPPED, time=T0 + 30)
+        job.lose(node)
+    back = [job.join("a", at=T0 + 40), job.join("b", at=T0 + 40)]
+    decision, memory = decide(job.state(), policy, memory, T0 + 60)
+    assert isinstance(decision, Wait) and decision.kind == "settling"  # membership changed: a last call
+    record, memory = form(job, memory, T0 + 60 + policy.settle_s, policy)
+    assert record.reason == NODE_LEFT
+    assert sorted(record.members, key=lambda m: m.node_id) == back
+    assert not set(record.members) & set(first.members)
+
+
 def test_a_yielded_member_stays_while_the_drained_one_leaves() -> None:
     # a drain stops every rank of the round: the drained node reports stopped, the others yielded
     policy = Policy.of(min_nodes=1, max_nodes=3, nproc_per_node=2, recovery="restart")

@@ -5,23 +5,45 @@
 # The agent joins the job in etcd, forms rounds with the other agents and runs this node's
 # workers; it is the command line the network-namespace tests run (tests/unit/test_examples.py
 # compares them). Set on the submitting side (sbatch passes the environment on):
-#   FTRAIN_ETCD            etcd client URLs, comma-separated (https://... with the TLS options below)
-#   FTRAIN_CONFIG          the job's TOML file, on a file system every node mounts
-#   FTRAIN_CHECKPOINT_URI  s3://bucket/prefix (credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-#                          AWS_ENDPOINT_URL, or any source boto/s3fs reads)
-#   FTRAIN_JOB             the job id in etcd (default: the Slurm job name, so a resubmitted job
-#                          resumes from its checkpoints)
-#   FTRAIN_RUN_DIR         worker logs and stack dumps (default: /tmp/ftrain-$SLURM_JOB_ID)
-#   FTRAIN_HOST            the address the other nodes reach this one at (default: the first
-#                          address of `hostname -I`; set it to the training network's address)
+#   FTRAIN_ETCD              etcd client URLs, comma-separated (https://... with the TLS options below)
+#   FTRAIN_CONFIG            the job's TOML file, on a file system every node mounts
+#   FTRAIN_CHECKPOINT_URI    s3://bucket/prefix (credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+#                            AWS_ENDPOINT_URL, or any source boto/s3fs reads)
+# and, where the defaults do not fit:
+#   FTRAIN_JOB               the job id in etcd (default: the Slurm job name, so that a resubmitted
+#                            or requeued job resumes from its checkpoints)
+#   FTRAIN_NPROC_PER_NODE    workers per node (default: Slurm's SLURM_GPUS_ON_NODE, from
+#                            --gpus-per-node; else the GPUs nvidia-smi lists; else 1)
+#   FTRAIN_MIN_NODES         the fewest nodes the job trains on (default: one less than the
+#                            allocation, at least 1); the most is the allocation (--nodes=MIN-MAX
+#                            gives between MIN and MAX nodes)
+#   FTRAIN_NNODES            MIN:MAX outright (default: FTRAIN_MIN_NODES:SLURM_JOB_NUM_NODES)
+#   FTRAIN_DRAIN_TIMEOUT_S   how long a drain (SIGTERM: scancel, the time limit, a preemption) may
+#                            take before the agent kills its workers (default: Slurm's KillWait less
+#                            5 s, since Slurm SIGKILLs the step KillWait after its SIGTERM)
+#   FTRAIN_RUN_DIR           worker logs and stack dumps (default: /tmp/ftrain-$SLURM_JOB_ID)
+#   FTRAIN_HOST              the address the other nodes reach this one at (default: the first
+#                            address of `hostname -I`; set it to the training network's address)
 # With etcd auth or TLS, add after the command: --etcd-user USER (password in
 # FTRAIN_ETCD_PASSWORD), --etcd-ca-cert CA.pem, --etcd-cert CERT.pem --etcd-key KEY.pem.
 set -euo pipefail
 : "${FTRAIN_ETCD:?set FTRAIN_ETCD to the etcd client URLs}"
-: "${FTRAIN_CONFIG:?set FTRAIN_CONFIG to the job's TOML file}"
+: "${FTRAIN_CONFIG:?set FTRAIN_CONFIG to the TOML file of the job}"
 : "${FTRAIN_CHECKPOINT_URI:?set FTRAIN_CHECKPOINT_URI to s3://bucket/prefix}"
-FTRAIN_JOB="${FTRAIN_JOB:-${SLURM_JOB_NAME:?not under Slurm: run through ftrain.sbatch}}"
+: "${SLURM_JOB_ID:?not under Slurm: submit examples/slurm/ftrain.sbatch with sbatch}"
+FTRAIN_JOB="${FTRAIN_JOB:-${SLURM_JOB_NAME}}"
 FTRAIN_NODE_ID="${SLURMD_NODENAME:-$(hostname -s)}"
+if [ -z "${FTRAIN_NPROC_PER_NODE:-}" ]; then
+    FTRAIN_NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}"
+    [ "${FTRAIN_NPROC_PER_NODE:-0}" -gt 0 ] 2>/dev/null || FTRAIN_NPROC_PER_NODE=1
+fi
+nodes="${SLURM_JOB_NUM_NODES:-1}"
+min_nodes="${FTRAIN_MIN_NODES:-$((nodes > 1 ? nodes - 1 : 1))}"
+FTRAIN_NNODES="${FTRAIN_NNODES:-${min_nodes}:${nodes}}"
+if [ -z "${FTRAIN_DRAIN_TIMEOUT_S:-}" ]; then
+    kill_wait_s="$(scontrol show config 2>/dev/null | awk '$1 == "KillWait" {print $3}')"
+    FTRAIN_DRAIN_TIMEOUT_S=$(("${kill_wait_s:-30}" > 10 ? "${kill_wait_s:-30}" - 5 : 5))
+fi
 FTRAIN_RUN_DIR="${FTRAIN_RUN_DIR:-/tmp/ftrain-${SLURM_JOB_ID}}/${FTRAIN_NODE_ID}"
 FTRAIN_HOST="${FTRAIN_HOST:-$(hostname -I | awk '{print $1}')}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
