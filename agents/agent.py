@@ -197,9 +197,10 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
     def run(self) -> int:
         """Register (raising :class:`NodeIdTakenError` if the id is in use), then loop until the
         job ends or the agent drains; SIGTERM and SIGINT drain."""
-        self.start()
+        # before registering: a SIGTERM while the agent starts (etcd slow to answer) drains too
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        self.start()
         try:
             while self.exit_code is None:
                 self.tick()

@@ -1,5 +1,5 @@
 """``node_drain``: planned maintenance. The node's agent gets ``SIGTERM``: its workers finish the
-step, save and exit, and the agent gives up its lease and exits 0 (a drain that exits otherwise,
+step, save and exit, and the agent gives up its lease and exits 75 (``exits.DRAINED``; a drain that exits otherwise,
 or not within ``drain_timeout_s``, default 60 s, is an error of the run, ``faults_injected``). The
 job forms a new round without the node (``node_left``), so the kind owes a new round and its
 detection is that round (:attr:`~ftrain.contract.events.Event.ROUND_FORMED`: a drain announces
@@ -17,6 +17,7 @@ from typing import Any
 from ftrain.chaos.faults.registry import FAULTS, Fault, Outcome
 from ftrain.chaos.faults.spec import Context, FaultError, FaultSpec
 from ftrain.chaos.faults.targets import bring_back, pick_node
+from ftrain.contract import exits
 from ftrain.contract.events import Event
 
 
@@ -31,8 +32,8 @@ def _act(ctx: Context, spec: FaultSpec) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         raise FaultError(f"{spec.kind}: agent {node} still running {timeout_s:.0f} s after SIGTERM") from None
     record["exit_code"] = exit_code
-    if exit_code != 0:
-        raise FaultError(f"{spec.kind}: the drained agent of {node} exited {exit_code}, not 0")
+    if exit_code != exits.DRAINED:
+        raise FaultError(f"{spec.kind}: the drained agent of {node} exited {exit_code}, not {exits.DRAINED}")
     restart_after_s = spec.params.get("restart_after_s")
     if restart_after_s is not None and not ctx.stop():
         bring_back(ctx, node, float(restart_after_s), unless_stopped=True)
