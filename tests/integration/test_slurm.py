@@ -24,7 +24,9 @@ from typing import Any
 
 import pytest
 
+from ftrain.agents.job_keys import JobKeys
 from ftrain.contract.events import read_jsonl
+from ftrain.contract.exits import DRAINED
 from ftrain.testbed.jobs import TINY_CONFIG
 from ftrain.testbed.procs import REPO
 from ftrain.testbed.stack import LocalStack
@@ -47,6 +49,7 @@ class SlurmJob:
     def __init__(self, slurm: SlurmCluster, stack: LocalStack, base: Path, steps: int, step_sleep_s: float):
         self.slurm, self.stack, self.base = slurm, stack, base
         self.events_path = base / "events.jsonl"
+        self.exits_seen = 0  #: agent_exit events already looked at
         self.metrics_path = base / "metrics.jsonl"
         config = base / "job.toml"
         paths = f'[logging]\nevents_path = "{self.events_path}"\nmetrics_path = "{self.metrics_path}"\n'
@@ -93,6 +96,15 @@ class SlurmJob:
             context=lambda: self.context(job_id),
         )
 
+    def wait_drained(self, agents: int, timeout_s: float = 60) -> None:
+        """Wait until ``agents`` more agents than last time exited, and assert that they drained."""
+        seen = self.exits_seen
+        exits = wait_for(
+            lambda: len(e := self.events("agent_exit")) >= seen + agents and e, timeout_s, f"{agents} agents exit"
+        )
+        self.exits_seen = len(exits)
+        assert [e["exit_code"] for e in exits[seen:]] == [DRAINED] * (len(exits) - seen), exits
+
     def wait_state(self, job_id: int, states: set[str], timeout_s: float) -> str:
         return wait_for(
             lambda: (s := self.slurm.job_state(job_id)) in states and s,
@@ -130,21 +142,26 @@ def test_a_node_crash_and_the_job_completes_on_the_other_nodes(cluster, tmp_path
     trained_s = time.monotonic() - began
     job.wait(job_id, lambda: job.step() >= 15, 120, "step 15")
     crashed_at, step_at_crash = time.monotonic(), job.step()
-    victim = "n3"  # not the batch node (n1: the batch script and srun run there, as on any cluster)
+    # the leader's node, unless it is the batch node (n1: the batch script and srun run there, and
+    # Slurm ends a job whose batch host fails, --no-kill or not)
+    record = stack.etcd.client().get(JobKeys("crash").leader)
+    leader = record.value.decode() if record is not None else ""
+    victim = leader if leader in ("n2", "n3") else "n3"
     slurm.crash(victim)
     shrunk = job.wait(job_id, lambda: next(iter(job.events("live_restored", world_size=2)), None), 120, "2 nodes")
     shrunk_s = time.monotonic() - crashed_at
-    wait_for(lambda: slurm.node_states().get(victim, "").startswith("down"), 60, f"Slurm marks {victim} down")
+    wait_for(lambda: slurm.node_states().get(victim, "").startswith("down"), 90, f"Slurm marks {victim} down")
     down_s = time.monotonic() - crashed_at
     state = job.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 240)
     assert state == "COMPLETED", job.context(job_id)
     assert job.step() == 60
     final = job.events("job_final")
     assert final and all(f["status"] == "succeeded" for f in final), final
+    role = "the leader" if victim == leader else "not the leader"
     print(
-        f"\nslurm crash: 3 workers training {trained_s:.1f}s after sbatch; {victim} crashed at step {step_at_crash}; "
-        f"a round of 2 trained on from step {shrunk['step']} {shrunk_s:.1f}s later; Slurm marked it down after "
-        f"{down_s:.1f}s; job {state} {time.monotonic() - began:.1f}s after sbatch"
+        f"\nslurm crash: 3 workers training {trained_s:.1f}s after sbatch; {victim} ({role}) crashed at step "
+        f"{step_at_crash}; a round of 2 trained on from step {shrunk['step']} {shrunk_s:.1f}s later; Slurm marked "
+        f"it down after {down_s:.1f}s; job {state} {time.monotonic() - began:.1f}s after sbatch"
     )
 
 
@@ -156,6 +173,7 @@ def test_scancel_drains_a_resubmission_resumes_and_a_requeue_resumes_again(clust
     job.wait(first, lambda: job.step() >= 13, 180, "step 13")
     cancelled_at = time.monotonic()
     slurm.run(["scancel", str(first)])
+    job.wait_drained(2)
     job.wait_state(first, {"CANCELLED", "COMPLETED", "FAILED"}, 60)
     drained = max(e["step"] for e in job.events("ckpt_committed"))
     assert drained > 10, f"the drain saved no step after the interval's step 10: {job.events('ckpt_committed')}"
@@ -167,6 +185,7 @@ def test_scancel_drains_a_resubmission_resumes_and_a_requeue_resumes_again(clust
     job.wait(second, lambda: job.step() >= drained + 5, 120, "training after the resume")
     requeued_at = time.monotonic()
     slurm.run(["scontrol", "requeue", str(second)])  # what PreemptMode=REQUEUE does to a preempted job
+    job.wait_drained(2)
     wait_for(lambda: slurm.job(second).get("Reason") == "BeginTime", 60, "the job requeued, pending")
     requeue_s = time.monotonic() - requeued_at
     requeued = max(e["step"] for e in job.events("ckpt_committed"))
