@@ -64,7 +64,7 @@ def test_local_up_on_the_bridge_address_is_reached_from_another_host(tmp_path):
             lines: list[str] = []
             assert proc.stdout is not None
             wait_for(
-                lambda: lines.append(proc.stdout.readline()) or "Ctrl-C" in lines[-1],  # type: ignore[union-attr]
+                lambda: lines.append(proc.stdout.readline()) or "Ctrl-C" in lines[-1],
                 90,
                 "local up ready",
                 alive=lambda: proc.poll() is None,
