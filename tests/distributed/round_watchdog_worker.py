@@ -43,7 +43,8 @@ def main(out: str, interrupt: bool) -> None:
     control = ControlFile(str(Path(out) / f"control{rank}"))
     _assign(control, 1, rank)
 
-    with RoundWatchdog(control.path, 1, lambda: 0.01, set()) as prompt:
+    # a step estimate of 10 s: a 30 s grace, which a busy machine's slow barrier stays well within
+    with RoundWatchdog(control.path, 1, lambda: 10.0, set()) as prompt:
         dist.barrier()
         _assign(control, 2, rank)  # the agent moves on; this "step" ends normally
         dist.all_reduce(torch.ones(4))

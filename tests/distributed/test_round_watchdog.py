@@ -5,6 +5,7 @@ that leave a round in time are left alone."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize(
-    ("kind", "freed_within_s"), [("grace", (MIN_GRACE_S, MIN_GRACE_S + 2.0)), ("interrupt", (0.0, 1.0))]
+    ("kind", "why"), [("grace", "had not reached a step boundary"), ("interrupt", "lost a member")]
 )
-def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alone(tmp_path, kind, freed_within_s):
+def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alone(tmp_path, kind, why):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
         "tests/distributed/round_watchdog_worker.py", str(tmp_path), kind,
@@ -29,11 +30,17 @@ def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alon
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["prompt_fired"] == "", got
-        assert "shut down" in got["stuck_fired"], got
+        assert "shut down" in got["stuck_fired"] and why in got["stuck_fired"], got
         assert "closed" in got["error"].lower() or "reset" in got["error"].lower(), got
-        # freed after the grace (at once for an interrupting round), not at the process-group
-        # timeout (torchrun's default: 30 minutes)
-        assert freed_within_s[0] <= got["freed_s"] < freed_within_s[1], got
+        # the watchdog waited the grace after it saw the newer round (none for an interrupting
+        # round): its own measure, which a busy machine does not stretch the way it stretches the
+        # time to the collective's error
+        waited = re.search(r"assigned (\d+\.\d+)s ago", got["stuck_fired"])
+        assert waited is not None, got
+        waited_s = float(waited.group(1))
+        assert waited_s >= MIN_GRACE_S if kind == "grace" else waited_s < MIN_GRACE_S, got
+        # freed soon, not at the process-group timeout (torchrun's default: 30 minutes)
+        assert got["freed_s"] < 60, got
 
 
 STUCK_WORKER = """
