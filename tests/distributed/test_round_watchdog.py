@@ -27,11 +27,16 @@ def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alon
     ]  # fmt: skip
     proc = run(cmd, timeout_s=120, env=worker_env())
     assert proc.returncode == 0, proc.stdout[-4000:]
+    fired = []
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["prompt_fired"] == "", got
-        assert "shut down" in got["stuck_fired"] and why in got["stuck_fired"], got
         assert "closed" in got["error"].lower() or "reset" in got["error"].lower(), got
+        # freed soon, not at the process-group timeout (torchrun's default: 30 minutes)
+        assert got["freed_s"] < 60, got
+        if not got["stuck_fired"]:
+            continue  # freed first by the other rank's watchdog shutting their connection down
+        assert "shut down" in got["stuck_fired"] and why in got["stuck_fired"], got
         # the watchdog waited the grace after it saw the newer round (none for an interrupting
         # round): its own measure, which a busy machine does not stretch the way it stretches the
         # time to the collective's error
@@ -39,8 +44,8 @@ def test_a_rank_stuck_with_a_stopped_peer_is_freed_and_a_prompt_one_is_left_alon
         assert waited is not None, got
         waited_s = float(waited.group(1))
         assert waited_s >= MIN_GRACE_S if kind == "grace" else waited_s < MIN_GRACE_S, got
-        # freed soon, not at the process-group timeout (torchrun's default: 30 minutes)
-        assert got["freed_s"] < 60, got
+        fired.append(rank)
+    assert fired, "neither stuck rank's watchdog fired"
 
 
 STUCK_WORKER = """
