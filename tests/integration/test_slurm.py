@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ftrain.agents.job_keys import JobKeys
-from ftrain.contract.events import read_jsonl
+from ftrain.chaos.cluster import JsonlTail
 from ftrain.contract.exits import DRAINED
 from ftrain.testbed.jobs import TINY_CONFIG
 from ftrain.testbed.procs import REPO
@@ -51,6 +51,7 @@ class SlurmJob:
         self.events_path = base / "events.jsonl"
         self.exits_seen = 0  #: agent_exit events already looked at
         self.metrics_path = base / "metrics.jsonl"
+        self._events, self._metrics = JsonlTail(self.events_path), JsonlTail(self.metrics_path)
         config = base / "job.toml"
         paths = f'[logging]\nevents_path = "{self.events_path}"\nmetrics_path = "{self.metrics_path}"\n'
         assert "[logging]\n" in TINY_CONFIG and "[checkpoint]" not in TINY_CONFIG
@@ -78,12 +79,10 @@ class SlurmJob:
         )
 
     def events(self, name: str, **match: Any) -> list[dict[str, Any]]:
-        if not self.events_path.exists():
-            return []
-        return [e for e in read_jsonl(self.events_path) if e.get("event") == name and _matches(e, match)]
+        return [e for e in self._events.records() if e.get("event") == name and _matches(e, match)]
 
     def step(self) -> int:
-        return max((m["step"] for m in read_jsonl(self.metrics_path)), default=0) if self.metrics_path.exists() else 0
+        return max((m["step"] for m in self._metrics.records()), default=0)
 
     def wait(self, job_id: int, predicate: Any, timeout_s: float, what: str) -> Any:
         """Wait for ``predicate`` while the Slurm job runs (its end fails the wait at once)."""
