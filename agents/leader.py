@@ -543,10 +543,11 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
     if need is None:
         return Wait("round healthy"), memory
     pending = f"{need.reason} ({need.detail})" if need.detail else need.reason
-    note, refused = "", (0, "")
-    if cur is not None and need.reason == WORKER_EXIT:  # rule 9: did the workers refuse this world size?
-        refused = (len(cur.members), workers_refused(need.reports))
-        note = policy.refused_note(*refused) if refused[1] else ""
+    note = ""
+    # rule 9: did the workers refuse this world size (a config error, said once)?
+    if cur is not None and need.reason == WORKER_EXIT and (why := workers_refused(need.reports)):
+        refused = (len(cur.members), why)
+        note = policy.refused_note(*refused)
     if cur is not None and note:
         memory = dataclasses.replace(memory, refused=(*memory.refused, refused))
         policy = policy.refusing(refused)
