@@ -7,8 +7,6 @@ Imports the runtime only: the node agent and chaos are other processes.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from collections.abc import Callable
 
@@ -52,20 +50,7 @@ def _run(work: Callable[[], object]) -> int:
     except CheckpointError as e:
         print(f"ftrain: checkpoint error: {e}", file=sys.stderr)
         return exits.CHECKPOINT
-    _exit_without_teardown(exits.OK)
+    from ftrain.distributed import exit_without_teardown  # already imported by the work
+
+    exit_without_teardown(exits.OK)
     return exits.OK  # not reached
-
-
-def _exit_without_teardown(code: int) -> None:
-    """End a finished worker without running C++ static destructors.
-
-    After a clean run every collective has completed and the process groups are destroyed, yet
-    gloo/c10d threads can still be joinable when the interpreter tears down, and destroying them
-    calls std::terminate ("terminate called without an active exception", SIGABRT). The
-    launcher then reports a failed rank for a run that succeeded. Nothing is left to flush but
-    Python's own buffers, so flush those and leave at once.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ftrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from ftrain.distributed import exit_without_teardown, shutdown_distributed
 from ftrain.model import build_model
 from ftrain.models.deferred_init import is_deferred, own_name
 from ftrain.parallel.parallelize import build_for, parallelize
@@ -58,8 +59,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.environ["OUT"], "w") as f:
             json.dump(gathered, f)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # a clean end: no C++ teardown that can abort (ftrain.distributed)

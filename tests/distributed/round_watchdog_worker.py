@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ftrain.cli.train import _exit_without_teardown
 from ftrain.contract.control import Assignment, ControlFile
+from ftrain.distributed import exit_without_teardown
 from ftrain.recovery.round_watchdog import RoundWatchdog
 
 
@@ -84,7 +84,7 @@ def _leave() -> None:
     """Exit without tearing down the process group its peers shut down, as ``ftrain train``
     does: gloo's destructors can abort the process ("terminate called without an active
     exception", seen in CI on rank 2), which is not what this test is about."""
-    _exit_without_teardown(0)
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device, shutdown_distributed
+from ftrain.distributed import exit_without_teardown, init_distributed, select_device, shutdown_distributed
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.train import Trainer
 
@@ -101,3 +101,4 @@ def main(config: str, memory_dir: str, events: str, out: str, defects: str) -> N
 
 if __name__ == "__main__":
     main(*sys.argv[1:6])
+    exit_without_teardown(0)  # a clean end: no C++ teardown that can abort (ftrain.distributed)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ftrain.config import load_config
-from ftrain.distributed import init_distributed, select_device, shutdown_distributed
+from ftrain.distributed import exit_without_teardown, init_distributed, select_device, shutdown_distributed
 from ftrain.recovery import memory_tier
 from ftrain.recovery.live import hold, restore
 from ftrain.recovery.memory_tier import MemoryTier
@@ -109,3 +109,4 @@ def failures(config: str, events: str) -> None:
 if __name__ == "__main__":
     {"spare": spare, "failures": failures}[sys.argv[1]](sys.argv[2], sys.argv[3])
     shutdown_distributed()
+    exit_without_teardown(0)  # a clean end: no C++ teardown that can abort (ftrain.distributed)
