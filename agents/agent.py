@@ -550,6 +550,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             agent_pid=os.getpid(),
             stack_dir=self.stack_dir,
             etcd_client_file=self.client_file or "",
+            # a script's session writes its events (memory tier, restores) beside the agent's
+            events=os.path.abspath(self.opts.events_path) if self.opts.script and self.opts.events_path else "",
         )
         interface = collective_interface(self.cfg.host, os.environ, self.opts.worker_env)
         return worker_environment(

@@ -32,6 +32,8 @@ STACK_DIR = "FTRAIN_STACK_DIR"
 ETCD_CLIENT_FILE = "FTRAIN_ETCD_CLIENT_FILE"
 CONTROL = "FTRAIN_CONTROL"
 RUN_ID = "FTRAIN_RUN_ID"
+#: the job's event log, for a script's workers (ftrain train's read logging.events_path)
+EVENTS = "FTRAIN_EVENTS"
 """This launch of the job (a run id), where the launcher knows one: the memory tier binds its
 snapshots in ``checkpoint.memory_dir`` to it, so that a later run of the same job never resumes
 from them. It must change when the job is started anew and stay the same while the job restarts
@@ -88,6 +90,7 @@ class WorkerEnv:
     etcd_client_file: str = ""  #: 0600 JSON file with the etcd credentials and TLS files
     control: str = ""  #: a live worker's control file (:mod:`ftrain.contract.control`); empty under torchrun
     run_id: str = ""  #: this launch of the job (:data:`RUN_ID`); empty: the worker derives one
+    events: str = ""  #: the event log a script's session appends to (:data:`EVENTS`); empty: none
 
     def to_env(self) -> dict[str, str]:
         """The variables to export (only those with a value)."""
@@ -104,6 +107,7 @@ class WorkerEnv:
             ETCD_CLIENT_FILE: self.etcd_client_file,
             CONTROL: self.control,
             RUN_ID: self.run_id,
+            EVENTS: self.events,
         }
         return {k: v for k, v in values.items() if v}
 
@@ -124,6 +128,7 @@ class WorkerEnv:
             etcd_client_file=env.get(ETCD_CLIENT_FILE, ""),
             control=env.get(CONTROL, ""),
             run_id=_printable(env, RUN_ID, MAX_RUN_ID_CHARS),
+            events=env.get(EVENTS, ""),
         )
 
 

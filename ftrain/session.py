@@ -59,15 +59,18 @@ import torch.distributed as dist
 
 from ftrain import optim_state, state_codec
 from ftrain.agent_link import fence, heartbeat
-from ftrain.checkpoint.config import DEFAULTS
+from ftrain.checkpoint.config import DEFAULTS, CheckpointConfig
 from ftrain.checkpoint.loading import ForeignStepError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
+from ftrain.config import Config, ParallelConfig
 from ftrain.contract import events as ev
 from ftrain.contract.control import ControlFile
+from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.distributed import abort_distributed
+from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError
 from ftrain.recovery.round_control import (
     AssignmentTimeout,
@@ -80,7 +83,7 @@ from ftrain.recovery.round_control import (
     wait_for_store,
 )
 from ftrain.recovery.round_watchdog import RoundWatchdog
-from ftrain.session_live import Drained, Restored, Round, on_sigterm, restore
+from ftrain.session_live import Drained, Restored, Round, on_sigterm, replicated, restore
 from ftrain.session_state import (
     STATE_FILE,
     USER_STATE,
@@ -93,6 +96,7 @@ from ftrain.session_state import (
     validate,
     warn_if_large,
 )
+from ftrain.session_tier import SessionTierView
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +128,7 @@ class Session:
         backend: str = "auto",
         timeout_s: float = 600.0,
         verbose: bool = True,
+        memory_interval: int = DEFAULTS.memory_interval,
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -134,11 +139,21 @@ class Session:
         and none loads; ``backend``: the process group's when the session makes one (``auto``:
         nccl on a CUDA device, else gloo); ``verbose``: rank 0 says on stderr what it restored and
         each commit, one line each, unless the program configured logging (then: the
-        ``ftrain.session`` logger at INFO; False: always the logger)."""
+        ``ftrain.session`` logger at INFO; False: always the logger); ``memory_interval``: under
+        :meth:`run` with live recovery, a model spread over the ranks (FSDP, TP, HSDP) is
+        snapshotted into host memory every that many steps, each rank's shards and a copy of a
+        buddy's on another node, so that a lost rank heals from its peers' memory instead of
+        storage (-1: as often as a snapshot blocks the loop for at most 2% of its step time;
+        0: off; :mod:`ftrain.session_tier`)."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
             raise SessionError(f"Session(interval_steps={interval_steps!r}): an int >= 0 (0: no periodic saves)")
+        if not isinstance(memory_interval, int) or isinstance(memory_interval, bool) or memory_interval < -1:
+            raise SessionError(
+                f"Session(memory_interval={memory_interval!r}): an int >= -1 (-1: chosen from the step time; 0: off)"
+            )
+        self.memory_interval = memory_interval
         self.checkpoint_uri = checkpoint_uri
         self.job = job or WorkerEnv.from_env().job or DEFAULT_JOB
         self.interval_steps = interval_steps
@@ -166,6 +181,9 @@ class Session:
         self._round: Round | None = None  #: the round served under :meth:`run` with live recovery
         self._serving = False  #: inside :meth:`run`: the ranks agree at each step boundary
         self._stop_requested = False  #: SIGTERM arrived (under :meth:`run`): stop at the next boundary
+        self._tier: MemoryTier | None = None  #: under :meth:`run` with live recovery: this process's, every round
+        #: the round's event log: the job's under ``ftrain agent --script`` (FTRAIN_EVENTS), else none
+        self._events = EventLog()
 
     # -- life ---------------------------------------------------------------------------
     def start(self) -> Session:
@@ -206,6 +224,7 @@ class Session:
             )
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._hb = heartbeat.from_env(self.rank, self.local_rank) if self._round is None else self._round.hb
+        self._events = EventLog(WorkerEnv.from_env().events, rank=self.rank, round_=self.round)
         if self._hb is not None:
             self._hb.beat(-1, phase="starting")
         self._manager = CheckpointManager(
@@ -255,6 +274,9 @@ class Session:
         finally:
             self._serving = False
             on_sigterm(previous)
+            if self._tier is not None:  # its snapshots lived in this process: nothing outlives it
+                self._tier.close()
+                self._tier = None
 
     def _ask_to_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
@@ -275,6 +297,8 @@ class Session:
         control = ControlFile(env.control)
         hb = heartbeat.from_env(-1, 0)
         keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
+        if self.memory_interval:
+            self._tier = MemoryTier(self._tier_config())
         control.mark_ready()  # a spare: imported and built what it could, waiting for its round
         held: HeldState | None = None
         asked = lambda: self._stop_requested  # noqa: E731 - SIGTERM between rounds: leave, nothing to save
@@ -327,8 +351,11 @@ class Session:
         manager, self._manager = self._manager, None
         committed = manager.status.last_committed_step if manager is not None else -1
         held = rnd.watch.held(committed) if rnd.loaded else rnd.held
-        rnd.watch.release()
+        rnd.release()
         abort_distributed(keep_ports)
+        if self._tier is not None:  # after the abort: an exchange blocked on a lost peer fails now
+            self._tier.leave_round()
+        self._events.close()  # after the tier's thread, which writes to it, ended
         self._owns_group = False
         if manager is not None:
             manager.close(abandon=True)
@@ -381,8 +408,11 @@ class Session:
                 self._beat("saving")  # close waits for the upload: the agent's save timeout applies
             manager.close(abandon=error is not None)
         if self._round is not None:
-            self._round.watch.release()
+            self._round.release()
             self._round = None
+        if self._tier is not None:
+            self._tier.leave_round()
+        self._events.close()
         if self._hb is not None:
             committed = manager.status.last_committed_step if manager is not None else -1
             reason = "" if error is None else f"{type(error).__name__}: {error}"
@@ -430,9 +460,11 @@ class Session:
             self._round.boundary(step, StateParts.of(state))
         if self._serving:
             self._agree(step, state)
-        if self.interval_steps and step % self.interval_steps == 0:
-            return self.save(step, state)
-        return False
+        checkpointed = bool(self.interval_steps) and step % self.interval_steps == 0  # the same on every rank
+        saved = self.save(step, state) if checkpointed else False
+        if self._round is not None and self._round.tier is not None and self._tier is not None:
+            self._tier.maybe_snapshot(step, self._round.tier, checkpointed=checkpointed)
+        return saved
 
     def _agree(self, step: int, state: Mapping[str, Any]) -> None:
         """Under :meth:`run`, at each step boundary (one all-reduce of two flags): every rank
@@ -523,6 +555,8 @@ class Session:
         parts = StateParts.of(state)
         rnd = self._round
         self._beat("loading")
+        if rnd is not None and not rnd.loaded:
+            self._join_tier(rnd, parts)
         if rnd is not None and not rnd.loaded and step < 0:
             done = self._restore_live(rnd, manager, parts)
             if done is not None:
@@ -564,7 +598,7 @@ class Session:
         )
         rnd.held = None  # the previous round's objects: free them once this round has its state
         if got is None:
-            return None
+            return self._restore_from_tier(rnd, manager, parts, committed)
         held, src = got
         assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
         optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
@@ -581,6 +615,57 @@ class Session:
         where = "this process's memory" if src < 0 else f"rank {src}'s memory (a live peer)"
         self._say(f"resumed after step {held.step}, from {where}")
         return held.step
+
+    def _join_tier(self, rnd: Round, parts: StateParts) -> None:
+        """Collective (every rank of the round, at its first load): a model spread over the ranks
+        takes part in the memory tier this round (one whole on every rank heals from a live peer)."""
+        tier = self._tier
+        if tier is None or not tier.enabled or parts.module is None or replicated(parts.module):
+            return
+        device = self._device()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        tier.join_round(self.rank, self.world_size, local_world, device.type)
+        view = SessionTierView(
+            parts, device, self.rank, self.world_size, self.round, self._events, binding=tier.binding
+        )
+        rnd.join_tier(view, tier.wait_staged)
+
+    def _restore_from_tier(
+        self, rnd: Round, manager: CheckpointManager, parts: StateParts, committed: int
+    ) -> int | None:
+        """Collective: the newest snapshot the round's ranks hold in memory (not older than the
+        newest commit any of them, or storage, knows of) put into ``parts``; its step, or None
+        (every rank alike) when storage must be read."""
+        if rnd.tier is None or self._tier is None:  # the same on every rank: the same loop, the same model
+            return None
+        newest = torch.tensor([committed], dtype=torch.int64, device=self._device())
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX)  # every rank chooses from the same bound
+        committed = int(newest.item())
+        if rnd.assignment.committed_step > committed:  # a commit none of them knows of: storage says
+            committed = max(committed, manager.newest_committed_step())
+        rnd.tier.mark(-1, parts, parts.user_state(-1), 0.0)
+        step = self._tier.restore(rnd.tier, committed)
+        if step is None:
+            return None
+        manager.status.last_committed_step = max(manager.status.last_committed_step, committed)
+        self._step = step
+        self.restored = Restored("memory_tier", step)
+        self._loaded(parts, step)
+        self._say(f"resumed after step {step}, from the memory tier (shards kept in the ranks' and buddies' memory)")
+        return step
+
+    def _tier_config(self) -> Config:
+        """The memory tier's settings, from the session's (it is ``ftrain train``'s tier)."""
+        options = self._options
+        return Config(
+            checkpoint=CheckpointConfig(
+                uri=self.checkpoint_uri,
+                memory_interval=self.memory_interval,
+                hmac_key_env=str(options["hmac_key_env"]),
+            ),
+            parallel=ParallelConfig(timeout_s=self._timeout_s),
+            others={"agent": {"job": self.job}},
+        )
 
     def _loaded(self, parts: StateParts, step: int) -> None:
         """The state is at a step boundary now: under :meth:`run`, what this rank holds from here;

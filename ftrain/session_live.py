@@ -38,6 +38,7 @@ from ftrain.agent_link.heartbeat import Heartbeat
 from ftrain.contract.control import Assignment
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
 from ftrain.session_state import StateParts
+from ftrain.session_tier import SessionTierView
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,9 @@ class Round:
         self.loaded = False  #: the round's state is restored: what it holds is its last boundary
         self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
         self._last_at = 0.0
+        #: the memory tier's view of the state, when the round's model is sharded (Session.load joins it)
+        self.tier: SessionTierView | None = None
+        self._tier_hooks: list[Any] = []  #: the optimizers' pre-step waits for a snapshot's copy
 
     def boundary(self, step: int, parts: StateParts) -> None:
         """Step ``step`` is done: mark it (what this rank holds if the round ends before the next);
@@ -185,7 +189,29 @@ class Round:
         if self._last_at:
             self.step_time_s = now - self._last_at
         self._last_at = now
-        self.watch.mark(step, parts.module, parts.optimizers, parts.user_state(step))
+        entries = parts.user_state(step)
+        self.watch.mark(step, parts.module, parts.optimizers, entries)
+        if self.tier is not None:
+            self.tier.mark(step, parts, entries, self.step_time_s)
+
+    def join_tier(self, view: SessionTierView, wait_staged: Callable[[], object]) -> None:
+        """Snapshots of this round's state go to the memory tier: before any optimizer updates the
+        parameters, the copy of the last snapshot (taken in the background) is waited for."""
+        self.tier = view
+
+        def before_update(*_: Any) -> None:
+            wait_staged()
+
+        for optimizer in view.parts.optimizers:
+            self._tier_hooks.append(optimizer.register_step_pre_hook(before_update))
+
+    def release(self) -> None:
+        """The round is over: its hooks leave the loop's optimizers (used again in the next round)."""
+        self.watch.release()
+        for handle in self._tier_hooks:
+            handle.remove()
+        self._tier_hooks.clear()
+        self.tier = None
 
 
 __all__ = ["Boundary", "BoundaryWatch", "Drained", "Restored", "Round", "on_sigterm", "replicated", "restore"]

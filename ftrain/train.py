@@ -39,7 +39,15 @@ import torch.nn.functional as F
 
 from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.errors import CheckpointError
-from ftrain.checkpointing import Checkpointing, current_round, step_to_resume
+from ftrain.checkpointing import (
+    Checkpointing,
+    apply_loaded,
+    current_round,
+    load_target,
+    manifest_fields,
+    step_to_resume,
+    training_state,
+)
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, check_replicas
 from ftrain.contract import events as ev
@@ -88,6 +96,7 @@ from ftrain.recovery.round_control import RoundEnded
 from ftrain.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
+    from ftrain.checkpoint.manifest import Manifest
     from ftrain.recovery.memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -457,6 +466,23 @@ class Trainer:
         the saved one or the configured one), else the configured one. A memory-tier or live-peer restore
         (this run's state, under this config) decides nothing: it goes on with the configured schedule."""
         return self.ckpt.schedule if self.ckpt is not None else Schedule.of(self.cfg)
+
+    # -- what the memory tier snapshots and restores (ftrain.recovery.memory_tier.TierSubject)
+    def tier_state(self) -> dict[str, Any]:
+        return training_state(self.par, self.rank)
+
+    def tier_fields(self) -> dict[str, Any]:
+        return manifest_fields(
+            self.cfg, self.par, self.cursor, self.round, schedule=self.lr_schedule(), model_record=self.model_record
+        )
+
+    def tier_target(self, manifest: Manifest) -> dict[str, Any]:
+        return load_target(self.par, self.rank, manifest)
+
+    def tier_apply(self, manifest: Manifest, target: dict[str, Any]) -> None:
+        apply_loaded(self.par, self.cursor, self.rank, manifest, target)
+        if self.ckpt is not None:
+            self.ckpt.adopt_recorded_schedule(manifest)
 
     def _tier_helps(self, tier: MemoryTier) -> bool:
         return bool(tier.memory_dir) or not strategies.full_replica(self.layout)

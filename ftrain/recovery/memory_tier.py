@@ -63,7 +63,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,6 @@ from ftrain.checkpoint.manifest import Manifest, hmac_key_from_env
 from ftrain.checkpoint.safe_pickle import SafeLoadPlanner
 from ftrain.checkpoint.staging import new_stager
 from ftrain.checkpoint.storage import StorageOptions
-from ftrain.checkpointing import apply_loaded, current_round, load_target, manifest_fields, training_state
 from ftrain.config import Config, worker_job_id
 from ftrain.contract import events as ev
 from ftrain.contract.config import ConfigError
@@ -110,6 +109,36 @@ log = logging.getLogger(__name__)
 
 #: snapshots a rank keeps (the newest, and the one before while the newest may be incomplete)
 KEPT = 2
+
+
+class TierSubject(Protocol):
+    """What the tier snapshots and restores: the state of ``ftrain train``'s trainer
+    (:class:`ftrain.train.Trainer`) or of a user's loop (:mod:`ftrain.session_tier`). The tier
+    owns the protocol (when, with whom, verified how); the subject says what its state is."""
+
+    device: torch.device  #: where the training group's collectives run
+    rank: int
+    events: Any  #: where the tier's events go (``emit``)
+    last_step_time_s: float  #: the round's last step time (the auto interval's measure)
+
+    def tier_state(self) -> dict[str, Any]:
+        """This rank's state in DCP's form, as views of the live tensors (the tier copies them
+        in the background until :meth:`MemoryTier.wait_staged`)."""
+        ...
+
+    def tier_fields(self) -> dict[str, Any]:
+        """The snapshot manifest's fields besides its files, step, job and digest (what a
+        checkpoint of this state records: round, world size, layout, config, trainer)."""
+        ...
+
+    def tier_target(self, manifest: Manifest) -> dict[str, Any]:
+        """The state dict a load of ``manifest``'s snapshot fills at this layout; ManifestError
+        or ConfigError when this state cannot take it (every rank then loads from storage)."""
+        ...
+
+    def tier_apply(self, manifest: Manifest, target: dict[str, Any]) -> None:
+        """Put the loaded ``target`` (DCP filled it from the verified bytes) into the state."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +354,9 @@ class MemoryTier:
         return (self.rank - step) % self.world
 
     # -- snapshots ------------------------------------------------------------------------
-    def maybe_snapshot(self, step: int, trainer: Any, *, checkpointed: bool = False, last: bool = False) -> None:
+    def maybe_snapshot(
+        self, step: int, subject: TierSubject, *, checkpointed: bool = False, last: bool = False
+    ) -> None:
         """At a step boundary: if a snapshot is due (:func:`ftrain.recovery.tier_schedule.is_due`, the
         same answer on every rank), stage this rank's state and hand it to the background. First
         the ranks tell each other on the training group (one all-reduce) whether the one before is
@@ -343,7 +374,7 @@ class MemoryTier:
             self.wait()  # no training step is held up: the run ends here
         busy = self._thread is not None and self._thread.is_alive()
         outcome = self._outcome
-        busy_anywhere, failed_anywhere = any_ranks([busy, outcome is not None and not outcome.ok], trainer.device)
+        busy_anywhere, failed_anywhere = any_ranks([busy, outcome is not None and not outcome.ok], subject.device)
         if busy_anywhere:
             self._next_step = put_off(step, self._next_step)
             return
@@ -354,27 +385,20 @@ class MemoryTier:
         figures = outcome.figures if outcome is not None and outcome.ok else None
         if failed_anywhere:
             figures = None
-            self._renew_group(trainer.device)
+            self._renew_group(subject.device)
             if self._group is None:
                 return
         self.interval = next_interval(self.setting, self.interval, figures)
         self._next_step = step + self.interval
         self._outcome = None
         began = time.monotonic()
-        state = training_state(trainer.par, trainer.rank)  # views of the live tensors: the thread copies them
-        fields = manifest_fields(
-            self.cfg,
-            trainer.par,
-            trainer.cursor,
-            current_round(),
-            schedule=trainer.lr_schedule(),
-            model_record=trainer.model_record,
-        )
+        state = subject.tier_state()  # views of the live tensors: the thread copies them
+        fields = subject.tier_fields()
         blocked_s = time.monotonic() - began
         self._staged = threading.Event()
         self._thread = threading.Thread(
             target=self._snapshot,
-            args=([state], fields, step, began, blocked_s, trainer.events, trainer.last_step_time_s),
+            args=([state], fields, step, began, blocked_s, subject.events, subject.last_step_time_s),
             name=f"memory-tier-{step}",
             daemon=True,
         )
@@ -570,9 +594,9 @@ class MemoryTier:
         return theirs
 
     # -- restore ------------------------------------------------------------------------
-    def restore(self, trainer: Any, committed_step: int) -> int | None:
+    def restore(self, subject: TierSubject, committed_step: int) -> int | None:
         """Collective: put the newest complete snapshot (not older than ``committed_step``) into
-        ``trainer``; its step, or None (every rank alike) when the tier cannot give it."""
+        ``subject``'s state; its step, or None (every rank alike) when the tier cannot give it."""
         if not self.active:
             return None
         group = self._group
@@ -581,20 +605,20 @@ class MemoryTier:
         try:
             holdings = all_gather_json([s.holdings() for s in mine], group)
         except WireError as e:  # raised on every rank alike: a rank's listing is past the wire's bounds
-            self._refuse(trainer, -1, f"the ranks' snapshot listings: {e}")
+            self._refuse(subject, -1, f"the ranks' snapshot listings: {e}")
             return None
         choice = choose(holdings, committed_step)
         if choice is None:
             newest = max((s["step"] for held in holdings for s in held), default=-1)
             if newest >= 0:
                 why = "older than the newest committed checkpoint" if newest < committed_step else "incomplete"
-                self._refuse(trainer, newest, f"the newest snapshot (step {newest}) is {why}")
+                self._refuse(subject, newest, f"the newest snapshot (step {newest}) is {why}")
             return None
         snap = next((s for s in mine if s.key == choice.key), None)
         try:
-            manifest, files, target = self._collect(trainer, snap, choice, holdings, group)
+            manifest, files, target = self._collect(subject, snap, choice, holdings, group)
         except (_Refused, WireError) as e:  # each the same on every rank
-            self._refuse(trainer, choice.step, str(e))
+            self._refuse(subject, choice.step, str(e))
             return None
         reader = VerifiedReader(
             f"{self._root}/restore",
@@ -606,15 +630,18 @@ class MemoryTier:
         try:
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())  # DCP raises on every rank if one fails
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - nothing was applied yet
-            self._refuse(trainer, choice.step, f"the load from the verified bytes failed: {e}")
+            self._refuse(subject, choice.step, f"the load from the verified bytes failed: {e}")
             return None
-        apply_loaded(trainer.par, trainer.cursor, trainer.rank, manifest, target)
-        if trainer.ckpt is not None:
-            trainer.ckpt.adopt_recorded_schedule(manifest)
+        subject.tier_apply(manifest, target)
         return manifest.step
 
     def _collect(
-        self, trainer: Any, snap: Snapshot | None, choice: Choice, holdings: list[list[dict[str, Any]]], group: Any
+        self,
+        subject: TierSubject,
+        snap: Snapshot | None,
+        choice: Choice,
+        holdings: list[list[dict[str, Any]]],
+        group: Any,
     ) -> tuple[Manifest, dict[str, bytes], dict[str, Any]]:
         """Collective: the chosen snapshot's manifest, the files this rank's load needs (its own,
         and those it lacks from their holders) checked against the manifest, and the load's
@@ -639,8 +666,8 @@ class MemoryTier:
             if not problem and (entry is None or not matches(metadata, entry, manifest.digest_algorithm)):
                 raise ManifestError(f"{METADATA_NAME} from rank {choice.manifest_from} does not match it")
             if not problem:  # .metadata is unpickled (allow-list) to plan the load only once it matched
-                target = load_target(trainer.par, trainer.rank, manifest)
-                needed = needed_files(target, metadata, manifest.files, trainer.rank == 0)
+                target = subject.tier_target(manifest)
+                needed = needed_files(target, metadata, manifest.files, subject.rank == 0)
         except (ManifestError, ConfigError) as e:
             problem = problem or f"manifest: {e}"
         wants = all_gather_json({"needed": needed, "problem": problem}, group)
@@ -682,9 +709,9 @@ class MemoryTier:
             raise _Refused("; ".join(bad)[:1000])
         return manifest, files, target
 
-    def _refuse(self, trainer: Any, step: int, why: str) -> None:
+    def _refuse(self, subject: TierSubject, step: int, why: str) -> None:
         log.warning("memory tier: no state for this round (loading from storage): %s", why)
-        trainer.events.emit(ev.MemoryRefused(step=step, why=why[:1000]))
+        subject.events.emit(ev.MemoryRefused(step=step, why=why[:1000]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -743,4 +770,4 @@ def _verified(files: dict[str, bytearray], manifest: Manifest) -> dict[str, byte
     return good
 
 
-__all__ = ["Choice", "MemoryTier", "Snapshot", "choose"]
+__all__ = ["Choice", "MemoryTier", "Snapshot", "TierSubject", "choose"]

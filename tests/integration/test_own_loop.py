@@ -6,8 +6,9 @@ newest step. Under two ``ftrain agent --script`` nodes (restart recovery) a SIGK
 is restarted with its peer, they resume from the newest commit, and the run ends bitwise equal
 to the straight one. Under two ``--recovery live`` agents, a SIGKILLed worker and then a lost node
 cost the surviving process nothing but a new round: it keeps its PID and serves every round, the
-new processes take the state from it (ddp: a live peer) or from the newest commit (fsdp), and the
-run still ends bitwise equal to the straight one."""
+new processes take the state from it (ddp: a live peer) or from the shards the ranks and their
+buddies keep in memory (fsdp: the memory tier; nothing is read from storage), and the run still
+ends bitwise equal to the straight one."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_s
                 kill_tree(agent)
 
 
-@pytest.mark.parametrize("parallel,source", [("ddp", "live_peer"), ("fsdp", "storage")])
+@pytest.mark.parametrize("parallel,source", [("ddp", "live_peer"), ("fsdp", "memory_tier")])
 def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_kill_and_a_node_loss(
     tmp_path, etcd, straight, parallel, source
 ):
@@ -111,14 +112,18 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         _torchrun(tmp_path / "golden", 2, "--parallel", "ddp", "--final-weights", "final.pt")
         golden = tmp_path / "golden" / "final.pt"
     live = ("--recovery", "live")
-    script_args = ("--parallel", parallel, "--save-every", "10")
+    script_args = ("--parallel", parallel, "--save-every", "20")
     agents = {n: _agent(tmp_path, etcd, n, *live, script_args=script_args) for n in ("a", "b")}
     try:
-        wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
+        wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
+        if parallel == "fsdp":  # not before the memory tier holds that step too: a newer commit wins
+            wait_for(lambda: _snapshots_complete(tmp_path, 20), 60, "a snapshot of step 20 or later on both ranks")
         (_, [victim]), *_ = served_by(tmp_path, "b")[-1:]
         os.kill(victim, signal.SIGKILL)  # a worker: node b's agent hands its rank to a spare
         wait_for(lambda: len(rounds_formed(tmp_path)) >= 2, 60, "the round after the worker's death")
-        wait_for(lambda: max(_committed(tmp_path)) >= 30, 180, "a commit after that round")
+        wait_for(lambda: max(_committed(tmp_path)) >= 40, 180, "a commit after that round")
+        if parallel == "fsdp":
+            wait_for(lambda: _snapshots_complete(tmp_path, 40), 60, "a snapshot of step 40 or later on both ranks")
         kill_tree(agents.pop("b"))  # node b is lost (its agent and every process under it)
         # --nnodes 2:2: node a's process leaves the round and waits until a replacement host joins
         agents["c"] = _agent(tmp_path, etcd, "c", *live, script_args=script_args)
@@ -130,6 +135,7 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert len(served) >= 3 and len({pid for _, (pid,) in served}) == 1, served  # one process, every round
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
         assert worker_logs.count(f"from {source}") >= 2, worker_logs[-4000:]  # both recoveries
+        assert "from storage" not in worker_logs, worker_logs[-4000:]  # no step was read back from storage
         assert "Traceback" not in worker_logs, worker_logs[-4000:]
         assert _committed(tmp_path)[-1] == 60
         ckpt = str(tmp_path / "runs/own_loop/ckpt")
@@ -144,6 +150,11 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         for agent in agents.values():
             if agent.poll() is None:
                 kill_tree(agent)
+
+
+def _snapshots_complete(where: Path, step: int) -> bool:
+    """Both ranks kept a memory-tier snapshot of ``step`` or later (their sessions' events)."""
+    return {e["rank"] for e in events(where) if e["event"] == "memory_snapshot" and e["step"] >= step} >= {0, 1}
 
 
 def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_same_process(tmp_path, etcd):

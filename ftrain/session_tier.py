@@ -1,0 +1,91 @@
+"""The memory tier in a user's loop (:meth:`ftrain.Session.run` under live recovery): what a
+snapshot of the loop's state holds, and how a restored one goes back into the loop's objects.
+
+A model whose parameters are spread over the ranks (FSDP, TP, FSDP+TP, HSDP: some parameter is a
+DTensor) has no rank that holds all of it, so a lost rank's shards cannot come from a live peer.
+The memory tier (:mod:`ftrain.recovery.memory_tier`, the same one ``ftrain train`` uses) keeps
+each rank's shards in host memory, its own and a buddy's on another node, at the step boundaries
+:meth:`ftrain.Session.step` marks. :class:`SessionTierView` is what it snapshots: the module and
+its optimizers in DCP's per-parameter form (as a session's checkpoint), and the loop's other
+entries (scheduler, sampler, counters) encoded by :mod:`ftrain.state_codec` in the snapshot's
+manifest, as they were at that boundary, so that they decode exactly and nothing is unpickled.
+RNG states are the loop's business, as in its checkpoints.
+
+The tier refuses a snapshot any rank cannot take (a manifest of another writer, an entry missing
+or not decoding): every rank then loads from storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ftrain import state_codec
+from ftrain.checkpoint.errors import ManifestError
+from ftrain.checkpoint.loading import writer_of
+from ftrain.checkpoint.manifest import Manifest
+from ftrain.contract.events import EventLog
+from ftrain.recovery.tier_binding import Binding
+from ftrain.session_state import WRITER, SessionError, StateParts, manifest_fields
+
+#: the manifest's trainer key holding the loop's other entries, encoded (name -> text)
+ENCODED_KEY = "user_state_encoded"
+
+
+@dataclasses.dataclass
+class SessionTierView:
+    """One round's state of a user's loop as the memory tier sees it (a
+    :class:`~ftrain.recovery.memory_tier.TierSubject`). ``step`` and ``entries``: the last step
+    boundary and the loop's other entries encoded as they were then (:meth:`mark`)."""
+
+    parts: StateParts
+    device: torch.device
+    rank: int
+    world_size: int
+    round: int
+    events: EventLog = dataclasses.field(default_factory=EventLog)
+    #: what the snapshots are bound to (the tier's :class:`~ftrain.recovery.tier_binding.Binding`:
+    #: the session's checkpoint root and settings): a snapshot of another binding is refused
+    binding: Binding | None = None
+    last_step_time_s: float = 0.0
+    step: int = 0
+    entries: dict[str, str] = dataclasses.field(default_factory=dict)
+    _decoded: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def mark(self, step: int, parts: StateParts, entries: dict[str, str], step_time_s: float) -> None:
+        """Step ``step`` is done: what a snapshot taken now holds."""
+        self.step, self.parts, self.entries, self.last_step_time_s = step, parts, entries, step_time_s
+
+    def tier_state(self) -> dict[str, Any]:
+        return self.parts.state_dict()
+
+    def tier_fields(self) -> dict[str, Any]:
+        fields = manifest_fields(self.round, self.world_size, self.step)
+        fields["trainer"] = {"step": self.step, ENCODED_KEY: dict(self.entries)}
+        if self.binding is not None:
+            fields["config"], fields["config_hash"] = dict(self.binding.config), self.binding.config_hash
+        return fields
+
+    def tier_target(self, manifest: Manifest) -> dict[str, Any]:
+        """The load's target, once the snapshot's entries decode and fit this loop's state."""
+        if writer_of(manifest) != WRITER:
+            raise ManifestError(f"snapshot of step {manifest.step} was not written by a session")
+        encoded = manifest.trainer.get(ENCODED_KEY)
+        if not isinstance(encoded, dict) or not all(isinstance(v, str) for v in encoded.values()):
+            raise ManifestError(f"snapshot of step {manifest.step}: trainer.{ENCODED_KEY} is not name -> text")
+        try:
+            decoded = {name: state_codec.decode(text) for name, text in encoded.items()}
+            self.parts.check_fits(manifest, decoded)
+        except (state_codec.StateDecodeError, SessionError) as e:
+            raise ManifestError(f"snapshot of step {manifest.step}: {e}") from e
+        self._decoded = decoded
+        return self.parts.state_dict(manifest)
+
+    def tier_apply(self, manifest: Manifest, target: dict[str, Any]) -> None:
+        self.parts.apply(manifest, self._decoded)
+        self._decoded = {}
+
+
+__all__ = ["ENCODED_KEY", "SessionTierView"]
