@@ -40,7 +40,8 @@ loop's business.
 "alive" from a background thread, the commit fence and the exit message. Recovery is restart
 (torchrun runs the script again), or with ``--recovery live`` in-process: the loop of one round
 is a function that :meth:`run` calls again for each new round, in the same process; the state
-comes from a live peer when the model is replicated, else from storage (:mod:`ftrain.session_live`).
+comes from a live peer when the model is replicated, from the memory tier's snapshots when it is
+spread over the ranks, else from storage (:mod:`ftrain.session_live`, :mod:`ftrain.session_tier`).
 A collective that the round's end does not reach is the round watchdog's: it ends the process,
 and its agent replaces it (a restart of that process only).
 """

@@ -15,9 +15,12 @@ what they hold (:func:`ftrain.recovery.peer_state.survey`). When the model is re
 rank (a plain module or DDP: no parameter is a DTensor), the newest step held, if it is not older
 than the newest commit anyone knows of, comes from its holder over the process group
 (``live_peer``; ``memory`` when every rank holds it), checked against the digest the holder
-announced, never unpickled. Otherwise (FSDP, TP: each rank holds only its shards, and the lost
-rank's are gone; or replicas that disagree; or a transfer any rank refused) every rank loads the
-newest verified checkpoint (``storage``).
+announced, never unpickled. When it is spread over the ranks (FSDP, TP: each rank holds only its
+shards, and the lost rank's are gone with it), the newest memory-tier snapshot that the live ranks
+hold between them, their own shards and their buddies' copies (``memory_tier``,
+:mod:`ftrain.session_tier`). Otherwise (replicas that disagree, a transfer or a snapshot any rank
+refused, a commit newer than anything held) every rank loads the newest verified checkpoint
+(``storage``).
 """
 
 from __future__ import annotations

@@ -146,6 +146,7 @@ class Settings:
     collective_timeout_s: float
     startup_timeout_s: float
     cap_s: float
+    parallel: str = "ddp"  #: ddp, or fsdp: the model sharded, a lost rank healed from the memory tier
 
 
 @dataclass
@@ -167,7 +168,8 @@ class Job:
         self.dir = workdir
         self.settings = settings
         self.config = workdir / "config.toml"
-        self.config.write_text(TINY_CONFIG.replace("steps = 10", f"steps = {settings.steps}"))
+        config = TINY_CONFIG.replace("steps = 10", f"steps = {settings.steps}")
+        self.config.write_text(config + f'\n[parallel]\nstrategy = "{settings.parallel}"\n')
         self.ckpt = workdir / "ckpt"
         self.events = JsonlTail(workdir / "events.jsonl")
         self.metrics = JsonlTail(workdir / "metrics.jsonl")
@@ -309,7 +311,7 @@ def run_ftrain(fault: str, workdir: Path, settings: Settings, *, live: bool) -> 
 
 
 class SessionJob(Job):
-    """A user's loop (examples/own_loop/train.py through :mod:`bench.lib.session_loop`, DDP) under
+    """A user's loop (examples/own_loop/train.py through :mod:`bench.lib.session_loop`, DDP or FSDP) under
     two live agents: its marks are the loop's probe lines, not ``ftrain train``'s events and metrics."""
 
     def __init__(self, workdir: Path, settings: Settings):
@@ -321,7 +323,7 @@ class SessionJob(Job):
         return [
             f"--probe-log={self.probe.path}",
             f"--step-sleep-s={s.step_sleep_s:g}",
-            "--parallel=ddp",
+            f"--parallel={s.parallel}",
             f"--steps={s.steps}",
             f"--save-every={s.ckpt_interval}",
             f"--ckpt={self.ckpt}",

@@ -48,6 +48,12 @@ directory, or a run id no rank knows, leaves the worker without the on-disk tier
 the fix); training goes on. Live workers keep their snapshots in their processes (they survive a
 round change there).
 
+**Whose state.** The tier snapshots and restores a :class:`TierSubject`: ``ftrain train``'s
+:class:`~ftrain.train.Trainer` (model, optimizer, data cursor, RNG, LR schedule) or a user's
+loop under :meth:`ftrain.Session.run` (:mod:`ftrain.session_tier`: the module, its optimizers and
+the loop's other entries, encoded). The subject says what its state is; everything else here
+(when, with whom, verified how) is the same for both.
+
 **Size.** Over 600 lines: snapshot and restore are one collective protocol on one process group
 (whatever can fail on one rank is told to every rank before the next exchange); its store,
 schedule, wire format and run binding are modules of their own.

@@ -95,6 +95,9 @@ def test_misuse_is_refused_with_the_fix(tmp_path):
         session.close()
     with pytest.raises(SessionError, match="interval_steps"):
         ftrain.Session(str(tmp_path), interval_steps=-1)
+    for bad in (-2, True, 1.5):
+        with pytest.raises(SessionError, match=r"memory_interval=.*an int >= -1"):
+            ftrain.Session(str(tmp_path), memory_interval=bad)  # type: ignore[arg-type]
 
 
 def test_run_outside_an_agent_is_one_round_that_ends_with_the_session(tmp_path):

@@ -1,0 +1,122 @@
+"""Run under torchrun (4 gloo ranks): a user's loop state (a model spread over the ranks, its
+optimizer, a sampler) through the memory tier as :class:`ftrain.Session` uses it
+(:class:`ftrain.session_tier.SessionTierView`), for each layout named on the command line.
+
+Per layout: two steps trained, a snapshot taken (this rank's shards and a copy of its buddy's),
+two more steps (the state moves on), then rank 1 becomes a new process (it holds no snapshot) and
+every rank restores. Rank 1's shards can only come from its buddy's copy. Each rank compares what
+it holds after the restore with what it held at the snapshot, bit for bit: every local shard of
+the model and the optimizer, and the sampler's state. One JSON list per rank on rank 0:
+{"layout", "restored_step", "different", "tensors", "sampler_equal", "rank1_held"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import ftrain
+from ftrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from ftrain.distributed import exit_without_teardown, shutdown_distributed
+from ftrain.model import build_model
+from ftrain.parallel.parallelize import parallelize
+from ftrain.parallel.strategies import compute_layout
+from ftrain.recovery.memory_tier import MemoryTier
+from ftrain.session_state import StateParts
+from ftrain.session_tier import SessionTierView
+
+LAYOUTS = {
+    "fsdp": ParallelConfig(strategy="fsdp"),
+    "tp": ParallelConfig(strategy="tp"),
+    "fsdp+tp": ParallelConfig(strategy="fsdp+tp", tp_size=2),
+    "hsdp": ParallelConfig(strategy="hsdp", shard_size=2),
+}
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _tensors(parts: StateParts) -> dict[str, torch.Tensor]:
+    """Every tensor this rank holds of the model and its optimizer (local shards), cloned."""
+    out, names = {}, {}
+    for name, param in parts.module.named_parameters():  # type: ignore[union-attr]
+        out[f"param.{name}"] = _local(param).detach().clone()
+        names[id(param)] = name
+    for optimizer in parts.optimizers:
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim.{names[id(param)]}.{key}"] = _local(value).detach().clone()
+    return out
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: ftrain.ResumableSampler) -> None:
+    tokens = (torch.arange(4 * 17).reshape(4, 17) + 3 * sampler.advance(0, 1)[0]) % 64
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def check(name: str) -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model_cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+    cfg = Config(model=model_cfg, parallel=LAYOUTS[name], train=TrainConfig(global_batch_size=8, micro_batch_size=1))
+    layout = compute_layout(cfg.parallel, world_size=world, rank=rank, local_world_size=2, n_head=model_cfg.n_head)
+    torch.manual_seed(11)
+    model = parallelize(build_model(model_cfg), cfg, layout, torch.device("cpu"), torch.float32, 1).model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = ftrain.ResumableSampler(1000, 8, seed=3)
+    parts = StateParts.of({"model": model, "optim": optimizer, "sampler": sampler})
+
+    tier = MemoryTier(Config(parallel=ParallelConfig(timeout_s=120), others={"agent": {"job": "session-tier"}}))
+    tier.join_round(rank, world, 2, "cpu")
+    view = SessionTierView(parts, torch.device("cpu"), rank, world, 1, binding=tier.binding)
+    for _ in range(2):
+        _train(model, optimizer, sampler)
+    view.mark(2, parts, parts.user_state(2), 0.01)
+    tier.maybe_snapshot(2, view, checkpointed=True)
+    tier.wait_staged()
+    at_snapshot, sampler_then = _tensors(parts), sampler.state_dict()
+    tier.wait()
+    for _ in range(2):  # the state moves on: what the restore puts back must be the snapshot's
+        _train(model, optimizer, sampler)
+    held = len(tier.snapshots)
+    if rank == 1:  # a new process: its own files of the snapshot are gone, its buddy keeps a copy
+        tier.snapshots = []
+    restored = tier.restore(view, committed_step=-1)
+    now = _tensors(parts)
+    different = sorted(k for k in at_snapshot if k not in now or not torch.equal(at_snapshot[k], now[k]))
+    tier.close()
+    return {
+        "layout": name,
+        "restored_step": restored,
+        "different": different,
+        "tensors": len(at_snapshot),
+        "sampler_equal": sampler.state_dict() == sampler_then,
+        "rank1_held": held if rank == 1 else -1,
+    }
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    results = [check(name) for name in sys.argv[1:]]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        with open(os.environ["OUT"], "w") as f:
+            json.dump(gathered, f)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
+    exit_without_teardown(0)  # a clean end: no C++ teardown that can abort (ftrain.distributed)
