@@ -225,7 +225,7 @@ class Session:
             )
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._hb = heartbeat.from_env(self.rank, self.local_rank) if self._round is None else self._round.hb
-        self._events = EventLog(WorkerEnv.from_env().events, rank=self.rank, round_=self.round)
+        self._events = self._open_events(WorkerEnv.from_env().events)
         if self._hb is not None:
             self._hb.beat(-1, phase="starting")
         self._manager = CheckpointManager(
@@ -239,6 +239,15 @@ class Session:
             **self._options,  # type: ignore[arg-type]
         )
         return self
+
+    def _open_events(self, path: str) -> EventLog:
+        """The round's event log (the agent's file, FTRAIN_EVENTS); one that cannot be opened
+        costs the events, not the run (said once per round)."""
+        try:
+            return EventLog(path, rank=self.rank, round_=self.round)
+        except OSError as e:
+            log.warning("the job's event log %s cannot be opened (%s): this worker's events are not written", path, e)
+            return EventLog()
 
     def _on_event(self, record: ev.Record) -> None:
         """The checkpoint service's events (from the training thread or the save's): each commit, said."""

@@ -235,3 +235,14 @@ def test_a_live_rank_waits_for_the_next_round_as_long_as_its_agent_lives(tmp_pat
     assert session.run(train) == 2
     assert rounds == [1, 2] and session.restored.source == "memory" and session.restored.step == 1
     writer.join(timeout=10)
+
+
+def test_an_event_log_that_cannot_be_opened_costs_the_events_not_the_run(tmp_path, monkeypatch, caplog):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FTRAIN_EVENTS", str(tmp_path / "a-file" / "events.jsonl"))  # under a file: no directory
+    with ftrain.Session(str(tmp_path / "ckpt"), verbose=False) as session:
+        state = _state()
+        _train(state, 2)
+        session.finish(2, state)
+    assert "event log" in caplog.text and "a-file" in caplog.text, caplog.text
+    assert (tmp_path / "ckpt").exists()
