@@ -4,8 +4,11 @@
     python examples/hf_trainer/train.py                # one process
 
 It saves every 20 steps to runs/hf_trainer/ckpt (verified, committed last) and, run again, goes on
-after the newest step that verifies (--steps 80 goes on from 60). The lines marked ``# ftrain`` are
-all it takes (docs/hf-trainer.md shows them as a diff); the Trainer itself writes no checkpoints.
+after the newest step that verifies (--steps 80 goes on from 60). Under node agents it also
+recovers in-process (``ftrain agent --recovery live --script examples/hf_trainer/train.py ...``): a
+lost worker costs the others no restart; their ``train`` runs again for the new round. The lines
+marked ``# ftrain`` are all it takes (docs/hf-trainer.md shows them as a diff); the Trainer itself
+writes no checkpoints.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ class Counting(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def main(argv: list[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> None:
-    args = parse(argv)
+def train(session: ftrain.Session, args: argparse.Namespace, callbacks: Sequence[TrainerCallback]) -> None:
+    """One round of training: the Trainer and what it holds are built here (under ``ftrain agent
+    --recovery live`` this runs again, in the same process, for each new round)."""
     targs = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -83,17 +87,22 @@ def main(argv: list[str] | None = None, callbacks: Sequence[TrainerCallback] = (
     torch.manual_seed(args.seed)
     model = build_model(args.seq)
     data = Counting(args.samples, args.seq, args.seed)
-    with ftrain.Session(args.ckpt, interval_steps=args.save_every) as session:  # ftrain
-        trainer = FtrainTrainer(session, model=model, args=targs, train_dataset=data, callbacks=list(callbacks))
-        began = time.perf_counter()
-        trainer.train()
-        start, world = trainer.ftrain_resumed_step, targs.world_size
-        if trainer.is_world_process_zero():
-            done = f"resumed after step {start}; " if start else ""
-            print(f"{done}trained steps {start + 1}..{args.steps} on {world} process(es) in "
-                  f"{time.perf_counter() - began:.3f}s", flush=True)  # fmt: skip
-            if args.final_weights:
-                torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.final_weights)
+    trainer = FtrainTrainer(session, model=model, args=targs, train_dataset=data, callbacks=list(callbacks))  # ftrain
+    began = time.perf_counter()
+    trainer.train()
+    start, world = trainer.ftrain_resumed_step, targs.world_size
+    if trainer.is_world_process_zero():
+        done = f"resumed after step {start}; " if start else ""
+        print(f"{done}trained steps {start + 1}..{args.steps} on {world} process(es) in "
+              f"{time.perf_counter() - began:.3f}s", flush=True)  # fmt: skip
+        if args.final_weights:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.final_weights)
+
+
+def main(argv: list[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> None:
+    args = parse(argv)
+    session = ftrain.Session(args.ckpt, interval_steps=args.save_every)  # ftrain
+    session.run(lambda s: train(s, args, callbacks))  # ftrain: each round of this process (one under torchrun)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ with ftrain.Session("s3://bucket/run", interval_steps=500) as session:
     trainer.train()                                      # resumes after the newest commit, if any
 ```
 
+Under ``ftrain agent --recovery live`` the same lines go into a function of one round that
+``ftrain.Session(...).run(train)`` calls again, in the same process, for each new round (the
+``TrainingArguments`` created inside it: they set accelerate's process state up for the round's
+group); a new round's Trainer goes on from a live peer's state (docs/hf-trainer.md).
+
 **Why a subclass, not only a callback.** A ``TrainerCallback`` sees each step end, so the callback
 here saves (``session.step`` at ``on_step_end``, ``session.finish`` at ``on_train_end``), but a
 callback cannot resume exactly: the Trainer creates the optimizer and the scheduler inside

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from ftrain.checkpoint.storage import Storage
+from ftrain.contract import exits
 from ftrain.testbed.jobs import run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
-from tests.script_agents import rounds_formed, script_workers, start_agent
+from tests.script_agents import rounds_formed, script_workers, served_by, start_agent
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,24 +108,65 @@ def test_a_killed_run_resumes_after_the_newest_commit_and_ends_as_the_straight_o
 
 
 @pytest.mark.dist
-def test_under_two_agents_a_killed_worker_is_restarted_and_the_trainer_resumes(tmp_path, etcd, straight):
-    """Supervision by the node agents (restart recovery): a SIGKILLed worker of node b is seen,
-    both nodes' workers restart, the Trainer resumes after the newest commit, and the run ends
-    bitwise equal to the straight one."""
-    agents = {n: start_agent(tmp_path, etcd.endpoint, n, EXAMPLE, script_args=ARGS[:-2]) for n in "ab"}
+@pytest.mark.parametrize("recovery", ["restart", "live"])
+def test_under_two_agents_a_killed_worker_is_replaced_and_the_trainer_resumes(tmp_path, etcd, straight, recovery):
+    """Supervision by the node agents: a SIGKILLed worker of node b is seen; under restart
+    recovery both nodes' workers restart and the Trainer resumes after the newest commit; under
+    live recovery node a's process keeps its PID, a spare takes node b's rank, and the new round's
+    Trainers go on from the step node a's process held (a live peer, not storage). Either way
+    the run ends bitwise equal to the straight one."""
+    options = ("--recovery", recovery)
+    agents = {n: start_agent(tmp_path, etcd.endpoint, n, EXAMPLE, *options, script_args=ARGS[:-2]) for n in "ab"}
     try:
         wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
-        victims = script_workers(agents["b"], EXAMPLE)
+        if recovery == "restart":
+            victims = script_workers(agents["b"], EXAMPLE)
+        else:
+            (_, victims), *_ = served_by(tmp_path, "b")[-1:]
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         for node, agent in agents.items():
             assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
         assert rounds_formed(tmp_path) == ["start", "worker_exit"]
-        second = "".join(p.read_text() for p in tmp_path.glob("*/round-0002.log"))
-        resumed = re.findall(r"resumed after step (\d+); trained steps", second)
-        assert resumed and 10 <= int(resumed[0]) < STEPS, second[-3000:]
+        if recovery == "restart":
+            second = "".join(p.read_text() for p in tmp_path.glob("*/round-0002.log"))
+            resumed = re.findall(r"resumed after step (\d+); trained steps", second)
+            assert resumed and 10 <= int(resumed[0]) < STEPS, second[-3000:]
+        else:
+            served = served_by(tmp_path, "a")
+            assert len(served) == 2 and len({pid for _, (pid,) in served}) == 1, served  # one process, both rounds
+            logs = "".join((tmp_path / n / "workers.log").read_text() for n in "ab")  # rank 0 says it
+            healed = re.findall(r"resumed after step (\d+), from rank \d's memory \(a live peer\)", logs)
+            assert healed and 10 <= int(healed[0]) < STEPS, logs[-3000:]
+            assert "Traceback" not in logs, logs[-3000:]
         a, b = (torch.load(d / "final.pt", weights_only=True) for d in (straight[0], tmp_path))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)
+
+
+@pytest.mark.dist
+def test_under_live_agents_a_drained_node_leaves_and_the_trainer_goes_on_alone_in_the_same_process(tmp_path, etcd):
+    """SIGTERM to node b's agent (a drain, --nnodes 1:2): b's Trainer stops at a committed step
+    and its agent exits 75; node a's process builds the next round's Trainer at world size 1
+    (accelerate's process state of the 2-process round is replaced) and finishes the job."""
+    options = ("--recovery", "live", "--nnodes", "1:2")
+    agents = {n: start_agent(tmp_path, etcd.endpoint, n, EXAMPLE, *options, script_args=ARGS[:-2]) for n in "ab"}
+    try:
+        wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
+        agents["b"].send_signal(signal.SIGTERM)
+        for node, agent in agents.items():
+            expected = exits.DRAINED if node == "b" else exits.OK
+            assert agent.wait(timeout=240) == expected, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        served = served_by(tmp_path, "a")
+        assert len(served) == 2 and len({pid for _, (pid,) in served}) == 1, served  # one process, both rounds
+        logs = (tmp_path / "a" / "workers.log").read_text()
+        alone = re.findall(r"resumed after step (\d+); trained steps \d+\.\.(\d+) on 1 process\(es\)", logs)
+        assert alone and 10 <= int(alone[0][0]) < STEPS and int(alone[0][1]) == STEPS, logs[-3000:]
+        assert "Traceback" not in logs, logs[-3000:]
+        assert _committed(tmp_path)[-1] == STEPS
     finally:
         for agent in agents.values():
             if agent.poll() is None:
