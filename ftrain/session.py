@@ -58,23 +58,20 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftrain import optim_state, state_codec
+from ftrain import state_codec
 from ftrain.agent_link import fence, heartbeat
-from ftrain.checkpoint.config import DEFAULTS, CheckpointConfig
+from ftrain.checkpoint.config import DEFAULTS
 from ftrain.checkpoint.loading import ForeignStepError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
-from ftrain.config import Config, ParallelConfig
 from ftrain.contract import events as ev
 from ftrain.contract.control import ControlFile
 from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.distributed import abort_distributed
-from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError
 from ftrain.recovery.round_control import (
-    AssignmentTimeout,
     RoundEnded,
     StopRequested,
     is_peer_failure,
@@ -84,7 +81,7 @@ from ftrain.recovery.round_control import (
     wait_for_store,
 )
 from ftrain.recovery.round_watchdog import RoundWatchdog
-from ftrain.session_live import Drained, Restored, Round, on_sigterm, replicated, restore
+from ftrain.session_live import Drained, Restored, Round, on_sigterm, refuse_start_under_live, restore_round
 from ftrain.session_state import (
     STATE_FILE,
     USER_STATE,
@@ -97,7 +94,7 @@ from ftrain.session_state import (
     validate,
     warn_if_large,
 )
-from ftrain.session_tier import SessionTierView
+from ftrain.session_tier import SessionTier
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +147,7 @@ class Session:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
             raise SessionError(f"Session(interval_steps={interval_steps!r}): an int >= 0 (0: no periodic saves)")
-        if not isinstance(memory_interval, int) or isinstance(memory_interval, bool) or memory_interval < -1:
-            raise SessionError(
-                f"Session(memory_interval={memory_interval!r}): an int >= -1 (-1: chosen from the step time; 0: off)"
-            )
-        self.memory_interval = memory_interval
+        self.memory_interval = SessionTier.checked_interval(memory_interval)
         self.checkpoint_uri = checkpoint_uri
         self.job = job or WorkerEnv.from_env().job or DEFAULT_JOB
         self.interval_steps = interval_steps
@@ -182,7 +175,7 @@ class Session:
         self._round: Round | None = None  #: the round served under :meth:`run` with live recovery
         self._serving = False  #: inside :meth:`run`: the ranks agree at each step boundary
         self._stop_requested = False  #: SIGTERM arrived (under :meth:`run`): stop at the next boundary
-        self._tier: MemoryTier | None = None  #: under :meth:`run` with live recovery: this process's, every round
+        self._tier: SessionTier | None = None  #: under :meth:`run` with live recovery: this process's, every round
         #: the round's event log: the job's under ``ftrain agent --script`` (FTRAIN_EVENTS), else none
         self._events = EventLog()
 
@@ -194,21 +187,7 @@ class Session:
         self._closed = False
         control = WorkerEnv.from_env().control
         if control:
-            refused = SessionError(
-                "this process was started by `ftrain agent --recovery live`, whose workers serve round after round: "
-                "put the loop in a function and call session.run(train) (docs/library.md), or run the agent with "
-                "--recovery restart"
-            )
-            hb = heartbeat.from_env(-1, 0)
-            if hb is not None:  # tell the agent in the round it gives this process: a restart cannot help
-                try:
-                    got = wait_for_assignment(ControlFile(control), newer_than=-1, timeout_s=self._timeout_s)
-                    hb.assign(got.round, got.rank, got.local_rank)
-                    hb.exit(-1, finished=False, error=f"SessionError: {refused}", fatal=True)
-                except AssignmentTimeout:
-                    pass
-                hb.close()
-            raise refused
+            raise refuse_start_under_live(control, self._timeout_s)
         if not dist.is_initialized():
             self._init_group()
         return self._open()
@@ -308,7 +287,8 @@ class Session:
         hb = heartbeat.from_env(-1, 0)
         keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
         if self.memory_interval:
-            self._tier = MemoryTier(self._tier_config())
+            key_env, uri = str(self._options["hmac_key_env"]), self.checkpoint_uri
+            self._tier = SessionTier(uri, self.memory_interval, key_env, self._timeout_s, self.job)
         control.mark_ready()  # a spare: imported and built what it could, waiting for its round
         held: HeldState | None = None
         asked = lambda: self._stop_requested  # noqa: E731 - SIGTERM between rounds: leave, nothing to save
@@ -369,16 +349,7 @@ class Session:
         self._owns_group = False
         if manager is not None:
             manager.close(abandon=True)
-        reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
-        log.warning(
-            "round %d ended for rank %d (%s); holding step %s",
-            rnd.assignment.round,
-            self.rank,
-            reason.splitlines()[0][:200] if reason else "",
-            held.step if held else "none",
-        )
-        if rnd.hb is not None:
-            rnd.hb.beat(held.step if held else -1, phase="recovering")
+        rnd.left(self.rank, why, held)
         self._round = None
         return held
 
@@ -472,8 +443,8 @@ class Session:
             self._agree(step, state)
         checkpointed = bool(self.interval_steps) and step % self.interval_steps == 0  # the same on every rank
         saved = self.save(step, state) if checkpointed else False
-        if self._round is not None and self._round.tier is not None and self._tier is not None:
-            self._tier.maybe_snapshot(step, self._round.tier, checkpointed=checkpointed)
+        if self._tier is not None:
+            self._tier.snapshot(self._round, step, checkpointed=checkpointed)
         return saved
 
     def _agree(self, step: int, state: Mapping[str, Any]) -> None:
@@ -565,8 +536,8 @@ class Session:
         parts = StateParts.of(state)
         rnd = self._round
         self._beat("loading")
-        if rnd is not None and not rnd.loaded:
-            self._join_tier(rnd, parts)
+        if rnd is not None and not rnd.loaded and self._tier is not None:
+            self._tier.join(rnd, parts, self.rank, self.world_size, self._device(), self._events)
         if rnd is not None and not rnd.loaded and step < 0:
             done = self._restore_live(rnd, manager, parts)
             if done is not None:
@@ -600,82 +571,20 @@ class Session:
         return manifest.step
 
     def _restore_live(self, rnd: Round, manager: CheckpointManager, parts: StateParts) -> int | None:
-        """The state a live peer (or every rank itself) holds, put into ``parts``: the step it goes
-        on from; None when the ranks agreed to load from storage instead (collective)."""
+        """The state the round's ranks hold, put into ``parts`` (:func:`ftrain.session_live.restore_round`):
+        the step it goes on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
-        got = restore(
-            rnd.held, parts.module, parts.optimizers, lambda: parts.user_state(-1), self._device(), committed, self.rank
-        )
-        rnd.held = None  # the previous round's objects: free them once this round has its state
+        newest = manager.newest_committed_step
+        got = restore_round(rnd, parts, self._device(), committed, self.rank, self._tier, newest)
         if got is None:
-            return self._restore_from_tier(rnd, manager, parts, committed)
-        held, src = got
-        assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
-        optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
-        for key, obj in parts.others.items():
-            try:  # the encoded entries a rank held (the sender's digest-checked): exact, as from storage
-                value = state_codec.decode(held.cursor[key])
-            except state_codec.StateDecodeError as e:
-                raise SessionError(f"the state's {key!r} held for step {held.step} does not decode: {e}") from e
-            obj.load_state_dict(value)
-        manager.status.last_committed_step = max(manager.status.last_committed_step, committed)
-        self._step = held.step
-        self.restored = Restored("memory" if src < 0 else "live_peer", held.step, src)
-        self._loaded(parts, held.step)
-        where = "this process's memory" if src < 0 else f"rank {src}'s memory (a live peer)"
-        self._say(f"resumed after step {held.step}, from {where}")
-        return held.step
-
-    def _join_tier(self, rnd: Round, parts: StateParts) -> None:
-        """Collective (every rank of the round, at its first load): a model spread over the ranks
-        takes part in the memory tier this round (one whole on every rank heals from a live peer)."""
-        tier = self._tier
-        if tier is None or not tier.enabled or parts.module is None or replicated(parts.module):
-            return
-        device = self._device()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        tier.join_round(self.rank, self.world_size, local_world, device.type)
-        view = SessionTierView(
-            parts, device, self.rank, self.world_size, self.round, self._events, binding=tier.binding
-        )
-        rnd.join_tier(view, tier.wait_staged)
-
-    def _restore_from_tier(
-        self, rnd: Round, manager: CheckpointManager, parts: StateParts, committed: int
-    ) -> int | None:
-        """Collective: the newest snapshot the round's ranks hold in memory (not older than the
-        newest commit any of them, or storage, knows of) put into ``parts``; its step, or None
-        (every rank alike) when storage must be read."""
-        if rnd.tier is None or self._tier is None:  # the same on every rank: the same loop, the same model
             return None
-        newest = torch.tensor([committed], dtype=torch.int64, device=self._device())
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX)  # every rank chooses from the same bound
-        committed = int(newest.item())
-        if rnd.assignment.committed_step > committed:  # a commit none of them knows of: storage says
-            committed = max(committed, manager.newest_committed_step())
-        rnd.tier.mark(-1, parts, parts.user_state(-1), 0.0)
-        step = self._tier.restore(rnd.tier, committed)
-        if step is None:
-            return None
+        restored, committed = got
         manager.status.last_committed_step = max(manager.status.last_committed_step, committed)
-        self._step = step
-        self.restored = Restored("memory_tier", step)
-        self._loaded(parts, step)
-        self._say(f"resumed after step {step}, from the memory tier (shards kept in the ranks' and buddies' memory)")
-        return step
-
-    def _tier_config(self) -> Config:
-        """The memory tier's settings, from the session's (it is ``ftrain train``'s tier)."""
-        options = self._options
-        return Config(
-            checkpoint=CheckpointConfig(
-                uri=self.checkpoint_uri,
-                memory_interval=self.memory_interval,
-                hmac_key_env=str(options["hmac_key_env"]),
-            ),
-            parallel=ParallelConfig(timeout_s=self._timeout_s),
-            others={"agent": {"job": self.job}},
-        )
+        self._step = restored.step
+        self.restored = restored
+        self._loaded(parts, restored.step)
+        self._say(f"resumed after step {restored.step}, from {restored.said()}")
+        return restored.step
 
     def _loaded(self, parts: StateParts, step: int) -> None:
         """The state is at a step boundary now: under :meth:`run`, what this rank holds from here;

@@ -34,14 +34,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ftrain import optim_state
+from ftrain import optim_state, state_codec
+from ftrain.agent_link import heartbeat
 from ftrain.agent_link.heartbeat import Heartbeat
-from ftrain.contract.control import Assignment
+from ftrain.contract.control import Assignment, ControlFile
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
-from ftrain.session_state import StateParts
-from ftrain.session_tier import SessionTierView
+from ftrain.recovery.round_control import AssignmentTimeout, wait_for_assignment
+from ftrain.session_state import SessionError, StateParts, replicated
+from ftrain.session_tier import SessionTier, SessionTierView
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,13 @@ class Restored:
     step: int
     from_rank: int = -1
 
-
-def replicated(module: nn.Module | None) -> bool:
-    """Whether every rank holds the whole of ``module`` (no parameter is a DTensor shard)."""
-    return module is not None and not any(isinstance(p, DTensor) for p in module.parameters())
+    def said(self) -> str:
+        """Where from, in words (the session's line about it)."""
+        return {
+            "memory": "this process's memory",
+            "live_peer": f"rank {self.from_rank}'s memory (a live peer)",
+            "memory_tier": "the memory tier (the ranks' and their buddies' memory)",
+        }.get(self.source, self.source)
 
 
 @dataclass(slots=True)
@@ -156,6 +160,57 @@ def restore(
     return got, src
 
 
+def restore_round(
+    rnd: Round,
+    parts: StateParts,
+    device: torch.device,
+    committed: int,
+    rank: int,
+    tier: SessionTier | None,
+    newest_in_storage: Callable[[], int],
+) -> tuple[Restored, int] | None:
+    """Collective, at a live round's first load: the state the ranks hold put into ``parts``,
+    from a live peer (or every rank itself) when the model is replicated, else from the memory
+    tier's snapshots; where it came from and the newest commit the ranks agreed on. None (every
+    rank alike) when storage must be read. ``committed``: the newest commit this rank knows of."""
+    got = restore(rnd.held, parts.module, parts.optimizers, lambda: parts.user_state(-1), device, committed, rank)
+    rnd.held = None  # the previous round's objects: free them once this round has its state
+    if got is None:
+        healed = tier.restore(rnd, parts, committed, newest_in_storage) if tier is not None else None
+        return None if healed is None else (Restored("memory_tier", healed[0]), healed[1])
+    held, src = got
+    assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
+    optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
+    for key, obj in parts.others.items():
+        try:  # the encoded entries a rank held (the sender's digest-checked): exact, as from storage
+            value = state_codec.decode(held.cursor[key])
+        except state_codec.StateDecodeError as e:
+            raise SessionError(f"the state's {key!r} held for step {held.step} does not decode: {e}") from e
+        obj.load_state_dict(value)
+    return Restored("memory" if src < 0 else "live_peer", held.step, src), committed
+
+
+def refuse_start_under_live(control: str, timeout_s: float) -> SessionError:
+    """The error for :meth:`ftrain.Session.start` in a process of ``ftrain agent --recovery live``
+    (whose workers serve round after round: only :meth:`ftrain.Session.run` can), told to the
+    agent first, in the round it gives this process, as fatal: a restart cannot help."""
+    refused = SessionError(
+        "this process was started by `ftrain agent --recovery live`, whose workers serve round after round: "
+        "put the loop in a function and call session.run(train) (docs/library.md), or run the agent with "
+        "--recovery restart"
+    )
+    hb = heartbeat.from_env(-1, 0)
+    if hb is not None:
+        try:
+            got = wait_for_assignment(ControlFile(control), newer_than=-1, timeout_s=timeout_s)
+            hb.assign(got.round, got.rank, got.local_rank)
+            hb.exit(-1, finished=False, error=f"SessionError: {refused}", fatal=True)
+        except AssignmentTimeout:
+            pass
+        hb.close()
+    return refused
+
+
 class Drained(Exception):  # noqa: N818 - a signal to Session.run, not an error
     """This rank stopped at a step boundary, its step committed, because it was asked to."""
 
@@ -208,6 +263,15 @@ class Round:
         for optimizer in view.parts.optimizers:
             self._tier_hooks.append(optimizer.register_step_pre_hook(before_update))
 
+    def left(self, rank: int, why: BaseException | str, held: HeldState | None) -> None:
+        """Say that this rank left the round (``why``) holding ``held``; the agent hears it waits."""
+        reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+        where = reason.splitlines()[0][:200] if reason else ""
+        step = held.step if held else "none"
+        log.warning("round %d ended for rank %d (%s); holding step %s", self.assignment.round, rank, where, step)
+        if self.hb is not None:
+            self.hb.beat(held.step if held else -1, phase="recovering")
+
     def release(self) -> None:
         """The round is over: its hooks leave the loop's optimizers (used again in the next round)."""
         self.watch.release()
@@ -217,4 +281,14 @@ class Round:
         self.tier = None
 
 
-__all__ = ["Boundary", "BoundaryWatch", "Drained", "Restored", "Round", "on_sigterm", "replicated", "restore"]
+__all__ = [
+    "Boundary",
+    "BoundaryWatch",
+    "Drained",
+    "Restored",
+    "Round",
+    "on_sigterm",
+    "refuse_start_under_live",
+    "restore",
+    "restore_round",
+]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from ftrain import optim_state, state_codec
 from ftrain.checkpoint.errors import ManifestError
@@ -95,6 +96,11 @@ def validate(manifest: Manifest) -> None:
             raise ManifestError(f"step {manifest.step}: trainer.{STATE_FILE_KEY} names no file of the step")
     elif not isinstance(trainer.get(USER_STATE), dict):
         raise ManifestError(f"step {manifest.step}: trainer.{USER_STATE} is not an object")
+
+
+def replicated(module: nn.Module | None) -> bool:
+    """Whether every rank holds the whole of ``module`` (no parameter is a DTensor shard)."""
+    return module is not None and not any(isinstance(p, DTensor) for p in module.parameters())
 
 
 class StateReader:

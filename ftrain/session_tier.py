@@ -18,17 +18,26 @@ or not decoding): every rank then loads from storage.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from ftrain import state_codec
+from ftrain.checkpoint.config import CheckpointConfig
 from ftrain.checkpoint.errors import ManifestError
 from ftrain.checkpoint.loading import writer_of
 from ftrain.checkpoint.manifest import Manifest
+from ftrain.config import Config, ParallelConfig
 from ftrain.contract.events import EventLog
+from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.tier_binding import Binding
-from ftrain.session_state import WRITER, SessionError, StateParts, manifest_fields
+from ftrain.session_state import WRITER, SessionError, StateParts, manifest_fields, replicated
+
+if TYPE_CHECKING:
+    from ftrain.session_live import Round
 
 #: the manifest's trainer key holding the loop's other entries, encoded (name -> text)
 ENCODED_KEY = "user_state_encoded"
@@ -88,4 +97,70 @@ class SessionTierView:
         self._decoded = {}
 
 
-__all__ = ["ENCODED_KEY", "SessionTierView"]
+class SessionTier:
+    """A session's memory tier across the rounds its process serves (:meth:`ftrain.Session.run`
+    under live recovery): ``ftrain train``'s :class:`~ftrain.recovery.memory_tier.MemoryTier`, set
+    up from the session's settings, joined by the rounds whose model is spread over the ranks."""
+
+    def __init__(self, checkpoint_uri: str, memory_interval: int, hmac_key_env: str, timeout_s: float, job: str):
+        cfg = Config(
+            checkpoint=CheckpointConfig(uri=checkpoint_uri, memory_interval=memory_interval, hmac_key_env=hmac_key_env),
+            parallel=ParallelConfig(timeout_s=timeout_s),
+            others={"agent": {"job": job}},
+        )
+        self.tier = MemoryTier(cfg)
+
+    @staticmethod
+    def checked_interval(value: Any) -> int:
+        """``Session(memory_interval=value)``, checked: SessionError naming it unless an int >= -1."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+            raise SessionError(
+                f"Session(memory_interval={value!r}): an int >= -1 (-1: chosen from the step time; 0: off)"
+            )
+        return value
+
+    def join(
+        self, rnd: Round, parts: StateParts, rank: int, world_size: int, device: torch.device, events: EventLog
+    ) -> None:
+        """Collective (every rank of the round, at its first load): a model spread over the ranks
+        takes part in the tier this round (one whole on every rank heals from a live peer)."""
+        if not self.tier.enabled or parts.module is None or replicated(parts.module):
+            return
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.tier.join_round(rank, world_size, local_world, device.type)
+        view = SessionTierView(parts, device, rank, world_size, rnd.assignment.round, events, binding=self.tier.binding)
+        rnd.join_tier(view, self.tier.wait_staged)
+
+    def snapshot(self, rnd: Round | None, step: int, *, checkpointed: bool) -> None:
+        """At step boundary ``step`` (every rank): a snapshot, when the tier's schedule says so."""
+        if rnd is not None and rnd.tier is not None:
+            self.tier.maybe_snapshot(step, rnd.tier, checkpointed=checkpointed)
+
+    def restore(
+        self, rnd: Round, parts: StateParts, committed: int, newest_in_storage: Callable[[], int]
+    ) -> tuple[int, int] | None:
+        """Collective: the newest snapshot the round's ranks hold between them, not older than the
+        newest commit any of them knows of (``committed``: this rank's), or storage lists when the
+        round's assignment saw a newer one, put into ``parts``: (its step, that commit); None
+        (every rank alike) when storage must be read."""
+        if rnd.tier is None:  # the same on every rank: the same loop, the same model
+            return None
+        newest = torch.tensor([committed], dtype=torch.int64, device=rnd.tier.device)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX)  # every rank chooses from the same bound
+        committed = int(newest.item())
+        if rnd.assignment.committed_step > committed:  # a commit none of them knows of: storage says
+            committed = max(committed, newest_in_storage())
+        rnd.tier.mark(-1, parts, parts.user_state(-1), 0.0)
+        step = self.tier.restore(rnd.tier, committed)
+        return None if step is None else (step, committed)
+
+    def leave_round(self) -> None:
+        """After the round's groups were aborted: a snapshot's exchange still running ends."""
+        self.tier.leave_round()
+
+    def close(self) -> None:
+        """The process serves no more rounds: its snapshots go with it."""
+        self.tier.close()
+
+
+__all__ = ["ENCODED_KEY", "SessionTier", "SessionTierView"]
