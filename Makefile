@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	$(PY) -m pip install --quiet -e ".[dev,hf,lightning]"
 	touch $(STAMP)
 
 demo: setup
