@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ftrain.agents.workers import descendants
+from ftrain.testbed.jobs import run, worker_env
 from ftrain.testbed.procs import quiet_env
 
 
@@ -28,6 +29,15 @@ def start_agent(
         return subprocess.Popen(
             cmd, cwd=where, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=quiet_env()
         )
+
+
+def torchrun_script(script: Path, cwd: Path, nproc: int, *args: str) -> str:
+    """``script ARGS`` under ``torchrun --standalone`` on ``nproc`` processes, run from ``cwd`` as a
+    user runs it: its output (asserted to have succeeded)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    out = run([*cmd, *args], timeout_s=180, cwd=cwd, env=worker_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out.stdout
 
 
 def script_workers(agent: subprocess.Popen, script: Path) -> list[int]:

@@ -53,7 +53,12 @@ def check(name: str, model_cfg: ModelConfig) -> dict:
 def main() -> None:
     dist.init_process_group("gloo")
     model_cfg = ModelConfig(arch=sys.argv[1], vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)
-    results = [check(name, model_cfg) for name in sys.argv[2:]]
+    write_gathered([check(name, model_cfg) for name in sys.argv[2:]])
+
+
+def write_gathered(results: list) -> None:
+    """Every rank's ``results``, gathered, as one JSON list (by rank) in ``$OUT`` on rank 0; then
+    this rank leaves the process group (after a barrier: see shutdown_distributed)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

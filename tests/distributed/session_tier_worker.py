@@ -12,8 +12,6 @@ the model and the optimizer, and the sampler's state. One JSON list per rank on 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
@@ -24,13 +22,14 @@ from torch.distributed.tensor import DTensor
 
 import ftrain
 from ftrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from ftrain.distributed import exit_without_teardown, shutdown_distributed
+from ftrain.distributed import exit_without_teardown
 from ftrain.model import build_model
 from ftrain.parallel.parallelize import parallelize
 from ftrain.parallel.strategies import compute_layout
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.session_state import StateParts
 from ftrain.session_tier import SessionTierView
+from tests.distributed.deferred_init_worker import write_gathered
 
 LAYOUTS = {
     "fsdp": ParallelConfig(strategy="fsdp"),
@@ -108,13 +107,7 @@ def check(name: str) -> dict[str, Any]:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    results = [check(name) for name in sys.argv[1:]]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        with open(os.environ["OUT"], "w") as f:
-            json.dump(gathered, f)
-    shutdown_distributed()
+    write_gathered([check(name) for name in sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env  # noqa: E402
 from ftrain.testbed.procs import REPO, kill_tree  # noqa: E402
 from ftrain.testbed.wait import wait_for  # noqa: E402
-from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent  # noqa: E402
+from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent, torchrun_script  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -36,10 +36,7 @@ ARGS = ("--steps", "200", "--width", "1024", "--save-every", "40")
 
 
 def _torchrun(cwd: Path, nproc: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE)]
-    out = run([*cmd, *args], timeout_s=180, cwd=cwd, env=worker_env())
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out.stdout
+    return torchrun_script(EXAMPLE, cwd, nproc, *args)
 
 
 def _committed(cwd: Path) -> list[int]:

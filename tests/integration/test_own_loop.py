@@ -27,7 +27,7 @@ from ftrain.contract import exits
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
-from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent
+from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent, torchrun_script
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -35,10 +35,7 @@ EXAMPLE = REPO / "examples" / "own_loop" / "train.py"
 
 
 def _torchrun(cwd: Path, nproc: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE)]
-    out = run([*cmd, *args], timeout_s=180, cwd=cwd, env=worker_env())
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out.stdout
+    return torchrun_script(EXAMPLE, cwd, nproc, *args)
 
 
 def _committed(cwd: Path) -> list[int]:
