@@ -514,6 +514,8 @@ class MemoryTier:
                 "step": step,
                 "digest_algorithm": self.algorithm,
                 "job": self.job,
+                # what the snapshot is bound to is the tier's (its run, its config), whoever's state it is
+                "config_hash": self.binding.config_hash,
                 "run_id": self.binding.run_id,
             },
             self.hmac_key,
