@@ -73,8 +73,8 @@ class SessionTierView:
     def tier_fields(self) -> dict[str, Any]:
         fields = manifest_fields(self.round, self.world_size, self.step)
         fields["trainer"] = {"step": self.step, ENCODED_KEY: dict(self.entries)}
-        if self.binding is not None:
-            fields["config"], fields["config_hash"] = dict(self.binding.config), self.binding.config_hash
+        if self.binding is not None:  # its checkpoint root (the tier stamps the rest of its binding)
+            fields["config"] = dict(self.binding.config)
         return fields
 
     def tier_target(self, manifest: Manifest) -> dict[str, Any]:
