@@ -91,6 +91,7 @@ from ftrain.agents.records import (
     parse_master,
 )
 from ftrain.agents.supervision import (
+    drained_report,
     exit_report,
     last_error_line,
     stalls,
@@ -718,6 +719,7 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
 
     def _drain_step(self) -> None:
         if self.workers is None:
+            self._leave_current_round()
             self.exit_code = exits.DRAINED  # the report of the drained round is flushed on the way out
             return
         if not self.workers.terminating:
@@ -726,6 +728,20 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         elif self.clock.monotonic() > self.drain_deadline:
             self._stop_workers(self.workers, "drain timed out")
             self.exit_code = exits.DRAINED
+
+    def _leave_current_round(self) -> None:
+        """A draining agent with no workers left that the current round lists, and that has no
+        report for it, says it left that round (``stopped``, as when its workers stop for the
+        drain): its workers never started there (the round formed as the SIGTERM came, and the
+        ones of the round it replaced were killed), and without a report the next leader would
+        tell its departure as a node loss when its lease goes."""
+        state = self._state
+        cur = state.current if state is not None and state.round_known else None
+        if cur is None or cur.node_rank(self.me) is None or cur.round in self.finished_rounds:
+            return
+        self.finished_rounds.add(cur.round)
+        self.pending_reports.setdefault(cur.round, drained_report(self.uid, self.clock.time()))
+        log.info("round %d: drained before its workers started here; reporting it left", cur.round)
 
     def _flush_reports(self) -> None:
         """Write the reports of ended rounds; a hang's also names its finder in ``rounds/<g>/hang``

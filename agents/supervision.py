@@ -3,7 +3,7 @@ of the beats, the settings and the time (the agent acts on the answers).
 
 - :func:`exit_report`: how the round ended here, from the launcher's exit code and the workers'
   last messages (or, when none gave an error, the last Python error line of their log:
-  :func:`last_error_line`).
+  :func:`last_error_line`); :func:`drained_report`: a drain's (this node leaves its round).
 - :func:`hung_ranks`: the local ranks past their limits (no step beat, or no "alive").
 - :func:`frozen_ranks`: which of them are frozen themselves.
 - :func:`stalls`: this node's ranks that are not making progress, as the agent publishes them
@@ -88,7 +88,7 @@ def exit_report(
     if rc == 0 and finished:
         return Report(SUCCEEDED, agent_uid=agent_uid, time=now)
     if rc == 0 and draining:
-        return Report(STOPPED, detail="workers stopped early (drain)", agent_uid=agent_uid, time=now)
+        return drained_report(agent_uid, now)
     if rc == 0:
         return Report(YIELDED, detail="workers stopped early (another node drained)", agent_uid=agent_uid, time=now)
     step = max((b.step for b in beats.values()), default=-1)
@@ -102,6 +102,13 @@ def exit_report(
     elif error:
         detail += f"; its log says: {error}"
     return Report(FAILED, FATAL if fatal else WORKER_EXIT, detail[:1000], agent_uid, now, step=step, error=error)
+
+
+def drained_report(agent_uid: str, now: float) -> Report:
+    """This node drains and leaves its round (``stopped``): the leader forms the next one without it
+    for ``node_left``. Its workers stopped early for the drain, or it had none in the round (the
+    round formed as the drain began: they never started in it)."""
+    return Report(STOPPED, detail="workers stopped early (drain)", agent_uid=agent_uid, time=now)
 
 
 #: the end of a worker log read for its last error (a traceback's last line is near the end)

@@ -20,6 +20,7 @@ from ftrain.agents.agent import TICK_S, Agent
 from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.heartbeat import Beat, RankTotals, carried
 from ftrain.agents.job_keys import JobKeys
+from ftrain.agents.jobstore import JobStore
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.records import (
     FAILED,
@@ -175,7 +176,7 @@ class Node:
     def __init__(
         self,
         node_id: str,
-        store: MemoryJobStore,
+        store: JobStore,
         clock: FakeClock,
         tmp_path: Path,
         pids: Iterator[int],
@@ -237,17 +238,20 @@ class Node:
 
 
 class Job:
-    """The nodes of one job on one store and clock."""
+    """The nodes of one job on one store and clock; ``stores`` (a real etcd's, say) gives each
+    agent a store of its own (an agent closes its store on the way out) and the test one to read,
+    in place of the one in-memory store they all share."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, stores: Callable[[], JobStore] | None = None):
         self.tmp_path = tmp_path
         self.clock = FakeClock()
-        self.store = MemoryJobStore(self.clock)
+        self.store: JobStore = stores() if stores is not None else MemoryJobStore(self.clock)
+        self._stores = stores or (lambda: self.store)
         self.nodes: dict[str, Node] = {}
         self._pids = itertools.count(10_000, 100)
 
     def join(self, node_id: str, **settings: object) -> Node:
-        self.nodes[node_id] = node = Node(node_id, self.store, self.clock, self.tmp_path, self._pids, **settings)
+        self.nodes[node_id] = node = Node(node_id, self._stores(), self.clock, self.tmp_path, self._pids, **settings)
         return node
 
     def state(self) -> JobState:
@@ -260,7 +264,8 @@ class Job:
             if node.alive and node.agent.exit_code is None:
                 node.agent.tick()
         self.clock.advance(TICK_S)
-        self.store.expire_leases()
+        if isinstance(self.store, MemoryJobStore):  # etcd's leases run out on etcd's own clock
+            self.store.expire_leases()
 
     def run_until(self, condition: Callable[[], object], what: str, *, within_s: float = 30.0) -> None:
         """Tick until ``condition()`` holds, failing after ``within_s`` of fake time."""
@@ -287,6 +292,7 @@ class Job:
     def close(self) -> None:
         for node in self.nodes.values():
             node.close()
+        self.store.close()
 
 
 def start_round_1(job: Job, *node_ids: str, **settings: object) -> None:
