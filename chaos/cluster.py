@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ftrain.agents.config import AgentConfig, agent_flags
 from ftrain.agents.launch import agent_command
+from ftrain.agents.workers import descendants
 from ftrain.contract.events import Event, parse_line
 from ftrain.contract.local_files import open_append
 from ftrain.faults import REQUESTS_DIR
@@ -79,7 +80,12 @@ class Cluster:
         overrides: Sequence[str] = (),
         env: dict[str, str] | None = None,
         agent_options: Sequence[str] = FAST_AGENT_OPTIONS,
+        script: Path | None = None,
+        progress: Callable[[], list[dict[str, Any]]] | None = None,
     ):
+        """``script``: the agents run this training script of a user's (``ftrain agent --script``)
+        with ``overrides`` as its arguments, instead of ``ftrain train`` with ``config_path``;
+        ``progress``: where :meth:`metrics` reads the steps from (a script writes no metrics file)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.etcd = etcd_endpoint
@@ -101,6 +107,12 @@ class Cluster:
         if ckpt_interval is not None:
             self.worker_args.append(f"--checkpoint.interval={ckpt_interval}")
         self.worker_args += list(overrides)
+        self.script = script
+        if script is not None:
+            if not overrides:
+                raise ValueError("a script job needs its arguments (at least where it saves)")
+            self.worker_args = list(overrides)  # the script reads its own; the config's are ftrain train's
+        self._progress = progress
         self.env = dict(env or {})
         # where the bit_flip fault asks a worker for a flip (ftrain/faults.py): nothing happens without a request
         self.requests_dir = self.workdir / "fault-requests"  #: ftrain.faults: faults asked of one worker
@@ -139,7 +151,7 @@ class Cluster:
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                cwd=REPO,
+                cwd=REPO if self.script is None else self.workdir,  # a script's relative paths land in the run's
                 start_new_session=True,
                 env=quiet_env(FTRAIN_LOG_LEVEL="INFO", **self.env, **(env or {})),
             )
@@ -158,8 +170,9 @@ class Cluster:
             "run_dir": str(self.workdir / node_id),
             "host": host or AgentConfig().host,  # the agents' default: loopback
         }
-        config, *overrides = self.worker_args
-        options = ["--events", str(self.events_path), *self.agent_options, *agent_args]
+        config, *overrides = self.worker_args  # a script job: the script's own arguments after --
+        script = ["--script", str(self.script)] if self.script is not None else []
+        options = ["--events", str(self.events_path), *self.agent_options, *agent_args, *script]
         return agent_command(node, config, options=options, overrides=overrides)
 
     def restart(self, node_id: str) -> subprocess.Popen:
@@ -188,6 +201,9 @@ class Cluster:
         )
 
     def metrics(self) -> list[dict[str, Any]]:
+        """Each step's metrics line (a script job: what its ``progress`` source says)."""
+        if self._progress is not None:
+            return list(self._progress())
         return list(self._metrics.records())
 
     def step(self) -> int:
@@ -197,11 +213,32 @@ class Cluster:
         return wait_for(lambda: self.step() >= step and self.step(), timeout_s, f"training step {step}")
 
     def worker_pids(self, node_id: str, worker_round: int | None = None) -> list[int]:
-        """PIDs of the workers of ``node_id`` in ``worker_round`` (default: its newest round)."""
+        """PIDs of the workers of ``node_id`` in ``worker_round`` (default: its newest round); a
+        script job's: those running now (:meth:`script_pids`)."""
+        if self.script is not None:
+            return self.script_pids(node_id)
         started = self.events(Event.WORKER_STARTED, node=node_id)
         if worker_round is None:
             worker_round = max((e["round"] for e in started), default=None)
         return [e["pid"] for e in started if e["round"] == worker_round]
+
+    def script_pids(self, node_id: str) -> list[int]:
+        """The script's processes under ``node_id``'s live agent (torchrun's children, not torchrun):
+        a script logs no ``worker_started``, so its workers are found in ``/proc``."""
+        agent = self.agents.get(node_id)
+        if self.script is None or agent is None or agent.poll() is not None:
+            return []
+        script, out = str(self.script).encode(), []
+        for pid in descendants(agent.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    words = fh.read().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            launcher = any(w == b"torch.distributed.run" or w.endswith(b"torchrun") for w in words)
+            if script in words and not launcher:
+                out.append(pid)
+        return sorted(out)
 
     def committed_steps(self) -> list[int]:
         return sorted({e["step"] for e in self.events(Event.CKPT_COMMITTED)})

@@ -36,9 +36,10 @@ class Check:
     name: str
     ok: bool
     detail: str
+    skipped: bool = False  #: the check does not apply to this job (``detail`` says why): not a pass
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+        return {"name": self.name, "ok": self.ok, "detail": self.detail, "skipped": self.skipped}
 
 
 def _of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -107,7 +107,8 @@ R.faults.forEach(f => {
 const cb = document.querySelector("#checks tbody");
 R.checks.forEach(c => {
   const tr = document.createElement("tr");
-  tr.innerHTML = "<td class='" + (c.ok ? "ok'>ok" : "fail'>FAIL") + "</td><td></td><td></td>";
+  const verdict = c.skipped ? "ok'>skipped" : c.ok ? "ok'>ok" : "fail'>FAIL";
+  tr.innerHTML = "<td class='" + verdict + "</td><td></td><td></td>";
   tr.children[1].textContent = c.name; tr.children[2].textContent = c.detail;
   cb.appendChild(tr);
 });

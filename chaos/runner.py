@@ -22,7 +22,7 @@ from typing import Any
 
 from ftrain.agent_link.fence import EtcdRoundFence
 from ftrain.agents.job_keys import JobKeys
-from ftrain.chaos import invariants
+from ftrain.chaos import invariants, script_job
 from ftrain.chaos.cluster import FAST_AGENT_OPTIONS, Cluster
 from ftrain.chaos.faults import FAULTS, Context, FaultError, FaultSpec, inject
 from ftrain.chaos.hosts import open_hosts
@@ -32,6 +32,7 @@ from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.storage import Storage
 from ftrain.config import load_config
 from ftrain.contract.events import Event, EventLog
+from ftrain.contract.worker_env import LEDGER_DIR
 from ftrain.testbed.procs import REPO, quiet_env
 from ftrain.testbed.wait import WaitTimeout, wait_for
 
@@ -107,6 +108,7 @@ class CommitWatcher(threading.Thread):
         super().__init__(name="chaos-commit-watcher", daemon=True)
         self.storage, self.recorded, self.interval_s = storage, recorded, interval_s
         self.commits: dict[tuple[int, float], float] = {}
+        self.rounds: dict[tuple[int, float], int] = {}  #: commit -> the round its manifest names
         self.closing = threading.Event()
 
     def run(self) -> None:
@@ -123,6 +125,7 @@ class CommitWatcher(threading.Thread):
         for info in steps:
             if info.manifest is not None:
                 self.commits.setdefault((info.step, info.manifest.created_time), now)
+                self.rounds.setdefault((info.step, info.manifest.created_time), info.manifest.round)
 
 
 class _Campaign(threading.Thread):
@@ -220,35 +223,51 @@ def run_scenario(
 def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Path, recovery: str | None) -> RunResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    golden = golden_run(scenario, cache_dir)
+    script = scenario.script_path
+    # the state a fault-free run ends with: ftrain train's golden run, or the script's reference run
+    golden = golden_run(scenario, cache_dir) if script is None else script_job.reference_run(scenario, cache_dir)
     job = scenario.job
-    cfg = load_config(scenario.config_path, worker_overrides(scenario))
     ledger_dir, final_path = out_dir / "ledger", out_dir / "final.pt"
     memory_dir = out_dir / "shm" if job.memory_tier else None
     nodes = [f"n{i}" for i in range(job.nodes)]
     with open_hosts(job.network, out_dir / "stack", nodes, seed) as hosts:
         s3 = hosts.s3
         ckpt_uri = s3.url(JOB)
-        cluster = Cluster(
-            out_dir,
-            hosts.etcd_endpoints,
-            scenario.config_path,
-            job=JOB,
-            ckpt_uri=ckpt_uri,
-            ckpt_interval=job.checkpoint_interval,
-            step_sleep_s=job.step_sleep_s,
-            # chaos corrupts checkpoints on purpose, the only committed one too:
-            # starting over from step 0 then is this scenario's explicit choice
-            overrides=[
-                *worker_overrides(scenario),
-                f"--data.ledger_dir={ledger_dir}",
-                f"--train.save_final_path={final_path}",
-                "--checkpoint.on_no_loadable_step=fresh",
-                *([f"--checkpoint.memory_dir={memory_dir}"] if memory_dir is not None else []),
-            ],
-            env={**hosts.env(), **scenario.worker_env()},
-            agent_options=[*FAST_AGENT_OPTIONS, *job.agent_options, *(["--recovery", recovery] if recovery else [])],
-        )
+        agent_options = [*FAST_AGENT_OPTIONS, *job.agent_options, *(["--recovery", recovery] if recovery else [])]
+        if script is None:
+            cluster = Cluster(
+                out_dir,
+                hosts.etcd_endpoints,
+                scenario.config_path,
+                job=JOB,
+                ckpt_uri=ckpt_uri,
+                ckpt_interval=job.checkpoint_interval,
+                step_sleep_s=job.step_sleep_s,
+                # chaos corrupts checkpoints on purpose, the only committed one too:
+                # starting over from step 0 then is this scenario's explicit choice
+                overrides=[
+                    *worker_overrides(scenario),
+                    f"--data.ledger_dir={ledger_dir}",
+                    f"--train.save_final_path={final_path}",
+                    "--checkpoint.on_no_loadable_step=fresh",
+                    *([f"--checkpoint.memory_dir={memory_dir}"] if memory_dir is not None else []),
+                ],
+                env={**hosts.env(), **scenario.worker_env()},
+                agent_options=agent_options,
+            )
+        else:  # the user's script: its own arguments; its sampler writes the ledger; its progress is the ledger's
+            cluster = Cluster(
+                out_dir,
+                hosts.etcd_endpoints,
+                script,
+                job=JOB,
+                ckpt_uri=ckpt_uri,
+                overrides=scenario.script_command_args(ckpt_uri),
+                env={**hosts.env(), **scenario.worker_env(), LEDGER_DIR: str(ledger_dir)},
+                agent_options=agent_options,
+                script=script,
+                progress=script_job.LedgerProgress(ledger_dir).records,
+            )
         events = EventLog(str(cluster.events_path), rank=-2)
         started_at = time.time()
         finished = threading.Event()
@@ -293,6 +312,8 @@ def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pa
                 timed_out = True
             finished.set()
             campaign.done.wait(timeout=120)
+            if script is not None:  # the last commit, in case the job ended between two looks
+                watcher.poll()
         finally:
             finished.set()
             watcher.closing.set()
@@ -302,20 +323,25 @@ def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pa
         exit_codes = {n: p.returncode for n, p in cluster.agents.items() if p.pid not in killed}
         all_events = cluster.events()
         metrics = cluster.metrics()
+        if script is not None:  # each round's resume, from the ledger: a script's session logs none
+            all_events = sorted([*all_events, *script_job.resumes(metrics)], key=lambda e: e["time"])
         storage = Storage(ckpt_uri, s3.storage_options())
-        checks = [
-            invariants.job_finished(all_events, metrics, job.steps, exit_codes),
-            invariants.final_state_matches(golden, final_path, job.tolerance if not job.deterministic else 0.0),
-            invariants.committed_checkpoints_verify(storage, all_events),
-            invariants.loads_were_committed(all_events, watcher.commits),
-            invariants.resumed_from_the_newest_commit(all_events, watcher.commits),
-            invariants.exactly_once(ledger_dir, cfg, job.steps),
-            invariants.faults_handled(all_events),
-            invariants.one_round_at_a_time(metrics),
-            invariants.no_commit_from_a_stale_round(all_events, metrics),
-            invariants.cut_off_nodes_rejoined(all_events),
-            invariants.evicted_nodes_rejoined(all_events),
-        ]
+        checks = (
+            _train_checks(scenario, golden, final_path, storage, ledger_dir, all_events, metrics, exit_codes, watcher)
+            if script is None
+            else script_job.script_checks(
+                scenario,
+                reference=golden,
+                storage=storage,
+                out_dir=out_dir,
+                ledger_dir=ledger_dir,
+                events=all_events,
+                metrics=metrics,
+                exit_codes=exit_codes,
+                observed=watcher.commits,
+                rounds=watcher.rounds,
+            )
+        )
         if timed_out:
             checks.insert(0, invariants.Check("finished_in_time", False, f"still running after {job.timeout_s:.0f}s"))
         if campaign.errors:
@@ -351,11 +377,40 @@ def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pa
     return RunResult(report["ok"], checks, report, out_dir)
 
 
+def _train_checks(
+    scenario: Scenario,
+    golden: Path,
+    final_path: Path,
+    storage: Storage,
+    ledger_dir: Path,
+    events: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    exit_codes: dict[str, int | None],
+    watcher: CommitWatcher,
+) -> list[invariants.Check]:
+    """The invariants of an ``ftrain train`` job (a script job's: :func:`script_job.script_checks`)."""
+    job = scenario.job
+    cfg = load_config(scenario.config_path, worker_overrides(scenario))
+    return [
+        invariants.job_finished(events, metrics, job.steps, exit_codes),
+        invariants.final_state_matches(golden, final_path, job.tolerance if not job.deterministic else 0.0),
+        invariants.committed_checkpoints_verify(storage, events),
+        invariants.loads_were_committed(events, watcher.commits),
+        invariants.resumed_from_the_newest_commit(events, watcher.commits),
+        invariants.exactly_once(ledger_dir, cfg, job.steps),
+        invariants.faults_handled(events),
+        invariants.one_round_at_a_time(metrics),
+        invariants.no_commit_from_a_stale_round(events, metrics),
+        invariants.cut_off_nodes_rejoined(events),
+        invariants.evicted_nodes_rejoined(events),
+    ]
+
+
 def print_summary(result: RunResult) -> None:
     r = result.report
     print(f"\n== chaos: {r['scenario']} (seed {r['seed']}) ==")
     for c in result.checks:
-        print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+        print(f"  [{'skip' if c.skipped else 'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
     print(
         f"  faults: {len(r['faults'])}; goodput {r['goodput']['goodput']:.1%} "
         f"({r['goodput']['productive_s']:.0f} s productive of {r['goodput']['wall_s']:.0f} s)"

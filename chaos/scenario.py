@@ -18,6 +18,9 @@ agent_options = []         # more options for every agent
 memory_tier = false        # memory-tier snapshots kept per node in <out>/shm (checkpoint.memory_dir, as
                            # on a node's tmpfs): a round whose every worker died restores from them;
                            # a lost node loses its own
+# or your own training script (ftrain agent --script) instead of config (docs/chaos.md):
+script = "train.py"        # relative to this file; its loop uses ftrain.Session
+script_args = ["--ckpt", "{checkpoint}", "--steps", "{steps}"]   # {checkpoint}: where the run saves
 
 [[faults]]                 # fired in order
 kind = "worker_kill"
@@ -81,6 +84,19 @@ class JobSpec:
     #: the workers keep memory-tier snapshots in a directory per node (``checkpoint.memory_dir``
     #: under the run's folder, as a node's tmpfs would); ``agent_kill`` wipes the lost node's
     memory_tier: bool = False
+    #: a user's training script, run by ``ftrain agent --script`` instead of ``ftrain train``
+    #: (relative to the scenario file; "": the job is ``ftrain train`` with ``config``)
+    script: str = ""
+    #: the script's arguments: ``{checkpoint}`` (required) becomes the run's checkpoint location,
+    #: ``{steps}`` the number of steps (``steps``)
+    script_args: list[str] = field(default_factory=list)
+
+
+#: the placeholders of ``job.script_args`` the runner fills in
+CHECKPOINT_PLACEHOLDER = "{checkpoint}"
+STEPS_PLACEHOLDER = "{steps}"
+#: ``[job]`` keys that only ``ftrain train`` reads: a script reads its own settings from its arguments
+NOT_FOR_SCRIPTS = ("config", "overrides", "checkpoint_interval", "step_sleep_s", "memory_tier")
 
 
 @dataclass(slots=True)
@@ -139,6 +155,19 @@ class Scenario:
     def config_path(self) -> Path:
         return (self.path.parent / self.job.config).resolve()
 
+    @property
+    def script_path(self) -> Path | None:
+        """The user's training script (None: an ``ftrain train`` job)."""
+        return (self.path.parent / self.job.script).resolve() if self.job.script else None
+
+    def script_command_args(self, checkpoint: str) -> list[str]:
+        """The script's arguments with ``{checkpoint}`` and ``{steps}`` filled in."""
+        steps = str(self.job.steps)
+        return [
+            a.replace(CHECKPOINT_PLACEHOLDER, checkpoint).replace(STEPS_PLACEHOLDER, steps)
+            for a in self.job.script_args
+        ]
+
     def worker_env(self) -> dict[str, str]:
         """What the scenario's faults arm in every worker from the start (``FTRAIN_FAULT_*``)."""
         env: dict[str, str] = {}
@@ -177,6 +206,7 @@ def load_scenario(path: str | Path) -> Scenario:
     if unknown:
         raise ScenarioError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     job = _build(JobSpec, data.get("job", {}), f"{path}: job")
+    _check_script_job(job, set(data.get("job", {})), path)
     if not isinstance(job.memory_tier, bool):
         raise ScenarioError(f"{path}: job.memory_tier: {job.memory_tier!r} must be true or false")
     if job.network not in NETWORKS:
@@ -189,9 +219,40 @@ def load_scenario(path: str | Path) -> Scenario:
         except (ValueError, TypeError) as e:
             raise ScenarioError(f"{path}: faults[{i}]: {e}") from None
     scenario = Scenario(data.get("name", path.stem), path, job, faults, random_spec)
-    if not scenario.config_path.exists():
+    if job.script and not scenario.script_path.is_file():  # type: ignore[union-attr]
+        raise ScenarioError(
+            f"{path}: job.script: {scenario.script_path} does not exist (relative to the scenario file)"
+        )
+    if not job.script and not scenario.config_path.exists():
         raise ScenarioError(f"{path}: job.config: {scenario.config_path} does not exist")
     return scenario
+
+
+def _check_script_job(job: JobSpec, given: set[str], path: Path) -> None:
+    """``job.script`` and ``job.script_args``, checked: the arguments are strings and tell the
+    script where to save; the keys only ``ftrain train`` reads are refused (a script ignores them)."""
+    if not isinstance(job.script, str):
+        raise ScenarioError(f"{path}: job.script: {job.script!r} must be the path of your training script")
+    args = job.script_args
+    if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+        raise ScenarioError(f"{path}: job.script_args: {args!r} must be a list of strings")
+    if not job.script:
+        if "script_args" in given:
+            raise ScenarioError(f"{path}: job.script_args: given without job.script; name the script, or remove it")
+        return
+    if not any(CHECKPOINT_PLACEHOLDER in a for a in args):
+        raise ScenarioError(
+            f"{path}: job.script_args: {args!r} never says where the script saves its checkpoints: add its option "
+            f'with "{CHECKPOINT_PLACEHOLDER}", e.g. script_args = ["--ckpt", "{CHECKPOINT_PLACEHOLDER}"]'
+        )
+    for key in NOT_FOR_SCRIPTS:
+        if key in given:
+            raise ScenarioError(
+                f"{path}: job.{key}: does not apply to a script job (job.script): your script reads its own "
+                "settings; pass them in job.script_args and remove this key"
+            )
+    if job.network != "loopback":
+        raise ScenarioError(f"{path}: job.network: {job.network!r}: a script job runs on loopback only (for now)")
 
 
 def _number(value: Any) -> bool:

@@ -34,6 +34,10 @@ CONTROL = "FTRAIN_CONTROL"
 RUN_ID = "FTRAIN_RUN_ID"
 #: the job's event log, for a script's workers (ftrain train's read logging.events_path)
 EVENTS = "FTRAIN_EVENTS"
+#: where a script's :class:`ftrain.ResumableSampler` appends the consumption ledger
+#: (:mod:`ftrain.data.ledger`): set by ``ftrain chaos run`` for a script job, so that the chaos
+#: checks prove each sample consumed once; unset (the default), the sampler writes nothing
+LEDGER_DIR = "FTRAIN_LEDGER_DIR"
 """This launch of the job (a run id), where the launcher knows one: the memory tier binds its
 snapshots in ``checkpoint.memory_dir`` to it, so that a later run of the same job never resumes
 from them. It must change when the job is started anew and stay the same while the job restarts
@@ -91,6 +95,7 @@ class WorkerEnv:
     control: str = ""  #: a live worker's control file (:mod:`ftrain.contract.control`); empty under torchrun
     run_id: str = ""  #: this launch of the job (:data:`RUN_ID`); empty: the worker derives one
     events: str = ""  #: the event log a script's session appends to (:data:`EVENTS`); empty: none
+    ledger_dir: str = ""  #: where a script's ResumableSampler records what it consumed (:data:`LEDGER_DIR`)
 
     def to_env(self) -> dict[str, str]:
         """The variables to export (only those with a value)."""
@@ -108,6 +113,7 @@ class WorkerEnv:
             CONTROL: self.control,
             RUN_ID: self.run_id,
             EVENTS: self.events,
+            LEDGER_DIR: self.ledger_dir,
         }
         return {k: v for k, v in values.items() if v}
 
@@ -129,6 +135,7 @@ class WorkerEnv:
             control=env.get(CONTROL, ""),
             run_id=_printable(env, RUN_ID, MAX_RUN_ID_CHARS),
             events=env.get(EVENTS, ""),
+            ledger_dir=env.get(LEDGER_DIR, ""),
         )
 
 
