@@ -70,18 +70,18 @@ from ftrain.contract.control import ControlFile
 from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.distributed import abort_distributed
-from ftrain.recovery.peer_state import HeldState, PeerStateError
-from ftrain.recovery.round_control import (
-    RoundEnded,
-    StopRequested,
-    is_peer_failure,
-    newer_round_assigned,
-    service_ports,
-    wait_for_assignment,
-    wait_for_store,
+from ftrain.recovery.peer_state import HeldState
+from ftrain.recovery.round_control import RoundEnded, service_ports
+from ftrain.recovery.rounds import serve_rounds
+from ftrain.session_live import (
+    Drained,
+    Restored,
+    Round,
+    SessionRounds,
+    on_sigterm,
+    refuse_start_under_live,
+    restore_round,
 )
-from ftrain.recovery.round_watchdog import RoundWatchdog
-from ftrain.session_live import Drained, Restored, Round, on_sigterm, refuse_start_under_live, restore_round
 from ftrain.session_state import (
     STATE_FILE,
     USER_STATE,
@@ -283,53 +283,23 @@ class Session:
                 raise
             self.close()
             return result
-        control = ControlFile(env.control)
-        hb = heartbeat.from_env(-1, 0)
         keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
         if self.memory_interval:
             key_env, uri = str(self._options["hmac_key_env"]), self.checkpoint_uri
             self._tier = SessionTier(uri, self.memory_interval, key_env, self._timeout_s, self.job)
-        control.mark_ready()  # a spare: imported and built what it could, waiting for its round
-        held: HeldState | None = None
+        control = ControlFile(env.control)
+        serve_round = lambda rnd: self._serve_round(rnd, train)  # noqa: E731
+        rounds = SessionRounds(
+            control, heartbeat.from_env(-1, 0), serve_round, self.close, self._leave_round, keep_ports
+        )
         asked = lambda: self._stop_requested  # noqa: E731 - SIGTERM between rounds: leave, nothing to save
-        try:
-            assignment = wait_for_assignment(control, -1, None, asked)
-        except StopRequested:
-            return None
-        while not assignment.stop:
-            os.environ.update(assignment.env())
-            if hb is not None:
-                hb.assign(assignment.round, assignment.rank, assignment.local_rank)
-                hb.beat(held.step if held else -1, phase="starting")
-            rnd = self._round = Round(assignment, hb, newer_round_assigned(control, assignment.round), held)
-            watchdog = RoundWatchdog(env.control, assignment.round, lambda: rnd.step_time_s, keep_ports)  # noqa: B023
-            try:
-                with watchdog:
-                    if assignment.rank != 0:
-                        wait_for_store(assignment.master_addr, assignment.master_port, self._timeout_s)
-                    self.round = assignment.round
-                    self._init_group()
-                    self._open()
-                    result = train(self)
-            except Drained:
-                raise
-            except BaseException as e:
-                if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
-                    self.close(error=e)
-                    raise
-                held = self._leave_round(watchdog.fired or e, keep_ports)
-            else:
-                self.close()
-                return result
-            # as long as the agent lives (its death ends this process): a leader that cannot form
-            # the next round yet says why, and this rank keeps what it holds meanwhile
-            try:
-                assignment = wait_for_assignment(control, assignment.round, None, asked)
-            except StopRequested:
-                log.warning("asked to stop between rounds (SIGTERM): leaving; the other ranks hold the state")
-                break
-        self._round = None
-        return None
+        return serve_rounds(rounds, control, rounds.hb, keep_ports, self._timeout_s, asked)
+
+    def _serve_round(self, rnd: Round, train: Callable[[Session], T]) -> T:
+        self._round, self.round = rnd, rnd.assignment.round
+        self._init_group()
+        self._open()
+        return train(self)
 
     def _leave_round(self, why: BaseException | str, keep_ports: set[int]) -> HeldState | None:
         """Keep what this rank holds, end the round's process groups at once (no peer stays

@@ -40,7 +40,8 @@ from ftrain.agent_link import heartbeat
 from ftrain.agent_link.heartbeat import Heartbeat
 from ftrain.contract.control import Assignment, ControlFile
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
-from ftrain.recovery.round_control import AssignmentTimeout, wait_for_assignment
+from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
+from ftrain.recovery.rounds import RoundOver
 from ftrain.session_state import SessionError, StateParts, replicated
 from ftrain.session_tier import SessionTier, SessionTierView
 
@@ -281,12 +282,59 @@ class Round:
         self.tier = None
 
 
+class SessionRounds:
+    """:meth:`ftrain.Session.run`'s part of the engine of rounds (:mod:`ftrain.recovery.rounds`):
+    a :class:`Round` per assignment, served by the session (``serve_round``: join the group, run
+    the user's ``train``); what the rank holds between rounds is kept here."""
+
+    def __init__(
+        self,
+        control: ControlFile,
+        hb: Heartbeat | None,
+        serve_round: Callable[[Round], Any],
+        close: Callable[..., None],
+        leave_round: Callable[[BaseException | str, set[int]], HeldState | None],
+        keep_ports: set[int],
+    ):
+        self.control, self.hb, self.keep_ports = control, hb, keep_ports
+        self._serve_round, self._close, self._leave_round = serve_round, close, leave_round
+        self.held: HeldState | None = None
+        self.round: Round | None = None
+
+    def enter(self, assignment: Assignment) -> int:
+        self.round = Round(assignment, self.hb, newer_round_assigned(self.control, assignment.round), self.held)
+        return self.held.step if self.held else -1
+
+    def step_time_s(self) -> float:
+        return self.round.step_time_s if self.round else 0.0
+
+    def serve(self, assignment: Assignment) -> RoundOver:
+        assert self.round is not None and self.round.assignment is assignment
+        return RoundOver(done=True, value=self._serve_round(self.round))
+
+    def finish(self, over: RoundOver) -> Any:
+        self._close()
+        return over.value
+
+    def failed(self, error: BaseException) -> None:
+        if not isinstance(error, Drained):  # Session.run closes a drained session itself
+            self._close(error=error)
+
+    def leave(self, why: BaseException | str) -> None:
+        self.held = self._leave_round(why, self.keep_ports)
+        self.round = None
+
+    def stopped(self, why: StopRequested) -> None:
+        log.warning("%s: leaving; the other ranks hold the state", why)
+
+
 __all__ = [
     "Boundary",
     "BoundaryWatch",
     "Drained",
     "Restored",
     "Round",
+    "SessionRounds",
     "on_sigterm",
     "refuse_start_under_live",
     "restore",

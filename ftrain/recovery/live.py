@@ -2,7 +2,9 @@
 
 ``ftrain worker`` is what an agent under ``--recovery live`` starts, ahead of need (a spare:
 Python, torch and ftrain imported, the config loaded). :func:`serve` then waits for an
-:class:`~ftrain.contract.control.Assignment` in its control file and, for each round it is given:
+:class:`~ftrain.contract.control.Assignment` in its control file and, for each round it is given
+(the loop is :func:`ftrain.recovery.rounds.serve_rounds`, the one :meth:`ftrain.Session.run` serves
+its rounds with; what is ``ftrain train``'s is :class:`_TrainerRounds`):
 
 1. sets torchrun's environment contract for its rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
    ...) and ``FTRAIN_ROUND``, and joins the round's process group (a store under the round's
@@ -34,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,16 +59,8 @@ from ftrain.optim import Schedule
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
-from ftrain.recovery.round_control import (
-    RoundEnded,
-    StopRequested,
-    is_peer_failure,
-    newer_round_assigned,
-    service_ports,
-    wait_for_assignment,
-    wait_for_store,
-)
-from ftrain.recovery.round_watchdog import RoundWatchdog
+from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
+from ftrain.recovery.rounds import RoundOver, serve_rounds
 from ftrain.train import Trainer, describe_failure, finish, say_goodbye
 
 log = logging.getLogger(__name__)
@@ -272,7 +265,6 @@ def serve(cfg: Config) -> None:
     control = ControlFile(env.control)
     flight_recorder.enable(cfg.logging.flight_recorder_entries)
     device = select_device(cfg.train)
-    dtype = select_dtype(cfg.train, device)
     hb = heartbeat.from_env(-1, 0)
     stop_request.install()  # before anything slow: a SIGTERM from here on is kept (see that module)
     keep_ports = service_ports(cfg.checkpoint.endpoint_url, *env.etcd)
@@ -280,142 +272,133 @@ def serve(cfg: Config) -> None:
         log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
     except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
         log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
-    source = build_source(cfg.data, cfg.model)  # the same for every round: built once, before any
-    # serves every round of this process (Trainer uses it where it helps); with checkpoint.memory_dir
-    # its snapshots also outlive the process: a round whose every worker is new restores from them
-    tier = MemoryTier(cfg, cfg.checkpoint.memory_dir)
-    control.mark_ready()
-    held: HeldState | None = None
-    try:
-        assignment = wait_for_assignment(control, -1, None, stop_request.requested)
-    except StopRequested as e:
-        return _stopped_between_rounds(tier, e)
-    while not assignment.stop:
-        os.environ.update(assignment.env())
+    rounds = _TrainerRounds(cfg, select_dtype(cfg.train, device), control, hb, keep_ports)
+    serve_rounds(rounds, control, hb, keep_ports, cfg.parallel.timeout_s, stop_request.requested)
+
+
+class _TrainerRounds:
+    """``ftrain train``'s part of the engine of rounds (:mod:`ftrain.recovery.rounds`): a
+    :class:`Trainer` per round, restored by :func:`restore`, trained until the job is done."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dtype: torch.dtype,
+        control: ControlFile,
+        hb: heartbeat.Heartbeat | None,
+        keep_ports: set[int],
+    ):
+        self.cfg, self.dtype, self.control, self.hb, self.keep_ports = cfg, dtype, control, hb, keep_ports
+        # the same for every round: built once, before any
+        self.source = build_source(cfg.data, cfg.model)
+        # serves every round of this process (Trainer uses it where it helps); with checkpoint.memory_dir
+        # its snapshots also outlive the process: a round whose every worker is new restores from them
+        self.tier = MemoryTier(cfg, cfg.checkpoint.memory_dir)
+        self.held: HeldState | None = None  #: what this rank holds between rounds
+        self.trainer: Trainer | None = None
+        self.restored = False  #: this round's trainer holds the agreed state (restore completed)
+        self.device = torch.device("cpu")
+        self.began = 0.0
+        self.assignment: Assignment | None = None
+
+    def enter(self, assignment: Assignment) -> int:
         # this round's device: cuda:<local rank> on a GPU host (a spare learns its local rank only now)
-        device = select_device(cfg.train)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        held = held_on(held, device)
-        if hb is not None:
-            hb.assign(assignment.round, assignment.rank, assignment.local_rank)
-            hb.beat(held.step if held else -1, phase="starting")
-        trainer: Trainer | None = None
-        restored_now = False  #: this round's trainer holds the agreed state (restore completed)
-        began = time.monotonic()
-        step_time_s = lambda: trainer.last_step_time_s if trainer else 0.0  # noqa: B023, E731 - this round's
-        watchdog = RoundWatchdog(env.control, assignment.round, step_time_s, keep_ports)
-        try:
-            with watchdog:
-                if assignment.rank != 0:
-                    wait_for_store(assignment.master_addr, assignment.master_port, cfg.parallel.timeout_s)
-                rank, world_size, local_world = init_distributed(cfg.parallel, device)
-                joined = time.monotonic()
-                trainer = Trainer(
-                    cfg,
-                    device,
-                    dtype,
-                    rank,
-                    world_size,
-                    local_world,
-                    hb,
-                    newer_round_assigned(control, assignment.round),
-                    source,
-                    tier,
-                )
-                built = time.monotonic()
-                restored = restore(trainer, held, assignment.committed_step)
-                done = time.monotonic()
-                trainer.events.emit(
-                    ev.LiveRestored(
-                        source=restored.source,
-                        step=restored.step,
-                        from_rank=restored.from_rank,
-                        world_size=world_size,
-                        held_step=held.step if held else -1,
-                        seconds=round(done - began, 4),
-                        join_s=round(joined - began, 4),
-                        build_s=round(built - joined, 4),
-                        state_s=round(done - built, 4),
-                    )
-                )
-                held, restored_now = None, True
-                result = trainer.run(resume=False)
-        except BaseException as e:
-            if not (isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)):
-                say_goodbye(hb, trainer, e)
-                if trainer is not None:
-                    trainer.close()
-                raise
-            held = _leave_round(trainer, restored_now, held, assignment, watchdog.fired or e, hb, keep_ports)
-        else:
-            if not result.stopped_early:  # the job is done
-                finish(trainer, result)
-                tier.close(job_done=True)
-                return
-            if trainer.stop_requested:
-                # this node drains (ranks stop together, after the step's save). The other nodes'
-                # workers leave the round without a barrier (below), so this one must not wait in
-                # one for them: it failed there once they were gone, and its node's drain was
-                # taken for a failure (exit 1, a worker_exit round, the restart budget, backoff)
-                finish(trainer, result, teardown=lambda: abort_distributed(keep_ports))
-                tier.close(job_done=False)
-                return
-            # another node's drain stopped the round: this process keeps its state and serves
-            # the round formed without that node
-            held = _leave_round(trainer, True, held, assignment, "another node drained", hb, keep_ports)
-        trainer = None
-        # as long as the agent lives (its death ends this process): a leader that cannot form the
-        # next round yet says why (status, events), and this process keeps what it holds meanwhile;
-        # asked to stop (its node drains), it leaves: the others hold the same state
-        try:
-            assignment = wait_for_assignment(control, assignment.round, None, stop_request.requested)
-        except StopRequested as e:
-            return _stopped_between_rounds(tier, e)
+        self.device = select_device(self.cfg.train)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.held = held_on(self.held, self.device)
+        self.trainer, self.restored, self.began, self.assignment = None, False, time.monotonic(), assignment
+        return self.held.step if self.held else -1
 
+    def step_time_s(self) -> float:
+        return self.trainer.last_step_time_s if self.trainer else 0.0
 
-def _stopped_between_rounds(tier: MemoryTier, why: StopRequested) -> None:
-    """This worker was asked to stop while in no round: nothing to save (a round's drain saves);
-    it exits 0 and its agent, draining, sees it stop."""
-    log.warning("%s: leaving", why)
-    tier.close(job_done=False)
-
-
-def _leave_round(
-    trainer: Trainer | None,
-    restored: bool,
-    held: HeldState | None,
-    assignment: Assignment,
-    why: BaseException | str,
-    hb: heartbeat.Heartbeat | None,
-    keep_ports: set[int],
-) -> HeldState | None:
-    """Keep what this rank holds, end the round's process groups (aborted first, so that no
-    peer stays blocked on this rank), abandon a checkpoint save still in flight (one blocked on a
-    pair whose peer is gone, as across a partition, would otherwise hold this rank until the
-    group's timeout; it cannot commit for an old round anyway), tell the agent we wait.
-    What this rank holds is its trainer's last complete step only if that trainer's restore
-    completed (``restored``): one that failed during it holds a fresh or half-loaded model, and
-    what the rank held before the round (``held``) is still the truth."""
-    if trainer is not None and restored:
-        held = hold(trainer)
-    abort_distributed(keep_ports)
-    if trainer is not None:
+    def serve(self, assignment: Assignment) -> RoundOver:
+        cfg, held, began = self.cfg, self.held, self.began
+        rank, world_size, local_world = init_distributed(cfg.parallel, self.device)
+        joined = time.monotonic()
+        newer = newer_round_assigned(self.control, assignment.round)
+        args = (cfg, self.device, self.dtype, rank, world_size, local_world, self.hb, newer, self.source, self.tier)
+        trainer = self.trainer = Trainer(*args)
+        built = time.monotonic()
+        restored = restore(trainer, held, assignment.committed_step)
+        done = time.monotonic()
         trainer.events.emit(
-            ev.LiveRoundLeft(step=held.step if held else -1, why=str(why).splitlines()[0][:300] if str(why) else "")
+            ev.LiveRestored(
+                source=restored.source,
+                step=restored.step,
+                from_rank=restored.from_rank,
+                world_size=world_size,
+                held_step=held.step if held else -1,
+                seconds=round(done - began, 4),
+                join_s=round(joined - began, 4),
+                build_s=round(built - joined, 4),
+                state_s=round(done - built, 4),
+            )
         )
-        trainer.close(broken=True)
-    log.warning(
-        "round %d ended for rank %d (%s: %s); holding step %s",
-        assignment.round,
-        assignment.rank,
-        "round watchdog" if isinstance(why, str) else type(why).__name__,
-        str(why).splitlines()[0][:200] if str(why) else "",
-        held.step if held else "none",
-    )
-    if hb is not None:
-        hb.beat(held.step if held else -1, phase="recovering")
-    return held
+        self.held, self.restored = None, True  # the trainer holds it now
+        del held
+        result = trainer.run(resume=False)
+        if not result.stopped_early or trainer.stop_requested:
+            return RoundOver(done=True, value=result)
+        # another node's drain stopped the round: this process keeps its state and serves the
+        # round formed without that node
+        return RoundOver(done=False, why="another node drained")
+
+    def finish(self, over: RoundOver) -> None:
+        trainer, result = self.trainer, over.value
+        assert trainer is not None
+        if not result.stopped_early:  # the job is done
+            finish(trainer, result)
+            self.tier.close(job_done=True)
+            return
+        # this node drains (ranks stop together, after the step's save). The other nodes' workers
+        # leave the round without a barrier, so this one must not wait in one for them: it failed
+        # there once they were gone, and its node's drain was taken for a failure (exit 1, a
+        # worker_exit round, the restart budget, backoff)
+        finish(trainer, result, teardown=lambda: abort_distributed(self.keep_ports))
+        self.tier.close(job_done=False)
+
+    def failed(self, error: BaseException) -> None:
+        say_goodbye(self.hb, self.trainer, error)
+        if self.trainer is not None:
+            self.trainer.close()
+
+    def stopped(self, why: StopRequested) -> None:
+        """Asked to stop while in no round: nothing to save (a round's drain saves); the worker
+        exits 0 and its agent, draining, sees it stop."""
+        log.warning("%s: leaving", why)
+        self.tier.close(job_done=False)
+
+    def leave(self, why: BaseException | str) -> None:
+        """Keep what this rank holds, end the round's process groups (aborted first, so that no
+        peer stays blocked on this rank), abandon a checkpoint save still in flight (one blocked
+        on a pair whose peer is gone, as across a partition, would otherwise hold this rank until
+        the group's timeout; it cannot commit for an old round anyway). What this rank holds is
+        its trainer's last complete step only if that trainer's restore completed: one that
+        failed during it holds a fresh or half-loaded model, and what the rank held before the
+        round is still the truth."""
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None and self.restored:
+            self.held = hold(trainer)
+        held = self.held
+        abort_distributed(self.keep_ports)
+        if trainer is not None:
+            trainer.events.emit(
+                ev.LiveRoundLeft(step=held.step if held else -1, why=str(why).splitlines()[0][:300] if str(why) else "")
+            )
+            trainer.close(broken=True)
+        assert self.assignment is not None
+        log.warning(
+            "round %d ended for rank %d (%s: %s); holding step %s",
+            self.assignment.round,
+            self.assignment.rank,
+            "round watchdog" if isinstance(why, str) else type(why).__name__,
+            str(why).splitlines()[0][:200] if str(why) else "",
+            held.step if held else "none",
+        )
+        if self.hb is not None:
+            self.hb.beat(held.step if held else -1, phase="recovering")
 
 
-__all__ = ["serve", "restore", "hold", "is_peer_failure", "wait_for_assignment", "Restored"]
+__all__ = ["serve", "restore", "hold", "Restored"]

@@ -1,0 +1,125 @@
+"""The engine of rounds: one loop that serves round after round in one process, for both
+``ftrain worker`` (:func:`ftrain.recovery.live.serve`) and a user's loop under
+:meth:`ftrain.Session.run`.
+
+What the loop does is the same for both, and written once here: it says it is ready (a spare),
+waits for an assignment, sets the round's environment contract, beats ``starting``, guards the
+round with its watchdog, waits for the round's store, runs the round's body, and when the round
+ends early (a peer lost, a newer round assigned, the watchdog's verdict) keeps what the rank holds
+and waits for the next round; a stop between rounds ends it. What differs — what a round builds,
+how it restores, how it trains, what it keeps — is the :class:`RoundOwner`'s. Light on purpose
+(no trainer, no model): a user's loop imports it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ftrain.agent_link.heartbeat import Heartbeat
+from ftrain.contract.control import Assignment, ControlFile
+from ftrain.recovery.peer_state import PeerStateError
+from ftrain.recovery.round_control import (
+    RoundEnded,
+    StopRequested,
+    is_peer_failure,
+    wait_for_assignment,
+    wait_for_store,
+)
+from ftrain.recovery.round_watchdog import RoundWatchdog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOver:
+    """How a round's body ended without an error: the job is done or this node drained
+    (``done``: the owner finishes, ``value`` is the body's), or the round ended for this rank
+    and the process serves the next (``why``)."""
+
+    done: bool
+    value: Any = None
+    why: str = ""
+
+
+class RoundOwner(Protocol):
+    """What a process that serves rounds brings to the engine."""
+
+    def enter(self, assignment: Assignment) -> int:
+        """Before the round's watchdog: what the round needs from the assignment (its device,
+        the round's objects); returns the step this rank holds (-1: none). What a rank holds
+        between rounds is the owner's: it lets go of it once the round's restore took it."""
+
+    def step_time_s(self) -> float:
+        """The round's last step time (the watchdog's patience scales with it); 0 before one."""
+
+    def serve(self, assignment: Assignment) -> RoundOver:
+        """Join the round's process group, restore, train; under the round's watchdog."""
+
+    def finish(self, over: RoundOver) -> Any:
+        """The job is done (or this node drained): close what the process holds, after the
+        round's watchdog; what it returns, the loop returns."""
+
+    def failed(self, error: BaseException) -> None:
+        """An error that is not a peer's failure ends the process (after this, it is raised)."""
+
+    def leave(self, why: BaseException | str) -> None:
+        """The round ended for this rank: end its groups at once, keep what the rank holds."""
+
+    def stopped(self, why: StopRequested) -> None:
+        """Asked to stop (SIGTERM) while in no round: nothing to save, the other ranks hold it."""
+
+
+def ends_round(e: BaseException) -> bool:
+    """Whether ``e`` ends only the round (a peer lost, a newer round, a refused transfer), not
+    the process."""
+    return isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)
+
+
+def serve_rounds(
+    owner: RoundOwner,
+    control: ControlFile,
+    hb: Heartbeat | None,
+    keep_ports: set[int],
+    store_timeout_s: float,
+    stop_requested: Any,
+) -> Any:
+    """Serve rounds until the job is done (what ``owner.finish`` returns), an assignment says stop, or a stop
+    is asked between rounds (None); an error that is not a peer's failure is raised after
+    ``owner.failed``. As long as the agent lives (its death ends this process) a rank waits for
+    the next round holding its state: a leader that cannot form one yet says why."""
+    control.mark_ready()  # a spare: imported and built what it could, waiting for its round
+    newer_than = -1
+    while True:
+        try:
+            assignment = wait_for_assignment(control, newer_than, None, stop_requested)
+        except StopRequested as e:
+            owner.stopped(e)
+            return None
+        if assignment.stop:
+            return None
+        os.environ.update(assignment.env())
+        held_step = owner.enter(assignment)
+        if hb is not None:
+            hb.assign(assignment.round, assignment.rank, assignment.local_rank)
+            hb.beat(held_step, phase="starting")
+        watchdog = RoundWatchdog(control.path, assignment.round, owner.step_time_s, keep_ports)
+        try:
+            with watchdog:
+                if assignment.rank != 0:
+                    wait_for_store(assignment.master_addr, assignment.master_port, store_timeout_s)
+                over = owner.serve(assignment)
+        except BaseException as e:
+            if not ends_round(e):
+                owner.failed(e)
+                raise
+            owner.leave(watchdog.fired or e)
+        else:
+            if over.done:
+                return owner.finish(over)
+            owner.leave(over.why)
+        newer_than = assignment.round
+
+
+__all__ = ["RoundOver", "RoundOwner", "ends_round", "serve_rounds"]
