@@ -89,6 +89,7 @@ from ftrain.session_state import (
     SessionError,
     StateParts,
     StateReader,
+    StepTiming,
     manifest_fields,
     say,
     validate,
@@ -170,6 +171,7 @@ class Session:
         self._hb: heartbeat.Heartbeat | None = None
         self._owns_group = False
         self._step = -1  #: the last step reported (-1: none yet)
+        self._timing = StepTiming()  #: the interval between step() calls, and its staging part
         #: where the state of the latest load came from (None before any load)
         self.restored: Restored | None = None
         self._round: Round | None = None  #: the round served under :meth:`run` with live recovery
@@ -297,6 +299,7 @@ class Session:
 
     def _serve_round(self, rnd: Round, train: Callable[[Session], T]) -> T:
         self._round, self.round = rnd, rnd.assignment.round
+        self._timing.restart()
         self._init_group()
         self._open()
         return train(self)
@@ -402,8 +405,9 @@ class Session:
         manager = self._need_started("step")
         self._step = step
         status = manager.poll()
+        interval_s, phases_s = self._timing.step_done()
         if self._hb is not None:
-            self._hb.beat(step, committed_step=status.last_committed_step)
+            self._hb.beat(step, committed_step=status.last_committed_step, step_time_s=interval_s, phases_s=phases_s)
         if not self._state_checked:  # a loop that never called load(): its first step checks the state
             StateParts.of(state).check_storable(step)  # SessionError now, not at the first save hours later
             self._state_checked = True
@@ -412,9 +416,10 @@ class Session:
         if self._serving:
             self._agree(step, state)
         checkpointed = bool(self.interval_steps) and step % self.interval_steps == 0  # the same on every rank
-        saved = self.save(step, state) if checkpointed else False
-        if self._tier is not None:
-            self._tier.snapshot(self._round, step, checkpointed=checkpointed)
+        with self._timing.staging():
+            saved = self.save(step, state) if checkpointed else False
+            if self._tier is not None:
+                self._tier.snapshot(self._round, step, checkpointed=checkpointed)
         return saved
 
     def _agree(self, step: int, state: Mapping[str, Any]) -> None:

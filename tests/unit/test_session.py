@@ -246,3 +246,48 @@ def test_an_event_log_that_cannot_be_opened_costs_the_events_not_the_run(tmp_pat
         session.finish(2, state)
     assert "event log" in caplog.text and "a-file" in caplog.text, caplog.text
     assert (tmp_path / "ckpt").exists()
+
+
+def test_each_step_beat_says_its_interval_and_the_part_spent_staging(tmp_path, monkeypatch):
+    """The agent accounts a user's loop as it does ftrain train's (goodput, checkpoint stalls):
+    each step's beat carries the wall time since the previous step and the part of it spent in
+    the session's saves; the first step of a process has none (its start-up)."""
+    import socket
+
+    from ftrain.contract.heartbeat import Message
+    from ftrain.contract.worker_env import HEARTBEAT
+
+    path = str(tmp_path / "hb.sock")
+    agent_end = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent_end.bind(path)
+    agent_end.settimeout(5.0)
+    monkeypatch.setenv(HEARTBEAT, path)
+    try:
+        with ftrain.Session(str(tmp_path / "ckpt"), interval_steps=2, async_save=False, verbose=False) as session:
+            state = _state()
+            session.load(state)
+            for step in range(1, 5):
+                _train(state, 1)
+                session.step(step, state)
+            session.finish(4, state)
+        beats = []
+        agent_end.settimeout(0.5)
+        while True:
+            try:
+                message = Message.decode(agent_end.recv(65536))
+            except TimeoutError:
+                break
+            if message.kind == "beat" and message.phase == "training" and message.step >= 1:
+                beats.append(message)
+    finally:
+        agent_end.close()
+    by_step = {b.step: b for b in beats if b.step_time_s > 0 or b.step == 1}
+    assert sorted(by_step) == [1, 2, 3, 4], [(b.step, b.step_time_s, b.phases_s) for b in beats]
+    assert by_step[1].step_time_s == 0.0 and by_step[1].phases_s == {}
+    for step in (2, 3, 4):
+        b = by_step[step]
+        assert set(b.phases_s) == {"other", "ckpt_staging"}
+        assert abs(sum(b.phases_s.values()) - b.step_time_s) < 1e-6
+    # step 2 was saved (synchronously) at its boundary: step 3's interval holds that save
+    assert by_step[3].phases_s["ckpt_staging"] > 0.0
+    assert by_step[3].phases_s["ckpt_staging"] > by_step[2].phases_s["ckpt_staging"]
