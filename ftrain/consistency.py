@@ -60,7 +60,12 @@ def _digest(tensors: list[torch.Tensor]) -> str:
 def check_replicas(par: Parallel, node: str = "") -> list[Mismatch]:
     """Collective: every rank calls it (``node``: this rank's node); returns the same list of
     mismatches on every rank."""
-    mine = _replicated_tensors(par)
+    return compare_replicas(_replicated_tensors(par), node)
+
+
+def compare_replicas(mine: tuple[int, list[torch.Tensor]] | None, node: str = "") -> list[Mismatch]:
+    """Collective: each rank's (replica group key, the tensors its group must hold alike), or
+    None where it holds no replica; the same list of mismatches on every rank."""
     entry = (None, None, node) if mine is None else (mine[0], _digest(mine[1]), node)
     world = dist.get_world_size()
     gathered: list = [None] * world

@@ -82,6 +82,7 @@ from ftrain.session_live import (
     refuse_start_under_live,
     restore_round,
 )
+from ftrain.session_replicas import ReplicaCheck, ReplicasDiffer, rolled_back
 from ftrain.session_state import (
     STATE_FILE,
     USER_STATE,
@@ -128,6 +129,8 @@ class Session:
         timeout_s: float = 600.0,
         verbose: bool = True,
         memory_interval: int = DEFAULTS.memory_interval,
+        replica_check_steps: int = 0,
+        on_replica_mismatch: str = "halt",
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -143,12 +146,17 @@ class Session:
         snapshotted into host memory every that many steps, each rank's shards and a copy of a
         buddy's on another node, so that a lost rank heals from its peers' memory instead of
         storage (-1: as often as a snapshot blocks the loop for at most 2% of its step time;
-        0: off; :mod:`ftrain.session_tier`)."""
+        0: off; :mod:`ftrain.session_tier`); ``replica_check_steps``: every that many steps the
+        ranks compare what they must hold alike (the plain parameters and their optimizer state;
+        0: never) and on a difference ``on_replica_mismatch``: ``warn``, ``halt`` or ``rollback``
+        (under :meth:`run`: ``train`` again from the newest commit; :mod:`ftrain.session_replicas`)."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
             raise SessionError(f"Session(interval_steps={interval_steps!r}): an int >= 0 (0: no periodic saves)")
         self.memory_interval = SessionTier.checked_interval(memory_interval)
+        self._replicas = ReplicaCheck(replica_check_steps, on_replica_mismatch)
+        self._rollback_why = ""  #: the replicas differed: the next load reads storage and says so
         self.checkpoint_uri = checkpoint_uri
         self.job = job or WorkerEnv.from_env().job or DEFAULT_JOB
         self.interval_steps = interval_steps
@@ -277,7 +285,7 @@ class Session:
         if not env.control:
             self.start()
             try:
-                result = train(self)
+                result = self._train(train)
             except Drained:
                 raise
             except BaseException as e:
@@ -302,7 +310,16 @@ class Session:
         self._timing.restart()
         self._init_group()
         self._open()
-        return train(self)
+        return self._train(train)
+
+    def _train(self, train: Callable[[Session], T]) -> T:
+        """``train(self)``; again, from the newest commit, when the replicas differed (rollback)."""
+        while True:
+            try:
+                return train(self)
+            except ReplicasDiffer as e:
+                self._rollback_why = str(e)
+                self._need_started("rollback").wait()  # a save in flight commits (or fails) first
 
     def _leave_round(self, why: BaseException | str, keep_ports: set[int]) -> HeldState | None:
         """Keep what this rank holds, end the round's process groups at once (no peer stays
@@ -405,9 +422,12 @@ class Session:
         manager = self._need_started("step")
         self._step = step
         status = manager.poll()
-        interval_s, phases_s = self._timing.step_done()
+        timing = self._timing.step_done()  # the heartbeat's step_time_s and phases_s
+        if self._replicas.due(step):  # before the step is kept anywhere (a save, the tier, a boundary)
+            self._replicas.check(step, StateParts.of(state), self.rank, self._events, self._serving)
         if self._hb is not None:
-            self._hb.beat(step, committed_step=status.last_committed_step, step_time_s=interval_s, phases_s=phases_s)
+            corrupt = self._replicas.corruptions
+            self._hb.beat(step, committed_step=status.last_committed_step, corruptions=corrupt, **timing)
         if not self._state_checked:  # a loop that never called load(): its first step checks the state
             StateParts.of(state).check_storable(step)  # SessionError now, not at the first save hours later
             self._state_checked = True
@@ -513,6 +533,8 @@ class Session:
         self._beat("loading")
         if rnd is not None and not rnd.loaded and self._tier is not None:
             self._tier.join(rnd, parts, self.rank, self.world_size, self._device(), self._events)
+        if rnd is not None and self._rollback_why:
+            rnd.rejoin_tier(parts)
         if rnd is not None and not rnd.loaded and step < 0:
             done = self._restore_live(rnd, manager, parts)
             if done is not None:
@@ -564,6 +586,9 @@ class Session:
     def _loaded(self, parts: StateParts, step: int) -> None:
         """The state is at a step boundary now: under :meth:`run`, what this rank holds from here;
         everywhere, a state whose non-tensor entries could never be saved is refused now."""
+        if self._rollback_why:
+            rolled_back(self._events, step, self._rollback_why, self._say)
+            self._rollback_why = ""
         if self._round is not None:
             self._round.loaded = True
             self._round.boundary(step, parts)  # encodes the entries: refuses what cannot be stored

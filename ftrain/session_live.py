@@ -239,6 +239,7 @@ class Round:
         #: the memory tier's view of the state, when the round's model is sharded (Session.load joins it)
         self.tier: SessionTierView | None = None
         self._tier_hooks: list[Any] = []  #: the optimizers' pre-step waits for a snapshot's copy
+        self._wait_staged: Callable[[], object] = lambda: None
 
     def boundary(self, step: int, parts: StateParts) -> None:
         """Step ``step`` is done: mark it (what this rank holds if the round ends before the next);
@@ -256,13 +257,24 @@ class Round:
     def join_tier(self, view: SessionTierView, wait_staged: Callable[[], object]) -> None:
         """Snapshots of this round's state go to the memory tier: before any optimizer updates the
         parameters, the copy of the last snapshot (taken in the background) is waited for."""
-        self.tier = view
+        self.tier, self._wait_staged = view, wait_staged
 
         def before_update(*_: Any) -> None:
             wait_staged()
 
         for optimizer in view.parts.optimizers:
             self._tier_hooks.append(optimizer.register_step_pre_hook(before_update))
+
+    def rejoin_tier(self, parts: StateParts) -> None:
+        """The loop rebuilt its state within this round (a rollback): snapshots and the waits
+        before an update follow its new objects."""
+        if self.tier is None:
+            return
+        for handle in self._tier_hooks:
+            handle.remove()
+        self._tier_hooks.clear()
+        self.tier.parts = parts
+        self.join_tier(self.tier, self._wait_staged)
 
     def left(self, rank: int, why: BaseException | str, held: HeldState | None) -> None:
         """Say that this rank left the round (``why``) holding ``held``; the agent hears it waits."""

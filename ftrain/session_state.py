@@ -294,15 +294,16 @@ class StepTiming:
         self._last_at: float | None = None
         self._staging_s = 0.0
 
-    def step_done(self) -> tuple[float, dict[str, float]]:
+    def step_done(self) -> dict[str, Any]:
+        """A step is done: its heartbeat's ``step_time_s`` and ``phases_s``."""
         now = time.monotonic()
         last, self._last_at = self._last_at, now
         staging, self._staging_s = self._staging_s, 0.0
         if last is None:
-            return 0.0, {}
+            return {"step_time_s": 0.0, "phases_s": {}}
         interval_s = now - last
         staging = min(staging, interval_s)
-        return interval_s, {"other": interval_s - staging, "ckpt_staging": staging}
+        return {"step_time_s": interval_s, "phases_s": {"other": interval_s - staging, "ckpt_staging": staging}}
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:

@@ -98,6 +98,10 @@ def test_misuse_is_refused_with_the_fix(tmp_path):
     for bad in (-2, True, 1.5):
         with pytest.raises(SessionError, match=r"memory_interval=.*an int >= -1"):
             ftrain.Session(str(tmp_path), memory_interval=bad)  # type: ignore[arg-type]
+    with pytest.raises(SessionError, match=r"replica_check_steps=-1\): an int >= 0"):
+        ftrain.Session(str(tmp_path), replica_check_steps=-1)
+    with pytest.raises(SessionError, match=r"on_replica_mismatch='retry'\): one of warn, halt, rollback"):
+        ftrain.Session(str(tmp_path), on_replica_mismatch="retry")
 
 
 def test_run_outside_an_agent_is_one_round_that_ends_with_the_session(tmp_path):
