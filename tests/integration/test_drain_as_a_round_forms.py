@@ -39,40 +39,55 @@ def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Job]:
         j.close()
 
 
-def _until(job: Job, condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
-    """Tick every live agent (the fake clock moves one tick each time) until ``condition()``."""
+class _Training:
+    """The workers of the job: every pass, each that runs beats at :attr:`step` with
+    :attr:`committed_step` committed (a worker's heartbeat does, even while it drains); silent
+    for ``hang_timeout_s`` of the fake clock, they would be judged hung."""
 
-    def ticked() -> object:
-        if condition():
-            return True
-        job.tick()
-        return condition()
+    def __init__(self, job: Job):
+        self.job = job
+        self.step, self.committed_step = 0, -1
 
-    wait_for(ticked, timeout_s, what, poll_s=0.01)
+    def beat(self) -> None:
+        for node in self.job.nodes.values():
+            for workers in node.started if node.alive else ():
+                if workers.rc is None:
+                    workers.beat(self.step, committed_step=self.committed_step)
+
+    def until(self, condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+        """Pass after pass (the workers beat, every live agent ticks, the fake clock moves one
+        tick) until ``condition()``."""
+
+        def passed() -> object:
+            if condition():
+                return True
+            self.beat()
+            self.job.tick()
+            return condition()
+
+        wait_for(passed, timeout_s, what, poll_s=0.01)
 
 
 @pytest.mark.parametrize("drained", ["a", "c"])
 def test_an_agent_drained_as_a_round_that_lists_it_forms_reports_stopped_for_it(job: Job, drained: str) -> None:
     """``a``: the leader, drained right after it formed the round (its workers of the round before
     are killed); ``c``: the node that joins, drained before it started any worker."""
+    training = _Training(job)
     for node_id in ("a", "b"):
         job.join(node_id, nnodes="1:3")
-    _until(job, lambda: job.running(1, "a", "b"), "round 1 running on a and b")
-    a, b = job.nodes["a"], job.nodes["b"]
+    training.until(lambda: job.running(1, "a", "b"), "round 1 running on a and b")
     assert job.state().leader == "a"
-    for node in (a, b):
-        node.workers.beat(12, committed_step=10)
+    training.step, training.committed_step = 12, 10
+    training.beat()
     job.join("c", nnodes="1:3")
-    _until(
-        job,
+    training.until(
         lambda: (s := job.state().status.get("a")) and s.updated_at >= job.state().nodes["c"].registered_at,
         "a's status written after c joined",
     )
-    for node in (a, b):  # a checkpoint after c joined: the leader scales up at it
-        node.workers.beat(21, committed_step=20)
+    training.step, training.committed_step = 21, 20  # a checkpoint after c joined: the leader scales up at it
     # a ticks first in every pass: once round 2 is there, a formed it and has not ticked since (b
     # and c have, but nobody started workers in it: a, its node rank 0, has not named its master)
-    _until(job, lambda: job.state().round == 2, "round 2 formed")
+    training.until(lambda: job.state().round == 2, "round 2 formed")
     record = job.state().current
     assert record is not None and record.reason == SCALE_UP
     assert [m.node_id for m in record.members] == ["a", "b", "c"]
@@ -82,7 +97,7 @@ def test_an_agent_drained_as_a_round_that_lists_it_forms_reports_stopped_for_it(
     wait_for(lambda: node.agent.view.snapshot().round == 2, 30, f"{drained}'s view of round 2", poll_s=0.01)
 
     node.agent.drain("signal 15")  # the SIGTERM, before the agent acts on the round
-    _until(job, lambda: node.agent.exit_code is not None, f"{drained} drained")
+    training.until(lambda: node.agent.exit_code is not None, f"{drained} drained")
     assert node.agent.exit_code == exits.DRAINED
     assert node.started == before and all(w.killed for w in before)  # none started in round 2
     node.close()  # the process exits: its lease is revoked
@@ -90,7 +105,7 @@ def test_an_agent_drained_as_a_round_that_lists_it_forms_reports_stopped_for_it(
     report = job.state().reports.get(2, {}).get(drained)
     assert report is not None and report.outcome == STOPPED, job.state().reports
     assert report.agent_uid == node.agent.uid
-    _until(job, lambda: job.state().round == 3, f"round 3 formed without {drained}")
+    training.until(lambda: job.state().round == 3, f"round 3 formed without {drained}")
     record = job.state().current
     assert record is not None and record.reason == NODE_LEFT, record  # node_lost before the fix
     assert [m.node_id for m in record.members] == sorted({"a", "b", "c"} - {drained})
