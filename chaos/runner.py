@@ -303,7 +303,7 @@ def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pa
             )
             try:
                 wait_for(
-                    lambda: cluster.events(Event.JOB_FINAL) and not cluster.live_nodes(),
+                    lambda: _job_ended(cluster),
                     job.timeout_s,
                     "the job to finish",
                     poll_s=0.2,
@@ -375,6 +375,14 @@ def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pa
     }
     write_report(out_dir, report)
     return RunResult(report["ok"], checks, report, out_dir)
+
+
+def _job_ended(cluster: Cluster) -> bool:
+    """The job's final status is out and every agent exited. Each look also reads the job's
+    progress: a script job's steps are timed when first seen (:class:`script_job.LedgerProgress`),
+    so they are read as they come, not only while a fault waits for a step."""
+    cluster.step()
+    return bool(cluster.events(Event.JOB_FINAL)) and not cluster.live_nodes()
 
 
 def _train_checks(
