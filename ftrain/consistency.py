@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ftrain.contract import events as ev
+from ftrain.contract.events import EventLog
 from ftrain.parallel import strategies
 from ftrain.parallel.base import Parallel
 
@@ -36,6 +38,33 @@ class Mismatch:
     #: a strict majority agreed, so ``ranks`` are the corrupt ones; False: no majority (two
     #: replicas, or a tie), the culprit is unknown and ``ranks`` is the whole group
     decided: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a list of mismatches says, the same on every rank: the ranks whose copies differ
+    (with their nodes), whether every group had a majority, and whether this rank is a culprit."""
+
+    ranks: list[int]
+    nodes: list[str]
+    decided: bool
+    mine: bool  #: a majority of this rank's replicas disagreed with it (a corruption of its own)
+
+    @classmethod
+    def of(cls, mismatches: list[Mismatch], rank: int) -> Verdict:
+        named = sorted((r, n) for m in mismatches for r, n in zip(m.ranks, m.nodes, strict=True))
+        mine = any(m.decided and rank in m.ranks for m in mismatches)
+        decided = all(m.decided for m in mismatches)
+        return cls([r for r, _ in named], [n for _, n in named], decided, mine)
+
+    def say(self, step: int, policy: str, events: EventLog) -> None:
+        """The ``replica_mismatch`` event and the error line (``policy``: what follows)."""
+        events.emit(
+            ev.ReplicaMismatch(step=step, ranks=self.ranks, policy=policy, nodes=self.nodes, decided=self.decided)
+        )
+        where = ", ".join(f"{r} on {n}" if n else str(r) for r, n in zip(self.ranks, self.nodes, strict=True))
+        unknown = "" if self.decided else " (no majority among the replicas: any of them may be the corrupt one)"
+        log.error("step %d: replicas differ: rank(s) %s%s (policy %s)", step, where, unknown, policy)
 
 
 def _replicated_tensors(par: Parallel) -> tuple[int, list[torch.Tensor]] | None:

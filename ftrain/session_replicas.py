@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ftrain.config import ConsistencyConfig
-from ftrain.consistency import ConsistencyError, Mismatch, compare_replicas
+from ftrain.consistency import ConsistencyError, Mismatch, Verdict, compare_replicas
 from ftrain.contract import events as ev
 from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
@@ -63,16 +63,10 @@ class ReplicaCheck:
             self._act(step, mismatches, rank, events, serving)
 
     def _act(self, step: int, mismatches: list[Mismatch], rank: int, events: EventLog, serving: bool) -> None:
-        named = sorted((r, n) for m in mismatches for r, n in zip(m.ranks, m.nodes, strict=True))
-        ranks, nodes = [r for r, _ in named], [n for _, n in named]
-        decided = all(m.decided for m in mismatches)
-        if any(m.decided and rank in m.ranks for m in mismatches):
-            self.corruptions += 1
-        policy = self.on_mismatch
-        events.emit(ev.ReplicaMismatch(step=step, ranks=ranks, policy=policy, nodes=nodes, decided=decided))
-        where = ", ".join(f"{r} on {n}" if n else str(r) for r, n in named)
-        unknown = "" if decided else " (no majority among the replicas: any of them may be the corrupt one)"
-        log.error("step %d: replicas differ: rank(s) %s%s (policy %s)", step, where, unknown, policy)
+        verdict = Verdict.of(mismatches, rank)
+        self.corruptions += verdict.mine
+        policy, ranks = self.on_mismatch, verdict.ranks
+        verdict.say(step, policy, events)
         if policy == "rollback" and serving:
             raise ReplicasDiffer(f"replicas differ on ranks {ranks} at step {step}")
         if policy != "warn":

@@ -49,7 +49,7 @@ from ftrain.checkpointing import (
     training_state,
 )
 from ftrain.config import Config
-from ftrain.consistency import ConsistencyError, check_replicas
+from ftrain.consistency import ConsistencyError, Verdict, check_replicas
 from ftrain.contract import events as ev
 from ftrain.contract.events import EventLog
 from ftrain.contract.flight import EVENT_TAIL
@@ -630,21 +630,10 @@ class Trainer:
         mismatches = check_replicas(self.par, self.node)
         if not mismatches:
             return
-        named = sorted((r, n) for m in mismatches for r, n in zip(m.ranks, m.nodes, strict=True))
-        ranks, nodes = [r for r, _ in named], [n for _, n in named]
-        decided = all(m.decided for m in mismatches)
-        if any(m.decided and self.rank in m.ranks for m in mismatches):
-            self.corruptions += 1  # the agent counts them per node (agent.drain_after_corruptions)
-        policy = self.cfg.consistency.on_mismatch
-        self.events.emit(ev.ReplicaMismatch(step=step, ranks=ranks, policy=policy, nodes=nodes, decided=decided))
-        where = ", ".join(f"{r} on {n}" if n else str(r) for r, n in named)
-        log.error(
-            "step %d: replicas differ: rank(s) %s%s (policy %s)",
-            step,
-            where,
-            "" if decided else " (no majority among the replicas: any of them may be the corrupt one)",
-            policy,
-        )
+        verdict = Verdict.of(mismatches, self.rank)
+        self.corruptions += verdict.mine  # the agent counts them per node (agent.drain_after_corruptions)
+        policy, ranks = self.cfg.consistency.on_mismatch, verdict.ranks
+        verdict.say(step, policy, self.events)
         if policy == "halt":
             raise ConsistencyError(f"step {step}: replicas differ on ranks {ranks} (consistency.on_mismatch=halt)")
         if policy == "rollback":
