@@ -129,32 +129,29 @@ class Session:
         timeout_s: float = 600.0,
         verbose: bool = True,
         memory_interval: int = DEFAULTS.memory_interval,
+        memory_dir: str = "",
         replica_check_steps: int = 0,
         on_replica_mismatch: str = "halt",
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
         :meth:`step` saves every that many steps (0: only :meth:`save` and :meth:`finish` do);
-        ``async_save``: saves upload in the background (the loop waits only for the copy);
-        ``endpoint_url``/``region``: S3's; ``hmac_key_env``: the variable holding the key that
-        signs manifests; ``on_no_loadable_step``: ``fail`` (default) or ``fresh`` when steps exist
-        and none loads; ``backend``: the process group's when the session makes one (``auto``:
-        nccl on a CUDA device, else gloo); ``verbose``: rank 0 says on stderr what it restored and
-        each commit, one line each, unless the program configured logging (then: the
-        ``ftrain.session`` logger at INFO; False: always the logger); ``memory_interval``: under
-        :meth:`run` with live recovery, a model spread over the ranks (FSDP, TP, HSDP) is
-        snapshotted into host memory every that many steps, each rank's shards and a copy of a
-        buddy's on another node, so that a lost rank heals from its peers' memory instead of
-        storage (-1: as often as a snapshot blocks the loop for at most 2% of its step time;
-        0: off; :mod:`ftrain.session_tier`); ``replica_check_steps``: every that many steps the
-        ranks compare what they must hold alike (the plain parameters and their optimizer state;
-        0: never) and on a difference ``on_replica_mismatch``: ``warn``, ``halt`` or ``rollback``
-        (under :meth:`run`: ``train`` again from the newest commit; :mod:`ftrain.session_replicas`)."""
+        ``async_save``: the loop waits only for the copy; ``endpoint_url``/``region``: S3's;
+        ``hmac_key_env``: the variable holding the key that signs manifests;
+        ``on_no_loadable_step``: ``fail`` or ``fresh`` when steps exist and none loads;
+        ``backend``: the group's when the session makes one (``auto``: nccl on CUDA, else gloo);
+        ``verbose``: rank 0's lines on stderr (else the ``ftrain.session`` logger);
+        ``memory_interval``, ``memory_dir``: the memory tier under :meth:`run` with live recovery
+        (:mod:`ftrain.session_tier`; -1: from the step time, 0: off; a node's tmpfs that keeps the
+        snapshots for processes that replace these); ``replica_check_steps``,
+        ``on_replica_mismatch``: the replica check (:mod:`ftrain.session_replicas`; 0: off).
+        docs/library.md says more of each."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
             raise SessionError(f"Session(interval_steps={interval_steps!r}): an int >= 0 (0: no periodic saves)")
         self.memory_interval = SessionTier.checked_interval(memory_interval)
+        self._memory_dir, self._job_done = memory_dir, False  #: the loop returned: its tmpfs snapshots can go
         self._replicas = ReplicaCheck(replica_check_steps, on_replica_mismatch)
         self._rollback_why = ""  #: the replicas differed: the next load reads storage and says so
         self.checkpoint_uri = checkpoint_uri
@@ -273,8 +270,8 @@ class Session:
         finally:
             self._serving = False
             on_sigterm(previous)
-            if self._tier is not None:  # its snapshots lived in this process: nothing outlives it
-                self._tier.close()
+            if self._tier is not None:
+                self._tier.close(job_done=self._job_done)
                 self._tier = None
 
     def _ask_to_stop(self, signum: int, frame: object) -> None:
@@ -296,7 +293,7 @@ class Session:
         keep_ports = service_ports(self._storage.endpoint_url, *env.etcd)
         if self.memory_interval:
             key_env, uri = str(self._options["hmac_key_env"]), self.checkpoint_uri
-            self._tier = SessionTier(uri, self.memory_interval, key_env, self._timeout_s, self.job)
+            self._tier = SessionTier(uri, self.memory_interval, key_env, self._timeout_s, self.job, self._memory_dir)
         control = ControlFile(env.control)
         serve_round = lambda rnd: self._serve_round(rnd, train)  # noqa: E731
         rounds = SessionRounds(
@@ -310,7 +307,9 @@ class Session:
         self._timing.restart()
         self._init_group()
         self._open()
-        return self._train(train)
+        result = self._train(train)
+        self._job_done = True
+        return result
 
     def _train(self, train: Callable[[Session], T]) -> T:
         """``train(self)``; again, from the newest commit, when the replicas differed (rollback)."""

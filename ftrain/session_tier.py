@@ -102,13 +102,19 @@ class SessionTier:
     under live recovery): ``ftrain train``'s :class:`~ftrain.recovery.memory_tier.MemoryTier`, set
     up from the session's settings, joined by the rounds whose model is spread over the ranks."""
 
-    def __init__(self, checkpoint_uri: str, memory_interval: int, hmac_key_env: str, timeout_s: float, job: str):
-        cfg = Config(
-            checkpoint=CheckpointConfig(uri=checkpoint_uri, memory_interval=memory_interval, hmac_key_env=hmac_key_env),
-            parallel=ParallelConfig(timeout_s=timeout_s),
-            others={"agent": {"job": job}},
+    def __init__(
+        self, checkpoint_uri: str, memory_interval: int, hmac_key_env: str, timeout_s: float, job: str, memory_dir: str
+    ):
+        """``memory_dir``: a node's directory (a tmpfs such as ``/dev/shm``) where each rank also
+        keeps its complete snapshots, so that a round whose processes are all new (every worker
+        lost, none of the node's agents) restores from them instead of storage; empty: in memory."""
+        checkpoint = CheckpointConfig(
+            uri=checkpoint_uri, memory_interval=memory_interval, hmac_key_env=hmac_key_env, memory_dir=memory_dir
         )
-        self.tier = MemoryTier(cfg)
+        cfg = Config(
+            checkpoint=checkpoint, parallel=ParallelConfig(timeout_s=timeout_s), others={"agent": {"job": job}}
+        )
+        self.tier = MemoryTier(cfg, memory_dir)
 
     @staticmethod
     def checked_interval(value: Any) -> int:
@@ -127,7 +133,7 @@ class SessionTier:
         if not self.tier.enabled or parts.module is None or replicated(parts.module):
             return
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        self.tier.join_round(rank, world_size, local_world, device.type)
+        self.tier.join_round(rank, world_size, local_world, device.type, events)
         view = SessionTierView(parts, device, rank, world_size, rnd.assignment.round, events, binding=self.tier.binding)
         rnd.join_tier(view, self.tier.wait_staged)
 
@@ -158,9 +164,10 @@ class SessionTier:
         """After the round's groups were aborted: a snapshot's exchange still running ends."""
         self.tier.leave_round()
 
-    def close(self) -> None:
-        """The process serves no more rounds: its snapshots go with it."""
-        self.tier.close()
+    def close(self, *, job_done: bool) -> None:
+        """The process serves no more rounds: its snapshots in memory go with it; those kept in
+        ``memory_dir`` stay for a process that replaces it, unless the job is done."""
+        self.tier.close(job_done=job_done)
 
 
 __all__ = ["ENCODED_KEY", "SessionTier", "SessionTierView"]

@@ -35,6 +35,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="how the model is spread over ranks")
+    p.add_argument("--memory-dir", default="", help="a node's tmpfs (/dev/shm) keeping the memory tier's snapshots")
     p.add_argument("--final-weights", default="", help="write the full model state here at the end (rank 0)")
     return p.parse_args(argv)
 
@@ -103,7 +104,7 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    session = ftrain.Session(args.ckpt, interval_steps=args.save_every)  # ftrain
+    session = ftrain.Session(args.ckpt, interval_steps=args.save_every, memory_dir=args.memory_dir)  # ftrain
     session.run(lambda s: train(s, args))  # ftrain: each round of this process (one under torchrun)
 
 

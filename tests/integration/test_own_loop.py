@@ -149,6 +149,36 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
                 kill_tree(agent)
 
 
+def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_dir(tmp_path, etcd, straight):
+    """``Session(memory_dir=...)``: every worker of the job SIGKILLed at once (the agents live),
+    so that no process holds a snapshot: the spares that replace them restore from the
+    snapshots their nodes kept on disk (not from storage), the job ends bitwise equal to the
+    straight run, and the finished job leaves nothing in the directory."""
+    shm = tmp_path / "shm"
+    script_args = ("--parallel", "fsdp", "--save-every", "20", "--memory-dir", str(shm))
+    agents = {n: _agent(tmp_path, etcd, n, "--recovery", "live", script_args=script_args) for n in ("a", "b")}
+    try:
+        wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
+        wait_for(lambda: _snapshots_complete(tmp_path, 20), 60, "a snapshot of step 20 or later on both ranks")
+        victims = [pid for node in ("a", "b") for _, pids in served_by(tmp_path, node)[-1:] for pid in pids]
+        assert len(victims) == 2, victims
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        for node, agent in agents.items():
+            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
+        assert worker_logs.count("from memory_tier") >= 2, worker_logs[-4000:]  # both new processes
+        assert "from storage" not in worker_logs, worker_logs[-4000:]
+        assert "Traceback" not in worker_logs, worker_logs[-4000:]
+        final = torch.load(tmp_path / "final.pt", weights_only=True)
+        assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+        assert not list(shm.rglob("step-*")), "the finished job left snapshots in memory_dir"
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)
+
+
 def _snapshots_complete(where: Path, step: int) -> bool:
     """Both ranks kept a memory-tier snapshot of ``step`` or later (their sessions' events)."""
     return {e["rank"] for e in events(where) if e["event"] == "memory_snapshot" and e["step"] >= step} >= {0, 1}
