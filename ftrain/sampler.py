@@ -24,6 +24,7 @@ each sample consumed once in your loop as in ``ftrain train``. Unset, nothing is
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ftrain.contract.local_files import replace_file
-from ftrain.contract.worker_env import WorkerEnv
+from ftrain.contract.worker_env import LEDGER_DIR, WorkerEnv
 from ftrain.data import DataCursor
 from ftrain.data.cursor import GlobalBatch, MicroBatch
 from ftrain.data.ledger import Ledger
@@ -104,9 +105,9 @@ class ResumableSampler:
 
     def _ledger_for(self, rank: int) -> Ledger | None:
         """The ledger of this rank in this round (a new round, under live recovery, opens a new one)."""
-        env = WorkerEnv.from_env()
-        if not env.ledger_dir:
+        if not os.environ.get(LEDGER_DIR):  # the common case, at every step: no parse of the whole env
             return None
+        env = WorkerEnv.from_env()
         current = self._ledger
         if current is not None and (current.round, current.dp_rank) == (env.round, rank):
             return current
