@@ -202,6 +202,7 @@ def test_a_live_rank_waits_for_the_next_round_as_long_as_its_agent_lives(tmp_pat
     from ftrain.contract.control import Assignment, ControlFile
     from ftrain.recovery.round_control import RoundEnded
     from ftrain.testbed.etcd import free_ports
+    from ftrain.testbed.wait import wait_for
 
     control = ControlFile(str(tmp_path / "control.json"))
     monkeypatch.setenv("FTRAIN_CONTROL", control.path)
@@ -228,9 +229,7 @@ def test_a_live_rank_waits_for_the_next_round_as_long_as_its_agent_lives(tmp_pat
 
     def agent() -> None:
         control.write(assignment(1))
-        deadline = time.monotonic() + 60
-        while not (rounds == [1] and session._round is None) and time.monotonic() < deadline:
-            time.sleep(0.01)  # until round 1 trained and its rank left it
+        wait_for(lambda: rounds == [1] and session._round is None, 60, "round 1 trained and its rank left it")
         time.sleep(1.0)  # the session's timeout is 0.2 s: the next round comes five timeouts later
         control.write(assignment(2))
 

@@ -59,7 +59,7 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        time.sleep(args.step_sleep_s)
+        time.sleep(args.step_sleep_s)  # the workload's pace (faults land mid-run), not synchronisation
         session.step(step + 1, state)
     session.finish(args.steps, state)
 
