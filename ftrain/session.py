@@ -338,7 +338,7 @@ class Session:
         self._owns_group = False
         if manager is not None:
             manager.close(abandon=True)
-        rnd.left(self.rank, why, held)
+        rnd.left(why, held)
         self._round = None
         return held
 

@@ -41,7 +41,7 @@ from ftrain.agent_link.heartbeat import Heartbeat
 from ftrain.contract.control import Assignment, ControlFile
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
 from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
-from ftrain.recovery.rounds import RoundOver
+from ftrain.recovery.rounds import RoundOver, said_left
 from ftrain.session_state import SessionError, StateParts, replicated
 from ftrain.session_tier import SessionTier, SessionTierView
 
@@ -276,14 +276,9 @@ class Round:
         self.tier.parts = parts
         self.join_tier(self.tier, self._wait_staged)
 
-    def left(self, rank: int, why: BaseException | str, held: HeldState | None) -> None:
+    def left(self, why: BaseException | str, held: HeldState | None) -> None:
         """Say that this rank left the round (``why``) holding ``held``; the agent hears it waits."""
-        reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
-        where = reason.splitlines()[0][:200] if reason else ""
-        step = held.step if held else "none"
-        log.warning("round %d ended for rank %d (%s); holding step %s", self.assignment.round, rank, where, step)
-        if self.hb is not None:
-            self.hb.beat(held.step if held else -1, phase="recovering")
+        said_left(self.assignment, why, held.step if held else -1, self.hb)
 
     def release(self) -> None:
         """The round is over: its hooks leave the loop's optimizers (used again in the next round)."""
@@ -314,8 +309,9 @@ class SessionRounds:
         self.round: Round | None = None
 
     def enter(self, assignment: Assignment) -> int:
-        self.round = Round(assignment, self.hb, newer_round_assigned(self.control, assignment.round), self.held)
-        return self.held.step if self.held else -1
+        held, self.held = self.held, None  # the round holds it until its load used it (then lets go)
+        self.round = Round(assignment, self.hb, newer_round_assigned(self.control, assignment.round), held)
+        return held.step if held else -1
 
     def step_time_s(self) -> float:
         return self.round.step_time_s if self.round else 0.0

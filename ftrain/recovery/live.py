@@ -60,7 +60,7 @@ from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
 from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
-from ftrain.recovery.rounds import RoundOver, serve_rounds
+from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
 from ftrain.train import Trainer, describe_failure, finish, say_goodbye
 
 log = logging.getLogger(__name__)
@@ -389,16 +389,7 @@ class _TrainerRounds:
             )
             trainer.close(broken=True)
         assert self.assignment is not None
-        log.warning(
-            "round %d ended for rank %d (%s: %s); holding step %s",
-            self.assignment.round,
-            self.assignment.rank,
-            "round watchdog" if isinstance(why, str) else type(why).__name__,
-            str(why).splitlines()[0][:200] if str(why) else "",
-            held.step if held else "none",
-        )
-        if self.hb is not None:
-            self.hb.beat(held.step if held else -1, phase="recovering")
+        said_left(self.assignment, why, held.step if held else -1, self.hb)
 
 
 __all__ = ["serve", "restore", "hold", "Restored"]

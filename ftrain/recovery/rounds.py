@@ -77,6 +77,17 @@ def ends_round(e: BaseException) -> bool:
     return isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)
 
 
+def said_left(assignment: Assignment, why: BaseException | str, held_step: int, hb: Heartbeat | None) -> None:
+    """Say that this rank left ``assignment``'s round (``why``) holding step ``held_step`` (-1:
+    none), and tell its agent it waits for the next round (``recovering``)."""
+    reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+    where = reason.splitlines()[0][:200] if reason else ""
+    held = held_step if held_step >= 0 else "none"
+    log.warning("round %d ended for rank %d (%s); holding step %s", assignment.round, assignment.rank, where, held)
+    if hb is not None:
+        hb.beat(held_step, phase="recovering")
+
+
 def serve_rounds(
     owner: RoundOwner,
     control: ControlFile,
@@ -122,4 +133,4 @@ def serve_rounds(
         newer_than = assignment.round
 
 
-__all__ = ["RoundOver", "RoundOwner", "ends_round", "serve_rounds"]
+__all__ = ["RoundOver", "RoundOwner", "ends_round", "said_left", "serve_rounds"]
