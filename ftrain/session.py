@@ -67,7 +67,6 @@ from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
 from ftrain.contract import events as ev
 from ftrain.contract.control import ControlFile
-from ftrain.contract.events import EventLog
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.distributed import abort_distributed
 from ftrain.recovery.peer_state import HeldState
@@ -90,13 +89,13 @@ from ftrain.session_state import (
     SessionError,
     StateParts,
     StateReader,
-    StepTiming,
     manifest_fields,
     say,
     validate,
     warn_if_large,
 )
 from ftrain.session_tier import SessionTier
+from ftrain.session_timing import StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +175,7 @@ class Session:
         self._hb: heartbeat.Heartbeat | None = None
         self._owns_group = False
         self._step = -1  #: the last step reported (-1: none yet)
-        self._timing = StepTiming()  #: the interval between step() calls, and its staging part
+        self._timing = StepTiming()  #: the interval between step() calls, and its parts (ftrain.session_timing)
         #: where the state of the latest load came from (None before any load)
         self.restored: Restored | None = None
         self._round: Round | None = None  #: the round served under :meth:`run` with live recovery
@@ -184,7 +183,7 @@ class Session:
         self._stop_requested = False  #: SIGTERM arrived (under :meth:`run`): stop at the next boundary
         self._tier: SessionTier | None = None  #: under :meth:`run` with live recovery: this process's, every round
         #: the round's event log: the job's under ``ftrain agent --script`` (FTRAIN_EVENTS), else none
-        self._events = EventLog()
+        self._events = ev.EventLog()
 
     # -- life ---------------------------------------------------------------------------
     def start(self) -> Session:
@@ -226,14 +225,14 @@ class Session:
         )
         return self
 
-    def _open_events(self, path: str) -> EventLog:
+    def _open_events(self, path: str) -> ev.EventLog:
         """The round's event log (the agent's file, FTRAIN_EVENTS); one that cannot be opened
         costs the events, not the run (said once per round)."""
         try:
-            return EventLog(path, rank=self.rank, round_=self.round)
+            return ev.EventLog(path, rank=self.rank, round_=self.round)
         except OSError as e:
             log.warning("the job's event log %s cannot be opened (%s): this worker's events are not written", path, e)
-            return EventLog()
+            return ev.EventLog()
 
     def _on_event(self, record: ev.Record) -> None:
         """The checkpoint service's events (from the training thread or the save's): each commit, said."""
@@ -422,16 +421,18 @@ class Session:
         self._step = step
         status = manager.poll()
         timing = self._timing.step_done()  # the heartbeat's step_time_s and phases_s
+        parts = StateParts.of(state)
+        self._timing.watch(parts.module, parts.optimizers)  # from the next step on: its wait for peers
         if self._replicas.due(step):  # before the step is kept anywhere (a save, the tier, a boundary)
-            self._replicas.check(step, StateParts.of(state), self.rank, self._events, self._serving)
+            self._replicas.check(step, parts, self.rank, self._events, self._serving)
         if self._hb is not None:
             corrupt = self._replicas.corruptions
             self._hb.beat(step, committed_step=status.last_committed_step, corruptions=corrupt, **timing)
         if not self._state_checked:  # a loop that never called load(): its first step checks the state
-            StateParts.of(state).check_storable(step)  # SessionError now, not at the first save hours later
+            parts.check_storable(step)  # SessionError now, not at the first save hours later
             self._state_checked = True
         if self._round is not None:
-            self._round.boundary(step, StateParts.of(state))
+            self._round.boundary(step, parts)
         if self._serving:
             self._agree(step, state)
         checkpointed = bool(self.interval_steps) and step % self.interval_steps == 0  # the same on every rank
@@ -449,7 +450,8 @@ class Session:
         round formed without the drained node."""
         newer = self._round is not None and self._round.newer()
         flags = torch.tensor([float(newer), float(self._stop_requested)], device=self._device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        with self._timing.waiting():  # the ranks ahead wait here for the slowest (a straggler's signal)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         newer, stop = (bool(f) for f in flags.tolist())
         if stop:
             self.finish(step, state)
@@ -461,9 +463,8 @@ class Session:
 
     def _device(self) -> torch.device:
         """Where this rank's collectives run (the process group's device)."""
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        nccl = dist.get_backend() == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def wait_staged(self) -> None:
         """Until the save in the background has copied the state: call it before the next

@@ -14,11 +14,9 @@ JSON) and still load. Misuse is a :class:`SessionError` whose message names the 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -60,6 +58,8 @@ def _unstorable(key: str, obj: Any, step: int, e: state_codec.StateEncodeError) 
 def _one_optimizer_per_parameter(state: Mapping[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
     """SessionError when two optimizers of the state update one parameter: torch's distributed
     state dict keys optimizer state by parameter name, so theirs would be mixed on load."""
+    if len(optimizers) < 2:  # torch itself refuses a parameter twice in one optimizer
+        return
     owner: dict[int, str] = {}
     names = {id(obj): key for key, obj in state.items()}
     for optimizer in optimizers:
@@ -283,48 +283,12 @@ def logging_configured(logger: logging.Logger) -> bool:
     return False
 
 
-class StepTiming:
-    """A loop's step intervals for its heartbeat, as the agent accounts ``ftrain train``'s: the
-    wall time between two :meth:`ftrain.Session.step` calls and the part of it spent staging
-    checkpoints and memory-tier snapshots (``ckpt_staging``; the rest is ``other``: a user's loop
-    has no finer breakdown, so no rank looks busier than another and none is judged a straggler).
-    The first step of a process (or round) has no interval: it is start-up, not a step."""
-
-    def __init__(self) -> None:
-        self._last_at: float | None = None
-        self._staging_s = 0.0
-
-    def step_done(self) -> dict[str, Any]:
-        """A step is done: its heartbeat's ``step_time_s`` and ``phases_s``."""
-        now = time.monotonic()
-        last, self._last_at = self._last_at, now
-        staging, self._staging_s = self._staging_s, 0.0
-        if last is None:
-            return {"step_time_s": 0.0, "phases_s": {}}
-        interval_s = now - last
-        staging = min(staging, interval_s)
-        return {"step_time_s": interval_s, "phases_s": {"other": interval_s - staging, "ckpt_staging": staging}}
-
-    @contextlib.contextmanager
-    def staging(self) -> Iterator[None]:
-        began = time.monotonic()
-        try:
-            yield
-        finally:
-            self._staging_s += time.monotonic() - began
-
-    def restart(self) -> None:
-        """A new round: its first step is its warm-up."""
-        self._last_at, self._staging_s = None, 0.0
-
-
 __all__ = [
     "STATE_FILE",
     "STATE_FILE_KEY",
     "SessionError",
     "StateParts",
     "StateReader",
-    "StepTiming",
     "USER_STATE",
     "WRITER",
     "logging_configured",

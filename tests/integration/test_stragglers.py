@@ -13,6 +13,7 @@ import pytest
 
 from ftrain.agents.etcd import EtcdClient
 from ftrain.agents.status import format_status, job_status
+from ftrain.testbed.procs import REPO, kill_tree
 from tests.agent_support import AgentJob, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -81,3 +82,35 @@ def test_a_slowed_worker_is_flagged_by_the_leader_and_warn_lets_the_job_ride_it_
         node != next_node or next_since - since > 0.5
         for (node, since), (next_node, next_since) in zip(episodes, episodes[1:], strict=False)
     ), episodes
+
+
+def test_a_slowed_worker_of_a_users_loop_is_flagged_too(tmp_path, etcd):
+    """The same slowdown in a user's own loop (examples/own_loop under DDP, two ``--recovery
+    live`` agents): the session's beats split each step into the wait for peers (backward's last
+    gradient to the optimizer's update, the boundary's agreement) and the rest, so the leader
+    sees which rank the others wait for."""
+    from tests.script_agents import events, served_by, start_agent
+
+    example = REPO / "examples" / "own_loop" / "train.py"
+    options = ("--recovery", "live", "--straggler-after-s", "2")
+    script_args = ("--parallel", "ddp", "--steps", "100000", "--save-every", "0")
+    agents = {n: start_agent(tmp_path, etcd.endpoint, n, example, *options, script_args=script_args) for n in "ab"}
+    stop = threading.Event()
+    slowed = None
+    try:
+        (_, [worker]), *_ = wait_for(lambda: served_by(tmp_path, "b"), 120, "node b's worker in round 1")
+        slowed = threading.Thread(target=_slow_down, args=(worker, stop), daemon=True)
+        slowed.start()
+
+        def flagged() -> dict | None:
+            return next((e for e in events(tmp_path) if e["event"] == "straggler_detected"), None)
+
+        detected = wait_for(flagged, 90, "a straggler_detected event")
+    finally:
+        stop.set()
+        if slowed is not None:
+            slowed.join(timeout=5)
+        for agent in agents.values():
+            kill_tree(agent)
+    assert detected["node"] == "b" and detected["policy"] == "warn" and detected["slow_for_s"] >= 2.0, detected
+    assert detected["busy_s"] > 1.25 * detected["others_s"] > 0, detected

@@ -5,6 +5,7 @@ gets errors that name the fix. The launched, multi-rank form: tests/integration/
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -197,7 +198,6 @@ def test_a_live_rank_waits_for_the_next_round_as_long_as_its_agent_lives(tmp_pat
     (a node short, say): it used to give up after the session's timeout (AssignmentTimeout),
     exiting with the state it held. Its agent's death is what ends it (the heartbeat watchdog)."""
     import threading
-    import time
 
     from ftrain.contract.control import Assignment, ControlFile
     from ftrain.recovery.round_control import RoundEnded
@@ -251,10 +251,12 @@ def test_an_event_log_that_cannot_be_opened_costs_the_events_not_the_run(tmp_pat
     assert (tmp_path / "ckpt").exists()
 
 
-def test_each_step_beat_says_its_interval_and_the_part_spent_staging(tmp_path, monkeypatch):
-    """The agent accounts a user's loop as it does ftrain train's (goodput, checkpoint stalls):
-    each step's beat carries the wall time since the previous step and the part of it spent in
-    the session's saves; the first step of a process has none (its start-up)."""
+def test_each_step_beat_says_its_interval_the_part_spent_staging_and_the_wait_for_peers(tmp_path, monkeypatch):
+    """The agent accounts a user's loop as it does ftrain train's (goodput, checkpoint stalls,
+    stragglers): each step's beat carries the wall time since the previous step, the part of it
+    spent in the session's saves, and the part from backward's last gradient to the optimizer's
+    update (where DDP's ranks wait for each other's gradients); the first step of a process has
+    none (its start-up)."""
     import socket
 
     from ftrain.contract.heartbeat import Message
@@ -269,8 +271,12 @@ def test_each_step_beat_says_its_interval_and_the_part_spent_staging(tmp_path, m
         with ftrain.Session(str(tmp_path / "ckpt"), interval_steps=2, async_save=False, verbose=False) as session:
             state = _state()
             session.load(state)
+            model, optim, data = state["model"], state["optim"], torch.randn(4, 8)
             for step in range(1, 5):
-                _train(state, 1)
+                model(data).pow(2).mean().backward()
+                time.sleep(0.05)  # stands for the gradient all-reduce waiting for a slower peer
+                optim.step()
+                optim.zero_grad()
                 session.step(step, state)
             session.finish(4, state)
         beats = []
@@ -289,8 +295,9 @@ def test_each_step_beat_says_its_interval_and_the_part_spent_staging(tmp_path, m
     assert by_step[1].step_time_s == 0.0 and by_step[1].phases_s == {}
     for step in (2, 3, 4):
         b = by_step[step]
-        assert set(b.phases_s) == {"other", "ckpt_staging"}
+        assert set(b.phases_s) == {"other", "ckpt_staging", "comm_wait"}
         assert abs(sum(b.phases_s.values()) - b.step_time_s) < 1e-6
+        assert b.phases_s["comm_wait"] >= 0.05, (step, b.phases_s)  # the hooks are set at step 1's step()
     # step 2 was saved (synchronously) at its boundary: step 3's interval holds that save
     assert by_step[3].phases_s["ckpt_staging"] > 0.0
     assert by_step[3].phases_s["ckpt_staging"] > by_step[2].phases_s["ckpt_staging"]

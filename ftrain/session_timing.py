@@ -1,0 +1,100 @@
+"""Where a user's loop spends its steps, for the agent's accounting and its straggler verdicts.
+
+A session cannot time a loop's forward and backward (the loop is the user's), but it sees enough
+to split each interval between two :meth:`ftrain.Session.step` calls the way the agents judge
+``ftrain train``'s (:mod:`ftrain.observability.step_phases`):
+
+- ``comm_wait``: time blocked on peers. After backward's last gradient is accumulated (a hook on
+  every parameter of the state's module says when) the rank waits for the gradient all-reduce
+  that DDP overlapped with backward, then clips and reduces what the loop reduces; that wait ends
+  when the state's optimizer starts its update (its step pre-hook). Under :meth:`Session.run`
+  the step boundary's agreement (one all-reduce) is a wait too.
+- ``ckpt_staging``: saves and memory-tier snapshots taken in ``step()``.
+- ``other``: the rest (the loop's data, forward, backward's compute, the update).
+
+A slow rank has more busy time (all but ``comm_wait``) per step than its peers, which wait for it
+in ``comm_wait``: the agents' straggler signal. Where gradients are not accumulated through
+autograd (FSDP2 assigns its sharded gradients) no hook fires and backward's wait counts as busy;
+the boundary's agreement still shows a slow rank's lag under ``run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class StepTiming:
+    """A loop's step intervals and their phases for its heartbeat. The first step of a process
+    (or of a round) has no interval: it is start-up, not a step."""
+
+    def __init__(self) -> None:
+        self._last_at: float | None = None
+        self._staging_s = 0.0
+        self._wait_s = 0.0
+        self._last_grad_at: float | None = None  #: the newest gradient accumulated, not yet followed by an update
+        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()  #: modules and optimizers with our hooks
+
+    def watch(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Hook a state's module and optimizers once each (a rollback's rebuilt objects are new)."""
+        if module is not None and module not in self._watched:
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+            self._watched.add(module)
+        for opt in optimizers:
+            if opt not in self._watched:
+                opt.register_step_pre_hook(self._update_begins)
+                self._watched.add(opt)
+
+    def _grad_ready(self, param: object) -> None:
+        self._last_grad_at = time.monotonic()
+
+    def _update_begins(self, optimizer: object, args: object, kwargs: object) -> None:
+        if self._last_grad_at is not None:  # the first optimizer of a step: the wait ends here
+            self._wait_s += time.monotonic() - self._last_grad_at
+            self._last_grad_at = None
+
+    def step_done(self) -> dict[str, Any]:
+        """A step is done: its heartbeat's ``step_time_s`` and ``phases_s``."""
+        now = time.monotonic()
+        last, self._last_at = self._last_at, now
+        staging, self._staging_s = self._staging_s, 0.0
+        wait, self._wait_s = self._wait_s, 0.0
+        if last is None:
+            return {"step_time_s": 0.0, "phases_s": {}}
+        interval_s = now - last
+        staging = min(staging, interval_s)
+        wait = min(wait, interval_s - staging)
+        phases = {"other": interval_s - staging - wait, "ckpt_staging": staging, "comm_wait": wait}
+        return {"step_time_s": interval_s, "phases_s": phases}
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self._staging_s += time.monotonic() - began
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A collective of the session's own (the step boundary's agreement)."""
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self._wait_s += time.monotonic() - began
+
+    def restart(self) -> None:
+        """A new round: its first step is its warm-up."""
+        self._last_at, self._staging_s, self._wait_s, self._last_grad_at = None, 0.0, 0.0, None
+
+
+__all__ = ["StepTiming"]
