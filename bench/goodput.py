@@ -3,6 +3,7 @@ time split by the fault kind that cost it, live recovery beside restart recovery
 
     python bench/goodput.py [--profile realistic|stress|uniform] [--duration-s S] [--seed N]
                             [--recovery live|restart | --both] [--fault-every-s S] [--smoke]
+                            [--users-loop]
 
 A profile is a scenario of ``chaos/scenarios/`` (``soak-realistic.toml``: the published mix of
 interruptions of a large job, a fault a minute for 45 minutes; ``soak-stress.toml``: the same
@@ -10,6 +11,12 @@ every 15 s for 30 minutes; ``soak.toml``: every kind alike, today's ``make soak`
 ``--duration-s`` shortens or lengthens the campaign and scales the job's steps with it;
 ``--both`` runs live and restart recovery at the same seed, one after the other (the same
 faults, drawn from the same seed, as far as the two runs' timings let them line up).
+``--users-loop`` runs ``ftrain train`` beside a user's own loop (examples/own_loop/train.py, a
+Llama under FSDP2 through ``ftrain.Session.run``, at the job's pace) on the same faults, steps and
+checkpoint interval, both under ``--recovery``: the mix without the kinds a user's script cannot
+take (``bit_flip``, ``worker_stuck``: ``ftrain train``'s fault requests), at a fixed world size
+(``bench/lib/goodput_runs.comparable``). Target (issue 41): the loop's goodput within 2 points
+of ``ftrain train``'s.
 
 Per run: goodput (productive / wall time, ``ftrain.chaos.invariants.goodput``), the time lost
 per fault kind (median and worst per fault, total; ``lost_time`` says how each second is
@@ -37,7 +44,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.lib.goodput_runs import PROFILES, TARGETS, profile_scenario, run_one, smoke_scenario
+from bench.lib.goodput_runs import (
+    PROFILES,
+    TARGETS,
+    comparable,
+    profile_scenario,
+    run_one,
+    smoke_scenario,
+    users_loop_scenario,
+)
+
+#: --users-loop: the most a user's loop may lose to ftrain train, in goodput points (issue 41)
+USERS_LOOP_GAP_POINTS = 2.0
 
 
 def _s(x: float | None) -> str:
@@ -77,6 +95,20 @@ def print_table(profile: str, runs: dict[str, dict[str, Any]]) -> None:
         )
 
 
+def users_loop_gap(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """--users-loop's figures: each loop's goodput and how many points the user's loop is behind."""
+    ours, theirs = runs["ftrain_train"]["goodput"], runs["users_loop"]["goodput"]
+    gap = round((ours - theirs) * 100, 2)
+    print(f"\nusers' loop: goodput {theirs:.1%} vs ftrain train {ours:.1%}: {gap:+.2f} points behind", flush=True)
+    return {
+        "goodput_ftrain_train": ours,
+        "goodput_users_loop": theirs,
+        "users_loop_gap_points": gap,
+        "target_gap_points": USERS_LOOP_GAP_POINTS,
+        "target_gap_met": gap <= USERS_LOOP_GAP_POINTS,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="realistic")
@@ -86,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--both", action="store_true", help="run live and restart recovery at the same seed")
     p.add_argument("--fault-every-s", type=float, default=None, help="mean seconds between faults (the profile's)")
     p.add_argument("--smoke", action="store_true", help="a short realistic run, < 3 minutes (the test suite's)")
+    p.add_argument("--users-loop", action="store_true", help="ftrain train beside a user's FSDP loop, same faults")
     p.add_argument("--out", default=None, help="where the runs go (default: a temporary directory, kept)")
     p.add_argument(
         "--cache-dir",
@@ -100,15 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and (args.both or args.duration_s or args.fault_every_s or args.profile != "realistic"):
         p.error("--smoke is one fixed short realistic run: no --both, --duration-s, --fault-every-s or --profile")
 
+    if args.users_loop and args.both:
+        p.error("--users-loop compares the loops under one --recovery: no --both")
+
     profile = "realistic" if args.smoke else args.profile
     scenario = smoke_scenario() if args.smoke else profile_scenario(profile, args.duration_s, args.fault_every_s)
     modes = ["live", "restart"] if args.both else [args.recovery]
+    # (name, scenario, recovery) of each run
+    plan = [(mode, scenario, mode) for mode in modes]
+    if args.users_loop:
+        scenario = comparable(scenario)
+        plan = [("ftrain_train", scenario, args.recovery), ("users_loop", users_loop_scenario(scenario), args.recovery)]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ftrain-goodput-"))
     started = time.monotonic()
     runs: dict[str, dict[str, Any]] = {}
-    for mode in modes:
-        print(f"goodput: {scenario.name}, seed {args.seed}, {mode} recovery -> {out / mode}", flush=True)
-        runs[mode] = run_one(scenario, args.seed, mode, out / mode, Path(args.cache_dir))
+    for name, each, recovery in plan:
+        print(f"goodput: {each.name}, seed {args.seed}, {recovery} recovery -> {out / name}", flush=True)
+        runs[name] = run_one(each, args.seed, recovery, out / name, Path(args.cache_dir))
     print_table(scenario.name, runs)
 
     target = TARGETS[profile]
@@ -121,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": scenario.random.duration_s if scenario.random.count else None,
         "every_s": scenario.random.every_s or None,
         "steps": scenario.job.steps,
-        "modes": modes,
+        "modes": list(runs),
         "invariants_held": all(r["ok"] for r in runs.values()),
         "target_goodput": target,
         "target_met": {m: r["goodput"] >= target for m, r in runs.items()} if target is not None else None,
         "goodput_live": runs["live"]["goodput"] if "live" in runs else None,
         "goodput_restart": runs["restart"]["goodput"] if "restart" in runs else None,
         "bit_flip_detected_every_time": all(r["bit_flip"]["detected_every_time"] for r in runs.values()),
+        **(users_loop_gap(runs) if args.users_loop else {}),
         "corrupted_commits": sum(r["bit_flip"]["corrupted_commits"] for r in runs.values()),
         "runs": runs,
         "bench_s": round(time.monotonic() - started, 1),

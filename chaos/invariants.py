@@ -512,11 +512,10 @@ def lost_time(events: list[dict[str, Any]], metrics: list[dict[str, Any]], start
             else:
                 by_fault[fault] += cuts[k + 1] - cuts[k]
 
-    # sweep the run's time line: at each moment, what is in flight
-    marks = sorted(
-        [(max(started_at, s), 1, i) for i, (_, s, e) in enumerate(attempts) if e > started_at]
-        + [(min(end, e), 0, i) for i, (_, s, e) in enumerate(attempts) if e > started_at]
-    )
+    # sweep the run's time line: at each moment, what is in flight (an attempt of no length, a
+    # script job's first step of a round, is never: its closing mark would sort before its opening)
+    spans = [(i, s, e) for i, (_, s, e) in enumerate(attempts) if e > started_at and e > s]
+    marks = sorted([(max(started_at, s), 1, i) for i, s, _ in spans] + [(min(end, e), 0, i) for i, _, e in spans])
     active: set[int] = set()
     now = started_at
     for at, opening, i in [*marks, (end, 0, -1)]:

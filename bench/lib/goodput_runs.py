@@ -74,6 +74,50 @@ def smoke_scenario() -> Scenario:
     return replace(base, name="goodput-smoke", job=job, faults=faults, random=replace(base.random, count=0))
 
 
+#: the fault kinds that act through ``ftrain train``'s fault requests (``ftrain/faults.py``): a
+#: user's script does not read them, so the loops are compared on the mix without them
+TRAIN_ONLY_KINDS = ("bit_flip", "worker_stuck")
+#: the user's loop of the comparison: examples/own_loop/train.py (a Llama under FSDP2 through
+#: ``Session.run``) at the soak job's pace, marked step by step (:mod:`bench.lib.session_loop`)
+USERS_LOOP = REPO / "bench" / "lib" / "session_loop.py"
+
+
+def comparable(scenario: Scenario) -> Scenario:
+    """``scenario`` as both loops can take it: without :data:`TRAIN_ONLY_KINDS` (nor the replica
+    check every step that ``bit_flip`` needs), at a fixed world size (``nnodes`` N:N: the
+    example's state is checked bitwise against its fault-free run, which a round on fewer ranks
+    would change; a lost node is waited for)."""
+    random = scenario.random
+    weights = {k: w for k, w in random.weights.items() if k not in TRAIN_ONLY_KINDS}
+    kinds = [k for k in random.kinds if k not in TRAIN_ONLY_KINDS] or ["worker_kill"]
+    job = scenario.job
+    return replace(
+        scenario,
+        faults=[f for f in scenario.faults if f.kind not in TRAIN_ONLY_KINDS],
+        random=replace(random, weights=weights, kinds=kinds),
+        job=replace(
+            job,
+            nnodes=f"{job.nodes}:{job.nodes}",
+            overrides=[o for o in job.overrides if not o.startswith("--consistency.")],
+        ),
+    )
+
+
+def users_loop_scenario(scenario: Scenario) -> Scenario:
+    """:func:`comparable`'s job run as a user's FSDP loop (:data:`USERS_LOOP` under ``ftrain agent
+    --script``): the same faults, steps, pace and checkpoint interval. Its memory tier lives in the
+    processes (and their buddies); no node directory (``memory_tier``) is kept for it."""
+    base = comparable(scenario)
+    job = base.job
+    script_args = [
+        "--probe-log", "probes.jsonl", "--step-sleep-s", str(job.step_sleep_s),
+        "--ckpt", "{checkpoint}", "--steps", "{steps}", "--save-every", str(job.checkpoint_interval),
+        "--parallel", "fsdp",
+    ]  # fmt: skip
+    script_job = replace(job, script=str(USERS_LOOP), script_args=script_args, overrides=[], memory_tier=False)
+    return replace(base, name=f"{base.name}-users-loop", job=script_job)
+
+
 def run_one(scenario: Scenario, seed: int, recovery: str, out_dir: Path, cache_dir: Path) -> dict[str, Any]:
     """One chaos run of ``scenario`` under ``recovery``, summarised (:func:`summarise`)."""
     result = run_scenario(scenario, seed, out_dir, cache_dir=cache_dir, recovery=recovery)

@@ -212,6 +212,20 @@ def test_a_stall_between_rounds_is_lost_even_when_no_step_is():
     assert g["productive_s"] == 10.0 and g["lost_by_cause"]["worker_hang"] == 6.0
 
 
+def test_a_script_jobs_stall_is_lost_to_its_fault_though_its_first_steps_have_no_time():
+    """A script job's progress comes from its ledger: no step time, so each round's first step
+    is an attempt of no length. It must not stay "in flight": the stall after the next fault is
+    that fault's, and the lost time adds up to wall time less productive time."""
+    events = [_ev("chaos_fault", 5.5, kind="agent_kill", step=5), _ev("job_final", 16.0, rank=-1)]
+    metrics = _metrics(range(1, 6), 0.0, 1.0, 1) + _metrics(range(6, 11), 11.0, 1.0, 2)
+    for m in metrics:
+        m["step_time_s"] = 0.0
+    g = goodput(events, metrics, started_at=0.0)
+    assert g["productive_s"] == 8.0, g  # steps 2-5 and 7-10: the first of each round has no length
+    assert g["lost_by_cause"] == {"startup": 1.0, "shutdown": 0.0, "agent_kill": 7.0}, g
+    assert sum(g["lost_by_cause"].values()) == pytest.approx(g["lost_s"])
+
+
 def test_an_undetected_flip_counts_every_commit_after_it_as_corrupted():
     events = [
         _ev("chaos_fault", 10.0, kind="bit_flip", step=5),
