@@ -294,10 +294,8 @@ class Session:
             key_env, uri = str(self._options["hmac_key_env"]), self.checkpoint_uri
             self._tier = SessionTier(uri, self.memory_interval, key_env, self._timeout_s, self.job, self._memory_dir)
         control = ControlFile(env.control)
-        serve_round = lambda rnd: self._serve_round(rnd, train)  # noqa: E731
-        rounds = SessionRounds(
-            control, heartbeat.from_env(-1, 0), serve_round, self.close, self._leave_round, keep_ports
-        )
+        serve = lambda rnd: self._serve_round(rnd, train)  # noqa: E731
+        rounds = SessionRounds(control, heartbeat.from_env(-1, 0), serve, self.close, self._leave_round, keep_ports)
         asked = lambda: self._stop_requested  # noqa: E731 - SIGTERM between rounds: leave, nothing to save
         return serve_rounds(rounds, control, rounds.hb, keep_ports, self._timeout_s, asked)
 
@@ -454,6 +452,8 @@ class Session:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         newer, stop = (bool(f) for f in flags.tolist())
         if stop:
+            if self._tier is not None:  # this step in the peers' memory too: the ranks that stay heal from it
+                self._tier.snapshot(self._round, step, checkpointed=True, leaving=True)
             self.finish(step, state)
             if self._stop_requested or self._round is None:
                 raise Drained(f"stopped after step {step}: asked to (SIGTERM)")

@@ -137,10 +137,16 @@ class SessionTier:
         view = SessionTierView(parts, device, rank, world_size, rnd.assignment.round, events, binding=self.tier.binding)
         rnd.join_tier(view, self.tier.wait_staged)
 
-    def snapshot(self, rnd: Round | None, step: int, *, checkpointed: bool) -> None:
-        """At step boundary ``step`` (every rank): a snapshot, when the tier's schedule says so."""
+    def snapshot(self, rnd: Round | None, step: int, *, checkpointed: bool, leaving: bool = False) -> None:
+        """At step boundary ``step`` (every rank): a snapshot, when the tier's schedule says so.
+        ``leaving``: every rank leaves the round after this step (a node drains): a snapshot now,
+        its exchange waited for, so that the ranks that stay hold this step of the leaving ranks'
+        shards and heal their replacements from memory (storage would be newer than the tier,
+        and read instead)."""
         if rnd is not None and rnd.tier is not None:
-            self.tier.maybe_snapshot(step, rnd.tier, checkpointed=checkpointed)
+            self.tier.maybe_snapshot(step, rnd.tier, checkpointed=checkpointed or leaving, last=leaving)
+            if leaving:
+                self.tier.wait()
 
     def restore(
         self, rnd: Round, parts: StateParts, committed: int, newest_in_storage: Callable[[], int]

@@ -179,6 +179,39 @@ def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_d
                 kill_tree(agent)
 
 
+def test_under_fsdp_a_drained_nodes_replacement_heals_from_the_memory_tier(tmp_path, etcd, straight):
+    """A drain under FSDP (nnodes 2:2): node b's process takes a memory-tier snapshot of the step
+    it stops at (its shards' copies go to node a's process) besides saving it, so node c's new
+    process takes b's shards from a's memory at that step, not from storage (which would hold a
+    newer step than the tier and be read instead); the run ends bitwise equal to the straight one."""
+    live = ("--recovery", "live")
+    script_args = ("--parallel", "fsdp", "--save-every", "20")
+    agents = {n: _agent(tmp_path, etcd, n, *live, script_args=script_args) for n in ("a", "b")}
+    try:
+        wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
+        agents["b"].send_signal(signal.SIGTERM)
+        assert agents["b"].wait(timeout=120) == exits.DRAINED, (tmp_path / "agent-b.log").read_text()[-3000:]
+        agents["c"] = _agent(tmp_path, etcd, "c", *live, script_args=script_args)
+        for node in ("a", "c"):
+            assert agents[node].wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        drained = (tmp_path / "b" / "workers.log").read_text()
+        [(stopped, committed)] = re.findall(
+            r"stopped after step (\d+): asked to \(SIGTERM\); committed step: (\d+)", drained
+        )
+        assert stopped == committed, drained[-3000:]
+        joined = (tmp_path / "c" / "workers.log").read_text()
+        assert re.search(rf"state of step {stopped} from memory_tier", joined), joined[-3000:]
+        worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
+        assert "from storage" not in worker_logs and "Traceback" not in worker_logs, worker_logs[-4000:]
+        assert len({pid for _, (pid,) in served_by(tmp_path, "a")}) == 1  # a's one process served every round
+        final = torch.load(tmp_path / "final.pt", weights_only=True)
+        assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent)
+
+
 def _snapshots_complete(where: Path, step: int) -> bool:
     """Both ranks kept a memory-tier snapshot of ``step`` or later (their sessions' events)."""
     return {e["rank"] for e in events(where) if e["event"] == "memory_snapshot" and e["step"] >= step} >= {0, 1}
