@@ -143,10 +143,10 @@ class SessionTier:
         its exchange waited for, so that the ranks that stay hold this step of the leaving ranks'
         shards and heal their replacements from memory (storage would be newer than the tier,
         and read instead)."""
-        if rnd is not None and rnd.tier is not None:
-            self.tier.maybe_snapshot(step, rnd.tier, checkpointed=checkpointed or leaving, last=leaving)
-            if leaving:
-                self.tier.wait()
+        if rnd is not None and rnd.tier is not None and leaving:
+            self.tier.snapshot_before_leaving(step, rnd.tier)
+        elif rnd is not None and rnd.tier is not None:
+            self.tier.maybe_snapshot(step, rnd.tier, checkpointed=checkpointed)
 
     def restore(
         self, rnd: Round, parts: StateParts, committed: int, newest_in_storage: Callable[[], int]

@@ -386,6 +386,9 @@ class Trainer:
                 stop = self._stop_agreed()
             if stop:
                 stopped_early = done < cfg.train.steps
+                if self.tier is not None and stopped_early:  # the ranks that stay heal from this step
+                    with self.phases.phase("ckpt_staging"):
+                        self.tier.snapshot_before_leaving(done, self)
                 self.progress.message(f"graceful stop requested: stopping after step {done}")
                 self.events.emit(ev.GracefulStop(step=done))
                 break

@@ -228,6 +228,7 @@ class MemoryTier:
         self.off_why = ""  #: why this process's tier does nothing (every rank of its round agreed)
         self.rank = self.world = self.local_world = 0
         self._next_step = 0  #: the step of the next snapshot (the same on every rank)
+        self._taken_step = -1  #: the step of the newest snapshot begun (the same on every rank)
         self._outcome: _Outcome | None = None  #: the round's last snapshot on this rank (None: none yet)
         self._staged = threading.Event()  #: the snapshot in the background has copied the state
         self._staged.set()
@@ -336,6 +337,15 @@ class MemoryTier:
         self._thread = None
         self._group = None
 
+    def snapshot_before_leaving(self, step: int, subject: TierSubject) -> None:
+        """Every rank leaves the round after step boundary ``step`` (a node drains; the step is
+        committed): that step in the tier unless its snapshot was begun already, its exchange
+        waited for, so that the ranks that stay hold the leaving ranks' shards of it and heal
+        their replacements from memory (a tier older than the commit is refused for storage)."""
+        if self._taken_step != step:
+            self.maybe_snapshot(step, subject, checkpointed=True, last=True)
+        self.wait()
+
     def wait(self) -> None:
         """Until the snapshot in the background (if any) is complete (or failed)."""
         if self._thread is not None:
@@ -396,6 +406,7 @@ class MemoryTier:
                 return
         self.interval = next_interval(self.setting, self.interval, figures)
         self._next_step = step + self.interval
+        self._taken_step = step
         self._outcome = None
         began = time.monotonic()
         state = subject.tier_state()  # views of the live tensors: the thread copies them
