@@ -90,12 +90,9 @@ def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_s
         assert _committed(tmp_path)[-1] == 60
         manifest = json.loads(next((tmp_path / "runs/own_loop/ckpt").glob("step-000000060/manifest.json")).read_text())
         assert manifest["job"] == "own" and manifest["round"] == 2  # written through the agent's fence, round 2
-        final = torch.load(tmp_path / "final.pt", weights_only=True)
-        assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+        _assert_ends_as(tmp_path, straight[0] / "final.pt")
     finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                kill_tree(agent)
+        _stop(agents)
 
 
 @pytest.mark.parametrize("parallel,source", [("ddp", "live_peer"), ("fsdp", "memory_tier")])
@@ -141,12 +138,9 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert verified.returncode == 0, verified.stdout[-2000:]
         for step in _committed(tmp_path):
             assert re.search(rf"^step-{step:09d}: OK \(", verified.stdout, re.M), verified.stdout[-2000:]
-        final = torch.load(tmp_path / "final.pt", weights_only=True)
-        assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
+        _assert_ends_as(tmp_path, golden)
     finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                kill_tree(agent)
+        _stop(agents)
 
 
 def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_dir(tmp_path, etcd, straight):
@@ -170,13 +164,10 @@ def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_d
         assert worker_logs.count("from memory_tier") >= 2, worker_logs[-4000:]  # both new processes
         assert "from storage" not in worker_logs, worker_logs[-4000:]
         assert "Traceback" not in worker_logs, worker_logs[-4000:]
-        final = torch.load(tmp_path / "final.pt", weights_only=True)
-        assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+        _assert_ends_as(tmp_path, straight[0] / "final.pt")
         assert not list(shm.rglob("step-*")), "the finished job left snapshots in memory_dir"
     finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                kill_tree(agent)
+        _stop(agents)
 
 
 def test_under_fsdp_a_drained_nodes_replacement_heals_from_the_memory_tier(tmp_path, etcd, straight):
@@ -204,12 +195,22 @@ def test_under_fsdp_a_drained_nodes_replacement_heals_from_the_memory_tier(tmp_p
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
         assert "from storage" not in worker_logs and "Traceback" not in worker_logs, worker_logs[-4000:]
         assert len({pid for _, (pid,) in served_by(tmp_path, "a")}) == 1  # a's one process served every round
-        final = torch.load(tmp_path / "final.pt", weights_only=True)
-        assert max_abs_diff(final, torch.load(straight[0] / "final.pt", weights_only=True)) == 0.0
+        _assert_ends_as(tmp_path, straight[0] / "final.pt")
     finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                kill_tree(agent)
+        _stop(agents)
+
+
+def _assert_ends_as(where: Path, golden: Path) -> None:
+    """The run in ``where`` ended with the weights of ``golden``, bit for bit."""
+    final = torch.load(where / "final.pt", weights_only=True)
+    assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
+
+
+def _stop(agents: dict[str, subprocess.Popen]) -> None:
+    """Every agent still running, with every process under it."""
+    for agent in agents.values():
+        if agent.poll() is None:
+            kill_tree(agent)
 
 
 def _snapshots_complete(where: Path, step: int) -> bool:
@@ -242,6 +243,4 @@ def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_s
         )
         assert _committed(tmp_path)[-1] == 60
     finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                kill_tree(agent)
+        _stop(agents)
