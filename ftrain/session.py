@@ -434,7 +434,7 @@ class Session:
         if self._serving:
             self._agree(step, state)
         checkpointed = bool(self.interval_steps) and step % self.interval_steps == 0  # the same on every rank
-        with self._timing.staging():
+        with self._timing.phase("ckpt_staging"):
             saved = self.save(step, state) if checkpointed else False
             if self._tier is not None:
                 self._tier.snapshot(self._round, step, checkpointed=checkpointed)
@@ -448,12 +448,12 @@ class Session:
         round formed without the drained node."""
         newer = self._round is not None and self._round.newer()
         flags = torch.tensor([float(newer), float(self._stop_requested)], device=self._device())
-        with self._timing.waiting():  # the ranks ahead wait here for the slowest (a straggler's signal)
+        with self._timing.phase("comm_wait"):  # the ranks ahead wait here for the slowest (a straggler's signal)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         newer, stop = (bool(f) for f in flags.tolist())
         if stop:
             if self._tier is not None:  # this step in the peers' memory too: the ranks that stay heal from it
-                self._tier.snapshot(self._round, step, checkpointed=True, leaving=True)
+                self._tier.snapshot_before_leaving(self._round, step)
             self.finish(step, state)
             if self._stop_requested or self._round is None:
                 raise Drained(f"stopped after step {step}: asked to (SIGTERM)")

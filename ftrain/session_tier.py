@@ -137,16 +137,16 @@ class SessionTier:
         view = SessionTierView(parts, device, rank, world_size, rnd.assignment.round, events, binding=self.tier.binding)
         rnd.join_tier(view, self.tier.wait_staged)
 
-    def snapshot(self, rnd: Round | None, step: int, *, checkpointed: bool, leaving: bool = False) -> None:
-        """At step boundary ``step`` (every rank): a snapshot, when the tier's schedule says so.
-        ``leaving``: every rank leaves the round after this step (a node drains): a snapshot now,
-        its exchange waited for, so that the ranks that stay hold this step of the leaving ranks'
-        shards and heal their replacements from memory (storage would be newer than the tier,
-        and read instead)."""
-        if rnd is not None and rnd.tier is not None and leaving:
-            self.tier.snapshot_before_leaving(step, rnd.tier)
-        elif rnd is not None and rnd.tier is not None:
+    def snapshot(self, rnd: Round | None, step: int, *, checkpointed: bool) -> None:
+        """At step boundary ``step`` (every rank): a snapshot, when the tier's schedule says so."""
+        if rnd is not None and rnd.tier is not None:
             self.tier.maybe_snapshot(step, rnd.tier, checkpointed=checkpointed)
+
+    def snapshot_before_leaving(self, rnd: Round | None, step: int) -> None:
+        """Every rank leaves the round after step boundary ``step`` (a node drains): this step in
+        the tier, its exchange waited for (:meth:`MemoryTier.snapshot_before_leaving`)."""
+        if rnd is not None and rnd.tier is not None:
+            self.tier.snapshot_before_leaving(step, rnd.tier)
 
     def restore(
         self, rnd: Round, parts: StateParts, committed: int, newest_in_storage: Callable[[], int]

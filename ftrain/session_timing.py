@@ -29,6 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+#: the phases a session times itself; the rest of an interval is ``other``
+TIMED = ("ckpt_staging", "comm_wait")
+
 
 class StepTiming:
     """A loop's step intervals and their phases for its heartbeat. The first step of a process
@@ -36,8 +39,7 @@ class StepTiming:
 
     def __init__(self) -> None:
         self._last_at: float | None = None
-        self._staging_s = 0.0
-        self._wait_s = 0.0
+        self._spent = dict.fromkeys(TIMED, 0.0)  #: seconds of this interval in each timed phase
         self._last_grad_at: float | None = None  #: the newest gradient accumulated, not yet followed by an update
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()  #: modules and optimizers with our hooks
 
@@ -58,43 +60,36 @@ class StepTiming:
 
     def _update_begins(self, optimizer: object, args: object, kwargs: object) -> None:
         if self._last_grad_at is not None:  # the first optimizer of a step: the wait ends here
-            self._wait_s += time.monotonic() - self._last_grad_at
+            self._spent["comm_wait"] += time.monotonic() - self._last_grad_at
             self._last_grad_at = None
 
     def step_done(self) -> dict[str, Any]:
         """A step is done: its heartbeat's ``step_time_s`` and ``phases_s``."""
         now = time.monotonic()
         last, self._last_at = self._last_at, now
-        staging, self._staging_s = self._staging_s, 0.0
-        wait, self._wait_s = self._wait_s, 0.0
+        spent, self._spent = self._spent, dict.fromkeys(TIMED, 0.0)
         if last is None:
             return {"step_time_s": 0.0, "phases_s": {}}
         interval_s = now - last
-        staging = min(staging, interval_s)
-        wait = min(wait, interval_s - staging)
-        phases = {"other": interval_s - staging - wait, "ckpt_staging": staging, "comm_wait": wait}
-        return {"step_time_s": interval_s, "phases_s": phases}
+        phases, left_s = {}, interval_s
+        for name in TIMED:  # never more than the interval holds
+            phases[name] = min(spent[name], left_s)
+            left_s -= phases[name]
+        return {"step_time_s": interval_s, "phases_s": {"other": left_s, **phases}}
 
     @contextlib.contextmanager
-    def staging(self) -> Iterator[None]:
+    def phase(self, name: str) -> Iterator[None]:
+        """Time spent in ``name`` (one of :data:`TIMED`): the session's saves and snapshots, or a
+        collective of its own (the step boundary's agreement)."""
         began = time.monotonic()
         try:
             yield
         finally:
-            self._staging_s += time.monotonic() - began
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """A collective of the session's own (the step boundary's agreement)."""
-        began = time.monotonic()
-        try:
-            yield
-        finally:
-            self._wait_s += time.monotonic() - began
+            self._spent[name] += time.monotonic() - began
 
     def restart(self) -> None:
         """A new round: its first step is its warm-up."""
-        self._last_at, self._staging_s, self._wait_s, self._last_grad_at = None, 0.0, 0.0, None
+        self._last_at, self._spent, self._last_grad_at = None, dict.fromkeys(TIMED, 0.0), None
 
 
-__all__ = ["StepTiming"]
+__all__ = ["TIMED", "StepTiming"]

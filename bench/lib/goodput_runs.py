@@ -123,11 +123,10 @@ def comparable(scenario: Scenario) -> Scenario:
     )
 
 
-def users_loop_scenario(scenario: Scenario) -> Scenario:
-    """:func:`comparable`'s job run as a user's FSDP loop (:data:`USERS_LOOP` under ``ftrain agent
-    --script``): the same faults, steps, pace and checkpoint interval. Its memory tier lives in the
-    processes (and their buddies); no node directory (``memory_tier``) is kept for it."""
-    base = comparable(scenario)
+def users_loop_scenario(base: Scenario) -> Scenario:
+    """``base`` (a :func:`comparable` scenario) run as a user's FSDP loop (:data:`USERS_LOOP` under
+    ``ftrain agent --script``): the same faults, steps, pace and checkpoint interval. Its memory
+    tier lives in the processes (and their buddies); no node directory (``memory_tier``) is kept."""
     job = base.job
     script_args = [
         "--probe-log", "probes.jsonl", "--step-sleep-s", str(job.step_sleep_s),
