@@ -69,12 +69,11 @@ from ftrain.contract import events as ev
 from ftrain.contract.control import ControlFile
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.distributed import abort_distributed
-from ftrain.recovery.peer_state import HeldState
+from ftrain.recovery.peer_state import HeldState, Restored
 from ftrain.recovery.round_control import RoundEnded, service_ports
 from ftrain.recovery.rounds import serve_rounds
 from ftrain.session_live import (
     Drained,
-    Restored,
     Round,
     SessionRounds,
     on_sigterm,
@@ -572,7 +571,7 @@ class Session:
         the step it goes on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
         newest = manager.newest_committed_step
-        got = restore_round(rnd, parts, self._device(), committed, self.rank, self._tier, newest)
+        got = restore_round(rnd, parts, self._device(), committed, self._tier, newest)
         if got is None:
             return None
         restored, committed = got

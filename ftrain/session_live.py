@@ -10,8 +10,9 @@ still at the boundary), or after the update (they are not). Every optimizer of t
 a post-step hook that says which: a rank whose optimizer stepped since the boundary holds no state
 to offer (only its step number), and takes the state from a peer or storage like a new process.
 
-**Which state the next round goes on from** (:func:`restore`, collective): the ranks compare
-what they hold (:func:`ftrain.recovery.peer_state.survey`). When the model is replicated on every
+**Which state the next round goes on from** (:func:`restore_round`, collective): the ranks
+compare what they hold (:func:`ftrain.recovery.peer_state.take_held_state`, as ``ftrain train``'s
+rounds do). When the model is replicated on every
 rank (a plain module or DDP: no parameter is a DTensor), the newest step held, if it is not older
 than the newest commit anyone knows of, comes from its holder over the process group
 (``live_peer``; ``memory`` when every rank holds it), checked against the digest the holder
@@ -39,30 +40,13 @@ from ftrain import optim_state, state_codec
 from ftrain.agent_link import heartbeat
 from ftrain.agent_link.heartbeat import Heartbeat
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.recovery.peer_state import HeldState, Restored, take_held_state
 from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
 from ftrain.recovery.rounds import RoundOver, said_left
 from ftrain.session_state import SessionError, StateParts, replicated
 from ftrain.session_tier import SessionTier, SessionTierView
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Restored:
-    """Where a round's state came from: ``live_peer``, ``memory``, ``storage`` or ``fresh``."""
-
-    source: str
-    step: int
-    from_rank: int = -1
-
-    def said(self) -> str:
-        """Where from, in words (the session's line about it)."""
-        return {
-            "memory": "this process's memory",
-            "live_peer": f"rank {self.from_rank}'s memory (a live peer)",
-            "memory_tier": "the memory tier (the ranks' and their buddies' memory)",
-        }.get(self.source, self.source)
 
 
 @dataclass(slots=True)
@@ -116,57 +100,11 @@ class BoundaryWatch:
         self.boundary = None
 
 
-def restore(
-    held: HeldState | None,
-    module: nn.Module | None,
-    optimizers: list[torch.optim.Optimizer],
-    user_state: Callable[[], dict[str, Any]],
-    device: torch.device,
-    committed_step: int,
-    rank: int,
-) -> tuple[HeldState, int] | None:
-    """Collective: the state to go on from when the ranks hold it, as (state, source rank; -1:
-    every rank holds it already), else None (load from storage, on every rank). ``committed_step``:
-    the newest commit this rank knows of (its own, or its agent's record); ``user_state``: this
-    rank's encoded non-tensor entries now (the reference a transfer's header is checked against:
-    one string per entry, so entries whose structure changed as they trained still compare)."""
-    full = replicated(module)
-    rows = survey(held, full, device)
-    newest = max(step for step, _, _, _ in rows)
-    holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
-    committed = max(committed_step, *(c for _, _, _, c in rows))
-    if not holders:
-        return None
-    if len({rows[r][2] for r in holders}) > 1:
-        log.error("replicas at step %d differ: loading from storage", newest)
-        return None  # every rank sees the same rows: every rank falls back together
-    if newest < committed:
-        log.warning("the newest step held (%d) is older than committed step %d: loading", newest, committed)
-        return None
-    if len(holders) == len(rows):
-        assert held is not None
-        return held, -1
-    src = holders[0]
-    reference = None
-    if rank != src:
-        model, optim = optim_state.model_and_optim(module, optimizers, optim_state.PER_PARAM)  # type: ignore[arg-type]
-        reference = HeldState(newest, -1, model, optim, user_state())
-    try:
-        got = broadcast(
-            held if rank == src else None, src, rows[src][2], device, expected_step=newest, reference=reference
-        )
-    except PeerStateError as e:
-        log.error("the state of step %d from rank %d was refused (%s): loading from storage", newest, src, e)
-        return None
-    return got, src
-
-
 def restore_round(
     rnd: Round,
     parts: StateParts,
     device: torch.device,
     committed: int,
-    rank: int,
     tier: SessionTier | None,
     newest_in_storage: Callable[[], int],
 ) -> tuple[Restored, int] | None:
@@ -174,12 +112,18 @@ def restore_round(
     from a live peer (or every rank itself) when the model is replicated, else from the memory
     tier's snapshots; where it came from and the newest commit the ranks agreed on. None (every
     rank alike) when storage must be read. ``committed``: the newest commit this rank knows of."""
-    got = restore(rnd.held, parts.module, parts.optimizers, lambda: parts.user_state(-1), device, committed, rank)
+    module = parts.module
+
+    def reference(step: int) -> HeldState:  # this rank's own state, what a peer's is checked against
+        model, optim = optim_state.model_and_optim(module, parts.optimizers, optim_state.PER_PARAM)  # type: ignore[arg-type]
+        return HeldState(step, -1, model, optim, parts.user_state(-1))
+
+    choice = take_held_state(rnd.held, replicated(module), device, committed, reference)
     rnd.held = None  # the previous round's objects: free them once this round has its state
-    if got is None:
+    held, src, committed = choice.state, choice.from_rank, choice.committed_step
+    if held is None:
         healed = tier.restore(rnd, parts, committed, newest_in_storage) if tier is not None else None
         return None if healed is None else (Restored("memory_tier", healed[0]), healed[1])
-    held, src = got
     assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
     optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
     for key, obj in parts.others.items():
@@ -340,11 +284,9 @@ __all__ = [
     "Boundary",
     "BoundaryWatch",
     "Drained",
-    "Restored",
     "Round",
     "SessionRounds",
     "on_sigterm",
     "refuse_start_under_live",
-    "restore",
     "restore_round",
 ]

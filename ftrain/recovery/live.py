@@ -37,7 +37,6 @@ import dataclasses
 import importlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,7 +57,7 @@ from ftrain.models.layout import logits_of
 from ftrain.optim import Schedule
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
-from ftrain.recovery.peer_state import HeldState, PeerStateError, broadcast, survey
+from ftrain.recovery.peer_state import HeldState, Restored, take_held_state
 from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
 from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
 from ftrain.train import Trainer, describe_failure, finish, say_goodbye
@@ -67,13 +66,6 @@ log = logging.getLogger(__name__)
 
 #: what strategies import lazily: a spare imports it before it is needed
 WARM_MODULES = ("ftrain.parallel.ddp", "ftrain.parallel.fsdp", "ftrain.parallel.tp", "ftrain.parallel.deterministic")
-
-
-@dataclass(frozen=True, slots=True)
-class Restored:
-    source: str  #: live_peer | memory | storage | fresh
-    step: int
-    from_rank: int = -1
 
 
 def hold(trainer: Trainer) -> HeldState:
@@ -115,40 +107,33 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
     ``committed_step``: the newest commit record the round's assignment saw in etcd (the same
     on every rank): when it is newer than any rank knows of, storage's listing decides, and
     state held in memory (or in the tier) that is older is not gone on from."""
-    full = strategies.full_replica(trainer.layout)
-    rows = survey(held, full, trainer.device)
-    newest = max(step for step, _, _, _ in rows)
-    holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
-    digests = {rows[r][2] for r in holders}
-    committed = max(c for _, _, _, c in rows)
-    if committed_step > committed and trainer.ckpt is not None:
-        # etcd records a newer commit than any rank knows of (they sat out the rounds that made
-        # it, or its manifest never landed): what storage lists is the truth (the same on every rank)
-        committed = max(committed, trainer.ckpt.manager.newest_committed_step())
-    if holders and len(digests) > 1:
-        log.error("replicas at step %d differ (digests %s): loading from storage", newest, sorted(digests))
-        holders = []  # every rank sees the same rows, so every rank falls back together
-    if holders and newest < committed:  # held by ranks that sat out the rounds that trained on
-        log.warning("the newest step held in memory (%d) is older than committed step %d: loading", newest, committed)
-        holders = []
-    if holders:
-        src = holders[0]
-        everyone_holds = len(holders) == len(rows)
-        state = held if everyone_holds else _receive(trainer, held, src, rows[src])
-        if state is not None:
-            assert state.model is not None and state.optim is not None and state.cursor is not None
-            set_state_dict(
-                trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim
-            )
-            trainer.cursor.load_state_dict(state.cursor)
-            _agree_schedule(trainer, held, src)
-            _note_committed(trainer, committed)
-            return Restored("memory" if everyone_holds else "live_peer", state.step, -1 if everyone_holds else src)
+    ckpt = trainer.ckpt
+    choice = take_held_state(
+        held,
+        strategies.full_replica(trainer.layout),
+        trainer.device,
+        committed_step,
+        lambda step: _reference(trainer, step),
+        ckpt.manager.newest_committed_step if ckpt is not None else None,
+    )
+    committed, state = choice.committed_step, choice.state
+    if choice.refused:
+        refused = ev.LivePeerRefused(from_rank=choice.from_rank, step=choice.newest_step, problem=choice.refused[:500])
+        trainer.events.emit(refused)
+    if state is not None:
+        assert state.model is not None and state.optim is not None and state.cursor is not None
+        set_state_dict(
+            trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim
+        )
+        trainer.cursor.load_state_dict(state.cursor)
+        _agree_schedule(trainer, held, max(choice.from_rank, 0))
+        _note_committed(trainer, committed)
+        return Restored("memory" if choice.from_rank < 0 else "live_peer", state.step, choice.from_rank)
     tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
     if tier_step is not None:
         _note_committed(trainer, committed)
         return Restored("memory_tier", tier_step)
-    manifest = trainer.ckpt.resume() if trainer.ckpt is not None and trainer.cfg.checkpoint.resume else None
+    manifest = ckpt.resume() if ckpt is not None and trainer.cfg.checkpoint.resume else None
     return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
 
 
@@ -189,29 +174,11 @@ def _note_committed(trainer: Trainer, committed: int) -> None:
         status.last_committed_step = max(status.last_committed_step, committed)
 
 
-def _receive(trainer: Trainer, held: HeldState | None, src: int, row: tuple[int, int, int, int]) -> HeldState | None:
-    """Collective: rank ``src``'s held state (``row``: its survey row) on every rank, or None on
-    every rank when any rank refused it (:func:`ftrain.recovery.peer_state.broadcast` makes them agree):
-    the round then loads as when no rank holds state. A receiver checks the header against its
-    own freshly built state (same structure on every rank of a full-replica strategy)."""
-    step, _, digest, _ = row
-    reference = None
-    if trainer.rank != src:
-        model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
-        reference = HeldState(step, -1, model, optim, trainer.cursor.state_dict())
-    try:
-        return broadcast(
-            held if trainer.rank == src else None,
-            src,
-            digest,
-            trainer.device,
-            expected_step=step,
-            reference=reference,
-        )
-    except PeerStateError as e:
-        log.error("the state of step %d from rank %d was refused (%s): loading from storage", step, src, e)
-        trainer.events.emit(ev.LivePeerRefused(from_rank=src, step=step, problem=str(e)[:500]))
-        return None
+def _reference(trainer: Trainer, step: int) -> HeldState:
+    """This rank's own freshly built state, which a live peer's transfer is checked against
+    (the same structure on every rank of a full-replica strategy)."""
+    model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
+    return HeldState(step, -1, model, optim, trainer.cursor.state_dict())
 
 
 #: a model larger than this in fp32 is not what a spare warms up with: it is trained only under a

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,3 +398,80 @@ def broadcast(
         raise PeerStateError(problem or f"a rank refused the state that rank {src} sent")
     assert got is not None
     return got
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Where a round's state came from: ``memory`` (every rank held it), ``live_peer``,
+    ``memory_tier``, ``storage`` or ``fresh``; ``from_rank``: the live peer's rank (-1: none)."""
+
+    source: str
+    step: int
+    from_rank: int = -1
+
+    def said(self) -> str:
+        """Where from, in words."""
+        return {
+            "memory": "this process's memory",
+            "live_peer": f"rank {self.from_rank}'s memory (a live peer)",
+            "memory_tier": "the memory tier (the ranks' and their buddies' memory)",
+        }.get(self.source, self.source)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldChoice:
+    """What :func:`take_held_state` agreed on: ``state`` to go on from (None: nothing the ranks
+    hold can be, on every rank alike), sent by rank ``from_rank`` (-1: every rank held it), the
+    newest step any rank held, the newest commit the ranks know of, and why the transfer of the
+    newest step was refused (empty: it was not)."""
+
+    state: HeldState | None
+    from_rank: int
+    newest_step: int
+    committed_step: int
+    refused: str = ""
+
+
+def take_held_state(
+    held: HeldState | None,
+    full_replica: bool,
+    device: torch.device,
+    committed_step: int,
+    reference: Callable[[int], HeldState],
+    newest_listed: Callable[[], int] | None = None,
+) -> HeldChoice:
+    """Collective, at a round's start: the state the ranks go on from when they hold it.
+
+    The ranks compare what they hold (:func:`survey`); the newest step held goes on if its
+    holders agree on its digest and no commit is newer (a rank that sat out the rounds that
+    trained on holds an old step): every rank keeps its own when every rank holds it, else the
+    first holder sends it (:func:`broadcast`; ``reference(step)``: this rank's own state, which
+    what arrives is checked against). ``committed_step``: the newest commit this rank's
+    assignment knows of; when it is newer than any rank knows and ``newest_listed`` is given,
+    the storage's listing decides instead (a commit whose manifest never landed is no commit).
+    Every rank sees the same rows, so every rank decides alike."""
+    rows = survey(held, full_replica, device)
+    newest = max(step for step, _, _, _ in rows)
+    holders = [r for r, (step, has, _, _) in enumerate(rows) if has and step == newest]
+    committed = max(c for _, _, _, c in rows)
+    if committed_step > committed:
+        committed = max(committed, newest_listed()) if newest_listed is not None else committed_step
+    nothing = HeldChoice(None, -1, newest, committed)
+    if not holders:
+        return nothing
+    if len({rows[r][2] for r in holders}) > 1:
+        log.error("replicas at step %d differ (digests %s): loading", newest, sorted({rows[r][2] for r in holders}))
+        return nothing
+    if newest < committed:
+        log.warning("the newest step held in memory (%d) is older than committed step %d: loading", newest, committed)
+        return nothing
+    if len(holders) == len(rows):
+        return HeldChoice(held, -1, newest, committed)
+    src = holders[0]
+    mine = reference(newest) if dist.get_rank() != src else None
+    try:
+        got = broadcast(held, src, rows[src][2], device, expected_step=newest, reference=mine)
+    except PeerStateError as e:
+        log.error("the state of step %d from rank %d was refused (%s): loading", newest, src, e)
+        return HeldChoice(None, src, newest, committed, refused=str(e))
+    return HeldChoice(got, src, newest, committed)
