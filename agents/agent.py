@@ -726,7 +726,11 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             self.workers.terminate()
             self.events.emit(ev.Drain(node=self.cfg.node_id, worker_round=self.workers.round))
         elif self.clock.monotonic() > self.drain_deadline:
+            round_ = self.workers.round
             self._stop_workers(self.workers, "drain timed out")
+            # a departure all the same (flushed on the way out): the leader forms the next round
+            # for node_left at once, not for a node loss once this agent's lease is gone
+            self.pending_reports.setdefault(round_, drained_report(self.uid, self.clock.time()))
             self.exit_code = exits.DRAINED
 
     def _leave_current_round(self) -> None:

@@ -41,7 +41,7 @@ from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
 from ftrain.agents.policy import Policy
-from ftrain.agents.records import JobState, NodeStatus, RankStall
+from ftrain.agents.records import DRAINING, JobState, NodeStatus, RankStall
 from ftrain.agents.supervision import last_error_line
 from ftrain.agents.workers import Workers
 from ftrain.contract import events as ev
@@ -137,7 +137,7 @@ class AgentStatus:
         now = self.clock.monotonic()
         if not self._registered() or (not force and now - self._last_status_at < STATUS_INTERVAL_S):
             return
-        name = state_name or ("stopping" if self.draining else "running" if self.workers else "waiting")
+        name = state_name or (DRAINING if self.draining else "running" if self.workers else "waiting")
         gist = self._status_gist(name)
         routine_s = status_interval_s(len(state.nodes))
         if not force and gist == self._last_status_gist and now - self._last_status_at < routine_s:

@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from ftrain.agents.policy import Policy, workers_refused
 from ftrain.agents.records import (
     BAD_RECORD,
+    DRAINING,
     FAILED,
     FAILURE_CAUSES,
     FATAL,
@@ -346,6 +347,18 @@ def _came_back(seen: _Seen, node: str, report: Report) -> bool:
     return bool(report.agent_uid) and uid is not None and uid != report.agent_uid
 
 
+def _draining(state: JobState) -> set[str]:
+    """Nodes whose agent drains (its status says so; the status is the agent's registered now: a
+    resubmitted node's newer registration outdates its predecessor's status). No round takes
+    them, though their report of leaving has not come yet: a round that did would end as soon as
+    it formed (a draining leader once formed one with itself)."""
+    return {
+        n
+        for n, s in state.status.items()
+        if s.state == DRAINING and n in state.nodes and s.updated_at >= state.nodes[n].registered_at
+    }
+
+
 def _excluded(state: JobState, now: float) -> dict[str, float]:
     """Nodes the current round keeps out (evicted stragglers), until when."""
     cur = state.current
@@ -394,7 +407,7 @@ def _need(
         if evict and len(cur.members) - len(evict) >= policy.min_nodes:
             detail = "; ".join(s.describe(now) for s in evict)
             return _Need(STRAGGLER, f"evicting straggler(s) {detail}", evict=[s.node for s in evict]), memory
-    excluded = _excluded(state, now)
+    excluded = _excluded(state, now).keys() | _draining(state)
     joiners = [m for m in seen.waiting if m.node_id not in excluded and _warm(state, m, policy)]
     if not joiners or policy.usable_nodes(len(cur.members) + len(joiners)) <= len(cur.members):
         return None, dataclasses.replace(memory, grow_baseline_step=None)
@@ -426,14 +439,16 @@ def waiting_reasons(
         return {}
     policy = policy.refusing(*memory.refused)
     seen = _Seen.of(state)
-    excluded = _excluded(state, now)
+    excluded, draining = _excluded(state, now), _draining(state)
     members = len(cur.members)
-    joiners = [m for m in seen.waiting if m.node_id not in excluded and _warm(state, m, policy)]
+    joiners = [m for m in seen.waiting if m.node_id not in excluded.keys() | draining and _warm(state, m, policy)]
     grows = policy.usable_nodes(members + len(joiners)) > members
     out = {}
     for m in seen.waiting[:limit]:
         status = state.status.get(m.node_id)
-        if m.node_id in excluded:
+        if m.node_id in draining:
+            why = "it drains (its agent was asked to stop): no round takes it"
+        elif m.node_id in excluded:
             why = (
                 f"kept out as a straggler for {excluded[m.node_id] - now:.0f}s more (agent.straggler_rejoin_s), "
                 "then it joins like any node"
@@ -582,6 +597,7 @@ def decide(state: JobState, policy: Policy, memory: LeaderMemory, now: float) ->
             return Wait(f"backoff {ready_at - now:.1f}s after {need.reason}", pending, BACKOFF), memory
 
     leaving = {n for n, r in seen.reports.items() if r.outcome == STOPPED and not _came_back(seen, n, r)}
+    leaving |= _draining(state)
     live = [m for m in seen.live() if m.node_id not in leaving]  # drained: its lease goes next
     excluded = _excluded(state, now) | {node: now + policy.straggler_rejoin_s for node in need.evict}
     eligible = [m for m in live if m.node_id not in excluded]

@@ -69,6 +69,8 @@ FATAL = "fatal"
 # it leaves. yielded: its workers stopped early because a peer's drain stopped the whole round
 # (ranks stop together): it stays for the next round.
 SUCCEEDED, FAILED, STOPPED, YIELDED = "succeeded", "failed", "stopped", "yielded"
+#: a node status's ``state`` while its agent drains (its workers finish the step, save, exit)
+DRAINING = "stopping"
 
 
 #: the largest record read (etcd's own limit on a request is 1.5 MiB by default)
@@ -206,7 +208,7 @@ class RankStall:
 @dataclass(slots=True)
 class NodeStatus:
     round: int = 0
-    state: str = "starting"  #: starting | waiting | running | stopping | done
+    state: str = "starting"  #: starting | waiting | running | stopping (DRAINING) | done
     step: int = -1
     step_time_s: float = 0.0
     heartbeat_age_s: float | None = None

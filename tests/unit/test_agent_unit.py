@@ -424,6 +424,34 @@ def test_a_drained_node_leaves_and_the_others_continue_without_it(job: Job) -> N
     assert record.failure_times == []  # a drain is no failure
 
 
+def test_a_draining_leader_forms_the_next_round_without_itself(job: Job) -> None:
+    start_round_1(job, "a", "b", nnodes="1:2")
+    a, b = job.nodes["a"], job.nodes["b"]
+    a.agent.drain("test")  # a leads; its workers are asked to stop but take their time
+    job.tick()
+    assert a.workers.terminating
+    b.workers.fail("RuntimeError: boom", step=12)
+    job.run_until(lambda: job.state().round >= 2, "round 2")
+    record = job.state().current
+    assert record is not None and [m.node_id for m in record.members] == ["b"], record
+
+
+def test_a_drain_that_times_out_still_reports_the_node_left(job: Job) -> None:
+    start_round_1(job, "a", "b", nnodes="1:2", drain_timeout_s=3.0)
+    b = job.nodes["b"]
+    b.agent.drain("test")
+    job.tick()
+    assert b.workers.terminating  # and they never stop: the drain's deadline kills them
+    job.run_until(lambda: b.agent.exit_code is not None, "b drained", within_s=10)
+    assert b.agent.exit_code == exits.DRAINED
+    assert job.state().reports[1]["b"].outcome == STOPPED  # a departure, not a node loss
+    b.close()
+    job.nodes["a"].workers.stop(step=40)  # a's ranks lost their peer
+    job.run_until(lambda: job.running(2, "a"), "round 2 on a alone")
+    record = job.state().current
+    assert record is not None and record.reason == NODE_LEFT, record
+
+
 @pytest.mark.parametrize(
     ("nnodes", "nproc", "degrees", "refused"),
     [
