@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from ftrain.agents.workers import descendants
-from ftrain.testbed.jobs import run, worker_env
-from ftrain.testbed.procs import quiet_env
+from ftrain.testbed.jobs import max_abs_diff, run, worker_env
+from ftrain.testbed.procs import kill_tree, quiet_env
 
 
 def start_agent(
@@ -70,3 +72,31 @@ def rounds_formed(where: Path) -> list[str]:
     """The reason of each round formed, in round order."""
     formed = [e for e in events(where) if e["event"] == "round_formed"]
     return [e["reason"] for e in sorted(formed, key=lambda e: e.get("new_round", 0))]
+
+
+def committed_steps(ckpt: Path) -> list[int]:
+    """The steps committed under the local checkpoint directory ``ckpt`` (those with a manifest)."""
+    return sorted(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/manifest.json"))
+
+
+def snapshots_complete(where: Path, step: int, *, since_round: int = 0) -> bool:
+    """Both ranks kept a memory-tier snapshot of ``step`` or later, in round ``since_round`` or a
+    later one (their sessions' events)."""
+    return {
+        e["rank"]
+        for e in events(where)
+        if e["event"] == "memory_snapshot" and e["step"] >= step and e.get("round", 0) >= since_round
+    } >= {0, 1}
+
+
+def assert_ends_as(where: Path, golden: Path) -> None:
+    """The run in ``where`` ended with the weights of ``golden`` (its ``final.pt``), bit for bit."""
+    final = torch.load(where / "final.pt", weights_only=True)
+    assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
+
+
+def stop_agents(agents: dict[str, subprocess.Popen]) -> None:
+    """Every agent still running, with every process under it."""
+    for agent in agents.values():
+        if agent.poll() is None:
+            kill_tree(agent)

@@ -6,9 +6,9 @@ newest step. Under two ``ftrain agent --script`` nodes (restart recovery) a SIGK
 is restarted with its peer, they resume from the newest commit, and the run ends bitwise equal
 to the straight one. Under two ``--recovery live`` agents, a SIGKILLed worker and then a lost node
 cost the surviving process nothing but a new round: it keeps its PID and serves every round, the
-new processes take the state from it (ddp: a live peer) or from the shards the ranks and their
-buddies keep in memory (fsdp: the memory tier; nothing is read from storage), and the run still
-ends bitwise equal to the straight one."""
+new processes take the state from it (ddp: a live peer; under FSDP, from the shards the ranks and
+their buddies keep in memory, without reading storage: a drain here, a worker kill and a node loss
+in tests/integration/test_users_loop.py), and the run still ends bitwise equal to the straight one."""
 
 from __future__ import annotations
 
@@ -27,7 +27,18 @@ from ftrain.contract import exits
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
-from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent, torchrun_script
+from tests.script_agents import (
+    assert_ends_as,
+    committed_steps,
+    events,
+    rounds_formed,
+    script_workers,
+    served_by,
+    snapshots_complete,
+    start_agent,
+    stop_agents,
+    torchrun_script,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -39,7 +50,7 @@ def _torchrun(cwd: Path, nproc: int, *args: str) -> str:
 
 
 def _committed(cwd: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("-")[1]) for p in (cwd / "runs/own_loop/ckpt").glob("step-*/manifest.json"))
+    return committed_steps(cwd / "runs/own_loop/ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -90,34 +101,26 @@ def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_s
         assert _committed(tmp_path)[-1] == 60
         manifest = json.loads(next((tmp_path / "runs/own_loop/ckpt").glob("step-000000060/manifest.json")).read_text())
         assert manifest["job"] == "own" and manifest["round"] == 2  # written through the agent's fence, round 2
-        _assert_ends_as(tmp_path, straight[0] / "final.pt")
+        assert_ends_as(tmp_path, straight[0] / "final.pt")
     finally:
-        _stop(agents)
+        stop_agents(agents)
 
 
-@pytest.mark.parametrize("parallel,source", [("ddp", "live_peer"), ("fsdp", "memory_tier")])
-def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_kill_and_a_node_loss(
-    tmp_path, etcd, straight, parallel, source
-):
-    if parallel == "fsdp":
-        golden = straight[0] / "final.pt"
-    else:
-        (tmp_path / "golden").mkdir()
-        _torchrun(tmp_path / "golden", 2, "--parallel", "ddp", "--final-weights", "final.pt")
-        golden = tmp_path / "golden" / "final.pt"
+def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_kill_and_a_node_loss(tmp_path, etcd):
+    """DDP: the new processes take the state from the survivor (a live peer). The same under FSDP
+    from the memory tier: tests/integration/test_users_loop.py, with a loop of another shape."""
+    (tmp_path / "golden").mkdir()
+    _torchrun(tmp_path / "golden", 2, "--parallel", "ddp", "--final-weights", "final.pt")
+    golden = tmp_path / "golden" / "final.pt"
     live = ("--recovery", "live")
-    script_args = ("--parallel", parallel, "--save-every", "20")
+    script_args = ("--parallel", "ddp", "--save-every", "20")
     agents = {n: _agent(tmp_path, etcd, n, *live, script_args=script_args) for n in ("a", "b")}
     try:
         wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
-        if parallel == "fsdp":  # not before the memory tier holds that step too: a newer commit wins
-            wait_for(lambda: _snapshots_complete(tmp_path, 20), 60, "a snapshot of step 20 or later on both ranks")
         (_, [victim]), *_ = served_by(tmp_path, "b")[-1:]
         os.kill(victim, signal.SIGKILL)  # a worker: node b's agent hands its rank to a spare
         wait_for(lambda: len(rounds_formed(tmp_path)) >= 2, 60, "the round after the worker's death")
         wait_for(lambda: max(_committed(tmp_path)) >= 40, 180, "a commit after that round")
-        if parallel == "fsdp":
-            wait_for(lambda: _snapshots_complete(tmp_path, 40), 60, "a snapshot of step 40 or later on both ranks")
         kill_tree(agents.pop("b"))  # node b is lost (its agent and every process under it)
         # --nnodes 2:2: node a's process leaves the round and waits until a replacement host joins
         agents["c"] = _agent(tmp_path, etcd, "c", *live, script_args=script_args)
@@ -128,7 +131,7 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         served = served_by(tmp_path, "a")
         assert len(served) >= 3 and len({pid for _, (pid,) in served}) == 1, served  # one process, every round
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
-        assert worker_logs.count(f"from {source}") >= 2, worker_logs[-4000:]  # both recoveries
+        assert worker_logs.count("from live_peer") >= 2, worker_logs[-4000:]  # both recoveries
         assert "from storage" not in worker_logs, worker_logs[-4000:]  # no step was read back from storage
         assert "Traceback" not in worker_logs, worker_logs[-4000:]
         assert _committed(tmp_path)[-1] == 60
@@ -138,9 +141,9 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert verified.returncode == 0, verified.stdout[-2000:]
         for step in _committed(tmp_path):
             assert re.search(rf"^step-{step:09d}: OK \(", verified.stdout, re.M), verified.stdout[-2000:]
-        _assert_ends_as(tmp_path, golden)
+        assert_ends_as(tmp_path, golden)
     finally:
-        _stop(agents)
+        stop_agents(agents)
 
 
 def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_dir(tmp_path, etcd, straight):
@@ -153,7 +156,7 @@ def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_d
     agents = {n: _agent(tmp_path, etcd, n, "--recovery", "live", script_args=script_args) for n in ("a", "b")}
     try:
         wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
-        wait_for(lambda: _snapshots_complete(tmp_path, 20), 60, "a snapshot of step 20 or later on both ranks")
+        wait_for(lambda: snapshots_complete(tmp_path, 20), 60, "a snapshot of step 20 or later on both ranks")
         victims = [pid for node in ("a", "b") for _, pids in served_by(tmp_path, node)[-1:] for pid in pids]
         assert len(victims) == 2, victims
         for pid in victims:
@@ -164,10 +167,10 @@ def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_d
         assert worker_logs.count("from memory_tier") >= 2, worker_logs[-4000:]  # both new processes
         assert "from storage" not in worker_logs, worker_logs[-4000:]
         assert "Traceback" not in worker_logs, worker_logs[-4000:]
-        _assert_ends_as(tmp_path, straight[0] / "final.pt")
+        assert_ends_as(tmp_path, straight[0] / "final.pt")
         assert not list(shm.rglob("step-*")), "the finished job left snapshots in memory_dir"
     finally:
-        _stop(agents)
+        stop_agents(agents)
 
 
 def test_under_fsdp_a_drained_nodes_replacement_heals_from_the_memory_tier(tmp_path, etcd, straight):
@@ -195,27 +198,9 @@ def test_under_fsdp_a_drained_nodes_replacement_heals_from_the_memory_tier(tmp_p
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
         assert "from storage" not in worker_logs and "Traceback" not in worker_logs, worker_logs[-4000:]
         assert len({pid for _, (pid,) in served_by(tmp_path, "a")}) == 1  # a's one process served every round
-        _assert_ends_as(tmp_path, straight[0] / "final.pt")
+        assert_ends_as(tmp_path, straight[0] / "final.pt")
     finally:
-        _stop(agents)
-
-
-def _assert_ends_as(where: Path, golden: Path) -> None:
-    """The run in ``where`` ended with the weights of ``golden``, bit for bit."""
-    final = torch.load(where / "final.pt", weights_only=True)
-    assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
-
-
-def _stop(agents: dict[str, subprocess.Popen]) -> None:
-    """Every agent still running, with every process under it."""
-    for agent in agents.values():
-        if agent.poll() is None:
-            kill_tree(agent)
-
-
-def _snapshots_complete(where: Path, step: int) -> bool:
-    """Both ranks kept a memory-tier snapshot of ``step`` or later (their sessions' events)."""
-    return {e["rank"] for e in events(where) if e["event"] == "memory_snapshot" and e["step"] >= step} >= {0, 1}
+        stop_agents(agents)
 
 
 def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_same_process(tmp_path, etcd):
@@ -243,4 +228,4 @@ def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_s
         )
         assert _committed(tmp_path)[-1] == 60
     finally:
-        _stop(agents)
+        stop_agents(agents)
