@@ -50,6 +50,9 @@ from ftrain.checkpoint.manifest import MANIFEST_NAME, FileEntry
 from ftrain.checkpoint.safe_pickle import METADATA_NAME
 from ftrain.checkpoint.storage import Storage, StorageOptions
 
+#: what a file's writes are gathered into before they are digested and stored
+WRITE_BUFFER_BYTES = 1 << 20
+
 #: the niceness a background save runs at: under CPU contention the training steps go first
 BACKGROUND_NICE = 10
 
@@ -192,8 +195,14 @@ class _DigestingFileSystem:
         name, entries = posixpath.basename(rel), {}
         with self._caching(name) as copy, self._storage.open_upload(rel) as upload:
             stream = _HashingStream(upload if copy is None else _Tee(upload, copy), self._algorithm)
+            # DCP's torch.save of an item writes it in dozens of small pieces (headers, names,
+            # padding), and flushes after each item: gathered here, the digest and the upload
+            # see about one write per item. DCP closes the stream when done (which flushes it)
+            buffered = io.BufferedWriter(stream, WRITE_BUFFER_BYTES)
             try:
-                yield stream
+                yield buffered
+                if not buffered.closed:
+                    buffered.flush()
             except BaseException as e:
                 if stream.error is not None and stream.error is not e:
                     raise stream.error from e  # the storage error, not torch's "unexpected pos"
