@@ -18,8 +18,10 @@ size, one after the header, one after the digest) and all raise :class:`PeerStat
 together: the caller falls back to storage on every rank, and no rank is left in a broadcast
 that its peers abandoned.
 
-Only strategies whose every rank holds the whole state (``Strategy.full_replica``: ddp) hand
-state over this way; the others load from storage (a later memory tier will hold their shards).
+Only state that every rank holds whole (``ftrain train``'s ddp, a session's plain or DDP module)
+is handed over this way; sharded state heals from the memory tier (:mod:`ftrain.recovery.memory_tier`).
+:func:`take_held_state` is the choice both ``ftrain train``'s rounds and ``Session.run``'s make at
+a round's start: what the ranks hold, whether it may be gone on from, and the transfer.
 """
 
 from __future__ import annotations
