@@ -45,9 +45,14 @@ def golden(tmp_path_factory):
     return train_job(tmp_path_factory.mktemp("golden"), 4, f"--train.steps={STEPS}", *DETERMINISTIC).final
 
 
+#: the built-in Llama (RoPE, GQA, SwiGLU) at the tiny sizes: the model of the FSDP tests, whose
+#: golden run they share
+LLAMA = ("--model.arch=llama", "--model.n_kv_heads=2")
+
+
 @pytest.fixture(scope="module")
-def golden_fsdp(tmp_path_factory):
-    return train_job(tmp_path_factory.mktemp("golden-fsdp"), 4, f"--train.steps={STEPS}", *FSDP).final
+def golden_llama_fsdp(tmp_path_factory):
+    return train_job(tmp_path_factory.mktemp("golden-llama"), 4, f"--train.steps={STEPS}", *FSDP, *LLAMA).final
 
 
 def _cluster(
@@ -142,12 +147,12 @@ def _wait_tier_covers_commits(job: Cluster, ranks: int, step: int) -> None:
 
 
 def test_under_fsdp_a_damaged_memory_copy_is_refused_and_storage_is_used_in_process(
-    tmp_path, etcd, seaweed, s3_prefix, golden_fsdp
+    tmp_path, etcd, seaweed, s3_prefix, golden_llama_fsdp
 ):
     """The copy of rank 0's shards that rank 2 keeps rots in memory (a fault hook flips a bit of
     it): the restore refuses it, every rank loads the newest checkpoint in-process instead."""
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy)
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, *LLAMA)
         damage = {"FTRAIN_FAULT_DAMAGE_MEMORY_COPY": "2"}
         try:
             job.start("a", *LIVE, nnodes="2:2", nproc=2, env=damage)
@@ -160,7 +165,7 @@ def test_under_fsdp_a_damaged_memory_copy_is_refused_and_storage_is_used_in_proc
             refused = job.events("memory_refused", round=2)
             assert refused and all("does not match" in e["why"] for e in refused), refused
             assert {e["step"] for e in restored} == {max(s for s in job.committed_steps() if s <= 45)}
-            _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
+            _assert_bitwise_golden(tmp_path / "final.pt", golden_llama_fsdp)
         finally:
             job.close()
 
@@ -187,7 +192,7 @@ def _lose_and_bring_back(
 
 
 def test_under_fsdp_restarted_workers_resume_from_the_snapshots_kept_in_memory_dir(
-    tmp_path, etcd, seaweed, s3_prefix, golden_fsdp
+    tmp_path, etcd, seaweed, s3_prefix, golden_llama_fsdp
 ):
     """Restart recovery with ``checkpoint.memory_dir``: rank 0's node is lost together with its
     host memory (agent and workers SIGKILLed, its tier directory deleted) and comes back. Every
@@ -198,7 +203,7 @@ def test_under_fsdp_restarted_workers_resume_from_the_snapshots_kept_in_memory_d
     test above and tests/distributed/test_memory_tier.py damage one.)"""
     memory_dir = tmp_path / "shm"
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, f"--checkpoint.memory_dir={memory_dir}")
+        job = _s3_cluster(tmp_path, etcd, seaweed, s3_prefix, proxy, f"--checkpoint.memory_dir={memory_dir}", *LLAMA)
         try:
             job.start("a", "--recovery", "restart", nnodes="2:2", nproc=2)
             job.start("b", "--recovery", "restart", nnodes="2:2", nproc=2)
@@ -220,7 +225,7 @@ def test_under_fsdp_restarted_workers_resume_from_the_snapshots_kept_in_memory_d
             assert min(e["step"] for e in restored) >= max(e["committed_step"] for e in restored) >= 40
             assert not after_loss and not job.events("memory_refused"), (after_loss, job.events("memory_refused"))
             assert not _distcp_reads(proxy, lost_at, max(e["time"] for e in restored)), "the restore read S3"
-            _assert_bitwise_golden(tmp_path / "final.pt", golden_fsdp)
+            _assert_bitwise_golden(tmp_path / "final.pt", golden_llama_fsdp)
             assert not list(memory_dir.rglob("step-*")), "the finished job left snapshots in memory_dir"
         finally:
             job.close()
@@ -542,14 +547,6 @@ def test_no_worker_or_spare_outlives_a_sigkilled_agent(tmp_path, etcd):
         wait_for(lambda: all(process_gone(p) for p in processes), 10, f"{processes} to exit after their agent")
     finally:
         job.close()
-
-
-LLAMA = ("--model.arch=llama", "--model.n_kv_heads=2")
-
-
-@pytest.fixture(scope="module")
-def golden_llama_fsdp(tmp_path_factory):
-    return train_job(tmp_path_factory.mktemp("golden-llama"), 4, f"--train.steps={STEPS}", *FSDP, *LLAMA).final
 
 
 def test_under_fsdp_a_killed_worker_and_a_lost_node_heal_from_the_memory_tier_without_storage(
