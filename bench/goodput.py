@@ -13,8 +13,9 @@ every 15 s for 30 minutes; ``soak.toml``: every kind alike, today's ``make soak`
 faults, drawn from the same seed, as far as the two runs' timings let them line up).
 ``--users-loop`` runs ``ftrain train`` beside a user's own loop (examples/own_loop/train.py, a
 Llama under FSDP2 through ``ftrain.Session.run``, at the job's pace) on the same model (the same
-``transformers`` class) and the same faults, steps and checkpoint interval, both under ``--recovery``: the mix without the kinds a user's script cannot
-take (``bit_flip``, ``worker_stuck``: ``ftrain train``'s fault requests), at a fixed world size
+``transformers`` class) and the same faults, steps and checkpoint interval, both under
+``--recovery``: the mix without the kinds a user's script cannot take (``bit_flip``,
+``worker_stuck``: ``ftrain train``'s fault requests), at a fixed world size
 (``bench/lib/goodput_runs.comparable``). Target (issue 41): the loop's goodput within 2 points
 of ``ftrain train``'s.
 
