@@ -440,8 +440,9 @@ def waiting_reasons(
     policy = policy.refusing(*memory.refused)
     seen = _Seen.of(state)
     excluded, draining = _excluded(state, now), _draining(state)
+    kept_out = excluded.keys() | draining
     members = len(cur.members)
-    joiners = [m for m in seen.waiting if m.node_id not in excluded.keys() | draining and _warm(state, m, policy)]
+    joiners = [m for m in seen.waiting if m.node_id not in kept_out and _warm(state, m, policy)]
     grows = policy.usable_nodes(members + len(joiners)) > members
     out = {}
     for m in seen.waiting[:limit]:

@@ -461,8 +461,9 @@ def take_held_state(
     nothing = HeldChoice(None, -1, newest, committed)
     if not holders:
         return nothing
-    if len({rows[r][2] for r in holders}) > 1:
-        log.error("replicas at step %d differ (digests %s): loading", newest, sorted({rows[r][2] for r in holders}))
+    digests = {rows[r][2] for r in holders}
+    if len(digests) > 1:
+        log.error("replicas at step %d differ (digests %s): loading", newest, sorted(digests))
         return nothing
     if newest < committed:
         log.warning("the newest step held in memory (%d) is older than committed step %d: loading", newest, committed)
