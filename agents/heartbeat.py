@@ -57,6 +57,7 @@ class Beat:
     in_flight_seq: int = -1  #: that collective's sequence number in its group (-1: none in flight)
     in_flight_group: str = ""
     in_flight: str = ""  #: what it is (op, shapes, dtypes)
+    carried: bool = False  #: not received: a kept process's beat of the round before (:func:`carried`)
 
     def in_flight_key(self) -> tuple[str, int] | None:
         return (self.in_flight_group, self.in_flight_seq) if self.in_flight_seq >= 0 else None
@@ -170,6 +171,7 @@ def carried(beat: Beat, now: float) -> Beat:
     return dataclasses.replace(
         beat,
         phase="recovering",
+        carried=True,
         received_at=now,
         recording=False,
         in_flight_since=0.0,

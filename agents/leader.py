@@ -359,6 +359,19 @@ def _draining(state: JobState) -> set[str]:
     }
 
 
+def round_has_cause(state: JobState, round_: int) -> bool:
+    """Whether the leader has, or will have without more news, a reason to end round ``round_``:
+    a newer round (or none readable), a member's report of it, a member gone or draining. A
+    member's agent whose rank left the round waits for one before it says so itself
+    (:func:`ftrain.agents.supervision.left_ranks`)."""
+    cur = state.current
+    if cur is None or cur.round != round_:
+        return True
+    seen = _Seen.of(state)
+    members = {m.node_id for m in cur.members}
+    return bool(seen.reports) or any(not seen.is_live(m) for m in cur.members) or bool(members & _draining(state))
+
+
 def _excluded(state: JobState, now: float) -> dict[str, float]:
     """Nodes the current round keeps out (evicted stragglers), until when."""
     cur = state.current

@@ -57,7 +57,11 @@ STRAGGLER = "straggler"
 BAD_RECORD = "bad_record"
 #: the round key or the current round's record was unreadable: the leader formed a new round
 ROUND_REPAIR = "round_repair"
-FAILURE_CAUSES = frozenset({WORKER_EXIT, HANG, START_TIMEOUT, BAD_RECORD})
+#: live recovery: a rank left its round on an error of the round's communication (a collective
+#: failed, the round's store could not be hosted) and no member was lost, failed or drained
+#: for :func:`ftrain.agents.supervision.left_round_grace_s`: the round moves on without it
+RANK_LEFT = "rank_left"
+FAILURE_CAUSES = frozenset({WORKER_EXIT, HANG, START_TIMEOUT, BAD_RECORD, RANK_LEFT})
 #: a round formed for one of these lost a member of the round before it: that round's survivors
 #: leave it at once (live recovery) instead of finishing their step first
 INTERRUPTING_CAUSES = FAILURE_CAUSES | {NODE_LOST, ROUND_REPAIR}
@@ -173,7 +177,7 @@ class RoundRecord:
 @dataclass(slots=True)
 class Report:
     outcome: str  #: succeeded | failed | stopped | yielded
-    reason: str = ""  #: for failures: worker_exit | hang | start_timeout | bad_record | fatal
+    reason: str = ""  #: for failures: worker_exit | hang | start_timeout | bad_record | rank_left | fatal
     detail: str = ""
     agent_uid: str = ""
     time: float = 0.0

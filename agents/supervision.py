@@ -10,6 +10,8 @@ of the beats, the settings and the time (the agent acts on the answers).
   (``NodeStatus.stalled``) for the others; :func:`member_moving` reads another member's.
 - :func:`judge`: what to do about it: the ranks hung (the round is over on this node) and the
   ones to end (no interruption frees them).
+- :func:`left_ranks`: live workers that left their round on their own (a collective failed, the
+  round's store could not be hosted) and wait for the next one, past :func:`left_round_grace_s`.
 
 The rule for collectives (what must stay true): **a rank is hung when it has been inside one
 collective (its oldest in flight, as its "alive" datagrams say) for over** ``hang_timeout_s``
@@ -50,6 +52,7 @@ from ftrain.agents.records import (
     FATAL,
     FROZEN,
     NO_PROGRESS,
+    RANK_LEFT,
     STOPPED,
     SUCCEEDED,
     WAITING,
@@ -166,6 +169,47 @@ def hung_ranks(
         if now - since > limit or frozen:
             hung.append(local_rank)
     return hung
+
+
+#: how much longer than a lost member's lease takes to run out a rank that left its round waits
+#: for the leader to see a cause before its agent reports the round over (:func:`left_round_grace_s`)
+LEFT_ROUND_MARGIN_S = 5.0
+
+
+def left_round_grace_s(lease_ttl_s: float, settle_s: float) -> float:
+    """How long a live worker that left its round waits for a cause the leader acts on (a peer's
+    death reported, a lost member's lease run out, a drain) before its own agent reports the
+    round over (:data:`ftrain.agents.records.RANK_LEFT`): two lease lifetimes, the settle time
+    and :data:`LEFT_ROUND_MARGIN_S`. A rank leaves at once when a collective with a dead peer
+    fails; the cause then shows well within this, and the round is formed for it."""
+    return 2 * lease_ttl_s + settle_s + LEFT_ROUND_MARGIN_S
+
+
+def left_ranks(beats: dict[int, Beat], *, now: float, grace_s: float) -> list[int]:
+    """Local ranks whose process said it left its round (``recovering``, received: not a kept
+    process's beat carried into a new round) over ``grace_s`` ago, and said nothing since. Such a
+    rank waits for a round that, when no member failed, was lost or drained, nobody forms: a
+    collective failed on it alone (a connection reset between live peers), or, as rank 0, it
+    could not host the round's store (its port taken since the agent picked it). Its peers wait
+    on it in that round (for the store, in a collective) up to the process group's timeout."""
+    return sorted(
+        r
+        for r, b in beats.items()
+        if b.phase == "recovering" and not b.carried and b.finished is None and now - b.received_at > grace_s
+    )
+
+
+def left_report(
+    ranks: list[int], beats: dict[int, Beat], grace_s: float, agent_uid: str, now: float, *, workers_ready: int
+) -> Report:
+    """The round is over on this node: local ranks ``ranks`` left it and no cause showed within
+    ``grace_s`` (:func:`left_ranks`); their processes live on, holding their state."""
+    detail = (
+        f"local rank(s) {ranks} left the round (a collective or the round's store failed there) and no member "
+        f"failed, was lost or drained within {grace_s:.0f}s"
+    )
+    step = max((b.step for b in beats.values()), default=-1)
+    return Report(FAILED, RANK_LEFT, detail, agent_uid, now, step=step, workers_ready=workers_ready)
 
 
 #: a worker's background thread says "alive" every second (``ftrain.agent_link.heartbeat``) even while its

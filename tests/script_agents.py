@@ -7,11 +7,12 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from ftrain.agents.workers import descendants
+from ftrain.agents.workers import descendants, dump_stacks
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env
 from ftrain.testbed.procs import kill_tree, quiet_env
 
@@ -93,6 +94,55 @@ def assert_ends_as(where: Path, golden: Path) -> None:
     """The run in ``where`` ended with the weights of ``golden`` (its ``final.pt``), bit for bit."""
     final = torch.load(where / "final.pt", weights_only=True)
     assert max_abs_diff(final, torch.load(golden, weights_only=True)) == 0.0
+
+
+def assert_agents_exit(
+    where: Path, agents: dict[str, subprocess.Popen], expected: dict[str, int] | int = 0, *, timeout_s: float = 240
+) -> None:
+    """Every agent exits with its expected code (``expected``: one for all, or by node) within
+    ``timeout_s`` in all. One that does not fails the test with what shows why: each node's log
+    tail, the Python stacks of the processes still running under it, the job's last events."""
+    deadline = time.monotonic() + timeout_s
+    for node, agent in agents.items():
+        want = expected if isinstance(expected, int) else expected[node]
+        try:
+            code = agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"agent {node} still runs after {timeout_s:.0f}s\n{_why_running(where, agents)}"
+            ) from None
+        assert code == want, f"agent {node} exited {code}, not {want}\n" + _log_tail(where / f"agent-{node}.log")
+
+
+def _log_tail(path: Path, size_chars: int = 3000) -> str:
+    return f"--- {path.name} ({path.parent.name}):\n" + (
+        path.read_text(errors="replace")[-size_chars:] if path.exists() else "(none)"
+    )
+
+
+def _why_running(where: Path, agents: dict[str, subprocess.Popen]) -> str:
+    parts = ["--- last events:\n" + "\n".join(json.dumps(e) for e in events(where)[-30:])]
+    for node, agent in agents.items():
+        parts += [_log_tail(where / f"agent-{node}.log"), _log_tail(where / node / "workers.log")]
+        if agent.poll() is None:
+            stack_dir = where / node / "stacks"
+            stack_dir.mkdir(parents=True, exist_ok=True)
+            stacks = dump_stacks(_dumping(descendants(agent.pid)), str(stack_dir))
+            parts += [f"--- stacks on {node}, pid {pid}:\n{text[-4000:]}" for pid, text in stacks.items()]
+    return "\n".join(parts)
+
+
+def _dumping(pids: list[int]) -> list[int]:
+    """The processes that dump their stack on SIGUSR1 (a worker's: it registered the handler where
+    its agent set ``FTRAIN_STACK_DIR``); the signal would end any other."""
+    out = []
+    for pid in pids:
+        try:
+            if b"FTRAIN_STACK_DIR=" in open(f"/proc/{pid}/environ", "rb").read():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
 
 
 def stop_agents(agents: dict[str, subprocess.Popen]) -> None:

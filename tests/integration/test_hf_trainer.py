@@ -22,7 +22,7 @@ from ftrain.contract import exits
 from ftrain.testbed.jobs import run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
-from tests.script_agents import rounds_formed, script_workers, served_by, start_agent
+from tests.script_agents import assert_agents_exit, rounds_formed, script_workers, served_by, start_agent
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,8 +125,7 @@ def test_under_two_agents_a_killed_worker_is_replaced_and_the_trainer_resumes(tm
             (_, victims), *_ = served_by(tmp_path, "b")[-1:]
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
-        for node, agent in agents.items():
-            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents)
         assert rounds_formed(tmp_path) == ["start", "worker_exit"]
         if recovery == "restart":
             second = "".join(p.read_text() for p in tmp_path.glob("*/round-0002.log"))
@@ -157,9 +156,7 @@ def test_under_live_agents_a_drained_node_leaves_and_the_trainer_goes_on_alone_i
     try:
         wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
         agents["b"].send_signal(signal.SIGTERM)
-        for node, agent in agents.items():
-            expected = exits.DRAINED if node == "b" else exits.OK
-            assert agent.wait(timeout=240) == expected, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents, {"a": exits.OK, "b": exits.DRAINED})
         served = served_by(tmp_path, "a")
         assert len(served) == 2 and len({pid for _, (pid,) in served}) == 1, served  # one process, both rounds
         logs = (tmp_path / "a" / "workers.log").read_text()

@@ -26,7 +26,15 @@ import torch  # noqa: E402
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env  # noqa: E402
 from ftrain.testbed.procs import REPO, kill_tree  # noqa: E402
 from ftrain.testbed.wait import wait_for  # noqa: E402
-from tests.script_agents import events, rounds_formed, script_workers, served_by, start_agent, torchrun_script  # noqa: E402
+from tests.script_agents import (  # noqa: E402
+    assert_agents_exit,
+    events,
+    rounds_formed,
+    script_workers,
+    served_by,
+    start_agent,
+    torchrun_script,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -137,8 +145,7 @@ def test_under_two_agents_a_killed_worker_costs_a_round_and_the_run_ends_as_the_
         else:
             [victim] = script_workers(agents["b"], EXAMPLE)
         os.kill(victim, signal.SIGKILL)
-        for node, agent in agents.items():
-            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents)
         assert rounds_formed(tmp_path) == ["start", "worker_exit"]
         assert [e["status"] for e in events(tmp_path) if e["event"] == "job_final"] == ["succeeded"]
         assert _committed(tmp_path)[-1] == 200

@@ -28,6 +28,7 @@ from ftrain.testbed.jobs import max_abs_diff, run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
 from tests.script_agents import (
+    assert_agents_exit,
     assert_ends_as,
     committed_steps,
     events,
@@ -94,8 +95,7 @@ def test_under_two_agents_a_killed_worker_is_restarted_and_the_run_ends_as_the_s
         victims = script_workers(agents["b"], EXAMPLE)
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
-        for node, agent in agents.items():
-            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents)
         assert rounds_formed(tmp_path) == ["start", "worker_exit"]
         assert [e["status"] for e in events(tmp_path) if e["event"] == "job_final"] == ["succeeded"]
         assert _committed(tmp_path)[-1] == 60
@@ -124,8 +124,7 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         kill_tree(agents.pop("b"))  # node b is lost (its agent and every process under it)
         # --nnodes 2:2: node a's process leaves the round and waits until a replacement host joins
         agents["c"] = _agent(tmp_path, etcd, "c", *live, script_args=script_args)
-        for node, agent in agents.items():
-            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents)
         reasons = rounds_formed(tmp_path)
         assert reasons[:2] == ["start", "worker_exit"] and len(reasons) >= 3, reasons
         served = served_by(tmp_path, "a")
@@ -161,8 +160,7 @@ def test_under_two_live_agents_every_worker_lost_at_once_heals_from_the_memory_d
         assert len(victims) == 2, victims
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
-        for node, agent in agents.items():
-            assert agent.wait(timeout=240) == 0, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents)
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
         assert worker_logs.count("from memory_tier") >= 2, worker_logs[-4000:]  # both new processes
         assert "from storage" not in worker_logs, worker_logs[-4000:]
@@ -214,9 +212,7 @@ def test_a_drained_node_stops_at_a_committed_step_and_the_other_goes_on_in_the_s
     try:
         wait_for(lambda: 10 in _committed(tmp_path), 180, "step 10's commit")
         agents["b"].send_signal(signal.SIGTERM)
-        for node, agent in agents.items():  # b drained (75), a finished the job (0)
-            expected = exits.DRAINED if node == "b" else exits.OK
-            assert agent.wait(timeout=240) == expected, (tmp_path / f"agent-{node}.log").read_text()[-3000:]
+        assert_agents_exit(tmp_path, agents, {"a": exits.OK, "b": exits.DRAINED})  # b drained (75), a finished (0)
         drained = (tmp_path / "b" / "workers.log").read_text()
         stopped = re.findall(r"stopped after step (\d+): asked to \(SIGTERM\); committed step: (\d+)", drained)
         assert len(stopped) == 1 and stopped[0][0] == stopped[0][1], drained[-3000:]  # its last step, committed

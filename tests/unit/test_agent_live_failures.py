@@ -28,9 +28,9 @@ from ftrain.agents.heartbeat import HeartbeatServer
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
-from ftrain.agents.records import FAILED, FATAL, WORKER_EXIT, JobState
+from ftrain.agents.records import FAILED, FATAL, RANK_LEFT, SUCCEEDED, WORKER_EXIT, JobState
 from ftrain.agents.status import format_status, status_of
-from ftrain.agents.supervision import last_error_line
+from ftrain.agents.supervision import last_error_line, left_round_grace_s
 from ftrain.agents.workers import Launch, Workers
 from ftrain.chaos.cluster import FAST_AGENT_SETTINGS
 from ftrain.contract.control import Assignment, ControlFile
@@ -285,3 +285,75 @@ def test_a_live_worker_killed_by_a_signal_is_reported_at_the_first_look_without_
     finally:
         agent.close()
     assert looks == 1, f"reported after {looks} ticks of {TICK_S} s"
+
+
+_LEAVES_ROUND_1 = """
+import os
+import torch.distributed as dist
+from ftrain.agent_link import heartbeat
+from ftrain.contract.control import ControlFile
+from ftrain.contract.worker_env import WorkerEnv
+from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
+
+class Owner:
+    def __init__(self, hb):
+        self.hb, self.assignment = hb, None
+    def enter(self, assignment):
+        self.assignment = assignment
+        with open(os.path.join(os.path.dirname(__file__), "rounds.txt"), "a") as f:
+            f.write(f"{assignment.round} {os.getpid()}\\n")
+        return 7
+    def step_time_s(self):
+        return 0.0
+    def serve(self, assignment):
+        if assignment.round == 1:  # what rank 0 meets when the round's port was taken since it was picked
+            raise dist.DistNetworkError("The server socket has failed to listen on any local network address. "
+                                        "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE")
+        self.hb.exit(8, finished=True, committed_step=8)
+        return RoundOver(done=True)
+    def finish(self, over):
+        return None
+    def failed(self, error):
+        pass
+    def stopped(self, why):
+        pass
+    def leave(self, why):
+        said_left(self.assignment, why, 7, self.hb)
+
+hb = heartbeat.from_env(-1, 0)
+serve_rounds(Owner(hb), ControlFile(WorkerEnv.from_env().control), hb, set(), 30.0, lambda: False)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_left_its_round_on_its_own_gets_a_new_round_after_the_grace_not_the_start_timeout(
+    tmp_path: Path,
+) -> None:
+    """A live worker leaves round 1 on an error of the round's communication that no member's
+    failure, loss or drain explains (here: rank 0 cannot host the round's store, EADDRINUSE, as
+    when its port is taken between the agent's pick and the bind), and waits for the next round.
+    Before, nobody formed one: its peers waited for it and the job stood still for the start
+    timeout (300 s by default; a CI run's 240 s wait ran out on it). Now its agent reports the
+    round over after the grace (2 lease lifetimes + settle + 5 s) and the same process, holding
+    its state, serves round 2."""
+    rounds_file = tmp_path / "rounds.txt"
+    script = tmp_path / "train.py"
+    script.write_text(_LEAVES_ROUND_1)
+    agent, tick = _live_agent(tmp_path, script)
+    clock = tick.clock
+    try:
+        agent.start()
+        # ticks at the pace of real time: the worker's "alive" datagrams are stamped on the real clock
+        state = wait_for(lambda: (s := tick()).final is not None and s, 90, "the job's end", poll_s=TICK_S)
+    finally:
+        agent.close()
+    assert state.final is not None and state.final.status == SUCCEEDED, state.final
+    second = state.rounds[2]
+    assert second.reason == RANK_LEFT, second
+    [report] = state.reports[1].values()
+    assert report.outcome == FAILED and report.reason == RANK_LEFT and "local rank(s) [0] left" in report.detail
+    served = [line.split() for line in rounds_file.read_text().splitlines()]
+    assert [r for r, _ in served] == ["1", "2"] and len({pid for _, pid in served}) == 1, served  # one process
+    grace_s = left_round_grace_s(FAST_AGENT_SETTINGS["lease_ttl_s"], FAST_AGENT_SETTINGS["settle_s"])
+    waited_s = second.created_at - state.rounds[1].created_at
+    assert grace_s < waited_s < FAST_AGENT_SETTINGS["start_timeout_s"], (waited_s, clock.time())

@@ -9,6 +9,7 @@ report and when they exit. Nothing sleeps: the clock moves by one tick between p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -21,8 +22,10 @@ from ftrain.agents.agent_options import AgentOptions
 from ftrain.agents.heartbeat import Beat, RankTotals, carried
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.jobstore import JobStore
+from ftrain.agents.leader import round_has_cause
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.records import (
+    DRAINING,
     FAILED,
     NODE_LEFT,
     NODE_LOST,
@@ -34,6 +37,7 @@ from ftrain.agents.records import (
     YIELDED,
     JobState,
 )
+from ftrain.agents.supervision import left_ranks
 from ftrain.agents.workers import Launch
 from ftrain.chaos.cluster import FAST_AGENT_SETTINGS
 from ftrain.contract import exits
@@ -596,3 +600,27 @@ def test_a_node_id_held_by_a_hostile_value_is_refused_by_name_never_a_crash(job:
     job.store.put(KEYS.node("a"), held_by, lease=other.lease_id)
     with pytest.raises(NodeIdTakenError, match="node id 'a' is already registered"):
         job.join("a")
+
+
+def test_a_round_has_a_cause_once_a_member_drains_or_reports_and_a_left_rank_waits_only_without_one(job: Job) -> None:
+    """What an agent whose live rank left the round on its own waits for before it reports the
+    round over itself (``rank_left``): a cause the leader acts on. A carried beat (a kept
+    process not heard from in the new round yet) is not a rank that left."""
+    start_round_1(job, "a", "b", "c", nnodes="1:3")
+    assert not round_has_cause(job.state(), 1)  # all live, nobody reported or drains
+    assert round_has_cause(job.state(), 0)  # not the current round: a newer one formed
+    job.nodes["c"].agent.drain("test")  # its workers are asked to stop, and take their time
+    job.run_until(lambda: job.state().status["c"].state == DRAINING, "c's drain in its status")
+    assert job.state().round == 1 and round_has_cause(job.state(), 1)
+    job.nodes["c"].workers.stop(step=12)
+    job.run_until(lambda: job.running(2, "a", "b"), "round 2 without c")
+    assert not round_has_cause(job.state(), 2)
+    job.nodes["b"].workers.fail("RuntimeError: boom", step=20)
+    job.run_until(lambda: job.state().member_reports(2), "b's report")
+    assert round_has_cause(job.state(), 2)
+    now = job.clock.monotonic()
+    beat = Beat(0, 0, 1, step=5, step_time_s=0.1, committed_step=-1, received_at=now - 11, phase="recovering")
+    assert left_ranks({0: beat}, now=now, grace_s=10) == [0]
+    assert left_ranks({0: beat}, now=now, grace_s=12) == []  # within the grace
+    assert left_ranks({0: carried(beat, now - 11)}, now=now, grace_s=10) == []  # kept, not heard from yet
+    assert left_ranks({0: dataclasses.replace(beat, phase="training")}, now=now, grace_s=10) == []
