@@ -101,14 +101,18 @@ def newer_round_assigned(control: ControlFile, current: int) -> Callable[[], boo
     return check
 
 
-def wait_for_store(host: str, port: int, timeout_s: float) -> None:
+def wait_for_store(host: str, port: int, timeout_s: float, newer: Callable[[], bool] = lambda: False) -> None:
     """Until the round's store (hosted by rank 0) accepts connections. torch's store client
     backs off for about a second after a refused connection, and the ranks of a new round read
     their assignments within milliseconds of each other, so most would otherwise pay it: measured
     here, joining a round took 1.1 s that way and a few ms after this wait. On timeout it
-    returns and lets the store client report the error."""
+    returns and lets the store client report the error. RoundEnded once ``newer()`` says a newer
+    round was assigned (rank 0 never hosted this one: it failed or left), so that this rank
+    leaves with what it holds instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if newer():
+            raise RoundEnded(f"a newer round was assigned while waiting for the round's store at {host}:{port}")
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 return

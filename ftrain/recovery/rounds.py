@@ -24,6 +24,7 @@ from ftrain.recovery.round_control import (
     RoundEnded,
     StopRequested,
     is_peer_failure,
+    newer_round_assigned,
     wait_for_assignment,
     wait_for_store,
 )
@@ -119,7 +120,8 @@ def serve_rounds(
         try:
             with watchdog:
                 if assignment.rank != 0:
-                    wait_for_store(assignment.master_addr, assignment.master_port, store_timeout_s)
+                    newer = newer_round_assigned(ControlFile(control.path), assignment.round)
+                    wait_for_store(assignment.master_addr, assignment.master_port, store_timeout_s, newer)
                 over = owner.serve(assignment)
         except BaseException as e:
             if not ends_round(e):

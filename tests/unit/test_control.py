@@ -8,7 +8,14 @@ import json
 import pytest
 
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.recovery.round_control import AssignmentTimeout, newer_round_assigned, wait_for_assignment
+from ftrain.recovery.round_control import (
+    AssignmentTimeout,
+    RoundEnded,
+    newer_round_assigned,
+    wait_for_assignment,
+    wait_for_store,
+)
+from ftrain.testbed.etcd import free_ports
 
 GOOD = dict(
     round=3,
@@ -81,6 +88,30 @@ def test_a_worker_takes_only_a_newer_round_even_one_its_train_loop_saw_first(tmp
     control.write(Assignment(**{**GOOD, "round": 4}))
     assert ended() and ended()  # the train loop saw it (and keeps saying so) ...
     assert wait_for_assignment(control, newer_than=3, timeout_s=1).round == 4  # ... and the wait still gets it
+
+
+def test_a_rank_waiting_for_a_store_nobody_hosts_leaves_when_a_newer_round_is_assigned(tmp_path):
+    """Rank 0 of round 3 never hosted its store (it failed, or left the round); its agent moved
+    on to round 4. A rank waiting for that store leaves the round (keeping what it holds) as soon
+    as it is assigned the newer one, not after the store timeout (the process group's, 600 s
+    in a session) nor killed by its round watchdog 10 s later (losing it)."""
+    control = ControlFile(str(tmp_path / "w.json"))
+    control.write(Assignment(**GOOD))
+    [port] = free_ports(1)  # nothing listens there
+    wait_for_store("127.0.0.1", port, 0.05, newer_round_assigned(ControlFile(control.path), 3))  # times out
+    checks = 0
+
+    def newer() -> bool:
+        nonlocal checks
+        checks += 1
+        if checks == 3:
+            control.write(Assignment(**{**GOOD, "round": 4}))
+        return ended()
+
+    ended = newer_round_assigned(ControlFile(control.path), 3)
+    with pytest.raises(RoundEnded, match=f"127.0.0.1:{port}"):
+        wait_for_store("127.0.0.1", port, 60, newer)
+    assert checks == 3  # at the first look after the new assignment
 
 
 def test_a_spare_marks_itself_ready(tmp_path):
