@@ -251,10 +251,12 @@ class SessionRounds:
         self._serve_round, self._close, self._leave_round = serve_round, close, leave_round
         self.held: HeldState | None = None
         self.round: Round | None = None
+        self._joined = False  #: the session joined the round (serve_round began)
 
     def enter(self, assignment: Assignment) -> int:
         held, self.held = self.held, None  # the round holds it until its load used it (then lets go)
         self.round = Round(assignment, self.hb, newer_round_assigned(self.control, assignment.round), held)
+        self._joined = False
         return held.step if held else -1
 
     def step_time_s(self) -> float:
@@ -262,6 +264,7 @@ class SessionRounds:
 
     def serve(self, assignment: Assignment) -> RoundOver:
         assert self.round is not None and self.round.assignment is assignment
+        self._joined = True
         return RoundOver(done=True, value=self._serve_round(self.round))
 
     def finish(self, over: RoundOver) -> Any:
@@ -273,7 +276,12 @@ class SessionRounds:
             self._close(error=error)
 
     def leave(self, why: BaseException | str) -> None:
-        self.held = self._leave_round(why, self.keep_ports)
+        rnd = self.round
+        if rnd is not None and not self._joined:  # it ended before the session joined it (no store came up)
+            self.held = rnd.held
+            rnd.left(why, rnd.held)
+        else:
+            self.held = self._leave_round(why, self.keep_ports)
         self.round = None
 
     def stopped(self, why: StopRequested) -> None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ftrain.contract.control import Assignment, ControlFile
+from ftrain.recovery.peer_state import HeldState
 from ftrain.recovery.round_control import (
     AssignmentTimeout,
     RoundEnded,
@@ -15,6 +16,7 @@ from ftrain.recovery.round_control import (
     wait_for_assignment,
     wait_for_store,
 )
+from ftrain.session_live import SessionRounds
 from ftrain.testbed.etcd import free_ports
 
 GOOD = dict(
@@ -112,6 +114,27 @@ def test_a_rank_waiting_for_a_store_nobody_hosts_leaves_when_a_newer_round_is_as
     with pytest.raises(RoundEnded, match=f"127.0.0.1:{port}"):
         wait_for_store("127.0.0.1", port, 60, newer)
     assert checks == 3  # at the first look after the new assignment
+
+
+def test_a_session_rank_whose_round_ended_before_it_joined_keeps_what_it_held(tmp_path):
+    """The round ended while this rank waited for its store (the wait above): the session never
+    joined it, so leaving is only saying so; what the rank held before it is kept for the next
+    round (before: the session's own leave asserted a joined round, and the process died)."""
+    held = HeldState(step=20, committed_step=20, model={}, optim={}, cursor={})
+    session_left = []
+    rounds = SessionRounds(
+        ControlFile(str(tmp_path / "w.json")),
+        None,
+        serve_round=lambda rnd: None,
+        close=lambda **kw: None,
+        leave_round=lambda why, ports: session_left.append(why),
+        keep_ports=set(),
+    )
+    rounds.held = held
+    assert rounds.enter(Assignment(**GOOD)) == 20
+    rounds.leave(RoundEnded("a newer round was assigned while waiting for the round's store"))
+    assert rounds.held is held and rounds.round is None and session_left == []
+    assert rounds.enter(Assignment(**{**GOOD, "round": 4})) == 20  # the next round starts from it
 
 
 def test_a_spare_marks_itself_ready(tmp_path):
