@@ -71,7 +71,7 @@ from ftrain.agents.heartbeat import Beat, BusyWindow
 from ftrain.agents.job_keys import JobKeys
 from ftrain.agents.job_view import JobView
 from ftrain.agents.jobstore import JobStore, LeaseSession
-from ftrain.agents.leader import Finish, FormRound, LeaderMemory, decide, round_has_cause
+from ftrain.agents.leader import Finish, FormRound, LeaderMemory, decide
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.metrics import AgentMetrics
 from ftrain.agents.netif import collective_interface
@@ -94,9 +94,6 @@ from ftrain.agents.supervision import (
     drained_report,
     exit_report,
     last_error_line,
-    left_ranks,
-    left_report,
-    left_round_grace_s,
     stalls,
 )
 from ftrain.agents.workers import Launch, Launcher, Workers
@@ -704,21 +701,6 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         call = self._judge(workers, beats, live=True)
         if call is not None:
             self._on_hang(workers, call, beats)
-
-    def _report_left(self, workers: LiveWorkers, beats: dict[int, Beat], now: float) -> bool:
-        """A rank here left the round on its own and, past the grace, the leader still has no cause
-        to end it (:func:`ftrain.agents.leader.round_has_cause`): report the round over here, so
-        that the next one forms now, not after the start timeout; the process keeps its state."""
-        grace_s = left_round_grace_s(self.cfg.lease_ttl_s, self.cfg.settle_s)
-        left = left_ranks(beats, now=now, grace_s=grace_s)
-        if not left or self.draining or self._state is None or round_has_cause(self._state, workers.round):
-            return False
-        report = left_report(left, beats, grace_s, self.uid, self.clock.time(), workers_ready=workers.ready())
-        log.warning("round %d: %s: reporting the round over here", workers.round, report.detail)
-        self.finished_rounds.add(workers.round)
-        self.pending_reports[workers.round] = report
-        self.wake.set()
-        return True
 
     @staticmethod
     def _log_error(rc: int, beats: dict[int, Beat], log_path: str) -> str:

@@ -13,6 +13,10 @@
 - **found elsewhere**: every other member takes its workers' records as soon as it sees a hang
   reported in its round (or a round formed for one), once per round, in both recovery modes,
   before its workers move on, and says so in its status at once (the finder waits for it).
+- **a rank left alone** (:meth:`AgentHangs._report_left`, live recovery): a worker that left its
+  round on its own (a collective or the round's store failed there) while no member failed, was
+  lost or drained is not hung, but its round is as stuck: past the grace the agent reports the
+  round over (``rank_left``), so that the next one forms.
 - **ftrain status --dump**: answered once per request (one made before this agent started is
   not its to answer), with the verdict in this node's status.
 
@@ -35,10 +39,21 @@ from ftrain.agents import flight, flight_verdict, hang_view
 from ftrain.agents.agent_status import PublishStatus
 from ftrain.agents.config import AgentConfig
 from ftrain.agents.heartbeat import Beat
+from ftrain.agents.leader import round_has_cause
 from ftrain.agents.live_workers import LiveWorkers
 from ftrain.agents.parts import Clock, EventSink, Heartbeats
 from ftrain.agents.records import FAILED, HANG, JobState, RankStall, Report
-from ftrain.agents.supervision import FROZEN_AFTER_S, HangCall, frozen_ranks, hung_ranks, judge, waiting
+from ftrain.agents.supervision import (
+    FROZEN_AFTER_S,
+    HangCall,
+    frozen_ranks,
+    hung_ranks,
+    judge,
+    left_ranks,
+    left_report,
+    left_round_grace_s,
+    waiting,
+)
 from ftrain.agents.workers import Workers
 from ftrain.contract import events as ev
 
@@ -75,6 +90,7 @@ class AgentHangs:
     workers: Workers | None
     finished_rounds: set[int]
     pending_reports: dict[int, Report]
+    draining: bool
     _state: JobState | None
     _stalled: list[RankStall]
     _registered: Callable[[], bool]
@@ -130,6 +146,21 @@ class AgentHangs:
             if self._state is not None:  # and that this node's records are in (hang_dumped_round)
                 self._publish_status(self._state, force=True)
         self.wake.set()  # the stacks at the end of the next tick (they take a while): the round is formed first
+
+    def _report_left(self, workers: LiveWorkers, beats: dict[int, Beat], now: float) -> bool:
+        """A rank here left the round on its own and, past the grace, the leader still has no cause
+        to end it (:func:`ftrain.agents.leader.round_has_cause`): report the round over here, so
+        that the next one forms now, not after the start timeout; the process keeps its state."""
+        grace_s = left_round_grace_s(self.cfg.lease_ttl_s, self.cfg.settle_s)
+        left = left_ranks(beats, now=now, grace_s=grace_s)
+        if not left or self.draining or self._state is None or round_has_cause(self._state, workers.round):
+            return False
+        report = left_report(left, beats, grace_s, self.uid, self.clock.time(), workers_ready=workers.ready())
+        log.warning("round %d: %s: reporting the round over here", workers.round, report.detail)
+        self.finished_rounds.add(workers.round)
+        self.pending_reports[workers.round] = report
+        self.wake.set()
+        return True
 
     def _report_hang(self, round_: int, call: HangCall, beats: dict[int, Beat], *, workers_ready: int = -1) -> None:
         """The round ended here on a hang of local ranks ``call.ranks``."""
