@@ -138,7 +138,7 @@ def _dumping(pids: list[int]) -> list[int]:
     out = []
     for pid in pids:
         try:
-            if b"FTRAIN_STACK_DIR=" in open(f"/proc/{pid}/environ", "rb").read():
+            if b"FTRAIN_STACK_DIR=" in Path(f"/proc/{pid}/environ").read_bytes():
                 out.append(pid)
         except OSError:
             continue
