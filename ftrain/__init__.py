@@ -7,7 +7,8 @@ The runtime may import ``ftrain.contract``, ``ftrain.checkpoint`` and torch; nev
 ``ftrain.agents`` or ``ftrain.chaos`` (tests/unit/test_import_boundaries.py). Importing this
 package imports nothing else: torch loads ``ftrain.torchrun_plugin`` in every process that imports
 its rendezvous package. The library API for your own loop (docs/library.md) is loaded on first
-use: ``ftrain.Session``, ``ftrain.SessionError``, ``ftrain.RoundChanged``, ``ftrain.ResumableSampler``.
+use: ``ftrain.Session``, ``ftrain.SessionError``, ``ftrain.RoundChanged``, ``ftrain.ResumableSampler``,
+``ftrain.PerRank``, ``ftrain.RNGState``.
 """
 
 from typing import Any
@@ -20,8 +21,10 @@ _LAZY = {
     "SessionError": "ftrain.session",
     "RoundChanged": "ftrain.session",
     "ResumableSampler": "ftrain.sampler",
+    "PerRank": "ftrain.session_per_rank",
+    "RNGState": "ftrain.session_per_rank",
 }
-__all__ = ["ResumableSampler", "RoundChanged", "Session", "SessionError", "__version__"]
+__all__ = ["PerRank", "RNGState", "ResumableSampler", "RoundChanged", "Session", "SessionError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -80,6 +80,7 @@ from ftrain.session_live import (
     refuse_start_under_live,
     restore_round,
 )
+from ftrain.session_per_rank import collective_device
 from ftrain.session_replicas import ReplicaCheck, ReplicasDiffer, rolled_back
 from ftrain.session_state import (
     STATE_FILE,
@@ -462,8 +463,7 @@ class Session:
 
     def _device(self) -> torch.device:
         """Where this rank's collectives run (the process group's device)."""
-        nccl = dist.get_backend() == "nccl"
-        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        return collective_device()
 
     def wait_staged(self) -> None:
         """Until the save in the background has copied the state: call it before the next
@@ -489,9 +489,10 @@ class Session:
         self._beat("saving")  # a copy, or a wait for the previous upload, may outlast the hang timeout
         try:
             manager.wait_staged()
-            fields = manifest_fields(self.round, self.world_size, step)
+            sd = parts.state_dict()  # collective with per-rank entries: their capacities agreed
+            fields = manifest_fields(self.round, self.world_size, step, parts.capacities)
             files = {STATE_FILE: state_codec.file_bytes(entries)}
-            return manager.save(step, parts.state_dict(), fields, sync=sync, extra_files=files)
+            return manager.save(step, sd, fields, sync=sync, extra_files=files)
         finally:
             self._beat("training")
 

@@ -59,6 +59,7 @@ class Boundary:
     user_state: dict[str, Any]
     module: nn.Module | None
     optimizers: list[torch.optim.Optimizer]
+    own: dict[str, str]  #: this rank's per-rank entries then, encoded (never sent to a peer)
     moved: bool = False
 
 
@@ -69,13 +70,12 @@ class BoundaryWatch:
     boundary: Boundary | None = None
     _hooked: dict[int, Any] = field(default_factory=dict)  #: id(optimizer) -> its hook's handle
 
-    def mark(
-        self, step: int, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], user_state: dict[str, Any]
-    ) -> None:
-        for optimizer in optimizers:
+    def mark(self, step: int, parts: StateParts, user_state: dict[str, Any]) -> None:
+        for optimizer in parts.optimizers:
             if id(optimizer) not in self._hooked:
                 self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._moved)
-        self.boundary = Boundary(step, user_state, module, list(optimizers))
+        own = parts.own_state(step)
+        self.boundary = Boundary(step, user_state, parts.module, list(parts.optimizers), own)
 
     def _moved(self, *_: Any) -> None:
         if self.boundary is not None:
@@ -87,10 +87,10 @@ class BoundaryWatch:
         if b is None:
             return None
         if b.moved or not replicated(b.module):
-            return HeldState(step=b.step, committed_step=committed_step)
+            return HeldState(step=b.step, committed_step=committed_step, own=b.own)
         assert b.module is not None
         model, optim = optim_state.model_and_optim(b.module, b.optimizers, optim_state.PER_PARAM)
-        return HeldState(b.step, committed_step, model, optim, b.user_state)
+        return HeldState(b.step, committed_step, model, optim, b.user_state, own=b.own)
 
     def release(self) -> None:
         """Drop the hooks (the round is over; its objects may be used again in the next)."""
@@ -118,6 +118,7 @@ def restore_round(
         model, optim = optim_state.model_and_optim(module, parts.optimizers, optim_state.PER_PARAM)  # type: ignore[arg-type]
         return HeldState(step, -1, model, optim, parts.user_state(-1))
 
+    mine = rnd.held
     choice = take_held_state(rnd.held, replicated(module), device, committed, reference)
     rnd.held = None  # the previous round's objects: free them once this round has its state
     held, src, committed = choice.state, choice.from_rank, choice.committed_step
@@ -132,6 +133,8 @@ def restore_round(
         except state_codec.StateDecodeError as e:
             raise SessionError(f"the state's {key!r} held for step {held.step} does not decode: {e}") from e
         obj.load_state_dict(value)
+    if mine is not None and mine.step == held.step and mine.own is not None:  # else a new rank's are the loop's
+        parts.apply_own(mine.own)
     return Restored("memory" if src < 0 else "live_peer", held.step, src), committed
 
 
@@ -194,7 +197,7 @@ class Round:
             self.step_time_s = now - self._last_at
         self._last_at = now
         entries = parts.user_state(step)
-        self.watch.mark(step, parts.module, parts.optimizers, entries)
+        self.watch.mark(step, parts, entries)
         if self.tier is not None:
             self.tier.mark(step, parts, entries, self.step_time_s)
 

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from ftrain import optim_state, state_codec
+from ftrain import optim_state, session_per_rank, state_codec
 from ftrain.checkpoint.errors import ManifestError
 from ftrain.checkpoint.loading import WRITER_KEY, writer_of
 from ftrain.checkpoint.manifest import Manifest
@@ -74,16 +75,17 @@ def _one_optimizer_per_parameter(state: Mapping[str, Any], optimizers: list[torc
                     )
 
 
-def manifest_fields(round_: int, world_size: int, step: int) -> dict[str, Any]:
+def manifest_fields(round_: int, world_size: int, step: int, per_rank: dict[str, int]) -> dict[str, Any]:
     """A session's manifest fields of a save besides its files: the writer, the optimizer state's
-    form, and the trainer state (the step; its entries in :data:`STATE_FILE`)."""
+    form, and the trainer state (the step; its entries in :data:`STATE_FILE`; ``per_rank``: the
+    capacities of the per-rank entries, :mod:`ftrain.session_per_rank`)."""
     return {
         "round": round_,
         "world_size": world_size,
         "layout": {WRITER_KEY: WRITER, optim_state.FORMAT_KEY: optim_state.PER_PARAM},
         "config": {},
         "config_hash": "",
-        "trainer": {"step": step, USER_STATE: {}, STATE_FILE_KEY: STATE_FILE},
+        "trainer": {"step": step, USER_STATE: {}, STATE_FILE_KEY: STATE_FILE, session_per_rank.CAPACITY_KEY: per_rank},
     }
 
 
@@ -98,6 +100,7 @@ def validate(manifest: Manifest) -> None:
             raise ManifestError(f"step {manifest.step}: trainer.{STATE_FILE_KEY} names no file of the step")
     elif not isinstance(trainer.get(USER_STATE), dict):
         raise ManifestError(f"step {manifest.step}: trainer.{USER_STATE} is not an object")
+    session_per_rank.capacities(manifest)
 
 
 def replicated(module: nn.Module | None) -> bool:
@@ -134,22 +137,34 @@ class StateReader:
 
 
 class StateParts:
-    """A state mapping split into what DCP saves (one module, its optimizers) and what goes into
-    the step's state file (everything else with ``state_dict``)."""
+    """A state mapping split into what DCP saves (one module, its optimizers, each rank's own
+    entries: :mod:`ftrain.session_per_rank`) and what goes into the step's state file (everything
+    else with ``state_dict``)."""
 
-    def __init__(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], others: dict[str, Any]):
+    def __init__(
+        self,
+        module: nn.Module | None,
+        optimizers: list[torch.optim.Optimizer],
+        others: dict[str, Any],
+        per_rank: dict[str, Any] | None = None,
+    ):
         self.module, self.optimizers, self.others = module, optimizers, others
+        self.per_rank = per_rank or {}  #: name -> object of each per-rank entry
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.capacities: dict[str, int] = {}  #: of the per-rank entries, as the last save's state dict agreed
         self._target: dict[str, Any] = {}
 
     @classmethod
     def of(cls, state: Mapping[str, Any]) -> StateParts:
         if not isinstance(state, Mapping) or not state:
             raise SessionError("the state: a dict of name -> object to save (model, optimizer, scheduler, ...)")
-        module, module_key, optimizers, others = None, "", [], {}
+        module, module_key, optimizers, others, per_rank = None, "", [], {}, {}
         for key, obj in state.items():
             if not isinstance(key, str) or not key:
                 raise SessionError(f"the state's key {key!r}: a non-empty str")
-            if isinstance(obj, nn.Module):
+            if session_per_rank.unwrap(obj) is not None:
+                per_rank[key] = session_per_rank.unwrap(obj)
+            elif isinstance(obj, nn.Module):
                 if module is not None:
                     raise SessionError(
                         f"the state holds two modules ({module_key!r} and {key!r}): give one (the model; "
@@ -168,17 +183,39 @@ class StateParts:
         if optimizers and module is None:
             raise SessionError("the state holds an optimizer but no module: add the model it optimizes")
         _one_optimizer_per_parameter(state, optimizers)
-        return cls(module, optimizers, others)
+        return cls(module, optimizers, others, per_rank)
 
     def state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
-        """What DCP saves (or loads into, for ``manifest``'s step)."""
-        if self.module is None:
-            return {}
-        form = optim_state.PER_PARAM if manifest is None else manifest.layout.get(optim_state.FORMAT_KEY)
-        model_sd, optim_sd = optim_state.model_and_optim(self.module, self.optimizers, form)
-        sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if self.optimizers else {})}
+        """What DCP saves (collective when the state has per-rank entries: their capacities are
+        agreed; :attr:`capacities` holds them for the manifest), or loads into, for ``manifest``'s step."""
+        sd: dict[str, Any] = {}
+        if self.module is not None:
+            form = optim_state.PER_PARAM if manifest is None else manifest.layout.get(optim_state.FORMAT_KEY)
+            model_sd, optim_sd = optim_state.model_and_optim(self.module, self.optimizers, form)
+            sd = {"model": model_sd, **({"optim": optim_sd} if self.optimizers else {})}
+        if manifest is None:
+            tensors, self.capacities = session_per_rank.pack(self.own_state(-1), self.rank)
+        else:
+            tensors = session_per_rank.targets(sorted(self.per_rank), manifest, self.rank)
+        sd.update(tensors)
         self._target = sd
         return sd
+
+    def own_state(self, step: int) -> dict[str, str]:
+        """This rank's per-rank entries, encoded (name -> text); SessionError naming what cannot be stored."""
+        out = {}
+        for key, obj in self.per_rank.items():
+            try:
+                out[key] = state_codec.encode(obj.state_dict())
+            except state_codec.StateEncodeError as e:
+                raise _unstorable(key, obj, step, e) from None
+        return out
+
+    def apply_own(self, encoded: dict[str, str]) -> None:
+        """Put this rank's per-rank entries back as :meth:`own_state` encoded them (its own, held in memory)."""
+        for key, obj in self.per_rank.items():
+            if key in encoded:
+                obj.load_state_dict(state_codec.decode(encoded[key]))
 
     def check_storable(self, step: int) -> None:
         """SessionError, as :meth:`user_state` raises it, for an entry that could never be stored
@@ -188,6 +225,7 @@ class StateParts:
                 state_codec.check(obj.state_dict())
             except state_codec.StateEncodeError as e:
                 raise _unstorable(key, obj, step, e) from None
+        self.own_state(step)
 
     def user_state(self, step: int) -> dict[str, str]:
         """Each other entry's ``state_dict()``, encoded (:func:`ftrain.state_codec.encode`): name ->
@@ -212,11 +250,13 @@ class StateParts:
 
     def check_fits(self, manifest: Manifest, saved: dict[str, Any] | None) -> None:
         """SessionError unless this state can take ``manifest``'s step, whose entries are
-        ``saved`` (None: unusable, which :func:`validate` reports as corruption): an entry for
-        each of ours (a part added since is the caller's to decide about)."""
-        if saved is None:
+        ``saved`` (None: unusable, which :func:`validate` reports as corruption, as it does a
+        malformed record of the per-rank entries): an entry for each of ours (a part added since
+        is the caller's to decide about)."""
+        own = session_per_rank.held(manifest)
+        if saved is None or own is None:
             return
-        missing = sorted(set(self.others) - set(saved))
+        missing = sorted(set(self.others) - set(saved)) + sorted(set(self.per_rank) - set(own))
         if missing:
             raise SessionError(
                 f"step {manifest.step} holds no {', '.join(repr(m) for m in missing)} (it holds "
@@ -229,8 +269,8 @@ class StateParts:
     def apply(self, manifest: Manifest, saved: dict[str, Any]) -> None:
         """Put the loaded step into the objects (after DCP filled :meth:`state_dict`'s target);
         ``saved``: the step's other entries (:meth:`StateReader.saved`)."""
+        sd = self._target
         if self.module is not None:
-            sd = self._target
             if not self.optimizers:
                 set_model_state_dict(self.module, sd["model"])
             else:
@@ -238,6 +278,10 @@ class StateParts:
                 optim_state.load_into(self.module, self.optimizers, sd["model"], sd["optim"], form)
         for key, obj in self.others.items():
             obj.load_state_dict(saved[key])
+        for key, obj in self.per_rank.items():
+            held = sd.get(session_per_rank.dcp_key(key, self.rank))
+            if held is not None:  # else: this rank did not exist when the step was saved
+                obj.load_state_dict(session_per_rank.unpack(held, key, manifest.step))
 
 
 def warn_if_large(entries: dict[str, str], step: int, warned: bool) -> bool:

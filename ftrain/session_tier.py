@@ -9,7 +9,8 @@ each rank's shards in host memory, its own and a buddy's on another node, at the
 its optimizers in DCP's per-parameter form (as a session's checkpoint), and the loop's other
 entries (scheduler, sampler, counters) encoded by :mod:`ftrain.state_codec` in the snapshot's
 manifest, as they were at that boundary, so that they decode exactly and nothing is unpickled.
-RNG states are the loop's business, as in its checkpoints.
+Each rank's own entries (its RNG states: :mod:`ftrain.session_per_rank`) are tensors of the
+snapshot, so a lost rank's come back from its buddy's copy with its shards.
 
 The tier refuses a snapshot any rank cannot take (a manifest of another writer, an entry missing
 or not decoding): every rank then loads from storage.
@@ -34,6 +35,7 @@ from ftrain.config import Config, ParallelConfig
 from ftrain.contract.events import EventLog
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.tier_binding import Binding
+from ftrain.session_per_rank import CAPACITY_KEY, capacities
 from ftrain.session_state import WRITER, SessionError, StateParts, manifest_fields, replicated
 
 if TYPE_CHECKING:
@@ -68,11 +70,12 @@ class SessionTierView:
         self.step, self.parts, self.entries, self.last_step_time_s = step, parts, entries, step_time_s
 
     def tier_state(self) -> dict[str, Any]:
-        return self.parts.state_dict()
+        return self.parts.state_dict()  # collective with per-rank entries (every rank snapshots the step)
 
     def tier_fields(self) -> dict[str, Any]:
-        fields = manifest_fields(self.round, self.world_size, self.step)
-        fields["trainer"] = {"step": self.step, ENCODED_KEY: dict(self.entries)}
+        fields = manifest_fields(self.round, self.world_size, self.step, self.parts.capacities)
+        capacities = fields["trainer"][CAPACITY_KEY]
+        fields["trainer"] = {"step": self.step, ENCODED_KEY: dict(self.entries), CAPACITY_KEY: capacities}
         if self.binding is not None:  # its checkpoint root (the tier stamps the rest of its binding)
             fields["config"] = dict(self.binding.config)
         return fields
@@ -84,6 +87,7 @@ class SessionTierView:
         encoded = manifest.trainer.get(ENCODED_KEY)
         if not isinstance(encoded, dict) or not all(isinstance(v, str) for v in encoded.values()):
             raise ManifestError(f"snapshot of step {manifest.step}: trainer.{ENCODED_KEY} is not name -> text")
+        capacities(manifest)  # ManifestError for a malformed record of the per-rank entries
         try:
             decoded = {name: state_codec.decode(text) for name, text in encoded.items()}
             self.parts.check_fits(manifest, decoded)

@@ -85,6 +85,9 @@ class HeldState:
     schedule: Schedule | None = None
     """The LR schedule the rank trained on (what the run's last resume decided); not sent with the
     state: :func:`ftrain.recovery.live.restore` makes the ranks agree on one."""
+    own: dict[str, str] | None = None
+    """A session's per-rank entries at ``step``, encoded (:mod:`ftrain.session_per_rank`): this
+    rank's own, never sent to a peer."""
     _digest: int | None = None
 
     @property

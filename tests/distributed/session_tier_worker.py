@@ -6,8 +6,9 @@ Per layout: two steps trained, a snapshot taken (this rank's shards and a copy o
 two more steps (the state moves on), then rank 1 becomes a new process (it holds no snapshot) and
 every rank restores. Rank 1's shards can only come from its buddy's copy. Each rank compares what
 it holds after the restore with what it held at the snapshot, bit for bit: every local shard of
-the model and the optimizer, and the sampler's state. One JSON list per rank on rank 0:
-{"layout", "restored_step", "different", "tensors", "sampler_equal", "rank1_held"}.
+the model and the optimizer, the sampler's state, and its own RNG state (each rank's differs: a
+per-rank entry, rank 1's from its buddy's copy). One JSON list per rank on rank 0:
+{"layout", "restored_step", "different", "tensors", "sampler_equal", "rng_equal", "rng_draw", "rank1_held"}.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def check(name: str) -> dict[str, Any]:
     model = parallelize(build_model(model_cfg), cfg, layout, torch.device("cpu"), torch.float32, 1).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ftrain.ResumableSampler(1000, 8, seed=3)
-    parts = StateParts.of({"model": model, "optim": optimizer, "sampler": sampler})
+    parts = StateParts.of({"model": model, "optim": optimizer, "sampler": sampler, "rng": ftrain.RNGState()})
+    torch.manual_seed(1000 + rank)  # each rank's own generator: a per-rank entry of the snapshot
 
     tier = MemoryTier(Config(parallel=ParallelConfig(timeout_s=120), others={"agent": {"job": "session-tier"}}))
     tier.join_round(rank, world, 2, "cpu")
@@ -84,10 +86,11 @@ def check(name: str) -> dict[str, Any]:
     view.mark(2, parts, parts.user_state(2), 0.01)
     tier.maybe_snapshot(2, view, checkpointed=True)
     tier.wait_staged()
-    at_snapshot, sampler_then = _tensors(parts), sampler.state_dict()
+    at_snapshot, sampler_then, rng_then = _tensors(parts), sampler.state_dict(), torch.get_rng_state()
     tier.wait()
     for _ in range(2):  # the state moves on: what the restore puts back must be the snapshot's
         _train(model, optimizer, sampler)
+        torch.rand(5)
     held = len(tier.snapshots)
     if rank == 1:  # a new process: its own files of the snapshot are gone, its buddy keeps a copy
         tier.snapshots = []
@@ -101,6 +104,8 @@ def check(name: str) -> dict[str, Any]:
         "different": different,
         "tensors": len(at_snapshot),
         "sampler_equal": sampler.state_dict() == sampler_then,
+        "rng_equal": torch.equal(torch.get_rng_state(), rng_then),
+        "rng_draw": torch.rand(1).item(),
         "rank1_held": held if rank == 1 else -1,
     }
 

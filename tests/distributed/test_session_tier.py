@@ -1,6 +1,6 @@
 """The memory tier in a user's loop (:mod:`ftrain.session_tier`) on real gloo ranks, for every
 layout that spreads a model over the ranks: a snapshot of a session's state (model shards,
-optimizer, a sampler) is restored bit for bit after the state moved on, with one rank a new
+optimizer, a sampler, each rank's own RNG state) is restored bit for bit after the state moved on, with one rank a new
 process whose shards come from its buddy's copy only. The agents' end of it (a SIGKILLed
 worker and a lost node healed from memory) is tests/integration/test_own_loop.py's."""
 
@@ -31,5 +31,7 @@ def test_a_session_state_spread_over_the_ranks_heals_from_the_tier_bitwise_in_ev
     for r in results:
         assert r["restored_step"] == 2, r  # the snapshot's step, on every rank
         assert r["tensors"] > 0 and r["different"] == [], r  # every shard and optimizer state, bitwise
-        assert r["sampler_equal"], r
+        assert r["sampler_equal"] and r["rng_equal"], r  # rank 1's RNG state too, from its buddy's copy
+    for name in LAYOUTS:  # each rank went back to its own generator, not one rank's
+        assert len({r["rng_draw"] for r in results if r["layout"] == name}) == 4
     assert all(r["rank1_held"] >= 1 for r in results if r["rank1_held"] >= 0)  # it had one, then lost it

@@ -138,18 +138,22 @@ def test_a_live_agents_worker_must_run_its_loop_in_session_run(tmp_path, monkeyp
 
 def test_what_a_rank_holds_is_its_last_boundary_unless_an_optimizer_stepped_since():
     from ftrain.session_live import BoundaryWatch
+    from ftrain.session_state import StateParts
 
-    state, watch = _state(), BoundaryWatch()
+    state, watch = {**_state(), "rng": ftrain.RNGState()}, BoundaryWatch()
     _train(state, 1)
-    watch.mark(1, state["model"], [state["optim"]], {"sampler": state["sampler"].state_dict()})
+    watch.mark(1, StateParts.of(state), {"sampler": state["sampler"].state_dict()})
     held = watch.held(committed_step=0)
     assert held is not None and held.complete and held.step == 1
     assert held.cursor == {"sampler": state["sampler"].state_dict()} and held.model is not None
+    rng_then = held.own["rng"]  # the rank's own entries at the boundary, kept whatever moves after
+    torch.rand(3)
     state["model"](torch.randn(2, 8)).sum().backward()  # a round ending here (a backward's collective) keeps step 1
     assert watch.held(0).complete
     state["optim"].step()  # ending after the update: the objects are past step 1, none is offered
     past = watch.held(0)
-    assert past.step == 1 and not past.complete
+    assert past.step == 1 and not past.complete and past.own == {"rng": rng_then}
+    assert "own" not in past.payload()  # never sent to a peer
     watch.release()
     assert watch.held(0) is None and not state["optim"]._optimizer_step_post_hooks
 

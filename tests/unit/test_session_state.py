@@ -422,3 +422,53 @@ def test_a_closed_session_says_so_and_a_committed_step_is_not_saved_again(tmp_pa
         assert "already committed" in again.wait().last_error
     assert not [w for w in recwarn if "overwriting" in str(w.message)], [str(w.message) for w in recwarn]
     assert not list((tmp_path / "ckpt").rglob(CORRUPT_NAME))
+
+
+def test_each_ranks_own_entries_come_back_as_saved_and_a_bad_record_of_them_marks_the_step(tmp_path):
+    """An RNG state (and any entry marked PerRank) is the rank's own: saved as a tensor of its
+    shards, loaded back exactly (what was drawn after the save is drawn again). A step saved before
+    the entry joined the state is refused naming it; a malformed record of the entries in the
+    manifest (read from storage: untrusted) marks the step corrupt and the load falls back."""
+    root = tmp_path / "ckpt"
+    model, mine = torch.nn.Linear(2, 2), Holder({"shard_position": 7})
+    with ftrain.Session(str(root), keep_last=5) as session:
+        session.save(1, {"model": model}, sync=True)  # before the per-rank entries joined
+        state = {"model": model, "rng": ftrain.RNGState(), "mine": ftrain.PerRank(mine)}
+        for step in (2, 3):
+            torch.manual_seed(step)
+            session.save(step, state, sync=True)
+    drawn = torch.rand(4)  # what step 3's generator draws next
+    manifest_path = root / step_dir_name(3) / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["trainer"]["per_rank"]["rng"] > 0 and manifest["trainer"]["per_rank"]["mine"] > 0
+    manifest["trainer"]["per_rank"]["rng"] = "a lot"
+    manifest_path.write_text(json.dumps(manifest))
+
+    back, rng = Holder(), ftrain.RNGState()
+    torch.manual_seed(99)
+    with ftrain.Session(str(root)) as session:
+        assert session.load({"model": torch.nn.Linear(2, 2), "rng": rng, "mine": ftrain.PerRank(back)}) == 2
+        assert back.value == {"shard_position": 7}
+        torch.manual_seed(2)
+        again = torch.rand(4)
+        torch.manual_seed(99)
+        assert session.load({"model": torch.nn.Linear(2, 2), "rng": rng}, step=2) == 2
+        assert torch.equal(torch.rand(4), again)  # step 2's generator, as saved
+        with pytest.raises(SessionError, match=r"step 1 holds no 'rng'"):
+            session.load({"model": torch.nn.Linear(2, 2), "rng": rng}, step=1)
+    assert "per_rank" in (root / step_dir_name(3) / CORRUPT_NAME).read_text()
+    assert not torch.equal(drawn, again)
+    with pytest.raises(TypeError, match="state_dict"):
+        ftrain.PerRank(42)
+
+
+def test_a_per_rank_tensor_that_lies_about_its_length_is_refused():
+    from ftrain.checkpoint.errors import ManifestError
+    from ftrain.session_per_rank import pack, unpack
+
+    tensors, capacities = pack({"x": ftrain.state_codec.encode({"a": (1, 2)})}, rank=0)
+    (t,) = tensors.values()
+    assert unpack(t, "x", 5) == {"a": (1, 2)} and capacities == {"x": t.numel() - 8}
+    t[0] = 255  # the length header says more than the tensor holds
+    with pytest.raises(ManifestError, match="step 5: the per-rank entry 'x' says"):
+        unpack(t, "x", 5)

@@ -1,9 +1,10 @@
 """A user's own FSDP2 loop that is not the shipped example (examples/own_loop), for the tests of
 live recovery in users' loops: plain ``torch.nn`` modules (no ``transformers``), blocks sharded one
 by one, two AdamW parameter groups, gradient accumulation over micro-batches (gradient sync only on
-the last), gradient clipping, a warm-up-then-cosine ``LambdaLR``, a persistent buffer the loop
-updates, a ``Stateful`` of its own (loss statistics, the same on every rank) and
-``ftrain.ResumableSampler``. What ftrain takes is the same few lines as the example's.
+the last), gradient clipping, a warm-up-then-cosine ``LambdaLR``, dropout (each rank's RNG state
+kept with ``ftrain.RNGState``), a persistent buffer the loop updates, a ``Stateful`` of its own
+(loss statistics, the same on every rank) and ``ftrain.ResumableSampler``. What ftrain takes is the
+same few lines as the example's.
 
     torchrun --standalone --nproc-per-node=2 tests/integration/users_loop/train.py --ckpt CKPT
 
@@ -36,10 +37,11 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 4 * width)
+        self.drop = nn.Dropout(0.1)  # each rank's own masks: its RNG state is part of the state
         self.down = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+        return x + self.down(self.drop(F.gelu(self.up(self.norm(x)))))
 
 
 class Net(nn.Module):
@@ -113,7 +115,15 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
     data = (starts + torch.arange(SEQ)) % VOCAB
     sampler = ftrain.ResumableSampler(len(data), 8 * args.micro, seed=4)
     stats = LossStats()
-    state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "stats": stats}
+    torch.manual_seed(1000 + rank)  # dropout's generator, each rank its own (a per-rank entry)
+    state = {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "sampler": sampler,
+        "stats": stats,
+        "rng": ftrain.RNGState(),
+    }
     start = session.load(state)
     source = session.restored.source if session.restored else ""
     print(f"rank {rank} of {world} (pid {os.getpid()}): state of step {start} from {source}", flush=True)
