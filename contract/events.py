@@ -722,6 +722,16 @@ class EventLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._fd = open_append(path)  # never through a link planted there
 
+    @classmethod
+    def or_none(cls, path: str, *, rank: int, round_: int) -> EventLog:
+        """The log at ``path``; one that cannot be opened costs the events, not the run: a log
+        without a file (said once, here)."""
+        try:
+            return cls(path, rank=rank, round_=round_)
+        except OSError as e:
+            log.warning("the job's event log %s cannot be opened (%s): this worker's events are not written", path, e)
+            return cls()
+
     def emit(self, record: Record) -> dict[str, Any]:
         """Append ``record`` with the envelope; the line as written (also without a file)."""
         line = {

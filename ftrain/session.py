@@ -131,6 +131,7 @@ class Session:
         memory_dir: str = "",
         replica_check_steps: int = 0,
         on_replica_mismatch: str = "halt",
+        replicated: bool | None = None,
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -143,15 +144,18 @@ class Session:
         ``memory_interval``, ``memory_dir``: the memory tier under :meth:`run` with live recovery
         (:mod:`ftrain.session_tier`; -1: from the step time, 0: off; a node's tmpfs that keeps the
         snapshots for processes that replace these); ``replica_check_steps``,
-        ``on_replica_mismatch``: the replica check (:mod:`ftrain.session_replicas`; 0: off).
-        docs/library.md says more of each."""
+        ``on_replica_mismatch``: the replica check (:mod:`ftrain.session_replicas`; 0: off);
+        ``replicated``: False when the ranks hold different parts of a model without DTensors
+        (pipeline stages): never a peer's state, and no replica check (None: no DTensor parameter
+        means every rank holds the whole model). docs/library.md says more of each."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
             raise SessionError(f"Session(interval_steps={interval_steps!r}): an int >= 0 (0: no periodic saves)")
         self.memory_interval = SessionTier.checked_interval(memory_interval)
         self._memory_dir, self._job_done = memory_dir, False  #: the loop returned: its tmpfs snapshots can go
-        self._replicas = ReplicaCheck(replica_check_steps, on_replica_mismatch)
+        self._replicas = ReplicaCheck(replica_check_steps, on_replica_mismatch, replicated)
+        self._spread = replicated is False  #: the loop said its ranks hold different parameters
         self._rollback_why = ""  #: the replicas differed: the next load reads storage and says so
         self.checkpoint_uri = checkpoint_uri
         self.job = job or WorkerEnv.from_env().job or DEFAULT_JOB
@@ -210,7 +214,7 @@ class Session:
             )
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._hb = heartbeat.from_env(self.rank, self.local_rank) if self._round is None else self._round.hb
-        self._events = self._open_events(WorkerEnv.from_env().events)
+        self._events = ev.EventLog.or_none(WorkerEnv.from_env().events, rank=self.rank, round_=self.round)
         if self._hb is not None:
             self._hb.beat(-1, phase="starting")
         self._manager = CheckpointManager(
@@ -224,15 +228,6 @@ class Session:
             **self._options,  # type: ignore[arg-type]
         )
         return self
-
-    def _open_events(self, path: str) -> ev.EventLog:
-        """The round's event log (the agent's file, FTRAIN_EVENTS); one that cannot be opened
-        costs the events, not the run (said once per round)."""
-        try:
-            return ev.EventLog(path, rank=self.rank, round_=self.round)
-        except OSError as e:
-            log.warning("the job's event log %s cannot be opened (%s): this worker's events are not written", path, e)
-            return ev.EventLog()
 
     def _on_event(self, record: ev.Record) -> None:
         """The checkpoint service's events (from the training thread or the save's): each commit, said."""
@@ -419,7 +414,7 @@ class Session:
         self._step = step
         status = manager.poll()
         timing = self._timing.step_done()  # the heartbeat's step_time_s and phases_s
-        parts = StateParts.of(state)
+        parts = StateParts.of(state, spread=self._spread)
         self._timing.watch(parts.module, parts.optimizers)  # from the next step on: its wait for peers
         if self._replicas.due(step):  # before the step is kept anywhere (a save, the tier, a boundary)
             self._replicas.check(step, parts, self.rank, self._events, self._serving)
@@ -479,7 +474,7 @@ class Session:
         a step already committed is not saved again (nothing is written). SessionError, before
         anything is written, for a state that can never be stored (it names the entry)."""
         manager = self._need_started("save")
-        parts = StateParts.of(state)
+        parts = StateParts.of(state, spread=self._spread)
         entries = parts.user_state(step)  # what cannot be stored is refused here, naming it
         self._state_checked = True
         self._warned_large = warn_if_large(entries, step, self._warned_large)
@@ -528,7 +523,7 @@ class Session:
         """Load the newest verified committed step (or ``step``) into ``state`` (collective);
         returns the step it was saved at, i.e. the steps done (0 when there is nothing to load)."""
         manager = self._need_started("load")
-        parts = StateParts.of(state)
+        parts = StateParts.of(state, spread=self._spread)
         rnd = self._round
         self._beat("loading")
         if rnd is not None and not rnd.loaded and self._tier is not None:

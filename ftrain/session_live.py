@@ -13,11 +13,12 @@ to offer (only its step number), and takes the state from a peer or storage like
 **Which state the next round goes on from** (:func:`restore_round`, collective): the ranks
 compare what they hold (:func:`ftrain.recovery.peer_state.take_held_state`, as ``ftrain train``'s
 rounds do). When the model is replicated on every
-rank (a plain module or DDP: no parameter is a DTensor), the newest step held, if it is not older
+rank (a plain module or DDP: no parameter is a DTensor, and the loop did not say
+``Session(replicated=False)``), the newest step held, if it is not older
 than the newest commit anyone knows of, comes from its holder over the process group
 (``live_peer``; ``memory`` when every rank holds it), checked against the digest the holder
 announced, never unpickled. When it is spread over the ranks (FSDP, TP: each rank holds only its
-shards, and the lost rank's are gone with it), the newest memory-tier snapshot that the live ranks
+shards, and the lost rank's are gone with it; pipeline stages), the newest memory-tier snapshot that the live ranks
 hold between them, their own shards and their buddies' copies (``memory_tier``,
 :mod:`ftrain.session_tier`). Otherwise (replicas that disagree, a transfer or a snapshot any rank
 refused, a commit newer than anything held) every rank loads the newest verified checkpoint
@@ -43,7 +44,7 @@ from ftrain.contract.control import Assignment, ControlFile
 from ftrain.recovery.peer_state import HeldState, Restored, take_held_state
 from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
 from ftrain.recovery.rounds import RoundOver, said_left
-from ftrain.session_state import SessionError, StateParts, replicated
+from ftrain.session_state import SessionError, StateParts
 from ftrain.session_tier import SessionTier, SessionTierView
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Boundary:
     module: nn.Module | None
     optimizers: list[torch.optim.Optimizer]
     own: dict[str, str]  #: this rank's per-rank entries then, encoded (never sent to a peer)
+    replicated: bool = True  #: every rank holds the whole module (StateParts.replicated)
     moved: bool = False
 
 
@@ -75,7 +77,7 @@ class BoundaryWatch:
             if id(optimizer) not in self._hooked:
                 self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._moved)
         own = parts.own_state(step)
-        self.boundary = Boundary(step, user_state, parts.module, list(parts.optimizers), own)
+        self.boundary = Boundary(step, user_state, parts.module, list(parts.optimizers), own, parts.replicated)
 
     def _moved(self, *_: Any) -> None:
         if self.boundary is not None:
@@ -86,7 +88,7 @@ class BoundaryWatch:
         b = self.boundary
         if b is None:
             return None
-        if b.moved or not replicated(b.module):
+        if b.moved or not b.replicated:
             return HeldState(step=b.step, committed_step=committed_step, own=b.own)
         assert b.module is not None
         model, optim = optim_state.model_and_optim(b.module, b.optimizers, optim_state.PER_PARAM)
@@ -119,7 +121,7 @@ def restore_round(
         return HeldState(step, -1, model, optim, parts.user_state(-1))
 
     mine = rnd.held
-    choice = take_held_state(rnd.held, replicated(module), device, committed, reference)
+    choice = take_held_state(rnd.held, parts.replicated, device, committed, reference)
     rnd.held = None  # the previous round's objects: free them once this round has its state
     held, src, committed = choice.state, choice.from_rank, choice.committed_step
     if held is None:

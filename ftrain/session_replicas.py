@@ -45,9 +45,19 @@ class ReplicasDiffer(Exception):  # noqa: N818 - a signal to Session.run, not an
 class ReplicaCheck:
     """The session's setting, and the check at a step boundary."""
 
-    def __init__(self, every_steps: int, on_mismatch: str):
+    def __init__(self, every_steps: int, on_mismatch: str, replicated: bool | None = None):
         if not isinstance(every_steps, int) or isinstance(every_steps, bool) or every_steps < 0:
             raise SessionError(f"Session(replica_check_steps={every_steps!r}): an int >= 0 (0: never)")
+        if replicated not in (None, False):
+            raise SessionError(
+                f"Session(replicated={replicated!r}): None (decided from the model: no DTensor parameter means every "
+                "rank holds all of it) or False (the ranks hold different parameters: pipeline stages)"
+            )
+        if replicated is False and every_steps:
+            raise SessionError(
+                f"Session(replica_check_steps={every_steps}, replicated=False): the ranks hold different parameters, "
+                "so there is nothing the check can compare; leave replica_check_steps at 0"
+            )
         if on_mismatch not in POLICIES:
             raise SessionError(f"Session(on_replica_mismatch={on_mismatch!r}): one of {', '.join(POLICIES)}")
         self.every_steps, self.on_mismatch = every_steps, on_mismatch

@@ -147,15 +147,23 @@ class StateParts:
         optimizers: list[torch.optim.Optimizer],
         others: dict[str, Any],
         per_rank: dict[str, Any] | None = None,
+        spread: bool = False,
     ):
         self.module, self.optimizers, self.others = module, optimizers, others
+        #: the loop said its ranks hold different parameters (pipeline stages): not replicas, DTensors or not
+        self.spread = spread
         self.per_rank = per_rank or {}  #: name -> object of each per-rank entry
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.capacities: dict[str, int] = {}  #: of the per-rank entries, as the last save's state dict agreed
         self._target: dict[str, Any] = {}
 
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole module (:func:`replicated`, unless the loop said otherwise)."""
+        return not self.spread and replicated(self.module)
+
     @classmethod
-    def of(cls, state: Mapping[str, Any]) -> StateParts:
+    def of(cls, state: Mapping[str, Any], *, spread: bool = False) -> StateParts:
         if not isinstance(state, Mapping) or not state:
             raise SessionError("the state: a dict of name -> object to save (model, optimizer, scheduler, ...)")
         module, module_key, optimizers, others, per_rank = None, "", [], {}, {}
@@ -183,7 +191,7 @@ class StateParts:
         if optimizers and module is None:
             raise SessionError("the state holds an optimizer but no module: add the model it optimizes")
         _one_optimizer_per_parameter(state, optimizers)
-        return cls(module, optimizers, others, per_rank)
+        return cls(module, optimizers, others, per_rank, spread)
 
     def state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
         """What DCP saves (collective when the state has per-rank entries: their capacities are

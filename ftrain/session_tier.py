@@ -36,7 +36,7 @@ from ftrain.contract.events import EventLog
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.tier_binding import Binding
 from ftrain.session_per_rank import CAPACITY_KEY, capacities
-from ftrain.session_state import WRITER, SessionError, StateParts, manifest_fields, replicated
+from ftrain.session_state import WRITER, SessionError, StateParts, manifest_fields
 
 if TYPE_CHECKING:
     from ftrain.session_live import Round
@@ -134,7 +134,7 @@ class SessionTier:
     ) -> None:
         """Collective (every rank of the round, at its first load): a model spread over the ranks
         takes part in the tier this round (one whole on every rank heals from a live peer)."""
-        if not self.tier.enabled or parts.module is None or replicated(parts.module):
+        if not self.tier.enabled or parts.module is None or parts.replicated:
             return
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         self.tier.join_round(rank, world_size, local_world, device.type, events)

@@ -2,6 +2,9 @@
 optimizer, a sampler) through the memory tier as :class:`ftrain.Session` uses it
 (:class:`ftrain.session_tier.SessionTierView`), for each layout named on the command line.
 
+Beside the layouts, ``stages``: two pipeline-like stages of plain parameters (no DTensor), each
+held by two ranks, which the loop says are not replicas (``Session(replicated=False)``).
+
 Per layout: two steps trained, a snapshot taken (this rank's shards and a copy of its buddy's),
 two more steps (the state moves on), then rank 1 becomes a new process (it holds no snapshot) and
 every rank restores. Rank 1's shards can only come from its buddy's copy. Each rank compares what
@@ -38,6 +41,8 @@ LAYOUTS = {
     "fsdp+tp": ParallelConfig(strategy="fsdp+tp", tp_size=2),
     "hsdp": ParallelConfig(strategy="hsdp", shard_size=2),
 }
+#: beside the layouts: pipeline-like stages of plain parameters (:class:`Stage`)
+STAGES = "stages"
 
 
 def _local(value: Any) -> Any:
@@ -66,16 +71,38 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: ft
     optimizer.zero_grad()
 
 
-def check(name: str) -> dict[str, Any]:
-    world, rank = dist.get_world_size(), dist.get_rank()
+class Stage(torch.nn.Module):
+    """One of two pipeline-like stages (ranks 0 and 2 hold stage 0, 1 and 3 stage 1): plain
+    parameters, under names only that stage uses, different on each stage."""
+
+    def __init__(self, stage: int):
+        super().__init__()
+        torch.manual_seed(20 + stage)
+        self.stages = torch.nn.ModuleDict({f"s{stage}": torch.nn.Linear(8, 8)})
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        (layer,) = self.stages.values()
+        return layer(torch.nn.functional.one_hot(tokens % 8, 8).float()).repeat(1, 1, 8)
+
+
+def _model(name: str, rank: int, world: int) -> torch.nn.Module:
+    if name == STAGES:
+        return Stage(rank % 2)
     model_cfg = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
     cfg = Config(model=model_cfg, parallel=LAYOUTS[name], train=TrainConfig(global_batch_size=8, micro_batch_size=1))
     layout = compute_layout(cfg.parallel, world_size=world, rank=rank, local_world_size=2, n_head=model_cfg.n_head)
     torch.manual_seed(11)
-    model = parallelize(build_model(model_cfg), cfg, layout, torch.device("cpu"), torch.float32, 1).model
+    return parallelize(build_model(model_cfg), cfg, layout, torch.device("cpu"), torch.float32, 1).model
+
+
+def check(name: str) -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model(name, rank, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ftrain.ResumableSampler(1000, 8, seed=3)
-    parts = StateParts.of({"model": model, "optim": optimizer, "sampler": sampler, "rng": ftrain.RNGState()})
+    state = {"model": model, "optim": optimizer, "sampler": sampler, "rng": ftrain.RNGState()}
+    parts = StateParts.of(state, spread=name == STAGES)  # Session(replicated=False) for a pipeline
+    assert parts.replicated is False, "a spread state is never taken for replicas"
     torch.manual_seed(1000 + rank)  # each rank's own generator: a per-rank entry of the snapshot
 
     tier = MemoryTier(Config(parallel=ParallelConfig(timeout_s=120), others={"agent": {"job": "session-tier"}}))

@@ -1,5 +1,6 @@
 """The memory tier in a user's loop (:mod:`ftrain.session_tier`) on real gloo ranks, for every
-layout that spreads a model over the ranks: a snapshot of a session's state (model shards,
+layout that spreads a model over the ranks (and pipeline-like stages of plain parameters, which the
+loop declares not replicas): a snapshot of a session's state (model shards,
 optimizer, a sampler, each rank's own RNG state) is restored bit for bit after the state moved on, with one rank a new
 process whose shards come from its buddy's copy only. The agents' end of it (a SIGKILLed
 worker and a lost node healed from memory) is tests/integration/test_own_loop.py's."""
@@ -15,7 +16,7 @@ from ftrain.testbed.jobs import run, worker_env
 
 pytestmark = pytest.mark.dist
 
-LAYOUTS = ("fsdp", "tp", "fsdp+tp", "hsdp")
+LAYOUTS = ("fsdp", "tp", "fsdp+tp", "hsdp", "stages")  # stages: a pipeline's, plain parameters
 
 
 def test_a_session_state_spread_over_the_ranks_heals_from_the_tier_bitwise_in_every_layout(tmp_path):

@@ -305,3 +305,23 @@ def test_each_step_beat_says_its_interval_the_part_spent_staging_and_the_wait_fo
     # step 2 was saved (synchronously) at its boundary: step 3's interval holds that save
     assert by_step[3].phases_s["ckpt_staging"] > 0.0
     assert by_step[3].phases_s["ckpt_staging"] > by_step[2].phases_s["ckpt_staging"]
+
+
+def test_a_loop_whose_ranks_hold_different_plain_parameters_says_so_and_they_are_never_offered_as_replicas(tmp_path):
+    """Pipeline stages hold plain parameters, different on each stage: ``replicated=False`` keeps a
+    new round from taking a peer's state for this rank's (the memory tier heals them:
+    tests/distributed/test_session_tier.py's ``stages``), and refuses a replica check."""
+    from ftrain.session_live import BoundaryWatch
+    from ftrain.session_state import StateParts
+
+    with pytest.raises(SessionError, match=r"replicated=True.*None .*or False"):
+        ftrain.Session(str(tmp_path / "ckpt"), replicated=True)
+    with pytest.raises(SessionError, match=r"replica_check_steps=5, replicated=False.*nothing the check can compare"):
+        ftrain.Session(str(tmp_path / "ckpt"), replica_check_steps=5, replicated=False)
+    state = _state()
+    assert StateParts.of(state).replicated and not StateParts.of(state, spread=True).replicated
+    watch = BoundaryWatch()
+    watch.mark(1, StateParts.of(state, spread=True), {})
+    held = watch.held(committed_step=0)
+    assert held is not None and held.step == 1 and not held.complete  # its step, never its parameters
+    watch.release()
