@@ -30,11 +30,8 @@ a ``GradScaler``, your own counters), kept in the step's own verified file ``use
 (:mod:`ftrain.session_state`, :mod:`ftrain.state_codec`): what torch's schedulers and scalers hold
 comes back exactly (``inf``, NaN, int keys, tuples); a value that can never be stored (a tensor,
 an object) is refused at :meth:`load` or the first :meth:`step`, naming it, before any work. Rank
-0's are saved: such state is the same on every rank of a data-parallel loop. RNG states are the
-loop's business.
-
-**What it says.** Rank 0 writes one line to stderr per restore (or fresh start) and per commit, unless
-``verbose=False`` or the program configured logging: then to the ``ftrain.session`` logger (INFO).
+0's are saved (the same on every rank of a data-parallel loop); each rank's own (its RNG streams)
+are entries :class:`ftrain.RNGState` and :class:`ftrain.PerRank` mark (:mod:`ftrain.session_per_rank`).
 
 **Under the node agent** (``ftrain agent --script train.py``): heartbeats at each :meth:`step`,
 "alive" from a background thread, the commit fence and the exit message. Recovery is restart
@@ -89,6 +86,7 @@ from ftrain.session_state import (
     SessionError,
     StateParts,
     StateReader,
+    loop_fields,
     manifest_fields,
     say,
     validate,
@@ -132,6 +130,7 @@ class Session:
         replica_check_steps: int = 0,
         on_replica_mismatch: str = "halt",
         replicated: bool | None = None,
+        manifest_fields: Callable[[], Mapping[str, Any]] | None = None,
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -147,7 +146,8 @@ class Session:
         ``on_replica_mismatch``: the replica check (:mod:`ftrain.session_replicas`; 0: off);
         ``replicated``: False when the ranks hold different parts of a model without DTensors
         (pipeline stages): never a peer's state, and no replica check (None: no DTensor parameter
-        means every rank holds the whole model). docs/library.md says more of each."""
+        means every rank holds the whole model); ``manifest_fields``: what the loop records in each
+        step's manifest (its config, layout, trainer fields). docs/library.md says more of each."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
@@ -156,6 +156,8 @@ class Session:
         self._memory_dir, self._job_done = memory_dir, False  #: the loop returned: its tmpfs snapshots can go
         self._replicas = ReplicaCheck(replica_check_steps, on_replica_mismatch, replicated)
         self._spread = replicated is False  #: the loop said its ranks hold different parameters
+        self._loop_fields = manifest_fields
+        self.manifest: Manifest | None = None  #: the manifest of the step the last load read from storage
         self._rollback_why = ""  #: the replicas differed: the next load reads storage and says so
         self.checkpoint_uri = checkpoint_uri
         self.job = job or WorkerEnv.from_env().job or DEFAULT_JOB
@@ -478,6 +480,7 @@ class Session:
         entries = parts.user_state(step)  # what cannot be stored is refused here, naming it
         self._state_checked = True
         self._warned_large = warn_if_large(entries, step, self._warned_large)
+        loop = loop_fields(self._loop_fields, step)  # what the manifest could not hold is refused here
         if manager.status.last_committed_step == step:
             log.warning("step %d is committed already under %s: not saved again", step, self.checkpoint_uri)
             return False
@@ -485,7 +488,7 @@ class Session:
         try:
             manager.wait_staged()
             sd = parts.state_dict()  # collective with per-rank entries: their capacities agreed
-            fields = manifest_fields(self.round, self.world_size, step, parts.capacities)
+            fields = manifest_fields(self.round, self.world_size, step, parts.capacities, loop)
             files = {STATE_FILE: state_codec.file_bytes(entries)}
             return manager.save(step, sd, fields, sync=sync, extra_files=files)
         finally:
@@ -554,7 +557,7 @@ class Session:
         parts.apply(manifest, saved)
         self._step = manifest.step
         manager.status.last_committed_step = max(manager.status.last_committed_step, manifest.step)
-        self.restored = Restored("storage", manifest.step)
+        self.restored, self.manifest = Restored("storage", manifest.step), manifest
         self._loaded(parts, manifest.step)
         self._say(
             f"resumed after step {manifest.step}, loaded from {self.checkpoint_uri} "

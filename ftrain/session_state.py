@@ -14,9 +14,10 @@ JSON) and still load. Misuse is a :class:`SessionError` whose message names the 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ftrain import optim_state, session_per_rank, state_codec
 from ftrain.checkpoint.errors import ManifestError
 from ftrain.checkpoint.loading import WRITER_KEY, writer_of
-from ftrain.checkpoint.manifest import Manifest
+from ftrain.checkpoint.manifest import Manifest, parse_json_bounded
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +76,61 @@ def _one_optimizer_per_parameter(state: Mapping[str, Any], optimizers: list[torc
                     )
 
 
-def manifest_fields(round_: int, world_size: int, step: int, per_rank: dict[str, int]) -> dict[str, Any]:
+def manifest_fields(
+    round_: int, world_size: int, step: int, per_rank: dict[str, int], loop: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """A session's manifest fields of a save besides its files: the writer, the optimizer state's
     form, and the trainer state (the step; its entries in :data:`STATE_FILE`; ``per_rank``: the
-    capacities of the per-rank entries, :mod:`ftrain.session_per_rank`)."""
+    capacities of the per-rank entries, :mod:`ftrain.session_per_rank`); ``loop``: the loop's own
+    fields (:func:`loop_fields`), beside those."""
+    loop = loop or {}
     return {
         "round": round_,
         "world_size": world_size,
-        "layout": {WRITER_KEY: WRITER, optim_state.FORMAT_KEY: optim_state.PER_PARAM},
-        "config": {},
-        "config_hash": "",
-        "trainer": {"step": step, USER_STATE: {}, STATE_FILE_KEY: STATE_FILE, session_per_rank.CAPACITY_KEY: per_rank},
+        "layout": {**loop.get("layout", {}), WRITER_KEY: WRITER, optim_state.FORMAT_KEY: optim_state.PER_PARAM},
+        "config": dict(loop.get("config", {})),
+        "config_hash": loop.get("config_hash", ""),
+        "trainer": {
+            **loop.get("trainer", {}),
+            "step": step,
+            USER_STATE: {},
+            STATE_FILE_KEY: STATE_FILE,
+            session_per_rank.CAPACITY_KEY: per_rank,
+        },
     }
+
+
+#: what a loop's own manifest fields (``Session(manifest_fields=...)``) may hold
+LOOP_FIELDS = ("config", "config_hash", "layout", "trainer")
+
+
+def loop_fields(own: Callable[[], Mapping[str, Any]] | None, step: int) -> dict[str, Any]:
+    """The loop's own manifest fields (``own()``: some of :data:`LOOP_FIELDS`, its ``config``,
+    ``layout`` and ``trainer`` objects beside the session's keys, which it may not set), checked:
+    SessionError, before anything is written, naming the key, for what a manifest could not hold
+    or its reader would refuse (past its bounds: the step would be corrupt)."""
+    if own is None:
+        return {}
+    extra = own()
+    where = f"Session(manifest_fields=...) at step {step}"
+    if not isinstance(extra, Mapping) or set(extra) - set(LOOP_FIELDS):
+        raise SessionError(f"{where}: return a dict with some of {', '.join(LOOP_FIELDS)}")
+    session_own = manifest_fields(0, 1, step, {})
+    for key, value in extra.items():
+        if key == "config_hash":
+            if not isinstance(value, str):
+                raise SessionError(f"{where}: config_hash is text, not {type(value).__name__}")
+            continue
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise SessionError(f"{where}: {key} is an object with text keys")
+        taken = sorted(set(value) & set(session_own[key]))
+        if taken:
+            raise SessionError(f"{where}: {key}.{taken[0]} is the session's own; name yours otherwise")
+    try:
+        parse_json_bounded(json.dumps({**session_own, **extra}, allow_nan=False).encode())
+    except (TypeError, ValueError, ManifestError) as e:
+        raise SessionError(f"{where}: not what a manifest holds (plain JSON within its bounds): {e}") from e
+    return dict(extra)
 
 
 def validate(manifest: Manifest) -> None:

@@ -472,3 +472,42 @@ def test_a_per_rank_tensor_that_lies_about_its_length_is_refused():
     t[0] = 255  # the length header says more than the tensor holds
     with pytest.raises(ManifestError, match="step 5: the per-rank entry 'x' says"):
         unpack(t, "x", 5)
+
+
+def test_a_loops_own_manifest_fields_are_recorded_and_read_back_and_what_a_manifest_cannot_hold_is_refused(tmp_path):
+    """``Session(manifest_fields=...)``: the loop's config, its digest, layout and trainer fields in
+    each step's manifest (what ``ftrain ckpt show`` prints), beside the session's own keys, which it
+    may not set; ``session.manifest`` is the loaded step's. What a manifest could not hold, or its
+    reader would refuse, is refused at save() before anything is written."""
+    root = tmp_path / "ckpt"
+    own: dict[str, Any] = {
+        "config": {"model": {"d_model": 32}, "lr": 0.01},
+        "config_hash": "c0ffee",
+        "layout": {"pp_size": 2},
+        "trainer": {"cursor": {"epoch": 1, "offset": 96}},
+    }
+    model = torch.nn.Linear(2, 2)
+    with ftrain.Session(str(root), manifest_fields=lambda: own) as session:
+        assert session.save(4, {"model": model}, sync=True)
+    written = json.loads((root / step_dir_name(4) / MANIFEST_NAME).read_text())
+    assert written["config"] == own["config"] and written["config_hash"] == "c0ffee"
+    assert written["layout"]["pp_size"] == 2 and written["layout"]["writer"] == "session"
+    assert written["trainer"]["cursor"] == {"epoch": 1, "offset": 96} and written["trainer"]["step"] == 4
+    with ftrain.Session(str(root)) as session:
+        assert session.manifest is None
+        assert session.load({"model": torch.nn.Linear(2, 2)}) == 4
+        assert session.manifest is not None and session.manifest.config == own["config"]
+        assert session.manifest.trainer["cursor"] == {"epoch": 1, "offset": 96}
+
+    for fields, why in [
+        ({"trainer": {"step": 9}}, r"at step 5: trainer.step is the session's own"),
+        ({"layout": {"writer": "train"}}, r"layout.writer is the session's own"),
+        ({"world_size": 3}, r"return a dict with some of config, config_hash, layout, trainer"),
+        ({"config": {"loss": math.nan}}, r"not what a manifest holds"),
+        ({"config": {"t": torch.ones(1)}}, r"not what a manifest holds"),
+        ({"config_hash": 7}, r"config_hash is text, not int"),
+    ]:
+        with ftrain.Session(str(root), manifest_fields=lambda f=fields: f) as session:  # type: ignore[misc]
+            with pytest.raises(SessionError, match=why):
+                session.save(5, {"model": model}, sync=True)
+    assert not (root / step_dir_name(5)).exists(), "a refused save wrote files"
