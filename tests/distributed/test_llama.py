@@ -8,10 +8,15 @@ both head kinds and every pipeline layout has blocks to place.
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from ftrain.testbed.jobs import optimizer_tensors, train_job
+from ftrain.contract.events import read_jsonl
+from ftrain.testbed.jobs import TINY_CONFIG, RunResult, optimizer_tensors, run, train_job, worker_env
 from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
@@ -32,42 +37,66 @@ def test_the_llama_learns_and_its_parameters_are_llama_shaped(reference):
     assert "pos_emb.weight" not in model and "blocks.0.attn_norm.weight" in model
 
 
-@pytest.mark.parametrize(
-    ("nproc", "overrides"),
-    [
-        (2, ()),
-        (2, ("--parallel.strategy=zero1",)),
-        (2, ("--parallel.strategy=zero2",)),
-        (2, ("--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true")),
-        (4, ("--parallel.strategy=hsdp",)),
-        (2, ("--parallel.strategy=tp",)),
-        (4, ("--parallel.strategy=fsdp+tp",)),
-        (2, ("--parallel.strategy=tp", "--parallel.sequence_parallel=true")),
-        (4, ("--parallel.strategy=fsdp+tp", "--parallel.sequence_parallel=true")),
-        (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=gpipe")),
-        (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=1f1b")),
-        (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=interleaved_1f1b")),
-        (4, ("--parallel.pp_size=2", "--parallel.strategy=fsdp")),
-    ],
-    ids=[
-        "ddp",
-        "zero1",
-        "zero2",
-        "fsdp+ac",
-        "hsdp",
-        "tp",
-        "fsdp+tp",
-        "tp+sp",
-        "fsdp+tp+sp",
-        "gpipe",
-        "1f1b",
-        "interleaved",
-        "pp2xfsdp2",
-    ],
-)
-def test_every_strategy_matches_one_process(nproc, overrides, golden, reference):
-    run = golden(nproc, *LLAMA, *overrides)
-    assert_trains_alike(run, reference, " ".join(overrides) or "ddp")
+#: every strategy and pipeline schedule: name -> (ranks, overrides)
+STRATEGIES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "ddp": (2, ()),
+    "zero1": (2, ("--parallel.strategy=zero1",)),
+    "zero2": (2, ("--parallel.strategy=zero2",)),
+    "fsdp+ac": (2, ("--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true")),
+    "hsdp": (4, ("--parallel.strategy=hsdp",)),
+    "tp": (2, ("--parallel.strategy=tp",)),
+    "fsdp+tp": (4, ("--parallel.strategy=fsdp+tp",)),
+    "tp+sp": (2, ("--parallel.strategy=tp", "--parallel.sequence_parallel=true")),
+    "fsdp+tp+sp": (4, ("--parallel.strategy=fsdp+tp", "--parallel.sequence_parallel=true")),
+    "gpipe": (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=gpipe")),
+    "1f1b": (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=1f1b")),
+    "interleaved": (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=interleaved_1f1b")),
+    "pp2xfsdp2": (4, ("--parallel.pp_size=2", "--parallel.strategy=fsdp")),
+}
+
+
+@pytest.fixture(scope="module")
+def strategy_run(tmp_path_factory) -> Callable[[str], RunResult]:
+    """``strategy_run(name)``: the run of one case of STRATEGIES. The cases of one world size are
+    trained in one torchrun launch (tests/distributed/strategies_worker.py: the same config loading
+    and Trainer as ``ftrain train``, one case after another), on the first call for that size:
+    starting the ranks and importing torch was most of each case's time."""
+    runs: dict[str, RunResult] = {}
+
+    def get(name: str) -> RunResult:
+        nproc = STRATEGIES[name][0]
+        if name not in runs:
+            workdir = tmp_path_factory.mktemp(f"llama-x{nproc}")
+            cases = {n: [*LLAMA, *o] for n, (world, o) in STRATEGIES.items() if world == nproc}
+            (workdir / "cases.json").write_text(json.dumps(cases))
+            (workdir / "config.toml").write_text(TINY_CONFIG)
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            worker = ["tests/distributed/strategies_worker.py", str(workdir / "config.toml"), str(workdir)]
+            proc = run([*launch, *worker, str(workdir / "cases.json")], timeout_s=900, env=worker_env())
+            for case in cases:
+                metrics, final = workdir / case / "metrics.jsonl", workdir / case / "final.pt"
+                runs[case] = RunResult(
+                    proc.returncode,
+                    proc.stdout,
+                    read_jsonl(metrics) if metrics.exists() else [],
+                    torch.load(final, weights_only=False) if final.exists() else None,
+                    workdir / case,
+                )
+        result = runs[name]
+        assert result.returncode == 0 and result.final is not None, (
+            f"{name}: training failed (exit {result.returncode}):\n{result.output[-6000:]}"
+        )
+        return result
+
+    return get
+
+
+@pytest.mark.timeout(900)  # the first case of a world size waits for all of that size's cases
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_matches_one_process(name, strategy_run, reference):
+    result = strategy_run(name)
+    assert result.metrics[0]["world_size"] == STRATEGIES[name][0], name
+    assert_trains_alike(result, reference, " ".join(STRATEGIES[name][1]) or "ddp")
 
 
 def test_deterministic_mode_is_bitwise_at_one_and_two_ranks(golden):

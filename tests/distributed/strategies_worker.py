@@ -1,0 +1,62 @@
+"""One rank of a batch of training runs in one torchrun launch (tests/distributed/test_llama.py).
+
+``strategies_worker.py CONFIG OUT CASES_JSON``: CASES_JSON maps a case's name to its command-line
+overrides. The ranks join the process group once, then train every case in turn, as ``ftrain
+train CONFIG OVERRIDES`` would (the same :func:`ftrain.config.load_config` and
+:class:`ftrain.train.Trainer`: a fresh model, seed, data cursor and meshes for each case), each
+writing ``OUT/<name>/metrics.jsonl`` and ``OUT/<name>/final.pt``. What a launch costs on a small
+machine is mostly starting the processes and importing torch: one launch for many cases pays it
+once. A case that fails fails the launch (its name is printed first).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ftrain.agent_link import flight_recorder
+from ftrain.config import load_config
+from ftrain.distributed import (
+    exit_without_teardown,
+    init_distributed,
+    select_device,
+    select_dtype,
+    shutdown_distributed,
+)
+from ftrain.train import Trainer
+
+
+def main(config: str, out: str, cases_json: str) -> None:
+    cases: dict[str, list[str]] = json.loads(Path(cases_json).read_text())
+    joined: tuple[int, int, int] | None = None
+    for name, overrides in cases.items():
+        case_dir = Path(out) / name
+        case_dir.mkdir(parents=True, exist_ok=True)
+        cfg = load_config(
+            config,
+            [
+                f"--logging.metrics_path={case_dir / 'metrics.jsonl'}",
+                f"--data.ledger_dir={case_dir / 'ledger'}",
+                *overrides,
+                f"--train.save_final_path={case_dir / 'final.pt'}",
+            ],
+        )
+        device = select_device(cfg.train)
+        if joined is None:  # as ftrain.train.train does, once: the cases share the process group
+            flight_recorder.enable(cfg.logging.flight_recorder_entries)
+            joined = init_distributed(cfg.parallel, device)
+        rank, world, local_world = joined
+        print(f"strategies_worker: rank {rank}: case {name}: {' '.join(overrides)}", flush=True)
+        trainer = Trainer(cfg, device, select_dtype(cfg.train, device), rank, world, local_world)
+        trainer.run()
+        trainer.close()
+        dist.barrier()  # every rank is done with this case (its final state written) before the next
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
+    exit_without_teardown(0)  # a clean end: no C++ teardown that can abort (ftrain.distributed)
