@@ -76,7 +76,7 @@ class BoundaryWatch:
         for optimizer in parts.optimizers:
             if id(optimizer) not in self._hooked:
                 self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._moved)
-        own = parts.own_state(step)
+        own = parts.own_state(step) if parts.replicated else {}  # spread: the tier's snapshots carry them
         self.boundary = Boundary(step, user_state, parts.module, list(parts.optimizers), own, parts.replicated)
 
     def _moved(self, *_: Any) -> None:
