@@ -240,9 +240,11 @@ class Session:
         say(message, rank=self.rank, verbose=self.verbose, logger=log)
 
     # -- rounds (live recovery) ---------------------------------------------------------
-    def run(self, train: Callable[[Session], T]) -> T | None:
+    def run(self, train: Callable[[Session], T], *, warm_up: Callable[[], object] | None = None) -> T | None:
         """Run ``train(session)``: the loop of one round, from its start (build what depends on
-        the world size, :meth:`load`) to :meth:`finish`; returns what it returns.
+        the world size, :meth:`load`) to :meth:`finish`; returns what it returns. ``warm_up()``:
+        under live recovery, what a spare runs before it waits for a round (imports, a model
+        built, a step on the CPU), so that its first round does not pay for it.
 
         Under ``ftrain agent --script ... --recovery live`` this process serves round after
         round without restarting: when a peer is lost or a node joins, :meth:`step` raises
@@ -257,7 +259,7 @@ class Session:
         self._serving = True
         previous = on_sigterm(self._ask_to_stop)
         try:
-            return self._run(train)
+            return self._run(train, warm_up)
         except Drained as e:
             committed = self._manager.status.last_committed_step if self._manager is not None else -1
             log.warning("%s; committed step: %d", e, committed)
@@ -273,7 +275,7 @@ class Session:
     def _ask_to_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
 
-    def _run(self, train: Callable[[Session], T]) -> T | None:
+    def _run(self, train: Callable[[Session], T], warm_up: Callable[[], object] | None) -> T | None:
         env = WorkerEnv.from_env()
         if not env.control:
             self.start()
@@ -294,7 +296,7 @@ class Session:
         serve = lambda rnd: self._serve_round(rnd, train)  # noqa: E731
         rounds = SessionRounds(control, heartbeat.from_env(-1, 0), serve, self.close, self._leave_round, keep_ports)
         asked = lambda: self._stop_requested  # noqa: E731 - SIGTERM between rounds: leave, nothing to save
-        return serve_rounds(rounds, control, rounds.hb, keep_ports, self._timeout_s, asked)
+        return serve_rounds(rounds, control, rounds.hb, keep_ports, self._timeout_s, asked, warm_up)
 
     def _serve_round(self, rnd: Round, train: Callable[[Session], T]) -> T:
         self._round, self.round = rnd, rnd.assignment.round

@@ -40,7 +40,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(seq: int, parallel: str) -> torch.nn.Module:
+def llama(seq: int) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=64,
@@ -52,7 +52,11 @@ def build_model(seq: int, parallel: str) -> torch.nn.Module:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def build_model(seq: int, parallel: str) -> torch.nn.Module:
+    model = llama(seq)
     if parallel == "ddp":
         return DistributedDataParallel(model)
     for layer in model.model.layers:
@@ -102,10 +106,20 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
         torch.save(full, args.final_weights)
 
 
+def warm_up(seq: int) -> None:
+    """What a spare pays before it is given a round (live recovery): the imports, the model built
+    and a step taken, alone on the CPU. Nothing is kept; its first round then starts warm."""
+    model = llama(seq)
+    batch = torch.zeros(1, seq, dtype=torch.long)
+    model(input_ids=batch, labels=batch).loss.backward()
+    torch.optim.AdamW(model.parameters()).step()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     session = ftrain.Session(args.ckpt, interval_steps=args.save_every, memory_dir=args.memory_dir)  # ftrain
-    session.run(lambda s: train(s, args))  # ftrain: each round of this process (one under torchrun)
+    # ftrain: each round of this process (one under torchrun); a spare warms up before its first
+    session.run(lambda s: train(s, args), warm_up=lambda: warm_up(args.seq))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, Restored, take_held_state
 from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
 from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
-from ftrain.train import Trainer, describe_failure, finish, say_goodbye
+from ftrain.train import Trainer, finish, say_goodbye
 
 log = logging.getLogger(__name__)
 
@@ -235,12 +235,9 @@ def serve(cfg: Config) -> None:
     hb = heartbeat.from_env(-1, 0)
     stop_request.install()  # before anything slow: a SIGTERM from here on is kept (see that module)
     keep_ports = service_ports(cfg.checkpoint.endpoint_url, *env.etcd)
-    try:
-        log.info("spare ready: warmed up in %.2fs", warm_up(cfg, device))
-    except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
-        log.warning("warm-up failed (the first round will be slower): %s", describe_failure(e))
     rounds = _TrainerRounds(cfg, select_dtype(cfg.train, device), control, hb, keep_ports)
-    serve_rounds(rounds, control, hb, keep_ports, cfg.parallel.timeout_s, stop_request.requested)
+    spare = lambda: warm_up(cfg, device)  # noqa: E731
+    serve_rounds(rounds, control, hb, keep_ports, cfg.parallel.timeout_s, stop_request.requested, spare)
 
 
 class _TrainerRounds:

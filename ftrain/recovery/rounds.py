@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,11 +98,21 @@ def serve_rounds(
     keep_ports: set[int],
     store_timeout_s: float,
     stop_requested: Any,
+    warm_up: Callable[[], object] | None = None,
 ) -> Any:
     """Serve rounds until the job is done (what ``owner.finish`` returns), an assignment says stop, or a stop
     is asked between rounds (None); an error that is not a peer's failure is raised after
     ``owner.failed``. As long as the agent lives (its death ends this process) a rank waits for
-    the next round holding its state: a leader that cannot form one yet says why."""
+    the next round holding its state: a leader that cannot form one yet says why. ``warm_up``:
+    run once before the process says it is ready, to pay what its first round would otherwise
+    pay on the critical path (imports, a model built, a first step); its failure costs only that."""
+    if warm_up is not None:
+        began = time.monotonic()
+        try:
+            warm_up()
+            log.info("spare ready: warmed up in %.2fs", time.monotonic() - began)
+        except Exception as e:  # noqa: BLE001 - only an optimisation: the first round pays instead
+            log.warning("warm-up failed (the first round will be slower): %s: %s", type(e).__name__, e)
     control.mark_ready()  # a spare: imported and built what it could, waiting for its round
     newer_than = -1
     while True:

@@ -1,7 +1,8 @@
 """A user's own FSDP2 loop (tests/integration/users_loop/train.py: plain torch modules, two
 parameter groups, gradient accumulation and clipping, a cosine schedule, a buffer and a Stateful of
 its own; not the shipped example) under two ``ftrain agent --script --recovery live`` nodes: a
-SIGKILLed worker and then a lost node are healed from the memory tier — the shards the ranks and
+SIGKILLed worker and then a lost node are healed from the memory tier (every process, the spare
+that replaces the killed worker too, ran the loop's warm-up before its round) — the shards the ranks and
 their buddies keep in memory, no checkpoint read back from storage — while the surviving process
 serves every round, and the run ends bitwise equal to the straight one, weights, buffer, optimizer
 path and the loop's own statistics alike."""
@@ -58,6 +59,10 @@ def test_a_users_fsdp_loop_heals_a_worker_kill_and_a_node_loss_from_memory_bitwi
         worker_logs = "".join(p.read_text() for p in tmp_path.glob("*/workers.log"))
         assert worker_logs.count("from memory_tier") >= 2, worker_logs[-4000:]  # both new processes
         assert "from storage" not in worker_logs and "Traceback" not in worker_logs, worker_logs[-4000:]
+        serving = {pid for node in "abc" for _, pids in served_by(tmp_path, node) for pid in pids}
+        assert all(f"warmed up (pid {pid})" in worker_logs for pid in serving), (
+            serving
+        )  # the loop's warm-up, spares too
         assert committed_steps(tmp_path / "ck")[-1] == 60
         assert_ends_as(tmp_path, straight / "final.pt")
         assert STATS.findall(worker_logs) == STATS.findall(out), (STATS.findall(worker_logs), STATS.findall(out))

@@ -155,10 +155,19 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
             torch.save(full, args.final_weights)
 
 
+def warm_up() -> None:
+    """What a spare pays before its round, alone on the CPU: the model built and a step taken."""
+    model = Net()
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    torch.optim.AdamW(model.parameters()).step()
+    print(f"warmed up (pid {os.getpid()})", flush=True)
+
+
 def main() -> None:
     args = parse()
     session = ftrain.Session(args.ckpt, interval_steps=args.save_every)
-    session.run(lambda s: train(s, args))
+    session.run(lambda s: train(s, args), warm_up=warm_up)
 
 
 if __name__ == "__main__":
