@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
     session = ProbeSession(
         args.ckpt, interval_steps=args.save_every, probe_log=ours.probe_log, step_sleep_s=ours.step_sleep_s
     )
-    session.run(lambda s: example.train(s, args))
+    session.run(lambda s: example.train(s, args), warm_up=lambda: example.warm_up(args.seq))  # as the example
 
 
 if __name__ == "__main__":
