@@ -1,4 +1,4 @@
-"""One rank of a batch of training runs in one torchrun launch (tests/distributed/test_llama.py).
+"""One rank of a batch of training runs in one torchrun launch (tests/distributed/batched_runs.py).
 
 ``strategies_worker.py CONFIG OUT CASES_JSON``: CASES_JSON maps a case's name to its command-line
 overrides. The ranks join the process group once, then train every case in turn, as ``ftrain

@@ -8,15 +8,13 @@ both head kinds and every pipeline layout has blocks to place.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from ftrain.contract.events import read_jsonl
-from ftrain.testbed.jobs import TINY_CONFIG, RunResult, optimizer_tensors, run, train_job, worker_env
+from ftrain.testbed.jobs import RunResult, optimizer_tensors, train_job
+from tests.distributed.batched_runs import batched_runs
 from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
@@ -57,45 +55,15 @@ STRATEGIES: dict[str, tuple[int, tuple[str, ...]]] = {
 
 @pytest.fixture(scope="module")
 def strategy_run(tmp_path_factory) -> Callable[[str], RunResult]:
-    """``strategy_run(name)``: the run of one case of STRATEGIES. The cases of one world size are
-    trained in one torchrun launch (tests/distributed/strategies_worker.py: the same config loading
-    and Trainer as ``ftrain train``, one case after another), on the first call for that size:
-    starting the ranks and importing torch was most of each case's time."""
-    runs: dict[str, RunResult] = {}
-
-    def get(name: str) -> RunResult:
-        nproc = STRATEGIES[name][0]
-        if name not in runs:
-            workdir = tmp_path_factory.mktemp(f"llama-x{nproc}")
-            cases = {n: [*LLAMA, *o] for n, (world, o) in STRATEGIES.items() if world == nproc}
-            (workdir / "cases.json").write_text(json.dumps(cases))
-            (workdir / "config.toml").write_text(TINY_CONFIG)
-            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-            worker = ["tests/distributed/strategies_worker.py", str(workdir / "config.toml"), str(workdir)]
-            proc = run([*launch, *worker, str(workdir / "cases.json")], timeout_s=900, env=worker_env())
-            for case in cases:
-                metrics, final = workdir / case / "metrics.jsonl", workdir / case / "final.pt"
-                runs[case] = RunResult(
-                    proc.returncode,
-                    proc.stdout,
-                    read_jsonl(metrics) if metrics.exists() else [],
-                    torch.load(final, weights_only=False) if final.exists() else None,
-                    workdir / case,
-                )
-        result = runs[name]
-        assert result.returncode == 0 and result.final is not None, (
-            f"{name}: training failed (exit {result.returncode}):\n{result.output[-6000:]}"
-        )
-        return result
-
-    return get
+    """``strategy_run(name)``: the run of one case of STRATEGIES; the cases of one world size
+    share one torchrun launch (tests/distributed/batched_runs.py)."""
+    return batched_runs(tmp_path_factory, {name: (nproc, (*LLAMA, *o)) for name, (nproc, o) in STRATEGIES.items()})
 
 
 @pytest.mark.timeout(900)  # the first case of a world size waits for all of that size's cases
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_every_strategy_matches_one_process(name, strategy_run, reference):
-    result = strategy_run(name)
-    assert result.metrics[0]["world_size"] == STRATEGIES[name][0], name
+    result = strategy_run(name)  # also checks that it ran on its ranks and exited 0
     assert_trains_alike(result, reference, " ".join(STRATEGIES[name][1]) or "ddp")
 
 

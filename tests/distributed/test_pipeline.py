@@ -9,8 +9,12 @@ taken from the wrong ranks, or a norm of one stage only moves the trajectory far
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from ftrain.testbed.jobs import RunResult
+from tests.distributed.batched_runs import batched_runs
 from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
@@ -24,20 +28,33 @@ def reference(golden):
     return golden(1, FOUR_BLOCKS)
 
 
-@pytest.mark.parametrize(
-    ("nproc", "overrides"),
-    [
-        (2, ["--parallel.pp_size=2"]),  # 1f1b, the default schedule
-        (2, ["--parallel.pp_size=2", "--parallel.pp_schedule=gpipe", "--parallel.pp_split=1"]),
-        (2, ["--parallel.pp_size=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"]),
-        (4, ["--parallel.pp_size=2"]),  # pp=2 x dp=2 (ddp)
-        (4, ["--parallel.pp_size=2", "--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true"]),
-        (4, ["--parallel.pp_size=2", "--parallel.strategy=fsdp+tp", "--parallel.tp_size=2"]),  # pp=2 x tp=2
-    ],
-    ids=["1f1b", "gpipe-split", "interleaved", "pp2xdp2", "pp2xfsdp2-ac", "pp2xtp2"],
-)
-def test_pipeline_matches_single_process(nproc, overrides, golden, reference):
-    run = golden(nproc, FOUR_BLOCKS, *overrides)
+#: name -> (ranks, overrides); the cases of one world size share a launch (tests/distributed/batched_runs.py)
+PIPELINES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "1f1b": (2, ("--parallel.pp_size=2",)),  # the default schedule
+    "gpipe-split": (2, ("--parallel.pp_size=2", "--parallel.pp_schedule=gpipe", "--parallel.pp_split=1")),
+    "interleaved": (
+        2,
+        ("--parallel.pp_size=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"),
+    ),
+    "pp2xdp2": (4, ("--parallel.pp_size=2",)),  # pp=2 x dp=2 (ddp)
+    "pp2xfsdp2-ac": (
+        4,
+        ("--parallel.pp_size=2", "--parallel.strategy=fsdp", "--parallel.activation_checkpointing=true"),
+    ),
+    "pp2xtp2": (4, ("--parallel.pp_size=2", "--parallel.strategy=fsdp+tp", "--parallel.tp_size=2")),  # pp=2 x tp=2
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory) -> Callable[[str], RunResult]:
+    return batched_runs(tmp_path_factory, {n: (nproc, (FOUR_BLOCKS, *o)) for n, (nproc, o) in PIPELINES.items()})
+
+
+@pytest.mark.timeout(900)  # the first case of a world size waits for all of that size's cases
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_matches_single_process(name, pipeline_run, reference):
+    nproc, overrides = PIPELINES[name]
+    run = pipeline_run(name)  # also checks that it ran on its ranks and exited 0
     assert reference.metrics[-1]["loss"] < reference.metrics[0]["loss"] - 0.3  # the loss moves
     assert run.final["layout"]["pp_size"] == 2
     assert run.final["model"].keys() == reference.final["model"].keys()  # every stage's part, global names
