@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ftrain.testbed.jobs import train_job
+from tests.distributed.batched_runs import batched_runs
 from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
@@ -18,12 +19,16 @@ TITAN = (
 )
 
 
-def test_a_torchtitan_shaped_model_trains_under_tp_and_a_pipeline_like_one_process(golden):
+@pytest.mark.timeout(600)
+def test_a_torchtitan_shaped_model_trains_under_tp_and_a_pipeline_like_one_process(golden, tmp_path_factory):
     ref = golden(1, *TITAN)
     assert ref.metrics[-1]["loss"] < ref.metrics[0]["loss"] - 0.3
     assert "layers.3.attention.wq.weight" in ref.final["model"]
-    for overrides in (("--parallel.strategy=tp",), ("--parallel.pp_size=2",)):
-        assert_trains_alike(golden(2, *TITAN, *overrides), ref, " ".join(overrides))
+    layouts = {"tp": ("--parallel.strategy=tp",), "pp2": ("--parallel.pp_size=2",)}
+    # both two-rank runs in one torchrun launch (tests/distributed/batched_runs.py)
+    runs = batched_runs(tmp_path_factory, {name: (2, (*TITAN, *o)) for name, o in layouts.items()})
+    for name, overrides in layouts.items():
+        assert_trains_alike(runs(name), ref, " ".join(overrides))
 
 
 def test_its_fused_qkv_build_is_refused_at_start_with_the_module_and_the_fix(tmp_path):
