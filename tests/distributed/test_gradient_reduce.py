@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed.batched_runs import batched_runs
 from tests.distributed.parity import assert_trains_alike
 
 pytestmark = pytest.mark.dist
 
 
-def test_every_micro_batch_trains_like_last_micro_batch_and_ddp(golden):
-    ddp = golden(2)
-    last = golden(2, "--parallel.strategy=fsdp", "--parallel.gradient_reduce=last_micro_batch")
-    every = golden(2, "--parallel.strategy=fsdp", "--parallel.gradient_reduce=every_micro_batch")
+@pytest.mark.timeout(600)
+def test_every_micro_batch_trains_like_last_micro_batch_and_ddp(golden, tmp_path_factory):
+    ddp = golden(2)  # shared with other tests
+    # both fsdp runs in one torchrun launch (tests/distributed/batched_runs.py)
+    runs = batched_runs(
+        tmp_path_factory,
+        {
+            mode: (2, ("--parallel.strategy=fsdp", f"--parallel.gradient_reduce={mode}"))
+            for mode in ("last_micro_batch", "every_micro_batch")
+        },
+    )
+    last, every = runs("last_micro_batch"), runs("every_micro_batch")
     assert every.metrics[0]["accum_steps"] == last.metrics[0]["accum_steps"] == 4
     assert_trains_alike(every, last, "fsdp every_micro_batch vs last_micro_batch")
     assert_trains_alike(every, ddp, "fsdp every_micro_batch vs ddp")
