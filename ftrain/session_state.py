@@ -57,6 +57,17 @@ def _unstorable(key: str, obj: Any, step: int, e: state_codec.StateEncodeError) 
     )
 
 
+def _encoded(entries: Mapping[str, Any], step: int) -> dict[str, str]:
+    """Each entry's ``state_dict()``, encoded (name -> text); SessionError naming what cannot be stored."""
+    out = {}
+    for key, obj in entries.items():
+        try:
+            out[key] = state_codec.encode(obj.state_dict())
+        except state_codec.StateEncodeError as e:
+            raise _unstorable(key, obj, step, e) from None
+    return out
+
+
 def _one_optimizer_per_parameter(state: Mapping[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
     """SessionError when two optimizers of the state update one parameter: torch's distributed
     state dict keys optimizer state by parameter name, so theirs would be mixed on load."""
@@ -255,13 +266,7 @@ class StateParts:
 
     def own_state(self, step: int) -> dict[str, str]:
         """This rank's per-rank entries, encoded (name -> text); SessionError naming what cannot be stored."""
-        out = {}
-        for key, obj in self.per_rank.items():
-            try:
-                out[key] = state_codec.encode(obj.state_dict())
-            except state_codec.StateEncodeError as e:
-                raise _unstorable(key, obj, step, e) from None
-        return out
+        return _encoded(self.per_rank, step)
 
     def apply_own(self, encoded: dict[str, str]) -> None:
         """Put this rank's per-rank entries back as :meth:`own_state` encoded them (its own, held in memory)."""
@@ -283,12 +288,7 @@ class StateParts:
         """Each other entry's ``state_dict()``, encoded (:func:`ftrain.state_codec.encode`): name ->
         JSON text. SessionError, naming the entry and where in it, for what can never be stored
         (a tensor, a NumPy value, an object; nesting past the bound; a state file past its size)."""
-        out = {}
-        for key, obj in self.others.items():
-            try:
-                out[key] = state_codec.encode(obj.state_dict())
-            except state_codec.StateEncodeError as e:
-                raise _unstorable(key, obj, step, e) from None
+        out = _encoded(self.others, step)
         size = state_codec.entries_size_bytes(out)
         if size > state_codec.MAX_STATE_BYTES:
             biggest = sorted(out, key=lambda k: -len(out[k]))[:3]
