@@ -8,7 +8,8 @@ returned ``get(name)`` gives that case's :class:`~ftrain.testbed.jobs.RunResult`
 meshes), its metrics, final state and ledger under ``<workdir>/<name>``. On this machine starting
 the ranks and importing torch was most of each small run's time; the parity checks are unchanged.
 A case whose run failed, or a launch that did not exit 0, fails every ``get`` of that size with
-the launch's output.
+the launch's output; after a launch that succeeded, a case's ``output`` is what was printed from
+rank 0's start of that case to its start of the next.
 """
 
 from __future__ import annotations
@@ -26,12 +27,25 @@ from ftrain.testbed.jobs import TINY_CONFIG, RunResult, run, worker_env
 WORKER = "tests/distributed/strategies_worker.py"
 
 
+def _case_output(output: str, case: str, cases: list[str]) -> str:
+    """The part of a launch's output from rank 0's line that starts ``case`` to the one that starts the next."""
+
+    def start(name: str) -> int:
+        return output.find(f"strategies_worker: rank 0: case {name}:")
+
+    begin = start(case)
+    assert begin >= 0, f"{case}: rank 0 never started it:\n{output[-6000:]}"
+    later = [start(name) for name in cases[cases.index(case) + 1 :]]
+    return output[begin : min([i for i in later if i >= 0], default=len(output))]
+
+
 def batched_runs(
     tmp_path_factory: pytest.TempPathFactory,
     cases: Mapping[str, tuple[int, Sequence[str]]],
     *,
     config: str = TINY_CONFIG,
     timeout_s: float = 900,
+    env: Mapping[str, str] | None = None,
 ) -> Callable[[str], RunResult]:
     runs: dict[str, RunResult] = {}
 
@@ -44,12 +58,12 @@ def batched_runs(
             (workdir / "config.toml").write_text(config)
             launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
             worker = [WORKER, str(workdir / "config.toml"), str(workdir), str(workdir / "cases.json")]
-            proc = run([*launch, *worker], timeout_s=timeout_s, env=worker_env())
+            proc = run([*launch, *worker], timeout_s=timeout_s, env=worker_env(**(env or {})))
             for case in batch:
                 metrics, final = workdir / case / "metrics.jsonl", workdir / case / "final.pt"
                 runs[case] = RunResult(
                     proc.returncode,
-                    proc.stdout,
+                    _case_output(proc.stdout, case, list(batch)) if proc.returncode == 0 else proc.stdout,
                     read_jsonl(metrics) if metrics.exists() else [],
                     torch.load(final, weights_only=False) if final.exists() else None,
                     workdir / case,

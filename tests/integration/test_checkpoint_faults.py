@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
 import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,8 @@ from ftrain.chaos.s3proxy import FaultRates, S3FaultProxy
 from ftrain.checkpoint.digest import digest_bytes
 from ftrain.checkpoint.storage import Storage
 from ftrain.contract.events import read_events
-from ftrain.testbed.jobs import max_abs_diff, run, train_job, worker_env
+from ftrain.testbed.jobs import RunResult, max_abs_diff, run, train_job, worker_env
+from tests.distributed.batched_runs import batched_runs
 
 pytestmark = pytest.mark.dist
 
@@ -105,39 +110,67 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_corruption_is_named_and_training_falls_back(case, seaweed, pristine, s3_prefix, tmp_path):
-    storage = _copy(seaweed, pristine, s3_prefix)
-    sentinel = tmp_path / "PWNED"
-    bad_file = CASES[case](storage, sentinel)
+@dataclass
+class Corrupted:
+    """One case of CASES: its damaged copy, what ``ftrain ckpt verify`` said, and its resume."""
+
+    storage: Storage
+    bad_file: str
+    sentinel: Path
+    verify: subprocess.CompletedProcess
+    events: Path
+
+
+@pytest.fixture(scope="module")
+def corrupted(seaweed, pristine, tmp_path_factory) -> tuple[dict[str, Corrupted], Callable[[str], RunResult]]:
+    """Every case of CASES damaged in a copy of its own and verified, then resumed: the resumes
+    (one rank each, from the damaged copy) share one torchrun launch (tests/distributed/batched_runs.py)."""
+    if not seaweed.running:  # as s3_prefix does: a test that left the server dead does not cascade
+        seaweed.restart(timeout_s=60)
     env = worker_env(**seaweed.env())
+    cases: dict[str, Corrupted] = {}
+    for case in sorted(CASES):
+        tmp = tmp_path_factory.mktemp(case)
+        storage = _copy(seaweed, pristine, f"t-{uuid.uuid4().hex[:12]}")
+        sentinel = tmp / "PWNED"
+        bad_file = CASES[case](storage, sentinel)
+        verify = run([sys.executable, "-m", "ftrain", "ckpt", "verify", storage.url], timeout_s=120, env=env)
+        cases[case] = Corrupted(storage, bad_file, sentinel, verify, tmp / "events.jsonl")
+    resumes = {
+        case: (
+            1,
+            (
+                "--train.steps=9",
+                "--train.on_schedule_change=rescale",  # one step past the saved run's end
+                f"--checkpoint.uri={c.storage.url}",
+                "--checkpoint.interval=0",
+                "--checkpoint.final_save=false",
+                f"--logging.events_path={c.events}",
+            ),
+        )
+        for case, c in cases.items()
+    }
+    return cases, batched_runs(tmp_path_factory, resumes, env=seaweed.env())
 
-    verify = run([sys.executable, "-m", "ftrain", "ckpt", "verify", storage.url], timeout_s=120, env=env)
-    assert verify.returncode == 1, verify.stdout
-    assert bad_file in verify.stdout and STEP8 in verify.stdout
-    assert "step-000000004: OK" in verify.stdout
 
-    events = tmp_path / "events.jsonl"
-    resumed = train_job(
-        tmp_path / "resume",
-        1,
-        "--train.steps=9",
-        "--train.on_schedule_change=rescale",  # one step past the saved run's end
-        f"--checkpoint.uri={storage.url}",
-        "--checkpoint.interval=0",
-        "--checkpoint.final_save=false",
-        f"--logging.events_path={events}",
-        save_final=False,
-        env=seaweed.env(),
-    )
+@pytest.mark.timeout(900)  # the first case waits for every case's verify and resume
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_corruption_is_named_and_training_falls_back(case, corrupted):
+    cases, resume = corrupted
+    c = cases[case]
+    assert c.verify.returncode == 1, c.verify.stdout
+    assert c.bad_file in c.verify.stdout and STEP8 in c.verify.stdout
+    assert "step-000000004: OK" in c.verify.stdout
+
+    resumed = resume(case)  # also checks that it exited 0
     assert "resumed from checkpoint step 4" in resumed.output
     assert resumed.metrics[0]["step"] == 5
-    corrupt = [e for e in read_events(str(events)) if e["event"] == "ckpt_corrupt"]
+    corrupt = [e for e in read_events(str(c.events)) if e["event"] == "ckpt_corrupt"]
     assert corrupt and corrupt[0]["step"] == 8
-    assert storage.exists(f"{STEP8}/corrupt.json")  # marked, nothing deleted
-    assert storage.exists(f"{STEP8}/manifest.json")
-    assert not sentinel.exists(), "the malicious pickle ran"
-    assert not os.path.exists(sentinel)
+    assert c.storage.exists(f"{STEP8}/corrupt.json")  # marked, nothing deleted
+    assert c.storage.exists(f"{STEP8}/manifest.json")
+    assert not c.sentinel.exists(), "the malicious pickle ran"
+    assert not os.path.exists(c.sentinel)
 
 
 # -- damage in flight: the S3 fault proxy flips a bit of a shard's bytes on their way ---------
