@@ -14,6 +14,7 @@ from ftrain.checkpoint.storage import Storage
 from ftrain.contract.events import read_events
 from ftrain.data import read_ledger
 from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, run, train_job, worker_env
+from tests.distributed.batched_runs import batched_runs
 
 pytestmark = pytest.mark.dist
 
@@ -162,7 +163,8 @@ def _resume_close_to(golden, run, ledger, what: str) -> None:
     assert all(ids[s] == golden_ids[s] for s in ids), f"{what}: data cursor drifted"
 
 
-def test_pipeline_checkpoints_load_across_layouts(seaweed, s3_prefix, tmp_path, golden):
+@pytest.mark.timeout(600)
+def test_pipeline_checkpoints_load_across_layouts(seaweed, s3_prefix, tmp_path, tmp_path_factory, golden):
     """Saved at pp=2 x dp=2, resumed at dp=2 without a pipeline and at pp=2 x dp=1; saved
     without a pipeline, resumed at pp=2; and ``ftrain ckpt export`` of a pipeline's step is the
     whole model. The checkpoint's parameter names are the model's, whatever the layout."""
@@ -173,7 +175,8 @@ def test_pipeline_checkpoints_load_across_layouts(seaweed, s3_prefix, tmp_path, 
         "pp2xdp2": (4, ["--parallel.pp_size=2"], [(2, [], "dp2"), (2, ["--parallel.pp_size=2"], "pp2xdp1")]),
         "dp2": (2, [], [(2, ["--parallel.pp_size=2"], "pp2")]),
     }
-    for name, (nproc, layout, resumes) in saves.items():
+    resumes: dict[str, tuple[int, tuple[str, ...]]] = {}
+    for name, (nproc, layout, resumed_as) in saves.items():
         url = seaweed.url(f"{s3_prefix}/{name}")
         saved = train_job(
             tmp_path / name,
@@ -186,19 +189,15 @@ def test_pipeline_checkpoints_load_across_layouts(seaweed, s3_prefix, tmp_path, 
             save_final=False,
         )
         assert saved.returncode != 0
-        for world, resume_layout, what in resumes:
-            ledger = tmp_path / f"ledger-{name}-{what}"
-            resumed = train_job(
-                tmp_path / f"{name}-to-{what}",
-                world,
-                *resume_layout,
-                *ckpt_args(url),
-                *once,
-                f"--data.ledger_dir={ledger}",
-                env=env,
-            )
-            assert f"saved at world size {nproc}" in resumed.output
-            _resume_close_to(golden, resumed, ledger, f"{name} -> {what}")
+        for world, resume_layout, what in resumed_as:
+            resumes[f"{name}-to-{what}"] = (world, (*resume_layout, *ckpt_args(url), *once))
+    # the resumes (all on 2 ranks) share one torchrun launch (tests/distributed/batched_runs.py)
+    resumed = batched_runs(tmp_path_factory, resumes, env=env)
+    for case in resumes:
+        result = resumed(case)  # also checks that it exited 0
+        saved_on = saves[case.split("-to-")[0]][0]
+        assert f"saved at world size {saved_on}" in result.output, case
+        _resume_close_to(golden, result, result.workdir / "ledger", case)
     url = seaweed.url(f"{s3_prefix}/pp2xdp2")
     out = tmp_path / "model.pt"
     proc = run(
