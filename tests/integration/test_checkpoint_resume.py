@@ -5,10 +5,6 @@ exported whole (``ftrain ckpt export``) is the trained model."""
 from __future__ import annotations
 
 import sys
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,7 @@ from ftrain.checkpoint.catalog import list_steps
 from ftrain.checkpoint.storage import Storage
 from ftrain.contract.events import read_events
 from ftrain.data import read_ledger
-from ftrain.testbed.jobs import RunResult, max_abs_diff, optimizer_tensors, run, train_job, worker_env
+from ftrain.testbed.jobs import max_abs_diff, optimizer_tensors, run, train_job, worker_env
 from tests.distributed.batched_runs import batched_runs
 
 pytestmark = pytest.mark.dist
@@ -37,79 +33,57 @@ def assert_bitwise(a: dict, b: dict) -> None:
         assert torch.equal(oa[k], ob[k]), f"optimizer state {k} differs"
 
 
-#: case -> (strategy, layout)
-SIGKILLED = {"ddp": ("ddp", ()), "fsdp": ("fsdp", ()), "pp2": ("ddp", ("--parallel.pp_size=2",))}
-
-
-@dataclass
-class Sigkilled:
-    url: str
-    crashed: RunResult
-    committed: list[int]  #: the steps committed when the crashed run was gone
-    events: Path  #: the resume's event log
-    cached: bool  #: fsdp keeps the node's files on local disk too: its resume reads them there (ddp: from S3)
-
-
-@pytest.fixture(scope="module")
-def sigkilled(seaweed, tmp_path_factory) -> tuple[dict[str, Sigkilled], Callable[[str], RunResult]]:
-    """Each case of SIGKILLED run on 2 ranks until rank 1 SIGKILLs itself after step 9 (step 4 is
-    committed, step 8 may be in flight), a launch each; then the three resumes, which share one
-    torchrun launch (tests/distributed/batched_runs.py)."""
-    if not seaweed.running:  # as s3_prefix does: a test that left the server dead does not cascade
-        seaweed.restart(timeout_s=60)
-    env = seaweed.env()
-    cases: dict[str, Sigkilled] = {}
-    resumes: dict[str, tuple[int, tuple[str, ...]]] = {}
-    for case, (strategy, layout) in SIGKILLED.items():
-        tmp = tmp_path_factory.mktemp(f"sigkill-{case}")
-        url = seaweed.url(f"t-{uuid.uuid4().hex[:12]}/job")
-        cache = [f"--checkpoint.local_cache_dir={tmp / 'cache'}"] if strategy == "fsdp" else []
-        crashed = train_job(
-            tmp / "crash",
-            2,
-            f"--parallel.strategy={strategy}",
-            *layout,
-            *ckpt_args(url, *cache),
-            env={**env, "FTRAIN_FAULT_SIGKILL": "9:1"},
-            check=False,
-            save_final=False,
-        )
-        storage = Storage(url, seaweed.storage_options())
-        committed = [s.step for s in list_steps(storage) if s.state == "committed"]
-        cases[case] = Sigkilled(url, crashed, committed, tmp / "resume-events.jsonl", bool(cache))
-        events = f"--logging.events_path={cases[case].events}"
-        resumes[case] = (2, (f"--parallel.strategy={strategy}", *layout, events, *ckpt_args(url, *cache)))
-    return cases, batched_runs(tmp_path_factory, resumes, env=env)
-
-
-@pytest.mark.timeout(900)  # the first case waits for every case's crash and the resumes
-@pytest.mark.parametrize("case", list(SIGKILLED))
-def test_sigkill_then_resume_is_bitwise_identical(case, sigkilled, seaweed, tmp_path, golden):
+@pytest.mark.parametrize(
+    ("strategy", "layout"), [("ddp", []), ("fsdp", []), ("ddp", ["--parallel.pp_size=2"])], ids=["ddp", "fsdp", "pp2"]
+)
+def test_sigkill_then_resume_is_bitwise_identical(strategy, layout, seaweed, s3_prefix, tmp_path, golden):
     """A run SIGKILLed after step 9 resumes from its newest commit and ends bitwise equal to an
     uninterrupted run, loss for loss. Under fsdp the resumed run's last step (saved sharded) also
     exports whole with ``ftrain ckpt export``, equal to its final weights, and ``ftrain ckpt show``
     lists its files (was a test of its own, with a job of its own)."""
-    strategy, layout = SIGKILLED[case]
+    env = seaweed.env()
     golden = golden(2, *([] if strategy == "ddp" else [f"--parallel.strategy={strategy}"]), *layout)
-    cases, resume = sigkilled
-    c = cases[case]
-    assert c.crashed.returncode != 0
-    assert [m["step"] for m in c.crashed.metrics][-1] >= 8
-    assert 4 in c.committed and 10 not in c.committed
-    resumed = resume(case)  # also checks that it exited 0
+    url = seaweed.url(f"{s3_prefix}/job")
+    # fsdp keeps the node's files on local disk too: its resume reads them there (ddp: from S3)
+    cache = [f"--checkpoint.local_cache_dir={tmp_path / 'cache'}"] if strategy == "fsdp" else []
+    # rank 1 SIGKILLs itself after step 9: step 4 is committed, step 8 may be in flight
+    crashed = train_job(
+        tmp_path / "crash",
+        2,
+        f"--parallel.strategy={strategy}",
+        *layout,
+        *ckpt_args(url, *cache),
+        env={**env, "FTRAIN_FAULT_SIGKILL": "9:1"},
+        check=False,
+        save_final=False,
+    )
+    assert crashed.returncode != 0
+    assert [m["step"] for m in crashed.metrics][-1] >= 8
+    committed = [s.step for s in list_steps(Storage(url, seaweed.storage_options())) if s.state == "committed"]
+    assert 4 in committed and 10 not in committed
+    events = tmp_path / "resume-events.jsonl"
+    resumed = train_job(
+        tmp_path / "resume",
+        2,
+        f"--parallel.strategy={strategy}",
+        *layout,
+        f"--logging.events_path={events}",
+        *ckpt_args(url, *cache),
+        env=env,
+    )
     first = resumed.metrics[0]["step"]
-    assert first - 1 in (4, 8) and first - 1 == max(c.committed), resumed.output[-2000:]
+    assert first - 1 in (4, 8) and first - 1 == max(committed), resumed.output[-2000:]
     assert "resumed from checkpoint step" in resumed.output
-    loads = [e for e in read_events(str(c.events)) if e["event"] == "ckpt_loaded"]
+    loads = [e for e in read_events(str(events)) if e["event"] == "ckpt_loaded"]
     assert len(loads) == 2 and all(e["bytes_read"] > 0 for e in loads), loads
     # every rank read all it needed from this node's cache, or (no cache) nothing from one
-    assert all(e["bytes_from_cache"] == (e["bytes_read"] if c.cached else 0) for e in loads), loads
+    assert all(e["bytes_from_cache"] == (e["bytes_read"] if cache else 0) for e in loads), loads
     assert_bitwise(resumed.final, golden.final)
     # the resumed run's losses are the golden run's, step for step
     golden_losses = {m["step"]: m["loss"] for m in golden.metrics}
     assert all(m["loss"] == golden_losses[m["step"]] for m in resumed.metrics)
     if strategy == "fsdp":  # what fsdp saved (sharded) exports whole, and shows its files
-        _assert_export_is_the_trained_model(c.url, 10, resumed.final["model"], seaweed.env(), tmp_path)
+        _assert_export_is_the_trained_model(url, 10, resumed.final["model"], env, tmp_path)
 
 
 def _assert_export_is_the_trained_model(url: str, step: int, model: dict, env: dict[str, str], tmp_path) -> None:
