@@ -24,7 +24,7 @@ class NoSession:
     def __init__(self, *_args: Any, **_kwargs: Any):
         pass
 
-    def run(self, train: Any) -> Any:
+    def run(self, train: Any, *, warm_up: Any = None) -> Any:  # a plain loop keeps no spares to warm up
         self.start()
         try:
             return train(self)
