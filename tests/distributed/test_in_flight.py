@@ -1,6 +1,6 @@
 """:func:`ftrain.agent_link.flight_recorder.oldest_in_flight` on 2 real gloo ranks with a full recorder
 (2,000 entries): a collective that the peer has not joined is in flight (first as a sighting,
-then as the buffer's own entry), completed ones are not, the recorder off says nothing, and a
+then as the buffer's own entry, exactly), completed ones are not, the recorder off says nothing, and a
 second world of the same processes starts clean."""
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def test_a_collective_the_peer_never_joined_is_in_flight_and_completed_ones_are_
     for name, group, seq in (("default", "0", 2002), ("subgroup", "1", 1), ("second_world", "0", 1)):
         held = got[name]
         first, exact = held["first"], held["exact"]
-        assert (first["seq"], first["op"], first["done"]) == (seq, "", False), (name, held)
+        # a sighting (no op yet) of the held collective, or of one just before it: torch's status counters
+        # trail wait() under load, so a collective already done may still count as in flight for a moment
+        assert (first["op"], first["done"]) == ("", False) and seq - 3 <= first["seq"] <= seq, (name, held)
         assert first["group"] in ("", group), (name, held)  # named once the buffer showed the group
         assert first["enqueued_s"] >= held["enqueued_after_s"], (name, held)  # a sighting is never earlier
         assert (exact["group"], exact["seq"], exact["op"], exact["sizes"]) == (group, seq, "gloo:all_reduce", [[4]])
