@@ -118,10 +118,9 @@ def pack(encoded: dict[str, str], rank: int) -> tuple[dict[str, torch.Tensor], d
     capacities = dict(zip(names, (int(s) for s in sizes.tolist()), strict=True))
     tensors = {}
     for name in names:
-        t = torch.zeros(_LENGTH_BYTES + capacities[name], dtype=torch.uint8)
-        t[:_LENGTH_BYTES] = torch.tensor(list(len(data[name]).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
-        t[_LENGTH_BYTES : _LENGTH_BYTES + len(data[name])] = torch.frombuffer(bytearray(data[name]), dtype=torch.uint8)
-        tensors[dcp_key(name, rank)] = t
+        padding = bytes(capacities[name] - len(data[name]))
+        raw = bytearray(len(data[name]).to_bytes(_LENGTH_BYTES, "little") + data[name] + padding)
+        tensors[dcp_key(name, rank)] = torch.frombuffer(raw, dtype=torch.uint8)
     return tensors, capacities
 
 

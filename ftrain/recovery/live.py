@@ -34,6 +34,7 @@ checkpoint fence and the event log read ``FTRAIN_ROUND``, set before the round's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import time
@@ -201,13 +202,12 @@ def warm_up_model(cfg: ModelConfig) -> nn.Module:
     return build_model(ModelConfig())
 
 
-def warm_up(cfg: Config, device: torch.device) -> float:
+def warm_up(cfg: Config, device: torch.device) -> None:
     """Pay, before any assignment, what a process's first trainer would pay on the critical path:
     the lazy imports (the first optimizer imports ``torch._dynamo``: 3 s here), the parallel
     wrappers' modules, the checkpoint storage's client (s3fs), and the first forward, backward and
     optimizer step (kernels, allocator; on a GPU the CUDA context). Nothing is kept (the data
-    source is built once by :func:`serve`). Returns the seconds it took."""
-    began = time.monotonic()
+    source is built once by :func:`serve`; :func:`~ftrain.recovery.rounds.serve_rounds` times it)."""
     for module in WARM_MODULES:
         importlib.import_module(module)
     if cfg.checkpoint.uri:
@@ -220,7 +220,6 @@ def warm_up(cfg: Config, device: torch.device) -> float:
     logits = logits_of(model(tokens[:, :-1]))
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
-    return time.monotonic() - began
 
 
 def serve(cfg: Config) -> None:
@@ -236,7 +235,7 @@ def serve(cfg: Config) -> None:
     stop_request.install()  # before anything slow: a SIGTERM from here on is kept (see that module)
     keep_ports = service_ports(cfg.checkpoint.endpoint_url, *env.etcd)
     rounds = _TrainerRounds(cfg, select_dtype(cfg.train, device), control, hb, keep_ports)
-    spare = lambda: warm_up(cfg, device)  # noqa: E731
+    spare = functools.partial(warm_up, cfg, device)
     serve_rounds(rounds, control, hb, keep_ports, cfg.parallel.timeout_s, stop_request.requested, spare)
 
 
