@@ -639,7 +639,10 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
                 exited=_exited(workers),
                 log_error=self._log_error(rc, beats, workers.log_path),
             )
-            log.info("round %d: workers exited (%s %d): %s", workers.round, _ended(workers), rc, report.outcome)
+            teardown = report.outcome == SUCCEEDED and rc != 0  # every worker finished, then crashed at exit
+            (log.warning if teardown else log.info)(
+                "round %d: workers exited (%s %d): %s", workers.round, _ended(workers), rc, report.outcome
+            )
             self.events.emit(
                 ev.WorkersExited(
                     node=self.cfg.node_id, worker_round=workers.round, exit_code=rc, outcome=report.outcome

@@ -163,10 +163,11 @@ class FakeWorkers:
         """A worker is SIGKILLed: no exit message; torchrun has not noticed yet."""
         self.crashed.add(local_rank)
 
-    def finish(self, step: int) -> None:
-        """Training is over: every rank says it finished, torchrun exits 0."""
+    def finish(self, step: int, rc: int = 0) -> None:
+        """Training is over: every rank says it finished, torchrun exits ``rc`` (non-zero: a
+        process crashed in its teardown, after its exit message)."""
         self.beat(step, committed_step=step, finished=True, phase="exiting")
-        self.rc = 0
+        self.rc = rc
 
     def stop(self, step: int) -> None:
         """A graceful stop before the end (drain): every rank leaves unfinished, torchrun exits 0."""
@@ -397,15 +398,19 @@ def test_a_node_that_joins_enters_at_the_next_committed_checkpoint(job: Job) -> 
     assert [(x.node_rank, x.nnodes) for x in launches] == [(0, 2), (1, 2)]
 
 
-def test_every_node_finishing_ends_the_job_with_exit_code_0(job: Job) -> None:
+@pytest.mark.parametrize("b_exit_code", [0, -6], ids=["clean", "abort-at-teardown"])
+def test_every_node_finishing_ends_the_job_with_exit_code_0(job: Job, b_exit_code: int) -> None:
+    """Node b's workers all said they finished; with -6 one then aborted in its interpreter's
+    teardown (gloo's threads on CPU): the run is done all the same, nothing to restart."""
     start_round_1(job, "a", "b", nnodes="2:2")
     job.nodes["a"].workers.finish(step=100)
-    job.nodes["b"].workers.finish(step=100)
+    job.nodes["b"].workers.finish(step=100, rc=b_exit_code)
     job.run_until(lambda: all(n.agent.exit_code is not None for n in job.nodes.values()), "both agents done")
     final = job.state().final
     assert final is not None and final.status == SUCCEEDED and final.round == 1
     assert [n.agent.exit_code for n in job.nodes.values()] == [exits.OK, exits.OK]
     assert job.state().status["b"].state == "done"
+    assert len(job.nodes["b"].started) == 1  # no second round was launched
 
 
 def test_a_drained_node_leaves_and_the_others_continue_without_it(job: Job) -> None:
