@@ -8,7 +8,10 @@ examples/own_loop/train.py (a Hugging Face Llama under FSDP2, 2 processes, ``tor
 - ``session``: the example as it is: ``ftrain.Session`` with an asynchronous save every
   ``--save-every`` steps to a local directory (a fresh one per run), a heartbeat per step;
 - ``plain``: the same loop with the session replaced by a stand-in that only joins the process
-  group (bench/lib/own_loop_plain.py): no checkpoints.
+  group: no checkpoints.
+
+Both run the example's ``main`` through bench/lib/own_loop_sides.py, which ends each process as
+ftrain's workers end (no C++ teardown: gloo's threads can abort an exit on CPU).
 
 Each run's figure is the loop's wall time over its steps as the example prints it (``done: N
 steps in S s``, from after the load to after the last step, the final save excluded); each pair
@@ -34,16 +37,14 @@ sys.path.insert(0, str(REPO))
 from bench.steady_state import RunFailed, pair_summary, run_job, run_pairs  # noqa: E402 - after the path setup
 
 TARGET_RATIO = 1.02
-EXAMPLE = REPO / "examples" / "own_loop" / "train.py"
-PLAIN = REPO / "bench" / "lib" / "own_loop_plain.py"
+SIDES = REPO / "bench" / "lib" / "own_loop_sides.py"
 DONE = re.compile(r"done: (\d+) steps in ([0-9.]+)s")
 
 
 def run_side(side: str, name: str, workdir: Path, steps: int, save_every: int, timeout_s: float) -> float:
     """One run of ``side``: the loop's seconds per step."""
-    script = EXAMPLE if side == "session" else PLAIN
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SIDES), side,
         f"--steps={steps}", f"--save-every={save_every}", f"--ckpt={workdir / f'{name}.ckpt'}",
     ]  # fmt: skip
     run_job(cmd, workdir, name, timeout_s)

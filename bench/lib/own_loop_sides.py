@@ -1,6 +1,13 @@
-"""examples/own_loop/train.py without ftrain: the same loop with ``ftrain.Session`` replaced by a
-stand-in that only joins torchrun's process group (bench/session.py's baseline). Run it as the
-example is run: ``torchrun --standalone --nproc-per-node=2 bench/lib/own_loop_plain.py [ARGS]``."""
+"""examples/own_loop/train.py as bench/session.py runs each side of its pairs:
+
+    torchrun --standalone --nproc-per-node=2 bench/lib/own_loop_sides.py {session|plain} [EXAMPLE_ARGS]
+
+``session``: the example as it is (its ``ftrain.Session``); ``plain``: the same loop with the session
+replaced by a stand-in that only joins torchrun's process group (no checkpoints, no heartbeat).
+Either way the example's own ``main`` runs, and a run that returns ends its process the way
+ftrain's workers do (:func:`ftrain.distributed.exit_without_teardown`): the bench times steps, and
+gloo's threads can abort an interpreter's exit on CPU (about once in 25 runs under load here),
+which would fail a pair whose figures were already printed. An error still exits non-zero."""
 
 from __future__ import annotations
 
@@ -12,8 +19,10 @@ from typing import Any
 import torch.distributed as dist
 
 import ftrain
+from ftrain.distributed import exit_without_teardown
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop" / "train.py"
+SIDES = ("session", "plain")
 
 
 class NoSession:
@@ -50,12 +59,16 @@ class NoSession:
 
 
 def main(argv: list[str]) -> None:
-    ftrain.Session = NoSession  # type: ignore[attr-defined,misc]  # the example looks it up when it runs
+    if not argv or argv[0] not in SIDES:
+        raise SystemExit(f"usage: own_loop_sides.py {{{'|'.join(SIDES)}}} [EXAMPLE_ARGS]")
+    if argv[0] == "plain":
+        ftrain.Session = NoSession  # type: ignore[attr-defined,misc]  # the example looks it up when it runs
     spec = importlib.util.spec_from_file_location("own_loop_train", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(argv)
+    module.main(argv[1:])
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":
