@@ -41,7 +41,8 @@ from ftrain.testbed.jobs import torchrun_cmd, worker_env
 from ftrain.testbed.procs import kill_tree
 
 TARGET_RATIO = 1.01
-SMOKE_STEPS, SMOKE_WARMUP = 40, 10
+#: --smoke (steady_state, flight_recorder): proves the pair runs end to end, not a measurement
+SMOKE_STEPS, SMOKE_WARMUP = 20, 5
 DEFAULT_CONFIG = REPO / "configs" / "demo.toml"
 
 
