@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ftrain import optim_state, state_codec
+from ftrain import optim_state
 from ftrain.agent_link import heartbeat
 from ftrain.agent_link.heartbeat import Heartbeat
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.recovery.peer_state import HeldState, Restored, take_held_state
+from ftrain.recovery.peer_state import HeldState, PeerStateError, Restored, take_held_state
 from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
 from ftrain.recovery.rounds import RoundOver, said_left
 from ftrain.session_state import SessionError, StateParts
@@ -131,9 +131,9 @@ def restore_round(
     optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
     for key, obj in parts.others.items():
         try:  # the encoded entries a rank held (the sender's digest-checked): exact, as from storage
-            value = state_codec.decode(held.cursor[key])
-        except state_codec.StateDecodeError as e:
-            raise SessionError(f"the state's {key!r} held for step {held.step} does not decode: {e}") from e
+            value = held.entry(key)
+        except PeerStateError as e:
+            raise SessionError(str(e)) from e
         obj.load_state_dict(value)
     if mine is not None and mine.step == held.step and mine.own is not None:  # else a new rank's are the loop's
         parts.apply_own(mine.own)

@@ -41,13 +41,13 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ftrain import state_codec
 from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.storage import Storage, StorageOptions
-from ftrain.config import LR_SCALINGS, Config, ModelConfig
+from ftrain.config import Config, ModelConfig
 from ftrain.contract import events as ev
 from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.worker_env import WorkerEnv
@@ -58,7 +58,7 @@ from ftrain.models.layout import logits_of
 from ftrain.optim import Schedule
 from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
-from ftrain.recovery.peer_state import HeldState, Restored, take_held_state
+from ftrain.recovery.peer_state import HeldState, PeerStateError, Restored, take_held_state
 from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
 from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
 from ftrain.train import Trainer, finish, say_goodbye
@@ -69,6 +69,21 @@ log = logging.getLogger(__name__)
 WARM_MODULES = ("ftrain.parallel.ddp", "ftrain.parallel.fsdp", "ftrain.parallel.tp", "ftrain.parallel.deterministic")
 
 
+#: the trainer's entries besides the model and optimizer that a live peer sends (HeldState.cursor)
+CURSOR, SCHEDULE = "cursor", "schedule"
+
+
+def entries(trainer: Trainer) -> dict[str, str]:
+    """The trainer's other entries as a rank holds them for the next round (as a session's, each
+    encoded by :mod:`ftrain.state_codec`): the data cursor, and the LR schedule in force (what the
+    run's last resume decided, ``train.on_schedule_change``: a new process must not go on with
+    its configured one)."""
+    return {
+        CURSOR: state_codec.encode(trainer.cursor.state_dict()),
+        SCHEDULE: state_codec.encode(trainer.lr_schedule().to_dict()),
+    }
+
+
 def hold(trainer: Trainer) -> HeldState:
     """What ``trainer`` holds at its last complete step (a half-done step is undone first: its
     batch goes back to the cursor; its gradients are dropped)."""
@@ -77,11 +92,10 @@ def hold(trainer: Trainer) -> HeldState:
         trainer.par.optimizer.zero_grad(set_to_none=True)
         trainer.update_applied = True
     committed = trainer.committed_step()
-    schedule = trainer.lr_schedule()
     if not strategies.full_replica(trainer.layout):
-        return HeldState(step=trainer.cursor.step, committed_step=committed, schedule=schedule)
+        return HeldState(step=trainer.cursor.step, committed_step=committed)
     model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
-    return HeldState(trainer.cursor.step, committed, model, optim, trainer.cursor.state_dict(), schedule)
+    return HeldState(trainer.cursor.step, committed, model, optim, entries(trainer))
 
 
 def held_on(held: HeldState | None, device: torch.device) -> HeldState | None:
@@ -123,11 +137,13 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
         trainer.events.emit(refused)
     if state is not None:
         assert state.model is not None and state.optim is not None and state.cursor is not None
+        cursor, schedule = state.entry(CURSOR), _schedule_of(state, choice.from_rank)  # before any is applied
         set_state_dict(
             trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim
         )
-        trainer.cursor.load_state_dict(state.cursor)
-        _agree_schedule(trainer, held, max(choice.from_rank, 0))
+        trainer.cursor.load_state_dict(cursor)
+        if trainer.ckpt is not None and schedule is not None:  # what its next saves record
+            trainer.ckpt.schedule = schedule
         _note_committed(trainer, committed)
         return Restored("memory" if choice.from_rank < 0 else "live_peer", state.step, choice.from_rank)
     tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
@@ -138,35 +154,14 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
     return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
 
 
-def _agree_schedule(trainer: Trainer, held: HeldState | None, src: int) -> None:
-    """Collective: every rank goes on with the LR schedule rank ``src`` trained on (what the run's
-    last resume from storage decided, ``train.on_schedule_change``), not with a new process's
-    configured one. Sent as numbers; a value that is not a schedule leaves the configured one."""
-    numbers = torch.zeros(7, dtype=torch.float64, device=trainer.device)
-    mine = held.schedule if held is not None and trainer.rank == src else None
-    if mine is not None and mine.lr_scaling in LR_SCALINGS:
-        numbers.copy_(
-            torch.tensor(
-                [1, mine.total_steps, mine.warmup_steps, mine.lr, mine.min_lr_ratio,
-                 LR_SCALINGS.index(mine.lr_scaling), mine.base_world_size],
-                dtype=torch.float64,
-            )
-        )  # fmt: skip
-    dist.broadcast(numbers, src)
-    sent, steps, warmup, lr, floor, scaling, base = numbers.tolist()
-    if not sent or trainer.ckpt is None:
-        return
+def _schedule_of(state: HeldState, src: int) -> Schedule | None:
+    """The LR schedule ``state``'s holder trained on; None (the configured one goes on, said)
+    when what it sent is not one."""
     try:
-        trainer.ckpt.schedule = Schedule(
-            total_steps=int(steps),
-            warmup_steps=int(warmup),
-            lr=lr,
-            min_lr_ratio=floor,
-            lr_scaling=LR_SCALINGS[int(scaling)],
-            base_world_size=int(base),
-        )
-    except (ValueError, IndexError) as e:
-        log.error("rank %d sent no valid LR schedule (%s): going on with the configured one", src, e)
+        return Schedule.from_dict(state.entry(SCHEDULE))
+    except (PeerStateError, ValueError) as e:
+        log.error("rank %d sent no valid LR schedule (%s): going on with the configured one", max(src, 0), e)
+        return None
 
 
 def _note_committed(trainer: Trainer, committed: int) -> None:
@@ -179,7 +174,7 @@ def _reference(trainer: Trainer, step: int) -> HeldState:
     """This rank's own freshly built state, which a live peer's transfer is checked against
     (the same structure on every rank of a full-replica strategy)."""
     model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
-    return HeldState(step, -1, model, optim, trainer.cursor.state_dict())
+    return HeldState(step, -1, model, optim, entries(trainer))
 
 
 #: a model larger than this in fp32 is not what a spare warms up with: it is trained only under a

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ftrain.optim import Schedule
+from ftrain import state_codec
 from ftrain.torch_compat import all_gather_single
 
 #: dtypes a header may name (anything else is refused)
@@ -75,16 +75,17 @@ class PeerStateError(RuntimeError):
 @dataclass(slots=True)
 class HeldState:
     """What a live rank holds after its round ended: the step it completed and, for full-replica
-    strategies, its model and optimizer state (``get_state_dict`` form) and data cursor."""
+    strategies, its model and optimizer state (``get_state_dict`` form) and the loop's other
+    entries at that step (``cursor``)."""
 
     step: int
     committed_step: int
     model: dict[str, Any] | None = None
     optim: dict[str, Any] | None = None
-    cursor: dict[str, Any] | None = None  #: the data cursor (a user loop: its plain-JSON entries)
-    schedule: Schedule | None = None
-    """The LR schedule the rank trained on (what the run's last resume decided); not sent with the
-    state: :func:`ftrain.recovery.live.restore` makes the ranks agree on one."""
+    cursor: dict[str, str] | None = None
+    """The loop's other entries, each encoded by :mod:`ftrain.state_codec` (name -> text): a
+    session's scheduler, sampler, counters; ``ftrain train``'s data cursor and the LR schedule in
+    force. Sent with the model; :meth:`entry` decodes one."""
     own: dict[str, str] | None = None
     """A session's per-rank entries at ``step``, encoded (:mod:`ftrain.session_per_rank`): this
     rank's own, never sent to a peer."""
@@ -93,6 +94,17 @@ class HeldState:
     @property
     def complete(self) -> bool:
         return self.model is not None and self.optim is not None and self.cursor is not None
+
+    def entry(self, name: str) -> Any:
+        """Entry ``name`` of :attr:`cursor`, decoded (it may have come from a peer: its digest was
+        checked, its values were not); PeerStateError naming it when it is missing or does not decode."""
+        text = (self.cursor or {}).get(name)
+        if not isinstance(text, str):
+            raise PeerStateError(f"the state held for step {self.step} has no entry {name!r}")
+        try:
+            return state_codec.decode(text)
+        except state_codec.StateDecodeError as e:
+            raise PeerStateError(f"the state's {name!r} held for step {self.step} does not decode: {e}") from e
 
     def payload(self) -> dict[str, Any]:
         """What :func:`broadcast` sends, and :meth:`digest` covers: the state and its step."""

@@ -13,9 +13,10 @@ import sys
 
 import torch
 
+from ftrain import state_codec
 from ftrain.config import load_config
 from ftrain.distributed import exit_without_teardown, init_distributed, select_device, shutdown_distributed
-from ftrain.recovery.live import hold, restore
+from ftrain.recovery.live import CURSOR, SCHEDULE, hold, restore
 from ftrain.recovery.peer_state import HeldState
 from ftrain.train import Trainer
 
@@ -26,13 +27,16 @@ OVERRIDES = ["--parallel.deterministic=true", "--train.global_batch_size=12"]
 def _ahead(held: HeldState, by: float) -> HeldState:
     """``held`` one step further: the cursor past one more batch, every parameter moved by ``by``."""
     assert held.model is not None and held.cursor is not None
-    cursor = dict(
-        held.cursor,
-        step=held.cursor["step"] + 1,
-        next_index=held.cursor["next_index"] + held.cursor["global_batch_size"],
-    )
+    cursor = held.entry(CURSOR)
+    cursor = dict(cursor, step=cursor["step"] + 1, next_index=cursor["next_index"] + cursor["global_batch_size"])
     model = {k: v + by for k, v in held.model.items()}
-    return HeldState(held.step + 1, held.committed_step, model, held.optim, cursor)
+    return HeldState(held.step + 1, held.committed_step, model, held.optim, _with(held, CURSOR, cursor))
+
+
+def _with(held: HeldState, name: str, value: object) -> dict[str, str]:
+    """``held``'s entries with ``name`` set to ``value``."""
+    assert held.cursor is not None
+    return {**held.cursor, name: state_codec.encode(value)}
 
 
 def main(config: str, scenario: str, out: str) -> None:
@@ -49,7 +53,7 @@ def main(config: str, scenario: str, out: str) -> None:
     elif scenario == "joiner":  # rank 2 is a new process: it holds nothing
         held = None if rank == 2 else held
         if held is not None:  # the others trained on what a resume under on_schedule_change=keep kept
-            held.schedule = dataclasses.replace(first.lr_schedule(), total_steps=7)
+            held.cursor = _with(held, SCHEDULE, dataclasses.replace(first.lr_schedule(), total_steps=7).to_dict())
     checkpointed = [f"--checkpoint.uri={out}/ckpt"] if scenario == "joiner" else []
     second = Trainer(
         load_config(config, ["--train.steps=3", *OVERRIDES, *checkpointed]),
