@@ -9,7 +9,9 @@ meshes), its metrics, final state and ledger under ``<workdir>/<name>``. On this
 the ranks and importing torch was most of each small run's time; the parity checks are unchanged.
 A case whose run failed, or a launch that did not exit 0, fails every ``get`` of that size with
 the launch's output; after a launch that succeeded, a case's ``output`` is what was printed from
-rank 0's start of that case to its start of the next.
+rank 0's start of that case to its start of the next. ``case_env`` (optional) maps a case's name
+to environment variables set in its ranks for that case only (the faults of ftrain/faults.py:
+each case may fire its own, as in a process of its own).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def batched_runs(
     config: str = TINY_CONFIG,
     timeout_s: float = 900,
     env: Mapping[str, str] | None = None,
+    case_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Callable[[str], RunResult]:
     runs: dict[str, RunResult] = {}
 
@@ -58,6 +61,9 @@ def batched_runs(
             (workdir / "config.toml").write_text(config)
             launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
             worker = [WORKER, str(workdir / "config.toml"), str(workdir), str(workdir / "cases.json")]
+            if case_env:
+                (workdir / "case_env.json").write_text(json.dumps({n: dict(case_env.get(n, {})) for n in batch}))
+                worker.append(str(workdir / "case_env.json"))
             proc = run([*launch, *worker], timeout_s=timeout_s, env=worker_env(**(env or {})))
             for case in batch:
                 metrics, final = workdir / case / "metrics.jsonl", workdir / case / "final.pt"

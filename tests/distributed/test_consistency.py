@@ -4,12 +4,15 @@ async saves: real ranks, faults injected inside the workers (ftrain/faults.py)."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from ftrain.contract.events import read_events
-from ftrain.testbed.jobs import train_job
+from ftrain.testbed.jobs import RunResult, train_job
+from tests.distributed.batched_runs import batched_runs
 
 pytestmark = pytest.mark.dist
 
@@ -40,35 +43,52 @@ def test_a_corrupt_replica_among_two_halts_the_job_naming_both(tmp_path):
     assert max(m["step"] for m in run.metrics) == 4
 
 
-@pytest.fixture(scope="module")
-def golden_three(tmp_path_factory):
-    """The fault-free run the rollbacks must reproduce: 3 ranks, a checkpoint every 2 steps."""
-    tmp = tmp_path_factory.mktemp("golden3")
-    return train_job(tmp / "job", 3, "--train.global_batch_size=12", *_CKPT, f"--checkpoint.uri={tmp / 'ck'}")
-
-
 _CKPT = ("--checkpoint.interval=2", "--checkpoint.async_mode=off")
+_THREE = ("--train.global_batch_size=12", *_CKPT)
+#: the rollback runs: a bit of rank 2's ``target`` flips in memory after steps 3 and 6
+_FLIPS = {"param", "exp_avg"}
 
 
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory) -> tuple[Path, Callable[[str], RunResult]]:
+    """The 3-rank runs of this file, ONE torchrun launch for all (tests/distributed/batched_runs.py;
+    blocking saves, no rank killed, each case's faults fire as in a process of its own): ``golden``
+    (fault-free) and a rollback run per bit-flip target; (their directory, ``get(name)``)."""
+    tmp = tmp_path_factory.mktemp("consistency3")
+    cases = {"golden": (3, (*_THREE, f"--checkpoint.uri={tmp / 'golden' / 'ck'}"))}
+    case_env = {}
+    for target in sorted(_FLIPS):
+        cases[target] = (
+            3,
+            (
+                *_THREE,
+                "--consistency.interval=1",
+                "--consistency.on_mismatch=rollback",
+                f"--checkpoint.uri={tmp / target / 'ck'}",
+                f"--logging.events_path={tmp / target / 'events.jsonl'}",
+            ),
+        )
+        case_env[target] = {"FTRAIN_FAULT_BITFLIP": "3:2,6:2", "FTRAIN_FAULT_BITFLIP_IN": target}
+    return tmp, batched_runs(tmp_path_factory, cases, case_env=case_env)
+
+
+@pytest.fixture(scope="module")
+def golden_three(three_ranks):
+    """The fault-free run the rollbacks must reproduce: 3 ranks, a checkpoint every 2 steps."""
+    return three_ranks[1]("golden")
+
+
+@pytest.mark.timeout(600)  # the first case waits for every case of the launch
 @pytest.mark.parametrize("target", ["param", "exp_avg"])
-def test_a_flipped_bit_is_found_on_its_rank_and_rolled_back_to_a_verified_checkpoint(tmp_path, golden_three, target):
+def test_a_flipped_bit_is_found_on_its_rank_and_rolled_back_to_a_verified_checkpoint(three_ranks, golden_three, target):
     """Silent data corruption: one bit of rank 2's parameter (or AdamW moment) flips in memory
     after steps 3 and 6. The check after each step finds rank 2 (the other two agree: decided),
     every rank reloads the last verified step and replays: the result equals the clean run. Step
     6 is a checkpoint step: the check runs before its save, so the corrupt state is never
     committed (a rollback to it would keep the corruption)."""
-    ev = tmp_path / "events.jsonl"
-    run = train_job(
-        tmp_path / "job",
-        3,
-        "--train.global_batch_size=12",
-        "--consistency.interval=1",
-        "--consistency.on_mismatch=rollback",
-        f"--checkpoint.uri={tmp_path / 'ck'}",
-        *_CKPT,
-        f"--logging.events_path={ev}",
-        env={"FTRAIN_FAULT_BITFLIP": "3:2,6:2", "FTRAIN_FAULT_BITFLIP_IN": target},
-    )
+    tmp, get = three_ranks
+    ev = tmp / target / "events.jsonl"
+    run = get(target)  # also checks that it ran on 3 ranks and the launch exited 0
     assert f"flipped a bit ({target} of the first parameter" in run.output
     # a flip in a moment shows in the state at once (the check digests the optimizer state too)
     assert [(m["step"], m["ranks"], m["decided"]) for m in _events(ev, "replica_mismatch", rank=0)] == [
