@@ -8,10 +8,13 @@ blocks are uneven (2, 2, 3, 2, 3 micro-batches): a job that shrinks to such a si
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from ftrain.testbed.jobs import optimizer_tensors
+from ftrain.testbed.jobs import RunResult, optimizer_tensors
+from tests.distributed.batched_runs import batched_runs
 
 pytestmark = pytest.mark.dist
 
@@ -24,10 +27,24 @@ DETERMINISTIC = (
 )
 
 
-def test_one_two_four_and_five_ranks_are_bitwise_identical(golden):
+#: the control's overrides: DETERMINISTIC without the fixed order
+PLAIN = DETERMINISTIC[1:]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> Callable[[str], RunResult]:
+    """The two 1-rank runs of this file (no other test shares them), ``deterministic`` and
+    ``plain``, in ONE torchrun launch (tests/distributed/batched_runs.py): starting a rank and
+    importing torch is most of such a run's time here. The runs of 2, 4 and 5 ranks stay the
+    session's golden runs (4 ranks deterministic is test_checkpoint_resume's too)."""
+    return batched_runs(tmp_path_factory, {"deterministic": (1, DETERMINISTIC), "plain": (1, PLAIN)})
+
+
+@pytest.mark.timeout(600)  # the first 1-rank case waits for both
+def test_one_two_four_and_five_ranks_are_bitwise_identical(golden, one_rank):
     finals = {}
     for world in (1, 2, 4, 5):
-        run = golden(world, *DETERMINISTIC)
+        run = one_rank("deterministic") if world == 1 else golden(world, *DETERMINISTIC)
         assert run.metrics[0]["accum_steps"] == 12 // world
         finals[world] = run
     ref = finals[1]
@@ -42,10 +59,11 @@ def test_one_two_four_and_five_ranks_are_bitwise_identical(golden):
             assert torch.equal(opt[name], tensor), f"W={world}: optimizer state {name} differs"
 
 
-def test_plain_ddp_is_not_bitwise_across_world_sizes(golden):
+@pytest.mark.timeout(600)
+def test_plain_ddp_is_not_bitwise_across_world_sizes(golden, one_rank):
     """The control: without the fixed order, 1 and 4 ranks differ in the last bits — so the
     test above proves something."""
-    plain = DETERMINISTIC[1:]
-    a = golden(1, *plain)
+    plain = PLAIN
+    a = one_rank("plain")
     b = golden(4, *plain)
     assert any(not torch.equal(a.final["model"][k], b.final["model"][k]) for k in a.final["model"])
