@@ -1,6 +1,8 @@
-"""Run under torchrun (4 gloo ranks): for each layout named on the command line, build the model
-deferred, make it parallel, and compare every parameter (gathered whole) with a whole build of
-the same seed; one JSON line per layout on rank 0: {"layout", "deferred", "different", "params"}."""
+"""Run under torchrun (4 gloo ranks): ``deferred_init_worker.py ARCHS LAYOUT...``: for each arch of
+ARCHS (one, or several joined by commas: one launch for them all) and each layout named on the
+command line, build the model deferred, make it parallel, and compare every parameter (gathered
+whole) with a whole build of the same seed; one JSON list per rank in ``$OUT`` (rank 0 writes
+them), an entry per arch and layout: {"arch", "layout", "deferred", "different", "params"}."""
 
 from __future__ import annotations
 
@@ -47,13 +49,16 @@ def check(name: str, model_cfg: ModelConfig) -> dict:
         seen += 1
         if not torch.equal(value, whole[own].detach()):
             different.append(own)
-    return {"layout": name, "deferred": deferred, "different": different, "params": seen}
+    return {"arch": model_cfg.arch, "layout": name, "deferred": deferred, "different": different, "params": seen}
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    model_cfg = ModelConfig(arch=sys.argv[1], vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)
-    write_gathered([check(name, model_cfg) for name in sys.argv[2:]])
+    results = []
+    for arch in sys.argv[1].split(","):
+        model_cfg = ModelConfig(arch=arch, vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)
+        results += [check(name, model_cfg) for name in sys.argv[2:]]
+    write_gathered(results)
 
 
 def write_gathered(results: list) -> None:

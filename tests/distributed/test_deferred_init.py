@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,16 +27,28 @@ pytestmark = pytest.mark.dist
 LAYOUTS = ("fsdp", "zero2", "hsdp", "tp", "fsdp+tp", "pp-fsdp", "pp-ddp")
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_every_sharding_layout_materializes_the_weights_of_a_whole_build(tmp_path, arch):
-    out = tmp_path / "results.json"
+ARCHS = ("gpt", "llama")
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """Every arch's checks of every layout in ONE 4-rank torchrun launch (starting the ranks and
+    importing torch is most of a launch's time here): its process and its results file."""
+    out = tmp_path_factory.mktemp("materialize") / "results.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-        "tests/distributed/deferred_init_worker.py", arch, *LAYOUTS,
+        "tests/distributed/deferred_init_worker.py", ",".join(ARCHS), *LAYOUTS,
     ]  # fmt: skip
-    proc = run(cmd, timeout_s=300, env=worker_env(OUT=str(out)))
+    return run(cmd, timeout_s=300, env=worker_env(OUT=str(out))), out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_sharding_layout_materializes_the_weights_of_a_whole_build(materialized, arch):
+    proc, out = materialized  # a launch that failed fails every arch's case with its output
     assert proc.returncode == 0, proc.stdout[-4000:]
-    results = [r for rank in json.loads(out.read_text()) for r in rank]
+    everything = [r for rank in json.loads(out.read_text()) for r in rank]
+    assert sorted({r["arch"] for r in everything}) == sorted(ARCHS), everything  # every arch's case ran
+    results = [r for r in everything if r["arch"] == arch]
     assert sorted({r["layout"] for r in results}) == sorted(LAYOUTS) and len(results) == 4 * len(LAYOUTS)
     assert all(r["deferred"] for r in results), results
     assert all(r["params"] > 0 and r["different"] == [] for r in results), results
