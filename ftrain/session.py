@@ -572,7 +572,14 @@ class Session:
         the step it goes on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
         newest = manager.newest_committed_step
-        got = restore_round(rnd, parts, self._device(), committed, self._tier, newest)
+        held, rnd.held = rnd.held, None  # the previous round's objects: freed once this round has its state
+        tier = self._tier
+
+        def heal(agreed: int) -> tuple[int, int] | None:
+            return tier.restore(rnd, parts, agreed, newest) if tier is not None else None
+
+        got = restore_round(held, parts, self._device(), committed, heal, events=self._events)
+        del held
         if got is None:
             return None
         restored, committed = got

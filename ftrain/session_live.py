@@ -10,9 +10,10 @@ still at the boundary), or after the update (they are not). Every optimizer of t
 a post-step hook that says which: a rank whose optimizer stepped since the boundary holds no state
 to offer (only its step number), and takes the state from a peer or storage like a new process.
 
-**Which state the next round goes on from** (:func:`restore_round`, collective): the ranks
-compare what they hold (:func:`ftrain.recovery.peer_state.take_held_state`, as ``ftrain train``'s
-rounds do). When the model is replicated on every
+**Which state the next round goes on from** (:func:`restore_round`, collective; ``ftrain
+train``'s rounds make the same choice through it, their :class:`~ftrain.train.Trainer` marking its
+boundaries with a :class:`BoundaryWatch` over its state as a session's): the ranks
+compare what they hold (:func:`ftrain.recovery.peer_state.take_held_state`). When the model is replicated on every
 rank (a plain module or DDP: no parameter is a DTensor, and the loop did not say
 ``Session(replicated=False)``), the newest step held, if it is not older
 than the newest commit anyone knows of, comes from its holder over the process group
@@ -40,12 +41,14 @@ from torch import nn
 from ftrain import optim_state
 from ftrain.agent_link import heartbeat
 from ftrain.agent_link.heartbeat import Heartbeat
+from ftrain.contract import events as ev
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.recovery.peer_state import HeldState, PeerStateError, Restored, take_held_state
+from ftrain.contract.events import EventLog
+from ftrain.recovery.peer_state import HeldState, PeerStateError, Restored, held_on, take_held_state
 from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
 from ftrain.recovery.rounds import RoundOver, said_left
 from ftrain.session_state import SessionError, StateParts
-from ftrain.session_tier import SessionTier, SessionTierView
+from ftrain.session_tier import SessionTierView
 
 log = logging.getLogger(__name__)
 
@@ -103,41 +106,47 @@ class BoundaryWatch:
 
 
 def restore_round(
-    rnd: Round,
+    held: HeldState | None,
     parts: StateParts,
     device: torch.device,
     committed: int,
-    tier: SessionTier | None,
-    newest_in_storage: Callable[[], int],
+    heal: Callable[[int], tuple[int, int] | None] | None = None,
+    newest_listed: Callable[[], int] | None = None,
+    events: EventLog | None = None,
 ) -> tuple[Restored, int] | None:
-    """Collective, at a live round's first load: the state the ranks hold put into ``parts``,
-    from a live peer (or every rank itself) when the model is replicated, else from the memory
-    tier's snapshots; where it came from and the newest commit the ranks agreed on. None (every
-    rank alike) when storage must be read. ``committed``: the newest commit this rank knows of."""
+    """Collective, at a live round's first load (``ftrain train``'s rounds and a session's): the
+    state the ranks hold put into ``parts``, from a live peer (or every rank itself) when the model
+    is replicated, else ``heal(agreed commit)`` (the memory tier: the step it put into ``parts``,
+    and the commit it went by); where it came from and the newest commit the ranks agreed on.
+    None (every rank alike) when storage must be read. ``held``: what this rank held when the
+    round began; ``committed``: the newest commit this rank knows of (``newest_listed``: storage's
+    listing, which decides when that commit is newer than any rank knows). A transfer any rank
+    refused is an event (``live_peer_refused``) before storage is read."""
     module = parts.module
 
     def reference(step: int) -> HeldState:  # this rank's own state, what a peer's is checked against
         model, optim = optim_state.model_and_optim(module, parts.optimizers, optim_state.PER_PARAM)  # type: ignore[arg-type]
         return HeldState(step, -1, model, optim, parts.user_state(-1))
 
-    mine = rnd.held
-    choice = take_held_state(rnd.held, parts.replicated, device, committed, reference)
-    rnd.held = None  # the previous round's objects: free them once this round has its state
-    held, src, committed = choice.state, choice.from_rank, choice.committed_step
-    if held is None:
-        healed = tier.restore(rnd, parts, committed, newest_in_storage) if tier is not None else None
+    mine = held_on(held, device)
+    choice = take_held_state(mine, parts.replicated, device, committed, reference, newest_listed)
+    got, src, committed = choice.state, choice.from_rank, choice.committed_step
+    if choice.refused and events is not None:
+        events.emit(ev.LivePeerRefused(from_rank=src, step=choice.newest_step, problem=choice.refused[:500]))
+    if got is None:
+        healed = heal(committed) if heal is not None else None
         return None if healed is None else (Restored("memory_tier", healed[0]), healed[1])
-    assert parts.module is not None and held.model is not None and held.optim is not None and held.cursor
-    optim_state.load_into(parts.module, parts.optimizers, held.model, held.optim, optim_state.PER_PARAM)
+    assert parts.module is not None and got.model is not None and got.optim is not None and got.cursor
+    optim_state.load_into(parts.module, parts.optimizers, got.model, got.optim, optim_state.PER_PARAM)
     for key, obj in parts.others.items():
         try:  # the encoded entries a rank held (the sender's digest-checked): exact, as from storage
-            value = held.entry(key)
+            value = got.entry(key)
         except PeerStateError as e:
             raise SessionError(str(e)) from e
         obj.load_state_dict(value)
-    if mine is not None and mine.step == held.step and mine.own is not None:  # else a new rank's are the loop's
+    if mine is not None and mine.step == got.step and mine.own is not None:  # else a new rank's are the loop's
         parts.apply_own(mine.own)
-    return Restored("memory" if src < 0 else "live_peer", held.step, src), committed
+    return Restored("memory" if src < 0 else "live_peer", got.step, src), committed
 
 
 def refuse_start_under_live(control: str, timeout_s: float) -> SessionError:

@@ -93,6 +93,8 @@ from ftrain.parallel.pipeline import PipelineParallel
 from ftrain.parallel.pipeline_stages import at_world
 from ftrain.parallel.strategies import compute_layout
 from ftrain.recovery.round_control import RoundEnded
+from ftrain.session_live import BoundaryWatch
+from ftrain.session_state import StateParts
 from ftrain.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
@@ -193,6 +195,31 @@ def finish(trainer: Trainer, result: TrainResult, teardown: Callable[[], None] =
         trainer.hb.exit(result.steps, finished=not result.stopped_early, committed_step=trainer.committed_step())
 
 
+#: the trainer's entries besides the model and optimizer (as a session's state names them)
+CURSOR, SCHEDULE = "cursor", "schedule"
+
+
+class _InForce:
+    """The LR schedule in force as an entry of the trainer's state: what the run's last resume
+    decided (``train.on_schedule_change``), which a process that takes its state from a live peer
+    must go on with, not its configured one."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.lr_schedule().to_dict()
+
+    def load_state_dict(self, raw: Any) -> None:
+        try:
+            schedule = Schedule.from_dict(raw)
+        except ValueError as e:  # the sender's digest was checked, its values were not
+            log.error("the state's LR schedule is not one (%s): going on with the configured one", e)
+            return
+        if self.trainer.ckpt is not None:  # what its next saves record
+            self.trainer.ckpt.schedule = schedule
+
+
 class Trainer:
     def __init__(
         self,
@@ -214,9 +241,7 @@ class Trainer:
         #: times the consistency check found this rank's copies corrupt (its replicas' majority differed)
         self.corruptions = 0
         self.round_ended = round_ended  #: live workers: whether the agent assigned a newer round
-        self.update_applied = True  #: the step in progress (if any) got past its optimizer update
         self.last_step_time_s = 0.0  #: wall time of the last completed step
-        self.boundary_cursor: dict[str, Any] = {}  #: the cursor at the last step boundary
         self.device = device
         self.rank = rank
         n_head = cfg.model.n_head if not cfg.model.factory else None
@@ -292,6 +317,17 @@ class Trainer:
         self.ckpt = (
             Checkpointing(cfg, self.par, self.cursor, self.events, self.model_record) if cfg.checkpoint.uri else None
         )
+        #: the state as a session's (what a live worker holds between rounds, sent to a peer that lacks
+        #: it): the model and optimizer when every rank holds them whole, with the data cursor and the
+        #: LR schedule in force; only the step where each rank holds a part (the memory tier's)
+        self.parts = (
+            StateParts.of(
+                {"model": self.par.model, "optim": self.par.optimizer, CURSOR: self.cursor, SCHEDULE: _InForce(self)}
+            )
+            if strategies.full_replica(self.layout)
+            else StateParts(None, [], {}, spread=True)
+        )
+        self.watch = BoundaryWatch()  #: the last step boundary, and whether an update moved past it
         #: the memory tier: for strategies that keep no full replica, and with checkpoint.memory_dir for
         #: every strategy (ddp heals a lost rank from a live peer; a snapshot kept on the node's tmpfs
         #: outlives the workers when every one of them is lost)
@@ -357,10 +393,10 @@ class Trainer:
         start = time.perf_counter()
         loss = float("nan")
         stopped_early = False
+        self.mark_boundary()
         while self.cursor.step < cfg.train.steps:
-            self.boundary_cursor = self.cursor.state_dict()
-            self.update_applied = False
             loss = self._step()
+            self.mark_boundary()
             done = self.cursor.step
             checkpointed = self.ckpt is not None and self.ckpt.due(done) and done < cfg.train.steps
             interval = cfg.consistency.interval
@@ -419,6 +455,13 @@ class Trainer:
                 ckpt_error=status.last_error if status and self.consecutive_commit_failures() else "",
                 corruptions=self.corruptions,
             )
+
+    def mark_boundary(self) -> None:
+        """The state is at a step boundary (a step done, a restore, a rollback): what a live worker
+        holds if its round ends before the next one (:class:`~ftrain.session_live.BoundaryWatch`:
+        nothing but the step once the optimizer updates past it)."""
+        step = self.cursor.step
+        self.watch.mark(step, self.parts, self.parts.user_state(step))
 
     def committed_step(self) -> int:
         return self.ckpt.manager.status.last_committed_step if self.ckpt is not None else -1
@@ -533,6 +576,7 @@ class Trainer:
     def close(self, *, broken: bool = False) -> None:
         """``broken``: the round ended with its process groups aborted (a live worker leaving
         it): a checkpoint save still in flight is abandoned, not waited for."""
+        self.watch.release()
         if self.tier is not None:  # its exchange ends with the round (the caller aborted a broken one)
             self.tier.leave_round()
         if self.ckpt is not None:
@@ -577,10 +621,8 @@ class Trainer:
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 set_lr(par.optimizer.param_groups, lr)
                 par.optimizer.step()
-                self.update_applied = True
                 after_update(step + 1, self.rank, par.model, par.optimizer)
             else:
-                self.update_applied = True  # skipped or rolled back: either way no longer half-done
                 self._on_nonfinite(step + 1, loss, grad_norm)
             par.optimizer.zero_grad(set_to_none=True)
         self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0)
@@ -626,6 +668,7 @@ class Trainer:
             raise ConsistencyError(f"{why}, and there is no verified checkpoint to roll back to")
         if self.ledger is not None:
             self.ledger.rolled_back()
+        self.mark_boundary()
         self.events.emit(ev.RolledBack(step=manifest.step, reason=why))
         self.progress.message(f"rolled back to checkpoint step {manifest.step}: {why}")
 

@@ -10,7 +10,8 @@ its rounds with; what is ``ftrain train``'s is :class:`_TrainerRounds`):
    ...) and ``FTRAIN_ROUND``, and joins the round's process group (a store under the round's
    master port: a new store per round, so a worker of an older round cannot join);
 2. builds the trainer for the round's layout (the strategy re-wrapped at the new world size);
-3. agrees with its peers on the state to go on from (:func:`restore`): the newest step that a
+3. agrees with its peers on the state to go on from (:func:`restore`, through the choice a
+   session's rounds make: :func:`ftrain.session_live.restore_round`): the newest step that a
    rank holds in memory, handed to the ranks that lack it over the process group when the
    strategy replicates everything (``live_peer``; ``memory`` when every rank already holds
    it), else the newest verified checkpoint loaded in-process (``storage``);
@@ -33,18 +34,14 @@ checkpoint fence and the event log read ``FTRAIN_ROUND``, set before the round's
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import logging
 import time
-from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ftrain import state_codec
 from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.config import Config, ModelConfig
@@ -55,12 +52,11 @@ from ftrain.data import build_source
 from ftrain.distributed import abort_distributed, init_distributed, select_device, select_dtype
 from ftrain.model import build_model, count_parameters
 from ftrain.models.layout import logits_of
-from ftrain.optim import Schedule
-from ftrain.parallel import strategies
 from ftrain.recovery.memory_tier import MemoryTier
-from ftrain.recovery.peer_state import HeldState, PeerStateError, Restored, take_held_state
+from ftrain.recovery.peer_state import HeldState, Restored
 from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
 from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
+from ftrain.session_live import restore_round
 from ftrain.train import Trainer, finish, say_goodbye
 
 log = logging.getLogger(__name__)
@@ -69,112 +65,40 @@ log = logging.getLogger(__name__)
 WARM_MODULES = ("ftrain.parallel.ddp", "ftrain.parallel.fsdp", "ftrain.parallel.tp", "ftrain.parallel.deterministic")
 
 
-#: the trainer's entries besides the model and optimizer that a live peer sends (HeldState.cursor)
-CURSOR, SCHEDULE = "cursor", "schedule"
-
-
-def entries(trainer: Trainer) -> dict[str, str]:
-    """The trainer's other entries as a rank holds them for the next round (as a session's, each
-    encoded by :mod:`ftrain.state_codec`): the data cursor, and the LR schedule in force (what the
-    run's last resume decided, ``train.on_schedule_change``: a new process must not go on with
-    its configured one)."""
-    return {
-        CURSOR: state_codec.encode(trainer.cursor.state_dict()),
-        SCHEDULE: state_codec.encode(trainer.lr_schedule().to_dict()),
-    }
-
-
 def hold(trainer: Trainer) -> HeldState:
-    """What ``trainer`` holds at its last complete step (a half-done step is undone first: its
-    batch goes back to the cursor; its gradients are dropped)."""
-    if not trainer.update_applied:
-        trainer.cursor.load_state_dict(trainer.boundary_cursor)
-        trainer.par.optimizer.zero_grad(set_to_none=True)
-        trainer.update_applied = True
-    committed = trainer.committed_step()
-    if not strategies.full_replica(trainer.layout):
-        return HeldState(step=trainer.cursor.step, committed_step=committed)
-    model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
-    return HeldState(trainer.cursor.step, committed, model, optim, entries(trainer))
-
-
-def held_on(held: HeldState | None, device: torch.device) -> HeldState | None:
-    """``held`` with its tensors on ``device`` (a process whose local rank, and so its GPU,
-    changed between rounds); the same object where nothing moves."""
-    if held is None or not held.complete:
-        return held
-
-    def moved(tree: Any) -> Any:
-        if isinstance(tree, torch.Tensor):
-            return tree if tree.device == device else tree.to(device)
-        if isinstance(tree, dict):
-            return {k: moved(v) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(moved(v) for v in tree)
-        return tree
-
-    model, optim = moved(held.model), moved(held.optim)
-    return dataclasses.replace(held, model=model, optim=optim)
+    """What ``trainer`` holds at its last step boundary (:meth:`Trainer.mark_boundary`): a step
+    whose update was applied since holds only the step (its batch goes out again from a peer's
+    cursor or storage's)."""
+    held = trainer.watch.held(trainer.committed_step())
+    assert held is not None, "a trainer marks a boundary before its first step"
+    return held
 
 
 def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) -> Restored:
-    """Collective: agree on the step to go on from and put that state into ``trainer``;
-    ``committed_step``: the newest commit record the round's assignment saw in etcd (the same
-    on every rank): when it is newer than any rank knows of, storage's listing decides, and
-    state held in memory (or in the tier) that is older is not gone on from."""
-    ckpt = trainer.ckpt
-    choice = take_held_state(
-        held,
-        strategies.full_replica(trainer.layout),
-        trainer.device,
-        committed_step,
-        lambda step: _reference(trainer, step),
-        ckpt.manager.newest_committed_step if ckpt is not None else None,
-    )
-    committed, state = choice.committed_step, choice.state
-    if choice.refused:
-        refused = ev.LivePeerRefused(from_rank=choice.from_rank, step=choice.newest_step, problem=choice.refused[:500])
-        trainer.events.emit(refused)
-    if state is not None:
-        assert state.model is not None and state.optim is not None and state.cursor is not None
-        cursor, schedule = state.entry(CURSOR), _schedule_of(state, choice.from_rank)  # before any is applied
-        set_state_dict(
-            trainer.par.model, trainer.par.optimizer, model_state_dict=state.model, optim_state_dict=state.optim
-        )
-        trainer.cursor.load_state_dict(cursor)
-        if trainer.ckpt is not None and schedule is not None:  # what its next saves record
-            trainer.ckpt.schedule = schedule
-        _note_committed(trainer, committed)
-        return Restored("memory" if choice.from_rank < 0 else "live_peer", state.step, choice.from_rank)
-    tier_step = trainer.tier.restore(trainer, committed) if trainer.tier is not None else None
-    if tier_step is not None:
-        _note_committed(trainer, committed)
-        return Restored("memory_tier", tier_step)
+    """Collective: agree on the step to go on from and put that state into ``trainer``
+    (:func:`ftrain.session_live.restore_round`, a session's choice: a live peer, the memory tier,
+    else the newest verified checkpoint); ``committed_step``: the newest commit record the round's
+    assignment saw in etcd (the same on every rank): when it is newer than any rank knows of,
+    storage's listing decides, and state held in memory (or in the tier) that is older is not
+    gone on from."""
+    ckpt, tier = trainer.ckpt, trainer.tier
+
+    def heal(committed: int) -> tuple[int, int] | None:
+        step = tier.restore(trainer, committed) if tier is not None else None
+        return None if step is None else (step, committed)
+
+    newest_listed = ckpt.manager.newest_committed_step if ckpt is not None else None
+    got = restore_round(held, trainer.parts, trainer.device, committed_step, heal, newest_listed, trainer.events)
+    if got is not None:
+        restored, committed = got
+        if ckpt is not None:
+            status = ckpt.manager.status
+            status.last_committed_step = max(status.last_committed_step, committed)
+        trainer.mark_boundary()
+        return restored
     manifest = ckpt.resume() if ckpt is not None and trainer.cfg.checkpoint.resume else None
+    trainer.mark_boundary()
     return Restored("storage" if manifest is not None else "fresh", manifest.step if manifest else 0)
-
-
-def _schedule_of(state: HeldState, src: int) -> Schedule | None:
-    """The LR schedule ``state``'s holder trained on; None (the configured one goes on, said)
-    when what it sent is not one."""
-    try:
-        return Schedule.from_dict(state.entry(SCHEDULE))
-    except (PeerStateError, ValueError) as e:
-        log.error("rank %d sent no valid LR schedule (%s): going on with the configured one", max(src, 0), e)
-        return None
-
-
-def _note_committed(trainer: Trainer, committed: int) -> None:
-    if trainer.ckpt is not None:
-        status = trainer.ckpt.manager.status
-        status.last_committed_step = max(status.last_committed_step, committed)
-
-
-def _reference(trainer: Trainer, step: int) -> HeldState:
-    """This rank's own freshly built state, which a live peer's transfer is checked against
-    (the same structure on every rank of a full-replica strategy)."""
-    model, optim = get_state_dict(trainer.par.model, trainer.par.optimizer)
-    return HeldState(step, -1, model, optim, entries(trainer))
 
 
 #: a model larger than this in fp32 is not what a spare warms up with: it is trained only under a
@@ -264,7 +188,6 @@ class _TrainerRounds:
         self.device = select_device(self.cfg.train)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.held = held_on(self.held, self.device)
         self.trainer, self.restored, self.began, self.assignment = None, False, time.monotonic(), assignment
         return self.held.step if self.held else -1
 

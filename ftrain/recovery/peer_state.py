@@ -26,6 +26,7 @@ a round's start: what the ranks hold, whether it may be gone on from, and the tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -117,6 +118,25 @@ class HeldState:
             header, tensors = flatten(self.payload())
             self._digest = _digest(header, tensors)
         return self._digest
+
+
+def held_on(held: HeldState | None, device: torch.device) -> HeldState | None:
+    """``held`` with its tensors on ``device`` (a process whose local rank, and so its GPU,
+    changed between rounds: what it sends and compares must be on the round's device); the same
+    object where nothing moves."""
+    if held is None or not held.complete:
+        return held
+
+    def moved(tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            return tree if tree.device == device else tree.to(device)
+        if isinstance(tree, dict):
+            return {k: moved(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(moved(v) for v in tree)
+        return tree
+
+    return dataclasses.replace(held, model=moved(held.model), optim=moved(held.optim))
 
 
 def flatten(obj: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -16,9 +16,9 @@ import torch
 from ftrain import state_codec
 from ftrain.config import load_config
 from ftrain.distributed import exit_without_teardown, init_distributed, select_device, shutdown_distributed
-from ftrain.recovery.live import CURSOR, SCHEDULE, hold, restore
+from ftrain.recovery.live import hold, restore
 from ftrain.recovery.peer_state import HeldState
-from ftrain.train import Trainer
+from ftrain.train import CURSOR, SCHEDULE, Trainer
 
 #: 3 ranks: a global batch they divide
 OVERRIDES = ["--parallel.deterministic=true", "--train.global_batch_size=12"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ftrain.recovery.live import held_on
-from ftrain.recovery.peer_state import HeldState
+from ftrain.recovery.peer_state import HeldState, held_on
 
 
 def _held() -> HeldState:
