@@ -169,7 +169,7 @@ def _optim_form(manifest: Manifest | None) -> str | None:
 
 
 def training_state(par: Parallel, rank: int, manifest: Manifest | None = None) -> dict[str, Any]:
-    """What a checkpoint (or a memory-tier snapshot) of this rank holds: model, optimizer
+    """What a checkpoint of this rank holds: model, optimizer
     (``get_state_dict``: DTensor shards for FSDP/TP, in :mod:`ftrain.optim_state`'s ``per_param``
     form, or the form ``manifest``'s step was saved in) and this rank's RNG states."""
     model_sd, optim_sd = optim_state.model_and_optim(par.model, par.optimizer, _optim_form(manifest))
@@ -222,7 +222,7 @@ def manifest_fields(
 
 def apply_loaded(par: Parallel, cursor: DataCursor, rank: int, manifest: Manifest, sd: dict[str, Any]) -> None:
     """Put a loaded state dict (:func:`load_target`, filled) into the model, optimizer, cursor
-    and RNG: after a load from storage or from the memory tier alike."""
+    and RNG after a load from storage."""
     try:
         optim_state.load_into(par.model, par.optimizer, sd["model"], sd["optim"], _optim_form(manifest))
     except ValueError as e:
@@ -394,13 +394,6 @@ class Checkpointing:
             )
         )
         return manifest
-
-    def adopt_recorded_schedule(self, manifest: Manifest) -> None:
-        """A restore of this run's own state (the memory tier) goes on with the LR schedule its step
-        recorded: what this run's last resume from storage decided (``train.on_schedule_change``)."""
-        recorded = recorded_schedule(manifest)
-        if recorded is not None:
-            self.schedule = recorded
 
     def schedule_decision(self, manifest: Manifest) -> ScheduleDecision:
         """The LR schedule a resume from ``manifest``'s step goes on with (see :func:`ftrain.optim.decide_schedule`)."""

@@ -41,12 +41,8 @@ from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.errors import CheckpointError
 from ftrain.checkpointing import (
     Checkpointing,
-    apply_loaded,
     current_round,
-    load_target,
-    manifest_fields,
     step_to_resume,
-    training_state,
 )
 from ftrain.config import Config
 from ftrain.consistency import ConsistencyError, Verdict, check_replicas
@@ -94,11 +90,12 @@ from ftrain.parallel.pipeline_stages import at_world
 from ftrain.parallel.strategies import compute_layout
 from ftrain.recovery.round_control import RoundEnded
 from ftrain.session_live import BoundaryWatch
+from ftrain.session_per_rank import RNGState
 from ftrain.session_state import StateParts
+from ftrain.session_tier import SessionTierView
 from ftrain.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
-    from ftrain.checkpoint.manifest import Manifest
     from ftrain.recovery.memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -196,7 +193,7 @@ def finish(trainer: Trainer, result: TrainResult, teardown: Callable[[], None] =
 
 
 #: the trainer's entries besides the model and optimizer (as a session's state names them)
-CURSOR, SCHEDULE = "cursor", "schedule"
+CURSOR, SCHEDULE, RNG = "cursor", "schedule", "rng"
 
 
 class _InForce:
@@ -317,23 +314,28 @@ class Trainer:
         self.ckpt = (
             Checkpointing(cfg, self.par, self.cursor, self.events, self.model_record) if cfg.checkpoint.uri else None
         )
-        #: the state as a session's (what a live worker holds between rounds, sent to a peer that lacks
-        #: it): the model and optimizer when every rank holds them whole, with the data cursor and the
-        #: LR schedule in force; only the step where each rank holds a part (the memory tier's)
-        self.parts = (
-            StateParts.of(
-                {"model": self.par.model, "optim": self.par.optimizer, CURSOR: self.cursor, SCHEDULE: _InForce(self)}
-            )
-            if strategies.full_replica(self.layout)
-            else StateParts(None, [], {}, spread=True)
+        #: the state as a session's: the model and optimizer, the data cursor, the LR schedule in force
+        #: and each rank's RNG states. What a live worker holds between rounds (sent to a peer that lacks
+        #: it where every rank holds the model whole; else only the step) and what the memory tier keeps
+        self.parts = StateParts.of(
+            {
+                "model": self.par.model,
+                "optim": self.par.optimizer,
+                CURSOR: self.cursor,
+                SCHEDULE: _InForce(self),
+                RNG: RNGState(),
+            },
+            spread=not strategies.full_replica(self.layout),
         )
         self.watch = BoundaryWatch()  #: the last step boundary, and whether an update moved past it
         #: the memory tier: for strategies that keep no full replica, and with checkpoint.memory_dir for
         #: every strategy (ddp heals a lost rank from a live peer; a snapshot kept on the node's tmpfs
         #: outlives the workers when every one of them is lost)
         self.tier = tier if tier is not None and tier.enabled and self._tier_helps(tier) else None
+        self.tier_view: SessionTierView | None = None  #: the memory tier's view of the state
         if self.tier is not None:
             self.tier.join_round(rank, world_size, local_world, device.type, self.events)
+            self.tier_view = self.tier_view_of(self.tier)
         #: what copies the state in the background between a step boundary and the next update
         self.staging_waits: list[Callable[[], object]] = [
             *([self.ckpt.manager.wait_staged] if self.ckpt is not None else []),
@@ -413,18 +415,20 @@ class Trainer:
                 with self.phases.phase("ckpt_staging"):
                     self.ckpt.save(done)
                 self._check_commit_failures()
-            if self.tier is not None:
+            if self.tier is not None and self.tier_view is not None:
                 with self.phases.phase("ckpt_staging"):
-                    self.tier.maybe_snapshot(done, self, checkpointed=checkpointed, last=done >= cfg.train.steps)
+                    self.tier.maybe_snapshot(
+                        done, self.tier_view, checkpointed=checkpointed, last=done >= cfg.train.steps
+                    )
             maybe_crash(done, self.rank)
             maybe_slow_down()
             with self.phases.phase("comm_wait"):
                 stop = self._stop_agreed()
             if stop:
                 stopped_early = done < cfg.train.steps
-                if self.tier is not None and stopped_early:  # the ranks that stay heal from this step
+                if self.tier is not None and self.tier_view is not None and stopped_early:  # the rest heal from it
                     with self.phases.phase("ckpt_staging"):
-                        self.tier.snapshot_before_leaving(done, self)
+                        self.tier.snapshot_before_leaving(done, self.tier_view)
                 self.progress.message(f"graceful stop requested: stopping after step {done}")
                 self.events.emit(ev.GracefulStop(step=done))
                 break
@@ -461,7 +465,10 @@ class Trainer:
         holds if its round ends before the next one (:class:`~ftrain.session_live.BoundaryWatch`:
         nothing but the step once the optimizer updates past it)."""
         step = self.cursor.step
-        self.watch.mark(step, self.parts, self.parts.user_state(step))
+        entries = self.parts.user_state(step)
+        self.watch.mark(step, self.parts, entries)
+        if self.tier_view is not None:
+            self.tier_view.mark(step, self.parts, entries, self.last_step_time_s)
 
     def committed_step(self) -> int:
         return self.ckpt.manager.status.last_committed_step if self.ckpt is not None else -1
@@ -510,25 +517,26 @@ class Trainer:
     def lr_schedule(self) -> Schedule:
         """The LR schedule in force: what the last resume from storage decided (``train.on_schedule_change``:
         the saved one or the configured one), else the configured one. A memory-tier or live-peer restore
-        (this run's state, under this config) decides nothing: it goes on with the configured schedule."""
+        (this run's state, under this config) goes on with the schedule that state was trained on."""
         return self.ckpt.schedule if self.ckpt is not None else Schedule.of(self.cfg)
 
-    # -- what the memory tier snapshots and restores (ftrain.recovery.memory_tier.TierSubject)
-    def tier_state(self) -> dict[str, Any]:
-        return training_state(self.par, self.rank)
-
-    def tier_fields(self) -> dict[str, Any]:
-        return manifest_fields(
-            self.cfg, self.par, self.cursor, self.round, schedule=self.lr_schedule(), model_record=self.model_record
+    # -- the memory tier ---------------------------------------------------------------
+    def tier_view_of(self, tier: MemoryTier) -> SessionTierView:
+        """What ``tier`` snapshots and restores of this trainer (a session's view of its state,
+        bound to what ``tier`` is bound to), at the current step boundary."""
+        view = SessionTierView(
+            self.parts, self.device, self.rank, self.layout.world_size, self.round, self.events, tier.binding
         )
+        step = self.cursor.step
+        view.mark(step, self.parts, self.parts.user_state(step), self.last_step_time_s)
+        return view
 
-    def tier_target(self, manifest: Manifest) -> dict[str, Any]:
-        return load_target(self.par, self.rank, manifest)
-
-    def tier_apply(self, manifest: Manifest, target: dict[str, Any]) -> None:
-        apply_loaded(self.par, self.cursor, self.rank, manifest, target)
-        if self.ckpt is not None:
-            self.ckpt.adopt_recorded_schedule(manifest)
+    def tier_restore(self, committed: int) -> int | None:
+        """Collective: the newest snapshot the tier holds that is not older than ``committed``,
+        put into the state (:meth:`MemoryTier.restore`); its step, or None (every rank alike)."""
+        if self.tier is None or self.tier_view is None:
+            return None
+        return self.tier.restore(self.tier_view, committed)
 
     def _tier_helps(self, tier: MemoryTier) -> bool:
         return bool(tier.memory_dir) or not strategies.full_replica(self.layout)
@@ -540,7 +548,7 @@ class Trainer:
         assert self.tier is not None
         began = time.monotonic()
         committed = self.ckpt.manager.newest_committed_step() if self.ckpt is not None else -1
-        step = self.tier.restore(self, committed)
+        step = self.tier_restore(committed)
         if step is None:
             return False
         if self.ckpt is not None:

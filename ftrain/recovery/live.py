@@ -81,10 +81,10 @@ def restore(trainer: Trainer, held: HeldState | None, committed_step: int = -1) 
     assignment saw in etcd (the same on every rank): when it is newer than any rank knows of,
     storage's listing decides, and state held in memory (or in the tier) that is older is not
     gone on from."""
-    ckpt, tier = trainer.ckpt, trainer.tier
+    ckpt = trainer.ckpt
 
     def heal(committed: int) -> tuple[int, int] | None:
-        step = tier.restore(trainer, committed) if tier is not None else None
+        step = trainer.tier_restore(committed)
         return None if step is None else (step, committed)
 
     newest_listed = ckpt.manager.newest_committed_step if ckpt is not None else None

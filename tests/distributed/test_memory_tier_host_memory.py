@@ -52,6 +52,7 @@ def main(config: str, out: str) -> None:
     trainer._step()  # AdamW's state exists after the first step
     tier = MemoryTier(cfg)
     tier.join_round(rank, world, 1, "cpu")
+    view = trainer.tier_view_of(tier)
     gc.collect()
     give_back_freed()
     dist.barrier()
@@ -60,7 +61,7 @@ def main(config: str, out: str) -> None:
     for step in range(1, SNAPSHOTS + 1):
         dist.barrier()
         _reset_peak()
-        tier.maybe_snapshot(step, trainer, checkpointed=True)
+        tier.maybe_snapshot(step, view, checkpointed=True)
         tier.wait()
         gc.collect()
         give_back_freed()
