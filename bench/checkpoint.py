@@ -440,6 +440,7 @@ class Bench:
         cfg = load_config(self.args.config, ["--checkpoint.memory_interval=1"])
         tier = MemoryTier(cfg)
         tier.join_round(self.rank, self.world, 1, "cpu")
+        view, parts = self.trainer.tier_view_of(tier), self.trainer.parts  # what the tier sees of the trainer
         blocked, seconds, peaks, between = [], [], [], []
         self.dist.barrier()
         base = _host_bytes()[0]  # this rank's RSS before the tier holds anything
@@ -450,7 +451,8 @@ class Bench:
             self.dist.barrier()
             peak_known = _reset_peak()
             t0 = time.perf_counter()
-            tier.maybe_snapshot(step, self.trainer, checkpointed=True)
+            view.mark(step, parts, parts.user_state(step), 0.0)
+            tier.maybe_snapshot(step, view, checkpointed=True)
             b = time.perf_counter() - t0
             self._step(False)  # the next step runs beside the copy; its update waits for it
             b += sum(waited)
@@ -468,7 +470,8 @@ class Bench:
             held = [s.step for s in tier.snapshots]
             fresh = MemoryTier(cfg) if self.rank == 1 else tier
             fresh.join_round(self.rank, self.world, 1, "cpu")  # a new round: its group, on both ranks
-            step, restore_s = self.timed(lambda t=fresh: t.restore(self.trainer, committed_step=-1))
+            seen = self.trainer.tier_view_of(fresh)
+            step, restore_s = self.timed(lambda t=fresh, v=seen: t.restore(v, committed_step=-1))
             if step is None or step != max(held or [-1]):
                 raise RuntimeError(f"memory-tier restore gave step {step}, the newest snapshot is {held}")
             restores.append(restore_s)
