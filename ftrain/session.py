@@ -571,21 +571,14 @@ class Session:
         """The state the round's ranks hold, put into ``parts`` (:func:`ftrain.session_live.restore_round`):
         the step it goes on from; None when the ranks agreed to load from storage instead (collective)."""
         committed = max(rnd.assignment.committed_step, manager.status.last_committed_step)
-        newest = manager.newest_committed_step
         held, rnd.held = rnd.held, None  # the previous round's objects: freed once this round has its state
-        tier = self._tier
-
-        def heal(agreed: int) -> tuple[int, int] | None:
-            return tier.restore(rnd, parts, agreed, newest) if tier is not None else None
-
+        heal = self._tier.healer(rnd, parts, manager.newest_committed_step) if self._tier else None
         got = restore_round(held, parts, self._device(), committed, heal, events=self._events)
-        del held
         if got is None:
             return None
         restored, committed = got
         manager.status.last_committed_step = max(manager.status.last_committed_step, committed)
-        self._step = restored.step
-        self.restored = restored
+        self._step, self.restored = restored.step, restored
         self._loaded(parts, restored.step)
         self._say(f"resumed after step {restored.step}, from {restored.said()}")
         return restored.step

@@ -19,6 +19,7 @@ or not decoding): every rank then loads from storage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -169,6 +170,13 @@ class SessionTier:
         rnd.tier.mark(-1, parts, parts.user_state(-1), 0.0)
         step = self.tier.restore(rnd.tier, committed)
         return None if step is None else (step, committed)
+
+    def healer(
+        self, rnd: Round, parts: StateParts, newest_in_storage: Callable[[], int]
+    ) -> Callable[[int], tuple[int, int] | None]:
+        """:meth:`restore` given the commit the ranks agreed on (the ``heal`` of
+        :func:`ftrain.session_live.restore_round`)."""
+        return functools.partial(self.restore, rnd, parts, newest_in_storage=newest_in_storage)
 
     def leave_round(self) -> None:
         """After the round's groups were aborted: a snapshot's exchange still running ends."""
