@@ -14,6 +14,7 @@ JSON) and still load. Misuse is a :class:`SessionError` whose message names the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -212,9 +213,10 @@ class StateParts:
         self.capacities: dict[str, int] = {}  #: of the per-rank entries, as the last save's state dict agreed
         self._target: dict[str, Any] = {}
 
-    @property
+    @functools.cached_property
     def replicated(self) -> bool:
-        """Whether every rank holds the whole module (:func:`replicated`, unless the loop said otherwise)."""
+        """Whether every rank holds the whole module (:func:`replicated`, unless the loop said
+        otherwise); asked once (a scan of the parameters, at each step boundary otherwise)."""
         return not self.spread and replicated(self.module)
 
     @classmethod
