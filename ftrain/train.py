@@ -621,6 +621,7 @@ class Trainer:
             par.reduce_gradients()
             grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
         stats = self._step_stats(step + 1, losses)
+        completed_at = time.time()  # its last collective returned: the round completed the step
         lr = self.lr_schedule().lr_at(step, self.layout.dp_size)
         with phases.phase("ckpt_staging"):
             self._wait_staged()
@@ -633,7 +634,7 @@ class Trainer:
             else:
                 self._on_nonfinite(step + 1, loss, grad_norm)
             par.optimizer.zero_grad(set_to_none=True)
-        self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0)
+        self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0, completed_at)
         return loss
 
     def _forward_backward(self, micros: list, loss_of: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
@@ -741,7 +742,14 @@ class Trainer:
         )
 
     def _report(
-        self, step: int, batch: GlobalBatch, grad_norm: float, lr: float, stats: StepStats, step_time_s: float
+        self,
+        step: int,
+        batch: GlobalBatch,
+        grad_norm: float,
+        lr: float,
+        stats: StepStats,
+        step_time_s: float,
+        completed_at: float,
     ) -> None:
         phases = {k: round(v, 6) for k, v in self.phases.take().items()}
         record: dict[str, Any] = {
@@ -763,7 +771,9 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             **({"pp_size": self.layout.pp_size, "rank_pp_bubble": stats.pp_bubble} if self.layout.pp_size > 1 else {}),
             "round": self.round,  #: the round that completed the step (the chaos invariants read it)
-            "time": time.time(),
+            # when: stamped as its last collective returned, not now (a host frozen in between,
+            # e.g. by a background commit's pause, would date the step past a newer round's)
+            "time": completed_at,
         }
         if self.ckpt is not None:
             status = self.ckpt.poll()
