@@ -323,8 +323,8 @@ def _run_scenario(scenario: Scenario, seed: int, out_dir: Path, *, cache_dir: Pa
         exit_codes = {n: p.returncode for n, p in cluster.agents.items() if p.pid not in killed}
         all_events = cluster.events()
         metrics = cluster.metrics()
-        if script is not None:  # each round's resume, from the ledger: a script's session logs none
-            all_events = sorted([*all_events, *script_job.resumes(metrics)], key=lambda e: e["time"])
+        if script is not None:  # the resume of each round whose script logged none, from the ledger
+            all_events = sorted([*all_events, *script_job.resumes(metrics, all_events)], key=lambda e: e["time"])
         storage = Storage(ckpt_uri, s3.storage_options())
         checks = (
             _train_checks(scenario, golden, final_path, storage, ledger_dir, all_events, metrics, exit_codes, watcher)

@@ -132,12 +132,15 @@ def _step_record(entry: dict[str, Any], seen: float) -> dict[str, Any]:
     }
 
 
-def resumes(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A ``resumed`` event per round, from the ledger: the round went on from the step before the
-    first batch its rank 0 drew (what :func:`invariants.resumed_from_the_newest_commit` judges)."""
+def resumes(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ``resumed`` event for each round whose rank 0 logged none (a script that loads its state
+    without a :class:`ftrain.Session`; a session logs ``resumed`` or ``live_restored``), from the
+    ledger: the round went on from the step before the first batch its rank 0 drew (what
+    :func:`invariants.resumed_from_the_newest_commit` judges)."""
+    said = {e["round"] for e in events if e["event"] in (Event.RESUMED, Event.LIVE_RESTORED) and e.get("rank") == 0}
     first: dict[int, dict[str, Any]] = {}
     for m in metrics:
-        if m["round"] not in first or m["time"] < first[m["round"]]["time"]:
+        if m["round"] not in said and (m["round"] not in first or m["time"] < first[m["round"]]["time"]):
             first[m["round"]] = m
     return [
         {"event": Event.RESUMED, "rank": 0, "round": r, "step": m["step"] - 1, "time": m["time"]}
@@ -219,7 +222,7 @@ def script_checks(
     rounds: dict[CommitId, int],
 ) -> list[Check]:
     """The invariants of a script job: those its evidence supports, the others skipped with why.
-    ``events``: the job's, with each round's resume from the ledger (:func:`resumes`)."""
+    ``events``: the job's, with the resume of each round whose script logged none (:func:`resumes`)."""
     job = scenario.job
     ledger = has_ledger(ledger_dir)
     newest = max((step for step, _ in observed), default=0)
@@ -228,13 +231,10 @@ def script_checks(
         invariants.job_finished(events, [{"step": newest}], job.steps, exit_codes),
         state_matches_reference(reference, storage, job.steps, out_dir, tolerance),
         invariants.committed_checkpoints_verify(storage, events),
-        skipped(
-            "loads_were_committed_and_intact",
-            "a script's session logs no ckpt_loaded event (which commit a load read) into the job's event log",
-        ),
+        invariants.loads_were_committed(events, observed),
         invariants.resumed_from_the_newest_commit(events, observed)
-        if ledger
-        else skipped("resumed_from_the_newest_commit", f"{NO_LEDGER}: the step each round went on from is unknown"),
+        if ledger or any(e["event"] in (Event.RESUMED, Event.LIVE_RESTORED) for e in events)
+        else skipped("resumed_from_the_newest_commit", f"{NO_LEDGER}, and no session logged a resume"),
         exactly_once(ledger_dir, job.steps),
         invariants.faults_handled(events),
         invariants.one_round_at_a_time(metrics)

@@ -745,14 +745,16 @@ class EventLog:
         log.debug("event %s", line)
         if self._fd >= 0:
             data = (json.dumps(line, default=str, separators=(",", ":")) + "\n").encode()
-            with self._lock:
-                os.write(self._fd, data)
+            with self._lock:  # a background thread (a save's, the tier's) may emit as the log closes
+                if self._fd >= 0:  # closed: the event is dropped, never written to a reused descriptor
+                    os.write(self._fd, data)
         return line
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 #: the longest line read (a hang event carries the flight records of a node's ranks)

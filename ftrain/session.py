@@ -45,8 +45,10 @@ and its agent replaces it (a restart of that process only).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
@@ -58,7 +60,6 @@ import torch.distributed as dist
 from ftrain import state_codec
 from ftrain.agent_link import fence, heartbeat
 from ftrain.checkpoint.config import DEFAULTS
-from ftrain.checkpoint.loading import ForeignStepError
 from ftrain.checkpoint.manager import CheckpointManager, SaveStatus
 from ftrain.checkpoint.manifest import Manifest
 from ftrain.checkpoint.storage import StorageOptions
@@ -77,6 +78,7 @@ from ftrain.session_live import (
     refuse_start_under_live,
     restore_round,
 )
+from ftrain.session_load import load_stored
 from ftrain.session_per_rank import collective_device
 from ftrain.session_replicas import ReplicaCheck, ReplicasDiffer, rolled_back
 from ftrain.session_state import (
@@ -85,11 +87,9 @@ from ftrain.session_state import (
     WRITER,
     SessionError,
     StateParts,
-    StateReader,
     loop_fields,
     manifest_fields,
     say,
-    validate,
     warn_if_large,
 )
 from ftrain.session_tier import SessionTier
@@ -131,6 +131,7 @@ class Session:
         on_replica_mismatch: str = "halt",
         replicated: bool | None = None,
         manifest_fields: Callable[[], Mapping[str, Any]] | None = None,
+        check_resume: Callable[[Manifest], object] | None = None,
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -147,7 +148,9 @@ class Session:
         ``replicated``: False when the ranks hold different parts of a model without DTensors
         (pipeline stages): never a peer's state, and no replica check (None: no DTensor parameter
         means every rank holds the whole model); ``manifest_fields``: what the loop records in each
-        step's manifest (its config, layout, trainer fields). docs/library.md says more of each."""
+        step's manifest (its config, layout, trainer fields); ``check_resume(manifest)``: on every
+        rank, before a load reads a step's files from storage: raise to refuse to go on from it
+        (the error propagates; the step is not marked corrupt). docs/library.md says more of each."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
@@ -156,7 +159,7 @@ class Session:
         self._memory_dir, self._job_done = memory_dir, False  #: the loop returned: its tmpfs snapshots can go
         self._replicas = ReplicaCheck(replica_check_steps, on_replica_mismatch, replicated)
         self._spread = replicated is False  #: the loop said its ranks hold different parameters
-        self._loop_fields = manifest_fields
+        self._loop_fields, self._check_resume = manifest_fields, check_resume
         self.manifest: Manifest | None = None  #: the manifest of the step the last load read from storage
         self._rollback_why = ""  #: the replicas differed: the next load reads storage and says so
         self.checkpoint_uri = checkpoint_uri
@@ -226,13 +229,16 @@ class Session:
             fence=fence.from_env(),
             round=self.round,
             device_type="cuda" if dist.get_backend() == "nccl" else "cpu",  # where the async save stages from
-            on_event=self._on_event,
+            on_event=functools.partial(self._on_event, self._events),
             **self._options,  # type: ignore[arg-type]
         )
         return self
 
-    def _on_event(self, record: ev.Record) -> None:
-        """The checkpoint service's events (from the training thread or the save's): each commit, said."""
+    def _on_event(self, events: ev.EventLog, record: ev.Record) -> None:
+        """The checkpoint service's events (from the training thread or the save's): into the
+        round's event log (``events``: an abandoned save's late ones are not the next round's); each
+        commit, said."""
+        events.emit(record)
         if isinstance(record, ev.CkptCommitted):
             self._say(f"committed step {record.step} under {self.checkpoint_uri} ({record.duration_s:.1f}s)")
 
@@ -302,6 +308,7 @@ class Session:
         self._round, self.round = rnd, rnd.assignment.round
         self._timing.restart()
         self._init_group()
+        rnd.joined = time.monotonic()
         self._open()
         result = self._train(train)
         self._job_done = True
@@ -330,11 +337,11 @@ class Session:
         abort_distributed(keep_ports)
         if self._tier is not None:  # after the abort: an exchange blocked on a lost peer fails now
             self._tier.leave_round()
-        self._events.close()  # after the tier's thread, which writes to it, ended
         self._owns_group = False
         if manager is not None:
             manager.close(abandon=True)
-        rnd.left(why, held)
+        rnd.left(why, held, self._events)
+        self._events.close()  # after the tier's thread, which writes to it, ended
         self._round = None
         return held
 
@@ -531,6 +538,8 @@ class Session:
         parts = StateParts.of(state, spread=self._spread)
         rnd = self._round
         self._beat("loading")
+        if rnd is not None:
+            rnd.load_began()
         if rnd is not None and not rnd.loaded and self._tier is not None:
             self._tier.join(rnd, parts, self.rank, self.world_size, self._device(), self._events)
         if rnd is not None and self._rollback_why:
@@ -539,24 +548,12 @@ class Session:
             done = self._restore_live(rnd, manager, parts)
             if done is not None:
                 return done
-        reader = StateReader()
-
-        def build(manifest: Manifest) -> dict[str, Any]:
-            parts.check_fits(manifest, reader.saved(manifest))  # a step of another shape is not corrupt: not marked
-            return parts.state_dict(manifest)
-
-        try:
-            manifest = manager.load(build, load_step=step, validate=validate, writer=WRITER, side=reader)
-        except ForeignStepError as e:  # ftrain train's step: intact, refused, never marked
-            raise SessionError(str(e)) from e
+        manifest = load_stored(manager, parts, step=step, events=self._events, check=self._check_resume)
         if manifest is None:
             self.restored = Restored("fresh", 0)
             self._loaded(parts, 0)
             self._say(f"no committed step under {self.checkpoint_uri}: starting from step 0")
             return 0
-        saved = reader.saved(manifest)
-        assert saved is not None  # validate() refused the step otherwise (it would not have loaded)
-        parts.apply(manifest, saved)
         self._step = manifest.step
         manager.status.last_committed_step = max(manager.status.last_committed_step, manifest.step)
         self.restored, self.manifest = Restored("storage", manifest.step), manifest
@@ -590,7 +587,7 @@ class Session:
             rolled_back(self._events, step, self._rollback_why, self._say)
             self._rollback_why = ""
         if self._round is not None:
-            self._round.loaded = True
+            self._round.restored(self.restored, self._events, self.world_size)  # live_restored, once a round
             self._round.boundary(step, parts)  # encodes the entries: refuses what cannot be stored
         else:
             parts.check_storable(step)  # SessionError now, not at the first save hours later

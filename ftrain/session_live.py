@@ -46,7 +46,7 @@ from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.events import EventLog
 from ftrain.recovery.peer_state import HeldState, PeerStateError, Restored, held_on, take_held_state
 from ftrain.recovery.round_control import AssignmentTimeout, StopRequested, newer_round_assigned, wait_for_assignment
-from ftrain.recovery.rounds import RoundOver, said_left
+from ftrain.recovery.rounds import RoundOver, said_left, said_restored
 from ftrain.session_state import SessionError, StateParts
 from ftrain.session_tier import SessionTierView
 
@@ -190,6 +190,9 @@ class Round:
     def __init__(self, assignment: Assignment, hb: Heartbeat | None, newer: Callable[[], bool], held: HeldState | None):
         self.assignment, self.hb, self.newer = assignment, hb, newer
         self.held = held  #: what this process held when the round began (until the load uses it)
+        self.held_step = held.step if held else -1
+        #: time.monotonic() of the assignment read, the process group joined, the first load called
+        self.began, self.joined, self._built = time.monotonic(), 0.0, 0.0
         self.watch = BoundaryWatch()
         self.loaded = False  #: the round's state is restored: what it holds is its last boundary
         self.step_time_s = 0.0  #: between the last two boundaries (the round watchdog's grace)
@@ -211,6 +214,20 @@ class Round:
         self.watch.mark(step, parts, entries)
         if self.tier is not None:
             self.tier.mark(step, parts, entries, self.step_time_s)
+
+    def load_began(self) -> None:
+        """The loop asked for its state: what it built at the round's layout is done."""
+        if not self.loaded:
+            self._built = time.monotonic()
+
+    def restored(self, restored: Restored | None, events: ev.EventLog, world_size: int) -> None:
+        """The state is loaded: the round's first load says where from (``live_restored``, as
+        ``ftrain train``'s rounds do); what this rank holds from here is its step boundaries."""
+        if not self.loaded and restored is not None:
+            joined, built = self.joined or self.began, self._built or self.joined or self.began
+            phases = {"began": self.began, "joined": joined, "built": built}
+            said_restored(events, restored, world_size=world_size, held_step=self.held_step, **phases)
+        self.loaded = True
 
     def join_tier(self, view: SessionTierView, wait_staged: Callable[[], object]) -> None:
         """Snapshots of this round's state go to the memory tier: before any optimizer updates the
@@ -234,9 +251,10 @@ class Round:
         self.tier.parts = parts
         self.join_tier(self.tier, self._wait_staged)
 
-    def left(self, why: BaseException | str, held: HeldState | None) -> None:
-        """Say that this rank left the round (``why``) holding ``held``; the agent hears it waits."""
-        said_left(self.assignment, why, held.step if held else -1, self.hb)
+    def left(self, why: BaseException | str, held: HeldState | None, events: ev.EventLog | None = None) -> None:
+        """Say that this rank left the round (``why``) holding ``held``; the agent hears it waits
+        (and the round's event log, once the session joined it, ``live_round_left``)."""
+        said_left(self.assignment, why, held.step if held else -1, self.hb, events)
 
     def release(self) -> None:
         """The round is over: its hooks leave the loop's optimizers (used again in the next round)."""

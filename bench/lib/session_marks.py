@@ -2,8 +2,9 @@
 --script --recovery live``: ``bench/recovery.py``'s ``session_live`` rows), read from the agents'
 event log and the marks that :mod:`bench.lib.session_loop` writes (its ``--probe-log``).
 
-A user's loop writes no ftrain events, so the loop's own marks stand in for ``ftrain worker``'s
-``live_restored`` (:mod:`bench.lib.live_marks`); the columns of the recovery table are filled as:
+A user's loop writes no metrics lines (its session logs each round's ``live_restored``, not its
+steps), so the loop's own marks, taken where it calls and leaves ``session.load``, stand in for
+``ftrain worker``'s (:mod:`bench.lib.live_marks`); the columns of the recovery table are filled as:
 
 - detect: fault -> an agent's first reaction (workers_exited, hang, round_formed);
 - rendezvous: -> the last agent assigned the new round to its processes (workers_reassigned);

@@ -45,7 +45,6 @@ from torch import nn
 from ftrain.agent_link import flight_recorder, heartbeat, stop_request
 from ftrain.checkpoint.storage import Storage, StorageOptions
 from ftrain.config import Config, ModelConfig
-from ftrain.contract import events as ev
 from ftrain.contract.control import Assignment, ControlFile
 from ftrain.contract.worker_env import WorkerEnv
 from ftrain.data import build_source
@@ -55,7 +54,7 @@ from ftrain.models.layout import logits_of
 from ftrain.recovery.memory_tier import MemoryTier
 from ftrain.recovery.peer_state import HeldState, Restored
 from ftrain.recovery.round_control import StopRequested, newer_round_assigned, service_ports
-from ftrain.recovery.rounds import RoundOver, said_left, serve_rounds
+from ftrain.recovery.rounds import RoundOver, said_left, said_restored, serve_rounds
 from ftrain.session_live import restore_round
 from ftrain.train import Trainer, finish, say_goodbye
 
@@ -203,19 +202,15 @@ class _TrainerRounds:
         trainer = self.trainer = Trainer(*args)
         built = time.monotonic()
         restored = restore(trainer, held, assignment.committed_step)
-        done = time.monotonic()
-        trainer.events.emit(
-            ev.LiveRestored(
-                source=restored.source,
-                step=restored.step,
-                from_rank=restored.from_rank,
-                world_size=world_size,
-                held_step=held.step if held else -1,
-                seconds=round(done - began, 4),
-                join_s=round(joined - began, 4),
-                build_s=round(built - joined, 4),
-                state_s=round(done - built, 4),
-            )
+        held_step = held.step if held else -1
+        said_restored(
+            trainer.events,
+            restored,
+            world_size=world_size,
+            held_step=held_step,
+            began=began,
+            joined=joined,
+            built=built,
         )
         self.held, self.restored = None, True  # the trainer holds it now
         del held
@@ -264,13 +259,10 @@ class _TrainerRounds:
             self.held = hold(trainer)
         held = self.held
         abort_distributed(self.keep_ports)
-        if trainer is not None:
-            trainer.events.emit(
-                ev.LiveRoundLeft(step=held.step if held else -1, why=str(why).splitlines()[0][:300] if str(why) else "")
-            )
-            trainer.close(broken=True)
         assert self.assignment is not None
-        said_left(self.assignment, why, held.step if held else -1, self.hb)
+        said_left(self.assignment, why, held.step if held else -1, self.hb, trainer.events if trainer else None)
+        if trainer is not None:
+            trainer.close(broken=True)
 
 
 __all__ = ["serve", "restore", "hold", "Restored"]

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ftrain.agent_link.heartbeat import Heartbeat
+from ftrain.contract import events as ev
 from ftrain.contract.control import Assignment, ControlFile
-from ftrain.recovery.peer_state import PeerStateError
+from ftrain.recovery.peer_state import PeerStateError, Restored
 from ftrain.recovery.round_control import (
     RoundEnded,
     StopRequested,
@@ -80,15 +81,55 @@ def ends_round(e: BaseException) -> bool:
     return isinstance(e, (RoundEnded, PeerStateError)) or is_peer_failure(e)
 
 
-def said_left(assignment: Assignment, why: BaseException | str, held_step: int, hb: Heartbeat | None) -> None:
+def said_left(
+    assignment: Assignment,
+    why: BaseException | str,
+    held_step: int,
+    hb: Heartbeat | None,
+    events: ev.EventLog | None = None,
+) -> None:
     """Say that this rank left ``assignment``'s round (``why``) holding step ``held_step`` (-1:
-    none), and tell its agent it waits for the next round (``recovering``)."""
+    none): in its log, in the job's event log (``live_round_left``), and to its agent, that it
+    waits for the next round (``recovering``)."""
     reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
-    where = reason.splitlines()[0][:200] if reason else ""
+    where = reason.splitlines()[0] if reason else ""
     held = held_step if held_step >= 0 else "none"
-    log.warning("round %d ended for rank %d (%s); holding step %s", assignment.round, assignment.rank, where, held)
+    log.warning(
+        "round %d ended for rank %d (%s); holding step %s", assignment.round, assignment.rank, where[:200], held
+    )
+    if events is not None:
+        events.emit(ev.LiveRoundLeft(step=held_step, why=where[:300]))
     if hb is not None:
         hb.beat(held_step, phase="recovering")
+
+
+def said_restored(
+    events: ev.EventLog,
+    restored: Restored,
+    *,
+    world_size: int,
+    held_step: int,
+    began: float,
+    joined: float,
+    built: float,
+) -> None:
+    """The round's state is restored (``live_restored``): from where, and how long each phase took
+    since the assignment was read (``began``; ``joined`` the process group, ``built`` what the
+    loop builds at the round's layout; ``time.monotonic()`` seconds)."""
+    done = time.monotonic()
+    events.emit(
+        ev.LiveRestored(
+            source=restored.source,
+            step=restored.step,
+            from_rank=restored.from_rank,
+            world_size=world_size,
+            held_step=held_step,
+            seconds=round(done - began, 4),
+            join_s=round(joined - began, 4),
+            build_s=round(built - joined, 4),
+            state_s=round(done - built, 4),
+        )
+    )
 
 
 def serve_rounds(

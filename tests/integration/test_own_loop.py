@@ -133,6 +133,16 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert worker_logs.count("from live_peer") >= 2, worker_logs[-4000:]  # both recoveries
         assert "from storage" not in worker_logs, worker_logs[-4000:]  # no step was read back from storage
         assert "Traceback" not in worker_logs, worker_logs[-4000:]
+        # the session tells the job's event log what ftrain train's rounds tell it
+        logged = events(tmp_path)
+        healed = [e for e in logged if e["event"] == "live_restored" and e["round"] > 1]
+        assert {e["source"] for e in healed} == {"live_peer"}, healed  # sent by the rank that kept it
+        new, kept = ([e for e in healed if (e["held_step"] >= 0) is k] for k in (False, True))
+        assert new and kept and all(e["from_rank"] == e["rank"] for e in kept), healed
+        assert [e for e in logged if e["event"] == "live_round_left" and e["step"] >= 20]
+        assert not [e for e in logged if e["event"] == "ckpt_loaded"], "a step was read back from storage"
+        said_committed = {e["step"] for e in logged if e["event"] == "ckpt_committed"}
+        assert 60 in said_committed and said_committed <= set(_committed(tmp_path)), said_committed
         assert _committed(tmp_path)[-1] == 60
         ckpt = str(tmp_path / "runs/own_loop/ckpt")
         # every commit kept verifies (each file re-hashed): one run goes through every committed step

@@ -166,7 +166,10 @@ def test_a_rank_the_launcher_did_not_give_is_refused(tmp_path, monkeypatch):
         ftrain.Session(str(tmp_path)).start()
 
 
-def test_a_step_missing_a_part_of_the_state_is_not_loaded_into_it(tmp_path):
+def test_a_step_missing_a_part_of_the_state_is_not_loaded_into_it(tmp_path, monkeypatch):
+    """... and the job's event log hears of each save and load as from ftrain train's."""
+    log = tmp_path / "events.jsonl"
+    monkeypatch.setenv("FTRAIN_EVENTS", str(log))
     with ftrain.Session(str(tmp_path / "ckpt"), on_no_loadable_step="fail") as session:
         state = _state()
         session.finish(2, {"model": state["model"], "optim": state["optim"]})
@@ -178,6 +181,18 @@ def test_a_step_missing_a_part_of_the_state_is_not_loaded_into_it(tmp_path):
     manifest = json.loads(next((tmp_path / "ckpt").glob("step-*/manifest.json")).read_text())
     assert manifest["layout"]["writer"] == "session"
     assert not list((tmp_path / "ckpt").rglob("corrupt.json")), "a step of another shape was marked corrupt"
+    said = [json.loads(line) for line in log.read_text().splitlines()]
+    names = [e["event"] for e in said if e["event"].startswith(("resume", "ckpt_"))]
+    assert names == [
+        "ckpt_committed",  # the first session's (synchronous) save
+        *["resume_started", "resume_failed"],  # the state of another shape
+        *["resume_started", "ckpt_loaded", "resumed"],
+    ], names
+    failed, loaded, resumed = (
+        next(e for e in said if e["event"] == n) for n in ("resume_failed", "ckpt_loaded", "resumed")
+    )
+    assert "holds no 'sampler', 'sched'" in failed["refused"][0]
+    assert loaded["step"] == resumed["step"] == 2 and resumed["from_world_size"] == resumed["world_size"] == 1
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 5])

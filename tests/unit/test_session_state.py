@@ -38,7 +38,7 @@ from ftrain.agents.heartbeat import HeartbeatServer
 from ftrain.agents.supervision import hung_ranks
 from ftrain.checkpoint.digest import digest_bytes
 from ftrain.checkpoint.manager import CheckpointManager
-from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, step_dir_name
+from ftrain.checkpoint.manifest import CORRUPT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, step_dir_name
 from ftrain.session import SessionError
 from ftrain.session_state import STATE_FILE
 from ftrain.testbed.wait import wait_for
@@ -477,7 +477,8 @@ def test_a_per_rank_tensor_that_lies_about_its_length_is_refused():
 def test_a_loops_own_manifest_fields_are_recorded_and_read_back_and_what_a_manifest_cannot_hold_is_refused(tmp_path):
     """``Session(manifest_fields=...)``: the loop's config, its digest, layout and trainer fields in
     each step's manifest (what ``ftrain ckpt show`` prints), beside the session's own keys, which it
-    may not set; ``session.manifest`` is the loaded step's. What a manifest could not hold, or its
+    may not set; ``session.manifest`` is the loaded step's, ``check_resume`` sees it before the
+    step's files are read and may refuse it. What a manifest could not hold, or its
     reader would refuse, is refused at save() before anything is written."""
     root = tmp_path / "ckpt"
     own: dict[str, Any] = {
@@ -493,9 +494,23 @@ def test_a_loops_own_manifest_fields_are_recorded_and_read_back_and_what_a_manif
     assert written["config"] == own["config"] and written["config_hash"] == "c0ffee"
     assert written["layout"]["pp_size"] == 2 and written["layout"]["writer"] == "session"
     assert written["trainer"]["cursor"] == {"epoch": 1, "offset": 96} and written["trainer"]["step"] == 4
-    with ftrain.Session(str(root)) as session:
+    seen: list[int] = []
+
+    def check(manifest: Manifest) -> None:  # the loop's own check, before a file of the step is read
+        seen.append(manifest.step)
+        if manifest.config["model"] != {"d_model": 64}:
+            raise ValueError(f"step {manifest.step} has model {manifest.config['model']}, this run d_model 64")
+
+    target = torch.nn.Linear(2, 2)
+    before = target.weight.detach().clone()
+    with ftrain.Session(str(root), check_resume=check) as session:
+        with pytest.raises(ValueError, match=r"step 4 has model \{'d_model': 32\}, this run d_model 64"):
+            session.load({"model": target})
+    assert seen == [4] and torch.equal(target.weight, before), "the refused step was read"
+    assert not list(root.rglob("corrupt.json")), "a step the loop refused was marked corrupt"
+    with ftrain.Session(str(root), check_resume=lambda m: seen.append(m.step)) as session:
         assert session.manifest is None
-        assert session.load({"model": torch.nn.Linear(2, 2)}) == 4
+        assert session.load({"model": target}) == 4 and seen == [4, 4]
         assert session.manifest is not None and session.manifest.config == own["config"]
         assert session.manifest.trainer["cursor"] == {"epoch": 1, "offset": 96}
 
