@@ -34,9 +34,10 @@ every ``--ckpt-interval`` steps to a local directory, and the fault after ``--fa
 it differs: the model is the example's tiny Hugging Face Llama (``bench/lib/session_loop.py``), not
 ``TINY_CONFIG``'s GPT; the loop sleeps ``--step-sleep-s`` after each step itself (the example
 does not read ``FTRAIN_FAULT_STEP_SLEEP_S``); a collective timeout is the session's (600 s), not
-``--collective-timeout-s``; and its phases are the loop's own marks, not ``ftrain worker``'s
-events (``bench/lib/session_marks.py``: worker start is up to ``session.load``, which includes
-the loop rebuilding its model for the round, and ckpt load is ``session.load`` itself).
+``--collective-timeout-s``; and its steps are the loop's own marks, not metrics lines (its
+``live_restored`` events are the session's, read as ``ftrain worker``'s:
+``bench/lib/session_marks.py``; worker start is up to ``session.load``, which includes the loop
+rebuilding its model for the round).
 
 A recovery ends at the first step completed after the resume; its phases, each mark taken when
 the last participant reached it:

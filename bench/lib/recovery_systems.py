@@ -24,8 +24,8 @@ from typing import Any
 
 from bench.lib.live_marks import first_live_step_after, live_marks
 from bench.lib.restart_marks import Marks, first_step_after, read_glog_lines, recovery_marks, stamped
-from bench.lib.session_marks import first_session_step_after, session_marks
 from bench.lib.session_marks import steady_step_s as session_steady_step_s
+from bench.lib.session_marks import step_lines
 from ftrain.agents.config import agent_flags
 from ftrain.agents.workers import (
     Launch,  # the floor runs the agent's own launcher command
@@ -353,7 +353,7 @@ class SessionJob(Job):
 
     def wait_recovered(self, fault: float, timeout_s: float, *, live: bool = False) -> None:
         wait_for(
-            lambda: first_session_step_after(fault, self.probe.poll()),
+            lambda: first_live_step_after(fault, self.events.poll(), step_lines(self.probe.poll())),
             timeout_s,
             "first step after the restore",
             poll_s=POLL_S,
@@ -395,7 +395,7 @@ def run_session_live(fault: str, workdir: Path, settings: Settings) -> Outcome:
                     what += " (the leader)" if leaders and leaders[-1] == node.name else " (not the leader)"
                 out.notes.append(what)
                 job.wait_recovered(fault_t, settings.cap_s)
-                marks = session_marks(fault_t, job.events.poll(), job.probe.poll())
+                marks = live_marks(fault_t, job.events.poll(), step_lines(job.probe.poll()))
                 out.marks = Marks(**marks) if marks else None
             finally:
                 job.close()

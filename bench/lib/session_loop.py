@@ -4,15 +4,11 @@ bench/lib/session_loop.py --recovery live -- [--probe-log PATH] [--step-sleep-s 
 
 The example's loop is not copied: its ``train(session, args)`` is called as its ``main`` calls it,
 with :class:`ProbeSession` for the session, an :class:`ftrain.Session` that appends a JSON line
-to ``--probe-log`` (one file for every process of the job, ``O_APPEND``) where the loop calls it:
-
-- ``load_started``: ``train`` entered :meth:`ftrain.Session.load` (this round's process group
-  joined, the model and optimizer rebuilt);
-- ``restored``: the load returned: the step it goes on from and where the state came from
-  (``source``: ``live_peer``, ``memory``, ``storage``, ``fresh``);
-- ``step``: :meth:`ftrain.Session.step` was called: the step's update is done (the mark is
-  taken on entry, before the session's heartbeat, boundary agreement and save, as ``ftrain
-  train``'s metrics line is written before its own).
+to ``--probe-log`` (one file for every process of the job, ``O_APPEND``) at each
+``step``: :meth:`ftrain.Session.step` was called, the step's update is done (the mark is taken on
+entry, before the session's heartbeat, boundary agreement and save, as ``ftrain train``'s
+metrics line is written before its own). A round's restore needs no mark of the loop's: the
+session logs ``live_restored`` into the job's event log.
 
 After each step it sleeps ``--step-sleep-s`` (``ftrain train``'s ``FTRAIN_FAULT_STEP_SLEEP_S``,
 so that a fault finds the job running); ``step_time_s`` is the time since the previous step's
@@ -37,7 +33,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop" / "train
 
 
 class ProbeSession(ftrain.Session):
-    """A session that writes a timestamped JSON line at each load and step (see the module doc)."""
+    """A session that writes a timestamped JSON line at each step (see the module doc)."""
 
     def __init__(self, checkpoint_uri: str, *, probe_log: str, step_sleep_s: float, **kwargs: Any):
         super().__init__(checkpoint_uri, **kwargs)
@@ -58,12 +54,8 @@ class ProbeSession(ftrain.Session):
         os.write(self._probe_fd, (json.dumps(record) + "\n").encode())  # one write: lines never interleave
 
     def load(self, state: Mapping[str, Any], *, step: int = -1) -> int:
-        self._mark("load_started")
-        done = super().load(state, step=step)
-        source = self.restored.source if self.restored is not None else ""
-        self._mark("restored", step=done, source=source)
-        self._since = 0.0
-        return done
+        self._since = 0.0  # the first step after a load has no interval
+        return super().load(state, step=step)
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         now = time.monotonic()

@@ -24,7 +24,7 @@ def test_the_recovery_bench_smoke_run_times_live_and_restart_recovery_and_a_user
     assert live["load_start_by"] == ["live_restored (live_peer)"]  # the replacement healed from its peer
     assert summary["live_worker_kill_s"] == live["total_s"] and summary["live_speedup_vs_restart"] > 1
     # the user's loop (ftrain.Session.run): the spare took the lost rank and its state from the survivor
-    assert session["load_start_by"] == ["session.load (live_peer)"] and session["world_size_after"] == [2]
+    assert session["load_start_by"] == ["live_restored (live_peer)"] and session["world_size_after"] == [2]
     assert summary["session_live_worker_kill_s"] == session["total_s"] > 0
 
 
