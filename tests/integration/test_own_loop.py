@@ -136,9 +136,9 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         # the session tells the job's event log what ftrain train's rounds tell it
         logged = events(tmp_path)
         healed = [e for e in logged if e["event"] == "live_restored" and e["round"] > 1]
-        assert {e["source"] for e in healed} == {"live_peer"}, healed  # sent by the rank that kept it
-        new, kept = ([e for e in healed if (e["held_step"] >= 0) is k] for k in (False, True))
-        assert new and kept and all(e["from_rank"] == e["rank"] for e in kept), healed
+        assert {e["source"] for e in healed} <= {"live_peer", "memory"}, healed  # never storage
+        new = [e for e in healed if e["held_step"] < 0]  # each new process got it from the one that kept it
+        assert len(new) >= 2 and all(e["source"] == "live_peer" and e["from_rank"] != e["rank"] for e in new), healed
         assert [e for e in logged if e["event"] == "live_round_left" and e["step"] >= 20]
         assert not [e for e in logged if e["event"] == "ckpt_loaded"], "a step was read back from storage"
         said_committed = {e["step"] for e in logged if e["event"] == "ckpt_committed"}
