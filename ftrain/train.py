@@ -128,6 +128,7 @@ class StepStats:
     busy_s: list[float]  #: per rank: time so far not blocked on communication
     comm_wait_s: list[float]  #: per rank: blocked on communication so far
     pp_bubble: list[float]  #: per rank: the step's pipeline schedule's share of time waiting on neighbours
+    completed_at: float  #: time.time() as the gather returned: the round completed the step
 
 
 @dataclass(slots=True)
@@ -621,7 +622,6 @@ class Trainer:
             par.reduce_gradients()
             grad_norm = par.clip_grad_norm(cfg.train.grad_clip)
         stats = self._step_stats(step + 1, losses)
-        completed_at = time.time()  # its last collective returned: the round completed the step
         lr = self.lr_schedule().lr_at(step, self.layout.dp_size)
         with phases.phase("ckpt_staging"):
             self._wait_staged()
@@ -634,7 +634,7 @@ class Trainer:
             else:
                 self._on_nonfinite(step + 1, loss, grad_norm)
             par.optimizer.zero_grad(set_to_none=True)
-        self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0, completed_at)
+        self._report(step + 1, batch, grad_norm, lr, stats, time.perf_counter() - t0)
         return loss
 
     def _forward_backward(self, micros: list, loss_of: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
@@ -726,6 +726,7 @@ class Trainer:
         else:
             with self.phases.phase("comm_wait"):
                 all_gather_single(gathered, local)
+        completed_at = time.time()  # the step's last collective: its metrics line's time, even if stamped later
         rows = gathered.view(layout.world_size, -1).cpu()
         total, count = 0.0, 0
         for rank, dp_rank in layout.loss_ranks():
@@ -739,17 +740,11 @@ class Trainer:
             busy_s=[round(v, 6) for v in rows[:, -3].tolist()],
             comm_wait_s=[round(v, 6) for v in rows[:, -2].tolist()],
             pp_bubble=[round(v, 4) for v in rows[:, -1].tolist()],
+            completed_at=completed_at,
         )
 
     def _report(
-        self,
-        step: int,
-        batch: GlobalBatch,
-        grad_norm: float,
-        lr: float,
-        stats: StepStats,
-        step_time_s: float,
-        completed_at: float,
+        self, step: int, batch: GlobalBatch, grad_norm: float, lr: float, stats: StepStats, step_time_s: float
     ) -> None:
         phases = {k: round(v, 6) for k, v in self.phases.take().items()}
         record: dict[str, Any] = {
@@ -771,9 +766,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             **({"pp_size": self.layout.pp_size, "rank_pp_bubble": stats.pp_bubble} if self.layout.pp_size > 1 else {}),
             "round": self.round,  #: the round that completed the step (the chaos invariants read it)
-            # when: stamped as its last collective returned, not now (a host frozen in between,
-            # e.g. by a background commit's pause, would date the step past a newer round's)
-            "time": completed_at,
+            "time": stats.completed_at,  #: not now: a host frozen since (SIGSTOP) would date the step late
         }
         if self.ckpt is not None:
             status = self.ckpt.poll()
