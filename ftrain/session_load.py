@@ -1,7 +1,7 @@
 """A session's load from storage: the newest verified committed step (or the one asked for)
 into the loop's state, told to the job's event log as ``ftrain train``'s resumes are
-(``resume_started``, then ``resumed`` or ``resume_failed``): ``ftrain report``, ``ftrain
-analyze`` and the chaos invariants read a user's loop's resumes where they read the trainer's."""
+(``resume_started``, then ``resumed`` or ``resume_failed``): the chaos invariants and the recovery
+bench read a user's loop's resumes where they read the trainer's."""
 
 from __future__ import annotations
 
