@@ -224,9 +224,17 @@ class Round:
         """The state is loaded: the round's first load says where from (``live_restored``, as
         ``ftrain train``'s rounds do); what this rank holds from here is its step boundaries."""
         if not self.loaded and restored is not None:
-            joined, built = self.joined or self.began, self._built or self.joined or self.began
-            phases = {"began": self.began, "joined": joined, "built": built}
-            said_restored(events, restored, world_size=world_size, held_step=self.held_step, **phases)
+            joined = self.joined or self.began
+            built = self._built or joined
+            said_restored(
+                events,
+                restored,
+                world_size=world_size,
+                held_step=self.held_step,
+                began=self.began,
+                joined=joined,
+                built=built,
+            )
         self.loaded = True
 
     def join_tier(self, view: SessionTierView, wait_staged: Callable[[], object]) -> None:
