@@ -1,6 +1,7 @@
 """``ftrain report RUN_DIR``: a self-contained HTML page (and a PNG, with headless Chromium) of any
 job from its logs: curves, a per-rank heatmap, rounds, faults, hangs, checkpoints and stragglers
-on one timeline, goodput, and the device time lost by cause (with its cost, given a price)."""
+on one timeline, how each round's state came back (the heals), goodput, and the device time lost by
+cause (with its cost, given a price)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
-    from ftrain.observability.run_report import build, collect, write
+    from ftrain.observability.run_report import build, collect, said_heal, write
 
     run_dir = Path(args.run_dir)
     if not run_dir.exists():
@@ -59,6 +60,8 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
     for c in a["causes"]:
         cost = f"  cost {c['cost']:.4f}" if c["cost"] is not None else ""
         print(f"  {c['cause']:18s} {c['device_hours']:10.5f} device-hours  {100 * c['share']:5.1f}%{cost}")
+    for h in report["heals"]:
+        print(f"heal: {said_heal(h)}")
     for d in report["decisions"]:
         print(f"decision: {d['text']}")
     if args.json:

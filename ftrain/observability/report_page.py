@@ -2,10 +2,11 @@
 small script into SVG), the same in any browser and in headless Chromium.
 
 Sections: a summary (steps, final loss, goodput, device-hours and cost, and how the job ended
-and why), one timeline (lanes: rounds, faults, hangs, checkpoints, stragglers, steps), the loss,
-gradient-norm and throughput curves, a per-rank heatmap of busy time per step (the straggler's
-row stands out), and tables of the device time by cause, what the control plane decided, the
-rounds, the stragglers, the hangs and the commits. Every lane and
+and why), one timeline (lanes: rounds, faults, heals, hangs, checkpoints, stragglers, steps), the
+loss, gradient-norm and throughput curves, a per-rank heatmap of busy time per step (the
+straggler's row stands out), and tables of the device time by cause, what the control plane
+decided, the rounds, the heals (where each round's state came from), the stragglers, the hangs
+and the commits. Every lane and
 table carries a ``data-lane`` / ``id`` the tests look for; ``body[data-rendered]`` counts the
 lanes drawn.
 
@@ -82,6 +83,11 @@ td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
 <h2>Rounds</h2>
 <table id="rounds"><thead><tr><th>round</th><th>at s</th><th>reason</th><th>members</th><th>world size</th></tr></thead>
 <tbody></tbody></table>
+<h2>Heals</h2>
+<table id="heals"><thead><tr><th>round</th><th>at s</th><th>state from (ranks)</th><th>from step</th>
+<th>steps redone</th><th>slowest rank</th><th>its seconds</th><th>join / build / state s</th><th>refusals</th>
+</tr></thead>
+<tbody></tbody></table>
 <h2>Stragglers</h2>
 <table id="stragglers"><thead><tr><th>at s</th><th>node</th><th>rank</th><th>busy s/step</th><th>others s/step</th>
 <th>policy</th></tr></thead><tbody></tbody></table>
@@ -101,13 +107,14 @@ const lost = A.causes.filter(c => c.cause !== "productive").reduce((s, c) => s +
 const cost = A.device_hour_price ? " (" + (lost * A.device_hour_price).toFixed(2) + " at " + A.device_hour_price +
   " per device-hour)" : "";
 document.getElementById("summary").textContent = (last ? "step " + last.step + ", loss " +
-  (last.loss ?? NaN).toFixed(4) : "no step") + " · " + R.rounds.length + " round(s) · " + A.devices +
+  (last.loss ?? NaN).toFixed(4) : "no step") + " · " + R.rounds.length + " round(s) · " +
+  (R.heals || []).length + " heal(s) · " + A.devices +
   " device(s) for " + A.wall_s.toFixed(0) + " s · goodput " + (100 * A.goodput).toFixed(1) + "% · lost " +
   lost.toFixed(4) + " device-hours" + cost + " (accounted from the " + (A.source || "metrics") + ")";
 if (R.final) document.getElementById("final").textContent = "job " + R.final.status + ": " + R.final.reason;
 
 // one timeline
-const lanes = ["rounds", "faults", "hangs", "checkpoints", "stragglers", "steps"];
+const lanes = ["rounds", "faults", "heals", "hangs", "checkpoints", "stragglers", "steps"];
 const LANE = 24;
 const {svg, x, y, mark} = timeline(document.getElementById("timeline"), lanes, t0, tEnd, LANE);
 const REASONS = {start: "#90caf9", scale_up: "#a5d6a7", straggler: "#ffcc80", hang: "#f48fb1"};
@@ -118,6 +125,9 @@ R.rounds.forEach((r, i) => {
   el("title", {}, rect).textContent = "round " + r.round + " (" + r.reason + "): " + r.members.join(", ");
 });
 R.faults.forEach(f => mark("faults", f.time, "#d32f2f", f.kind + " " + f.node, 4));
+const sources = h => Object.entries(h.sources).map(([s, n]) => s + " x" + n).join(", ");
+(R.heals || []).forEach(h => mark("heals", h.time, "#1565c0", "round " + h.round + ": state from " + sources(h) +
+  " at step " + h.step, Math.max(3, x(h.done_at) - x(h.time))));  // from the first rank's start to the last's end
 R.hangs.forEach(h => mark("hangs", h.time, "#ad1457", "hang on " + h.node + ": " + h.verdict, 4));
 R.checkpoints.forEach(c => mark("checkpoints", c.time, "#2e7d32", "committed step " + c.step, 2));
 R.stragglers.forEach(s => mark("stragglers", s.time, "#ef6c00", "straggler " + s.node + " (" + s.policy + ")", 4));
@@ -183,6 +193,9 @@ table("lost", A.causes, c => [c.cause, c.device_hours.toFixed(5), (100 * c.share
   c.cost === null ? "-" : c.cost.toFixed(4)]);
 table("decisions", R.decisions || [], d => [at(d.time), d.text]);
 table("rounds", R.rounds, r => [r.round, at(r.time), r.reason, r.members.join(", "), r.world_size]);
+const secs = v => typeof v === "number" ? v.toFixed(2) : null;
+table("heals", R.heals || [], h => [h.round, at(h.time), sources(h), h.step, h.steps_redone, h.slowest_rank,
+  secs(h.seconds), ["join_s", "build_s", "state_s"].map(k => secs(h.phases_s[k]) ?? "-").join(" / "), h.refused]);
 table("stragglers", R.stragglers, s => [at(s.time), s.node, s.rank, s.busy_s.toFixed(4), s.others_s.toFixed(4),
   s.policy]);
 table("hangs", R.hangs, h => [at(h.time), h.node, h.round, h.verdict]);

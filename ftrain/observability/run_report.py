@@ -4,8 +4,9 @@
 :func:`collect` reads every ``metrics*.jsonl`` and ``events*.jsonl`` under a run directory (each
 node's, when each keeps its own; torn lines skipped) and :func:`build` turns them into plain
 data: the steps (loss, gradient norm, throughput, phases, per-rank busy and waiting time),
-rounds, faults, hangs with their verdicts, commits, stragglers, goodput, and where the
-device time went (:func:`lost_time`).
+rounds, faults, hangs with their verdicts, commits, stragglers, the heals (:func:`heals`: where
+each round's state came from and what it cost), goodput, and where the device time went
+(:func:`lost_time`).
 
 Device time is :mod:`ftrain.contract.accounting`'s, the one accounting of ``ftrain status`` and
 the agents' metrics, with the same causes (productive, recomputation, checkpoint_stalls,
@@ -33,6 +34,7 @@ from ftrain.contract.local_files import replace_file
 from ftrain.observability.decisions import decisions
 
 MAX_WORLD_SIZE = 1 << 24  #: a larger world size in a log line is not believed (it would overflow the sums)
+MAX_HEAL_S = 7 * 86400.0  #: a longer restore in a log line is not believed (it would stretch the timeline)
 MAX_STEPS_SHOWN = 2000  #: steps kept for the curves and the heatmap (evenly thinned beyond)
 
 
@@ -107,12 +109,116 @@ def build(
             }
             for e in _of(events, Event.STRAGGLER_DETECTED)
         ],
+        "heals": heals(metrics, events),
         "accounting": agents_time(events, device_hour_price=device_hour_price)
         or lost_time(metrics, started, ended, device_hour_price=device_hour_price),
         "final": _final(events),
         "decisions": decisions(events),
     }
     return report
+
+
+#: the events that say a rank has its state: a live worker's (from its own memory, a live peer, the
+#: memory tier or storage), restarted workers' from the memory tier's directory, a load from storage
+_RESTORES = {Event.LIVE_RESTORED: "", Event.MEMORY_RESTORED: "memory_tier", Event.RESUMED: "storage"}
+_REFUSALS = (Event.LIVE_PEER_REFUSED, Event.MEMORY_REFUSED, Event.RESUME_FAILED)
+
+
+def heals(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How each round's ranks got their state back, from the workers' events (``ftrain train``'s
+    and a ``ftrain.Session``'s say the same ones), in time order. One heal is one round's
+    restores: per rank its newest ``live_restored``, ``memory_restored`` or ``resumed`` (whose
+    time is counted from the rank's ``resume_started``); a rank that restores again in the same
+    round from another process (restarts that all log round 0) begins the next heal. A round in
+    which every rank started fresh is the job's start, not a heal. ``steps_redone``: the newest
+    step done before the heal (the metrics lines, the steps live ranks kept as they left their
+    round, what the ranks held) less the step training went on from; None when no log says."""
+    found: list[dict[str, Any]] = []  # {"round", "ranks": {rank: restore}}
+    newest: dict[int | None, dict[str, Any]] = {}  # round -> its latest heal
+    asked: dict[tuple[Any, ...], float] = {}  # (round, rank, pid) -> its resume_started time
+    refused: dict[int | None, int] = {}
+    kept: list[tuple[float, int]] = []  # (time, step) a live rank kept as it left its round
+    for e in sorted(events, key=lambda e: _num(e.get("time"))):
+        kind, round_, rank = str(e.get("event")), _int(e.get("round")), _int(e.get("rank"))
+        who = (round_, rank, _int(e.get("pid")))
+        if kind == Event.RESUME_STARTED:
+            asked[who] = _num(e.get("time"))
+        elif kind in _REFUSALS:
+            refused[round_] = refused.get(round_, 0) + 1
+        elif kind == Event.LIVE_ROUND_LEFT and _int(e.get("step")) is not None:
+            kept.append((_num(e.get("time")), _int(e.get("step")) or 0))
+        elif kind in _RESTORES and (got := _restore(e, asked.get(who))) is not None:
+            heal = newest.get(round_)
+            if heal is None or heal["ranks"].get(rank, got)["pid"] != got["pid"]:
+                heal = newest[round_] = {"round": round_, "ranks": {}}
+                found.append(heal)
+            heal["ranks"][rank] = got
+    out = [_heal(h, refused.get(h["round"], 0), metrics, kept) for h in found]
+    return [h for h in out if set(h["sources"]) != {"fresh"}]
+
+
+def _restore(e: dict[str, Any], asked_at: float | None) -> dict[str, Any] | None:
+    """One rank's restore (None where its step is not a number)."""
+    step = _int(e.get("step"))
+    if step is None:
+        return None
+    kind = Event(e["event"])
+    if kind != Event.RESUMED:
+        seconds: float | None = min(max(0.0, _num(e.get("seconds"))), MAX_HEAL_S)
+    else:
+        seconds = None if asked_at is None else min(max(0.0, _num(e.get("time")) - asked_at), MAX_HEAL_S)
+    source = _RESTORES[kind] or str(e.get("source", ""))[:40]
+    if source == "live_peer" and _int(e.get("from_rank")) == _int(e.get("rank")):
+        source = "memory"  # the peer that sent its state to the others kept its own
+    return {
+        "time": _num(e.get("time")),
+        "pid": _int(e.get("pid")),
+        "step": step,
+        "source": source,
+        "world_size": _int(e.get("world_size")),
+        "held_step": _int(e.get("held_step")),
+        "seconds": seconds,
+        "phases_s": {k: _num(e.get(k)) for k in ("join_s", "build_s", "state_s") if _is_num(e.get(k))},
+    }
+
+
+def _heal(
+    heal: dict[str, Any], refused: int, metrics: list[dict[str, Any]], kept: list[tuple[float, int]]
+) -> dict[str, Any]:
+    ranks = heal["ranks"]
+    # from the first rank's start (a restore's time is when it ended) to the last rank's end
+    at = min(r["time"] - (r["seconds"] or 0.0) for r in ranks.values())
+    step = max(r["step"] for r in ranks.values())
+    sources: dict[str, int] = {}
+    for r in ranks.values():
+        sources[r["source"]] = sources.get(r["source"], 0) + 1
+    timed = [(rank, r) for rank, r in ranks.items() if r["seconds"] is not None]
+    slowest_rank, slowest = max(timed, key=lambda t: t[1]["seconds"], default=(None, None))
+    done = [m["step"] for m in metrics if _num(m.get("time")) < at]
+    done += [s for t, s in kept if t < at] + [h for r in ranks.values() if (h := r["held_step"]) is not None]
+    return {
+        "round": heal["round"],
+        "time": at,
+        "done_at": max(r["time"] for r in ranks.values()),
+        "ranks": len(ranks),
+        "world_size": max((r["world_size"] or 0 for r in ranks.values()), default=0),
+        "step": step,
+        "sources": sources,
+        "seconds": slowest["seconds"] if slowest else None,
+        "slowest_rank": slowest_rank,
+        "phases_s": slowest["phases_s"] if slowest else {},
+        "steps_redone": max(0, max(done) - step) if done else None,
+        "refused": refused,
+    }
+
+
+def said_heal(heal: dict[str, Any]) -> str:
+    """One heal in words (``ftrain report``'s lines)."""
+    sources = ", ".join(f"{source} x{n}" for source, n in heal["sources"].items())
+    slowest = "" if heal["seconds"] is None else f", slowest rank {heal['slowest_rank']} in {heal['seconds']:.2f}s"
+    redone = "" if heal["steps_redone"] is None else f", {heal['steps_redone']} step(s) redone"
+    refused = f", {heal['refused']} refusal(s)" if heal["refused"] else ""
+    return f"round {heal['round']}: state from {sources} at step {heal['step']}{slowest}{redone}{refused}"
 
 
 def _final(events: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ftrain.contract import exits
+from ftrain.observability.run_report import build, collect
 from ftrain.testbed.jobs import max_abs_diff, run, worker_env
 from ftrain.testbed.procs import REPO, kill_tree
 from ftrain.testbed.wait import wait_for
@@ -141,6 +142,11 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert len(new) >= 2 and all(e["source"] == "live_peer" and e["from_rank"] != e["rank"] for e in new), healed
         assert [e for e in logged if e["event"] == "live_round_left" and e["step"] >= 20]
         assert not [e for e in logged if e["event"] == "ckpt_loaded"], "a step was read back from storage"
+        # and ftrain report says it: each fault's round healed from memory, no step trained twice
+        report = build(*collect(tmp_path)[:2])
+        assert len(report["heals"]) >= 2 and report["heals"][0]["round"] == 2, report["heals"]
+        assert all(set(h["sources"]) <= {"live_peer", "memory"} for h in report["heals"]), report["heals"]
+        assert all(h["steps_redone"] == 0 and h["seconds"] > 0 for h in report["heals"]), report["heals"]
         said_committed = {e["step"] for e in logged if e["event"] == "ckpt_committed"}
         assert 60 in said_committed and said_committed <= set(_committed(tmp_path)), said_committed
         assert _committed(tmp_path)[-1] == 60

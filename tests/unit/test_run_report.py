@@ -1,6 +1,6 @@
 """``ftrain report`` (ftrain.observability.run_report and report_page): the lost time by cause adds up to
-the devices' wall time, logs are read as untrusted input, and the page renders every lane and
-table in a real headless browser."""
+the devices' wall time, each round's heal says where its state came from, logs are read as
+untrusted input, and the page renders every lane and table in a real headless browser."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ftrain.observability.browser import dump_dom, find_browser
-from ftrain.observability.run_report import CAUSES, build, collect, write
+from ftrain.observability.run_report import CAUSES, build, collect, heals, said_heal, write
 from ftrain.testbed.procs import REPO, quiet_env
 
 T0 = 1_000.0
@@ -67,8 +67,26 @@ def _job() -> tuple[list[dict], list[dict]]:
             "policy": "warn",
         },  # fmt: skip
         {"time": T0 + 1.9, "event": "hang", "node": "a", "worker_round": 1, "verdict": "rank 1 never entered #9"},
+        _restored(2, 0, 7, "memory", step=4, held=4, at=T0 + 2.7, seconds=0.1),
+        _restored(2, 1, 8, "live_peer", step=4, held=-1, at=T0 + 2.9, seconds=0.3),
     ]
     return metrics, events
+
+
+def _restored(round_: int, rank: int, pid: int, source: str, *, step: int, held: int, at: float, seconds: float):
+    """A live worker's ``live_restored`` (its phases a third of its time each)."""
+    third = seconds / 3
+    return {"time": at, "event": "live_restored", "round": round_, "rank": rank, "pid": pid, "source": source,
+            "step": step, "from_rank": 0 if source == "live_peer" else -1, "world_size": 2, "held_step": held,
+            "seconds": seconds, "join_s": third, "build_s": third, "state_s": third}  # fmt: skip
+
+
+def _resume(round_: int, rank: int, pid: int, *, step: int, at: float, seconds: float) -> list[dict]:
+    """A load from storage: ``resume_started``, then ``resumed`` ``seconds`` later."""
+    envelope = {"round": round_, "rank": rank, "pid": pid}
+    resumed = {"step": step, "from_world_size": 2, "world_size": 2}
+    return [{"time": at - seconds, "event": "resume_started", **envelope},
+            {"time": at, "event": "resumed", **envelope, **resumed}]  # fmt: skip
 
 
 def test_the_device_time_by_cause_adds_up_to_the_devices_wall_time_and_is_priced():
@@ -113,6 +131,58 @@ def test_logs_are_untrusted_input_wrong_types_count_as_nothing(tmp_path):
     assert report["steps"][-1]["step"] == 8 and report["accounting"]["devices"] == 2
 
 
+def test_each_rounds_heal_says_where_its_state_came_from_what_it_cost_and_how_many_steps_were_redone():
+    """Either loop's workers: live rounds (a survivor's memory, a live peer, storage after a
+    refusal), restarts that load from storage (all in round 0 under plain torchrun) and the
+    memory tier's directory; the job's fresh start is not a heal."""
+    metrics = [_line(s, T0 + 0.1 * s) for s in range(1, 10)]  # steps 1-9 by T0 + 0.9
+    events = [
+        _restored(1, 0, 7, "fresh", step=0, held=-1, at=T0, seconds=0.5),
+        _restored(1, 1, 8, "fresh", step=0, held=-1, at=T0, seconds=0.5),
+        {"time": T0 + 1.0, "event": "live_round_left", "round": 1, "rank": 0, "pid": 7, "step": 9, "why": "peer"},
+        _restored(2, 0, 7, "live_peer", step=9, held=9, at=T0 + 1.2, seconds=0.1),  # rank 0 sent its own
+        _restored(2, 1, 9, "live_peer", step=9, held=-1, at=T0 + 1.6, seconds=0.5),
+        # round 3: the peer's state refused, both ranks from storage (a load inside the live round)
+        dict(time=T0 + 2, event="live_peer_refused", round=3, rank=1, pid=9, from_rank=0, step=9, problem="x"),
+        *_resume(3, 0, 7, step=5, at=T0 + 2.4, seconds=0.3),
+        _restored(3, 0, 7, "storage", step=5, held=9, at=T0 + 2.5, seconds=0.6),
+        *_resume(3, 1, 9, step=5, at=T0 + 2.4, seconds=0.3),
+        _restored(3, 1, 9, "storage", step=5, held=9, at=T0 + 2.5, seconds=0.7),
+        # restarts under plain torchrun: every process logs round 0; the second load is another heal
+        *_resume(0, 0, 20, step=5, at=T0 + 4.0, seconds=1.5),
+        *_resume(0, 0, 30, step=5, at=T0 + 6.0, seconds=1.0),
+        dict(time=T0 + 7, event="memory_restored", round=4, rank=0, pid=40, step=6, world_size=1, seconds=0.25),
+    ]
+    got = heals(metrics, events[::-1])  # in any order: read in time order
+    assert [(h["round"], h["sources"], h["step"]) for h in got] == [
+        (2, {"memory": 1, "live_peer": 1}, 9),
+        (3, {"storage": 2}, 5),
+        (0, {"storage": 1}, 5),
+        (0, {"storage": 1}, 5),
+        (4, {"memory_tier": 1}, 6),
+    ]
+    live, refused, *restarts, tier = got
+    assert live["steps_redone"] == 0 and live["slowest_rank"] == 1 and live["seconds"] == pytest.approx(0.5)
+    assert live["time"] == pytest.approx(T0 + 1.1) and live["done_at"] == pytest.approx(T0 + 1.6)
+    assert live["phases_s"]["state_s"] == pytest.approx(0.5 / 3) and live["refused"] == 0
+    assert refused["steps_redone"] == 4 and refused["refused"] == 1 and refused["ranks"] == 2
+    assert [h["seconds"] for h in restarts] == [pytest.approx(1.5), pytest.approx(1.0)]
+    assert [h["steps_redone"] for h in restarts] == [4, 4]  # steps 6-9 done before, from the metrics lines
+    assert tier["seconds"] == 0.25 and tier["world_size"] == 1
+    assert said_heal(refused) == (
+        "round 3: state from storage x2 at step 5, slowest rank 1 in 0.70s, 4 step(s) redone, 1 refusal(s)"
+    )
+    # a session's loop writes no metrics lines: what the ranks held and kept says what was done
+    assert [h["steps_redone"] for h in heals([], events)] == [0, 4, 4, 4, 3]  # step 9 was kept in round 1
+    assert heals([], events[-1:])[0]["steps_redone"] is None  # nothing says
+    hostile = [{**_restored(5, 0, 1, "live_peer", step=3, held=2, at=T0, seconds=1e300), "round": [5]},
+               {**_restored(5, 1, 2, "live_peer", step="x", held=2, at=T0, seconds=0.1)},
+               {"event": "resumed", "step": 2, "time": "late"}]  # fmt: skip
+    wild = heals([], hostile)
+    assert [(h["round"], h["step"], h["ranks"]) for h in wild] == [(None, 3, 2)]  # the step "x" is not a restore
+    assert wild[0]["seconds"] == 7 * 86400 and wild[0]["slowest_rank"] == 0  # a longer one is not believed
+
+
 def test_the_command_writes_the_report_and_names_a_missing_directory(tmp_path):
     metrics, events = _job()
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
@@ -132,6 +202,7 @@ def test_the_command_writes_the_report_and_names_a_missing_directory(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "report.html").exists() and json.loads(out.stdout.splitlines()[-1])["device_hour_price"] == 2
     assert "recovery" in out.stdout and "device-hours" in out.stdout and "restarts" not in out.stdout
+    assert "heal: round 2: state from memory x1, live_peer x1 at step 4, slowest rank 1 in 0.30s" in out.stdout
     missing = ftrain(str(tmp_path / "nope"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     negative = ftrain(str(tmp_path), "--device-hour-price", "-1")
@@ -145,14 +216,15 @@ def test_the_report_renders_every_lane_chart_and_table_in_a_real_browser(tmp_pat
     metrics, events = _job()
     write(tmp_path, build(metrics, events, title="job-1", device_hour_price=3.0))
     dom = dump_dom(tmp_path / "report.html")
-    for lane in ("rounds", "faults", "hangs", "checkpoints", "stragglers", "steps"):
+    for lane in ("rounds", "faults", "heals", "hangs", "checkpoints", "stragglers", "steps"):
         assert f'data-lane="{lane}"' in dom, lane
-    assert 'data-rendered="6"' in dom and dom.count('class="round"') == 2
+    assert 'data-rendered="7"' in dom and dom.count('class="round"') == 2
     for chart in ("loss", "grad norm", "tokens/s", "heatmap"):
         assert f'data-chart="{chart}"' in dom, chart
     assert dom.count('class="cell"') == 2 * 6  # 2 ranks x 6 step lines
     for table, text in (("lost", "recomputation"), ("rounds", "worker_exit"), ("stragglers", "warn"),
-                        ("hangs", "rank 1 never entered #9"), ("checkpoints", "<td>3</td>")):  # fmt: skip
+                        ("hangs", "rank 1 never entered #9"), ("checkpoints", "<td>3</td>"),
+                        ("heals", "memory x1, live_peer x1"), ("heals", "0.10 / 0.10 / 0.10")):  # fmt: skip
         assert f'id="{table}"' in dom and text in dom, table
     assert "job-1" in dom and "goodput" in dom
     png = tmp_path / "report.png"
