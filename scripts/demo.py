@@ -36,6 +36,7 @@ from ftrain.agents.config import agent_flags
 from ftrain.config import load_config
 from ftrain.contract.events import Event, read_jsonl
 from ftrain.data import build_source
+from ftrain.observability.run_report import heals
 from ftrain.testbed.stack import LocalStack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,8 +103,10 @@ class Demo:
             )
         print(f"demo: started agent {node} (pid {self.agents[node].pid}, log {self.work / f'agent-{node}.log'})")
 
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in read_jsonl(self.events_path) if e["event"] == name] if self.events_path.exists() else []
+    def events(self, name: str = "") -> list[dict[str, Any]]:
+        """The job's events named ``name`` (every one: ``""``)."""
+        every = read_jsonl(self.events_path) if self.events_path.exists() else []
+        return [e for e in every if e["event"] == name or not name]
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []
@@ -153,26 +156,23 @@ def describe_recovery(demo: Demo, at: float) -> str:
         processes = "every worker restarted"
     else:
         processes = f"{kept} worker(s) kept their process, {new} new (spares)"
-    restored = [e for e in demo.events(Event.LIVE_RESTORED) if e["round"] == r and e["rank"] == 0]
-    resumed = [e for e in demo.events(Event.RESUMED) if e["round"] == r and e["rank"] == 0]
-    if restored:
-        source, step, since = restored[0]["source"], restored[0]["step"], restored[0]["time"]
-        source = {
-            "live_peer": "a live peer",
-            "memory": "their own memory",
-            "memory_tier": "the memory tier (a buddy's copy)",
-            "storage": "storage (in-process load)",
-        }.get(source, source)
-    elif resumed:
-        source, step, since = "storage (checkpoint load)", resumed[0]["step"], resumed[0]["time"]
-    else:
-        return f"round {r}: {processes}; not resumed"
     metrics = demo.metrics()
-    after = [m["time"] for m in metrics if m["time"] > since]
-    before = [m["step"] for m in metrics if m["time"] <= at]
+    heal = next((h for h in heals(metrics, demo.events()) if h["round"] == r), None)  # what ftrain report says
+    if heal is None:
+        return f"round {r}: {processes}; not resumed"
+    source = ", ".join(f"{_SOURCES.get(s, s)} ({n} rank(s))" for s, n in heal["sources"].items())
+    after = [m["time"] for m in metrics if m["time"] > heal["done_at"]]
     first = f"first step {min(after) - at:.1f} s after the fault" if after else "no step after it"
-    lost = max(0, max(before, default=0) - step)
-    return f"round {r}: {processes}; state from {source} at step {step}; {first}; {lost} step(s) lost"
+    lost = heal["steps_redone"] or 0
+    return f"round {r}: {processes}; state from {source} at step {heal['step']}; {first}; {lost} step(s) lost"
+
+
+_SOURCES = {
+    "live_peer": "a live peer",
+    "memory": "their own memory",
+    "memory_tier": "the memory tier (a buddy's copy)",
+    "storage": "storage",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
