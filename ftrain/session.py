@@ -70,14 +70,7 @@ from ftrain.distributed import abort_distributed
 from ftrain.recovery.peer_state import HeldState, Restored
 from ftrain.recovery.round_control import RoundEnded, service_ports
 from ftrain.recovery.rounds import serve_rounds
-from ftrain.session_live import (
-    Drained,
-    Round,
-    SessionRounds,
-    on_sigterm,
-    refuse_start_under_live,
-    restore_round,
-)
+from ftrain.session_live import Drained, Round, SessionRounds, on_sigterm, refuse_start_under_live, restore_round
 from ftrain.session_load import load_stored
 from ftrain.session_per_rank import collective_device
 from ftrain.session_replicas import ReplicaCheck, ReplicasDiffer, rolled_back
@@ -93,7 +86,7 @@ from ftrain.session_state import (
     warn_if_large,
 )
 from ftrain.session_tier import SessionTier
-from ftrain.session_timing import StepTiming
+from ftrain.session_timing import StepLines, StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +125,7 @@ class Session:
         replicated: bool | None = None,
         manifest_fields: Callable[[], Mapping[str, Any]] | None = None,
         check_resume: Callable[[Manifest], object] | None = None,
+        metrics_path: str = "",
     ):
         """``checkpoint_uri``: a local directory or ``s3://bucket/prefix``; ``job``: the id every
         manifest records (default: the agent's job, else ``own-loop``); ``interval_steps``:
@@ -150,7 +144,8 @@ class Session:
         means every rank holds the whole model); ``manifest_fields``: what the loop records in each
         step's manifest (its config, layout, trainer fields); ``check_resume(manifest)``: on every
         rank, before a load reads a step's files from storage: raise to refuse to go on from it
-        (the error propagates; the step is not marked corrupt). docs/library.md says more of each."""
+        (the error propagates; the step is not marked corrupt); ``metrics_path``: rank 0's metrics lines
+        (:class:`~ftrain.session_timing.StepLines`, ``ftrain report``'s; empty: none). docs/library.md says more."""
         if not checkpoint_uri:
             raise SessionError("Session(checkpoint_uri=...): give a local directory or s3://bucket/prefix")
         if not isinstance(interval_steps, int) or interval_steps < 0:
@@ -185,6 +180,7 @@ class Session:
         self._owns_group = False
         self._step = -1  #: the last step reported (-1: none yet)
         self._timing = StepTiming()  #: the interval between step() calls, and its parts (ftrain.session_timing)
+        self._lines = StepLines(metrics_path)
         #: where the state of the latest load came from (None before any load)
         self.restored: Restored | None = None
         self._round: Round | None = None  #: the round served under :meth:`run` with live recovery
@@ -220,6 +216,7 @@ class Session:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._hb = heartbeat.from_env(self.rank, self.local_rank) if self._round is None else self._round.hb
         self._events = ev.EventLog.or_none(WorkerEnv.from_env().events, rank=self.rank, round_=self.round)
+        self._lines.open(self.rank)
         if self._hb is not None:
             self._hb.beat(-1, phase="starting")
         self._manager = CheckpointManager(
@@ -380,6 +377,7 @@ class Session:
             if error is None and manager.uploading:
                 self._beat("saving")  # close waits for the upload: the agent's save timeout applies
             manager.close(abandon=error is not None)
+        self._lines.close()
         if self._round is not None:
             self._round.release()
             self._round = None
@@ -417,14 +415,15 @@ class Session:
         return self._manager
 
     # -- steps --------------------------------------------------------------------------
-    def step(self, step: int, state: Mapping[str, Any]) -> bool:
+    def step(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> bool:
         """At the end of step ``step`` (steps done): a heartbeat for the agent, the outcome of
-        the save in the background (a failure is logged; training goes on), and a save when
-        ``interval_steps`` says so; True when a save started."""
+        the save in the background (a failure is logged; training goes on), a metrics line (with
+        ``metrics``, the loop's numbers) and a save when ``interval_steps`` says so; True when a save started."""
         manager = self._need_started("step")
         self._step = step
         status = manager.poll()
         timing = self._timing.step_done()  # the heartbeat's step_time_s and phases_s
+        self._lines.write(step, timing, metrics, round_=self.round, world_size=self.world_size)
         parts = StateParts.of(state, spread=self._spread)
         self._timing.watch(parts.module, parts.optimizers)  # from the next step on: its wait for peers
         if self._replicas.due(step):  # before the step is kept anywhere (a save, the tier, a boundary)

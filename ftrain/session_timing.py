@@ -21,13 +21,17 @@ the boundary's agreement still shows a slow rank's lag under ``run``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from ftrain.observability.metrics import MetricsWriter
+from ftrain.session_state import SessionError
 
 #: the phases a session times itself; the rest of an interval is ``other``
 TIMED = ("ckpt_staging", "comm_wait")
@@ -92,4 +96,65 @@ class StepTiming:
         self._last_at, self._spent, self._last_grad_at = None, dict.fromkeys(TIMED, 0.0), None
 
 
-__all__ = ["TIMED", "StepTiming"]
+class StepLines:
+    """Rank 0's metrics lines (``Session(metrics_path=...)``), one per :meth:`ftrain.Session.step`,
+    in ``ftrain train``'s form where the session knows the value: ``step``, ``time`` (the step's
+    end), ``round``, ``world_size``, ``step_time_s`` and ``phases_s`` (rank 0's, as its heartbeat
+    says them), and the loop's own numbers (``step(..., metrics={"loss": ...})``; ``loss``,
+    ``grad_norm`` and ``tokens_per_s`` are ``ftrain report``'s curves). Each line is flushed: a
+    killed process keeps every step it finished. Under live recovery the process that is rank 0
+    in a round writes that round's lines."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._writer: MetricsWriter | None = None
+        self._rank = -1
+
+    def open(self, rank: int) -> None:
+        """This process is ``rank`` from now on (a new round may give it another)."""
+        self._rank = rank
+        if self.path and rank == 0 and self._writer is None:
+            self._writer = MetricsWriter(self.path)
+
+    def write(
+        self, step: int, timing: Mapping[str, Any], values: Mapping[str, Any] | None, *, round_: int, world_size: int
+    ) -> None:
+        writing = self._writer is not None and self._rank == 0
+        line = {"step": step, "time": time.time(), "round": round_, "world_size": world_size, **timing}
+        for key, value in (values or {}).items():  # checked on every rank: a mistake fails alike everywhere
+            line[_metric_key(key, line)] = _metric_value(key, value, read=writing)
+        if self._writer is not None and writing:
+            self._writer.write(line)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _metric_key(key: object, line: Mapping[str, Any]) -> str:
+    if not isinstance(key, str) or not key or key in line:
+        raise SessionError(
+            f"Session.step(metrics=...): key {key!r} is not a new name (the line has {sorted(line)}): "
+            "give the loop's numbers their own names, such as 'loss'"
+        )
+    return key
+
+
+def _metric_value(key: str, value: object, *, read: bool) -> float:
+    """``value`` as a float (``read``: only the writing rank reads a tensor, a device sync)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item() if read else 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SessionError(
+            f"Session.step(metrics=...): {key!r} is {type(value).__name__}, not a number (a float, an int or a "
+            "one-element tensor)"
+        )
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        return math.nan
+    return number if math.isfinite(number) else math.nan
+
+
+__all__ = ["TIMED", "StepLines", "StepTiming"]

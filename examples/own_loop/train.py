@@ -37,6 +37,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="how the model is spread over ranks")
     p.add_argument("--memory-dir", default="", help="a node's tmpfs (/dev/shm) keeping the memory tier's snapshots")
     p.add_argument("--final-weights", default="", help="write the full model state here at the end (rank 0)")
+    p.add_argument("--metrics", default="", help="rank 0's metrics lines, with the loss (what `ftrain report` reads)")
     return p.parse_args(argv)
 
 
@@ -95,7 +96,8 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
         optim.step()
         sched.step()
         optim.zero_grad()
-        session.step(step + 1, state)  # ftrain: heartbeat, a save every --save-every steps, a new round
+        # ftrain: heartbeat, a metrics line, a save every --save-every steps, a new round
+        session.step(step + 1, state, metrics={"loss": loss.detach()})
         if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
             print(f"step {step + 1} loss {loss.item():.4f}", flush=True)
     session.finish(args.steps, state)  # ftrain: the last step saved and committed
@@ -117,7 +119,9 @@ def warm_up(seq: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    session = ftrain.Session(args.ckpt, interval_steps=args.save_every, memory_dir=args.memory_dir)  # ftrain
+    session = ftrain.Session(  # ftrain
+        args.ckpt, interval_steps=args.save_every, memory_dir=args.memory_dir, metrics_path=args.metrics
+    )
     # ftrain: each round of this process (one under torchrun); a spare warms up before its first
     session.run(lambda s: train(s, args), warm_up=lambda: warm_up(args.seq))
 

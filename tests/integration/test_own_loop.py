@@ -114,7 +114,7 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
     _torchrun(tmp_path / "golden", 2, "--parallel", "ddp", "--final-weights", "final.pt")
     golden = tmp_path / "golden" / "final.pt"
     live = ("--recovery", "live")
-    script_args = ("--parallel", "ddp", "--save-every", "20")
+    script_args = ("--parallel", "ddp", "--save-every", "20", "--metrics", str(tmp_path / "lines" / "metrics.jsonl"))
     agents = {n: _agent(tmp_path, etcd, n, *live, script_args=script_args) for n in ("a", "b")}
     try:
         wait_for(lambda: 20 in _committed(tmp_path), 180, "step 20's commit")
@@ -144,6 +144,9 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         assert not [e for e in logged if e["event"] == "ckpt_loaded"], "a step was read back from storage"
         # and ftrain report says it: each fault's round healed from memory, no step trained twice
         report = build(*collect(tmp_path)[:2])
+        # rank 0's lines: each step once at least, but the one a killed rank 0 did not get to write
+        assert len(set(range(1, 61)) - {s["step"] for s in report["steps"]}) <= 2, report["steps"]
+        assert all(s["loss"] is not None and s["loss"] > 0 for s in report["steps"]), report["steps"]
         assert len(report["heals"]) >= 2 and report["heals"][0]["round"] == 2, report["heals"]
         assert all(set(h["sources"]) <= {"live_peer", "memory"} for h in report["heals"]), report["heals"]
         assert all(h["steps_redone"] == 0 and h["seconds"] > 0 for h in report["heals"]), report["heals"]

@@ -275,7 +275,7 @@ def test_each_step_beat_says_its_interval_the_part_spent_staging_and_the_wait_fo
     stragglers): each step's beat carries the wall time since the previous step, the part of it
     spent in the session's saves, and the part from backward's last gradient to the optimizer's
     update (where DDP's ranks wait for each other's gradients); the first step of a process has
-    none (its start-up)."""
+    none (its start-up). ``metrics_path``: the same in metrics lines, with the loop's numbers."""
     import socket
 
     from ftrain.contract.heartbeat import Message
@@ -286,17 +286,23 @@ def test_each_step_beat_says_its_interval_the_part_spent_staging_and_the_wait_fo
     agent_end.bind(path)
     agent_end.settimeout(5.0)
     monkeypatch.setenv(HEARTBEAT, path)
+    lines = tmp_path / "run" / "metrics.jsonl"
+    options = dict(interval_steps=2, async_save=False, verbose=False, metrics_path=str(lines))
     try:
-        with ftrain.Session(str(tmp_path / "ckpt"), interval_steps=2, async_save=False, verbose=False) as session:
+        with ftrain.Session(str(tmp_path / "ckpt"), **options) as session:
             state = _state()
             session.load(state)
             model, optim, data = state["model"], state["optim"], torch.randn(4, 8)
             for step in range(1, 5):
-                model(data).pow(2).mean().backward()
+                loss = model(data).pow(2).mean()
+                loss.backward()
                 time.sleep(0.05)  # stands for the gradient all-reduce waiting for a slower peer
                 optim.step()
                 optim.zero_grad()
-                session.step(step, state)
+                session.step(step, state, metrics={"loss": loss.detach(), "tokens_per_s": 100 * step})
+            for wrong in ({"step": 1.0}, {"loss": "low"}, {3: 1.0}, {"loss": torch.ones(2)}):
+                with pytest.raises(SessionError, match=r"Session.step\(metrics=...\)"):
+                    session.step(4, state, metrics=wrong)
             session.finish(4, state)
         beats = []
         agent_end.settimeout(0.5)
@@ -320,6 +326,16 @@ def test_each_step_beat_says_its_interval_the_part_spent_staging_and_the_wait_fo
     # step 2 was saved (synchronously) at its boundary: step 3's interval holds that save
     assert by_step[3].phases_s["ckpt_staging"] > 0.0
     assert by_step[3].phases_s["ckpt_staging"] > by_step[2].phases_s["ckpt_staging"]
+    # the metrics lines say what the beats said, with the loop's numbers: ftrain report's steps and curves
+    from ftrain.observability.run_report import build, collect
+
+    written = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert [m["step"] for m in written] == [1, 2, 3, 4], written  # a refused call writes nothing
+    for m in written[1:]:
+        assert m["phases_s"] == pytest.approx(by_step[m["step"]].phases_s) and m["world_size"] == 1
+    report = build(*collect(tmp_path / "run")[:2])
+    assert [s["tokens_per_s"] for s in report["steps"]] == [100.0, 200.0, 300.0, 400.0]
+    assert all(s["loss"] > 0 for s in report["steps"]) and report["accounting"]["source"] == "metrics"
 
 
 def test_a_loop_whose_ranks_hold_different_plain_parameters_says_so_and_they_are_never_offered_as_replicas(tmp_path):
