@@ -47,7 +47,7 @@ class NoSession:
     def load(self, _state: Any) -> int:
         return 0
 
-    def step(self, _step: int, _state: Any) -> bool:
+    def step(self, _step: int, _state: Any, metrics: Any = None) -> bool:
         return False
 
     def finish(self, _step: int, _state: Any) -> None:

@@ -57,10 +57,10 @@ class ProbeSession(ftrain.Session):
         self._since = 0.0  # the first step after a load has no interval
         return super().load(state, step=step)
 
-    def step(self, step: int, state: Mapping[str, Any]) -> bool:
+    def step(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> bool:
         now = time.monotonic()
         self._mark("step", step=step, step_time_s=round(now - self._since, 6) if self._since else None)
-        saved = super().step(step, state)
+        saved = super().step(step, state, metrics)
         if self._step_sleep_s > 0:
             time.sleep(self._step_sleep_s)
         self._since = time.monotonic()
