@@ -33,7 +33,10 @@ def test_a_collective_the_peer_never_joined_is_in_flight_and_completed_ones_are_
         # one already done may still count as in flight for a moment; never a later one
         assert (first["op"], first["done"]) == ("", False) and 1 <= first["seq"] <= seq, (name, held)
         assert first["group"] in ("", group), (name, held)  # named once the buffer showed the group
-        assert first["enqueued_s"] >= held["enqueued_after_s"], (name, held)  # a sighting is never earlier
         assert (exact["group"], exact["seq"], exact["op"], exact["sizes"]) == (group, seq, "gloo:all_reduce", [[4]])
-        assert held["enqueued_after_s"] <= exact["enqueued_s"] <= first["enqueued_s"], (name, held)
+        assert held["enqueued_after_s"] <= exact["enqueued_s"], (name, held)
+        if first["seq"] == seq:  # a sighting of the held one itself: never earlier than it, nor than the truth
+            assert held["enqueued_after_s"] <= exact["enqueued_s"] <= first["enqueued_s"], (name, held)
+        # (a sighting of one before it was made when the trailing counters first showed that one, which
+        # may be before the held one was enqueued: seen once under load, seq 2001 sighted 1.5 ms before)
         assert held["recorder_off"] is None and held["settled"] is True, (name, held)
