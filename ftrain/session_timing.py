@@ -120,6 +120,8 @@ class StepLines:
         self, step: int, timing: Mapping[str, Any], values: Mapping[str, Any] | None, *, round_: int, world_size: int
     ) -> None:
         writing = self._writer is not None and self._rank == 0
+        if not writing and not values:  # nothing to write or check: the step pays nothing
+            return
         line = {"step": step, "time": time.time(), "round": round_, "world_size": world_size, **timing}
         for key, value in (values or {}).items():  # checked on every rank: a mistake fails alike everywhere
             line[_metric_key(key, line)] = _metric_value(key, value, read=writing)

@@ -145,8 +145,8 @@ def heals(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[d
             asked[who] = _num(e.get("time"))
         elif kind in _REFUSALS:
             refused[round_] = refused.get(round_, 0) + 1
-        elif kind == Event.LIVE_ROUND_LEFT and _int(e.get("step")) is not None:
-            kept.append((_num(e.get("time")), _int(e.get("step")) or 0))
+        elif kind == Event.LIVE_ROUND_LEFT and (step := _int(e.get("step"))) is not None:
+            kept.append((_num(e.get("time")), step))
         elif kind in _RESTORES and (got := _restore(e, asked.get(who))) is not None:
             heal = newest.get(round_)
             if heal is None or heal["ranks"].get(rank, got)["pid"] != got["pid"]:
