@@ -317,11 +317,18 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
 
     A stopped worker (SIGSTOP, state T) is continued first: it cannot run its handler otherwise,
     and its stack is what shows where it was when it stopped. Returns pid -> text (or why none).
+
+    A dump is read once the kernel says the handler ran to its end: SIGUSR1 is neither pending
+    nor blocked by a thread that did not block it before (``faulthandler`` runs without
+    ``SA_NODEFER``, so the thread in the handler blocks the signal until it returns, and it
+    writes unbuffered). A file that stopped growing for a while is no proof: a process continued
+    under load may pause mid-dump for longer than any quiet period one could pick.
     """
     pids = list(pids)
     states = {pid: process_state(pid) for pid in pids}
     files = {pid: os.path.join(stack_dir, f"{pid}.txt") for pid in pids}
     sizes = {pid: _size(files[pid]) for pid in pids}
+    blocking_before = {pid: _usr1_blocking_threads(pid) for pid in pids}
     for pid in pids:
         if states[pid] == "T":
             signal_pids([pid], signal.SIGCONT)
@@ -330,34 +337,55 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
     pending = set(pids)
     while pending and time.monotonic() < deadline:
         for pid in list(pending):
-            if _size(files[pid]) > sizes[pid]:
+            if _size(files[pid]) > sizes[pid] and not _usr1_in_flight(pid, blocking_before[pid]):
                 pending.discard(pid)
-        time.sleep(0.05)
-    _wait_until_written({pid: files[pid] for pid in pids if pid not in pending}, deadline=time.monotonic() + timeout_s)
+        time.sleep(0.02)
     stacks = {}
     for pid in pids:
         prefix = f"(process state {states[pid]}: was stopped, continued to dump)\n" if states[pid] == "T" else ""
-        if pid in pending:
+        if _size(files[pid]) <= sizes[pid]:
             stacks[pid] = prefix + "(no stack: the process did not answer SIGUSR1)"
             continue
         with open(files[pid], errors="replace") as fh:
             fh.seek(sizes[pid])
-            stacks[pid] = prefix + fh.read()
+            text = fh.read()
+        stacks[pid] = prefix + text + (f"(cut: still dumping after {timeout_s:.0f} s)\n" if pid in pending else "")
     return stacks
 
 
-def _wait_until_written(files: dict[int, str], *, deadline: float, settled_s: float = 0.3) -> None:
-    """Until no file in ``files`` has grown for ``settled_s`` (a handler writes a dump in many
-    small writes, slower still in a process just continued under load), or the deadline."""
-    last: dict[int, int] = {}
-    settled_since = time.monotonic()
-    while time.monotonic() < deadline:
-        sizes = {pid: _size(path) for pid, path in files.items()}
-        if sizes != last:
-            last, settled_since = sizes, time.monotonic()
-        elif time.monotonic() - settled_since >= settled_s:
-            return
-        time.sleep(0.05)
+_USR1_BIT = 1 << (signal.SIGUSR1 - 1)
+
+
+def _proc_masks(pid: int) -> dict[str, dict[str, int]] | None:
+    """Each thread's signal masks from /proc (tid -> {"SigPnd", "ShdPnd", "SigBlk"}), None if gone."""
+    masks = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+            masks[tid] = {k: int(fields[k].strip(), 16) for k in ("SigPnd", "ShdPnd", "SigBlk")}
+        except (OSError, KeyError, ValueError):
+            continue  # a thread that ended meanwhile
+    return masks
+
+
+def _usr1_blocking_threads(pid: int) -> set[str]:
+    return {tid for tid, m in (_proc_masks(pid) or {}).items() if m["SigBlk"] & _USR1_BIT}
+
+
+def _usr1_in_flight(pid: int, blocking_before: set[str]) -> bool:
+    """SIGUSR1 still pending for ``pid``, or a thread in its handler (blocking it now, not before)."""
+    masks = _proc_masks(pid)
+    if masks is None:
+        return False  # gone: nothing more will be written
+    return any(
+        (m["SigPnd"] | m["ShdPnd"]) & _USR1_BIT or (m["SigBlk"] & _USR1_BIT and tid not in blocking_before)
+        for tid, m in masks.items()
+    )
 
 
 def _size(path: str) -> int:
