@@ -35,6 +35,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/hf_trainer/out", help="the Trainer's (logs only)")
     p.add_argument("--final-weights", default="", help="write the model's state here at the end (rank 0)")
+    p.add_argument("--metrics", default="", help="rank 0's metrics lines (one per step, with its loss): ftrain report")
     return p.parse_args(argv)
 
 
@@ -101,7 +102,7 @@ def train(session: ftrain.Session, args: argparse.Namespace, callbacks: Sequence
 
 def main(argv: list[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> None:
     args = parse(argv)
-    session = ftrain.Session(args.ckpt, interval_steps=args.save_every)  # ftrain
+    session = ftrain.Session(args.ckpt, interval_steps=args.save_every, metrics_path=args.metrics)  # ftrain
     session.run(lambda s: train(s, args, callbacks))  # ftrain: each round of this process (one under torchrun)
 
 

@@ -32,6 +32,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", default="ddp", help="Fabric's strategy (ddp; auto on one process)")
     p.add_argument("--final-weights", default="", help="write the model's state_dict here at the end (rank 0)")
+    p.add_argument("--metrics", default="", help="rank 0's metrics lines, with the loss (what `ftrain report` reads)")
     return p.parse_args(argv)
 
 
@@ -73,7 +74,8 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
         optimizer.step()
         sched.step()
         optimizer.zero_grad()
-        session.step(step + 1, state)  # ftrain: heartbeat, a save every --save-every steps, a new round
+        # ftrain: heartbeat, a metrics line, a save every --save-every steps, a new round
+        session.step(step + 1, state, metrics={"loss": loss.detach()})
         if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
             print(f"step {step + 1} loss {loss.item():.4f}", flush=True)
     session.finish(args.steps, state)  # ftrain: the last step saved and committed
@@ -85,7 +87,7 @@ def train(session: ftrain.Session, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    session = ftrain.Session(args.ckpt, interval_steps=args.save_every)  # ftrain
+    session = ftrain.Session(args.ckpt, interval_steps=args.save_every, metrics_path=args.metrics)  # ftrain
     session.run(lambda s: train(s, args))  # ftrain: each round of this process (one under torchrun)
 
 

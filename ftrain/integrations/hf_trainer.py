@@ -38,6 +38,10 @@ a log history of every step stays loadable far past the 16 MiB that the manifest
 in a new process at the same global batch size. Not saved: RNG states
 (dropout draws other masks after a resume; a model that draws none resumes bitwise).
 
+**Metrics.** With ``Session(metrics_path=...)`` each step's line carries its ``loss``: rank 0's,
+summed over the step's micro-batches as the Trainer scales them (the Trainer's own logged loss is
+that, averaged over its logging steps and the ranks): ``ftrain report``'s loss curve.
+
 **Invariants.** ``session.step`` runs once per optimizer update with ``global_step``; a manifest's
 step is the ``global_step`` its ``TrainerState`` holds; the Trainer writes no checkpoints of its
 own. Refused, each with a message that says the fix: ``save_strategy`` other than ``"no"``,
@@ -97,6 +101,7 @@ class FtrainTrainer(Trainer):
         self.ftrain_resumed_step = 0
         self.ftrain_state: dict[str, Any] = {}
         self._ftrain_resume_dir = ""
+        self._ftrain_step_loss: Any = None
         self.add_callback(_SessionCallback(self))
 
     def train(  # type: ignore[override]
@@ -141,6 +146,19 @@ class FtrainTrainer(Trainer):
         finally:
             shutil.rmtree(self._ftrain_resume_dir, ignore_errors=True)
             self._ftrain_resume_dir = ""
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's micro-batch step; its loss (scaled for gradient accumulation, as the Trainer
+        scales it) adds up to the optimizer step's loss, this rank's, which the session's metrics
+        line carries as ``loss`` (``Session(metrics_path=...)``; no device sync on other ranks)."""
+        loss = super().training_step(*args, **kwargs)
+        self._ftrain_step_loss = loss if self._ftrain_step_loss is None else self._ftrain_step_loss + loss
+        return loss
+
+    def ftrain_take_step_loss(self) -> Any:
+        """The loss summed since the last optimizer step (None before any), and a fresh sum."""
+        loss, self._ftrain_step_loss = self._ftrain_step_loss, None
+        return loss
 
     # The Trainer's resume path looks for these files in the directory train() gave it; ftrain's
     # directory holds only trainer_state.json (the rest was loaded from ftrain's checkpoint).
@@ -251,7 +269,9 @@ class _SessionCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.ftrain_session.step(state.global_step, self.trainer.ftrain_state)
+        loss = self.trainer.ftrain_take_step_loss()
+        metrics = None if loss is None else {"loss": loss}
+        self.trainer.ftrain_session.step(state.global_step, self.trainer.ftrain_state, metrics=metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.ftrain_session.finish(state.global_step, self.trainer.ftrain_state)

@@ -1,11 +1,12 @@
 """examples/hf_trainer/train.py, a Hugging Face ``Trainer`` with ftrain's checkpoints through
 ``ftrain.integrations.hf_trainer``, run as a user runs it (``torchrun --standalone``, 2 processes,
-DDP on gloo; and plain ``python``). A run SIGKILLed after a commit and started again resumes after
+DDP on gloo; and plain ``python``, its loss in ftrain's metrics lines). A run SIGKILLed after a commit and started again resumes after
 the newest committed step with the optimizer and scheduler state the straight run had there, and
 ends bitwise equal to it; a Trainer set up to write its own checkpoints is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -172,9 +173,15 @@ def test_under_live_agents_a_drained_node_leaves_and_the_trainer_goes_on_alone_i
 
 def test_plain_python_runs_the_example_as_one_process_with_its_checkpoints_on_s3(tmp_path, seaweed, s3_prefix):
     cmd = [sys.executable, str(EXAMPLE), "--steps", "10", "--save-every", "5", "--samples", "64"]
-    out = run([*cmd, "--ckpt", seaweed.url(s3_prefix)], timeout_s=120, cwd=tmp_path, env=worker_env(**seaweed.env()))
+    cmd += ["--ckpt", seaweed.url(s3_prefix), "--metrics", "metrics.jsonl"]
+    out = run(cmd, timeout_s=120, cwd=tmp_path, env=worker_env(**seaweed.env()))
     assert out.returncode == 0, out.stdout[-4000:]
     assert "trained steps 1..10 on 1 process(es)" in out.stdout, out.stdout
+    # a metrics line per step with its loss: the Trainer's own log (every 10 steps) is their mean
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 11)) and {line["world_size"] for line in lines} == {1}
+    logged = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", out.stdout)]
+    assert len(logged) == 1 and abs(sum(line["loss"] for line in lines) / 10 - logged[0]) < 1e-3, (logged, lines)
     storage = Storage(seaweed.url(s3_prefix), seaweed.storage_options())
     assert [s for s in (5, 10) if storage.exists(f"step-{s:09d}/manifest.json")] == [5, 10]
 

@@ -57,9 +57,9 @@ def _weights(where: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> tuple[Path, str]:
-    """The example on 2 processes, 200 steps, a save every 40: its directory and output."""
+    """The example on 2 processes, 200 steps, a save every 40, its metrics lines: its directory and output."""
     where = tmp_path_factory.mktemp("straight")
-    return where, _torchrun(where, 2, *ARGS, "--final-weights", "final.pt")
+    return where, _torchrun(where, 2, *ARGS, "--final-weights", "final.pt", "--metrics", "metrics.jsonl")
 
 
 def test_the_example_resumes_bitwise_at_another_world_size_and_refuses_what_cannot_work(tmp_path, straight):
@@ -68,6 +68,9 @@ def test_the_example_resumes_bitwise_at_another_world_size_and_refuses_what_cann
     assert _committed(where) == [120, 160, 200]  # keep_last=3
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out)]
     assert losses[-1] < losses[0] / 2, losses  # it learns
+    lines = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 201)), lines[:3]
+    assert [round(line["loss"], 4) for line in lines[9::10]] == losses  # rank 0's loss, as the loop printed it
     manifest = json.loads((where / "runs/lightning/ckpt/step-000000200/manifest.json").read_text())
     assert manifest["layout"]["writer"] == "session"
 
