@@ -1,8 +1,9 @@
 """examples/hf_trainer/train.py, a Hugging Face ``Trainer`` with ftrain's checkpoints through
 ``ftrain.integrations.hf_trainer``, run as a user runs it (``torchrun --standalone``, 2 processes,
-DDP on gloo; and plain ``python``, its loss in ftrain's metrics lines). A run SIGKILLed after a commit and started again resumes after
-the newest committed step with the optimizer and scheduler state the straight run had there, and
-ends bitwise equal to it; a Trainer set up to write its own checkpoints is refused."""
+DDP on gloo; and plain ``python``, its loss in ftrain's metrics lines). A run SIGKILLed after a
+commit and started again resumes after the newest committed step with the optimizer and scheduler
+state the straight run had there, and ends bitwise equal to it; a Trainer set up to write its own
+checkpoints is refused."""
 
 from __future__ import annotations
 
