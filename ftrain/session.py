@@ -86,7 +86,7 @@ from ftrain.session_state import (
     warn_if_large,
 )
 from ftrain.session_tier import SessionTier
-from ftrain.session_timing import StepLines, StepTiming
+from ftrain.session_timing import RankTimes, StepLines, StepTiming, boundary_values, read_boundary
 
 log = logging.getLogger(__name__)
 
@@ -420,10 +420,10 @@ class Session:
         the save in the background (a failure is logged; training goes on), a metrics line (with
         ``metrics``, the loop's numbers) and a save when ``interval_steps`` says so; True when a save started."""
         manager = self._need_started("step")
+        numbers = self._lines.numbers(metrics)  # a mistake is refused before the step does anything
         self._step = step
         status = manager.poll()
         timing = self._timing.step_done()  # the heartbeat's step_time_s and phases_s
-        self._lines.write(step, timing, metrics, round_=self.round, world_size=self.world_size)
         parts = StateParts.of(state, spread=self._spread)
         self._timing.watch(parts.module, parts.optimizers)  # from the next step on: its wait for peers
         if self._replicas.due(step):  # before the step is kept anywhere (a save, the tier, a boundary)
@@ -436,8 +436,10 @@ class Session:
             self._state_checked = True
         if self._round is not None:
             self._round.boundary(step, parts)
-        if self._serving:
-            self._agree(step, state)
+        newer, stop, ranks = self._agreement(timing) if self._serving else (False, False, None)
+        self._lines.write(step, timing, numbers, round_=self.round, world_size=self.world_size, ranks=ranks)
+        if newer or stop:
+            self._leave(step, state, stop)
         checkpointed = bool(self.interval_steps) and step % self.interval_steps == 0  # the same on every rank
         with self._timing.phase("ckpt_staging"):
             saved = self.save(step, state) if checkpointed else False
@@ -445,17 +447,19 @@ class Session:
                 self._tier.snapshot(self._round, step, checkpointed=checkpointed)
         return saved
 
-    def _agree(self, step: int, state: Mapping[str, Any]) -> None:
-        """Under :meth:`run`, at each step boundary (one all-reduce of two flags): every rank
-        leaves at this step when any rank's agent assigned a newer round (RoundChanged), or stops
-        when any rank was asked to (SIGTERM: its node drains): the step is saved and committed
-        first; the drained ranks end (``Drained``), those of other nodes keep their state for the
-        round formed without the drained node."""
+    def _agreement(self, timing: Mapping[str, Any]) -> tuple[bool, bool, RankTimes]:
+        """Under :meth:`run`, at each step boundary, one all-reduce: a newer round assigned to any
+        rank, a stop asked of any (SIGTERM: its node drains), every rank's step times."""
         newer = self._round is not None and self._round.newer()
-        flags = torch.tensor([float(newer), float(self._stop_requested)], device=self._device())
+        values = boundary_values((newer, self._stop_requested), timing, self.rank, self.world_size)
+        values = values.to(self._device())
         with self._timing.phase("comm_wait"):  # the ranks ahead wait here for the slowest (a straggler's signal)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        newer, stop = (bool(f) for f in flags.tolist())
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return read_boundary(values.tolist(), self.world_size)
+
+    def _leave(self, step: int, state: Mapping[str, Any], stop: bool) -> None:
+        """Every rank stops when any was asked to: the step committed, drained ranks end (``Drained``),
+        others keep their state for the next round. Or every rank leaves for the newer round."""
         if stop:
             if self._tier is not None:  # this step in the peers' memory too: the ranks that stay heal from it
                 self._tier.snapshot_before_leaving(self._round, step)
@@ -463,8 +467,7 @@ class Session:
             if self._stop_requested or self._round is None:
                 raise Drained(f"stopped after step {step}: asked to (SIGTERM)")
             raise RoundChanged(f"another node drains: leaving round {self.round} after step {step}")
-        if newer:
-            raise RoundChanged(f"a newer round was assigned: leaving round {self.round} after step {step}")
+        raise RoundChanged(f"a newer round was assigned: leaving round {self.round} after step {step}")
 
     def _device(self) -> torch.device:
         """Where this rank's collectives run (the process group's device)."""

@@ -96,14 +96,41 @@ class StepTiming:
         self._last_at, self._spent, self._last_grad_at = None, dict.fromkeys(TIMED, 0.0), None
 
 
+#: every rank's busy and waiting seconds of a step, in rank order (None: not gathered)
+RankTimes = tuple[list[float], list[float]] | None
+
+
+def rank_times(timing: Mapping[str, Any]) -> tuple[float, float]:
+    """A step's busy seconds (all but ``comm_wait``) and seconds waiting on peers, from
+    :meth:`StepTiming.step_done`'s ``step_time_s`` and ``phases_s``."""
+    waited = max(0.0, float(timing["phases_s"].get("comm_wait", 0.0)))
+    return max(0.0, float(timing["step_time_s"]) - waited), waited
+
+
+def boundary_values(flags: tuple[bool, bool], timing: Mapping[str, Any], rank: int, world: int) -> torch.Tensor:
+    """What a rank brings to :meth:`ftrain.Session.run`'s step boundary (an all-reduce, MAX): two
+    flags, then its busy and waiting seconds in its own slots of every rank's (the others' zero)."""
+    values = torch.zeros(2 + 2 * world, dtype=torch.float64)
+    values[0], values[1] = (float(flag) for flag in flags)
+    values[2 + rank], values[2 + world + rank] = rank_times(timing)
+    return values
+
+
+def read_boundary(values: list[float], world: int) -> tuple[bool, bool, RankTimes]:
+    """The reduced :func:`boundary_values`: the two flags of any rank, every rank's times."""
+    return bool(values[0]), bool(values[1]), (values[2 : 2 + world], values[2 + world :])
+
+
 class StepLines:
     """Rank 0's metrics lines (``Session(metrics_path=...)``), one per :meth:`ftrain.Session.step`,
     in ``ftrain train``'s form where the session knows the value: ``step``, ``time`` (the step's
     end), ``round``, ``world_size``, ``step_time_s`` and ``phases_s`` (rank 0's, as its heartbeat
     says them), and the loop's own numbers (``step(..., metrics={"loss": ...})``; ``loss``,
-    ``grad_norm`` and ``tokens_per_s`` are ``ftrain report``'s curves). Each line is flushed: a
-    killed process keeps every step it finished. Under live recovery the process that is rank 0
-    in a round writes that round's lines."""
+    ``grad_norm`` and ``tokens_per_s`` are ``ftrain report``'s curves). Under :meth:`Session.run`
+    the step boundary's agreement brings every rank's busy and waiting seconds too
+    (``rank_busy_s``, ``rank_comm_wait_s``: the report's heatmap). Each line is flushed: a killed
+    process keeps every step it finished. Under live recovery the process that is rank 0 in a
+    round writes that round's lines."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -116,17 +143,32 @@ class StepLines:
         if self.path and rank == 0 and self._writer is None:
             self._writer = MetricsWriter(self.path)
 
+    def numbers(self, values: Mapping[str, Any] | None) -> dict[str, float]:
+        """The loop's numbers for this step's line, checked on every rank (a mistake fails alike
+        everywhere, before the step does anything) and read on the writing rank only (a
+        tensor's ``.item()`` is a device sync)."""
+        writing = self._writing()
+        return {_metric_key(key): _metric_value(key, value, read=writing) for key, value in (values or {}).items()}
+
     def write(
-        self, step: int, timing: Mapping[str, Any], values: Mapping[str, Any] | None, *, round_: int, world_size: int
+        self,
+        step: int,
+        timing: Mapping[str, Any],
+        numbers: Mapping[str, float],
+        *,
+        round_: int,
+        world_size: int,
+        ranks: RankTimes = None,
     ) -> None:
-        writing = self._writer is not None and self._rank == 0
-        if not writing and not values:  # nothing to write or check: the step pays nothing
+        if self._writer is None or not self._writing():
             return
         line = {"step": step, "time": time.time(), "round": round_, "world_size": world_size, **timing}
-        for key, value in (values or {}).items():  # checked on every rank: a mistake fails alike everywhere
-            line[_metric_key(key, line)] = _metric_value(key, value, read=writing)
-        if self._writer is not None and writing:
-            self._writer.write(line)
+        if ranks is not None and timing["step_time_s"] > 0:  # a round's first step is its warm-up: no times
+            line["rank_busy_s"], line["rank_comm_wait_s"] = ([round(v, 6) for v in times] for times in ranks)
+        self._writer.write({**line, **numbers})
+
+    def _writing(self) -> bool:
+        return self._writer is not None and self._rank == 0
 
     def close(self) -> None:
         if self._writer is not None:
@@ -134,10 +176,14 @@ class StepLines:
             self._writer = None
 
 
-def _metric_key(key: object, line: Mapping[str, Any]) -> str:
-    if not isinstance(key, str) or not key or key in line:
+#: what a session's metrics line holds before the loop's numbers
+LINE_KEYS = ("step", "time", "round", "world_size", "step_time_s", "phases_s", "rank_busy_s", "rank_comm_wait_s")
+
+
+def _metric_key(key: object) -> str:
+    if not isinstance(key, str) or not key or key in LINE_KEYS:
         raise SessionError(
-            f"Session.step(metrics=...): key {key!r} is not a new name (the line has {sorted(line)}): "
+            f"Session.step(metrics=...): key {key!r} is not a new name (the line has {list(LINE_KEYS)}): "
             "give the loop's numbers their own names, such as 'loss'"
         )
     return key

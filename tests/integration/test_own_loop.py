@@ -147,6 +147,10 @@ def test_under_two_live_agents_the_survivor_keeps_its_process_through_a_worker_k
         # rank 0's lines: each step once at least, but the one a killed rank 0 did not get to write
         assert len(set(range(1, 61)) - {s["step"] for s in report["steps"]}) <= 2, report["steps"]
         assert all(s["loss"] is not None and s["loss"] > 0 for s in report["steps"]), report["steps"]
+        # the step boundary's agreement brought every rank's times: the heatmap has a row per rank
+        timed = [s for s in report["steps"] if s["rank_busy_s"]]
+        assert len(timed) >= 50 and all(len(s["rank_busy_s"]) == s["world_size"] for s in timed), report["steps"]
+        assert all(sum(s["rank_busy_s"][r] for s in timed) > 0 for r in (0, 1)), timed  # each rank's row
         assert len(report["heals"]) >= 2 and report["heals"][0]["round"] == 2, report["heals"]
         assert all(set(h["sources"]) <= {"live_peer", "memory"} for h in report["heals"]), report["heals"]
         assert all(h["steps_redone"] == 0 and h["seconds"] > 0 for h in report["heals"]), report["heals"]

@@ -336,6 +336,19 @@ def test_each_step_beat_says_its_interval_the_part_spent_staging_and_the_wait_fo
     report = build(*collect(tmp_path / "run")[:2])
     assert [s["tokens_per_s"] for s in report["steps"]] == [100.0, 200.0, 300.0, 400.0]
     assert all(s["loss"] > 0 for s in report["steps"]) and report["accounting"]["source"] == "metrics"
+    assert all("rank_busy_s" not in m for m in written)  # no step boundary's agreement without run()
+
+
+def test_the_step_boundary_carries_every_ranks_times_in_its_own_slots():
+    """Under run() each rank brings its flags and its step's busy and waiting seconds to one MAX
+    all-reduce; what comes back holds any rank's flags and every rank's times in rank order."""
+    from ftrain.session_timing import boundary_values, read_boundary
+
+    timings = [{"step_time_s": 1.0 + r, "phases_s": {"other": 0.5, "comm_wait": 0.5 + r / 10}} for r in range(3)]
+    brought = [boundary_values((r == 2, False), t, r, 3) for r, t in enumerate(timings)]
+    newer, stop, (busy, waits) = read_boundary(torch.stack(brought).max(dim=0).values.tolist(), 3)
+    assert (newer, stop) == (True, False)
+    assert busy == pytest.approx([0.5, 1.4, 2.3]) and waits == pytest.approx([0.5, 0.6, 0.7])
 
 
 def test_a_loop_whose_ranks_hold_different_plain_parameters_says_so_and_they_are_never_offered_as_replicas(tmp_path):
