@@ -98,7 +98,7 @@ from ftrain.agents.supervision import (
 )
 from ftrain.agents.workers import Launch, Launcher, Workers
 from ftrain.contract import events as ev
-from ftrain.contract import exits
+from ftrain.contract import exits, flight
 from ftrain.contract.worker_env import WorkerEnv, worker_environment
 
 log = logging.getLogger(__name__)
@@ -558,8 +558,17 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         return worker_environment(
             os.environ,
             self.opts.worker_env,
-            {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **interface},
+            {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **interface, **self._flight_env()},
         )
+
+    def _flight_env(self) -> dict[str, str]:
+        """A script's workers keep torch's flight recorder as ``ftrain train``'s do (which sets it
+        from ``logging.flight_recorder_entries`` itself): the hang verdicts' evidence and
+        ``ftrain analyze``'s. A size in the agent's environment (or the job's worker_env) wins."""
+        given = any(os.environ.get(name) or self.opts.worker_env.get(name) for name in flight.BUFFER_ENV)
+        if not self.opts.script or given:
+            return {}
+        return {flight.BUFFER_ENV[0]: str(flight.DEFAULT_ENTRIES)}
 
     def _record_start(self, round_: int) -> None:
         try:

@@ -33,6 +33,10 @@ from typing import Any
 from ftrain.contract.bounded_json import VALUE_ERRORS, is_finite_number, loads, short
 
 MAX_ENTRIES = 4096  #: the most collectives a record may hold
+BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  #: torch reads the first one set
+#: collectives each rank keeps by default: ``logging.flight_recorder_entries``, and what the agent
+#: gives a script's workers (``ftrain agent --script``) unless its environment sets a size
+DEFAULT_ENTRIES = 2000
 MAX_GROUPS = 1024
 MAX_GROUP_SIZE = 1 << 20
 MAX_TENSORS = 64  #: inputs per collective kept

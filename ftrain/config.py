@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.checkpoint.config import CheckpointConfig
-from ftrain.contract import worker_env
+from ftrain.contract import flight, worker_env
 from ftrain.contract.config import (
     ConfigError,
     at_least,
@@ -458,7 +458,7 @@ class LoggingConfig:
         "appended by every rank (empty: off).",
     )
     flight_recorder_entries: int = opt(
-        2000,
+        flight.DEFAULT_ENTRIES,
         "Collectives each rank keeps in torch's flight recorder (gloo and NCCL), which the agents collect on "
         "a hang and `ftrain analyze` reads to name the culprit (0: off; TORCH_FR_BUFFER_SIZE, if set, wins).",
     )

@@ -46,13 +46,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ftrain.agent_link import flight_gate
-from ftrain.contract.flight import STATES, Collective, FlightRecord, record_path, socket_name
+from ftrain.contract.flight import BUFFER_ENV, STATES, Collective, FlightRecord, record_path, socket_name
 from ftrain.contract.local_files import create_new, private_dir
 from ftrain.contract.worker_env import STACK_DIR, WorkerEnv
 
 log = logging.getLogger(__name__)
 
-BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  #: torch reads the first one set
 #: torch's dumps of its flight recorder buffers -> the prefix of their groups' ids here
 DUMPS = {"_dump_nccl_trace_json": "nccl", "_dump_fr_trace_json": "fr"}
 EXACT_AFTER_S = 1.0  #: a collective in flight this long is looked up in the buffer (see oldest_in_flight)

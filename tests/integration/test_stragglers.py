@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ import pytest
 
 from ftrain.agents.etcd import EtcdClient
 from ftrain.agents.status import format_status, job_status
-from ftrain.testbed.procs import REPO, kill_tree
+from ftrain.testbed.procs import REPO, kill_tree, quiet_env
 from tests.agent_support import AgentJob, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -84,15 +86,18 @@ def test_a_slowed_worker_is_flagged_by_the_leader_and_warn_lets_the_job_ride_it_
     ), episodes
 
 
-def test_a_slowed_worker_of_a_users_loop_is_flagged_too(tmp_path, etcd):
+def test_a_slowed_worker_of_a_users_loop_is_flagged_too_and_once_frozen_named_by_the_flight_records(tmp_path, etcd):
     """The same slowdown in a user's own loop (examples/own_loop under DDP, two ``--recovery
     live`` agents): the session's beats split each step into the wait for peers (backward's last
     gradient to the optimizer's update, the boundary's agreement) and the rest, so the leader
-    sees which rank the others wait for."""
+    sees which rank the others wait for. Then that worker is frozen (SIGSTOP): the agents give a
+    script's workers torch's flight recorder as ``ftrain train``'s, so the hang's verdict (and
+    ``ftrain analyze``) names the frozen rank and the collective its peer waits in."""
+    from ftrain.agents.flight_verdict import CULPRIT, from_events
     from tests.script_agents import events, served_by, start_agent
 
     example = REPO / "examples" / "own_loop" / "train.py"
-    options = ("--recovery", "live", "--straggler-after-s", "2")
+    options = ("--recovery", "live", "--straggler-after-s", "2", "--hang-timeout-s", "10")
     script_args = ("--parallel", "ddp", "--steps", "100000", "--save-every", "0")
     agents = {n: start_agent(tmp_path, etcd.endpoint, n, example, *options, script_args=script_args) for n in "ab"}
     stop = threading.Event()
@@ -106,6 +111,20 @@ def test_a_slowed_worker_of_a_users_loop_is_flagged_too(tmp_path, etcd):
             return next((e for e in events(tmp_path) if e["event"] == "straggler_detected"), None)
 
         detected = wait_for(flagged, 90, "a straggler_detected event")
+        stop.set()
+        slowed.join(timeout=5)
+        os.kill(worker, signal.SIGSTOP)
+
+        def hang_seen_by() -> set[str]:
+            return {e["node"] for e in events(tmp_path) if e["event"] == "hang" and e["worker_round"] == 1}
+
+        wait_for(lambda: hang_seen_by() == {"a", "b"}, 90, "the frozen worker's hang, as each node saw it")
+        [evidence] = [r for r in from_events(events(tmp_path)) if r.round == 1]
+        verdict = evidence.verdict()
+        analyzed = subprocess.run(
+            [sys.executable, "-m", "ftrain", "analyze", str(tmp_path / "events.jsonl")],
+            env=quiet_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
     finally:
         stop.set()
         if slowed is not None:
@@ -114,3 +133,8 @@ def test_a_slowed_worker_of_a_users_loop_is_flagged_too(tmp_path, etcd):
             kill_tree(agent)
     assert detected["node"] == "b" and detected["policy"] == "warn" and detected["slow_for_s"] >= 2.0, detected
     assert detected["busy_s"] > 1.25 * detected["others_s"] > 0, detected
+    assert verdict.kind == CULPRIT and verdict.ranks == [detected["busy_rank"]], verdict
+    [waiter] = verdict.waiting  # its record says where it waits: a collective, by number and op
+    [waited] = [e for e in evidence.records[waiter].entries if e.group == verdict.group and not e.done]
+    assert f"collective #{verdict.seq} {waited.op} " in verdict.line and "frozen" in verdict.line, verdict.line
+    assert analyzed.returncode == 0 and f"round 1: {verdict.line}" in analyzed.stdout, analyzed
