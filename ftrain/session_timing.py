@@ -160,12 +160,13 @@ class StepLines:
         world_size: int,
         ranks: RankTimes = None,
     ) -> None:
-        if self._writer is None or not self._writing():
+        writer = self._writer
+        if writer is None or self._rank != 0:
             return
         line = {"step": step, "time": time.time(), "round": round_, "world_size": world_size, **timing}
         if ranks is not None and timing["step_time_s"] > 0:  # a round's first step is its warm-up: no times
             line["rank_busy_s"], line["rank_comm_wait_s"] = ([round(v, 6) for v in times] for times in ranks)
-        self._writer.write({**line, **numbers})
+        writer.write({**line, **numbers})
 
     def _writing(self) -> bool:
         return self._writer is not None and self._rank == 0
