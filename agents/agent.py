@@ -659,6 +659,8 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
             )
             self.pending_reports[workers.round] = report
             return
+        if self.hang_dumped_round >= workers.round:  # its hang, reported by another member, was dumped
+            return  # here already: not found again (a late second dump would catch workers leaving)
         call = self._judge(workers, beats, live=False)
         if call is not None:
             self._on_hang(workers, call, beats)

@@ -558,6 +558,29 @@ def test_a_hang_found_on_one_node_keeps_its_workers_until_every_other_node_took_
     assert job.state().current.reason == "hang"
 
 
+@pytest.mark.parametrize("gap_s", [0.1, 0.3, 0.4, 1.0])
+def test_a_hang_dumped_for_another_members_report_is_not_found_again_here(job: Job, gap_s: float) -> None:
+    """Restart recovery: b's worker goes silent, a's waits in a collective from ``gap_s`` later.
+    However close a's own timeout comes after b's report (0.3 and 0.4 s: between a's dump for b's
+    report and the next round), a dumps that round once: a second dump, once the round moved on,
+    caught workers on their way out (stacks without the training loop in them: stop 57's CI)."""
+    start_round_1(job, "a", "b", nnodes="2:2")
+    a, b = job.nodes["a"], job.nodes["b"]
+    t0 = job.clock.monotonic()
+    _rank_beat(b.workers, stepped_at=t0)
+    for _ in range(int(30 / TICK_S)):
+        now = job.clock.monotonic()
+        if now >= t0 + gap_s:
+            _rank_beat(a.workers, stepped_at=t0 + gap_s, in_flight_since=t0 + gap_s)
+        else:
+            _rank_beat(a.workers, stepped_at=now)
+        job.tick()
+        if job.running(2, "a", "b"):
+            break
+    assert job.running(2, "a", "b") and job.state().current.reason == "hang"
+    assert len(job.events("hang", node="a", worker_round=1)) == 1, job.events("hang", node="a")
+
+
 def test_followers_follow_the_member_keys_only_and_the_leader_every_nodes_status(job: Job) -> None:
     start_round_1(job, "a", "b", "c", nnodes="3:3")
     leader, followers = job.nodes["a"].agent, [job.nodes[n].agent for n in ("b", "c")]
