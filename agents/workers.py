@@ -318,6 +318,10 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
     A stopped worker (SIGSTOP, state T) is continued first: it cannot run its handler otherwise,
     and its stack is what shows where it was when it stopped. Returns pid -> text (or why none).
 
+    The signal goes to the main thread (``tgkill``), not to whichever thread the kernel picks:
+    ``faulthandler`` reads the threads' frames without the GIL, so a main thread running Python
+    meanwhile (a stopped worker just continued) shows a torn stack; one in the handler does not.
+
     A dump is read once the kernel says the handler ran to its end: SIGUSR1 is neither pending
     nor blocked by a thread that did not block it before (``faulthandler`` runs without
     ``SA_NODEFER``, so the thread in the handler blocks the signal until it returns, and it
@@ -329,10 +333,11 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
     files = {pid: os.path.join(stack_dir, f"{pid}.txt") for pid in pids}
     sizes = {pid: _size(files[pid]) for pid in pids}
     blocking_before = {pid: _usr1_blocking_threads(pid) for pid in pids}
+    for pid in pids:  # before a stopped one is continued: its main thread runs the handler first thing
+        _request_dump(pid, main_thread_blocks=str(pid) in blocking_before[pid])
     for pid in pids:
         if states[pid] == "T":
             signal_pids([pid], signal.SIGCONT)
-    signal_pids(pids, signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
     pending = set(pids)
     while pending and time.monotonic() < deadline:
@@ -354,6 +359,19 @@ def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) 
 
 
 _USR1_BIT = 1 << (signal.SIGUSR1 - 1)
+
+
+def _request_dump(pid: int, *, main_thread_blocks: bool) -> None:
+    """SIGUSR1 to ``pid``'s main thread (its tid is the pid), or to the process where the main
+    thread blocks the signal or libc has no ``tgkill``."""
+    if not main_thread_blocks:
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            if libc.tgkill(pid, pid, signal.SIGUSR1) == 0:
+                return
+        except (OSError, AttributeError):
+            pass
+    signal_pids([pid], signal.SIGUSR1)
 
 
 def _proc_masks(pid: int) -> dict[str, dict[str, int]] | None:

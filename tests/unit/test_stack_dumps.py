@@ -61,6 +61,9 @@ def test_a_dump_is_read_whole_from_a_running_and_a_stopped_worker_and_again_late
                 assert text.count("(most recent call first)") == 4, text
                 assert text.count("in deep") == 3 * 61 and "in bottom_of_main" in text, text
                 assert text.rstrip().endswith("in <module>"), text
+                # the handler ran on the main thread (sent to it): its own stack cannot be torn
+                current = text[text.index("Current thread") :]
+                assert "in bottom_of_main" in current and "in deep" not in current, text
                 assert "cut:" not in text and ("was stopped" in text) == (pid == stopped and dump == 0), text
     finally:
         _stop(procs)
