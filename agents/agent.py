@@ -558,17 +558,11 @@ class Agent(AgentMembership, AgentHangs, AgentStatus):
         return worker_environment(
             os.environ,
             self.opts.worker_env,
-            {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **interface, **self._flight_env()},
+            {**ours.to_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **interface, **self._recorder_env()},
         )
 
-    def _flight_env(self) -> dict[str, str]:
-        """A script's workers keep torch's flight recorder as ``ftrain train``'s do (which sets it
-        from ``logging.flight_recorder_entries`` itself): the hang verdicts' evidence and
-        ``ftrain analyze``'s. A size in the agent's environment (or the job's worker_env) wins."""
-        given = any(os.environ.get(name) or self.opts.worker_env.get(name) for name in flight.BUFFER_ENV)
-        if not self.opts.script or given:
-            return {}
-        return {flight.BUFFER_ENV[0]: str(flight.DEFAULT_ENTRIES)}
+    def _recorder_env(self) -> dict[str, str]:
+        return flight.script_recorder_env(os.environ, self.opts.worker_env) if self.opts.script else {}
 
     def _record_start(self, round_: int) -> None:
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,6 +59,15 @@ def socket_name(pid: int) -> bytes:
 def record_path(stack_dir: str, pid: int) -> str:
     """Where the worker of ``pid`` writes its answer."""
     return os.path.join(stack_dir, f"{pid}.flight.json")
+
+
+def script_recorder_env(*given: Mapping[str, str]) -> dict[str, str]:
+    """What the agent adds to a script's workers' environment: torch's flight recorder, as
+    ``ftrain train`` turns it on itself (the hang verdicts' evidence, ``ftrain analyze``'s),
+    unless an environment in ``given`` (the agent's, the job's worker_env) sets a size."""
+    if any(env.get(name) for env in given for name in BUFFER_ENV):
+        return {}
+    return {BUFFER_ENV[0]: str(DEFAULT_ENTRIES)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -247,3 +247,11 @@ def test_the_statuses_stalled_ranks_give_the_round_wide_view():
     together = [Stall(r, "waiting", T0, 12, "0", "gloo:all_reduce [1] Float") for r in (0, 1)]
     assert from_stalls(together, now=now).kind == STUCK
     assert from_stalls([], now=now).kind == NONE
+
+
+def test_a_scripts_workers_get_the_recorder_unless_an_environment_sets_a_size():
+    from ftrain.contract.flight import DEFAULT_ENTRIES, script_recorder_env
+
+    assert script_recorder_env({"PATH": "/bin"}, {}) == {"TORCH_FR_BUFFER_SIZE": str(DEFAULT_ENTRIES)}
+    assert script_recorder_env({}, {"TORCH_FR_BUFFER_SIZE": "0"}) == {}  # the user's 0: off
+    assert script_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, {}) == {}
