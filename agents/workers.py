@@ -315,8 +315,8 @@ class WorkerGroup:
 def dump_stacks(pids: Iterable[int], stack_dir: str, *, timeout_s: float = 3.0) -> dict[int, str]:
     """Every worker's Python stack, through the SIGUSR1 handler each worker registered.
 
-    A stopped worker (SIGSTOP, state T) is continued first: it cannot run its handler otherwise,
-    and its stack is what shows where it was when it stopped. Returns pid -> text (or why none).
+    A stopped worker (SIGSTOP, state T) is continued once asked: it cannot run its handler
+    otherwise, and its stack is what shows where it was when it stopped. Returns pid -> text (or why none).
 
     The signal goes to the main thread (``tgkill``), not to whichever thread the kernel picks:
     ``faulthandler`` reads the threads' frames without the GIL, so a main thread running Python
