@@ -22,12 +22,12 @@ WORKER = textwrap.dedent(
     out = os.fdopen(int(where), "w") if where.isdigit() else open(f"{where}/{os.getpid()}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=out, all_threads=True, chain=False)
     def deep(n):
-        return deep(n - 1) if n else time.sleep(3600)
+        return deep(n - 1) if n else threading.Event().wait()
     for _ in range(3):
         threading.Thread(target=deep, args=(60,), daemon=True).start()
     def bottom_of_main():
         print("ready", flush=True)
-        time.sleep(3600)
+        time.sleep(3600)  # in C, as a collective's wait is, until the test kills it
     bottom_of_main()
     """
 )
